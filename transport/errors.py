@@ -36,6 +36,10 @@ class PeerNotFoundError(TransportError):
         self.peer = peer
 
 
+class PeerWaitTimeout(PeerNotFoundError, TimeoutError):
+    """wait_for_peer() ran out of time before the peer (or the regions asked for) appeared."""
+
+
 class TransferTimeout(TransportError, TimeoutError):
     """A deadline passed.
 
@@ -78,6 +82,7 @@ __all__ = [
     "ClosedError",
     "PeerLostError",
     "PeerNotFoundError",
+    "PeerWaitTimeout",
     "RegionError",
     "SignatureError",
     "StoreError",

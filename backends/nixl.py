@@ -1,0 +1,257 @@
+"""The NIXL backend: one NIXL agent over UCX.
+
+How NIXL 1.5 is driven here, and why:
+
+* NIXL's own progress thread is off: it spins a whole core. The Transport's
+  engine thread makes progress instead (``get_notifs``).
+* The agent runs in ``NIXL_THREAD_SYNC_STRICT`` mode: the caller's thread posts
+  small transfers while the engine thread polls; one agent used from two
+  threads without it crashed or hung.
+* NIXL logs INFO to stdout and switches ``logging.raiseExceptions`` off for the
+  whole process on import; both are undone here (NIXL_LOG_LEVEL=WARN,
+  UCX_LOG_LEVEL=error unless the user set them).
+* NIXL reports failures as many exception types and as status codes; all of
+  them become errors of :mod:`transport.errors` in :func:`map_nixl_error`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from transport.backends.base import DONE, IN_PROGRESS, Backend, device_parts
+from transport.errors import BackendError, PeerLostError, RegionError, TransportError
+
+log = logging.getLogger("transport.backends.nixl")
+
+_lock = threading.Lock()
+_mods: tuple[ModuleType, ModuleType] | None = None
+
+#: NIXL exception class name -> (our error class, what it means)
+NIXL_ERRORS: dict[str, tuple[type[TransportError], str]] = {
+    "nixlRemoteDisconnectError": (PeerLostError, "the peer disconnected"),
+    "nixlNotFoundError": (BackendError, "NIXL does not know the agent or memory"),
+    "nixlBackendError": (BackendError, "the UCX backend failed"),
+    "nixlCancelledError": (BackendError, "the transfer was cancelled"),
+    "nixlInvalidParamError": (BackendError, "NIXL rejected a parameter"),
+    "nixlMismatchError": (RegionError, "descriptor lists do not match"),
+    "nixlNoTelemetryError": (BackendError, "telemetry is off"),
+    "nixlNotAllowedError": (BackendError, "NIXL does not allow this now"),
+    "nixlNotPostedError": (BackendError, "the transfer was not posted"),
+    "nixlNotSupportedError": (BackendError, "NIXL does not support this"),
+    "nixlRepostActiveError": (BackendError, "the transfer is still in progress"),
+    "nixlUnknownError": (BackendError, "NIXL failed for an unknown reason"),
+}
+
+
+def map_nixl_error(
+    exc: BaseException,
+    *,
+    action: str,
+    peer: str | None = None,
+    not_found: type[TransportError] | None = None,
+) -> TransportError:
+    """Turn a NIXL exception into our tree. ``not_found`` overrides the class of nixlNotFoundError,
+    whose meaning depends on the call (an unknown peer, or memory outside a registration)."""
+    name = type(exc).__name__
+    cls, meaning = NIXL_ERRORS.get(name, (BackendError, "NIXL failed"))
+    if name == "nixlNotFoundError" and not_found is not None:
+        cls = not_found
+    who = f" (peer {peer!r})" if peer else ""
+    msg = f"{action} failed{who}: {meaning} [{name}: {exc}]"
+    err = cls(msg, peer) if cls in (PeerLostError,) else cls(msg)
+    err.__cause__ = exc
+    return err
+
+
+def _load() -> tuple[ModuleType, ModuleType]:
+    """Import NIXL's Python API quietly: (the _api module, the _bindings module)."""
+    global _mods
+    with _lock:
+        if _mods is not None:
+            return _mods
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        candidates = [os.environ["TRANSPORT_NIXL_MODULE"]] if os.environ.get("TRANSPORT_NIXL_MODULE") else [
+            "nixl", "nixl_cu13", "nixl_cu12",
+        ]  # fmt: skip
+        saved = logging.raiseExceptions
+        errors = []
+        try:
+            for name in candidates:
+                try:
+                    importlib.import_module(name)
+                    api = importlib.import_module(f"{name}._api")
+                    bindings = importlib.import_module(f"{name}._bindings")
+                except ImportError as e:
+                    errors.append(f"{name}: {e}")
+                    continue
+                _mods = (api, bindings)
+                return _mods
+        finally:
+            logging.raiseExceptions = saved  # NIXL turns it off for the whole process
+        raise BackendError(
+            "NIXL is not installed or failed to import (" + "; ".join(errors) + "); "
+            "install it with: pip install nixl-cu13   (or nixl-cu12 on CUDA 12 machines)"
+        )
+
+
+def nixl_exception_classes() -> dict[str, type[BaseException]]:
+    """Every exception class NIXL's bindings define (for the mapping test)."""
+    _, b = _load()
+    return {
+        n: getattr(b, n)
+        for n in dir(b)
+        if isinstance(getattr(b, n), type) and issubclass(getattr(b, n), BaseException)
+    }
+
+
+class NixlBackend(Backend):
+    """One NIXL agent (UCX) with its progress thread off and strict thread synchronisation."""
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str, num_threads: int = 0) -> None:
+        api, b = _load()
+        self._b = b
+        self.agent_name = agent_name
+        cfg = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            num_threads=num_threads,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        try:
+            self._agent = api.nixl_agent(agent_name, cfg)
+        except Exception as e:
+            raise map_nixl_error(e, action="creating the NIXL agent") from e
+        if "UCX" not in self._agent.backends:
+            raise BackendError("NIXL has no UCX plugin; reinstall nixl-cu13 (or nixl-cu12)")
+        self._raw = self._agent.agent  # the C++ agent: the hot path skips NIXL's Python wrapper
+        self._mem = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
+        self._ops = {"READ": b.NIXL_READ, "WRITE": b.NIXL_WRITE}
+        self._success = b.NIXL_SUCCESS
+        self._in_prog = b.NIXL_IN_PROG
+        self._closed = False
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        md: bytes = self._raw.getLocalMD()
+        return md
+
+    def register(self, addr: int, nbytes: int, device: str) -> Any:
+        mem, dev = device_parts(device)
+        descs = self._b.nixlRegDList(self._mem[mem], [(addr, nbytes, dev, "")])
+        try:
+            self._raw.registerMem(descs, [])
+        except Exception as e:
+            raise map_nixl_error(e, action=f"registering {nbytes} bytes of {device} memory") from e
+        return descs
+
+    def deregister(self, token: Any) -> None:
+        try:
+            self._raw.deregisterMem(token, [])
+        except Exception as e:
+            raise map_nixl_error(e, action="deregistering memory") from e
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            name = self._raw.loadRemoteMD(metadata)
+        except Exception as e:
+            raise map_nixl_error(e, action="loading a peer's metadata") from e
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_peer(self, agent: str) -> None:
+        try:
+            self._raw.invalidateRemoteMD(agent)
+        except Exception as e:  # unknown or already gone: nothing left to forget
+            log.debug("removing agent %s: %s", agent, e)
+
+    def prep(self, agent: str | None, descs: np.ndarray, device: str) -> Any:
+        mem, _ = device_parts(device)
+        dl = self._b.nixlXferDList(self._mem[mem], descs)
+        target = self._b.NIXL_INIT_AGENT if agent is None else agent
+        try:
+            return self._raw.prepXferDlist(target, dl, [])
+        except Exception as e:
+            side = "local" if agent is None else f"agent {agent!r}"
+            raise map_nixl_error(
+                e,
+                action=f"preparing {len(descs)} {side} descriptors",
+                not_found=RegionError if agent is None else PeerLostError,
+            ) from e
+
+    def release_prepped(self, prepped: Any) -> None:
+        try:
+            self._raw.releasedDlistH(prepped)
+        except Exception as e:
+            log.debug("releasing a descriptor list: %s", e)
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    def make_xfer(
+        self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes, peer: str
+    ) -> Any:
+        try:
+            return self._raw.makeXferReq(self._ops[op], local, local_idx, remote, remote_idx, notif, [], False)
+        except Exception as e:
+            raise map_nixl_error(e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError) from e
+
+    def post(self, xfer: Any, notif: bytes, peer: str) -> int:
+        try:
+            st = self._raw.postXferReq(xfer, notif)
+        except Exception as e:
+            raise map_nixl_error(e, action="posting a transfer", peer=peer, not_found=PeerLostError) from e
+        if st == self._success:
+            return DONE
+        if st == self._in_prog:
+            return IN_PROGRESS
+        raise BackendError(f"posting a transfer to peer {peer!r} failed with NIXL status {st}")
+
+    def poll(self, xfer: Any, peer: str) -> int:
+        try:
+            st = self._raw.getXferStatus(xfer)
+        except Exception as e:
+            raise map_nixl_error(e, action="a transfer", peer=peer, not_found=PeerLostError) from e
+        if st == self._success:
+            return DONE
+        if st == self._in_prog:
+            return IN_PROGRESS
+        raise PeerLostError(f"a transfer to peer {peer!r} failed with NIXL status {st}", peer)
+
+    def release_xfer(self, xfer: Any) -> bool:
+        try:
+            self._raw.releaseXferReq(xfer)
+        except Exception as e:
+            log.debug("releasing a transfer: %s", e)
+            return False
+        return True
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        try:
+            notifs: dict[str, list[bytes]] = self._raw.getNotifs({}, [])
+        except Exception as e:
+            raise map_nixl_error(e, action="reading notifications") from e
+        return notifs
+
+    def send_notif(self, agent: str, message: bytes, peer: str) -> None:
+        try:
+            self._raw.genNotif(agent, message)
+        except Exception as e:
+            raise map_nixl_error(e, action="sending a notification", peer=peer, not_found=PeerLostError) from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Dropping the wrapper destroys the C++ agent (its destructor disconnects from peers).
+        self._raw = None
+        self._agent = None

@@ -1,0 +1,62 @@
+"""transport: one-sided, asynchronous tensor transfer between processes.
+
+Peers find each other through a key-value store (an embedded TCPStore by
+default, Redis for clusters); memory is registered with NIXL; ``put`` writes
+straight into a peer's exposed tensor and returns a handle at once.
+
+>>> import transport
+>>> with transport.Transport("gen-0") as t:          # receiver
+...     t.expose("w", torch.zeros(1024))
+>>> with transport.Transport("trainer-0") as t:      # writer
+...     t.put(torch.ones(1024), "gen-0", "w").wait(timeout=10)
+"""
+
+from transport._default import default, get, init, is_initialized, put, shutdown
+from transport._transport import Notification, PeerInfo, Transport, __version__
+from transport.errors import (
+    BackendError,
+    ClosedError,
+    PeerLostError,
+    PeerNotFoundError,
+    PeerWaitTimeout,
+    RegionError,
+    SignatureError,
+    StoreError,
+    StoreTimeout,
+    TransferTimeout,
+    TransportError,
+    WireFormatError,
+)
+from transport.handle import Handle, wait_all
+from transport.store import Store, store_from_url
+from transport.wire import RegionInfo
+
+__all__ = [
+    "BackendError",
+    "ClosedError",
+    "Handle",
+    "Notification",
+    "PeerInfo",
+    "PeerLostError",
+    "PeerNotFoundError",
+    "PeerWaitTimeout",
+    "RegionError",
+    "RegionInfo",
+    "SignatureError",
+    "Store",
+    "StoreError",
+    "StoreTimeout",
+    "TransferTimeout",
+    "Transport",
+    "TransportError",
+    "WireFormatError",
+    "__version__",
+    "default",
+    "get",
+    "init",
+    "is_initialized",
+    "put",
+    "shutdown",
+    "store_from_url",
+    "wait_all",
+]

@@ -1,0 +1,679 @@
+"""The Transport: one process's endpoint. See the class docstring for the rules."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from transport import backends as _backends
+from transport.backends.base import READ, WRITE, device_parts
+from transport.engine import FAILED, Engine, Op
+from transport.errors import (
+    ClosedError,
+    PeerLostError,
+    PeerNotFoundError,
+    PeerWaitTimeout,
+    RegionError,
+    StoreError,
+    TransferTimeout,
+    WireFormatError,
+)
+from transport.handle import Handle
+from transport.memory import LocalMemory, check_tensor, device_of, dtype_name
+from transport.peers import Directory
+from transport.plan import PeerConn, Plan
+from transport.store import DEFAULT_STORE_URL, Store, store_from_url
+from transport.wire import (
+    ACCESS_MODES,
+    PeerRecord,
+    RegionInfo,
+    agent_name,
+    check_name,
+    check_region_name,
+    frame_user_notification,
+    parse_notification,
+    peer_of_agent,
+)
+
+log = logging.getLogger("transport")
+
+__version__ = "0.1.0"
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A notification received from a peer: who sent it and the payload passed as ``notify=``."""
+
+    peer: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A live peer of the namespace, as its record and heartbeat describe it."""
+
+    name: str
+    generation: int
+    host: str
+    pid: int
+    version: str
+    regions: int
+    region_bytes: int
+    last_heartbeat: float | None  # wall-clock time, None if it never sent one
+
+
+def _peer_info(rec: PeerRecord, hb: tuple[int, float] | None) -> PeerInfo:
+    return PeerInfo(
+        rec.name, rec.generation, rec.host, rec.pid, rec.version, len(rec.regions),
+        sum(r.nbytes for r in rec.regions), hb[1] if hb and hb[0] == rec.generation else None,
+    )  # fmt: skip
+
+
+class Transport:
+    """One process's endpoint for one-sided tensor transfers.
+
+    ``Transport(name, store=..., namespace=..., secret=...)`` joins the
+    namespace under ``name``: it takes the next *generation* of that name,
+    creates one backend agent, publishes a peer record and starts its engine
+    thread. Use it as a context manager, or call :meth:`close`.
+
+    Rules:
+
+    * **Ownership.** Exposed and registered tensors are kept alive and
+      registered until :meth:`close`; peers may write (``access`` "w" or "rw")
+      or read ("r" or "rw") them at any time. Nothing in this library stops a
+      peer from writing while you read: use notifications to agree on when.
+    * **Handles.** :meth:`put` and :meth:`get` validate everything (contiguity,
+      device, dtype, size, access) before any byte moves, and then return a
+      :class:`Handle` at once. Do not modify a source (or read a destination)
+      until its handle is done.
+    * **Deadlines.** Every transfer has one (``timeout=``, default
+      ``Transport(timeout=60)``): a frozen or partitioned peer fails it with
+      :class:`TransferTimeout` and the transfer is withdrawn. ``wait(timeout)``
+      bounds the wait only and cancels nothing.
+    * **Peers.** A peer is resolved through the store on first use and cached;
+      nothing touches the store on the hot path after that. A peer that dies
+      fails its transfers with :class:`PeerLostError`; one that restarts under
+      the same name is picked up by the next put or get.
+    * **Threads.** All methods are thread-safe. Done-callbacks run on the
+      engine thread and must not wait on handles.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: str | Store | None = None,
+        *,
+        namespace: str = "default",
+        secret: bytes | str | None = None,
+        backend: str = "nixl",
+        timeout: float = 60.0,
+        chunk_bytes: int = 16 << 20,
+        inline_bytes: int = 1 << 20,
+        idle_interval: float = 1e-3,
+        heartbeat_interval: float = 1.0,
+    ) -> None:
+        self.name = check_name("peer name", name)
+        self.namespace = check_name("namespace", namespace)
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 8):
+            raise ValueError("secret must be at least 8 bytes (or a str); every peer of the namespace must share it")
+        _positive("timeout", timeout)
+        _positive("idle_interval", idle_interval)
+        if chunk_bytes < 4096 or inline_bytes < 0:
+            raise ValueError("chunk_bytes must be at least 4096 and inline_bytes non-negative")
+        self.timeout = float(timeout)
+        self.chunk_bytes = int(chunk_bytes)
+        self.inline_bytes = int(inline_bytes)
+        self._secret = secret
+        self._state = _State.OPEN
+        self._lock = threading.RLock()  # guards regions, connections, plans
+
+        if store is None:
+            store = os.environ.get("TRANSPORT_STORE", DEFAULT_STORE_URL)
+        self._owns_store = not isinstance(store, Store)
+        self.store: Store = store_from_url(store) if isinstance(store, str) else store
+        if not isinstance(self.store, Store):
+            raise TypeError(f"store must be a URL or a transport.store.Store, got {type(store).__name__}")
+        try:
+            self._dir = Directory(self.store, self.namespace, secret)
+            self.generation = self._dir.join(self.name)
+            self._backend = _backends.new_backend(backend, agent_name=agent_name(self.name, self.generation))
+        except BaseException:
+            if self._owns_store:
+                self.store.close()
+            raise
+        self._mem = LocalMemory(self._backend)
+        self._regions: dict[str, tuple[torch.Tensor, RegionInfo]] = {}
+        self._local_names: dict[tuple[int, int], str] = {}
+        self._conns: dict[str, PeerConn] = {}
+        self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
+        self.max_plans = 4096
+        self._notifs: deque[Notification] = deque()
+        self._notif_cond = threading.Condition()
+        self._created = time.time()
+        self._engine = Engine(
+            self._backend, self.name, self._on_notifications, self._on_peer_lost, idle_interval=idle_interval
+        )
+        self._engine.start()
+        self._stop_control = threading.Event()
+        try:
+            self._publish()
+            self._dir.heartbeat(self.name, self.generation)
+        except BaseException:
+            self.close()
+            raise
+        self.heartbeat_interval = heartbeat_interval
+        self._control = threading.Thread(target=self._control_loop, name=f"transport-control-{name}", daemon=True)
+        self._control.start()
+        log.info("transport %s#%d joined namespace %s on %s", self.name, self.generation, self.namespace, self.store)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._state is _State.CLOSED
+
+    def close(self) -> None:
+        """Leave the namespace, fail transfers still in flight with ClosedError, release everything.
+        Idempotent. Closing the process that hosts the embedded store stops that store."""
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return
+            self._state = _State.CLOSED
+        self._stop_control.set()
+        try:
+            self._dir.leave(self.name, self.generation)
+        except Exception as e:
+            log.warning("could not remove %s from the store: %s", self.name, e)
+        self._engine.stop()
+        if getattr(self, "_control", None) is not None and self._control is not threading.current_thread():
+            self._control.join(5.0)
+        for conn in list(self._conns.values()):
+            conn.close(self._backend)
+        self._conns.clear()
+        self._plans.clear()
+        self._mem.close()
+        self._backend.close()
+        if self._owns_store:
+            self.store.close()
+        with self._notif_cond:
+            self._notif_cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            raise ClosedError(f"transport {self.name!r} is closed; open a new Transport")
+        if self._engine.error is not None:
+            raise ClosedError(f"transport {self.name!r} is unusable: its engine thread died ({self._engine.error!r})")
+
+    # -- exposing and registering memory ------------------------------------------------------------
+
+    def expose(self, name: str, tensor: torch.Tensor, access: str = "rw") -> RegionInfo:
+        """Register ``tensor`` and publish it as region ``name`` that peers may write and/or read."""
+        return self.expose_all({name: tensor}, access=access)[name]
+
+    def expose_all(self, tensors: Mapping[str, torch.Tensor], access: str = "rw") -> dict[str, RegionInfo]:
+        """Expose many tensors with one record update (for example ``model.state_dict()``).
+        Everything is checked before anything is exposed."""
+        self._check_open()
+        if access not in ACCESS_MODES:
+            raise ValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"expose_all takes a mapping of name -> tensor, got {type(tensors).__name__}")
+        checked = []
+        for name, t in tensors.items():
+            check_region_name(name)
+            check_tensor(t, f"region {name!r}")
+            if t.numel() == 0:
+                raise ValueError(f"region {name!r} is empty; expose a tensor with at least one element")
+            if name in self._regions:
+                raise ValueError(f"region {name!r} is already exposed by {self.name!r}; expose it under another name")
+            checked.append((name, t))
+        out = {}
+        with self._lock:
+            for _name, t in checked:
+                self._mem.ensure(t, explicit=True)
+            for name, t in checked:
+                info = RegionInfo(name, t.data_ptr(), t.nbytes, dtype_name(t.dtype), tuple(t.shape), access, device_of(t))
+                self._regions[name] = (t, info)
+                self._local_names[(t.data_ptr(), t.nbytes)] = name
+                out[name] = info
+            self._publish()
+        return out
+
+    def register(self, tensor: torch.Tensor, name: str | None = None) -> None:
+        """Register ``tensor`` as a local source/destination (not visible to peers). With ``name``,
+        a put or get of this tensor without ``key`` uses that remote region name."""
+        self._check_open()
+        check_tensor(tensor)
+        if name is not None:
+            check_region_name(name)
+        with self._lock:
+            self._mem.ensure(tensor, explicit=True)
+            if name is not None:
+                self._local_names[(tensor.data_ptr(), tensor.nbytes)] = name
+
+    def regions(self) -> dict[str, RegionInfo]:
+        """The regions this Transport exposes."""
+        return {n: info for n, (_, info) in self._regions.items()}
+
+    def _publish(self) -> None:
+        rec = PeerRecord(
+            name=self.name, namespace=self.namespace, generation=self.generation,
+            agent=agent_name(self.name, self.generation), backend=self._backend.name,
+            metadata=self._backend.metadata(), host=socket.gethostname()[:255] or "?", pid=os.getpid(),
+            version=__version__, created=self._created, regions=tuple(info for _, info in self._regions.values()),
+        )  # fmt: skip
+        self._dir.publish(rec)
+
+    # -- transfers ----------------------------------------------------------------------------------
+
+    def put(
+        self,
+        src: torch.Tensor | Mapping[str, torch.Tensor],
+        peer: str | Iterable[str],
+        key: str | None = None,
+        *,
+        offset: int = 0,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+        stream: Any = None,
+    ) -> Handle:
+        """Write ``src`` into region ``key`` of ``peer`` (one-sided WRITE); returns a Handle at once.
+
+        ``src`` may be a dict name -> tensor: one transfer for the whole batch, each tensor into the
+        region of its name. ``peer`` may be a list of names (fan-out, one handle). ``offset`` is in
+        elements of the region. ``notify`` (bytes) reaches the peer after all the data has landed.
+        Without ``key`` the name the source was exposed or registered under is used.
+        """
+        return self._transfer(WRITE, src, peer, key, offset, notify, timeout, stream)
+
+    def get(
+        self,
+        dst: torch.Tensor | Mapping[str, torch.Tensor],
+        peer: str,
+        key: str | None = None,
+        *,
+        offset: int = 0,
+        timeout: float | None = None,
+        stream: Any = None,
+    ) -> Handle:
+        """Read region ``key`` of ``peer`` into ``dst`` (one-sided READ); returns a Handle at once.
+        ``dst`` may be a dict name -> tensor (one transfer). The region must allow reads."""
+        if not isinstance(peer, str):
+            raise TypeError("get reads from one peer; pass its name as a str")
+        return self._transfer(READ, dst, peer, key, offset, None, timeout, stream)
+
+    def _transfer(
+        self,
+        op: str,
+        obj: Any,
+        peer: str | Iterable[str],
+        key: str | None,
+        offset: int,
+        notify: bytes | None,
+        timeout: float | None,
+        stream: Any,
+    ) -> Handle:
+        if self._state is not _State.OPEN:
+            self._check_open()
+        if stream is not None:
+            raise ValueError("stream= needs stream-ordered transfers, which this build does not include yet")
+        peers = (peer,) if isinstance(peer, str) else _peer_list(peer)
+        if type(offset) is not int or offset < 0:
+            raise ValueError(f"offset must be a non-negative int (elements of the region), got {offset!r}")
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_contiguous() or obj.layout != torch.strided:
+                check_tensor(obj)
+            if key is None:
+                key = self._local_names.get((obj.data_ptr(), obj.nbytes))
+                if key is None:
+                    raise ValueError(
+                        "no key given and the tensor was never exposed or registered under a name; "
+                        "pass key='region' or call register(tensor, name='region')"
+                    )
+            items: tuple[tuple[str, torch.Tensor], ...] = ((key, obj),)
+            sig: tuple[Any, ...] = (key, obj.data_ptr(), obj.nbytes, obj.dtype)
+        elif isinstance(obj, Mapping):
+            if key is not None:
+                raise ValueError("key= cannot be combined with a dict; the dict's keys name the regions")
+            if offset:
+                raise ValueError("offset= cannot be combined with a dict; put each tensor separately")
+            if not obj:
+                raise ValueError("the dict of tensors is empty")
+            items = tuple(obj.items())
+            for k, t in items:
+                if not isinstance(k, str):
+                    raise TypeError(f"dict keys must be region names (str), got {type(k).__name__}")
+                check_tensor(t, f"tensor {k!r}")
+            sig = tuple((k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items)
+        else:
+            raise TypeError(f"expected a tensor or a dict of tensors, got {type(obj).__name__}")
+        if timeout is None:
+            timeout = self.timeout
+        else:
+            _positive("timeout", timeout)
+        deadline = time.monotonic() + timeout
+        notif = frame_user_notification(notify) if notify is not None else b""
+        plans = [self._plan(op, p, items, sig, offset) for p in peers]
+        handle = Handle("put" if op == WRITE else "get", peers, sum(p.nbytes for p in plans), 0)
+        ops: list[Op] = []
+        inline = True
+        for plan in plans:
+            parts = plan.parts
+            if len(parts) == 1:
+                ops.append(Op(handle, plan, parts[0], notif, deadline, timeout))
+                inline = inline and plan.nbytes <= self.inline_bytes
+                continue
+            inline = False
+            group = [Op(handle, plan, part, b"", deadline, timeout) for part in parts[:-1]]
+            last = Op(handle, plan, parts[-1], notif, deadline, timeout)
+            if notif:
+                last.after = list(group)  # the notification goes after every other part has landed
+            group.append(last)
+            for o in group:
+                o.group = group
+            ops.extend(group)
+        handle._remaining = len(ops)
+        if inline:
+            handle._poller = self._engine.poller(ops)
+            for o in ops:
+                self._engine.post_now(o)
+        else:
+            self._engine.submit(ops)
+        return handle
+
+    def _plan(self, op: str, peer: str, items: tuple[tuple[str, torch.Tensor], ...], sig: tuple[Any, ...], offset: int) -> Plan:
+        ckey = (op, peer, sig, offset)
+        plan = self._plans.get(ckey)
+        if plan is not None and plan.valid and plan.conn.alive:
+            return plan
+        with self._lock:
+            self._check_open()
+            conn = self._connect(peer)
+            try:
+                plan = self._build_plan(op, conn, items, offset)
+            except RegionError:
+                # the peer may have exposed more since we read its record
+                fresh = self._connect(peer, refresh=True)
+                plan = self._build_plan(op, fresh, items, offset)
+            self._plans[ckey] = plan
+            plan.conn.plans.add(plan)
+            while len(self._plans) > self.max_plans:
+                _, old = self._plans.popitem(last=False)
+                with old.conn.lock:
+                    old.conn.plans.discard(old)
+                    old.release(self._backend)
+        return plan
+
+    def _build_plan(self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int) -> Plan:
+        n = len(items)
+        local = np.empty((n, 3), dtype=np.uint64)
+        remote = np.empty((n, 3), dtype=np.uint64)
+        keep = []
+        devices, rdevices = set(), set()
+        rows = 0
+        for key, t in items:
+            region = conn.regions.get(key)
+            if region is None:
+                raise RegionError(_missing_region(conn, key))
+            if op == WRITE and not region.writable:
+                raise RegionError(
+                    f"peer {conn.name!r} exposes region {key!r} read-only (access={region.access!r}); "
+                    "it cannot be written; ask the peer to expose it with access='w' or 'rw'"
+                )
+            if op == READ and not region.readable:
+                raise RegionError(
+                    f"peer {conn.name!r} exposes region {key!r} write-only (access={region.access!r}); "
+                    "it cannot be read; ask the peer to expose it with access='r' or 'rw'"
+                )
+            dt = dtype_name(t.dtype)
+            if dt != region.dtype:
+                raise RegionError(
+                    f"dtype mismatch for region {key!r} of peer {conn.name!r}: the tensor is {dt}, the region "
+                    f"is {region.dtype}; convert with .to(torch.{region.dtype}) or view the bytes with .view()"
+                )
+            start = offset * region.itemsize
+            if start + t.nbytes > region.nbytes:
+                raise RegionError(
+                    f"{t.numel()} elements at offset {offset} do not fit region {key!r} of peer {conn.name!r} "
+                    f"({region.numel} elements of {region.dtype}, shape {list(region.shape)}); "
+                    "send a smaller slice or a smaller offset"
+                )
+            if t.nbytes == 0:
+                continue
+            keep.append(self._mem.ensure(t))
+            dev = device_of(t)
+            devices.add(device_parts(dev)[0])
+            rdevices.add(device_parts(region.device)[0])
+            local[rows] = (t.data_ptr(), t.nbytes, device_parts(dev)[1])
+            remote[rows] = (region.addr + start, t.nbytes, device_parts(region.device)[1])
+            rows += 1
+        if rows == 0:
+            raise ValueError("every tensor is empty; there is nothing to transfer")
+        if len(devices) > 1 or len(rdevices) > 1:
+            raise ValueError("one transfer cannot mix CPU and CUDA memory; split the batch by device")
+        device = "cpu" if "DRAM" in devices else "cuda:0"
+        rdevice = "cpu" if "DRAM" in rdevices else "cuda:0"
+        plan = Plan(
+            self._backend, conn, op, local[:rows], remote[:rows], device, rdevice, self.chunk_bytes, tuple(keep)
+        )
+        for reg in keep:
+            reg.users += 1
+        return plan
+
+    def _connect(self, peer: str, refresh: bool = False) -> PeerConn:
+        conn = self._conns.get(peer)
+        if conn is not None and conn.alive and not refresh:
+            return conn
+        rec = self._dir.fetch(peer)
+        if rec is None:
+            if conn is not None and conn.alive:
+                conn.close(self._backend)
+            raise PeerNotFoundError(self._not_found_message(peer), peer)
+        if rec.backend != self._backend.name:
+            raise WireFormatError(f"peer {peer!r} uses backend {rec.backend!r}; this Transport uses {self._backend.name!r}")
+        if conn is not None and conn.alive and rec.generation == conn.generation:
+            if rec != conn.record:
+                self._backend.add_peer(rec.metadata)  # same agent, more registered memory
+                conn.record, conn.regions = rec, rec.region_map()
+            return conn
+        if conn is not None:
+            self._drop_conn(conn)
+        loaded = self._backend.add_peer(rec.metadata)
+        if loaded != rec.agent:
+            self._backend.remove_peer(loaded)
+            raise WireFormatError(f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}")
+        conn = PeerConn(rec, loaded)
+        self._conns[peer] = conn
+        return conn
+
+    def _drop_conn(self, conn: PeerConn) -> None:
+        conn.close(self._backend)
+        with self._lock:
+            for k in [k for k, p in self._plans.items() if p.conn is conn]:
+                del self._plans[k]
+            if self._conns.get(conn.name) is conn:
+                del self._conns[conn.name]
+
+    def _not_found_message(self, peer: str) -> str:
+        try:
+            known = [n for n in self._dir.names() if n != self.name and self._dir.store.try_get(self._dir.key("peers", n))]
+        except StoreError:
+            known = []
+        hint = f"known peers: {', '.join(known[:8])}" + (" ..." if len(known) > 8 else "") if known else "no other peers are registered"
+        return (
+            f"no peer named {peer!r} in namespace {self.namespace!r} ({hint}); "
+            "check the name and namespace, or wait_for_peer() before the first put"
+        )
+
+    # -- engine callbacks (engine thread) -------------------------------------------------------
+
+    def _on_peer_lost(self, conn: PeerConn, error: BaseException) -> None:
+        if conn.alive:
+            log.warning("peer %s#%d lost: %s", conn.name, conn.generation, error)
+            self._drop_conn(conn)
+
+    def _on_notifications(self, notifs: dict[str, list[bytes]]) -> None:
+        out = []
+        for agent, frames in notifs.items():
+            who = peer_of_agent(agent)
+            if who is None:
+                log.warning("dropping %d notifications from unknown agent %r", len(frames), agent[:80])
+                continue
+            for frame in frames:
+                try:
+                    _, payload = parse_notification(frame)
+                except WireFormatError as e:
+                    log.warning("dropping a notification from %s: %s", who[0], e)
+                    continue
+                out.append(Notification(who[0], payload))
+        if out:
+            with self._notif_cond:
+                self._notifs.extend(out)
+                self._notif_cond.notify_all()
+
+    # -- notifications ------------------------------------------------------------------------------
+
+    def notifications(self, timeout: float | None = None) -> Iterator[Notification]:
+        """Yield notifications as they arrive until ``timeout`` seconds have passed (``0``: only
+        those already here; ``None``: until the Transport closes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._notif_cond:
+                while not self._notifs:
+                    if self._state is not _State.OPEN:
+                        return
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    self._engine.kick()
+                    self._notif_cond.wait(0.05 if left is None else min(left, 0.05))
+                n = self._notifs.popleft()
+            yield n
+
+    def wait_notification(self, timeout: float | None = None, peer: str | None = None) -> Notification:
+        """The next notification (from ``peer`` if given; others stay queued). TransferTimeout at the deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._notif_cond:
+            while True:
+                for i, n in enumerate(self._notifs):
+                    if peer is None or n.peer == peer:
+                        del self._notifs[i]
+                        return n
+                self._check_open()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    who = f" from {peer!r}" if peer else ""
+                    raise TransferTimeout(f"no notification{who} arrived within {timeout:.3g} s")
+                self._engine.kick()
+                self._notif_cond.wait(0.05 if left is None else min(left, 0.05))
+
+    # -- peers --------------------------------------------------------------------------------------
+
+    def peers(self) -> list[PeerInfo]:
+        """The live peers of the namespace (those with a record), this one included."""
+        out = []
+        for name in self._dir.names():
+            try:
+                rec = self._dir.fetch(name)
+            except WireFormatError as e:
+                log.warning("skipping peer %s: %s", name, e)
+                continue
+            if rec is not None:
+                out.append(_peer_info(rec, self._dir.last_heartbeat(name)))
+        return out
+
+    def wait_for_peer(self, name: str, timeout: float | None = 30.0, regions: Iterable[str] = ()) -> PeerInfo:
+        """Block until peer ``name`` is registered (and exposes every region in ``regions``)."""
+        check_name("peer name", name)
+        want = set(regions)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            self._check_open()
+            rec = self._dir.fetch(name)
+            if rec is not None and want <= {r.name for r in rec.regions}:
+                return _peer_info(rec, self._dir.last_heartbeat(name))
+            if deadline is not None and time.monotonic() >= deadline:
+                missing = "" if rec is None else f" with regions {sorted(want - {r.name for r in rec.regions})}"
+                raise PeerWaitTimeout(
+                    f"peer {name!r}{missing} did not appear in namespace {self.namespace!r} within {timeout:.3g} s",
+                    name,
+                )
+            self._stop_control.wait(min(delay, max(0.0, deadline - time.monotonic())) if deadline else delay)
+            delay = min(delay * 2, 0.05)
+
+    def _control_loop(self) -> None:
+        """Heartbeats, and noticing connected peers that restarted under the same name."""
+        while not self._stop_control.wait(self.heartbeat_interval):
+            try:
+                self._dir.heartbeat(self.name, self.generation)
+                for conn in list(self._conns.values()):
+                    if conn.alive and self._dir.generation(conn.name) > conn.generation:
+                        log.info("peer %s restarted; dropping generation %d", conn.name, conn.generation)
+                        self._drop_conn(conn)
+            except Exception as e:  # the store may be down; transfers go on without it
+                log.warning("transport %s: store unavailable for heartbeats: %s", self.name, e)
+
+    def __repr__(self) -> str:
+        return f"<Transport {self.name}#{self.generation} ns={self.namespace} {self._state.value}>"
+
+
+def _positive(what: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+
+
+def _peer_list(peer: Iterable[str]) -> tuple[str, ...]:
+    try:
+        peers = tuple(peer)
+    except TypeError:
+        raise TypeError(f"peer must be a name or a list of names, got {type(peer).__name__}") from None
+    if not peers:
+        raise ValueError("the list of peers is empty")
+    for p in peers:
+        if not isinstance(p, str):
+            raise TypeError(f"peer names must be str, got {type(p).__name__}")
+    if len(set(peers)) != len(peers):
+        raise ValueError("a peer appears twice in the list; each peer gets one copy")
+    return peers
+
+
+def _missing_region(conn: PeerConn, key: str) -> str:
+    names = list(conn.regions)
+    if not names:
+        return f"peer {conn.name!r} has no region {key!r}; it exposes no regions yet"
+    return (
+        f"peer {conn.name!r} has no region {key!r}; it exposes {len(names)} regions, e.g. {names[0]!r}"
+        + (f", {names[1]!r}" if len(names) > 1 else "")
+    )
+
+
+__all__ = ["Notification", "PeerInfo", "Transport"]

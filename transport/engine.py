@@ -1,0 +1,301 @@
+"""The progress engine: one thread per Transport.
+
+It posts the transfers handed to it (large ones, in parts), polls every
+transfer in flight to completion, enforces deadlines, and reads
+notifications, which also makes the progress that incoming transfers need on
+the receiving side. Small transfers are posted by the caller's thread and only
+*tracked* here, so the fast path has no thread hand-off; whichever thread
+polls a transfer first completes it.
+
+Idle, the engine wakes every ``idle_interval`` (1 ms by default) to read
+notifications: well under 1% of a core. After any activity it polls faster
+and backs off again over ~20 ms.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from transport.backends.base import DONE, Backend
+from transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
+from transport.handle import ENGINE_THREAD_PREFIX, Handle
+from transport.plan import Part, PeerConn, Plan
+
+log = logging.getLogger("transport.engine")
+
+QUEUED, POSTED, OK, FAILED = 0, 1, 2, 3
+
+
+class Op:
+    """One backend transfer: one part of a handle, to one peer."""
+
+    __slots__ = ("after", "deadline", "group", "handle", "lock", "notif", "part", "plan", "state", "timeout", "xfer")
+
+    def __init__(
+        self, handle: Handle, plan: Plan, part: Part, notif: bytes, deadline: float, timeout: float
+    ) -> None:
+        self.handle = handle
+        self.plan = plan
+        self.part = part
+        self.notif = notif
+        self.deadline = deadline
+        self.timeout = timeout
+        self.state = QUEUED
+        self.xfer: Any = None
+        self.lock = threading.Lock()
+        self.after: list[Op] | None = None  # post only once these are done (the notifying last part)
+        self.group: list[Op] | None = None  # all parts of this handle to this peer
+
+
+class Engine:
+    def __init__(
+        self,
+        backend: Backend,
+        name: str,
+        on_notifications: Callable[[dict[str, list[bytes]]], None],
+        on_peer_lost: Callable[[PeerConn, BaseException], None],
+        idle_interval: float = 1e-3,
+        max_posted_parts: int = 4,
+    ) -> None:
+        self._backend = backend
+        self._on_notifications = on_notifications
+        self._on_peer_lost = on_peer_lost
+        self.idle_interval = idle_interval
+        self.max_posted_parts = max_posted_parts
+        self._queue: deque[Op] = deque()  # to be posted by the engine
+        self._new: deque[Op] = deque()  # posted by a caller, to be tracked
+        self._inflight: list[Op] = []
+        self._wake = threading.Event()
+        self._stop = False
+        self._last_activity = time.monotonic()
+        self.error: BaseException | None = None  # set if the engine thread died
+        self._thread = threading.Thread(target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    # -- called from user threads ---------------------------------------------------------------
+
+    def post_now(self, op: Op) -> None:
+        """Post ``op`` on the calling thread (small transfers); the engine tracks it from then on."""
+        self._post(op)
+        if op.state == POSTED:
+            self._new.append(op)
+        self._last_activity = time.monotonic()
+
+    def submit(self, ops: list[Op]) -> None:
+        """Hand ops to the engine thread for posting (large transfers and dependent parts)."""
+        if self._stop:
+            raise ClosedError("the Transport is closed; open a new one")
+        self._queue.extend(ops)
+        self._wake.set()
+
+    def poll(self, op: Op) -> None:
+        """Advance ``op`` if no other thread is polling it right now. Never blocks."""
+        if op.state != POSTED or not op.lock.acquire(blocking=False):
+            return
+        try:
+            if op.state == POSTED:
+                self._poll_locked(op)
+        finally:
+            op.lock.release()
+
+    def poller(self, ops: list[Op]) -> Callable[[], None]:
+        def poll_all() -> None:
+            for op in ops:
+                if op.state == POSTED:
+                    self.poll(op)
+
+        return poll_all
+
+    def kick(self) -> None:
+        self._last_activity = time.monotonic()
+        self._wake.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        err = ClosedError("the Transport was closed before the transfer completed")
+        for op in list(self._queue) + list(self._new) + self._inflight:
+            self.fail(op, err)
+        self._queue.clear()
+        self._new.clear()
+        self._inflight.clear()
+
+    # -- posting, polling, completing ------------------------------------------------------------
+
+    def _post(self, op: Op) -> None:
+        plan, conn = op.plan, op.plan.conn
+        if time.monotonic() > op.deadline:
+            self.fail(op, self._timeout_error(op, posted=False))
+            return
+        xfer = None
+        try:
+            with conn.lock:
+                if not conn.alive or not plan.valid:
+                    raise PeerLostError(
+                        f"peer {conn.name!r} (generation {conn.generation}) was lost; "
+                        "the next put or get reconnects if it has restarted",
+                        conn.name,
+                    )
+                xfer = plan.take(self._backend, op.part, op.notif)
+                op.xfer = xfer
+                op.state = POSTED
+                st = self._backend.post(xfer, op.notif, conn.name)
+        except BaseException as e:
+            op.state = POSTED  # so that fail() releases the transfer
+            self.fail(op, e)
+            return
+        if st == DONE:
+            self._finish(op, None)
+
+    def _poll_locked(self, op: Op) -> None:
+        try:
+            st = self._backend.poll(op.xfer, op.plan.conn.name)
+        except TransportError as e:
+            self._finish(op, e)
+            return
+        if st == DONE:
+            self._finish(op, None)
+        elif time.monotonic() > op.deadline:
+            self._finish(op, self._timeout_error(op, posted=True))
+
+    def _timeout_error(self, op: Op, posted: bool) -> TransferTimeout:
+        conn = op.plan.conn
+        if posted:
+            conn.suspect = True
+            log.warning("peer %s did not complete a %s of %d bytes within %.3g s; marked suspect",
+                        conn.name, op.plan.op, op.part.nbytes, op.timeout)
+            what = "did not complete it"
+        else:
+            what = "could not be reached in time to post it"
+        return TransferTimeout(
+            f"{op.plan.op} of {op.part.nbytes} bytes to peer {conn.name!r}: its deadline of "
+            f"{op.timeout:.3g} s passed and the peer {what}; the transfer was withdrawn "
+            "(a frozen or partitioned peer; pass a longer timeout= if it is just slow)"
+        )
+
+    def fail(self, op: Op, error: BaseException) -> None:
+        with op.lock:
+            self._finish(op, error)
+
+    def _finish(self, op: Op, error: BaseException | None) -> None:
+        if op.state in (OK, FAILED):
+            return
+        xfer, op.xfer = op.xfer, None
+        plan = op.plan
+        if error is None:
+            op.state = OK
+            with plan.conn.lock:
+                plan.give_back(self._backend, op.part, xfer, bool(op.notif))
+        else:
+            op.state = FAILED
+            if xfer is not None and not self._backend.release_xfer(xfer):
+                log.warning("the backend refused to withdraw a failed transfer to %s", plan.conn.name)
+        op.handle._part_done(plan.conn.name, error)
+        if error is not None:
+            if isinstance(error, PeerLostError):
+                self._on_peer_lost(plan.conn, error)
+            for sib in op.group or ():
+                if sib is not op and sib.state in (QUEUED, POSTED):
+                    # no part of a failed transfer stays posted
+                    if sib.lock.acquire(blocking=False):
+                        try:
+                            self._finish(sib, error)
+                        finally:
+                            sib.lock.release()
+                    else:
+                        sib.deadline = 0.0  # the thread holding it notices and withdraws it
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # keep the process alive; every waiter gets the error
+            log.exception("the transport engine thread died")
+            self.error = e
+            err = ClosedError(f"the transport engine thread died: {e!r}")
+            err.__cause__ = e
+            self._stop = True
+            for op in list(self._queue) + list(self._new) + self._inflight:
+                self.fail(op, err)
+
+    def _loop(self) -> None:
+        backend = self._backend
+        next_deadline_check = 0.0
+        while not self._stop:
+            now = time.monotonic()
+            while self._new:
+                self._inflight.append(self._new.popleft())
+            posted_any = self._post_queued() if self._queue else False
+            if self._inflight:
+                for op in self._inflight:
+                    self.poll(op)
+                self._inflight = [op for op in self._inflight if op.state == POSTED]
+                if self._inflight:
+                    self._last_activity = now
+            if now >= next_deadline_check:
+                next_deadline_check = now + 0.005
+                self._expire(now)
+            notifs = backend.get_notifs()
+            if notifs:
+                self._last_activity = now
+                self._on_notifications(notifs)
+            if posted_any:
+                continue
+            quiet = now - self._last_activity
+            interval = min(self.idle_interval, max(50e-6, quiet / 20))
+            if self._inflight:
+                interval = min(interval, 100e-6)
+            self._wake.wait(interval)
+            self._wake.clear()
+
+    def _post_queued(self) -> bool:
+        posted_parts = sum(1 for op in self._inflight if op.state == POSTED)
+        for op in list(self._queue):
+            if posted_parts >= self.max_posted_parts:
+                break
+            if op.state != QUEUED:
+                self._queue.remove(op)
+                continue
+            if op.after:
+                if any(a.state == FAILED for a in op.after):
+                    self._queue.remove(op)
+                    self.fail(op, PeerLostError(f"an earlier part of the transfer to {op.plan.conn.name!r} failed",
+                                                op.plan.conn.name))
+                    continue
+                if any(a.state != OK for a in op.after):
+                    continue
+            self._queue.remove(op)
+            with op.lock:
+                if op.state == QUEUED:
+                    self._post(op)
+            if op.state == POSTED:
+                self._inflight.append(op)
+                posted_parts += 1
+            self._last_activity = time.monotonic()
+            return True  # one post per loop: polls and notifications run between parts
+        return False
+
+    def _expire(self, now: float) -> None:
+        for op in list(self._queue):
+            if op.state == QUEUED and now > op.deadline:
+                self._queue.remove(op)
+                self.fail(op, self._timeout_error(op, posted=False))
+        for op in self._inflight:
+            if op.state == POSTED and now > op.deadline:
+                with op.lock:
+                    if op.state == POSTED:
+                        self._finish(op, self._timeout_error(op, posted=True))

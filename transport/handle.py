@@ -1,0 +1,214 @@
+"""Handles: what put() and get() return.
+
+A handle is single-use: it completes once, with success or an error, and
+every transfer it stands for has a deadline, so a handle always completes by
+then. ``wait(timeout)`` bounds only the wait: when it runs out it raises
+:class:`TransferTimeout` but does not cancel the transfer, which goes on until
+it lands or its own deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
+
+from transport.errors import TransferTimeout, TransportError
+
+_PENDING, _OK, _FAILED = 0, 1, 2
+
+
+class Handle:
+    """The result of a put or get: wait for it, poll it, or await it.
+
+    ``peers`` lists the peers the transfer went to; after completion
+    ``errors`` maps each peer whose part failed to its error.
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_cond",
+        "_error",
+        "_poller",
+        "_remaining",
+        "_state",
+        "errors",
+        "nbytes",
+        "op",
+        "peers",
+    )
+
+    def __init__(self, op: str, peers: tuple[str, ...], nbytes: int, parts: int) -> None:
+        self.op = op
+        self.peers = peers
+        self.nbytes = nbytes
+        self.errors: dict[str, BaseException] = {}
+        self._remaining = parts
+        self._state = _PENDING
+        self._error: BaseException | None = None
+        self._cond: threading.Condition | None = None
+        self._callbacks: list[Callable[[Handle], Any]] | None = None
+        # drives progress from the waiting thread for transfers posted by the caller (fast path)
+        self._poller: Callable[[], None] | None = None
+
+    # -- completion (called by the engine, or by a waiter driving progress) ---------------------
+
+    def _part_done(self, peer: str, error: BaseException | None) -> None:
+        with _handle_lock:
+            if self._state != _PENDING:
+                return
+            if error is not None and peer not in self.errors:
+                self.errors[peer] = error
+            self._remaining -= 1
+            if self._remaining > 0:
+                return
+            if self.errors:
+                self._state = _FAILED
+                self._error = _summarize(self.op, self.errors, len(self.peers))
+            else:
+                self._state = _OK
+            cond, callbacks = self._cond, self._callbacks
+            self._callbacks = None
+        if cond is not None:
+            with cond:
+                cond.notify_all()
+        if callbacks:
+            for cb in callbacks:
+                _run_callback(cb, self)
+
+    # -- public ------------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether the transfer has completed (successfully or not). Never blocks."""
+        if self._state == _PENDING and self._poller is not None:
+            self._poller()
+        return self._state != _PENDING
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer completes; raise its error if it failed.
+
+        ``timeout`` bounds this wait only (TransferTimeout when it runs out);
+        it does not cancel the transfer.
+        """
+        if self._state == _PENDING:
+            self._block(timeout)
+        if self._state == _FAILED:
+            assert self._error is not None
+            raise self._error
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait like wait() and return the error instead of raising it (None on success)."""
+        if self._state == _PENDING:
+            self._block(timeout)
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Handle], Any]) -> None:
+        """Call ``fn(handle)`` on completion (at once if already complete). Runs on the engine thread:
+        keep it short and never wait on a handle inside it."""
+        with _handle_lock:
+            if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._state == _PENDING:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def _wake(_: Handle) -> None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+            self.add_done_callback(_wake)
+            yield from fut.__await__()
+        self.wait(0)
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _OK: "done", _FAILED: "failed"}[self._state]
+        return f"<Handle {self.op} {self.nbytes} bytes to {list(self.peers)} {state}>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _block(self, timeout: float | None) -> None:
+        if threading.current_thread().name.startswith(ENGINE_THREAD_PREFIX):
+            raise RuntimeError(
+                "waiting on a handle from the engine thread (a done-callback) would deadlock; "
+                "use add_done_callback's argument instead"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = self._poller
+        if poller is not None:
+            # Fast path: the transfer was posted by the caller; poll it here first.
+            spin_until = time.perf_counter() + 200e-6
+            while self._state == _PENDING:
+                poller()
+                if time.perf_counter() > spin_until:
+                    break
+            if self._state != _PENDING:
+                return
+        with _handle_lock:
+            if self._cond is None:
+                self._cond = threading.Condition(threading.Lock())
+            cond = self._cond
+        with cond:
+            while self._state == _PENDING:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransferTimeout(
+                        f"waited {timeout:.3g} s for a {self.op} of {self.nbytes} bytes to "
+                        f"{list(self.peers)}; it is still in progress (the wait does not cancel it)"
+                    )
+                # short slices: a poller may complete us without notifying
+                cond.wait(0.001 if poller is not None else (left if left is not None else 1.0))
+                if poller is not None and self._state == _PENDING:
+                    cond.release()
+                    try:
+                        poller()
+                    finally:
+                        cond.acquire()
+
+
+ENGINE_THREAD_PREFIX = "transport-engine"
+_handle_lock = threading.Lock()
+
+
+def _summarize(op: str, errors: dict[str, BaseException], npeers: int) -> BaseException:
+    if len(errors) == 1 and npeers == 1:
+        return next(iter(errors.values()))
+    first_peer, first = next(iter(errors.items()))
+    names = ", ".join(sorted(errors))
+    msg = f"{op} failed for {len(errors)} of {npeers} peers ({names}); first: {first}"
+    try:
+        err: BaseException = type(first)(msg)
+    except Exception:
+        err = TransportError(msg)
+    err.__cause__ = first
+    return err
+
+
+def _run_callback(fn: Callable[[Handle], Any], h: Handle) -> None:
+    try:
+        fn(h)
+    except Exception:  # a user's callback must not kill the engine
+        import logging
+
+        logging.getLogger("transport.handle").exception("done-callback %r of %r raised", fn, h)
+
+
+def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> None:
+    """Wait for every handle under one deadline; raise the first error (after all have finished
+    or the deadline passed)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    handles = list(handles)
+    first: BaseException | None = None
+    for h in handles:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        err = h.exception(left)
+        if err is not None and first is None:
+            first = err
+    if first is not None:
+        raise first

@@ -1,0 +1,121 @@
+"""Local memory: registrations with the backend, cached per tensor storage.
+
+A tensor's whole storage is registered once, so every view of it can be a
+source or destination. Exposed and explicitly registered tensors stay
+registered until the Transport closes. Storages registered implicitly (an
+unregistered tensor passed to put or get) are kept in an LRU cache bounded by
+count and bytes; the cache holds a reference to each storage, so registered
+memory can never be freed and reused behind the backend's back, and an entry is
+evicted only when no prepared plan uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from transport.backends.base import Backend
+from transport.wire import DTYPE_SIZES
+
+log = logging.getLogger("transport.memory")
+
+_DTYPE_NAMES = {getattr(torch, n): n for n in DTYPE_SIZES if hasattr(torch, n)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} is not supported for transfers; supported: {', '.join(DTYPE_SIZES)}") from None
+
+
+def device_of(t: torch.Tensor) -> str:
+    kind = t.device.type
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda":
+        return f"cuda:{t.device.index if t.device.index is not None else torch.cuda.current_device()}"
+    raise ValueError(f"tensor is on device {t.device}; only CPU and CUDA tensors can be transferred")
+
+
+def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
+    """The checks every source or destination passes before any byte moves."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what} has layout {t.layout}; only dense (strided) tensors can be transferred")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; call .contiguous() or register a contiguous buffer")
+    if t.requires_grad and t.is_leaf is False:
+        pass  # data is data; autograd state does not travel
+    device_of(t)
+    dtype_name(t.dtype)
+    return t
+
+
+class Registration:
+    __slots__ = ("base", "device", "explicit", "nbytes", "storage", "token", "users")
+
+    def __init__(self, base: int, nbytes: int, device: str, token: Any, storage: Any, explicit: bool) -> None:
+        self.base = base
+        self.nbytes = nbytes
+        self.device = device
+        self.token = token
+        self.storage = storage  # keeps the memory alive while registered
+        self.explicit = explicit
+        self.users = 0
+
+
+class LocalMemory:
+    def __init__(self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 16 << 30) -> None:
+        self._backend = backend
+        self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
+        self.max_implicit = max_implicit
+        self.max_implicit_bytes = max_implicit_bytes
+
+    def ensure(self, t: torch.Tensor, explicit: bool = False) -> Registration:
+        storage = t.untyped_storage()
+        base, nbytes, device = storage.data_ptr(), storage.nbytes(), device_of(t)
+        key = (base, device)
+        reg = self._regs.get(key)
+        if reg is not None and reg.nbytes >= nbytes:
+            self._regs.move_to_end(key)
+            reg.explicit = reg.explicit or explicit
+            return reg
+        if reg is not None:  # the storage grew in place: register it again
+            self._drop(key, reg)
+        token = self._backend.register(base, max(nbytes, 1), device)
+        reg = Registration(base, nbytes, device, token, storage, explicit)
+        self._regs[key] = reg
+        if not explicit:
+            self._evict()
+        return reg
+
+    def _evict(self) -> None:
+        implicit = [(k, r) for k, r in self._regs.items() if not r.explicit]
+        count, total = len(implicit), sum(r.nbytes for _, r in implicit)
+        for key, reg in implicit:  # oldest first
+            if count <= self.max_implicit and total <= self.max_implicit_bytes:
+                break
+            if reg.users == 0:
+                self._drop(key, reg)
+                count -= 1
+                total -= reg.nbytes
+
+    def _drop(self, key: tuple[int, str], reg: Registration) -> None:
+        del self._regs[key]
+        try:
+            self._backend.deregister(reg.token)
+        except Exception as e:
+            log.warning("deregistering %d bytes at 0x%x failed: %s", reg.nbytes, reg.base, e)
+        reg.storage = None
+
+    def close(self) -> None:
+        for key, reg in list(self._regs.items()):
+            self._drop(key, reg)
+
+    def __len__(self) -> int:
+        return len(self._regs)

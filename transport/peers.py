@@ -1,0 +1,107 @@
+"""Discovery: the store layout of a namespace, peer records, membership and heartbeats.
+
+Keys live under ``transport/<namespace>/``:
+
+* ``peers/<name>``  the signed peer record (wire.PeerRecord)
+* ``gen/<name>``    a counter: each incarnation of a name takes the next generation
+* ``members/count``, ``members/<i>``, ``members/by-name/<name>``: the membership
+  index, which works on stores that cannot list keys
+* ``hb/<name>``     the last heartbeat (generation and wall time)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from transport.errors import StoreError, WireFormatError
+from transport.store.base import Store
+from transport.wire import (
+    PeerRecord,
+    decode_heartbeat,
+    decode_peer_record,
+    encode_heartbeat,
+    encode_peer_record,
+)
+
+log = logging.getLogger("transport.peers")
+
+
+class Directory:
+    """One namespace of a store, seen by one peer."""
+
+    def __init__(self, store: Store, namespace: str, secret: bytes | None) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.secret = secret
+        self.prefix = f"transport/{namespace}/"
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + "/".join(parts)
+
+    def join(self, name: str) -> int:
+        """Take the next generation of ``name`` and make sure the name is in the membership index."""
+        gen = self.store.add(self.key("gen", name), 1)
+        if self.store.try_get(self.key("members", "by-name", name)) is None:
+            idx = self.store.add(self.key("members", "count"), 1)
+            self.store.set(self.key("members", str(idx)), name.encode())
+            self.store.set(self.key("members", "by-name", name), str(idx).encode())
+        return gen
+
+    def publish(self, record: PeerRecord) -> None:
+        self.store.set(self.key("peers", record.name), encode_peer_record(record, self.secret))
+
+    def leave(self, name: str, generation: int) -> None:
+        """Remove our record, unless a newer incarnation of the name has replaced it."""
+        key = self.key("peers", name)
+        raw = self.store.try_get(key)
+        if raw is None:
+            return
+        try:
+            current = decode_peer_record(raw, self.secret, self.namespace).generation
+        except WireFormatError:
+            current = generation
+        if current == generation:
+            self.store.delete(key)
+        self.store.delete(self.key("hb", name))
+
+    def fetch(self, name: str) -> PeerRecord | None:
+        """The current record of ``name`` (None if there is none). WireFormatError for a bad one."""
+        raw = self.store.try_get(self.key("peers", name))
+        if raw is None:
+            return None
+        rec = decode_peer_record(raw, self.secret, self.namespace)
+        if rec.name != name:
+            raise WireFormatError(f"the record stored for peer {name!r} names peer {rec.name!r}")
+        return rec
+
+    def names(self) -> list[str]:
+        """Every name that ever joined the namespace (live or not), in joining order."""
+        count = self.store.add(self.key("members", "count"), 0)
+        out: list[str] = []
+        for i in range(1, count + 1):
+            raw = self.store.try_get(self.key("members", str(i)))
+            if raw is not None:
+                name = raw.decode(errors="replace")
+                if name not in out:
+                    out.append(name)
+        return out
+
+    def generation(self, name: str) -> int:
+        return self.store.add(self.key("gen", name), 0)
+
+    def heartbeat(self, name: str, generation: int) -> None:
+        self.store.set(self.key("hb", name), encode_heartbeat(generation, time.time()))
+
+    def last_heartbeat(self, name: str) -> tuple[int, float] | None:
+        raw = self.store.try_get(self.key("hb", name))
+        if raw is None:
+            return None
+        try:
+            return decode_heartbeat(raw)
+        except WireFormatError as e:
+            log.warning("ignoring a malformed heartbeat of %s: %s", name, e)
+            return None
+
+
+__all__ = ["Directory", "StoreError"]

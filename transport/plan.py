@@ -1,0 +1,164 @@
+"""Prepared transfers: what a put or get to one peer becomes before it is posted.
+
+A :class:`Plan` holds the prepared local and remote descriptor lists of one
+(op, peer, source, destination) combination, split into parts of at most
+``chunk_bytes`` so that one huge post never holds the agent for long, and a
+pool of reusable backend transfers per part. Plans are cached by the
+Transport, so a repeated put replays a plan without planning.
+
+A :class:`PeerConn` is our state for one incarnation (generation) of a peer:
+its record, its loaded agent, and the plans that target it. When the peer is
+lost, the connection is closed and everything prepared against it released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from transport.backends.base import Backend
+from transport.wire import PeerRecord, RegionInfo
+
+log = logging.getLogger("transport.plan")
+
+
+class PeerConn:
+    """Connection state for one incarnation of a peer. ``lock`` guards posting against teardown."""
+
+    def __init__(self, record: PeerRecord, agent: str) -> None:
+        self.name = record.name
+        self.record = record
+        self.generation = record.generation
+        self.agent = agent
+        self.regions: dict[str, RegionInfo] = record.region_map()
+        self.lock = threading.Lock()
+        self.alive = True
+        self.suspect = False
+        self.plans: set[Plan] = set()
+
+    def close(self, backend: Backend) -> None:
+        with self.lock:
+            if not self.alive:
+                return
+            self.alive = False
+            plans, self.plans = self.plans, set()
+            for plan in plans:
+                plan.release(backend)
+            backend.remove_peer(self.agent)
+
+    def __repr__(self) -> str:
+        return f"<PeerConn {self.name}#{self.generation} {'alive' if self.alive else 'closed'}>"
+
+
+class Part:
+    """A contiguous range of a plan's descriptors, posted as one backend transfer."""
+
+    __slots__ = ("count", "idle", "index", "nbytes")
+
+    def __init__(self, index: np.ndarray, nbytes: int) -> None:
+        self.index = index
+        self.count = len(index)
+        self.nbytes = nbytes
+        # idle[False]: transfers made without a notification, idle[True]: with one (a pooled transfer
+        # keeps the notification it was made with unless a new one is passed when posting)
+        self.idle: dict[bool, list[Any]] = {False: [], True: []}
+
+
+class Plan:
+    """A prepared transfer to one peer, replayable any number of times (one use at a time per
+    part; concurrent uses make extra backend transfers)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        conn: PeerConn,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        device: str,
+        remote_device: str,
+        chunk_bytes: int,
+        keep: tuple[Any, ...],
+    ) -> None:
+        self.conn = conn
+        self.op = op
+        self.keep = keep  # registrations (and tensors) that must outlive the plan
+        local, remote, bounds = split_descs(local, remote, chunk_bytes)
+        self.nbytes = int(local[:, 1].sum()) if len(local) else 0
+        self.valid = True
+        self.local = backend.prep(None, local, device)
+        try:
+            self.remote = backend.prep(conn.agent, remote, remote_device)
+        except BaseException:
+            backend.release_prepped(self.local)
+            raise
+        self.parts = [
+            Part(np.arange(a, b, dtype=np.int32), int(local[a:b, 1].sum())) for a, b in bounds
+        ]
+
+    def take(self, backend: Backend, part: Part, notif: bytes) -> Any:
+        """A backend transfer for ``part``: an idle one from the pool, or a new one."""
+        pool = part.idle[bool(notif)]
+        if pool:
+            try:
+                return pool.pop()
+            except IndexError:  # another thread took the last one
+                pass
+        return backend.make_xfer(self.op, self.local, part.index, self.remote, part.index, notif, self.conn.name)
+
+    def give_back(self, backend: Backend, part: Part, xfer: Any, notified: bool) -> None:
+        """Return a completed transfer to the pool (or release it if the plan is gone).
+        Call with ``conn.lock`` held."""
+        pool = part.idle[notified]
+        if self.valid and len(pool) < 4:
+            pool.append(xfer)
+        else:
+            backend.release_xfer(xfer)
+
+    def release(self, backend: Backend) -> None:
+        if not self.valid:
+            return
+        self.valid = False
+        for part in self.parts:
+            for pool in part.idle.values():
+                while pool:
+                    backend.release_xfer(pool.pop())
+        backend.release_prepped(self.local)
+        backend.release_prepped(self.remote)
+
+
+def split_descs(
+    local: np.ndarray, remote: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """Split paired descriptor lists into parts of at most ``chunk`` bytes.
+
+    Descriptors larger than ``chunk`` are cut into pieces; small ones are grouped.
+    Returns the (possibly longer) lists and the [start, end) row range of each part.
+    """
+    lens = local[:, 1].astype(np.int64)
+    if len(lens) == 0:
+        return local, remote, [(0, 0)]
+    if int(lens.sum()) <= chunk:
+        return local, remote, [(0, len(lens))]
+    if int(lens.max()) > chunk:
+        pieces = np.maximum(1, -(-lens // chunk))
+        rows = np.repeat(np.arange(len(lens)), pieces)
+        first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+        k = np.arange(len(rows)) - np.repeat(first, pieces)
+        off = (k * chunk).astype(np.uint64)
+        n = np.minimum(lens[rows] - k * chunk, chunk).astype(np.uint64)
+        new_local = np.stack([local[rows, 0] + off, n, local[rows, 2]], axis=1).astype(np.uint64)
+        new_remote = np.stack([remote[rows, 0] + off, n, remote[rows, 2]], axis=1).astype(np.uint64)
+        local, remote, lens = new_local, new_remote, n.astype(np.int64)
+    bounds = []
+    start, acc = 0, 0
+    for i, n in enumerate(lens.tolist()):
+        if acc and acc + n > chunk:
+            bounds.append((start, i))
+            start, acc = i, 0
+        acc += n
+    bounds.append((start, len(lens)))
+    return local, remote, bounds

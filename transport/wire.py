@@ -1,0 +1,329 @@
+"""Wire formats: peer records, heartbeats and notification frames.
+
+Everything a peer or the store hands us passes through here before it is used.
+Records are msgpack maps with a format version ``v`` and an exact set of
+fields; every field is type-checked and size-limited, and a record may be
+signed with HMAC-SHA256 under a shared secret. Nothing is ever unpickled.
+
+A stored peer record is an *envelope*::
+
+    {"v": 1, "kind": "peer", "body": <msgpack bytes>, "sig": <32 bytes> | None}
+
+The signature covers the body bytes exactly as stored, so no canonical
+re-encoding is needed to verify it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from transport.errors import SignatureError, WireFormatError
+
+FORMAT_VERSION = 1
+
+MAX_RECORD_BYTES = 16 << 20
+MAX_METADATA_BYTES = 4 << 20
+MAX_REGIONS = 262_144
+MAX_REGION_NAME = 1024
+MAX_DIMS = 16
+MAX_NOTIFY_BYTES = 64 << 10
+_MAX_U64 = (1 << 64) - 1
+_MAX_EXTENT = 1 << 56
+
+#: peer names and namespaces: they become store keys and agent names
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+ACCESS_MODES = ("rw", "w", "r")
+
+#: dtype name -> element size; the dtypes a region may have
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+}  # fmt: skip
+
+_SIG_DOMAIN = b"transport/peer-record/v1\x00"
+
+
+def check_name(kind: str, name: object) -> str:
+    """Validate a peer name or namespace (they become store keys and NIXL agent names)."""
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} must be a str, got {type(name).__name__}")
+    if not NAME_RE.match(name):
+        raise ValueError(
+            f"{kind} {name!r} is not allowed: use 1 to 128 characters from letters, digits "
+            "and '._:-', starting with a letter or digit"
+        )
+    return name
+
+
+def check_region_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"region name must be a str, got {type(name).__name__}")
+    if not name or len(name) > MAX_REGION_NAME or not name.isprintable():
+        raise ValueError(
+            f"region name {name[:80]!r} is not allowed: use 1 to {MAX_REGION_NAME} printable characters"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """One exposed memory region of a peer, as its record describes it."""
+
+    name: str
+    addr: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    access: str
+    device: str  # "cpu" or "cuda:N"
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // DTYPE_SIZES[self.dtype]
+
+    @property
+    def writable(self) -> bool:
+        return "w" in self.access
+
+    @property
+    def readable(self) -> bool:
+        return "r" in self.access
+
+    def _pack(self) -> list[Any]:
+        return [self.name, self.addr, self.nbytes, self.dtype, list(self.shape), self.access, self.device]
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a peer publishes about itself: how to connect to it and what it exposes."""
+
+    name: str
+    namespace: str
+    generation: int
+    agent: str
+    backend: str
+    metadata: bytes
+    host: str
+    pid: int
+    version: str
+    created: float
+    regions: tuple[RegionInfo, ...]
+
+    def region_map(self) -> dict[str, RegionInfo]:
+        return {r.name: r for r in self.regions}
+
+
+_PEER_FIELDS = {
+    "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
+    "host": str, "pid": int, "version": str, "created": float, "regions": list,
+}  # fmt: skip
+_ENVELOPE_FIELDS = {"v", "kind", "body", "sig"}
+
+
+def _unpack(data: object, what: str, limit: int) -> Any:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireFormatError(f"{what} must be bytes, got {type(data).__name__}")
+    if len(data) > limit:
+        raise WireFormatError(f"{what} is {len(data)} bytes; the limit is {limit}")
+    try:
+        return msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=MAX_REGIONS,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises many types on garbage; all mean the same to us
+        raise WireFormatError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from e
+
+
+def _check_fields(obj: object, fields: dict[str, type] | set[str], what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise WireFormatError(f"{what} must be a map, got {type(obj).__name__}")
+    keys = set(obj)
+    want = set(fields)
+    if keys != want:
+        missing, extra = sorted(want - keys), sorted(map(str, keys - want))
+        raise WireFormatError(f"{what} has the wrong fields (missing {missing}, unexpected {extra})")
+    if isinstance(fields, dict):
+        for k, t in fields.items():
+            v = obj[k]
+            ok = isinstance(v, t) and not (t is int and isinstance(v, bool))
+            if t is float and isinstance(v, int) and not isinstance(v, bool):
+                ok = True
+            if not ok:
+                raise WireFormatError(f"{what} field {k!r} must be {t.__name__}, got {type(v).__name__}")
+    return obj
+
+
+def _decode_region(item: object, idx: int) -> RegionInfo:
+    what = f"region #{idx}"
+    if not isinstance(item, list) or len(item) != 7:
+        raise WireFormatError(f"{what} must be a list of 7 fields")
+    name, addr, nbytes, dtype, shape, access, device = item
+    if not isinstance(name, str) or not name or len(name) > MAX_REGION_NAME:
+        raise WireFormatError(f"{what} has a bad name")
+    what = f"region {name[:80]!r}"
+    for label, v, hi in (("addr", addr, _MAX_U64), ("nbytes", nbytes, _MAX_EXTENT)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+            raise WireFormatError(f"{what} has a bad {label}")
+    if addr == 0 or addr + nbytes > _MAX_U64:
+        raise WireFormatError(f"{what} has an address range outside memory")
+    if dtype not in DTYPE_SIZES:
+        raise WireFormatError(f"{what} has unknown dtype {str(dtype)[:40]!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise WireFormatError(f"{what} has a bad shape")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < _MAX_EXTENT:
+            raise WireFormatError(f"{what} has a bad shape dimension")
+    if math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
+        raise WireFormatError(f"{what}: shape {shape} of {dtype} does not match nbytes={nbytes}")
+    if access not in ACCESS_MODES:
+        raise WireFormatError(f"{what} has unknown access {str(access)[:10]!r}")
+    if not isinstance(device, str) or not (
+        device == "cpu" or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
+    ):
+        raise WireFormatError(f"{what} has unknown device {str(device)[:20]!r}")
+    return RegionInfo(name, addr, nbytes, dtype, tuple(shape), access, device)
+
+
+def _sign(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, _SIG_DOMAIN + body, hashlib.sha256).digest()
+
+
+def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
+    body = msgpack.packb(
+        {
+            "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,
+            "backend": rec.backend, "md": bytes(rec.metadata), "host": rec.host, "pid": rec.pid,
+            "version": rec.version, "created": float(rec.created),
+            "regions": [r._pack() for r in rec.regions],
+        },
+        use_bin_type=True,
+    )  # fmt: skip
+    sig = _sign(secret, body) if secret else None
+    out: bytes = msgpack.packb({"v": FORMAT_VERSION, "kind": "peer", "body": body, "sig": sig}, use_bin_type=True)
+    if len(out) > MAX_RECORD_BYTES:
+        raise ValueError(
+            f"peer record is {len(out)} bytes, over the {MAX_RECORD_BYTES} limit; expose fewer, larger regions"
+        )
+    return out
+
+
+def decode_peer_record(data: object, secret: bytes | None = None, namespace: str | None = None) -> PeerRecord:
+    """Decode and validate a stored peer record.
+
+    With ``secret``, a record without a valid signature raises SignatureError.
+    With ``namespace``, a record of another namespace is rejected.
+    """
+    env = _check_fields(_unpack(data, "peer record", MAX_RECORD_BYTES), _ENVELOPE_FIELDS, "peer record")
+    if env["v"] != FORMAT_VERSION:
+        raise WireFormatError(
+            f"peer record has format version {env['v']!r}; this library reads version {FORMAT_VERSION} "
+            "(upgrade the older side)"
+        )
+    if env["kind"] != "peer":
+        raise WireFormatError(f"record kind {str(env['kind'])[:20]!r} is not a peer record")
+    body, sig = env["body"], env["sig"]
+    if not isinstance(body, bytes):
+        raise WireFormatError("peer record body must be bytes")
+    if sig is not None and (not isinstance(sig, bytes) or len(sig) != 32):
+        raise WireFormatError("peer record signature must be 32 bytes or nil")
+    if secret:
+        if sig is None:
+            raise SignatureError("peer record is not signed, but this Transport requires a shared secret")
+        if not hmac.compare_digest(sig, _sign(secret, body)):
+            raise SignatureError("peer record signature does not match the shared secret")
+    m = _check_fields(_unpack(body, "peer record body", MAX_RECORD_BYTES), _PEER_FIELDS, "peer record body")
+    for key in ("name", "ns"):
+        if not NAME_RE.match(m[key]):
+            raise WireFormatError(f"peer record has an invalid {key} {m[key][:40]!r}")
+    if namespace is not None and m["ns"] != namespace:
+        raise WireFormatError(f"peer record belongs to namespace {m['ns']!r}, not {namespace!r}")
+    if not 0 < m["gen"] < (1 << 62) or not 0 <= m["pid"] < (1 << 31):
+        raise WireFormatError("peer record has an out-of-range generation or pid")
+    if len(m["md"]) > MAX_METADATA_BYTES or not m["md"]:
+        raise WireFormatError("peer record metadata is empty or too large")
+    for key in ("agent", "backend", "host", "version"):
+        if not m[key] or len(m[key]) > 256:
+            raise WireFormatError(f"peer record field {key!r} is empty or too long")
+    if len(m["regions"]) > MAX_REGIONS:
+        raise WireFormatError(f"peer record has more than {MAX_REGIONS} regions")
+    regions = tuple(_decode_region(r, i) for i, r in enumerate(m["regions"]))
+    if len({r.name for r in regions}) != len(regions):
+        raise WireFormatError("peer record lists a region name twice")
+    return PeerRecord(
+        name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
+        metadata=m["md"], host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
+        regions=regions,
+    )  # fmt: skip
+
+
+# --- heartbeats -------------------------------------------------------------------------------
+
+def encode_heartbeat(generation: int, wall_time: float) -> bytes:
+    out: bytes = msgpack.packb({"v": FORMAT_VERSION, "gen": generation, "t": float(wall_time)})
+    return out
+
+
+def decode_heartbeat(data: object) -> tuple[int, float]:
+    m = _check_fields(_unpack(data, "heartbeat", 256), {"v": int, "gen": int, "t": float}, "heartbeat")
+    if m["v"] != FORMAT_VERSION:
+        raise WireFormatError(f"heartbeat has format version {m['v']!r}")
+    return m["gen"], float(m["t"])
+
+
+# --- notification frames ----------------------------------------------------------------------
+# The first byte says what a notification carries; users' payloads travel after TAG_USER.
+
+TAG_USER = 0x75  # "u"
+_TAG_USER_BYTES = bytes([TAG_USER])
+
+
+def frame_user_notification(payload: object) -> bytes:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"notify must be bytes, got {type(payload).__name__}")
+    if len(payload) > MAX_NOTIFY_BYTES:
+        raise ValueError(f"notify payload is {len(payload)} bytes; the limit is {MAX_NOTIFY_BYTES}")
+    return _TAG_USER_BYTES + bytes(payload)
+
+
+def parse_notification(frame: bytes) -> tuple[int, bytes]:
+    """Split a received frame into (tag, payload); WireFormatError for an empty or unknown one."""
+    if not frame:
+        raise WireFormatError("empty notification frame")
+    tag = frame[0]
+    if tag != TAG_USER:
+        raise WireFormatError(f"notification frame has unknown tag 0x{tag:02x}")
+    return tag, frame[1:]
+
+
+def agent_name(peer: str, generation: int) -> str:
+    """The backend agent name of a peer incarnation; `peer_of_agent` inverts it."""
+    return f"{peer}#{generation}"
+
+
+def peer_of_agent(agent: str) -> tuple[str, int] | None:
+    name, sep, gen = agent.rpartition("#")
+    if not sep or not gen.isdigit() or not NAME_RE.match(name):
+        return None
+    return name, int(gen)
