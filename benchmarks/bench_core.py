@@ -1,0 +1,488 @@
+"""Core benchmark: `transport` puts against raw NIXL, gloo and memcpy, all in one run.
+
+    .venv/bin/python benchmarks/bench_core.py                  # full run (about 1-3 min here)
+    .venv/bin/python benchmarks/bench_core.py --quick          # under ~30 s, sizes up to 64 MiB
+    .venv/bin/python benchmarks/bench_core.py --json out.json  # also write every number
+
+What is measured (per-iteration wall time on the writer, MEDIAN of the timed iterations, after
+warm-up; GB/s = 1e9 bytes/s):
+
+1. 4 KiB put-and-wait latency: one-sided WRITE, the writer waits for its own completion, no
+   notification.  ours (`t.put(...).wait()`) vs raw NIXL.
+2. 64 MiB and 1 GiB put bandwidth: ours vs raw NIXL.
+3. One put of a dict of 1000 tensors of 64 KiB (one transfer) vs one 64 MiB put (ours); raw NIXL
+   doing the same 1000-descriptor transfer.
+4. References at the same sizes: gloo send + 1-byte ack between 2 processes, in-process memcpy.
+
+Raw NIXL comes in two variants (see _baselines.py): "raw-nixl" makes, posts, polls and releases a
+prepared xfer per iteration (what a direct NIXL user writes: the reference for the ratios), and
+"raw-nixl-repost" reposts one prepared handle (the tightest possible baseline).
+
+Every two-process system is verified once per size: the receiver zeroes its destination, the
+writer fills its source with a fresh pattern, transfers, and the receiver checks the pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (HERE, ROOT):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import _baselines as B  # noqa: E402  (sets NIXL_LOG_LEVEL / UCX_LOG_LEVEL before any nixl import)
+
+OURS_TIMEOUT_S = 60.0  # h.wait(timeout=...) for one put
+
+
+# --------------------------------------------------------------------------------------------
+# ours: the transport library's public API
+# --------------------------------------------------------------------------------------------
+
+
+def _ours_receiver(peer, cfg: dict) -> None:
+    B._apply_env(cfg)
+    import torch
+
+    import transport
+
+    maxn = max(n for n, _, _ in cfg["sizes"])
+    bcount, bsize = cfg["batch"][0], cfg["batch"][1]
+    with transport.Transport("recv", store=cfg["store"]) as t:
+        buf = torch.zeros(maxn, dtype=torch.uint8)
+        t.expose("buf", buf)
+        batch = {f"b{i}": torch.zeros(bsize, dtype=torch.uint8) for i in range(bcount)}
+        if bcount:
+            t.expose_all(batch)
+        peer.send(("ready",))
+        # Nothing else to do: the Transport's engine thread makes NIXL progress.
+        while True:
+            msg = peer.recv()
+            op = msg[0]
+            if op == "zero":
+                _, kind, n = msg
+                if kind == "batch":
+                    for b in batch.values():
+                        b.zero_()
+                else:
+                    buf[:n].zero_()
+                peer.send(("ok",))
+            elif op == "check":
+                _, kind, n, seed = msg
+                if kind == "batch":
+                    ok = all(B.check_pattern(batch[f"b{i}"], seed + i) for i in range(bcount))
+                else:
+                    ok = B.check_pattern(buf[:n], seed)
+                peer.send(("checked", ok))
+            elif op == "writer-closed":
+                break
+            else:
+                raise ValueError(f"unknown command {msg!r}")
+        t0 = time.perf_counter()
+    peer.send(("bye", time.perf_counter() - t0))
+
+
+def _ours_writer(peer, parent, cfg: dict) -> None:
+    B._apply_env(cfg)
+    import torch
+
+    import transport
+
+    maxn = max(n for n, _, _ in cfg["sizes"])
+    bcount, bsize, biters, bwarm = cfg["batch"]
+    notes: list[str] = []
+    records: list[dict] = []
+    msg = B.peer_recv(peer)  # the receiver opened first: it hosts the embedded store
+    assert msg[0] == "ready", msg
+
+    t_open = time.perf_counter()
+    t = transport.Transport("send", store=cfg["store"])
+    try:
+        t.wait_for_peer("recv", timeout=30)
+        notes.append(f"ours: open + wait_for_peer {1e3 * (time.perf_counter() - t_open):.1f} ms")
+        src = torch.empty(maxn, dtype=torch.uint8)
+        src.fill_(1)
+        t.register(src)
+        bsrc = {f"b{i}": torch.full((bsize,), 1, dtype=torch.uint8) for i in range(bcount)}
+        for v in bsrc.values():
+            t.register(v)
+
+        t0 = time.perf_counter()
+        t.put(src[:64], "recv", "buf").wait(timeout=OURS_TIMEOUT_S)
+        notes.append(
+            f"ours: first put (peer resolve + connect) {1e3 * (time.perf_counter() - t0):.2f} ms"
+        )
+
+        seed = 3000
+
+        def verify(kind: str, n: int, one, fill) -> bool:
+            nonlocal seed
+            seed += 1
+            peer.send(("zero", kind, n))
+            B.peer_recv(peer)
+            fill(seed)
+            one()
+            peer.send(("check", kind, n, seed))
+            if not B.peer_recv(peer)[1]:
+                raise RuntimeError(f"ours: {kind} {B.size_label(n)}: bytes did not land")
+            return True
+
+        for n, iters, warm in cfg["sizes"]:
+            view = src[:n]
+
+            def one(view=view) -> None:
+                t.put(view, "recv", "buf").wait(timeout=OURS_TIMEOUT_S)
+
+            rec = B.summarize("ours", B.size_label(n), n, B.time_loop(one, iters, warm))
+            rec["verified"] = verify("buf", n, one, lambda s, view=view: B.fill_pattern(view, s))
+            records.append(rec)
+
+        if bcount:
+            n = bcount * bsize
+
+            def bone() -> None:
+                t.put(bsrc, "recv").wait(timeout=OURS_TIMEOUT_S)
+
+            def bfill(s: int) -> None:
+                for i in range(bcount):
+                    B.fill_pattern(bsrc[f"b{i}"], s + i)
+
+            label = f"{bcount}x{B.size_label(bsize)}".replace(" ", "")
+            rec = B.summarize("ours-batch", label, n, B.time_loop(bone, biters, bwarm))
+            rec["verified"] = verify("batch", n, bone, bfill)
+            records.append(rec)
+    finally:
+        t0 = time.perf_counter()
+        t.close()
+        notes.append(f"ours: writer close {1e3 * (time.perf_counter() - t0):.1f} ms")
+    peer.send(("writer-closed",))
+    bye = B.peer_recv(peer)
+    notes.append(f"ours: receiver close {1e3 * bye[1]:.1f} ms")
+    parent.send({"records": records, "notes": notes})
+
+
+def ours_available() -> str | None:
+    """None when `transport.Transport` can be used, else the reason it cannot."""
+    try:
+        import transport
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip ours
+        return f"`import transport` failed: {type(e).__name__}: {e}"
+    if not hasattr(transport, "Transport"):
+        return "`transport.Transport` does not exist yet"
+    return None
+
+
+def run_ours(cfg: dict, timeout: float = 600.0) -> dict:
+    cfg = dict(cfg, store=f"tcp://127.0.0.1:{B.free_port()}")
+    return B.run_pair(_ours_writer, _ours_receiver, cfg, timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+RAW_REF = {"ours": "raw-nixl", "ours-batch": "raw-nixl-batch"}
+
+
+def _fmt_time(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:8.1f} us"
+    if s < 1.0:
+        return f"{s * 1e3:8.2f} ms"
+    return f"{s:8.3f} s "
+
+
+def _find(records: list[dict], size: str, system: str) -> dict | None:
+    for r in records:
+        if r["size"] == size and r["system"] == system:
+            return r
+    return None
+
+
+def compute_ratios(records: list[dict], cfg: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def ratio(num: dict | None, den: dict | None, key: str) -> float | None:
+        if num is None or den is None:
+            return None
+        return num[key] / den[key]
+
+    small = B.size_label(4 * B.KiB)
+    out["lat_4k_ours_over_raw"] = ratio(
+        _find(records, small, "ours"), _find(records, small, "raw-nixl"), "median_s"
+    )
+    out["lat_4k_ours_over_raw_repost"] = ratio(
+        _find(records, small, "ours"), _find(records, small, "raw-nixl-repost"), "median_s"
+    )
+    for n, key in ((64 * B.MiB, "64m"), (B.GiB, "1g")):
+        lab = B.size_label(n)
+        out[f"bw_{key}_ours_over_raw"] = ratio(
+            _find(records, lab, "ours"), _find(records, lab, "raw-nixl"), "gbps"
+        )
+        out[f"bw_{key}_ours_over_raw_repost"] = ratio(
+            _find(records, lab, "ours"), _find(records, lab, "raw-nixl-repost"), "gbps"
+        )
+    bcount, bsize = cfg["batch"][0], cfg["batch"][1]
+    blab = f"{bcount}x{B.size_label(bsize)}".replace(" ", "")
+    single = B.size_label(64 * B.MiB)  # 1000 x 64 KiB = 62.5 MiB: compared by GB/s
+    out["batch_over_single_ours"] = ratio(
+        _find(records, blab, "ours-batch"), _find(records, single, "ours"), "gbps"
+    )
+    out["batch_over_single_raw"] = ratio(
+        _find(records, blab, "raw-nixl-batch"), _find(records, single, "raw-nixl"), "gbps"
+    )
+    out["batch_ours_over_raw"] = ratio(
+        _find(records, blab, "ours-batch"), _find(records, blab, "raw-nixl-batch"), "gbps"
+    )
+    return out
+
+
+def print_table(records: list[dict]) -> None:
+    order = [
+        "memcpy",
+        "gloo",
+        "raw-nixl",
+        "raw-nixl-repost",
+        "ours",
+        "raw-nixl-batch",
+        "raw-nixl-batch-repost",
+        "ours-batch",
+    ]
+    sizes: list[str] = []
+    for r in records:
+        if r["size"] not in sizes:
+            sizes.append(r["size"])
+    # batch rows after the 64 MiB rows they are compared with
+    sizes.sort(
+        key=lambda s: (
+            next(r["bytes"] for r in records if r["size"] == s) + (B.MiB * 2 if "x" in s else 0)
+        )
+    )
+    hdr = f"{'size':>11} | {'system':<22} | {'median':>11} | {'GB/s':>7} | {'vs raw-nixl':>16} | {'p10..p90':>21} | {'iters':>5} | ok"
+    print(hdr)
+    print("-" * len(hdr))
+    for s in sizes:
+        rows = sorted(
+            (r for r in records if r["size"] == s),
+            key=lambda r: order.index(r["system"]) if r["system"] in order else 99,
+        )
+        latency = rows[0]["bytes"] <= 64 * B.KiB
+        ref = _find(records, s, "raw-nixl-batch" if "x" in s else "raw-nixl")
+        for r in rows:
+            if ref is None:
+                rel = "-"
+            elif latency:
+                rel = f"{r['median_s'] / ref['median_s']:.3f}x lat"
+            else:
+                rel = f"{r['gbps'] / ref['gbps']:.3f}x bw"
+            spread = f"{_fmt_time(r['p10_s']).strip()}..{_fmt_time(r['p90_s']).strip()}"
+            print(
+                f"{s:>11} | {r['system']:<22} | {_fmt_time(r['median_s'])} | {r['gbps']:7.3f} | {rel:>16} | {spread:>21} | {r['iters']:>5} | {'yes' if r['verified'] else 'NO'}"
+            )
+        print("-" * len(hdr))
+
+
+def _verdict(x: float | None, target: float, le: bool) -> str:
+    if x is None:
+        return "n/a"
+    good = x <= target if le else x >= target
+    return f"{x:.3f}  {'PASS' if good else 'MISS'}"
+
+
+def print_targets(ratios: dict[str, Any], cfg: dict) -> None:
+    bcount, bsize = cfg["batch"][0], cfg["batch"][1]
+    blab = f"{bcount}x{B.size_label(bsize)}".replace(" ", "")
+    single = B.size_label(64 * B.MiB)
+    print("targets (reference: raw-nixl = make+post+poll+release per iteration):")
+    print(
+        f"  4 KiB latency ours/raw = {_verdict(ratios['lat_4k_ours_over_raw'], 1.3, True)} (target <= 1.3)"
+    )
+    print(
+        f"  64 MiB bw ours/raw = {_verdict(ratios['bw_64m_ours_over_raw'], 0.95, False)} (target >= 0.95)"
+    )
+    print(
+        f"  1 GiB bw ours/raw = {_verdict(ratios['bw_1g_ours_over_raw'], 0.95, False)} (target >= 0.95)"
+    )
+    print(
+        f"  batch {blab} bw / single {single} bw = {_verdict(ratios['batch_over_single_ours'], 0.8, False)} (target >= 0.8)"
+    )
+
+    def f(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    print("also:")
+    print(
+        f"  vs raw-nixl-repost: 4 KiB latency {f(ratios['lat_4k_ours_over_raw_repost'])}, "
+        f"64 MiB bw {f(ratios['bw_64m_ours_over_raw_repost'])}, 1 GiB bw {f(ratios['bw_1g_ours_over_raw_repost'])}"
+    )
+    print(
+        f"  batch ours/raw-batch bw = {f(ratios['batch_ours_over_raw'])}; "
+        f"raw batch/single bw = {f(ratios['batch_over_single_raw'])}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+
+def build_config(args: argparse.Namespace) -> dict:
+    if args.quick:
+        plan = [(4 * B.KiB, 300, 50), (64 * B.MiB, 5, 1), (B.GiB, 3, 1)]
+        batch_iters = (5, 1)
+        max_size = B.parse_size(args.max_size) if args.max_size else 64 * B.MiB
+    else:
+        plan = [(4 * B.KiB, 2000, 200), (64 * B.MiB, 20, 3), (B.GiB, 5, 1)]
+        batch_iters = (20, 3)
+        max_size = B.parse_size(args.max_size) if args.max_size else B.GiB
+    if args.iters_scale != 1.0:
+        plan = [(n, max(3, int(i * args.iters_scale)), w) for n, i, w in plan]
+        batch_iters = (max(3, int(batch_iters[0] * args.iters_scale)), batch_iters[1])
+    sizes = [p for p in plan if p[0] <= max_size]
+    env: dict[str, str] = {}
+    if args.ucx_tls:
+        env["UCX_TLS"] = args.ucx_tls
+        if args.ucx_tls.split(",") == ["tcp"]:
+            env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
+    return {
+        "sizes": sizes,
+        "batch": (args.batch_count, args.batch_size, *batch_iters)
+        if args.batch_count
+        else (0, 0, 0, 0),
+        "recv_progress": args.recv_progress,
+        "env": env,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small counts, sizes up to 64 MiB (~30 s)")
+    ap.add_argument(
+        "--max-size", default=None, help="largest single size, e.g. 64M (quick: 64M, else 1G)"
+    )
+    ap.add_argument("--json", default=None, metavar="FILE", help="write config, records and ratios")
+    ap.add_argument(
+        "--systems",
+        default="memcpy,raw,gloo,ours",
+        help="comma list out of memcpy,raw,gloo,ours (default: all)",
+    )
+    ap.add_argument(
+        "--recv-progress",
+        choices=("sleep", "tight", "none"),
+        default="sleep",
+        help="raw NIXL receiver: get_new_notifs() then wait <=0.5 ms on its pipe "
+        "(sleep, default), in a busy loop (tight), or no NIXL calls (none)",
+    )
+    ap.add_argument(
+        "--ucx-tls",
+        default=None,
+        help="UCX_TLS for raw NIXL and ours (e.g. tcp); default: UCX's choice (cma)",
+    )
+    ap.add_argument("--batch-count", type=int, default=1000)
+    ap.add_argument("--batch-size", type=B.parse_size, default=64 * B.KiB)
+    ap.add_argument(
+        "--iters-scale", type=float, default=1.0, help="multiply timed iteration counts"
+    )
+    args = ap.parse_args(argv)
+
+    cfg = build_config(args)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    t_start = time.perf_counter()
+    records: list[dict] = []
+    notes: list[str] = []
+    errors: dict[str, str] = {}
+    print(
+        f"bench_core: sizes {[B.size_label(n) for n, _, _ in cfg['sizes']]}, "
+        f"batch {cfg['batch'][0]}x{B.size_label(cfg['batch'][1]) if cfg['batch'][0] else '-'}, "
+        f"raw receiver progress '{cfg['recv_progress']}', env {cfg['env'] or 'UCX defaults'}, "
+        f"{os.cpu_count()} cpus",
+        flush=True,
+    )
+
+    def take(name: str, res: dict) -> None:
+        if "error" in res:
+            errors[name] = res["error"]
+            print(f"[{name}] FAILED:\n{res['error']}", flush=True)
+            return
+        records.extend(res["records"])
+        notes.extend(res.get("notes", []))
+        print(f"[{name}] done ({time.perf_counter() - t_start:.1f} s)", flush=True)
+
+    for name in systems:
+        if name == "memcpy":
+            try:
+                take(name, B.run_memcpy(cfg))
+            except Exception as e:  # noqa: BLE001
+                take(name, {"error": f"{type(e).__name__}: {e}"})
+        elif name == "raw":
+            take(name, B.run_raw_nixl(cfg))
+        elif name == "gloo":
+            take(name, B.run_gloo(cfg))
+        elif name == "ours":
+            why = ours_available()
+            if why:
+                errors["ours"] = f"skipped: {why}"
+                print(f"[ours] SKIPPED: {why}", flush=True)
+            else:
+                take(name, run_ours(cfg))
+        else:
+            ap.error(f"unknown system {name!r}")
+
+    print()
+    print_table(records)
+    ratios = compute_ratios(records, cfg)
+    print_targets(ratios, cfg)
+    for r in records:
+        if "post_returned_done" in r:
+            notes.append(
+                f"{r['system']} {r['size']}: transfer() returned DONE at once in "
+                f"{100 * r['post_returned_done']:.0f}% of posts, "
+                f"{r['polls_per_xfer']:.1f} check_xfer_state polls per transfer; median "
+                f"make_prepped_xfer {_fmt_time(r['make_median_s']).strip()}, "
+                f"transfer() {_fmt_time(r['transfer_call_median_s']).strip()}, "
+                f"release() {_fmt_time(r['release_median_s']).strip()}"
+            )
+    if notes:
+        print("notes:")
+        for n in notes:
+            print(f"  {n}")
+    if errors:
+        print("errors:")
+        for k, v in errors.items():
+            print(f"  {k}: {v.strip().splitlines()[-1] if v.strip() else v}")
+    total = time.perf_counter() - t_start
+    print(f"total {total:.1f} s")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "config": {**cfg, "systems": systems, "quick": args.quick},
+                    "host": {
+                        "cpus": os.cpu_count(),
+                        "platform": platform.platform(),
+                        "python": platform.python_version(),
+                    },
+                    "records": records,
+                    "ratios": ratios,
+                    "notes": notes,
+                    "errors": errors,
+                    "total_s": total,
+                },
+                f,
+                indent=2,
+            )
+    bad = [r for r in records if not r["verified"]]
+    return 1 if bad or any(not v.startswith("skipped") for v in errors.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
