@@ -19,7 +19,7 @@ import torch
 
 from transport import backends as _backends
 from transport.backends.base import READ, WRITE, device_parts
-from transport.engine import FAILED, Engine, Op
+from transport.engine import Engine, Op
 from transport.errors import (
     ClosedError,
     PeerLostError,
@@ -312,6 +312,10 @@ class Transport:
         elements of the region. ``notify`` (bytes) reaches the peer after all the data has landed.
         Without ``key`` the name the source was exposed or registered under is used.
         """
+        if type(src) is torch.Tensor and type(peer) is str and stream is None:
+            handle = self._fast(WRITE, src, peer, key, offset, notify, timeout)
+            if handle is not None:
+                return handle
         return self._transfer(WRITE, src, peer, key, offset, notify, timeout, stream)
 
     def get(
@@ -328,7 +332,35 @@ class Transport:
         ``dst`` may be a dict name -> tensor (one transfer). The region must allow reads."""
         if not isinstance(peer, str):
             raise TypeError("get reads from one peer; pass its name as a str")
+        if type(dst) is torch.Tensor and stream is None:
+            handle = self._fast(READ, dst, peer, key, offset, None, timeout)
+            if handle is not None:
+                return handle
         return self._transfer(READ, dst, peer, key, offset, None, timeout, stream)
+
+    def _fast(
+        self, op: str, t: torch.Tensor, peer: str, key: str | None, offset: int, notify: bytes | None,
+        timeout: float | None,
+    ) -> Handle | None:
+        """Replay a cached small plan from the caller's thread; None when the general path is needed."""
+        ptr, nbytes = t.data_ptr(), t.nbytes
+        if key is None:
+            key = self._local_names.get((ptr, nbytes))
+        plan = self._plans.get((op, peer, (key, ptr, nbytes, t.dtype), offset))
+        if (
+            plan is None
+            or not plan.inline
+            or not plan.conn.alive
+            or self._state is not _State.OPEN
+            or not t.is_contiguous()
+            or (timeout is not None and not (type(timeout) in (int, float) and timeout > 0))
+        ):
+            return None
+        notif = frame_user_notification(notify) if notify is not None else b""
+        handle = Handle("put" if op == WRITE else "get", (peer,), nbytes, 1)
+        if self._engine.post_fast(handle, plan, notif, self.timeout if timeout is None else timeout):
+            return handle
+        return None
 
     def _transfer(
         self,
@@ -403,11 +435,38 @@ class Transport:
         handle._remaining = len(ops)
         if inline:
             handle._poller = self._engine.poller(ops)
-            for o in ops:
-                self._engine.post_now(o)
+            for i, o in enumerate(ops):
+                try:
+                    self._engine.post_now(o, lost_raises=True)
+                except PeerLostError as e:
+                    retry = self._after_loss(o, items, sig, offset)
+                    if retry is None:
+                        self._engine.fail(o, e)
+                    else:
+                        ops[i] = retry  # the poller sees the list, so it polls the retry
+                        self._engine.post_now(retry)
         else:
             self._engine.submit(ops)
         return handle
+
+    def _after_loss(
+        self, lost: Op, items: tuple[tuple[str, torch.Tensor], ...], sig: tuple[Any, ...], offset: int
+    ) -> Op | None:
+        """A post to a peer failed because it is gone. If it has restarted under the same name, return
+        an op for the new incarnation (nothing was sent to the old one), else None."""
+        old = lost.plan.conn
+        self._on_peer_lost(old, PeerLostError("lost while posting", old.name))
+        try:
+            rec = self._dir.fetch(old.name)
+        except (StoreError, WireFormatError):
+            return None
+        if rec is None or rec.generation <= old.generation:
+            return None
+        plan = self._plan(lost.plan.op, old.name, items, sig, offset)
+        if len(plan.parts) != 1:
+            return None
+        log.info("peer %s restarted (generation %d); retrying on it", old.name, rec.generation)
+        return Op(lost.handle, plan, plan.parts[0], lost.notif, lost.deadline, lost.timeout)
 
     def _plan(self, op: str, peer: str, items: tuple[tuple[str, torch.Tensor], ...], sig: tuple[Any, ...], offset: int) -> Plan:
         ckey = (op, peer, sig, offset)
@@ -423,11 +482,16 @@ class Transport:
                 # the peer may have exposed more since we read its record
                 fresh = self._connect(peer, refresh=True)
                 plan = self._build_plan(op, fresh, items, offset)
+            plan.inline = len(plan.parts) == 1 and plan.nbytes <= self.inline_bytes
             self._plans[ckey] = plan
             plan.conn.plans.add(plan)
-            while len(self._plans) > self.max_plans:
-                _, old = self._plans.popitem(last=False)
+            for _ in range(len(self._plans) - self.max_plans):
+                old_key, old = next(iter(self._plans.items()))
                 with old.conn.lock:
+                    if old.busy:  # in flight: keep it, retry later
+                        self._plans.move_to_end(old_key)
+                        continue
+                    del self._plans[old_key]
                     old.conn.plans.discard(old)
                     old.release(self._backend)
         return plan

@@ -85,12 +85,45 @@ class Engine:
 
     # -- called from user threads ---------------------------------------------------------------
 
-    def post_now(self, op: Op) -> None:
-        """Post ``op`` on the calling thread (small transfers); the engine tracks it from then on."""
-        self._post(op)
+    def post_now(self, op: Op, lost_raises: bool = False) -> None:
+        """Post ``op`` on the calling thread (small transfers); the engine tracks it from then on.
+        With ``lost_raises``, a PeerLostError while posting (nothing was sent) is raised to the
+        caller and leaves ``op`` unposted, so that the caller can retry a restarted peer."""
+        self._post(op, lost_raises)
         if op.state == POSTED:
             self._new.append(op)
         self._last_activity = time.monotonic()
+
+    def post_fast(self, handle: Handle, plan: Plan, notif: bytes, timeout: float) -> bool:
+        """Post a one-part plan from the caller's thread, completing ``handle`` at once when the
+        backend finishes during the post. False when the general path must handle it (errors)."""
+        conn = plan.conn
+        part = plan.parts[0]
+        with conn.lock:
+            if not conn.alive or not plan.valid:
+                return False
+            pool = part.idle[bool(notif)]
+            try:
+                xfer = pool.pop() if pool else plan.take(self._backend, part, notif)
+            except TransportError:
+                return False
+            try:
+                st = self._backend.post(xfer, notif, conn.name)
+            except TransportError:
+                self._backend.release_xfer(xfer)
+                return False
+            if st == DONE:
+                plan.give_back(self._backend, part, xfer, bool(notif))
+                handle._complete_now()
+                return True
+            plan.busy += 1
+        op = Op(handle, plan, part, notif, time.monotonic() + timeout, timeout)
+        op.xfer = xfer
+        op.state = POSTED
+        handle._poller = self.poller([op])
+        self._new.append(op)
+        self._last_activity = time.monotonic()
+        return True
 
     def submit(self, ops: list[Op]) -> None:
         """Hand ops to the engine thread for posting (large transfers and dependent parts)."""
@@ -135,7 +168,7 @@ class Engine:
 
     # -- posting, polling, completing ------------------------------------------------------------
 
-    def _post(self, op: Op) -> None:
+    def _post(self, op: Op, lost_raises: bool = False) -> None:
         plan, conn = op.plan, op.plan.conn
         if time.monotonic() > op.deadline:
             self.fail(op, self._timeout_error(op, posted=False))
@@ -152,8 +185,17 @@ class Engine:
                 xfer = plan.take(self._backend, op.part, op.notif)
                 op.xfer = xfer
                 op.state = POSTED
+                plan.busy += 1
                 st = self._backend.post(xfer, op.notif, conn.name)
         except BaseException as e:
+            if lost_raises and isinstance(e, PeerLostError):
+                if op.xfer is not None:
+                    self._backend.release_xfer(op.xfer)
+                    op.xfer = None
+                    with conn.lock:
+                        plan.busy -= 1
+                op.state = QUEUED
+                raise
             op.state = POSTED  # so that fail() releases the transfer
             self.fail(op, e)
             return
@@ -198,9 +240,14 @@ class Engine:
         if error is None:
             op.state = OK
             with plan.conn.lock:
+                plan.busy -= 1
                 plan.give_back(self._backend, op.part, xfer, bool(op.notif))
         else:
+            was_posted = op.state == POSTED and xfer is not None
             op.state = FAILED
+            if was_posted:
+                with plan.conn.lock:
+                    plan.busy -= 1
             if xfer is not None and not self._backend.release_xfer(xfer):
                 log.warning("the backend refused to withdraw a failed transfer to %s", plan.conn.name)
         op.handle._part_done(plan.conn.name, error)

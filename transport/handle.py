@@ -78,6 +78,11 @@ class Handle:
             for cb in callbacks:
                 _run_callback(cb, self)
 
+    def _complete_now(self) -> None:
+        """Success before the handle was shared with any other thread (the fast path)."""
+        self._remaining = 0
+        self._state = _OK
+
     # -- public ------------------------------------------------------------------------------
 
     def done(self) -> bool:

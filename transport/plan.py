@@ -89,6 +89,8 @@ class Plan:
         local, remote, bounds = split_descs(local, remote, chunk_bytes)
         self.nbytes = int(local[:, 1].sum()) if len(local) else 0
         self.valid = True
+        self.inline = False  # small and in one part: posted from the caller's thread
+        self.busy = 0  # transfers in flight (guarded by conn.lock)
         self.local = backend.prep(None, local, device)
         try:
             self.remote = backend.prep(conn.agent, remote, remote_device)
@@ -128,6 +130,8 @@ class Plan:
                     backend.release_xfer(pool.pop())
         backend.release_prepped(self.local)
         backend.release_prepped(self.remote)
+        for reg in self.keep:
+            reg.users -= 1
 
 
 def split_descs(

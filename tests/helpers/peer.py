@@ -1,0 +1,140 @@
+"""A Transport in a child process, driven over a pipe.
+
+Tests start real peers with :class:`Peer`, tell them what to do, and check
+the bytes that arrived by asking the child for a SHA-256 of its regions. Every
+call has a deadline; nothing here sleeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import torch
+
+Regions = dict[str, tuple[str, int, str]]  # name -> (dtype, numel, access)
+
+
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    """``nbytes`` pseudo-random bytes, the same for the same seed in every process."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str, Any]) -> None:
+    import transport
+
+    try:
+        t = transport.Transport(name, store=store, **kwargs)
+        bufs = {r: torch.zeros(n, dtype=getattr(torch, dt)) for r, (dt, n, _) in regions.items()}
+        for access in ("rw", "w", "r"):
+            group = {r: bufs[r] for r, (_, _, a) in regions.items() if a == access}
+            if group:
+                t.expose_all(group, access=access)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    def notif_then_sha(timeout: float, names: list[str]) -> tuple[str, bytes, dict[str, str]]:
+        n = t.wait_notification(timeout)
+        return n.peer, n.payload, {r: sha(bufs[r]) for r in names}
+
+    def put_pattern(peer: str, key: str, nbytes: int, seed: int, timeout: float) -> str:
+        src = pattern(nbytes, seed)
+        t.put(src, peer, key).wait(timeout)
+        return sha(src)
+
+    handlers = {
+        "sha": lambda r: sha(bufs[r]),
+        "shas": lambda names: {r: sha(bufs[r]) for r in names},
+        "sha_range": lambda r, start, n: sha(bufs[r].view(torch.uint8)[start : start + n]),
+        "read": lambda r, start, n: bytes(bufs[r].view(torch.uint8)[start : start + n].numpy().tobytes()),
+        "fill": lambda r, seed: (bufs[r].view(torch.uint8).copy_(pattern(bufs[r].nbytes, seed)), sha(bufs[r]))[1],
+        "zero": lambda r: bufs[r].zero_() is not None,
+        "notif_then_sha": notif_then_sha,
+        "notifications": lambda timeout: [(n.peer, n.payload) for n in t.notifications(timeout)],
+        "put_pattern": put_pattern,
+        "wait_for_peer": lambda peer, timeout: t.wait_for_peer(peer, timeout).generation,
+    }
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        if cmd == "exit":
+            t.close()
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", handlers[cmd](*args)))
+        except BaseException as e:
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+class Peer:
+    """A child process running ``Transport(name, store=store_url, **kwargs)`` with ``regions``."""
+
+    def __init__(self, name: str, store_url: str, regions: Regions | None = None, start_timeout: float = 60, **kwargs: Any):
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        self.proc = ctx.Process(target=_child, args=(child_conn, name, store_url, regions or {}, kwargs), daemon=True)
+        self.proc.start()
+        if env_backup is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        child_conn.close()
+        self.generation, self.pid = self._reply(start_timeout, "start")
+
+    def _reply(self, timeout: float, what: str) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer {self.name!r} did not answer {what!r} within {timeout} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise PeerError(f"peer {self.name!r} died (exit code {self.proc.exitcode})") from None
+        if status != "ok":
+            raise PeerError(f"peer {self.name!r}: {value}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60) -> Any:
+        self._conn.send((cmd, args))
+        return self._reply(timeout, cmd)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """kill -9, and reap the process."""
+        if self.proc.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=10)
+            except (PeerError, TimeoutError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

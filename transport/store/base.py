@@ -1,0 +1,155 @@
+"""The key-value store contract.
+
+A store holds small byte values under string keys. It is how peers find each
+other: never on the hot path of a transfer. Every blocking method takes a
+``timeout`` (seconds, ``None`` for the store's default) that becomes one
+deadline; on expiry it raises :class:`~transport.errors.StoreTimeout`. Any
+other failure of the server or the connection raises
+:class:`~transport.errors.StoreError`, chained to the client library's error.
+
+Stores are safe to use from several threads at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import re
+import time
+from collections.abc import Iterable
+from types import TracebackType
+from urllib.parse import urlsplit, urlunsplit
+
+from transport.errors import ClosedError
+
+DEFAULT_TIMEOUT = 30.0
+
+
+class Store(abc.ABC):
+    """Abstract key-value store. Implementations: memory, tcp (torch TCPStore), redis."""
+
+    #: the URL this store was opened from (for messages and for child processes)
+    url: str = ""
+
+    @abc.abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``, replacing any previous value."""
+
+    @abc.abstractmethod
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """Return the value of ``key``, waiting up to ``timeout`` for it to appear.
+
+        ``timeout=0`` does not wait. Raises StoreTimeout when the key is still
+        missing at the deadline.
+        """
+
+    @abc.abstractmethod
+    def try_get(self, key: str) -> bytes | None:
+        """Return the value of ``key`` or ``None`` when it is missing; never waits for the key."""
+
+    @abc.abstractmethod
+    def add(self, key: str, amount: int = 1) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value."""
+
+    @abc.abstractmethod
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        """Atomically set ``key`` to ``desired`` if its value is ``expected``.
+
+        ``expected=None`` means "the key must be missing". Returns whether the
+        value was set.
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+
+    @abc.abstractmethod
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Block until every key in ``keys`` exists; StoreTimeout at the deadline."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections (and, for a store this process hosts, stop serving). Idempotent."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({redact_url(self.url)!r})"
+
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"store {redact_url(self.url)} is closed; open a new one")
+
+
+# Helpers shared by the implementations: argument checks, deadlines, messages.
+
+_INTEGER = re.compile(rb"-?[0-9]+")
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if it is a usable key: a non-empty ``str`` without NUL characters."""
+    if not isinstance(key, str):
+        raise TypeError(f"store key must be str, not {type(key).__name__}")
+    if not key or "\x00" in key:
+        raise ValueError(f"store key must be a non-empty str without NUL characters, got {key!r}")
+    return key
+
+
+def check_value(value: object) -> bytes:
+    """Return ``value`` as ``bytes``; accepts bytes, bytearray and memoryview."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        raise TypeError("store value must be bytes, not str; encode it first, e.g. value.encode()")
+    raise TypeError(f"store value must be bytes, not {type(value).__name__}")
+
+
+def check_amount(amount: object) -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise TypeError(f"amount must be an int, not {type(amount).__name__}")
+    return amount
+
+
+def parse_integer(value: bytes) -> int | None:
+    """The integer a counter value holds (decimal ASCII, as ``add`` writes it), or None."""
+    return int(value) if _INTEGER.fullmatch(value) else None
+
+
+def check_timeout(timeout: object) -> float | None:
+    """Return ``timeout`` as seconds (or None); rejects negative, infinite and non-numbers."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}")
+    return float(timeout)
+
+
+def deadline_after(timeout: object, default: float = DEFAULT_TIMEOUT) -> float:
+    """The ``time.monotonic()`` deadline of a call given ``timeout`` (None: ``default``)."""
+    seconds = check_timeout(timeout)
+    return time.monotonic() + (default if seconds is None else seconds)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<malformed URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -1,0 +1,406 @@
+"""The embedded default store: ``torch.distributed.TCPStore``, no server to install.
+
+URL: ``tcp://HOST:PORT[?timeout=SECONDS&host=auto|yes|no]``.
+
+``host=auto`` (the default): when HOST is an address of this machine, the first
+process to bind PORT serves the store and every later opener joins it as a
+client; the bind decides, so simultaneous openers are safe. ``host=yes`` always
+serves (and fails when the port is taken); ``host=no`` always joins. ``timeout``
+bounds connecting (default 10 s): an unreachable store fails within it.
+
+The keys live in the serving process: when it closes the store or exits, they are
+gone, and every other process sees :class:`~transport.errors.StoreError` on its
+next call (or at once, for a call waiting on a key). Reconnecting is attempted on
+each later call, each attempt taking up to the connect timeout.
+
+Measured behaviours of TCPStore (torch 2.13) this module works around:
+
+* A client object serialises its calls: a ``get`` waiting for a key holds up every
+  other thread using that object. Each thread here gets its own client.
+* A wait with a zero (or very short) timeout can time out even when the key
+  exists, before the server's answer arrives; ``check`` is used to look first.
+* ``compare_set(key, "", new)`` sets ``key`` when it is missing *or holds the
+  empty value*, and the returned value alone cannot tell success from failure.
+  Values that are empty or start with byte 0xFF, and values written by
+  ``compare_set``, are therefore stored with a 9-byte header (0xFF and a random
+  nonce), which makes every compare-and-set exact. A successful ``compare_set``
+  writes the plain value back right away, so ``add`` works on it afterwards.
+* ``add`` on a value that is not a decimal integer makes the server drop the
+  connection; it is reported as :class:`~transport.errors.StoreError`. The server
+  parses a leading integer (``add`` on ``b"12abc"`` gives 13) and wraps at 2**63.
+* The server does not answer ``set``: a set sent to a frozen or dead host returns
+  as if it worked. ``set`` here waits for the answer to a ``check`` sent after it.
+* Keys containing NUL are cut at the NUL by the server; all stores refuse them.
+* Every timed-out wait makes torch log two warnings to stderr (its C++ logger;
+  ``TORCH_CPP_LOG_LEVEL=ERROR`` silences them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+from urllib.parse import parse_qs, urlsplit
+
+import torch.distributed as dist
+
+from transport.errors import StoreError, StoreTimeout
+from transport.store.base import (
+    DEFAULT_TIMEOUT,
+    Store,
+    check_amount,
+    check_key,
+    check_timeout,
+    check_value,
+    deadline_after,
+)
+
+logger = logging.getLogger("transport.store.tcp")
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+HOSTING_MODES = ("auto", "yes", "no")
+
+_MARK = b"\xff"
+_HEADER_LEN = 9  # the mark and an 8-byte nonce
+# How long a get may wait for a key that check() has just seen (it can be deleted in between).
+_GRACE = 0.25
+_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
+
+
+def _encode(value: bytes, *, unique: bool = False) -> bytes:
+    if unique or not value or value.startswith(_MARK):
+        return _MARK + os.urandom(_HEADER_LEN - 1) + value
+    return value
+
+
+def _decode(raw: bytes) -> bytes:
+    return raw[_HEADER_LEN:] if raw.startswith(_MARK) else raw
+
+
+def _plain(value: bytes) -> bool:
+    return bool(value) and not value.startswith(_MARK)
+
+
+def _span(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.0))
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine (a loopback or wildcard address, or one it can bind)."""
+    if host in _LOCAL_NAMES or host == socket.gethostname():
+        return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def parse_tcp_url(url: str) -> tuple[str, int, str, float | None]:
+    """Split ``tcp://HOST:PORT[?timeout=S&host=MODE]`` into host, port, mode and timeout."""
+    rule = "a tcp store URL is tcp://HOST:PORT[?timeout=SECONDS&host=auto|yes|no]"
+    parts = urlsplit(url)
+    if parts.scheme != "tcp":
+        raise ValueError(f"{rule}; got {url!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{rule}; the port of {url!r} is not a number from 0 to 65535") from None
+    if not parts.hostname or port is None:
+        raise ValueError(f"{rule}; {url!r} lacks the host or the port")
+    if parts.username is not None or parts.path not in ("", "/"):
+        raise ValueError(f"{rule}; {url!r} has a user or a path")
+    options = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(options) - {"timeout", "host"})
+    if unknown or any(len(v) != 1 for v in options.values()):
+        raise ValueError(f"{rule}; {url!r} has unknown or repeated options {unknown or ''}")
+    hosting = options.get("host", ["auto"])[0]
+    if hosting not in HOSTING_MODES:
+        raise ValueError(f"{rule}; host={hosting!r} is not one of auto, yes, no")
+    timeout = None
+    if "timeout" in options:
+        try:
+            timeout = check_timeout(float(options["timeout"][0]))
+        except ValueError:
+            raise ValueError(
+                f"{rule}; timeout={options['timeout'][0]!r} is not a number of seconds >= 0"
+            ) from None
+    return parts.hostname, port, hosting, timeout
+
+
+class TcpStore(Store):
+    """A store served by ``torch.distributed.TCPStore``, hosted by one of its users.
+
+    ``hosting`` is ``"auto"``, ``"yes"`` or ``"no"`` as the URL's ``host=`` option;
+    ``timeout`` bounds connecting. ``port=0`` with hosting picks a free port
+    (read it back from :attr:`port` or :attr:`url`). :attr:`url` is the URL a
+    child process should open to join this store.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 29517,
+        *,
+        hosting: str = "auto",
+        timeout: float | None = None,
+    ) -> None:
+        if hosting not in HOSTING_MODES:
+            raise ValueError(f"hosting must be one of {', '.join(HOSTING_MODES)}, got {hosting!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int from 0 to 65535, got {port!r}")
+        given_timeout = check_timeout(timeout)
+        self._connect_timeout = DEFAULT_CONNECT_TIMEOUT if given_timeout is None else given_timeout
+        self._host = host
+        self._port = port
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._closed = False
+        self._master: dist.TCPStore | None = None
+        self.url = self._make_url(hosting, given_timeout)
+
+        serve = hosting == "yes" or (hosting == "auto" and is_local_address(host))
+        if port == 0 and not serve:
+            raise ValueError(
+                f"store {self.url}: port 0 (any free port) only works for the process that "
+                "hosts the store; name the port to join a store"
+            )
+        if serve:
+            self._master = self._try_to_host(required=hosting == "yes")
+        if self._master is not None:
+            self._port = self._master.port
+            self.url = self._make_url(hosting, given_timeout)
+            logger.info("hosting store %s", self.url)
+        else:
+            self._client()  # connect now: an unreachable store fails here, within the timeout
+            logger.debug("joined store %s as a client", self.url)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout: float | None = None) -> TcpStore:
+        host, port, hosting, url_timeout = parse_tcp_url(url)
+        return cls(host, port, hosting=hosting, timeout=url_timeout if timeout is None else timeout)
+
+    @property
+    def is_host(self) -> bool:
+        """Whether this object serves the store (its keys go when it closes)."""
+        return self._master is not None
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def _make_url(self, hosting: str, timeout: float | None) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        options = [f"timeout={timeout:g}"] if timeout is not None else []
+        if hosting == "no":
+            options.append("host=no")
+        return f"tcp://{host}:{self._port}" + ("?" + "&".join(options) if options else "")
+
+    # -- torch objects and their errors -----------------------------------------------
+
+    @contextmanager
+    def _torch_errors(self, op: str, timeout_message: str = "") -> Iterator[None]:
+        """Map torch's store errors into StoreError / StoreTimeout: the one place that does."""
+        try:
+            yield
+        except dist.DistStoreError as exc:
+            if "timeout" in str(exc).lower() and timeout_message:
+                raise StoreTimeout(f"{timeout_message} in store {self.url}") from exc
+            raise StoreError(f"{op} on store {self.url} failed: {_first_line(exc)}") from exc
+        except dist.DistNetworkError as exc:
+            self._local.client = None
+            if op == "connect":
+                raise StoreError(
+                    f"cannot reach store {self.url} within {self._connect_timeout:g} s "
+                    f"({_first_line(exc)}); start the process that hosts it first, "
+                    "or pass store=redis://HOST:PORT to use a Redis server"
+                ) from exc
+            raise StoreError(
+                f"{op} on store {self.url} lost the connection (the process hosting the store "
+                f"may have exited): {_first_line(exc)}"
+            ) from exc
+        except RuntimeError as exc:  # torch.distributed.DistError and plain c10::Error
+            raise StoreError(f"{op} on store {self.url} failed: {_first_line(exc)}") from exc
+
+    def _try_to_host(self, *, required: bool) -> dist.TCPStore | None:
+        try:
+            with self._torch_errors("host"):
+                return dist.TCPStore(
+                    self._host,
+                    self._port,
+                    None,
+                    True,
+                    _span(self._connect_timeout),
+                    wait_for_workers=False,
+                )
+        except StoreError as exc:
+            if required:
+                raise StoreError(
+                    f"cannot host store {self.url}: {_first_line(exc.__cause__ or exc)}; "
+                    "use host=auto to join a store already there, or choose another port"
+                ) from exc.__cause__
+            logger.debug("did not host %s (%s); joining it", self.url, exc)
+            return None
+
+    def _client(self, connect_timeout: float | None = None) -> dist.TCPStore:
+        """This thread's client, connected on first use (a client serialises its calls)."""
+        if self._closed:
+            raise self._closed_error()
+        local = self._local
+        client: dist.TCPStore | None = getattr(local, "client", None)
+        if client is None:
+            seconds = self._connect_timeout if connect_timeout is None else connect_timeout
+            with self._torch_errors("connect"):
+                client = dist.TCPStore(self._host, self._port, None, False, _span(seconds))
+            local.client = client
+        return client
+
+    def _raw_try_get(self, client: dist.TCPStore, key: str) -> bytes | None:
+        if not client.check([key]):
+            return None
+        client.set_timeout(_span(_GRACE))
+        try:
+            return client.get(key)
+        except dist.DistStoreError:  # deleted between check and get
+            return None
+
+    # -- the Store contract -----------------------------------------------------------
+
+    def set(self, key: str, value: bytes) -> None:
+        key, value = check_key(key), check_value(value)
+        with self._torch_errors("set"):
+            client = self._client()
+            client.set(key, _encode(value))
+            client.check([key])  # TCPStore does not answer a set: this answer confirms it
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        key = check_key(key)
+        deadline = deadline_after(timeout)
+        missing = (
+            f"key {key!r} did not appear within "
+            f"{DEFAULT_TIMEOUT if timeout is None else timeout:g} s"
+        )
+        with self._torch_errors("get", missing):
+            client = self._client()
+            while True:
+                raw = self._raw_try_get(client, key)
+                if raw is not None:
+                    return _decode(raw)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreTimeout(f"{missing} in store {self.url}")
+                client.wait([key], _span(left))
+
+    def try_get(self, key: str) -> bytes | None:
+        key = check_key(key)
+        with self._torch_errors("try_get"):
+            raw = self._raw_try_get(self._client(), key)
+        return None if raw is None else _decode(raw)
+
+    def add(self, key: str, amount: int = 1) -> int:
+        key, amount = check_key(key), check_amount(amount)
+        try:
+            with self._torch_errors("add"):
+                return int(self._client().add(key, amount))
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, dist.DistNetworkError) or not self._reachable():
+                raise
+            self._not_an_integer(key, exc)
+
+    def _reachable(self) -> bool:
+        try:
+            with self._torch_errors("connect"):
+                self._client(connect_timeout=min(self._connect_timeout, 1.0)).check(["-"])
+            return True
+        except StoreError:
+            return False
+
+    def _not_an_integer(self, key: str, exc: StoreError) -> NoReturn:
+        raise StoreError(
+            f"add({key!r}) on store {self.url}: the value is not a decimal integer"
+        ) from exc.__cause__
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        key, desired = check_key(key), check_value(desired)
+        if expected is not None:
+            expected = check_value(expected)
+        new = _encode(desired, unique=True)  # unique: the answer equals it only if we set it
+        with self._torch_errors("compare_set"):
+            client = self._client()
+            if expected is None:
+                # Stored values are never empty, so "" matches a missing key only.
+                swapped = client.compare_set(key, b"", new) == new
+            else:
+                swapped = False
+                raw = self._raw_try_get(client, key)
+                while raw is not None and _decode(raw) == expected:
+                    current = client.compare_set(key, raw, new)
+                    if current == new:
+                        swapped = True
+                        break
+                    # TCPStore answers the expected value itself when the key is missing.
+                    raw = None if current == raw else current
+            if swapped and _plain(desired):
+                client.compare_set(key, new, desired)  # plain again, unless changed since
+        return swapped
+
+    def delete(self, key: str) -> bool:
+        key = check_key(key)
+        with self._torch_errors("delete"):
+            return bool(self._client().delete_key(key))
+
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        wanted = list(dict.fromkeys(check_key(k) for k in keys))
+        deadline = deadline_after(timeout)
+        message = (
+            f"keys {wanted!r} did not all appear within "
+            f"{DEFAULT_TIMEOUT if timeout is None else timeout:g} s"
+        )
+        with self._torch_errors("wait", message):
+            client = self._client()
+            if not wanted or client.check(wanted):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreTimeout(f"{message} in store {self.url}")
+            client.wait(wanted, _span(left))
+
+    def close(self) -> None:
+        """Drop every thread's client and, when this object hosts the store, stop serving.
+
+        A call blocked in another thread is not interrupted by a client-side close; it
+        ends at its own deadline (or at once, when this object was the host).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._local = threading.local()
+            master, self._master = self._master, None
+        if master is not None:
+            logger.info("no longer hosting store %s", self.url)
+            del master  # the last reference: the server stops
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
