@@ -8,8 +8,9 @@ How NIXL 1.5 is driven here, and why:
   small transfers while the engine thread polls; one agent used from two
   threads without it crashed or hung.
 * NIXL logs INFO to stdout and switches ``logging.raiseExceptions`` off for the
-  whole process on import; both are undone here (NIXL_LOG_LEVEL=WARN,
-  UCX_LOG_LEVEL=error unless the user set them).
+  whole process on import; both are undone here (NIXL_LOG_LEVEL=WARN, and
+  UCX_LOG_LEVEL=fatal since UCX's errors reach the user as our exceptions,
+  unless the user set them).
 * NIXL reports failures as many exception types and as status codes; all of
   them become errors of :mod:`transport.errors` in :func:`map_nixl_error`.
 """
@@ -77,7 +78,7 @@ def _load() -> tuple[ModuleType, ModuleType]:
         if _mods is not None:
             return _mods
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        os.environ.setdefault("UCX_LOG_LEVEL", "fatal")  # UCX errors surface as our exceptions
         candidates = [os.environ["TRANSPORT_NIXL_MODULE"]] if os.environ.get("TRANSPORT_NIXL_MODULE") else [
             "nixl", "nixl_cu13", "nixl_cu12",
         ]  # fmt: skip

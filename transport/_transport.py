@@ -21,6 +21,7 @@ from transport import backends as _backends
 from transport.backends.base import READ, WRITE, device_parts
 from transport.engine import Engine, Op
 from transport.errors import (
+    BackendError,
     ClosedError,
     PeerLostError,
     PeerNotFoundError,
@@ -102,7 +103,9 @@ class Transport:
       peer from writing while you read: use notifications to agree on when.
     * **Handles.** :meth:`put` and :meth:`get` validate everything (contiguity,
       device, dtype, size, access) before any byte moves, and then return a
-      :class:`Handle` at once. Do not modify a source (or read a destination)
+      :class:`Handle` at once. What is known before posting (bad input, an
+      unknown or unreachable peer) is raised by the call itself; what happens
+      after is raised by the handle. Do not modify a source (or read a destination)
       until its handle is done.
     * **Deadlines.** Every transfer has one (``timeout=``, default
       ``Transport(timeout=60)``): a frozen or partitioned peer fails it with
@@ -570,7 +573,14 @@ class Transport:
             return conn
         if conn is not None:
             self._drop_conn(conn)
-        loaded = self._backend.add_peer(rec.metadata)
+        try:
+            loaded = self._backend.add_peer(rec.metadata)
+        except BackendError as e:
+            raise PeerLostError(
+                f"peer {peer!r} (generation {rec.generation}) is registered but cannot be reached; it may have "
+                "died without leaving (its record stays until it restarts) [" + str(e) + "]",
+                peer,
+            ) from e
         if loaded != rec.agent:
             self._backend.remove_peer(loaded)
             raise WireFormatError(f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}")

@@ -89,7 +89,8 @@ class Engine:
         """Post ``op`` on the calling thread (small transfers); the engine tracks it from then on.
         With ``lost_raises``, a PeerLostError while posting (nothing was sent) is raised to the
         caller and leaves ``op`` unposted, so that the caller can retry a restarted peer."""
-        self._post(op, lost_raises)
+        with op.lock:
+            self._post(op, lost_raises)
         if op.state == POSTED:
             self._new.append(op)
         self._last_activity = time.monotonic()
@@ -169,9 +170,10 @@ class Engine:
     # -- posting, polling, completing ------------------------------------------------------------
 
     def _post(self, op: Op, lost_raises: bool = False) -> None:
+        """Post ``op``; the caller holds ``op.lock``."""
         plan, conn = op.plan, op.plan.conn
         if time.monotonic() > op.deadline:
-            self.fail(op, self._timeout_error(op, posted=False))
+            self._finish(op, self._timeout_error(op, posted=False))
             return
         xfer = None
         try:
@@ -196,8 +198,8 @@ class Engine:
                         plan.busy -= 1
                 op.state = QUEUED
                 raise
-            op.state = POSTED  # so that fail() releases the transfer
-            self.fail(op, e)
+            op.state = POSTED  # so that _finish() releases the transfer
+            self._finish(op, e)
             return
         if st == DONE:
             self._finish(op, None)

@@ -130,9 +130,13 @@ def check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+        raise TypeError(
+            f"timeout must be a number of seconds or None, not {type(timeout).__name__}"
+        )
     if not math.isfinite(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}")
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}"
+        )
     return float(timeout)
 
 

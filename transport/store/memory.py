@@ -90,7 +90,7 @@ class MemoryStore(Store):
             if not self._wait_until(lambda: key in values, deadline):
                 raise StoreTimeout(
                     f"key {key!r} did not appear in store {self.url} within "
-                    f"{DEFAULT_TIMEOUT if timeout is None else timeout} s"
+                    f"{DEFAULT_TIMEOUT if timeout is None else timeout:g} s"
                 )
             return values[key]
 
@@ -143,7 +143,7 @@ class MemoryStore(Store):
                 missing = [k for k in wanted if k not in values]
                 raise StoreTimeout(
                     f"keys {missing!r} did not appear in store {self.url} within "
-                    f"{DEFAULT_TIMEOUT if timeout is None else timeout} s"
+                    f"{DEFAULT_TIMEOUT if timeout is None else timeout:g} s"
                 )
 
     def close(self) -> None:

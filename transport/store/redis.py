@@ -205,7 +205,9 @@ class RedisStore(Store):
                 return int(self._redis.exists(*wanted)) == len(wanted)  # type: ignore[arg-type]
 
         if not self._poll(ready, deadline):
-            raise self._timed_out(f"keys {wanted!r} did not all appear", timeout)
+            with self._redis_errors("wait"):
+                missing = [k for k in wanted if not self._redis.exists(k)]
+            raise self._timed_out(f"keys {missing!r} did not appear", timeout)
 
     def close(self) -> None:
         if self._closed:

@@ -44,7 +44,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 from urllib.parse import parse_qs, urlsplit
@@ -67,10 +67,12 @@ logger = logging.getLogger("transport.store.tcp")
 DEFAULT_CONNECT_TIMEOUT = 10.0
 HOSTING_MODES = ("auto", "yes", "no")
 
+# Values go to TCPStore as bytes: its stubs say str, but the bindings take bytes too
+# and keep every byte (hence the type: ignore[arg-type] comments below).
 _MARK = b"\xff"
 _HEADER_LEN = 9  # the mark and an 8-byte nonce
 # How long a get may wait for a key that check() has just seen (it can be deleted in between).
-_GRACE = 0.25
+_GRACE = 1.0
 _LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
 
 
@@ -218,13 +220,16 @@ class TcpStore(Store):
     # -- torch objects and their errors -----------------------------------------------
 
     @contextmanager
-    def _torch_errors(self, op: str, timeout_message: str = "") -> Iterator[None]:
-        """Map torch's store errors into StoreError / StoreTimeout: the one place that does."""
+    def _torch_errors(self, op: str, timed_out: Callable[[], str] | None = None) -> Iterator[None]:
+        """Map torch's store errors into StoreError / StoreTimeout: the one place that does.
+
+        ``timed_out`` gives the message of a wait that ran out (the client stays usable).
+        """
         try:
             yield
         except dist.DistStoreError as exc:
-            if "timeout" in str(exc).lower() and timeout_message:
-                raise StoreTimeout(f"{timeout_message} in store {self.url}") from exc
+            if "timeout" in str(exc).lower() and timed_out is not None:
+                raise StoreTimeout(f"{timed_out()} in store {self.url}") from exc
             raise StoreError(f"{op} on store {self.url} failed: {_first_line(exc)}") from exc
         except dist.DistNetworkError as exc:
             self._local.client = None
@@ -289,16 +294,17 @@ class TcpStore(Store):
         key, value = check_key(key), check_value(value)
         with self._torch_errors("set"):
             client = self._client()
-            client.set(key, _encode(value))
+            client.set(key, _encode(value))  # type: ignore[arg-type]
             client.check([key])  # TCPStore does not answer a set: this answer confirms it
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         key = check_key(key)
         deadline = deadline_after(timeout)
-        missing = (
-            f"key {key!r} did not appear within "
-            f"{DEFAULT_TIMEOUT if timeout is None else timeout:g} s"
-        )
+        seconds = DEFAULT_TIMEOUT if timeout is None else timeout
+
+        def missing() -> str:
+            return f"key {key!r} did not appear within {seconds:g} s"
+
         with self._torch_errors("get", missing):
             client = self._client()
             while True:
@@ -307,7 +313,7 @@ class TcpStore(Store):
                     return _decode(raw)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StoreTimeout(f"{missing} in store {self.url}")
+                    raise StoreTimeout(f"{missing()} in store {self.url}")
                 client.wait([key], _span(left))
 
     def try_get(self, key: str) -> bytes | None:
@@ -348,19 +354,20 @@ class TcpStore(Store):
             client = self._client()
             if expected is None:
                 # Stored values are never empty, so "" matches a missing key only.
-                swapped = client.compare_set(key, b"", new) == new
+                swapped = client.compare_set(key, b"", new) == new  # type: ignore[arg-type]
             else:
                 swapped = False
                 raw = self._raw_try_get(client, key)
                 while raw is not None and _decode(raw) == expected:
-                    current = client.compare_set(key, raw, new)
+                    current = client.compare_set(key, raw, new)  # type: ignore[arg-type]
                     if current == new:
                         swapped = True
                         break
                     # TCPStore answers the expected value itself when the key is missing.
                     raw = None if current == raw else current
             if swapped and _plain(desired):
-                client.compare_set(key, new, desired)  # plain again, unless changed since
+                # Plain again, unless changed since.
+                client.compare_set(key, new, desired)  # type: ignore[arg-type]
         return swapped
 
     def delete(self, key: str) -> bool:
@@ -371,17 +378,22 @@ class TcpStore(Store):
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         wanted = list(dict.fromkeys(check_key(k) for k in keys))
         deadline = deadline_after(timeout)
-        message = (
-            f"keys {wanted!r} did not all appear within "
-            f"{DEFAULT_TIMEOUT if timeout is None else timeout:g} s"
-        )
-        with self._torch_errors("wait", message):
+        seconds = DEFAULT_TIMEOUT if timeout is None else timeout
+
+        def missing() -> str:
+            try:
+                absent = [k for k in wanted if not client.check([k])]
+            except RuntimeError:
+                absent = wanted
+            return f"keys {absent!r} did not appear within {seconds:g} s"
+
+        with self._torch_errors("wait", missing):
             client = self._client()
             if not wanted or client.check(wanted):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StoreTimeout(f"{message} in store {self.url}")
+                raise StoreTimeout(f"{missing()} in store {self.url}")
             client.wait(wanted, _span(left))
 
     def close(self) -> None:

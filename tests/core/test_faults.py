@@ -1,0 +1,130 @@
+"""Peers that die, freeze or restart while we transfer to them."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+
+import transport
+from helpers.peer import Peer, pattern, sha
+
+MiB = 1 << 20
+
+
+def test_kill_9_during_transfer_fails_fast_and_others_are_served(tcp_store, writer):
+    a = Peer("victim", tcp_store.url, {"buf": ("uint8", 128 * MiB, "w")})
+    b = Peer("survivor", tcp_store.url, {"buf": ("uint8", 4 * MiB, "w")})
+    try:
+        writer.wait_for_peer("victim", 30)
+        writer.wait_for_peer("survivor", 30)
+        src = pattern(128 * MiB, 1)
+        writer.put(src, "victim", "buf").wait(30)  # connected and working
+        # keep large puts flowing to the victim, and kill it while one is in flight
+        started = threading.Event()
+        handles: list[transport.Handle] = []
+
+        def pump() -> None:
+            for _ in range(200):
+                h = writer.put(src, "victim", "buf", timeout=30)
+                handles.append(h)
+                started.set()
+                if h.exception(timeout=30) is not None:
+                    return
+
+        th = threading.Thread(target=pump)
+        th.start()
+        assert started.wait(30)
+        a.kill()
+        th.join(60)
+        assert not th.is_alive()
+        err = handles[-1].exception(timeout=1.0)  # the failing put has completed by now
+        assert isinstance(err, transport.PeerLostError), repr(err)
+        assert "victim" in str(err)
+        # a put issued after the death fails within a second too (raised by the call: the dead
+        # peer's record is still in the store, but it cannot be reached)
+        with pytest.raises(transport.PeerLostError, match="victim"):
+            writer.put(src[: 4 * MiB], "victim", "buf").wait(1.0)
+        # the writer still serves the other receiver, every byte
+        src2 = pattern(4 * MiB, 2)
+        writer.put(src2, "survivor", "buf").wait(10)
+        assert b.call("sha", "buf") == sha(src2)
+    finally:
+        a.kill()
+        b.stop()
+
+
+def test_sigstop_gives_transfer_timeout_then_recovers(tcp_store, writer):
+    with Peer("frozen", tcp_store.url, {"x": ("uint8", 1 * MiB, "rw")}) as r:
+        writer.wait_for_peer("frozen", 30)
+        src = pattern(1 * MiB, 5)
+        writer.put(src, "frozen", "x", notify=b"warm").wait(10)
+        assert r.call("notifications", 10) == [("writer", b"warm")]
+        r.signal(signal.SIGSTOP)
+        try:
+            # a notified put needs the receiver to take part; frozen, it never completes
+            h = writer.put(src, "frozen", "x", notify=b"lost", timeout=1.0)
+            err = h.exception(timeout=10)  # completes at its 1 s deadline, not later
+            assert isinstance(err, transport.TransferTimeout), repr(err)
+            assert isinstance(err, TimeoutError)
+            assert "frozen" in str(err)
+        finally:
+            r.signal(signal.SIGCONT)
+        src2 = pattern(1 * MiB, 6)
+        writer.put(src2, "frozen", "x", notify=b"back", timeout=10).wait(10)
+        got = []
+        while ("writer", b"back") not in got:
+            batch = r.call("notifications", 5)
+            assert batch, "no notification after SIGCONT"
+            got += batch
+        assert ("writer", b"lost") not in got or got.index(("writer", b"lost")) < got.index(("writer", b"back"))
+        assert r.call("sha", "x") == sha(src2)
+
+
+def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):
+    with Peer("slow", tcp_store.url, {"x": ("uint8", 1024, "rw")}) as r:
+        writer.wait_for_peer("slow", 30)
+        writer.put(torch.zeros(1024, dtype=torch.uint8), "slow", "x", notify=b"a").wait(10)
+        r.signal(signal.SIGSTOP)
+        try:
+            src = pattern(1024, 8)
+            h = writer.put(src, "slow", "x", notify=b"b", timeout=30)
+            with pytest.raises(transport.TransferTimeout, match="does not cancel"):
+                h.wait(timeout=0.2)
+            assert not h.done()
+        finally:
+            r.signal(signal.SIGCONT)
+        h.wait(timeout=30)  # the same transfer completes once the peer runs again
+        assert r.call("sha", "x") == sha(src)
+
+
+def test_restarted_receiver_gets_the_next_put(tcp_store, writer):
+    first = Peer("gen-0", tcp_store.url, {"w": ("float32", 4096, "rw")})
+    try:
+        writer.wait_for_peer("gen-0", 30)
+        writer.put(torch.ones(4096), "gen-0", "w").wait(10)
+        assert first.call("sha", "w") == sha(torch.ones(4096))
+        first.kill()
+    finally:
+        first.kill()
+    with Peer("gen-0", tcp_store.url, {"w": ("float32", 4096, "rw")}) as second:
+        assert second.generation == first.generation + 1
+        src = torch.full((4096,), 2.0)
+        writer.put(src, "gen-0", "w").wait(10)  # the very next put lands in the new process
+        assert second.call("sha", "w") == sha(src)
+        big = torch.randn(1 << 20)
+        with Peer("gen-1", tcp_store.url, {"w": ("float32", 1 << 20, "rw")}) as other:
+            writer.wait_for_peer("gen-1", 30)
+            writer.put(big, "gen-1", "w").wait(10)
+            assert other.call("sha", "w") == sha(big)
+
+
+def test_closed_peer_is_gone_from_the_store(tcp_store, writer):
+    with Peer("leaver", tcp_store.url, {"x": ("uint8", 64, "rw")}):
+        writer.wait_for_peer("leaver", 30)
+        assert "leaver" in {p.name for p in writer.peers()}
+    assert "leaver" not in {p.name for p in writer.peers()}
+    with pytest.raises(transport.PeerNotFoundError, match="leaver"):
+        writer.put(torch.zeros(64, dtype=torch.uint8), "leaver", "x").wait(5)
