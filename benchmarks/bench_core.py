@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -84,6 +85,8 @@ def _ours_receiver(peer, cfg: dict) -> None:
                 peer.send(("checked", ok))
             elif op == "writer-closed":
                 break
+            elif op == "error":  # the writer failed and reported it: nothing left to serve
+                return
             else:
                 raise ValueError(f"unknown command {msg!r}")
         t0 = time.perf_counter()
@@ -290,6 +293,32 @@ def print_table(records: list[dict]) -> None:
         print("-" * len(hdr))
 
 
+def merge_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """One record per (size, system): the median of its per-round medians."""
+    if len(per_round) == 1:
+        return per_round[0]
+    merged: dict[tuple[str, str], dict] = {}
+    rounds: dict[tuple[str, str], list[dict]] = {}
+    for recs in per_round:
+        for r in recs:
+            rounds.setdefault((r["size"], r["system"]), []).append(r)
+    for key, rs in rounds.items():
+        meds = [r["median_s"] for r in rs]
+        pooled = sorted(t for r in rs for t in r["times_ns"])
+        rec = dict(rs[0])
+        rec["times_ns"] = [t for r in rs for t in r["times_ns"]]
+        rec["p10_s"] = pooled[int(0.10 * (len(pooled) - 1))] / 1e9
+        rec["p90_s"] = pooled[int(0.90 * (len(pooled) - 1))] / 1e9
+        rec["min_s"] = pooled[0] / 1e9
+        rec["median_s"] = statistics.median(meds)
+        rec["gbps"] = rec["bytes"] / rec["median_s"] / 1e9
+        rec["round_medians_s"] = meds
+        rec["verified"] = all(r["verified"] for r in rs)
+        rec["iters"] = sum(r["iters"] for r in rs)
+        merged[key] = rec
+    return list(merged.values())
+
+
 def _verdict(x: float | None, target: float, le: bool) -> str:
     if x is None:
         return "n/a"
@@ -379,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("sleep", "tight", "none"),
         default="sleep",
         help="raw NIXL receiver: get_new_notifs() then wait <=0.5 ms on its pipe "
-        "(sleep, default), in a busy loop (tight), or no NIXL calls (none)",
+        "(sleep, default), in a busy loop (tight), or no NIXL calls once connected (none)",
     )
     ap.add_argument(
         "--ucx-tls",
@@ -390,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=B.parse_size, default=64 * B.KiB)
     ap.add_argument(
         "--iters-scale", type=float, default=1.0, help="multiply timed iteration counts"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system N times in turn; report the median of the per-round medians "
+        "(evens out load drift on a shared machine)",
     )
     args = ap.parse_args(argv)
 
@@ -407,36 +443,50 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    per_round: list[list[dict]] = []
+
     def take(name: str, res: dict) -> None:
         if "error" in res:
             errors[name] = res["error"]
             print(f"[{name}] FAILED:\n{res['error']}", flush=True)
             return
         records.extend(res["records"])
-        notes.extend(res.get("notes", []))
+        tag = f"[round {len(per_round) + 1}] " if args.rounds > 1 else ""
+        notes.extend(tag + n for n in res.get("notes", []))
         print(f"[{name}] done ({time.perf_counter() - t_start:.1f} s)", flush=True)
 
     for name in systems:
-        if name == "memcpy":
-            try:
-                take(name, B.run_memcpy(cfg))
-            except Exception as e:  # noqa: BLE001
-                take(name, {"error": f"{type(e).__name__}: {e}"})
-        elif name == "raw":
-            take(name, B.run_raw_nixl(cfg))
-        elif name == "gloo":
-            take(name, B.run_gloo(cfg))
-        elif name == "ours":
-            why = ours_available()
-            if why:
-                errors["ours"] = f"skipped: {why}"
-                print(f"[ours] SKIPPED: {why}", flush=True)
-            else:
-                take(name, run_ours(cfg))
-        else:
+        if name not in ("memcpy", "raw", "gloo", "ours"):
             ap.error(f"unknown system {name!r}")
+    if "ours" in systems:
+        why = ours_available()
+        if why:
+            errors["ours"] = f"skipped: {why}"
+            print(f"[ours] SKIPPED: {why}", flush=True)
+            systems = [s for s in systems if s != "ours"]
+
+    for rnd in range(args.rounds):
+        records = []
+        if args.rounds > 1:
+            print(f"-- round {rnd + 1}/{args.rounds}", flush=True)
+        for name in systems:
+            if name == "memcpy":
+                try:
+                    take(name, B.run_memcpy(cfg))
+                except Exception as e:  # noqa: BLE001
+                    take(name, {"error": f"{type(e).__name__}: {e}"})
+            elif name == "raw":
+                take(name, B.run_raw_nixl(cfg))
+            elif name == "gloo":
+                take(name, B.run_gloo(cfg))
+            elif name == "ours":
+                take(name, run_ours(cfg))
+        per_round.append(records)
+    records = merge_rounds(per_round)
 
     print()
+    if args.rounds > 1:
+        print(f"median = median of the {args.rounds} per-round medians; p10..p90 over all rounds")
     print_table(records)
     ratios = compute_ratios(records, cfg)
     print_targets(ratios, cfg)
