@@ -1,0 +1,63 @@
+"""Shared fixtures. Stores: ``store`` runs a test on every kind, ``interprocess_store``
+on the kinds other processes can reach; ``redis_url`` is a real Redis server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from helpers.redis_server import RedisServer, external_redis_url, flush
+
+from transport.store import MemoryStore, Store, store_from_url
+from transport.store.tcp import TcpStore
+
+# The conformance suite keeps its keys in this database of the Redis server.
+_STORE_DB = 1
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a real Redis server (database 0): started here, or TRANSPORT_TEST_REDIS_URL."""
+    external = external_redis_url()
+    if external is not None:
+        yield external
+        return
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with server:
+        yield server.url(0)
+
+
+def _redis_store_url(base_url: str) -> str:
+    """``base_url`` moved to the conformance database (kept when it came from the env)."""
+    if external_redis_url() is not None:
+        return base_url
+    return base_url.rsplit("/", 1)[0] + f"/{_STORE_DB}"
+
+
+def _open_store(kind: str, request: pytest.FixtureRequest) -> Store:
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "tcp":
+        return TcpStore("127.0.0.1", 0, hosting="yes")  # this test's own server, free port
+    url = _redis_store_url(request.getfixturevalue("redis_url"))
+    flush(url)
+    return store_from_url(url)
+
+
+@pytest.fixture(params=["memory", "tcp", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A fresh, empty store of each kind in turn."""
+    opened = _open_store(request.param, request)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(params=["tcp", "redis"])
+def interprocess_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A fresh, empty store that child processes can open through ``store.url``."""
+    opened = _open_store(request.param, request)
+    yield opened
+    opened.close()

@@ -1,0 +1,1 @@
+"""Test helpers: real processes (Redis servers, Python children) and free ports."""

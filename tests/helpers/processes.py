@@ -1,0 +1,96 @@
+"""Child processes for tests: their output arrives line by line on a queue, so a test
+waits for an event ("ready") with a deadline instead of sleeping."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nobody listened on a moment ago (another process may still take it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class LineReader:
+    """Reads a pipe on a thread; ``next_line`` waits for the next line with a deadline."""
+
+    def __init__(self, pipe: IO[str], keep: list[str] | None = None) -> None:
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.seen = keep if keep is not None else []
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: IO[str]) -> None:
+        for line in pipe:
+            self.seen.append(line)
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def next_line(self, timeout: float) -> str | None:
+        """The next line, or None at end of output; queue.Empty after ``timeout``."""
+        return self._lines.get(timeout=timeout)
+
+
+class PythonProcess:
+    """``python -c CODE ARGS...`` run from the repository root, with piped stdio."""
+
+    def __init__(self, code: str, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.stdout = LineReader(self.proc.stdout)
+        self.stderr = LineReader(self.proc.stderr)
+
+    def expect_line(self, timeout: float = 20.0) -> str:
+        """The child's next stdout line; fails with its stderr when it exits first or is silent."""
+        try:
+            line = self.stdout.next_line(timeout)
+        except queue.Empty:
+            raise AssertionError(
+                f"child printed nothing within {timeout} s; stderr:\n{''.join(self.stderr.seen)}"
+            ) from None
+        if line is None:
+            self.proc.wait(timeout=5)
+            raise AssertionError(
+                f"child exited ({self.proc.returncode}) before printing; "
+                f"stderr:\n{''.join(self.stderr.seen)}"
+            )
+        return line
+
+    def finish(self, timeout: float = 20.0) -> int:
+        """Close the child's stdin (its cue to end) and wait for it to exit."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+    def __enter__(self) -> PythonProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

@@ -1,0 +1,312 @@
+"""The Store contract, run on every store: memory, the embedded TCPStore and Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers.processes import PythonProcess
+
+from transport.errors import ClosedError, StoreError, StoreTimeout
+from transport.store import Store
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_set_get_and_try_get(store: Store) -> None:
+    assert store.try_get("k") is None
+    store.set("k", b"one")
+    assert store.get("k") == b"one"
+    assert store.try_get("k") == b"one"
+    store.set("k", b"two")
+    assert store.get("k", timeout=0) == b"two"
+    assert store.try_get("other") is None
+
+
+def test_get_waits_for_a_key_another_thread_sets(store: Store) -> None:
+    about_to_get = threading.Event()
+    got: list[bytes] = []
+
+    def getter() -> None:
+        about_to_get.set()
+        got.append(store.get("late", timeout=20))
+
+    thread = threading.Thread(target=getter)
+    thread.start()
+    assert about_to_get.wait(10)
+    store.set("late", b"here")
+    thread.join(25)
+    assert got == [b"here"]
+
+
+def test_get_times_out_at_the_deadline(store: Store) -> None:
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout) as info:
+        store.get("missing", timeout=0.3)
+    elapsed = time.monotonic() - start
+    assert isinstance(info.value, TimeoutError)
+    assert "missing" in str(info.value)
+    assert 0.3 <= elapsed < 2.0
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        store.get("missing", timeout=0)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_waiting_get_does_not_hold_up_other_threads(store: Store) -> None:
+    about_to_get = threading.Event()
+    got: list[bytes] = []
+
+    def getter() -> None:
+        about_to_get.set()
+        got.append(store.get("late", timeout=20))
+
+    thread = threading.Thread(target=getter)
+    thread.start()
+    assert about_to_get.wait(10)
+    # Keep working for a while, so that the getter is surely waiting during most of it.
+    start = time.monotonic()
+    slowest = 0.0
+    while time.monotonic() - start < 0.5:
+        began = time.monotonic()
+        store.set("other", b"x")
+        assert store.get("other", timeout=5) == b"x"
+        slowest = max(slowest, time.monotonic() - began)
+    assert slowest < 2.0
+    assert thread.is_alive() and not got
+    store.set("late", b"done")
+    thread.join(25)
+    assert got == [b"done"]
+
+
+def test_add(store: Store) -> None:
+    assert store.add("n") == 1
+    assert store.add("n", 41) == 42
+    assert store.add("n", -50) == -8
+    assert store.get("n") == b"-8"
+    store.set("m", b"10")
+    assert store.add("m", 5) == 15
+
+
+def test_add_on_a_value_that_is_not_an_integer_fails_and_the_store_goes_on(store: Store) -> None:
+    store.set("word", b"abc")
+    with pytest.raises(StoreError, match="integer"):
+        store.add("word", 1)
+    assert store.get("word") == b"abc"
+    assert store.add("n", 2) == 2
+
+
+def test_add_is_atomic_across_threads(store: Store) -> None:
+    threads, each = 4, 200
+
+    def adder(_: int) -> list[int]:
+        return [store.add("counter", 1) for _ in range(each)]
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = [n for batch in pool.map(adder, range(threads)) for n in batch]
+    assert sorted(results) == list(range(1, threads * each + 1))
+    assert store.get("counter") == str(threads * each).encode()
+
+
+ADDER = """
+import json, sys
+from transport.store import store_from_url
+store = store_from_url(sys.argv[1])
+print("ready", flush=True)
+store.get("go", timeout=20)
+print(json.dumps([store.add("counter", 1) for _ in range(int(sys.argv[2]))]), flush=True)
+store.close()
+"""
+
+
+def test_add_is_atomic_across_processes(interprocess_store: Store) -> None:
+    store, each = interprocess_store, 200
+    children = [PythonProcess(ADDER, store.url, str(each)) for _ in range(2)]
+    try:
+        for child in children:
+            assert child.expect_line() == "ready"
+        store.set("go", b"")
+        mine = [store.add("counter", 1) for _ in range(each)]
+        theirs = [n for child in children for n in json.loads(child.expect_line())]
+        for child in children:
+            assert child.finish() == 0
+    finally:
+        for child in children:
+            child.kill()
+    assert sorted(mine + theirs) == list(range(1, 3 * each + 1))
+    assert store.get("counter") == str(3 * each).encode()
+
+
+def test_compare_set(store: Store) -> None:
+    assert store.compare_set("k", None, b"first") is True
+    assert store.compare_set("k", None, b"again") is False
+    assert store.compare_set("k", b"wrong", b"x") is False
+    assert store.get("k") == b"first"
+    assert store.compare_set("k", b"first", b"second") is True
+    assert store.get("k") == b"second"
+    # The new value equals the current one, but the expected value does not match.
+    assert store.compare_set("k", b"first", b"second") is False
+    assert store.compare_set("k", b"second", b"second") is True
+    # Expecting a value of a missing key neither matches nor creates it.
+    assert store.compare_set("missing", b"x", b"y") is False
+    assert store.compare_set("missing", b"y", b"y") is False
+    assert store.try_get("missing") is None
+
+
+def test_compare_set_tells_an_empty_value_from_a_missing_key(store: Store) -> None:
+    store.set("empty", b"")
+    assert store.compare_set("empty", None, b"x") is False
+    assert store.get("empty") == b""
+    assert store.compare_set("missing", b"", b"x") is False
+    assert store.try_get("missing") is None
+    assert store.compare_set("empty", b"", b"") is True
+    assert store.compare_set("empty", b"", b"full") is True
+    assert store.get("empty") == b"full"
+
+
+def test_compare_set_on_a_counter_keeps_it_a_counter(store: Store) -> None:
+    store.add("n", 5)
+    assert store.compare_set("n", b"5", b"6") is True
+    assert store.add("n", 1) == 7
+    assert store.compare_set("fresh", None, b"10") is True
+    assert store.add("fresh", 1) == 11
+
+
+def test_compare_set_has_one_winner_among_threads(store: Store) -> None:
+    contenders = 8
+    start = threading.Barrier(contenders)
+
+    def claim(name: int) -> bool:
+        start.wait(10)
+        return store.compare_set("leader", None, str(name).encode())
+
+    with ThreadPoolExecutor(contenders) as pool:
+        won = list(pool.map(claim, range(contenders)))
+    assert won.count(True) == 1
+    assert store.get("leader") == str(won.index(True)).encode()
+
+    start = threading.Barrier(contenders)
+
+    def claim_same(_: int) -> bool:
+        start.wait(10)
+        return store.compare_set("same", None, b"x")
+
+    with ThreadPoolExecutor(contenders) as pool:
+        assert list(pool.map(claim_same, range(contenders))).count(True) == 1
+
+
+def test_delete(store: Store) -> None:
+    store.set("k", b"v")
+    assert store.delete("k") is True
+    assert store.delete("k") is False
+    assert store.try_get("k") is None
+    assert store.delete("never") is False
+
+
+def test_wait_for_several_keys(store: Store) -> None:
+    store.set("a", b"1")
+    store.wait(["a"], timeout=0)
+    store.wait([])
+    about_to_wait = threading.Event()
+
+    def setter() -> None:
+        about_to_wait.wait(10)
+        store.set("b", b"2")
+        store.set("c", b"3")
+
+    thread = threading.Thread(target=setter)
+    thread.start()
+    about_to_wait.set()
+    store.wait(["a", "b", "c", "b"], timeout=20)
+    thread.join(10)
+    assert store.get("c") == b"3"
+
+
+def test_wait_times_out_naming_the_missing_key(store: Store) -> None:
+    store.set("a", b"1")
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout, match=r"\['nope'\]"):
+        store.wait(["a", "nope"], timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 2.0
+    with pytest.raises(StoreTimeout):
+        store.wait(["nope"], timeout=0)
+
+
+def test_a_closed_store_raises_closed_error(store: Store) -> None:
+    store.set("k", b"v")
+    store.close()
+    store.close()  # idempotent
+    calls = [
+        lambda: store.set("k", b"v"),
+        lambda: store.get("k"),
+        lambda: store.get("k", timeout=0),
+        lambda: store.try_get("k"),
+        lambda: store.add("n"),
+        lambda: store.compare_set("k", None, b"v"),
+        lambda: store.delete("k"),
+        lambda: store.wait(["k"]),
+    ]
+    for call in calls:
+        with pytest.raises(ClosedError, match="is closed; open a new one"):
+            call()
+
+
+def test_context_manager_closes(store: Store) -> None:
+    with store as same:
+        assert same is store
+        store.set("k", b"v")
+    with pytest.raises(ClosedError):
+        store.try_get("k")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"", b"\x00", b"a\x00b\x00", bytes(range(256)), b"\xff", b"\xff" * 20, b"-12", b" 7"],
+    ids=["empty", "nul", "nuls", "all-bytes", "ff", "ff-run", "negative-text", "space-digit"],
+)
+def test_binary_values_round_trip(store: Store, value: bytes) -> None:
+    store.set("k", value)
+    assert store.get("k") == value
+    assert store.try_get("k") == value
+    assert store.compare_set("k", value, value + b"!") is True
+    assert store.get("k") == value + b"!"
+
+
+def test_a_1_mib_value_round_trips(store: Store) -> None:
+    value = os.urandom(1 << 20)
+    store.set("big", value)
+    assert store.get("big", timeout=10) == value
+    assert store.compare_set("big", value, value[::-1]) is True
+    assert store.get("big") == value[::-1]
+
+
+def test_bytearray_and_memoryview_are_accepted(store: Store) -> None:
+    store.set("a", bytearray(b"xy"))
+    store.set("m", memoryview(b"zw"))
+    assert store.get("a") == b"xy" and store.get("m") == b"zw"
+
+
+def test_arguments_are_type_checked(store: Store) -> None:
+    with pytest.raises(TypeError, match="encode"):
+        store.set("k", "text")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.set(1, b"v")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.set("", b"v")
+    with pytest.raises(ValueError):
+        store.set("a\x00b", b"v")
+    with pytest.raises(TypeError):
+        store.add("n", "1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.add("n", True)
+    with pytest.raises(TypeError):
+        store.compare_set("k", "a", b"b")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.get("k", timeout=-1)
+    with pytest.raises(TypeError):
+        store.wait("k", timeout="1")  # type: ignore[arg-type]
+    assert store.try_get("k") is None
