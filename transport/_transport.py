@@ -409,7 +409,7 @@ class Transport:
                 check_tensor(t, f"tensor {k!r}")
             sig = tuple((k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items)
         else:
-            raise TypeError(f"expected a tensor or a dict of tensors, got {type(obj).__name__}")
+            raise TypeError(f"expected a torch.Tensor or a dict of name -> torch.Tensor, got {type(obj).__name__}")
         if timeout is None:
             timeout = self.timeout
         else:

@@ -28,9 +28,10 @@ from transport.errors import SignatureError, WireFormatError
 
 FORMAT_VERSION = 1
 
-MAX_RECORD_BYTES = 16 << 20
-MAX_METADATA_BYTES = 4 << 20
-MAX_REGIONS = 262_144
+# torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
+MAX_RECORD_BYTES = 6 << 20
+MAX_METADATA_BYTES = 1 << 20
+MAX_REGIONS = 65_536
 MAX_REGION_NAME = 1024
 MAX_DIMS = 16
 MAX_NOTIFY_BYTES = 64 << 10
