@@ -310,3 +310,13 @@ def test_arguments_are_type_checked(store: Store) -> None:
     with pytest.raises(TypeError):
         store.wait("k", timeout="1")  # type: ignore[arg-type]
     assert store.try_get("k") is None
+
+
+def test_tcp_store_refuses_values_over_its_limit_and_stays_usable() -> None:
+    from transport.store.tcp import MAX_VALUE_BYTES, TcpStore
+
+    with TcpStore("127.0.0.1", 0, hosting="yes") as s:
+        with pytest.raises(ValueError, match="limit"):
+            s.set("big", b"x" * (MAX_VALUE_BYTES + 1))
+        s.set("big", b"x" * MAX_VALUE_BYTES)
+        assert len(s.get("big", timeout=5)) == MAX_VALUE_BYTES

@@ -71,6 +71,8 @@ HOSTING_MODES = ("auto", "yes", "no")
 # and keep every byte (hence the type: ignore[arg-type] comments below).
 _MARK = b"\xff"
 _HEADER_LEN = 9  # the mark and an 8-byte nonce
+#: the largest value set() accepts: TCPStore's payload limit, less our header and the key
+MAX_VALUE_BYTES = (8 << 20) - 4096
 # How long a get may wait for a key that check() has just seen (it can be deleted in between).
 _GRACE = 1.0
 _LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
@@ -292,6 +294,12 @@ class TcpStore(Store):
 
     def set(self, key: str, value: bytes) -> None:
         key, value = check_key(key), check_value(value)
+        if len(value) > MAX_VALUE_BYTES:
+            # the server would drop the connection on it (libuv backend: 8 MiB payloads at most)
+            raise ValueError(
+                f"a value of {len(value)} bytes is over the embedded store's limit of {MAX_VALUE_BYTES}; "
+                "store less, or use a redis:// store"
+            )
         with self._torch_errors("set"):
             client = self._client()
             client.set(key, _encode(value))  # type: ignore[arg-type]
