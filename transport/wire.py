@@ -212,6 +212,11 @@ def _sign(secret: bytes, body: bytes) -> bytes:
 
 
 def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
+    if len(rec.regions) > MAX_REGIONS:
+        raise ValueError(
+            f"{len(rec.regions)} regions are over the limit of {MAX_REGIONS} per peer; expose fewer, larger "
+            "regions (for example one flat buffer with views)"
+        )
     body = msgpack.packb(
         {
             "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,

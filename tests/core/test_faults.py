@@ -84,12 +84,12 @@ def test_sigstop_gives_transfer_timeout_then_recovers(tcp_store, writer):
 
 
 def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):
-    with Peer("slow", tcp_store.url, {"x": ("uint8", 1024, "rw")}) as r:
+    with Peer("slow", tcp_store.url, {"x": ("uint8", MiB, "rw")}) as r:
         writer.wait_for_peer("slow", 30)
-        writer.put(torch.zeros(1024, dtype=torch.uint8), "slow", "x", notify=b"a").wait(10)
+        writer.put(torch.zeros(MiB, dtype=torch.uint8), "slow", "x", notify=b"a").wait(10)
         r.signal(signal.SIGSTOP)
         try:
-            src = pattern(1024, 8)
+            src = pattern(MiB, 8)
             h = writer.put(src, "slow", "x", notify=b"b", timeout=30)
             with pytest.raises(transport.TransferTimeout, match="does not cancel"):
                 h.wait(timeout=0.2)
