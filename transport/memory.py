@@ -49,8 +49,6 @@ def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
         raise ValueError(f"{what} has layout {t.layout}; only dense (strided) tensors can be transferred")
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous; call .contiguous() or register a contiguous buffer")
-    if t.requires_grad and t.is_leaf is False:
-        pass  # data is data; autograd state does not travel
     device_of(t)
     dtype_name(t.dtype)
     return t
