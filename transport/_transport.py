@@ -130,7 +130,7 @@ class Transport:
         timeout: float = 60.0,
         chunk_bytes: int = 64 << 20,
         inline_bytes: int = 1 << 20,
-        idle_interval: float = 1e-3,
+        idle_interval: float = 5e-3,
         heartbeat_interval: float = 1.0,
     ) -> None:
         self.name = check_name("peer name", name)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The test command: sets up what the tests need on a fresh machine and runs them.
+#   - a virtualenv in .venv with the CPU build of torch and this package with its dev extras
+#   - Debian's redis-server (installed when missing), started on a free loopback port and
+#     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
+# Arguments are passed to pytest (for example: bash tests/run.sh -k faults -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+# The CPU build of torch first: a bare "torch" requirement would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, transport, transport.backends.nixl as n; n._load()" || {
+    echo "tests/run.sh: the environment did not install cleanly (see above)" >&2
+    exit 2
+}
+
+if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
+    if ! command -v redis-server >/dev/null 2>&1; then
+        echo "tests/run.sh: installing Debian's redis-server" >&2
+        SUDO=""
+        [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        $SUDO apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    fi
+    REDIS_DIR=$(mktemp -d)
+    REDIS_PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
+        --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log"
+    stop_redis() {
+        if [ -f "$REDIS_DIR/redis.pid" ]; then kill "$(cat "$REDIS_DIR/redis.pid")" 2>/dev/null || true; fi
+        rm -rf "$REDIS_DIR"
+    }
+    trap stop_redis EXIT
+    for _ in $(seq 1 100); do
+        if redis-cli -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG; then break; fi
+        sleep 0.1
+    done
+    redis-cli -p "$REDIS_PORT" ping | grep -q PONG || { echo "tests/run.sh: redis-server did not start" >&2; cat "$REDIS_DIR/redis.log" >&2; exit 2; }
+    export TRANSPORT_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
+fi
+
+export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+.venv/bin/python -m pytest "$@"
