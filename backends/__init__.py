@@ -32,7 +32,9 @@ def backend_class(name: str) -> type[Backend]:
     try:
         target = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(available())}") from None
+        raise ValueError(
+            f"unknown backend {name!r}; known backends: {', '.join(available())}"
+        ) from None
     module, _, cls = target.partition(":")
     found: type[Backend] = getattr(importlib.import_module(module), cls)
     return found
@@ -42,4 +44,14 @@ def new_backend(name: str, **options: Any) -> Backend:
     return backend_class(name)(**options)
 
 
-__all__ = ["DONE", "IN_PROGRESS", "READ", "WRITE", "Backend", "available", "backend_class", "new_backend", "register_backend"]
+__all__ = [
+    "DONE",
+    "IN_PROGRESS",
+    "READ",
+    "WRITE",
+    "Backend",
+    "available",
+    "backend_class",
+    "new_backend",
+    "register_backend",
+]

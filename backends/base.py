@@ -58,7 +58,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def make_xfer(
-        self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes, peer: str
+        self,
+        op: str,
+        local: Any,
+        local_idx: np.ndarray,
+        remote: Any,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        peer: str,
     ) -> Any:
         """A reusable transfer between the selected descriptors (int32 indices) of two prepared lists."""
 
@@ -89,7 +96,10 @@ class Backend(abc.ABC):
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 

@@ -199,18 +199,31 @@ class NixlBackend(Backend):
     # -- transfers -----------------------------------------------------------------------------
 
     def make_xfer(
-        self, op: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes, peer: str
+        self,
+        op: str,
+        local: Any,
+        local_idx: np.ndarray,
+        remote: Any,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        peer: str,
     ) -> Any:
         try:
-            return self._raw.makeXferReq(self._ops[op], local, local_idx, remote, remote_idx, notif, [], False)
+            return self._raw.makeXferReq(
+                self._ops[op], local, local_idx, remote, remote_idx, notif, [], False
+            )
         except Exception as e:
-            raise map_nixl_error(e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError) from e
+            raise map_nixl_error(
+                e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError
+            ) from e
 
     def post(self, xfer: Any, notif: bytes, peer: str) -> int:
         try:
             st = self._raw.postXferReq(xfer, notif)
         except Exception as e:
-            raise map_nixl_error(e, action="posting a transfer", peer=peer, not_found=PeerLostError) from e
+            raise map_nixl_error(
+                e, action="posting a transfer", peer=peer, not_found=PeerLostError
+            ) from e
         if st == self._success:
             return DONE
         if st == self._in_prog:
@@ -247,7 +260,9 @@ class NixlBackend(Backend):
         try:
             self._raw.genNotif(agent, message)
         except Exception as e:
-            raise map_nixl_error(e, action="sending a notification", peer=peer, not_found=PeerLostError) from e
+            raise map_nixl_error(
+                e, action="sending a notification", peer=peer, not_found=PeerLostError
+            ) from e
 
     def close(self) -> None:
         if self._closed:

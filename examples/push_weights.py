@@ -65,10 +65,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--params", type=float, default=25e6, help="parameters in the model (float32)")
     ap.add_argument("--tensors", type=int, default=100)
-    ap.add_argument("--store", default="tcp://127.0.0.1:29517", help="store URL (default: the embedded one)")
+    ap.add_argument(
+        "--store", default="tcp://127.0.0.1:29517", help="store URL (default: the embedded one)"
+    )
     args = ap.parse_args()
     if args.generators < 1 or args.steps < 1 or args.tensors < 1 or args.params < args.tensors:
-        ap.error("--generators, --steps and --tensors must be at least 1, and --params at least --tensors")
+        ap.error(
+            "--generators, --steps and --tensors must be at least 1, and --params at least --tensors"
+        )
     spec = shapes(int(args.params), args.tensors)
     names = [f"gen-{i}" for i in range(args.generators)]
     ctx = mp.get_context("spawn")
@@ -94,18 +98,26 @@ def main() -> int:
             for _ in names:  # generators verify, then ack; the next step waits for every ack
                 t.wait_notification(timeout=120)
             assert acks.tolist() == [step] * len(names), acks.tolist()
-        t.put({spec_key: weights[spec_key] for spec_key in list(spec)[:1]}, names, notify=b"stop").wait(60)
+        t.put(
+            {spec_key: weights[spec_key] for spec_key in list(spec)[:1]}, names, notify=b"stop"
+        ).wait(60)
         results = [reports.get(timeout=120) for _ in names]
         for p in procs:
             p.join(60)
     med = statistics.median(times)
     verified = sum(r[1] for r in results)
     bad = sum(r[2] for r in results)
-    print(f"pushed {len(spec)} tensors, {nbytes / 2**20:.0f} MiB per generator, to {len(names)} generators, "
-          f"{args.steps} steps")
-    print(f"step time median {med * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms; "
-          f"{nbytes * len(names) / med / 1e9:.2f} GB/s delivered in all")
-    print(f"generators verified {verified} of {args.steps * len(names)} updates, every byte; mismatches: {bad}")
+    print(
+        f"pushed {len(spec)} tensors, {nbytes / 2**20:.0f} MiB per generator, to {len(names)} generators, "
+        f"{args.steps} steps"
+    )
+    print(
+        f"step time median {med * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms; "
+        f"{nbytes * len(names) / med / 1e9:.2f} GB/s delivered in all"
+    )
+    print(
+        f"generators verified {verified} of {args.steps * len(names)} updates, every byte; mismatches: {bad}"
+    )
     ok = bad == 0 and verified == args.steps * len(names) and all(p.exitcode == 0 for p in procs)
     print("push_weights:", "OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -25,14 +25,19 @@ def receiver(store: str) -> None:
         t.expose("weights", weights)  # peers may write and read it
         note = t.wait_notification(timeout=60)  # the writer says when the data has landed
         ok = torch.equal(weights, torch.arange(N, dtype=torch.float32))
-        print(f"receiver: {note.payload.decode()!r} from {note.peer}; every byte as sent: {ok}", flush=True)
+        print(
+            f"receiver: {note.payload.decode()!r} from {note.peer}; every byte as sent: {ok}",
+            flush=True,
+        )
         t.wait_notification(timeout=60, peer="writer")  # stay until the writer has read it back
         sys.exit(0 if ok else 1)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", default="tcp://127.0.0.1:29517", help="store URL (default: embedded TCPStore)")
+    ap.add_argument(
+        "--store", default="tcp://127.0.0.1:29517", help="store URL (default: embedded TCPStore)"
+    )
     args = ap.parse_args()
     # The first process to open a tcp:// store hosts it: the writer, before it starts the receiver.
     with transport.Transport("writer", store=args.store) as t:

@@ -48,12 +48,17 @@ def is_initialized() -> bool:
 
 
 def put(
-    src: torch.Tensor | Mapping[str, torch.Tensor], peer: str | Iterable[str], key: str | None = None, **kwargs: Any
+    src: torch.Tensor | Mapping[str, torch.Tensor],
+    peer: str | Iterable[str],
+    key: str | None = None,
+    **kwargs: Any,
 ) -> Handle:
     return default().put(src, peer, key, **kwargs)
 
 
-def get(dst: torch.Tensor | Mapping[str, torch.Tensor], peer: str, key: str | None = None, **kwargs: Any) -> Handle:
+def get(
+    dst: torch.Tensor | Mapping[str, torch.Tensor], peer: str, key: str | None = None, **kwargs: Any
+) -> Handle:
     return default().get(dst, peer, key, **kwargs)
 
 

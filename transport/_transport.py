@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transport import backends as _backends
+import transport.backends as _backends
 from transport.backends.base import READ, WRITE, device_parts
 from transport.engine import Engine, Op
 from transport.errors import (
@@ -138,7 +138,9 @@ class Transport:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and (not isinstance(secret, bytes) or len(secret) < 8):
-            raise ValueError("secret must be at least 8 bytes (or a str); every peer of the namespace must share it")
+            raise ValueError(
+                "secret must be at least 8 bytes (or a str); every peer of the namespace must share it"
+            )
         _positive("timeout", timeout)
         _positive("idle_interval", idle_interval)
         if chunk_bytes < 4096 or inline_bytes < 0:
@@ -155,11 +157,15 @@ class Transport:
         self._owns_store = not isinstance(store, Store)
         self.store: Store = store_from_url(store) if isinstance(store, str) else store
         if not isinstance(self.store, Store):
-            raise TypeError(f"store must be a URL or a transport.store.Store, got {type(store).__name__}")
+            raise TypeError(
+                f"store must be a URL or a transport.store.Store, got {type(store).__name__}"
+            )
         try:
             self._dir = Directory(self.store, self.namespace, secret)
             self.generation = self._dir.join(self.name)
-            self._backend = _backends.new_backend(backend, agent_name=agent_name(self.name, self.generation))
+            self._backend = _backends.new_backend(
+                backend, agent_name=agent_name(self.name, self.generation)
+            )
         except BaseException:
             if self._owns_store:
                 self.store.close()
@@ -174,7 +180,11 @@ class Transport:
         self._notif_cond = threading.Condition()
         self._created = time.time()
         self._engine = Engine(
-            self._backend, self.name, self._on_notifications, self._on_peer_lost, idle_interval=idle_interval
+            self._backend,
+            self.name,
+            self._on_notifications,
+            self._on_peer_lost,
+            idle_interval=idle_interval,
         )
         self._engine.start()
         self._stop_control = threading.Event()
@@ -185,9 +195,17 @@ class Transport:
             self.close()
             raise
         self.heartbeat_interval = heartbeat_interval
-        self._control = threading.Thread(target=self._control_loop, name=f"transport-control-{name}", daemon=True)
+        self._control = threading.Thread(
+            target=self._control_loop, name=f"transport-control-{name}", daemon=True
+        )
         self._control.start()
-        log.info("transport %s#%d joined namespace %s on %s", self.name, self.generation, self.namespace, self.store)
+        log.info(
+            "transport %s#%d joined namespace %s on %s",
+            self.name,
+            self.generation,
+            self.namespace,
+            self.store,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -195,7 +213,10 @@ class Transport:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -216,7 +237,10 @@ class Transport:
         except Exception as e:
             log.warning("could not remove %s from the store: %s", self.name, e)
         self._engine.stop()
-        if getattr(self, "_control", None) is not None and self._control is not threading.current_thread():
+        if (
+            getattr(self, "_control", None) is not None
+            and self._control is not threading.current_thread()
+        ):
             self._control.join(5.0)
         for conn in list(self._conns.values()):
             conn.close(self._backend)
@@ -233,7 +257,9 @@ class Transport:
         if self._state is not _State.OPEN:
             raise ClosedError(f"transport {self.name!r} is closed; open a new Transport")
         if self._engine.error is not None:
-            raise ClosedError(f"transport {self.name!r} is unusable: its engine thread died ({self._engine.error!r})")
+            raise ClosedError(
+                f"transport {self.name!r} is unusable: its engine thread died ({self._engine.error!r})"
+            )
 
     # -- exposing and registering memory ------------------------------------------------------------
 
@@ -241,29 +267,45 @@ class Transport:
         """Register ``tensor`` and publish it as region ``name`` that peers may write and/or read."""
         return self.expose_all({name: tensor}, access=access)[name]
 
-    def expose_all(self, tensors: Mapping[str, torch.Tensor], access: str = "rw") -> dict[str, RegionInfo]:
+    def expose_all(
+        self, tensors: Mapping[str, torch.Tensor], access: str = "rw"
+    ) -> dict[str, RegionInfo]:
         """Expose many tensors with one record update (for example ``model.state_dict()``).
         Everything is checked before anything is exposed."""
         self._check_open()
         if access not in ACCESS_MODES:
             raise ValueError(f"access must be one of {ACCESS_MODES}, got {access!r}")
         if not isinstance(tensors, Mapping):
-            raise TypeError(f"expose_all takes a mapping of name -> tensor, got {type(tensors).__name__}")
+            raise TypeError(
+                f"expose_all takes a mapping of name -> tensor, got {type(tensors).__name__}"
+            )
         checked = []
         for name, t in tensors.items():
             check_region_name(name)
             check_tensor(t, f"region {name!r}")
             if t.numel() == 0:
-                raise ValueError(f"region {name!r} is empty; expose a tensor with at least one element")
+                raise ValueError(
+                    f"region {name!r} is empty; expose a tensor with at least one element"
+                )
             if name in self._regions:
-                raise ValueError(f"region {name!r} is already exposed by {self.name!r}; expose it under another name")
+                raise ValueError(
+                    f"region {name!r} is already exposed by {self.name!r}; expose it under another name"
+                )
             checked.append((name, t))
         out = {}
         with self._lock:
             for _name, t in checked:
                 self._mem.ensure(t, explicit=True)
             for name, t in checked:
-                info = RegionInfo(name, t.data_ptr(), t.nbytes, dtype_name(t.dtype), tuple(t.shape), access, device_of(t))
+                info = RegionInfo(
+                    name,
+                    t.data_ptr(),
+                    t.nbytes,
+                    dtype_name(t.dtype),
+                    tuple(t.shape),
+                    access,
+                    device_of(t),
+                )
                 self._regions[name] = (t, info)
                 self._local_names[(t.data_ptr(), t.nbytes)] = name
                 out[name] = info
@@ -342,7 +384,13 @@ class Transport:
         return self._transfer(READ, dst, peer, key, offset, None, timeout, stream)
 
     def _fast(
-        self, op: str, t: torch.Tensor, peer: str, key: str | None, offset: int, notify: bytes | None,
+        self,
+        op: str,
+        t: torch.Tensor,
+        peer: str,
+        key: str | None,
+        offset: int,
+        notify: bytes | None,
         timeout: float | None,
     ) -> Handle | None:
         """Replay a cached small plan from the caller's thread; None when the general path is needed."""
@@ -361,7 +409,9 @@ class Transport:
             return None
         notif = frame_user_notification(notify) if notify is not None else b""
         handle = Handle("put" if op == WRITE else "get", (peer,), nbytes, 1)
-        if self._engine.post_fast(handle, plan, notif, self.timeout if timeout is None else timeout):
+        if self._engine.post_fast(
+            handle, plan, notif, self.timeout if timeout is None else timeout
+        ):
             return handle
         return None
 
@@ -379,10 +429,14 @@ class Transport:
         if self._state is not _State.OPEN:
             self._check_open()
         if stream is not None:
-            raise ValueError("stream= needs stream-ordered transfers, which this build does not include yet")
+            raise ValueError(
+                "stream= needs stream-ordered transfers, which this build does not include yet"
+            )
         peers = (peer,) if isinstance(peer, str) else _peer_list(peer)
         if type(offset) is not int or offset < 0:
-            raise ValueError(f"offset must be a non-negative int (elements of the region), got {offset!r}")
+            raise ValueError(
+                f"offset must be a non-negative int (elements of the region), got {offset!r}"
+            )
         if isinstance(obj, torch.Tensor):
             if not obj.is_contiguous() or obj.layout != torch.strided:
                 check_tensor(obj)
@@ -397,9 +451,13 @@ class Transport:
             sig: tuple[Any, ...] = (key, obj.data_ptr(), obj.nbytes, obj.dtype)
         elif isinstance(obj, Mapping):
             if key is not None:
-                raise ValueError("key= cannot be combined with a dict; the dict's keys name the regions")
+                raise ValueError(
+                    "key= cannot be combined with a dict; the dict's keys name the regions"
+                )
             if offset:
-                raise ValueError("offset= cannot be combined with a dict; put each tensor separately")
+                raise ValueError(
+                    "offset= cannot be combined with a dict; put each tensor separately"
+                )
             if not obj:
                 raise ValueError("the dict of tensors is empty")
             items = tuple(obj.items())
@@ -415,7 +473,9 @@ class Transport:
                 for k, t in items:
                     check_tensor(t, f"tensor {k!r}")
         else:
-            raise TypeError(f"expected a torch.Tensor or a dict of name -> torch.Tensor, got {type(obj).__name__}")
+            raise TypeError(
+                f"expected a torch.Tensor or a dict of name -> torch.Tensor, got {type(obj).__name__}"
+            )
         if timeout is None:
             timeout = self.timeout
         else:
@@ -459,7 +519,11 @@ class Transport:
         return handle
 
     def _after_loss(
-        self, lost: Op, items: tuple[tuple[str, torch.Tensor], ...], sig: tuple[Any, ...], offset: int
+        self,
+        lost: Op,
+        items: tuple[tuple[str, torch.Tensor], ...],
+        sig: tuple[Any, ...],
+        offset: int,
     ) -> Op | None:
         """A post to a peer failed because it is gone. If it has restarted under the same name, return
         an op for the new incarnation (nothing was sent to the old one), else None."""
@@ -477,7 +541,14 @@ class Transport:
         log.info("peer %s restarted (generation %d); retrying on it", old.name, rec.generation)
         return Op(lost.handle, plan, plan.parts[0], lost.notif, lost.deadline, lost.timeout)
 
-    def _plan(self, op: str, peer: str, items: tuple[tuple[str, torch.Tensor], ...], sig: tuple[Any, ...], offset: int) -> Plan:
+    def _plan(
+        self,
+        op: str,
+        peer: str,
+        items: tuple[tuple[str, torch.Tensor], ...],
+        sig: tuple[Any, ...],
+        offset: int,
+    ) -> Plan:
         ckey = (op, peer, sig, offset)
         plan = self._plans.get(ckey)
         if plan is not None and plan.valid and plan.conn.alive:
@@ -505,7 +576,9 @@ class Transport:
                     old.release(self._backend)
         return plan
 
-    def _build_plan(self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int) -> Plan:
+    def _build_plan(
+        self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int
+    ) -> Plan:
         n = len(items)
         local = np.empty((n, 3), dtype=np.uint64)
         remote = np.empty((n, 3), dtype=np.uint64)
@@ -554,11 +627,21 @@ class Transport:
         if rows == 0:
             raise ValueError("every tensor is empty; there is nothing to transfer")
         if len(devices) > 1 or len(rdevices) > 1:
-            raise ValueError("one transfer cannot mix CPU and CUDA memory; split the batch by device")
+            raise ValueError(
+                "one transfer cannot mix CPU and CUDA memory; split the batch by device"
+            )
         device = "cpu" if "DRAM" in devices else "cuda:0"
         rdevice = "cpu" if "DRAM" in rdevices else "cuda:0"
         plan = Plan(
-            self._backend, conn, op, local[:rows], remote[:rows], device, rdevice, self.chunk_bytes, tuple(keep)
+            self._backend,
+            conn,
+            op,
+            local[:rows],
+            remote[:rows],
+            device,
+            rdevice,
+            self.chunk_bytes,
+            tuple(keep),
         )
         for reg in keep:
             reg.users += 1
@@ -574,7 +657,9 @@ class Transport:
                 conn.close(self._backend)
             raise PeerNotFoundError(self._not_found_message(peer), peer)
         if rec.backend != self._backend.name:
-            raise WireFormatError(f"peer {peer!r} uses backend {rec.backend!r}; this Transport uses {self._backend.name!r}")
+            raise WireFormatError(
+                f"peer {peer!r} uses backend {rec.backend!r}; this Transport uses {self._backend.name!r}"
+            )
         if conn is not None and conn.alive and rec.generation == conn.generation:
             if rec != conn.record:
                 self._backend.add_peer(rec.metadata)  # same agent, more registered memory
@@ -592,7 +677,9 @@ class Transport:
             ) from e
         if loaded != rec.agent:
             self._backend.remove_peer(loaded)
-            raise WireFormatError(f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}")
+            raise WireFormatError(
+                f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}"
+            )
         conn = PeerConn(rec, loaded)
         self._conns[peer] = conn
         return conn
@@ -607,10 +694,18 @@ class Transport:
 
     def _not_found_message(self, peer: str) -> str:
         try:
-            known = [n for n in self._dir.names() if n != self.name and self._dir.store.try_get(self._dir.key("peers", n))]
+            known = [
+                n
+                for n in self._dir.names()
+                if n != self.name and self._dir.store.try_get(self._dir.key("peers", n))
+            ]
         except StoreError:
             known = []
-        hint = f"known peers: {', '.join(known[:8])}" + (" ..." if len(known) > 8 else "") if known else "no other peers are registered"
+        hint = (
+            f"known peers: {', '.join(known[:8])}" + (" ..." if len(known) > 8 else "")
+            if known
+            else "no other peers are registered"
+        )
         return (
             f"no peer named {peer!r} in namespace {self.namespace!r} ({hint}); "
             "check the name and namespace, or wait_for_peer() before the first put"
@@ -628,7 +723,9 @@ class Transport:
         for agent, frames in notifs.items():
             who = peer_of_agent(agent)
             if who is None:
-                log.warning("dropping %d notifications from unknown agent %r", len(frames), agent[:80])
+                log.warning(
+                    "dropping %d notifications from unknown agent %r", len(frames), agent[:80]
+                )
                 continue
             for frame in frames:
                 try:
@@ -661,7 +758,9 @@ class Transport:
                 n = self._notifs.popleft()
             yield n
 
-    def wait_notification(self, timeout: float | None = None, peer: str | None = None) -> Notification:
+    def wait_notification(
+        self, timeout: float | None = None, peer: str | None = None
+    ) -> Notification:
         """The next notification (from ``peer`` if given; others stay queued). TransferTimeout at the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._notif_cond:
@@ -693,7 +792,9 @@ class Transport:
                 out.append(_peer_info(rec, self._dir.last_heartbeat(name)))
         return out
 
-    def wait_for_peer(self, name: str, timeout: float | None = 30.0, regions: Iterable[str] = ()) -> PeerInfo:
+    def wait_for_peer(
+        self, name: str, timeout: float | None = 30.0, regions: Iterable[str] = ()
+    ) -> PeerInfo:
         """Block until peer ``name`` is registered (and exposes every region in ``regions``)."""
         check_name("peer name", name)
         want = set(regions)
@@ -705,12 +806,18 @@ class Transport:
             if rec is not None and want <= {r.name for r in rec.regions}:
                 return _peer_info(rec, self._dir.last_heartbeat(name))
             if deadline is not None and time.monotonic() >= deadline:
-                missing = "" if rec is None else f" with regions {sorted(want - {r.name for r in rec.regions})}"
+                missing = (
+                    ""
+                    if rec is None
+                    else f" with regions {sorted(want - {r.name for r in rec.regions})}"
+                )
                 raise PeerWaitTimeout(
                     f"peer {name!r}{missing} did not appear in namespace {self.namespace!r} within {timeout:.3g} s",
                     name,
                 )
-            self._stop_control.wait(min(delay, max(0.0, deadline - time.monotonic())) if deadline else delay)
+            self._stop_control.wait(
+                min(delay, max(0.0, deadline - time.monotonic())) if deadline else delay
+            )
             delay = min(delay * 2, 0.05)
 
     def _control_loop(self) -> None:
@@ -720,7 +827,9 @@ class Transport:
                 self._dir.heartbeat(self.name, self.generation)
                 for conn in list(self._conns.values()):
                     if conn.alive and self._dir.generation(conn.name) > conn.generation:
-                        log.info("peer %s restarted; dropping generation %d", conn.name, conn.generation)
+                        log.info(
+                            "peer %s restarted; dropping generation %d", conn.name, conn.generation
+                        )
                         self._drop_conn(conn)
             except Exception as e:  # the store may be down; transfers go on without it
                 log.warning("transport %s: store unavailable for heartbeats: %s", self.name, e)
@@ -738,7 +847,9 @@ def _peer_list(peer: Iterable[str]) -> tuple[str, ...]:
     try:
         peers = tuple(peer)
     except TypeError:
-        raise TypeError(f"peer must be a name or a list of names, got {type(peer).__name__}") from None
+        raise TypeError(
+            f"peer must be a name or a list of names, got {type(peer).__name__}"
+        ) from None
     if not peers:
         raise ValueError("the list of peers is empty")
     for p in peers:

@@ -36,7 +36,19 @@ QUEUED, POSTED, OK, FAILED = 0, 1, 2, 3
 class Op:
     """One backend transfer: one part of a handle, to one peer."""
 
-    __slots__ = ("after", "deadline", "group", "handle", "lock", "notif", "part", "plan", "state", "timeout", "xfer")
+    __slots__ = (
+        "after",
+        "deadline",
+        "group",
+        "handle",
+        "lock",
+        "notif",
+        "part",
+        "plan",
+        "state",
+        "timeout",
+        "xfer",
+    )
 
     def __init__(
         self, handle: Handle, plan: Plan, part: Part, notif: bytes, deadline: float, timeout: float
@@ -50,7 +62,9 @@ class Op:
         self.state = QUEUED
         self.xfer: Any = None
         self.lock = threading.Lock()
-        self.after: list[Op] | None = None  # post only once these are done (the notifying last part)
+        self.after: list[Op] | None = (
+            None  # post only once these are done (the notifying last part)
+        )
         self.group: list[Op] | None = None  # all parts of this handle to this peer
 
 
@@ -76,7 +90,9 @@ class Engine:
         self._stop = False
         self._last_activity = time.monotonic()
         self.error: BaseException | None = None  # set if the engine thread died
-        self._thread = threading.Thread(target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -221,8 +237,13 @@ class Engine:
         conn = op.plan.conn
         if posted:
             conn.suspect = True
-            log.warning("peer %s did not complete a %s of %d bytes within %.3g s; marked suspect",
-                        conn.name, op.plan.op, op.part.nbytes, op.timeout)
+            log.warning(
+                "peer %s did not complete a %s of %d bytes within %.3g s; marked suspect",
+                conn.name,
+                op.plan.op,
+                op.part.nbytes,
+                op.timeout,
+            )
             what = "did not complete it"
         else:
             what = "could not be reached in time to post it"
@@ -253,7 +274,9 @@ class Engine:
                 with plan.conn.lock:
                     plan.busy -= 1
             if xfer is not None and not self._backend.release_xfer(xfer):
-                log.warning("the backend refused to withdraw a failed transfer to %s", plan.conn.name)
+                log.warning(
+                    "the backend refused to withdraw a failed transfer to %s", plan.conn.name
+                )
         op.handle._part_done(plan.conn.name, error)
         if error is not None:
             if isinstance(error, PeerLostError):
@@ -324,8 +347,13 @@ class Engine:
             if op.after:
                 if any(a.state == FAILED for a in op.after):
                     self._queue.remove(op)
-                    self.fail(op, PeerLostError(f"an earlier part of the transfer to {op.plan.conn.name!r} failed",
-                                                op.plan.conn.name))
+                    self.fail(
+                        op,
+                        PeerLostError(
+                            f"an earlier part of the transfer to {op.plan.conn.name!r} failed",
+                            op.plan.conn.name,
+                        ),
+                    )
                     continue
                 if any(a.state != OK for a in op.after):
                     continue

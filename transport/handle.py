@@ -125,8 +125,12 @@ class Handle:
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[None] = loop.create_future()
 
+            def _resolve() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
             def _wake(_: Handle) -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                loop.call_soon_threadsafe(_resolve)
 
             self.add_done_callback(_wake)
             yield from fut.__await__()

@@ -29,7 +29,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype} is not supported for transfers; supported: {', '.join(DTYPE_SIZES)}") from None
+        raise TypeError(
+            f"dtype {dtype} is not supported for transfers; supported: {', '.join(DTYPE_SIZES)}"
+        ) from None
 
 
 def device_of(t: torch.Tensor) -> str:
@@ -37,8 +39,12 @@ def device_of(t: torch.Tensor) -> str:
     if kind == "cpu":
         return "cpu"
     if kind == "cuda":
-        return f"cuda:{t.device.index if t.device.index is not None else torch.cuda.current_device()}"
-    raise ValueError(f"tensor is on device {t.device}; only CPU and CUDA tensors can be transferred")
+        return (
+            f"cuda:{t.device.index if t.device.index is not None else torch.cuda.current_device()}"
+        )
+    raise ValueError(
+        f"tensor is on device {t.device}; only CPU and CUDA tensors can be transferred"
+    )
 
 
 def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
@@ -46,9 +52,13 @@ def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise ValueError(f"{what} has layout {t.layout}; only dense (strided) tensors can be transferred")
+        raise ValueError(
+            f"{what} has layout {t.layout}; only dense (strided) tensors can be transferred"
+        )
     if not t.is_contiguous():
-        raise ValueError(f"{what} is not contiguous; call .contiguous() or register a contiguous buffer")
+        raise ValueError(
+            f"{what} is not contiguous; call .contiguous() or register a contiguous buffer"
+        )
     device_of(t)
     dtype_name(t.dtype)
     return t
@@ -57,7 +67,9 @@ def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
 class Registration:
     __slots__ = ("base", "device", "explicit", "nbytes", "storage", "token", "users")
 
-    def __init__(self, base: int, nbytes: int, device: str, token: Any, storage: Any, explicit: bool) -> None:
+    def __init__(
+        self, base: int, nbytes: int, device: str, token: Any, storage: Any, explicit: bool
+    ) -> None:
         self.base = base
         self.nbytes = nbytes
         self.device = device
@@ -68,7 +80,9 @@ class Registration:
 
 
 class LocalMemory:
-    def __init__(self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 16 << 30) -> None:
+    def __init__(
+        self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 16 << 30
+    ) -> None:
         self._backend = backend
         self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
         self.max_implicit = max_implicit

@@ -109,7 +109,9 @@ class Plan:
                 return pool.pop()
             except IndexError:  # another thread took the last one
                 pass
-        return backend.make_xfer(self.op, self.local, part.index, self.remote, part.index, notif, self.conn.name)
+        return backend.make_xfer(
+            self.op, self.local, part.index, self.remote, part.index, notif, self.conn.name
+        )
 
     def give_back(self, backend: Backend, part: Part, xfer: Any, notified: bool) -> None:
         """Return a completed transfer to the pool (or release it if the plan is gone).

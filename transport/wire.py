@@ -106,7 +106,15 @@ class RegionInfo:
         return "r" in self.access
 
     def _pack(self) -> list[Any]:
-        return [self.name, self.addr, self.nbytes, self.dtype, list(self.shape), self.access, self.device]
+        return [
+            self.name,
+            self.addr,
+            self.nbytes,
+            self.dtype,
+            list(self.shape),
+            self.access,
+            self.device,
+        ]
 
 
 @dataclass(frozen=True)
@@ -164,7 +172,9 @@ def _check_fields(obj: object, fields: dict[str, type] | set[str], what: str) ->
     want = set(fields)
     if keys != want:
         missing, extra = sorted(want - keys), sorted(map(str, keys - want))
-        raise WireFormatError(f"{what} has the wrong fields (missing {missing}, unexpected {extra})")
+        raise WireFormatError(
+            f"{what} has the wrong fields (missing {missing}, unexpected {extra})"
+        )
     if isinstance(fields, dict):
         for k, t in fields.items():
             v = obj[k]
@@ -172,7 +182,9 @@ def _check_fields(obj: object, fields: dict[str, type] | set[str], what: str) ->
             if t is float and isinstance(v, int) and not isinstance(v, bool):
                 ok = True
             if not ok:
-                raise WireFormatError(f"{what} field {k!r} must be {t.__name__}, got {type(v).__name__}")
+                raise WireFormatError(
+                    f"{what} field {k!r} must be {t.__name__}, got {type(v).__name__}"
+                )
     return obj
 
 
@@ -201,7 +213,8 @@ def _decode_region(item: object, idx: int) -> RegionInfo:
     if access not in ACCESS_MODES:
         raise WireFormatError(f"{what} has unknown access {str(access)[:10]!r}")
     if not isinstance(device, str) or not (
-        device == "cpu" or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
+        device == "cpu"
+        or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
     ):
         raise WireFormatError(f"{what} has unknown device {str(device)[:20]!r}")
     return RegionInfo(name, addr, nbytes, dtype, tuple(shape), access, device)
@@ -227,7 +240,9 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
         use_bin_type=True,
     )  # fmt: skip
     sig = _sign(secret, body) if secret else None
-    out: bytes = msgpack.packb({"v": FORMAT_VERSION, "kind": "peer", "body": body, "sig": sig}, use_bin_type=True)
+    out: bytes = msgpack.packb(
+        {"v": FORMAT_VERSION, "kind": "peer", "body": body, "sig": sig}, use_bin_type=True
+    )
     if len(out) > MAX_RECORD_BYTES:
         raise ValueError(
             f"peer record is {len(out)} bytes, over the {MAX_RECORD_BYTES} limit; expose fewer, larger regions"
@@ -235,13 +250,17 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
     return out
 
 
-def decode_peer_record(data: object, secret: bytes | None = None, namespace: str | None = None) -> PeerRecord:
+def decode_peer_record(
+    data: object, secret: bytes | None = None, namespace: str | None = None
+) -> PeerRecord:
     """Decode and validate a stored peer record.
 
     With ``secret``, a record without a valid signature raises SignatureError.
     With ``namespace``, a record of another namespace is rejected.
     """
-    env = _check_fields(_unpack(data, "peer record", MAX_RECORD_BYTES), _ENVELOPE_FIELDS, "peer record")
+    env = _check_fields(
+        _unpack(data, "peer record", MAX_RECORD_BYTES), _ENVELOPE_FIELDS, "peer record"
+    )
     if env["v"] != FORMAT_VERSION:
         raise WireFormatError(
             f"peer record has format version {env['v']!r}; this library reads version {FORMAT_VERSION} "
@@ -256,10 +275,14 @@ def decode_peer_record(data: object, secret: bytes | None = None, namespace: str
         raise WireFormatError("peer record signature must be 32 bytes or nil")
     if secret:
         if sig is None:
-            raise SignatureError("peer record is not signed, but this Transport requires a shared secret")
+            raise SignatureError(
+                "peer record is not signed, but this Transport requires a shared secret"
+            )
         if not hmac.compare_digest(sig, _sign(secret, body)):
             raise SignatureError("peer record signature does not match the shared secret")
-    m = _check_fields(_unpack(body, "peer record body", MAX_RECORD_BYTES), _PEER_FIELDS, "peer record body")
+    m = _check_fields(
+        _unpack(body, "peer record body", MAX_RECORD_BYTES), _PEER_FIELDS, "peer record body"
+    )
     for key in ("name", "ns"):
         if not NAME_RE.match(m[key]):
             raise WireFormatError(f"peer record has an invalid {key} {m[key][:40]!r}")
@@ -286,13 +309,16 @@ def decode_peer_record(data: object, secret: bytes | None = None, namespace: str
 
 # --- heartbeats -------------------------------------------------------------------------------
 
+
 def encode_heartbeat(generation: int, wall_time: float) -> bytes:
     out: bytes = msgpack.packb({"v": FORMAT_VERSION, "gen": generation, "t": float(wall_time)})
     return out
 
 
 def decode_heartbeat(data: object) -> tuple[int, float]:
-    m = _check_fields(_unpack(data, "heartbeat", 256), {"v": int, "gen": int, "t": float}, "heartbeat")
+    m = _check_fields(
+        _unpack(data, "heartbeat", 256), {"v": int, "gen": int, "t": float}, "heartbeat"
+    )
     if m["v"] != FORMAT_VERSION:
         raise WireFormatError(f"heartbeat has format version {m['v']!r}")
     return m["gen"], float(m["t"])

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
+from helpers.peer import Peer, sha
 
 import transport
-from helpers.peer import Peer, sha
 
 MiB = 1 << 20
 
@@ -19,7 +19,10 @@ MiB = 1 << 20
 @pytest.fixture
 def pair(tcp_store):
     """Two Transports in this process (each with its own NIXL agent), the second exposing regions."""
-    with transport.Transport("a", store=tcp_store) as a, transport.Transport("b", store=tcp_store) as b:
+    with (
+        transport.Transport("a", store=tcp_store) as a,
+        transport.Transport("b", store=tcp_store) as b,
+    ):
         small, big = torch.zeros(1024), torch.zeros(8 * MiB, dtype=torch.uint8)
         b.expose_all({"small": small, "big": big})
         a.wait_for_peer("b", 10, regions=["small", "big"])
@@ -145,7 +148,8 @@ def test_close_fails_transfers_in_flight_and_unblocks_waiters(tcp_store):
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
+from helpers.peer import Peer, sha
 
 import transport
-from helpers.peer import Peer, sha
 from transport.store.tcp import TcpStore
 from transport.wire import MAX_RECORD_BYTES
 
@@ -23,7 +23,11 @@ def store():
 
 @pytest.fixture(scope="module")
 def receiver(store):
-    regions = {"rw": ("float32", 4096, "rw"), "ro": ("float32", 4096, "r"), "wo": ("float32", 4096, "w")}
+    regions = {
+        "rw": ("float32", 4096, "rw"),
+        "ro": ("float32", 4096, "r"),
+        "wo": ("float32", 4096, "w"),
+    }
     with Peer("recv", store.url, regions) as p:
         yield p
 
@@ -67,7 +71,9 @@ def test_unknown_region(w):
 
 
 def test_unknown_peer(w):
-    with pytest.raises(transport.PeerNotFoundError, match="no peer named 'ghost'.*known peers: recv"):
+    with pytest.raises(
+        transport.PeerNotFoundError, match="no peer named 'ghost'.*known peers: recv"
+    ):
         w.put(torch.ones(16), "ghost", "rw")
 
 

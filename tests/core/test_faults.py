@@ -7,9 +7,9 @@ import threading
 
 import pytest
 import torch
+from helpers.peer import Peer, pattern, sha
 
 import transport
-from helpers.peer import Peer, pattern, sha
 
 MiB = 1 << 20
 
@@ -79,7 +79,9 @@ def test_sigstop_gives_transfer_timeout_then_recovers(tcp_store, writer):
             batch = r.call("notifications", 5)
             assert batch, "no notification after SIGCONT"
             got += batch
-        assert ("writer", b"lost") not in got or got.index(("writer", b"lost")) < got.index(("writer", b"back"))
+        assert ("writer", b"lost") not in got or got.index(("writer", b"lost")) < got.index(
+            ("writer", b"back")
+        )
         assert r.call("sha", "x") == sha(src2)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.peer import Peer, pattern, sha
 
 import transport
-from helpers.peer import Peer, pattern, sha
 
 MiB = 1 << 20
 
@@ -44,7 +44,9 @@ def test_put_lands_every_byte(big_writer, big_receiver, nbytes):
     assert big_receiver.call("sha_range", "buf", 0, nbytes) == sha(src)
     if nbytes < 256 * MiB:  # nothing beyond the tensor was touched
         rest = 256 * MiB - nbytes
-        assert big_receiver.call("sha_range", "buf", nbytes, rest) == sha(torch.zeros(rest, dtype=torch.uint8))
+        assert big_receiver.call("sha_range", "buf", nbytes, rest) == sha(
+            torch.zeros(rest, dtype=torch.uint8)
+        )
 
 
 @pytest.mark.parametrize("nbytes", [4 << 10, 64 * MiB, 256 * MiB])
@@ -178,7 +180,9 @@ def test_notifications_name_the_sender(tcp_store, writer):
     with Peer("recv", tcp_store.url, {"x": ("uint8", 64, "rw")}) as r:
         writer.wait_for_peer("recv", 30)
         for i in range(5):
-            writer.put(torch.full((64,), i, dtype=torch.uint8), "recv", "x", notify=f"n{i}".encode()).wait(10)
+            writer.put(
+                torch.full((64,), i, dtype=torch.uint8), "recv", "x", notify=f"n{i}".encode()
+            ).wait(10)
         got = []
         while len(got) < 5:
             got += r.call("notifications", 5)

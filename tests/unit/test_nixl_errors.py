@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from transport.backends import available, backend_class, new_backend
-from transport.backends.nixl import NIXL_ERRORS, NixlBackend, _load, map_nixl_error, nixl_exception_classes
+from transport.backends.nixl import (
+    NIXL_ERRORS,
+    NixlBackend,
+    _load,
+    map_nixl_error,
+    nixl_exception_classes,
+)
 from transport.errors import BackendError, PeerLostError, RegionError, TransportError
 
 
@@ -72,8 +78,16 @@ DESCS = np.array([[4096, 64, 0]], dtype=np.uint64)
         (lambda b: b.register(4096, 64, "cpu"), "nixlBackendError", BackendError),
         (lambda b: b.add_peer(b"md"), "nixlInvalidParamError", BackendError),
         (lambda b: b.get_notifs(), "nixlUnknownError", BackendError),
-        (lambda b: b.send_notif("peer#1", b"x", "peer"), "nixlRemoteDisconnectError", PeerLostError),
-        (lambda b: b.make_xfer("WRITE", 1, DESCS, 2, DESCS, b"", "p"), "nixlMismatchError", RegionError),
+        (
+            lambda b: b.send_notif("peer#1", b"x", "peer"),
+            "nixlRemoteDisconnectError",
+            PeerLostError,
+        ),
+        (
+            lambda b: b.make_xfer("WRITE", 1, DESCS, 2, DESCS, b"", "p"),
+            "nixlMismatchError",
+            RegionError,
+        ),
     ],
 )
 def test_backend_methods_raise_mapped_errors(call, exc, expect):

@@ -81,12 +81,27 @@ def test_namespace_is_checked():
         (lambda b: b.update(gen=0), "out-of-range"),
         (lambda b: b.update(name="a/b"), "invalid name"),
         (lambda b: b.update(md=b""), "metadata"),
-        (lambda b: b.update(regions=[["x", 4096, 12, "float32", [4], "rw", "cpu"]]), "does not match nbytes"),
+        (
+            lambda b: b.update(regions=[["x", 4096, 12, "float32", [4], "rw", "cpu"]]),
+            "does not match nbytes",
+        ),
         (lambda b: b.update(regions=[["x", 0, 4, "float32", [1], "rw", "cpu"]]), "outside memory"),
-        (lambda b: b.update(regions=[["x", 2**64 - 2, 4, "float32", [1], "rw", "cpu"]]), "outside memory"),
-        (lambda b: b.update(regions=[["x", 4096, 4, "float31", [1], "rw", "cpu"]]), "unknown dtype"),
-        (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "x", "cpu"]]), "unknown access"),
-        (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw", "tpu:0"]]), "unknown device"),
+        (
+            lambda b: b.update(regions=[["x", 2**64 - 2, 4, "float32", [1], "rw", "cpu"]]),
+            "outside memory",
+        ),
+        (
+            lambda b: b.update(regions=[["x", 4096, 4, "float31", [1], "rw", "cpu"]]),
+            "unknown dtype",
+        ),
+        (
+            lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "x", "cpu"]]),
+            "unknown access",
+        ),
+        (
+            lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw", "tpu:0"]]),
+            "unknown device",
+        ),
         (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw"]]), "7 fields"),
         (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw", "cpu"]] * 2), "twice"),
         (lambda b: b.update(regions=[["x", 4096, -4, "float32", [-1], "rw", "cpu"]]), "bad nbytes"),
@@ -112,7 +127,10 @@ def test_envelope_rules():
 
 
 def test_too_many_regions_is_refused_when_encoding_and_decoding():
-    many = tuple(RegionInfo(f"r{i}", 4096 * (i + 1), 4, "float32", (1,), "rw", "cpu") for i in range(MAX_REGIONS + 1))
+    many = tuple(
+        RegionInfo(f"r{i}", 4096 * (i + 1), 4, "float32", (1,), "rw", "cpu")
+        for i in range(MAX_REGIONS + 1)
+    )
     with pytest.raises(ValueError, match="over the .* limit|expose fewer"):
         encode_peer_record(record(regions=many))
     body = body_of(encode_peer_record(record()))
@@ -129,11 +147,21 @@ def test_garbage_only_raises_wire_format_error(data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=8) | st.text(max_size=8),
-                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=5),
-                    max_leaves=20))
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.binary(max_size=8)
+        | st.text(max_size=8),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=5),
+        max_leaves=20,
+    )
+)
 def test_well_formed_msgpack_of_the_wrong_shape_only_raises_wire_format_error(obj):
-    raw = msgpack.packb({"v": 1, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sig": None})
+    raw = msgpack.packb(
+        {"v": 1, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sig": None}
+    )
     with pytest.raises(WireFormatError):
         decode_peer_record(raw)
 
