@@ -1,0 +1,49 @@
+"""The examples run as a user runs them, each on its own embedded store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers.processes import REPO, free_port
+
+
+def run(script: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), "--store", f"tcp://127.0.0.1:{free_port()}", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quickstart():
+    out = run("quickstart.py")
+    assert "every byte as sent: True" in out and "identical: True" in out and "quickstart: OK" in out
+
+
+@pytest.mark.timeout(300)
+def test_push_weights_main_job():
+    out = run("push_weights.py", "--generators", "2", "--steps", "3", "--params", "2e6", "--tensors", "20")
+    assert "generators verified 6 of 6 updates, every byte; mismatches: 0" in out
+    assert "push_weights: OK" in out
+
+
+def test_push_weights_rejects_bad_arguments():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "push_weights.py"), "--generators", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "must be at least 1" in proc.stderr
+
+
+def test_importing_nixl_leaves_logging_alone():
+    code = (
+        "import logging; import transport.backends.nixl as n; n._load(); "
+        "print(logging.raiseExceptions, logging.getLogger('nixl').getEffectiveLevel() >= logging.WARNING)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
