@@ -117,6 +117,14 @@ class Transport:
       the same name is picked up by the next put or get.
     * **Threads.** All methods are thread-safe. Done-callbacks run on the
       engine thread and must not wait on handles.
+
+    Options: ``timeout`` is the default transfer deadline; transfers of more
+    than ``chunk_bytes`` are posted in parts of that size so that one huge post
+    does not hold the agent for long (the notification follows the last part);
+    transfers of at most ``inline_bytes`` are posted by the calling thread (no
+    hand-off); ``idle_interval`` is how often an idle engine makes progress
+    (receivers' notified transfers complete at that pace after a quiet spell);
+    ``heartbeat_interval`` is how often the store hears from this peer.
     """
 
     def __init__(
@@ -653,8 +661,8 @@ class Transport:
             return conn
         rec = self._dir.fetch(peer)
         if rec is None:
-            if conn is not None and conn.alive:
-                conn.close(self._backend)
+            if conn is not None:
+                self._drop_conn(conn)
             raise PeerNotFoundError(self._not_found_message(peer), peer)
         if rec.backend != self._backend.name:
             raise WireFormatError(
@@ -666,7 +674,7 @@ class Transport:
                 conn.record, conn.regions = rec, rec.region_map()
             return conn
         if conn is not None:
-            self._drop_conn(conn)
+            self._drop_conn(conn)  # the old incarnation, and every plan made for it
         try:
             loaded = self._backend.add_peer(rec.metadata)
         except BackendError as e:
@@ -714,9 +722,11 @@ class Transport:
     # -- engine callbacks (engine thread) -------------------------------------------------------
 
     def _on_peer_lost(self, conn: PeerConn, error: BaseException) -> None:
+        # Runs on the engine thread: only the connection's own lock, never the Transport's (a user
+        # thread may hold that while it talks to the store). Stale plans are purged by _connect.
         if conn.alive:
             log.warning("peer %s#%d lost: %s", conn.name, conn.generation, error)
-            self._drop_conn(conn)
+            conn.close(self._backend)
 
     def _on_notifications(self, notifs: dict[str, list[bytes]]) -> None:
         out = []
@@ -747,20 +757,12 @@ class Transport:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._notif_cond:
-                while not self._notifs:
-                    if self._state is not _State.OPEN:
-                        return
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return
-                    self._engine.kick()
-                    self._notif_cond.wait(0.05 if left is None else min(left, 0.05))
+                if not self._notifs and not self._await_notification(deadline):
+                    return
                 n = self._notifs.popleft()
             yield n
 
-    def wait_notification(
-        self, timeout: float | None = None, peer: str | None = None
-    ) -> Notification:
+    def wait_notification(self, timeout: float | None = None, peer: str | None = None) -> Notification:
         """The next notification (from ``peer`` if given; others stay queued). TransferTimeout at the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._notif_cond:
@@ -770,12 +772,25 @@ class Transport:
                         del self._notifs[i]
                         return n
                 self._check_open()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if not self._await_notification(deadline, after=len(self._notifs)):
                     who = f" from {peer!r}" if peer else ""
                     raise TransferTimeout(f"no notification{who} arrived within {timeout:.3g} s")
-                self._engine.kick()
-                self._notif_cond.wait(0.05 if left is None else min(left, 0.05))
+
+    def _await_notification(self, deadline: float | None, after: int = 0) -> bool:
+        """With ``_notif_cond`` held: wait until more than ``after`` notifications are queued.
+        False at the deadline or when the Transport closes."""
+        self._engine.waiting(+1)
+        try:
+            while len(self._notifs) <= after:
+                if self._state is not _State.OPEN:
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._notif_cond.wait(0.1 if left is None else min(left, 0.1))
+            return True
+        finally:
+            self._engine.waiting(-1)
 
     # -- peers --------------------------------------------------------------------------------------
 

@@ -8,10 +8,11 @@ the receiving side. Small transfers are posted by the caller's thread and only
 polls a transfer first completes it.
 
 Idle, the engine wakes every ``idle_interval`` (5 ms by default) to read
-notifications: about 1% of a core. After any activity (a transfer, a
-notification, or a thread waiting for one) it polls every 50 us and backs off
-to the idle interval over the next ~100 ms, so the latency of a notification
-is low while anything is going on.
+notifications: about 1% of a core. After any activity (a transfer or a
+notification) it polls every 50 us and backs off to the idle interval over the
+next ~100 ms; while a thread waits for a notification it polls at least every
+``wait_interval`` (250 us), which bounds the latency of a notification without
+spinning a core that the writer may need.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Engine:
         on_notifications: Callable[[dict[str, list[bytes]]], None],
         on_peer_lost: Callable[[PeerConn, BaseException], None],
         idle_interval: float = 5e-3,
+        wait_interval: float = 250e-6,
         max_posted_parts: int = 4,
     ) -> None:
         self._backend = backend
@@ -89,6 +91,9 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._last_activity = time.monotonic()
+        self.wait_interval = wait_interval
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
         self.error: BaseException | None = None  # set if the engine thread died
         self._thread = threading.Thread(
             target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True
@@ -169,8 +174,11 @@ class Engine:
 
         return poll_all
 
-    def kick(self) -> None:
-        self._last_activity = time.monotonic()
+    def waiting(self, delta: int) -> None:
+        """A thread starts (+1) or stops (-1) waiting for a notification: while any waits, the
+        engine polls every ``wait_interval`` at least."""
+        with self._waiters_lock:
+            self._waiters += delta
         self._wake.set()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -333,6 +341,8 @@ class Engine:
             interval = min(self.idle_interval, max(50e-6, quiet / 20))  # 50 us, backing off
             if self._inflight:
                 interval = min(interval, 100e-6)
+            elif self._waiters:
+                interval = min(interval, self.wait_interval)
             self._wake.wait(interval)
             self._wake.clear()
 
