@@ -19,7 +19,7 @@ import torch
 
 import transport.backends as _backends
 from transport.backends.base import READ, WRITE, device_parts
-from transport.engine import Engine, Op
+from transport.engine import QUEUED, Engine, Op
 from transport.errors import (
     BackendError,
     ClosedError,
@@ -187,15 +187,18 @@ class Transport:
         self._notifs: deque[Notification] = deque()
         self._notif_cond = threading.Condition()
         self._created = time.time()
+        self._stop_control = threading.Event()
+        self._control_wake = threading.Event()
+        self._retries: deque[tuple[list[Op], BaseException]] = deque()
         self._engine = Engine(
             self._backend,
             self.name,
             self._on_notifications,
             self._on_peer_lost,
+            self._on_retry,
             idle_interval=idle_interval,
         )
         self._engine.start()
-        self._stop_control = threading.Event()
         try:
             self._publish()
             self._dir.heartbeat(self.name, self.generation)
@@ -240,6 +243,7 @@ class Transport:
                 return
             self._state = _State.CLOSED
         self._stop_control.set()
+        self._control_wake.set()
         try:
             self._dir.leave(self.name, self.generation)
         except Exception as e:
@@ -250,6 +254,11 @@ class Transport:
             and self._control is not threading.current_thread()
         ):
             self._control.join(5.0)
+        closed = ClosedError("the Transport was closed before the transfer completed")
+        while self._retries:
+            for o in self._retries.popleft()[0]:
+                o.state = QUEUED
+                self._engine.fail(o, closed)
         for conn in list(self._conns.values()):
             conn.close(self._backend)
         self._conns.clear()
@@ -508,7 +517,13 @@ class Transport:
             group.append(last)
             for o in group:
                 o.group = group
+            group[0].retry = (items, sig, offset)
             ops.extend(group)
+        if not inline:
+            for o in ops:
+                if o.group is None:
+                    o.group = [o]
+                    o.retry = (items, sig, offset)
         handle._remaining = len(ops)
         if inline:
             handle._poller = self._engine.poller(ops)
@@ -762,7 +777,9 @@ class Transport:
                 n = self._notifs.popleft()
             yield n
 
-    def wait_notification(self, timeout: float | None = None, peer: str | None = None) -> Notification:
+    def wait_notification(
+        self, timeout: float | None = None, peer: str | None = None
+    ) -> Notification:
         """The next notification (from ``peer`` if given; others stay queued). TransferTimeout at the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._notif_cond:
@@ -835,9 +852,67 @@ class Transport:
             )
             delay = min(delay * 2, 0.05)
 
+    def _on_retry(self, group: list[Op], error: BaseException) -> None:
+        """Engine thread: a transfer's first post found its peer gone. The control thread re-plans it."""
+        self._retries.append((group, error))
+        self._control_wake.set()
+
+    def _run_retries(self) -> None:
+        while self._retries:
+            group, error = self._retries.popleft()
+            first = group[0]
+            old = first.plan.conn
+            self._on_peer_lost(old, error)
+            new_ops: list[Op] = []
+            try:
+                rec = self._dir.fetch(old.name)
+                if (
+                    rec is not None
+                    and rec.generation > old.generation
+                    and self._state is _State.OPEN
+                ):
+                    items, sig, offset = first.retry
+                    plan = self._plan(first.plan.op, old.name, items, sig, offset)
+                    notif = next((o.notif for o in group if o.notif), b"")
+                    new_ops = [
+                        Op(first.handle, plan, part, b"", first.deadline, first.timeout)
+                        for part in plan.parts
+                    ]
+                    new_ops[-1].notif = notif
+                    if notif and len(new_ops) > 1:
+                        new_ops[-1].after = new_ops[:-1]
+                    for o in new_ops:
+                        o.group = new_ops
+                    log.info(
+                        "peer %s restarted (generation %d); retrying on it",
+                        old.name,
+                        rec.generation,
+                    )
+            except Exception as e:  # the store or the new peer failed us: report the loss
+                log.warning("could not retry a transfer to %s: %s", old.name, e)
+                new_ops = []
+            if new_ops:
+                first.handle._resize(len(new_ops) - len(group))
+                self._engine.submit(new_ops)
+            else:
+                for o in group:
+                    o.state = QUEUED
+                    self._engine.fail(o, error)
+
     def _control_loop(self) -> None:
-        """Heartbeats, and noticing connected peers that restarted under the same name."""
-        while not self._stop_control.wait(self.heartbeat_interval):
+        """Heartbeats, retries of transfers to restarted peers, and noticing connected peers that
+        restarted under the same name."""
+        next_beat = time.monotonic() + self.heartbeat_interval
+        while not self._stop_control.is_set():
+            self._control_wake.wait(max(0.0, next_beat - time.monotonic()))
+            self._control_wake.clear()
+            if self._stop_control.is_set():
+                break
+            if self._retries:
+                self._run_retries()
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + self.heartbeat_interval
             try:
                 self._dir.heartbeat(self.name, self.generation)
                 for conn in list(self._conns.values()):

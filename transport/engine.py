@@ -31,7 +31,7 @@ from transport.plan import Part, PeerConn, Plan
 
 log = logging.getLogger("transport.engine")
 
-QUEUED, POSTED, OK, FAILED = 0, 1, 2, 3
+QUEUED, POSTED, OK, FAILED, RETIRED = 0, 1, 2, 3, 4  # RETIRED: replaced by a retry
 
 
 class Op:
@@ -46,6 +46,7 @@ class Op:
         "notif",
         "part",
         "plan",
+        "retry",
         "state",
         "timeout",
         "xfer",
@@ -67,6 +68,7 @@ class Op:
             None  # post only once these are done (the notifying last part)
         )
         self.group: list[Op] | None = None  # all parts of this handle to this peer
+        self.retry: Any = None  # what the Transport needs to re-plan for a restarted peer
 
 
 class Engine:
@@ -76,6 +78,7 @@ class Engine:
         name: str,
         on_notifications: Callable[[dict[str, list[bytes]]], None],
         on_peer_lost: Callable[[PeerConn, BaseException], None],
+        on_retry: Callable[[list[Op], BaseException], None] | None = None,
         idle_interval: float = 5e-3,
         wait_interval: float = 250e-6,
         max_posted_parts: int = 4,
@@ -83,6 +86,7 @@ class Engine:
         self._backend = backend
         self._on_notifications = on_notifications
         self._on_peer_lost = on_peer_lost
+        self._on_retry = on_retry
         self.idle_interval = idle_interval
         self.max_posted_parts = max_posted_parts
         self._queue: deque[Op] = deque()  # to be posted by the engine
@@ -216,14 +220,29 @@ class Engine:
                 plan.busy += 1
                 st = self._backend.post(xfer, op.notif, conn.name)
         except BaseException as e:
-            if lost_raises and isinstance(e, PeerLostError):
+            group = op.group or [op]
+            retry = (
+                op.retry is not None
+                and self._on_retry is not None
+                and isinstance(e, PeerLostError)
+                and all(o.state == QUEUED for o in group if o is not op)
+            )
+            if (lost_raises or retry) and isinstance(e, PeerLostError):
                 if op.xfer is not None:
                     self._backend.release_xfer(op.xfer)
                     op.xfer = None
                     with conn.lock:
                         plan.busy -= 1
                 op.state = QUEUED
-                raise
+                if lost_raises:
+                    raise
+                # nothing of this transfer reached the old incarnation: the Transport re-plans it
+                # (if the peer restarted) or fails it
+                for o in group:
+                    o.state = RETIRED
+                assert self._on_retry is not None
+                self._on_retry(group, e)
+                return
             op.state = POSTED  # so that _finish() releases the transfer
             self._finish(op, e)
             return

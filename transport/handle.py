@@ -78,6 +78,11 @@ class Handle:
             for cb in callbacks:
                 _run_callback(cb, self)
 
+    def _resize(self, delta: int) -> None:
+        """Some parts were replaced by a different number of parts (a retry)."""
+        with _handle_lock:
+            self._remaining += delta
+
     def _complete_now(self) -> None:
         """Success before the handle was shared with any other thread (the fast path)."""
         self._remaining = 0

@@ -102,7 +102,16 @@ def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):
         assert r.call("sha", "x") == sha(src)
 
 
-def test_restarted_receiver_gets_the_next_put(tcp_store, writer):
+@pytest.fixture
+def unwatched_writer(tcp_store):
+    """A writer whose control thread never looks at the store on its own (no heartbeats, no
+    generation watch), so that only the put itself can notice that a peer restarted."""
+    with transport.Transport("writer", store=tcp_store, timeout=30, heartbeat_interval=3600) as t:
+        yield t
+
+
+def test_restarted_receiver_gets_the_next_put(tcp_store, unwatched_writer, caplog):
+    writer = unwatched_writer
     first = Peer("gen-0", tcp_store.url, {"w": ("float32", 4096, "rw")})
     try:
         writer.wait_for_peer("gen-0", 30)
@@ -114,8 +123,10 @@ def test_restarted_receiver_gets_the_next_put(tcp_store, writer):
     with Peer("gen-0", tcp_store.url, {"w": ("float32", 4096, "rw")}) as second:
         assert second.generation == first.generation + 1
         src = torch.full((4096,), 2.0)
-        writer.put(src, "gen-0", "w").wait(10)  # the very next put lands in the new process
+        with caplog.at_level("INFO", logger="transport"):
+            writer.put(src, "gen-0", "w").wait(10)  # the very next put lands in the new process
         assert second.call("sha", "w") == sha(src)
+        assert "restarted (generation 2); retrying" in caplog.text
         big = torch.randn(1 << 20)
         with Peer("gen-1", tcp_store.url, {"w": ("float32", 1 << 20, "rw")}) as other:
             writer.wait_for_peer("gen-1", 30)
@@ -130,3 +141,22 @@ def test_closed_peer_is_gone_from_the_store(tcp_store, writer):
     assert "leaver" not in {p.name for p in writer.peers()}
     with pytest.raises(transport.PeerNotFoundError, match="leaver"):
         writer.put(torch.zeros(64, dtype=torch.uint8), "leaver", "x").wait(5)
+
+
+def test_restarted_receiver_gets_the_next_large_put(tcp_store, unwatched_writer, caplog):
+    """A put posted in parts by the engine is re-planned for the new incarnation too."""
+    writer = unwatched_writer
+    n = 96 * MiB  # two parts at the default part size
+    first = Peer("gen-0", tcp_store.url, {"w": ("uint8", n, "rw")})
+    try:
+        writer.wait_for_peer("gen-0", 30)
+        writer.put(pattern(n, 1), "gen-0", "w").wait(30)
+    finally:
+        first.kill()
+    with Peer("gen-0", tcp_store.url, {"w": ("uint8", n, "rw")}) as second:
+        src = pattern(n, 2)
+        with caplog.at_level("INFO", logger="transport"):
+            writer.put(src, "gen-0", "w", notify=b"v2").wait(30)
+        assert "restarted (generation 2); retrying" in caplog.text
+        peer, payload, shas = second.call("notif_then_sha", 30, ["w"])
+        assert (peer, payload) == ("writer", b"v2") and shas["w"] == sha(src)
