@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers.redis_server import RedisServer, external_redis_url, flush
 
+from helpers.redis_server import RedisServer, external_redis_url, flush
 from transport.store import MemoryStore, Store, store_from_url
 from transport.store.tcp import TcpStore
 

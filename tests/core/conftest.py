@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers.peer import Peer
-from helpers.redis_server import flush
 
 import transport
+from helpers.peer import Peer
+from helpers.redis_server import flush
 from transport.store import Store, store_from_url
 from transport.store.tcp import TcpStore
 

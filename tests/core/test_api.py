@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from helpers.peer import Peer, sha
 
 import transport
+from helpers.peer import Peer, sha
 
 MiB = 1 << 20
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 import torch
-from helpers.peer import Peer, sha
 
 import transport
+from helpers.peer import Peer, sha
 from transport.store.tcp import TcpStore
 from transport.wire import MAX_RECORD_BYTES
 

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 import torch
-from helpers.peer import Peer, pattern, sha
 
 import transport
+from helpers.peer import Peer, pattern, sha
 
 MiB = 1 << 20
 

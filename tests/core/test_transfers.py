@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.peer import Peer, pattern, sha
 
 import transport
+from helpers.peer import Peer, pattern, sha
 
 MiB = 1 << 20
 

@@ -9,8 +9,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers.processes import PythonProcess
 
+from helpers.processes import PythonProcess
 from transport.errors import ClosedError, StoreError, StoreTimeout
 from transport.store import Store
 

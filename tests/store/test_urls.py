@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
+
 from helpers.processes import REPO, PythonProcess, free_port
 from helpers.redis_server import RedisServer
-
 from transport.errors import StoreError
 from transport.store import (
     DEFAULT_STORE_URL,

@@ -276,10 +276,25 @@ class TcpStore(Store):
         client: dist.TCPStore | None = getattr(local, "client", None)
         if client is None:
             seconds = self._connect_timeout if connect_timeout is None else connect_timeout
+            self._probe(seconds)
             with self._torch_errors("connect"):
                 client = dist.TCPStore(self._host, self._port, None, False, _span(seconds))
             local.client = client
         return client
+
+    def _probe(self, seconds: float) -> None:
+        """Fail at once when nothing listens on the port: torch's client would retry (and log
+        a stack trace per try) until its timeout instead."""
+        try:
+            with socket.create_connection((self._host, self._port), timeout=min(seconds, 5.0)):
+                pass
+        except ConnectionRefusedError as exc:
+            raise StoreError(
+                f"cannot reach store {self.url}: nothing listens on {self._host}:{self._port}; "
+                "start the process that hosts it first, or pass store=redis://HOST:PORT to use a Redis server"
+            ) from exc
+        except OSError:  # a timeout or an unreachable network: let torch's client report it
+            pass
 
     def _raw_try_get(self, client: dist.TCPStore, key: str) -> bytes | None:
         if not client.check([key]):

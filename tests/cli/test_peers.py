@@ -1,0 +1,63 @@
+"""``transport peers`` against real stores and real peers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+import transport
+from helpers.processes import REPO, free_port
+from transport.store.tcp import TcpStore
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "transport.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_lists_peers_with_regions_and_heartbeats():
+    with TcpStore("127.0.0.1", 0, hosting="yes") as store:
+        with transport.Transport("gen-0", store=store, namespace="job") as g, transport.Transport(
+            "trainer", store=store, namespace="job"
+        ):
+            g.expose_all({"a": torch.zeros(1024), "b": torch.zeros(256, dtype=torch.uint8)})
+            out = cli("peers", "--store", store.url, "--namespace", "job", "--json")
+            assert out.returncode == 0, out.stderr
+            peers = {p["name"]: p for p in json.loads(out.stdout)["peers"]}
+            assert set(peers) == {"gen-0", "trainer"}
+            assert peers["gen-0"]["regions"] == 2 and peers["gen-0"]["bytes"] == 4096 + 256
+            assert peers["gen-0"]["generation"] == 1 and peers["gen-0"]["last_heartbeat"] is not None
+            table = cli("peers", "--store", store.url, "--namespace", "job")
+            assert table.returncode == 0
+            lines = table.stdout.splitlines()
+            assert lines[0].split()[:3] == ["NAME", "GEN", "HOST"]
+            assert any(line.startswith("gen-0") and "4.2 KiB" in line for line in lines), table.stdout
+            # another namespace is empty
+            other = cli("peers", "--store", store.url, "--namespace", "other")
+            assert other.returncode == 0 and "no peers" in other.stdout
+
+
+def test_unreachable_store_is_one_line_and_non_zero():
+    port = free_port()
+    for url in (f"tcp://127.0.0.1:{port}", f"redis://127.0.0.1:{port}/0?timeout=1"):
+        out = cli("peers", "--store", url)
+        assert out.returncode == 1
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert str(port) in out.stderr
+
+
+def test_bad_arguments_exit_non_zero_without_traceback():
+    cases = [
+        (["peers", "--store", "zk://x:1"], "known schemes: memory://, tcp://"),
+        (["peers", "--namespace", "a/b"], "namespace 'a/b' is not allowed"),
+        (["nosuch"], "invalid choice: 'nosuch'"),
+    ]
+    for args, message in cases:
+        out = cli(*args)
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+        assert message in out.stderr, out.stderr
+        assert out.stderr.strip().count("\n") <= 2  # argparse prints usage + one line

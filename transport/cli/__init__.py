@@ -1,0 +1,53 @@
+"""The ``transport`` command: ``transport peers``, ``transport bench ...``.
+
+Every failure the user can fix (a bad argument, an unreachable store) ends in
+one line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from transport.errors import TransportError
+
+
+class CliError(Exception):
+    """A failure to report in one line (exit status 1)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from transport.cli import peers
+
+    parser = argparse.ArgumentParser(prog="transport", description="One-sided tensor transfer: tools.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    peers.add_parser(sub)
+    try:
+        from transport.cli import bench
+    except ImportError:  # the bench commands are optional parts of the install
+        pass
+    else:
+        bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code: int = args.run(args)
+        return code
+    except (CliError, TransportError, ValueError, TypeError) as e:
+        print(f"transport {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"transport {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

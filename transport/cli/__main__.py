@@ -1,0 +1,5 @@
+import sys
+
+from transport.cli import main
+
+sys.exit(main())
