@@ -38,11 +38,13 @@ from transport.plan import PeerConn, Plan
 from transport.store import DEFAULT_STORE_URL, Store, store_from_url
 from transport.wire import (
     ACCESS_MODES,
+    TAG_CONTROL,
     PeerRecord,
     RegionInfo,
     agent_name,
     check_name,
     check_region_name,
+    frame_control,
     frame_user_notification,
     parse_notification,
     peer_of_agent,
@@ -185,6 +187,7 @@ class Transport:
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self.max_plans = 4096
         self._notifs: deque[Notification] = deque()
+        self._control_handlers: dict[str, Any] = {}
         self._notif_cond = threading.Condition()
         self._created = time.time()
         self._stop_control = threading.Event()
@@ -754,9 +757,23 @@ class Transport:
                 continue
             for frame in frames:
                 try:
-                    _, payload = parse_notification(frame)
+                    tag, channel, payload = parse_notification(frame)
                 except WireFormatError as e:
                     log.warning("dropping a notification from %s: %s", who[0], e)
+                    continue
+                if tag == TAG_CONTROL:
+                    handler = self._control_handlers.get(channel)
+                    if handler is None:
+                        log.debug(
+                            "dropping a %r control message from %s: no handler", channel, who[0]
+                        )
+                        continue
+                    try:
+                        handler(who[0], payload)
+                    except Exception:  # a layer's handler must not kill the engine
+                        log.exception(
+                            "the %r control handler failed on a message from %s", channel, who[0]
+                        )
                     continue
                 out.append(Notification(who[0], payload))
         if out:
@@ -765,6 +782,39 @@ class Transport:
                 self._notif_cond.notify_all()
 
     # -- notifications ------------------------------------------------------------------------------
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        """Send a notification without data to ``peer``; it arrives after every transfer this
+        Transport completed to that peer before the call."""
+        self._send_frame(peer, frame_user_notification(payload))
+
+    def _send_control(self, peer: str, channel: str, payload: bytes) -> None:
+        """Send a library-internal message (see ``_on_control``)."""
+        self._send_frame(peer, frame_control(channel, payload))
+
+    def _on_control(self, channel: str, handler: Any) -> None:
+        """Route control messages of ``channel`` to ``handler(peer, payload)`` (on the engine thread)."""
+        self._control_handlers[channel] = handler
+
+    def _send_frame(self, peer: str, frame: bytes) -> None:
+        self._check_open()
+        check_name("peer name", peer)
+        with self._lock:
+            conn = self._connect(peer)
+        with conn.lock:
+            if not conn.alive:
+                raise PeerLostError(
+                    f"peer {peer!r} was lost; the next call reconnects if it has restarted", peer
+                )
+            try:
+                self._backend.send_notif(conn.agent, frame, peer)
+            except PeerLostError:
+                lost = True
+            else:
+                lost = False
+        if lost:
+            conn.close(self._backend)
+            raise PeerLostError(f"peer {peer!r} was lost while notifying it", peer)
 
     def notifications(self, timeout: float | None = None) -> Iterator[Notification]:
         """Yield notifications as they arrive until ``timeout`` seconds have passed (``0``: only

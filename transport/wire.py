@@ -328,7 +328,9 @@ def decode_heartbeat(data: object) -> tuple[int, float]:
 # The first byte says what a notification carries; users' payloads travel after TAG_USER.
 
 TAG_USER = 0x75  # "u"
+TAG_CONTROL = 0x63  # "c": messages of the library's own layers (for example weight sync)
 _TAG_USER_BYTES = bytes([TAG_USER])
+MAX_CHANNEL = 32
 
 
 def frame_user_notification(payload: object) -> bytes:
@@ -339,14 +341,35 @@ def frame_user_notification(payload: object) -> bytes:
     return _TAG_USER_BYTES + bytes(payload)
 
 
-def parse_notification(frame: bytes) -> tuple[int, bytes]:
-    """Split a received frame into (tag, payload); WireFormatError for an empty or unknown one."""
+def frame_control(channel: str, payload: bytes) -> bytes:
+    """A library-internal message on ``channel`` (1 to 32 ASCII characters)."""
+    raw = channel.encode("ascii")
+    if not 0 < len(raw) <= MAX_CHANNEL:
+        raise ValueError(f"control channel {channel!r} must be 1 to {MAX_CHANNEL} ASCII characters")
+    if len(payload) > MAX_NOTIFY_BYTES:
+        raise ValueError(
+            f"control payload is {len(payload)} bytes; the limit is {MAX_NOTIFY_BYTES}"
+        )
+    return bytes([TAG_CONTROL, len(raw)]) + raw + payload
+
+
+def parse_notification(frame: bytes) -> tuple[int, str, bytes]:
+    """Split a received frame into (tag, channel, payload); the channel is "" for users'
+    notifications. WireFormatError for an empty, unknown or truncated frame."""
     if not frame:
         raise WireFormatError("empty notification frame")
     tag = frame[0]
-    if tag != TAG_USER:
-        raise WireFormatError(f"notification frame has unknown tag 0x{tag:02x}")
-    return tag, frame[1:]
+    if tag == TAG_USER:
+        return tag, "", frame[1:]
+    if tag == TAG_CONTROL:
+        if len(frame) < 2 or not 0 < frame[1] <= MAX_CHANNEL or len(frame) < 2 + frame[1]:
+            raise WireFormatError("truncated control notification")
+        try:
+            channel = frame[2 : 2 + frame[1]].decode("ascii")
+        except UnicodeDecodeError:
+            raise WireFormatError("control notification channel is not ASCII") from None
+        return tag, channel, frame[2 + frame[1] :]
+    raise WireFormatError(f"notification frame has unknown tag 0x{tag:02x}")
 
 
 def agent_name(peer: str, generation: int) -> str:

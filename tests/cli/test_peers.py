@@ -15,14 +15,19 @@ from transport.store.tcp import TcpStore
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "transport.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "transport.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def test_lists_peers_with_regions_and_heartbeats():
     with TcpStore("127.0.0.1", 0, hosting="yes") as store:
-        with transport.Transport("gen-0", store=store, namespace="job") as g, transport.Transport(
-            "trainer", store=store, namespace="job"
+        with (
+            transport.Transport("gen-0", store=store, namespace="job") as g,
+            transport.Transport("trainer", store=store, namespace="job"),
         ):
             g.expose_all({"a": torch.zeros(1024), "b": torch.zeros(256, dtype=torch.uint8)})
             out = cli("peers", "--store", store.url, "--namespace", "job", "--json")
@@ -30,12 +35,16 @@ def test_lists_peers_with_regions_and_heartbeats():
             peers = {p["name"]: p for p in json.loads(out.stdout)["peers"]}
             assert set(peers) == {"gen-0", "trainer"}
             assert peers["gen-0"]["regions"] == 2 and peers["gen-0"]["bytes"] == 4096 + 256
-            assert peers["gen-0"]["generation"] == 1 and peers["gen-0"]["last_heartbeat"] is not None
+            assert (
+                peers["gen-0"]["generation"] == 1 and peers["gen-0"]["last_heartbeat"] is not None
+            )
             table = cli("peers", "--store", store.url, "--namespace", "job")
             assert table.returncode == 0
             lines = table.stdout.splitlines()
             assert lines[0].split()[:3] == ["NAME", "GEN", "HOST"]
-            assert any(line.startswith("gen-0") and "4.2 KiB" in line for line in lines), table.stdout
+            assert any(line.startswith("gen-0") and "4.2 KiB" in line for line in lines), (
+                table.stdout
+            )
             # another namespace is empty
             other = cli("peers", "--store", store.url, "--namespace", "other")
             assert other.returncode == 0 and "no peers" in other.stdout

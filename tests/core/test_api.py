@@ -161,3 +161,27 @@ def test_idle_transport_uses_under_5_percent_of_a_core(tcp_store):
         threading.Event().wait(5.0)  # the measurement window
         cpu, wall = _cpu_seconds(p.pid) - cpu0, time.monotonic() - wall0
     assert cpu / wall < 0.05, f"an idle Transport used {100 * cpu / wall:.1f}% of a core"
+
+
+def test_notify_without_data_follows_earlier_puts(pair):
+    a, b, small, big = pair
+    a.put(torch.full((1024,), 5.0), "b", "small").wait(5)
+    a.notify("b", b"hello")
+    n = b.wait_notification(timeout=5)
+    assert (n.peer, n.payload) == ("a", b"hello")
+    assert torch.equal(small, torch.full((1024,), 5.0))
+    with pytest.raises(transport.PeerNotFoundError):
+        a.notify("ghost", b"x")
+    with pytest.raises(TypeError):
+        a.notify("b", "text")  # type: ignore[arg-type]
+
+
+def test_control_messages_reach_their_handler_not_the_user(pair):
+    a, b, small, big = pair
+    got: list[tuple[str, bytes]] = []
+    seen = threading.Event()
+    b._on_control("test", lambda peer, payload: (got.append((peer, payload)), seen.set()))
+    a._send_control("b", "test", b"\x01\x02")
+    a._send_control("b", "nobody-listens", b"x")
+    assert seen.wait(5) and got == [("a", b"\x01\x02")]
+    assert list(b.notifications(timeout=0.2)) == []

@@ -18,6 +18,7 @@ from transport.wire import (
     decode_peer_record,
     encode_heartbeat,
     encode_peer_record,
+    frame_control,
     frame_user_notification,
     parse_notification,
     peer_of_agent,
@@ -170,7 +171,11 @@ def test_heartbeats_and_frames():
     assert decode_heartbeat(encode_heartbeat(5, 12.5)) == (5, 12.5)
     with pytest.raises(WireFormatError):
         decode_heartbeat(b"\x93\x01\x02\x03")
-    assert parse_notification(frame_user_notification(b"v7")) == (0x75, b"v7")
+    assert parse_notification(frame_user_notification(b"v7")) == (0x75, "", b"v7")
+    assert parse_notification(frame_control("sync", b"\x01")) == (0x63, "sync", b"\x01")
+    for bad in (b"c", b"c\x05ab", b"c\x00", b"c\x02\xff\xfe"):
+        with pytest.raises(WireFormatError):
+            parse_notification(bad)
     with pytest.raises(WireFormatError, match="unknown tag"):
         parse_notification(b"\x01abc")
     with pytest.raises(WireFormatError, match="empty"):

@@ -7,6 +7,7 @@ one line on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -21,14 +22,17 @@ class CliError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from transport.cli import peers
 
-    parser = argparse.ArgumentParser(prog="transport", description="One-sided tensor transfer: tools.")
+    parser = argparse.ArgumentParser(
+        prog="transport", description="One-sided tensor transfer: tools."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     peers.add_parser(sub)
     try:
-        from transport.cli import bench
-    except ImportError:  # the bench commands are optional parts of the install
-        pass
+        bench = importlib.import_module("transport.cli.bench")
+    except ModuleNotFoundError as e:  # the bench commands are an optional part of the install
+        if e.name != "transport.cli.bench":
+            raise
     else:
         bench.add_parser(sub)
     return parser
@@ -37,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         code: int = args.run(args)
         return code

@@ -17,9 +17,15 @@ from transport.wire import check_name
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("peers", help="list the peers of a namespace", description=__doc__)
-    p.add_argument("--store", default=os.environ.get("TRANSPORT_STORE", DEFAULT_STORE_URL), help="store URL")
+    p.add_argument(
+        "--store", default=os.environ.get("TRANSPORT_STORE", DEFAULT_STORE_URL), help="store URL"
+    )
     p.add_argument("--namespace", default="default")
-    p.add_argument("--secret", default=os.environ.get("TRANSPORT_SECRET"), help="verify records with this shared secret")
+    p.add_argument(
+        "--secret",
+        default=os.environ.get("TRANSPORT_SECRET"),
+        help="verify records with this shared secret",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
 
@@ -44,7 +50,7 @@ def collect(store_url: str, namespace: str, secret: str | None) -> list[dict[str
     store = store_from_url(client_url(store_url))
     try:
         d = Directory(store, namespace, secret.encode() if secret else None)
-        rows = []
+        rows: list[dict[str, Any]] = []
         now = time.time()
         for name in d.names():
             try:
@@ -70,7 +76,9 @@ def collect(store_url: str, namespace: str, secret: str | None) -> list[dict[str
 def run(args: argparse.Namespace) -> int:
     rows = collect(args.store, args.namespace, args.secret)
     if args.json:
-        print(json.dumps({"store": args.store, "namespace": args.namespace, "peers": rows}, indent=2))
+        print(
+            json.dumps({"store": args.store, "namespace": args.namespace, "peers": rows}, indent=2)
+        )
         return 0
     if not rows:
         print(f"no peers in namespace {args.namespace!r} of {args.store}")
@@ -79,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     table = [head]
     for r in rows:
         if "error" in r:
-            table.append((r["name"], "-", "-", "-", "-", "-", "-", "bad record: " + r["error"][:60]))
+            table.append(
+                (r["name"], "-", "-", "-", "-", "-", "-", "bad record: " + r["error"][:60])
+            )
             continue
         age = "never" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f} s ago"
         table.append((r["name"], str(r["generation"]), r["host"], str(r["pid"]), str(r["regions"]),
