@@ -37,6 +37,8 @@ GB/s means 1e9 bytes per second.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import multiprocessing as mp
 import os
 import socket
@@ -55,6 +57,36 @@ GiB = 1 << 30
 # first and pick these up; the parent imports nixl at most through `import transport`).
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_LOG_LEVEL", "error")
+
+
+class _TreeFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``transport`` and ``transport.backends`` to one checkout (see use_tree)."""
+
+    def __init__(self, dirs: dict[str, str]) -> None:
+        self.dirs = dirs
+
+    def find_spec(self, fullname, path, target=None):  # noqa: ANN001, ANN201
+        d = self.dirs.get(fullname)
+        if d is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, os.path.join(d, "__init__.py"), submodule_search_locations=[d]
+        )
+
+
+def use_tree(root: str) -> None:
+    """Import ``transport`` from the checkout ``root`` (``root/transport``, and
+    ``transport.backends`` from ``root/backends`` as pyproject.toml maps it), not from wherever an
+    editable install points: a benchmark run from an exported copy of a commit then measures that
+    commit only, not half of it and half of a working tree someone is editing."""
+    dirs = {
+        "transport": os.path.join(root, "transport"),
+        "transport.backends": os.path.join(root, "backends"),
+    }
+    present = all(os.path.isfile(os.path.join(d, "__init__.py")) for d in dirs.values())
+    if present and not any(isinstance(f, _TreeFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TreeFinder(dirs))
+
 
 PIPE_TIMEOUT_S = 120.0  # longest a writer waits for one reply of its receiver
 XFER_TIMEOUT_S = float(
@@ -309,12 +341,46 @@ def _raw_receiver(peer, cfg: dict) -> None:
     agent.add_remote_agent(msg[1])
     peer.send(("ok",))
 
-    mode = cfg["recv_progress"]
+    def handle(msg) -> None:
+        op = msg[0]
+        if op == "zero":
+            _, kind, n = msg
+            if kind == "batch":
+                for b in batch:
+                    b.zero_()
+            else:
+                buf[:n].zero_()
+            peer.send(("ok",))
+        elif op == "check":
+            _, kind, n, seed = msg
+            if kind == "batch":
+                ok = all(check_pattern(b, seed + i) for i, b in enumerate(batch))
+            else:
+                ok = check_pattern(buf[:n], seed)
+            peer.send(("checked", ok))
+        else:
+            raise ValueError(f"unknown command {msg!r}")
+
+    calls = serve_with_progress(peer, agent, cfg["recv_progress"], handle)
+    if calls is not None:
+        peer.send(("bye", calls))
+
+
+def serve_with_progress(peer, agent, mode: str, handle: Callable[[tuple], None]) -> int | None:
+    """The receiver's main loop: serve control messages from the writer while making NIXL
+    progress calls (``agent.get_new_notifs()``) for the raw agent ``agent`` (None: no raw agent,
+    just block on the pipe).
+
+    ``mode``: "sleep" (one call, then wait up to 0.5 ms on the pipe), "tight" (busy loop, the pipe
+    looked at every 64 calls) or "none" (after the writer's "connected": block on the pipe).
+    Handles "connected", "stop" (returns the number of progress calls; the caller replies) and
+    "error" (the writer failed and said so: returns None); every other message goes to
+    ``handle(msg)``."""
     calls = 0
     spin = 0
     connected = False  # "none" still progresses until the first (connecting) transfer is done
     while True:
-        if mode == "none" and connected:
+        if agent is None or (mode == "none" and connected):
             msg = peer.recv()
         elif mode in ("sleep", "none"):
             agent.get_new_notifs()
@@ -332,29 +398,13 @@ def _raw_receiver(peer, cfg: dict) -> None:
             msg = peer.recv()
         op = msg[0]
         if op == "stop":
-            peer.send(("bye", calls))
-            break
+            return calls
+        if op == "error":
+            return None
         if op == "connected":
             connected = True
-        elif op == "zero":
-            _, kind, n = msg
-            if kind == "batch":
-                for b in batch:
-                    b.zero_()
-            else:
-                buf[:n].zero_()
-            peer.send(("ok",))
-        elif op == "check":
-            _, kind, n, seed = msg
-            if kind == "batch":
-                ok = all(check_pattern(b, seed + i) for i, b in enumerate(batch))
-            else:
-                ok = check_pattern(buf[:n], seed)
-            peer.send(("checked", ok))
         else:
-            if op == "error":  # the writer failed and reported it: nothing left to serve
-                return
-            raise ValueError(f"unknown command {msg!r}")
+            handle(msg)
 
 
 def _poll_done(agent, h, st: str) -> None:
@@ -373,9 +423,95 @@ def _poll_done(agent, h, st: str) -> None:
         raise RuntimeError(f"raw NIXL transfer ended in state {st}")
 
 
+def raw_probe(agent, lp, rp, idx, k: int) -> dict:
+    """Untimed: how often transfer() already returns DONE, polls per transfer, and the median
+    cost of make_prepped_xfer / transfer() / release()."""
+    immediate = polls = 0
+    make_ns: list[int] = []
+    post_ns: list[int] = []
+    rel_ns: list[int] = []
+    clock = time.perf_counter_ns
+    for _ in range(k):
+        t0 = clock()
+        h = agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
+        t1 = clock()
+        st = agent.transfer(h)
+        t2 = clock()
+        make_ns.append(t1 - t0)
+        post_ns.append(t2 - t1)
+        if st == "DONE":
+            immediate += 1
+        while st == "PROC":
+            polls += 1
+            st = agent.check_xfer_state(h)
+        if st != "DONE":
+            raise RuntimeError(f"raw NIXL transfer ended in state {st}")
+        t3 = clock()
+        h.release()
+        rel_ns.append(clock() - t3)
+    return {
+        "post_returned_done": immediate / k,
+        "polls_per_xfer": polls / k,
+        "make_median_s": statistics.median(make_ns) / 1e9,
+        "transfer_call_median_s": statistics.median(post_ns) / 1e9,
+        "release_median_s": statistics.median(rel_ns) / 1e9,
+    }
+
+
+def raw_variants(agent, lp, rp, idx):
+    """(make_post, repost, repost_handle): one WRITE of the prepared lists per call, either
+    make_prepped_xfer + transfer + poll + release ("raw-nixl") or reposting one handle
+    ("raw-nixl-repost"; release the returned handle when done with the size)."""
+
+    def make_post() -> None:
+        h = agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
+        _poll_done(agent, h, agent.transfer(h))
+        h.release()
+
+    rh = agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
+
+    def repost() -> None:
+        _poll_done(agent, rh, agent.transfer(rh))
+
+    return make_post, repost, rh
+
+
+def raw_connect(agent, rname: str, laddr: int, raddr: int) -> float:
+    """A first 64-byte WRITE: UCX's lazy connect happens here, not inside a timed size (the
+    receiver must be making progress).  Returns its wall time in seconds."""
+    t0 = time.perf_counter()
+    lp0 = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(laddr, 64, 0)], "DRAM")
+    rp0 = agent.prep_xfer_dlist(rname, [(raddr, 64, 0)], "DRAM")
+    h0 = agent.make_prepped_xfer("WRITE", lp0, [0], rp0, [0])
+    _poll_done(agent, h0, agent.transfer(h0))
+    h0.release()
+    lp0.release()
+    rp0.release()
+    return time.perf_counter() - t0
+
+
+def raw_batch_dlists(agent, rname: str, bsrc: list, rbatch, bsize: int):
+    """Prepared descriptor lists for a batch: local tensors ``bsrc`` -> remote addresses
+    ``rbatch``, ``bsize`` bytes each.  Returns (lp, rp, idx)."""
+    import numpy as np
+
+    bcount = len(bsrc)
+    larr = np.array([(b.data_ptr(), bsize, 0) for b in bsrc], dtype=np.uint64)
+    rarr = np.stack(
+        [
+            np.asarray(rbatch, dtype=np.uint64),
+            np.full(bcount, bsize, np.uint64),
+            np.zeros(bcount, np.uint64),
+        ],
+        axis=1,
+    )
+    lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", larr, "DRAM")
+    rp = agent.prep_xfer_dlist(rname, rarr, "DRAM")
+    return lp, rp, np.arange(bcount, dtype=np.int32)
+
+
 def _raw_writer(peer, parent, cfg: dict) -> None:
     _apply_env(cfg)
-    import numpy as np
     import torch
 
     agent = _nixl_agent("raw-send")
@@ -415,68 +551,15 @@ def _raw_writer(peer, parent, cfg: dict) -> None:
             raise RuntimeError(f"raw NIXL: {kind} {size_label(n)}: bytes did not land")
         return True
 
-    def probe(lp, rp, idx, k: int) -> dict:
-        """Untimed: how often transfer() already returns DONE, and polls per transfer."""
-        immediate = polls = 0
-        make_ns: list[int] = []
-        post_ns: list[int] = []
-        rel_ns: list[int] = []
-        clock = time.perf_counter_ns
-        for _ in range(k):
-            t0 = clock()
-            h = agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
-            t1 = clock()
-            st = agent.transfer(h)
-            t2 = clock()
-            make_ns.append(t1 - t0)
-            post_ns.append(t2 - t1)
-            if st == "DONE":
-                immediate += 1
-            while st == "PROC":
-                polls += 1
-                st = agent.check_xfer_state(h)
-            if st != "DONE":
-                raise RuntimeError(f"raw NIXL transfer ended in state {st}")
-            t3 = clock()
-            h.release()
-            rel_ns.append(clock() - t3)
-        return {
-            "post_returned_done": immediate / k,
-            "polls_per_xfer": polls / k,
-            "make_median_s": statistics.median(make_ns) / 1e9,
-            "transfer_call_median_s": statistics.median(post_ns) / 1e9,
-            "release_median_s": statistics.median(rel_ns) / 1e9,
-        }
-
-    def variants(lp, rp, idx):
-        def make_post() -> None:
-            h = agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
-            _poll_done(agent, h, agent.transfer(h))
-            h.release()
-
-        rh = agent.make_prepped_xfer("WRITE", lp, idx, rp, idx)
-
-        def repost() -> None:
-            _poll_done(agent, rh, agent.transfer(rh))
-
-        return make_post, repost, rh
-
     # a first transfer: lazy UCX connect happens here, not inside any timed size
-    t0 = time.perf_counter()
-    lp0 = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(src.data_ptr(), 64, 0)], "DRAM")
-    rp0 = agent.prep_xfer_dlist(rname, [(raddr, 64, 0)], "DRAM")
-    h0 = agent.make_prepped_xfer("WRITE", lp0, [0], rp0, [0])
-    _poll_done(agent, h0, agent.transfer(h0))
-    h0.release()
-    notes.append(
-        f"raw NIXL first transfer (lazy connect) {1e3 * (time.perf_counter() - t0):.2f} ms"
-    )
+    dt = raw_connect(agent, rname, src.data_ptr(), raddr)
+    notes.append(f"raw NIXL first transfer (lazy connect) {1e3 * dt:.2f} ms")
     peer.send(("connected",))
 
     for n, iters, warm in cfg["sizes"]:
         lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(src.data_ptr(), n, 0)], "DRAM")
         rp = agent.prep_xfer_dlist(rname, [(raddr, n, 0)], "DRAM")
-        make_post, repost, rh = variants(lp, rp, [0])
+        make_post, repost, rh = raw_variants(agent, lp, rp, [0])
         label = size_label(n)
         for system, fn in (("raw-nixl", make_post), ("raw-nixl-repost", repost)):
             dbg(f"raw time {system} {n}")
@@ -484,7 +567,9 @@ def _raw_writer(peer, parent, cfg: dict) -> None:
             rec = summarize(system, label, n, times)
             rec["verified"] = verify("buf", n, fn, lambda s, n=n: fill_pattern(src[:n], s))
             if system == "raw-nixl":
-                rec.update(probe(lp, rp, [0], max(1, min(iters, 200 if n <= MiB else 3))))
+                rec.update(
+                    raw_probe(agent, lp, rp, [0], max(1, min(iters, 200 if n <= MiB else 3)))
+                )
             records.append(rec)
         rh.release()
         lp.release()
@@ -492,19 +577,8 @@ def _raw_writer(peer, parent, cfg: dict) -> None:
 
     if bcount:
         n = bcount * bsize
-        larr = np.array([(b.data_ptr(), bsize, 0) for b in bsrc], dtype=np.uint64)
-        rarr = np.stack(
-            [
-                np.asarray(rbatch, dtype=np.uint64),
-                np.full(bcount, bsize, np.uint64),
-                np.zeros(bcount, np.uint64),
-            ],
-            axis=1,
-        )
-        lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", larr, "DRAM")
-        rp = agent.prep_xfer_dlist(rname, rarr, "DRAM")
-        idx = np.arange(bcount, dtype=np.int32)
-        make_post, repost, rh = variants(lp, rp, idx)
+        lp, rp, idx = raw_batch_dlists(agent, rname, bsrc, rbatch, bsize)
+        make_post, repost, rh = raw_variants(agent, lp, rp, idx)
         label = f"{bcount}x{size_label(bsize)}".replace(" ", "")
 
         def bfill(s: int) -> None:
@@ -517,7 +591,7 @@ def _raw_writer(peer, parent, cfg: dict) -> None:
             rec = summarize(system, label, n, times)
             rec["verified"] = verify("batch", n, fn, bfill)
             if system == "raw-nixl-batch":
-                rec.update(probe(lp, rp, idx, max(1, min(biters, 3))))
+                rec.update(raw_probe(agent, lp, rp, idx, max(1, min(biters, 3))))
             records.append(rec)
         rh.release()
         lp.release()

@@ -1,7 +1,7 @@
 """Core benchmark: `transport` puts against raw NIXL, gloo and memcpy, all in one run.
 
-    .venv/bin/python benchmarks/bench_core.py                  # full run (about 1-3 min here)
-    .venv/bin/python benchmarks/bench_core.py --quick          # under ~30 s, sizes up to 64 MiB
+    .venv/bin/python benchmarks/bench_core.py                  # full run (about 1.5 min here)
+    .venv/bin/python benchmarks/bench_core.py --quick          # ~15 s, sizes up to 64 MiB
     .venv/bin/python benchmarks/bench_core.py --json out.json  # also write every number
 
 What is measured (per-iteration wall time on the writer, MEDIAN of the timed iterations, after
@@ -18,6 +18,17 @@ Raw NIXL comes in two variants (see _baselines.py): "raw-nixl" makes, posts, pol
 prepared xfer per iteration (what a direct NIXL user writes: the reference for the ratios), and
 "raw-nixl-repost" reposts one prepared handle (the tightest possible baseline).
 
+Raw NIXL vs ours is measured INTERLEAVED by default (--mode interleaved): ONE writer and ONE
+receiver process, each holding both a raw NIXL agent ("raw-send" / "raw-recv") and our Transport
+("send" / "recv"), by default on the same tensors (registered with both agents; --separate-buffers
+gives each system its own).  For each size the writer runs cycles of raw-nixl, ours,
+raw-nixl-repost, ours (sizes under 1 MiB: --block iterations of each per turn), so the machine's
+drift hits every system alike; every iteration is timed on its own.  Besides the ratio of medians
+the report gives a paired ratio: the median over cycles of ours / raw-nixl within one cycle.
+Writer and receiver are pinned to one CPU each (--no-pin to leave placement to the scheduler).
+--mode separate runs raw NIXL and ours each in its own process pair, one after the other.
+gloo and memcpy always run on their own.
+
 Every two-process system is verified once per size: the receiver zeroes its destination, the
 writer fills its source with a fresh pattern, transfers, and the receiver checks the pattern.
 """
@@ -29,6 +40,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -40,6 +52,8 @@ for p in (HERE, ROOT):
         sys.path.insert(0, p)
 
 import _baselines as B  # noqa: E402  (sets NIXL_LOG_LEVEL / UCX_LOG_LEVEL before any nixl import)
+
+B.use_tree(ROOT)  # `transport` of this checkout, also in the spawned children (they re-run this)
 
 OURS_TIMEOUT_S = 60.0  # h.wait(timeout=...) for one put
 
@@ -107,7 +121,9 @@ def _ours_writer(peer, parent, cfg: dict) -> None:
     assert msg[0] == "ready", msg
 
     t_open = time.perf_counter()
-    t = transport.Transport("send", store=cfg["store"])
+    t = transport.Transport(
+        "send", store=cfg["store"], **({"chunk_bytes": cfg["chunk"]} if cfg.get("chunk") else {})
+    )
     try:
         t.wait_for_peer("recv", timeout=30)
         notes.append(f"ours: open + wait_for_peer {1e3 * (time.perf_counter() - t_open):.1f} ms")
@@ -183,9 +199,355 @@ def ours_available() -> str | None:
     return None
 
 
+def code_info() -> dict[str, Any]:
+    """Which `transport` code is measured: its directory and the checkout's git state."""
+    info: dict[str, Any] = {"root": ROOT}
+    try:
+        import transport
+        import transport.backends as tb
+
+        info["transport"] = os.path.dirname(os.path.abspath(transport.__file__))
+        info["backends"] = os.path.dirname(os.path.abspath(tb.__file__))
+    except Exception as e:  # noqa: BLE001
+        info["import_error"] = f"{type(e).__name__}: {e}"
+
+    def git(*a: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", "-C", ROOT, *a], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    sha = git("rev-parse", "--short", "HEAD")
+    info["commit"] = sha.strip() if sha else None
+    if info["commit"] is not None:
+        dirty = git("status", "--porcelain", "--", "transport", "backends")
+        info["uncommitted"] = [ln[3:] for ln in (dirty or "").splitlines() if ln.strip()]
+    return info
+
+
+def _describe_code(info: dict[str, Any]) -> str:
+    where = info.get("transport", info.get("import_error", "?"))
+    if info.get("commit") is None:
+        return f"{where} (not a git checkout)"
+    dirty = info.get("uncommitted") or []
+    state = f", UNCOMMITTED changes in {', '.join(dirty)}" if dirty else ", clean"
+    return f"{where} (git {info['commit']}{state})"
+
+
 def run_ours(cfg: dict, timeout: float = 600.0) -> dict:
     cfg = dict(cfg, store=f"tcp://127.0.0.1:{B.free_port()}")
     return B.run_pair(_ours_writer, _ours_receiver, cfg, timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# interleaved: raw NIXL and ours in ONE writer and ONE receiver process, iterations alternating
+# --------------------------------------------------------------------------------------------
+
+
+def interleave(
+    fns: dict[str, Any], schedule: list[str], cycles: int, warm_cycles: int, block: int
+) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """Run ``warm_cycles`` untimed and then ``cycles`` timed cycles; one cycle runs, for each name
+    of ``schedule`` in turn, ``block`` iterations of ``fns[name]()``, each timed on its own.
+
+    Returns (times_ns per name, per-cycle median ns per name): the second pairs the systems'
+    iterations that ran within the same cycle (milliseconds apart), for drift-free ratios."""
+    for _ in range(warm_cycles):
+        for name in schedule:
+            f = fns[name]
+            for _ in range(block):
+                f()
+    clock = time.perf_counter_ns
+    times: dict[str, list[int]] = {name: [] for name in schedule}
+    per_cycle: dict[str, list[float]] = {name: [] for name in schedule}
+    for _ in range(cycles):
+        cyc: dict[str, list[int]] = {name: [] for name in schedule}
+        for name in schedule:
+            f = fns[name]
+            out = cyc[name]
+            for _ in range(block):
+                t0 = clock()
+                f()
+                out.append(clock() - t0)
+        for name, ts in cyc.items():
+            times[name].extend(ts)
+            per_cycle[name].append(statistics.median(ts))
+    return times, per_cycle
+
+
+def _schedule(ours: str, ref: str, present: set[str]) -> list[str]:
+    """raw, ours, raw-repost, ours: every "ours" iteration sits between the two raw variants."""
+    rep = ref + "-repost"
+    if ours in present and ref in present:
+        return [ref, ours, rep, ours]
+    if ref in present:
+        return [ref, rep]
+    return [ours, ours]
+
+
+def _pin(cfg: dict, role: int) -> None:
+    """--pin: this process (and every thread it starts from now on) onto one CPU, the writer's
+    and the receiver's different ones, so that no per-run thread placement favours either system."""
+    if cfg.get("pin") and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[role % len(cpus)]})
+
+
+def _inter_receiver(peer, cfg: dict) -> None:
+    _pin(cfg, 1)
+    B._apply_env(cfg)
+    import numpy as np
+    import torch
+
+    do_raw, do_ours = "raw" in cfg["pair"], "ours" in cfg["pair"]
+    maxn = max(n for n, _, _ in cfg["sizes"])
+    bcount, bsize = cfg["batch"][0], cfg["batch"][1]
+    dst: dict[str, Any] = {}
+    bdst: dict[str, list] = {}
+    for who in ("raw", "ours"):
+        if cfg["shared_buffers"] and dst:
+            dst[who], bdst[who] = dst["raw"], bdst["raw"]
+        else:
+            dst[who] = torch.zeros(maxn, dtype=torch.uint8)
+            bdst[who] = [torch.zeros(bsize, dtype=torch.uint8) for _ in range(bcount)]
+
+    t = agent = None
+    try:
+        if do_ours:  # first: this process hosts the embedded store
+            import transport
+
+            t = transport.Transport("recv", store=cfg["store"])
+            t.expose("buf", dst["ours"])
+            if bcount:
+                t.expose_all({f"b{i}": b for i, b in enumerate(bdst["ours"])})
+        md = None
+        if do_raw:
+            agent = B._nixl_agent("raw-recv")
+            agent.register_memory(dst["raw"])
+            if bcount:
+                agent.register_memory(bdst["raw"])
+            md = agent.get_agent_metadata()
+        rbatch = np.array([b.data_ptr() for b in bdst["raw"]], dtype=np.uint64)
+        peer.send(("ready", md, dst["raw"].data_ptr(), rbatch))
+        if do_raw:
+            msg = B.peer_recv(peer)
+            assert msg[0] == "md", msg
+            agent.add_remote_agent(msg[1])
+            peer.send(("ok",))
+
+        def handle(msg) -> None:
+            op = msg[0]
+            if op == "zero":
+                _, who, kind, n = msg
+                if kind == "batch":
+                    for b in bdst[who]:
+                        b.zero_()
+                else:
+                    dst[who][:n].zero_()
+                peer.send(("ok",))
+            elif op == "check":
+                _, who, kind, n, seed = msg
+                if kind == "batch":
+                    ok = all(B.check_pattern(b, seed + i) for i, b in enumerate(bdst[who]))
+                else:
+                    ok = B.check_pattern(dst[who][:n], seed)
+                peer.send(("checked", ok))
+            else:
+                raise ValueError(f"unknown command {msg!r}")
+
+        # The raw agent needs our progress calls; the Transport's engine thread makes its own.
+        calls = B.serve_with_progress(peer, agent, cfg["recv_progress"], handle)
+        if calls is None:  # the writer failed and said so
+            return
+        t0 = time.perf_counter()
+        if t is not None:
+            t.close()
+        peer.send(("bye", calls, time.perf_counter() - t0))
+    finally:
+        if t is not None:
+            t.close()
+
+
+def _inter_writer(peer, parent, cfg: dict) -> None:
+    _pin(cfg, 0)
+    B._apply_env(cfg)
+    import torch
+
+    do_raw, do_ours = "raw" in cfg["pair"], "ours" in cfg["pair"]
+    maxn = max(n for n, _, _ in cfg["sizes"])
+    bcount, bsize, biters, bwarm = cfg["batch"]
+    src: dict[str, Any] = {}
+    bsrc: dict[str, list] = {}
+    for who in ("raw", "ours"):
+        if cfg["shared_buffers"] and src:
+            src[who], bsrc[who] = src["raw"], bsrc["raw"]
+        else:
+            src[who] = torch.full((maxn,), 1, dtype=torch.uint8)
+            bsrc[who] = [torch.full((bsize,), 1, dtype=torch.uint8) for _ in range(bcount)]
+    bnames = [f"b{i}" for i in range(bcount)]
+    notes: list[str] = []
+    records: list[dict] = []
+    msg = B.peer_recv(peer)  # the receiver opened first: it hosts the embedded store
+    assert msg[0] == "ready", msg
+    _, rmd, raddr, rbatch = msg
+
+    t = agent = None
+    rname = None
+    try:
+        if do_ours:
+            import transport
+
+            t_open = time.perf_counter()
+            t = transport.Transport(
+                "send",
+                store=cfg["store"],
+                **({"chunk_bytes": cfg["chunk"]} if cfg.get("chunk") else {}),
+            )
+            t.wait_for_peer("recv", timeout=30, regions=["buf", *bnames])
+            notes.append(
+                f"ours: open + wait_for_peer {1e3 * (time.perf_counter() - t_open):.1f} ms"
+            )
+            t.register(src["ours"])
+            for v in bsrc["ours"]:
+                t.register(v)
+        if do_raw:
+            agent = B._nixl_agent("raw-send")
+            agent.register_memory(src["raw"])
+            if bcount:
+                agent.register_memory(bsrc["raw"])
+            rname = B._remote_name(agent.add_remote_agent(rmd))
+            peer.send(("md", agent.get_agent_metadata()))
+            B.peer_recv(peer)
+            dt = B.raw_connect(agent, rname, src["raw"].data_ptr(), raddr)
+            notes.append(f"raw NIXL first transfer (lazy connect) {1e3 * dt:.2f} ms")
+        if do_ours:
+            t0 = time.perf_counter()
+            t.put(src["ours"][:64], "recv", "buf").wait(timeout=OURS_TIMEOUT_S)
+            notes.append(
+                f"ours: first put (peer resolve + connect) {1e3 * (time.perf_counter() - t0):.2f} ms"
+            )
+        peer.send(("connected",))
+
+        seed = 5000
+
+        def verify(who: str, kind: str, n: int, one, fill) -> bool:
+            nonlocal seed
+            seed += 1
+            peer.send(("zero", who, kind, n))
+            B.peer_recv(peer)
+            fill(who, seed)
+            one()
+            peer.send(("check", who, kind, n, seed))
+            if not B.peer_recv(peer)[1]:
+                raise RuntimeError(f"{who}: {kind} {B.size_label(n)}: bytes did not land")
+            return True
+
+        def measure(label, n, fns, ours, ref, iters, warm, block, kind, fill) -> dict[str, dict]:
+            sched = _schedule(ours, ref, set(fns))
+            cycles = -(-iters // block)
+            B.dbg(f"interleaved {label}: {sched} x {cycles} cycles, block {block}")
+            times, per_cycle = interleave(fns, sched, cycles, -(-warm // block), block)
+            recs = {}
+            for name in dict.fromkeys(sched):  # schedule order, each once
+                rec = B.summarize(name, label, n, times[name], block=block, cycles=cycles)
+                who = "ours" if name.startswith("ours") else "raw"
+                rec["verified"] = verify(who, kind, n, fns[name], fill)
+                recs[name] = rec
+            if ours in recs:
+                recs[ours]["paired_time_ratio"] = {
+                    other: statistics.median(
+                        o / r for o, r in zip(per_cycle[ours], per_cycle[other], strict=True)
+                    )
+                    for other in recs
+                    if other != ours
+                }
+            return recs
+
+        for n, iters, warm in cfg["sizes"]:
+            label = B.size_label(n)
+            fns: dict[str, Any] = {}
+            if do_raw:
+                lp = agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", [(src["raw"].data_ptr(), n, 0)], "DRAM"
+                )
+                rp = agent.prep_xfer_dlist(rname, [(raddr, n, 0)], "DRAM")
+                fns["raw-nixl"], fns["raw-nixl-repost"], rh = B.raw_variants(agent, lp, rp, [0])
+            if do_ours:
+                view = src["ours"][:n]
+
+                def one(view=view) -> None:
+                    t.put(view, "recv", "buf").wait(timeout=OURS_TIMEOUT_S)
+
+                fns["ours"] = one
+            block = cfg["block"] if n < B.MiB else 1
+            recs = measure(
+                label, n, fns, "ours", "raw-nixl", iters, warm, block, "buf",
+                lambda who, s, n=n: B.fill_pattern(src[who][:n], s),
+            )  # fmt: skip
+            if do_raw:
+                k = max(1, min(iters, 200 if n <= B.MiB else 3))
+                recs["raw-nixl"].update(B.raw_probe(agent, lp, rp, [0], k))
+                rh.release()
+                lp.release()
+                rp.release()
+            records.extend(recs.values())
+
+        if bcount:
+            n = bcount * bsize
+            label = f"{bcount}x{B.size_label(bsize)}".replace(" ", "")
+            fns = {}
+            if do_raw:
+                lp, rp, idx = B.raw_batch_dlists(agent, rname, bsrc["raw"], rbatch, bsize)
+                fns["raw-nixl-batch"], fns["raw-nixl-batch-repost"], rh = B.raw_variants(
+                    agent, lp, rp, idx
+                )
+            if do_ours:
+                bdict = dict(zip(bnames, bsrc["ours"], strict=True))
+
+                def bone() -> None:
+                    t.put(bdict, "recv").wait(timeout=OURS_TIMEOUT_S)
+
+                fns["ours-batch"] = bone
+
+            def bfill(who: str, s: int) -> None:
+                for i, b in enumerate(bsrc[who]):
+                    B.fill_pattern(b, s + i)
+
+            recs = measure(
+                label, n, fns, "ours-batch", "raw-nixl-batch", biters, bwarm, 1, "batch", bfill
+            )
+            if do_raw:
+                recs["raw-nixl-batch"].update(
+                    B.raw_probe(agent, lp, rp, idx, max(1, min(biters, 3)))
+                )
+                rh.release()
+                lp.release()
+                rp.release()
+            records.extend(recs.values())
+    finally:
+        if agent is not None and rname is not None:
+            agent.remove_remote_agent(rname)
+        if t is not None:
+            t0 = time.perf_counter()
+            t.close()
+            notes.append(f"ours: writer close {1e3 * (time.perf_counter() - t0):.1f} ms")
+    peer.send(("stop",))
+    bye = B.peer_recv(peer)
+    if do_raw:
+        notes.append(
+            f"raw NIXL receiver progress mode '{cfg['recv_progress']}': {bye[1]} get_new_notifs() calls"
+        )
+    if do_ours:
+        notes.append(f"ours: receiver close {1e3 * bye[2]:.1f} ms")
+    parent.send({"records": records, "notes": notes})
+
+
+def run_interleaved(cfg: dict, pair: list[str], timeout: float = 900.0) -> dict:
+    cfg = dict(cfg, store=f"tcp://127.0.0.1:{B.free_port()}", pair=pair)
+    return B.run_pair(_inter_writer, _inter_receiver, cfg, timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,6 +607,17 @@ def compute_ratios(records: list[dict], cfg: dict) -> dict[str, Any]:
     out["batch_ours_over_raw"] = ratio(
         _find(records, blab, "ours-batch"), _find(records, blab, "raw-nixl-batch"), "gbps"
     )
+
+    # interleaved mode only: median over cycles of (ours / raw-nixl) within the same cycle
+    def paired(label: str, system: str, ref: str, bw: bool) -> float | None:
+        r = _find(records, label, system)
+        x = (r or {}).get("paired_time_ratio", {}).get(ref)
+        return None if x is None else (1.0 / x if bw else x)
+
+    out["paired_lat_4k_ours_over_raw"] = paired(small, "ours", "raw-nixl", False)
+    out["paired_bw_64m_ours_over_raw"] = paired(B.size_label(64 * B.MiB), "ours", "raw-nixl", True)
+    out["paired_bw_1g_ours_over_raw"] = paired(B.size_label(B.GiB), "ours", "raw-nixl", True)
+    out["paired_batch_ours_over_raw"] = paired(blab, "ours-batch", "raw-nixl-batch", True)
     return out
 
 
@@ -315,6 +688,11 @@ def merge_rounds(per_round: list[list[dict]]) -> list[dict]:
         rec["round_medians_s"] = meds
         rec["verified"] = all(r["verified"] for r in rs)
         rec["iters"] = sum(r["iters"] for r in rs)
+        if "paired_time_ratio" in rec:
+            rec["paired_time_ratio"] = {
+                k: statistics.median(r["paired_time_ratio"][k] for r in rs)
+                for k in rec["paired_time_ratio"]
+            }
         merged[key] = rec
     return list(merged.values())
 
@@ -330,15 +708,23 @@ def print_targets(ratios: dict[str, Any], cfg: dict) -> None:
     bcount, bsize = cfg["batch"][0], cfg["batch"][1]
     blab = f"{bcount}x{B.size_label(bsize)}".replace(" ", "")
     single = B.size_label(64 * B.MiB)
-    print("targets (reference: raw-nixl = make+post+poll+release per iteration):")
+
+    def p(key: str) -> str:
+        x = ratios.get("paired_" + key)
+        return "" if x is None else f"; paired per cycle {x:.3f}"
+
+    print("targets (reference: raw-nixl = make+post+poll+release per iteration; ratio of medians):")
     print(
-        f"  4 KiB latency ours/raw = {_verdict(ratios['lat_4k_ours_over_raw'], 1.3, True)} (target <= 1.3)"
+        f"  4 KiB latency ours/raw = {_verdict(ratios['lat_4k_ours_over_raw'], 1.3, True)} "
+        f"(target <= 1.3{p('lat_4k_ours_over_raw')})"
     )
     print(
-        f"  64 MiB bw ours/raw = {_verdict(ratios['bw_64m_ours_over_raw'], 0.95, False)} (target >= 0.95)"
+        f"  64 MiB bw ours/raw = {_verdict(ratios['bw_64m_ours_over_raw'], 0.95, False)} "
+        f"(target >= 0.95{p('bw_64m_ours_over_raw')})"
     )
     print(
-        f"  1 GiB bw ours/raw = {_verdict(ratios['bw_1g_ours_over_raw'], 0.95, False)} (target >= 0.95)"
+        f"  1 GiB bw ours/raw = {_verdict(ratios['bw_1g_ours_over_raw'], 0.95, False)} "
+        f"(target >= 0.95{p('bw_1g_ours_over_raw')})"
     )
     print(
         f"  batch {blab} bw / single {single} bw = {_verdict(ratios['batch_over_single_ours'], 0.8, False)} (target >= 0.8)"
@@ -356,6 +742,15 @@ def print_targets(ratios: dict[str, Any], cfg: dict) -> None:
         f"  batch ours/raw-batch bw = {f(ratios['batch_ours_over_raw'])}; "
         f"raw batch/single bw = {f(ratios['batch_over_single_raw'])}"
     )
+    if ratios.get("paired_batch_ours_over_raw") is not None:
+        print(
+            f"  batch ours/raw-batch bw, paired per cycle = {f(ratios['paired_batch_ours_over_raw'])}"
+        )
+    if any(ratios.get(k) is not None for k in ratios if k.startswith("paired_")):
+        print(
+            "  (paired per cycle = median over the interleaved cycles of ours/raw-nixl within the "
+            "same cycle: drift cancels)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,12 +760,12 @@ def print_targets(ratios: dict[str, Any], cfg: dict) -> None:
 
 def build_config(args: argparse.Namespace) -> dict:
     if args.quick:
-        plan = [(4 * B.KiB, 300, 50), (64 * B.MiB, 5, 1), (B.GiB, 3, 1)]
-        batch_iters = (5, 1)
+        plan = [(4 * B.KiB, 300, 50), (64 * B.MiB, 10, 2), (B.GiB, 3, 1)]
+        batch_iters = (10, 2)
         max_size = B.parse_size(args.max_size) if args.max_size else 64 * B.MiB
     else:
-        plan = [(4 * B.KiB, 2000, 200), (64 * B.MiB, 20, 3), (B.GiB, 5, 1)]
-        batch_iters = (20, 3)
+        plan = [(4 * B.KiB, 2000, 200), (64 * B.MiB, 40, 4), (B.GiB, 24, 1)]
+        batch_iters = (40, 4)
         max_size = B.parse_size(args.max_size) if args.max_size else B.GiB
     if args.iters_scale != 1.0:
         plan = [(n, max(3, int(i * args.iters_scale)), w) for n, i, w in plan]
@@ -388,6 +783,11 @@ def build_config(args: argparse.Namespace) -> dict:
         else (0, 0, 0, 0),
         "recv_progress": args.recv_progress,
         "env": env,
+        "chunk": args.chunk,
+        "mode": args.mode,
+        "block": args.block,
+        "shared_buffers": not args.separate_buffers,
+        "pin": args.pin,
     }
 
 
@@ -415,6 +815,32 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="UCX_TLS for raw NIXL and ours (e.g. tcp); default: UCX's choice (cma)",
     )
+    ap.add_argument(
+        "--chunk",
+        type=B.parse_size,
+        default=None,
+        help="our Transport's chunk_bytes (default: its own)",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("interleaved", "separate"),
+        default="interleaved",
+        help="raw NIXL vs ours: one writer and one receiver process holding both, iterations "
+        "alternating raw, ours, raw-repost, ours (interleaved, default), or each system in its "
+        "own process pair, one after the other (separate)",
+    )
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=50,
+        help="interleaved: iterations per turn for sizes under 1 MiB (larger sizes: 1)",
+    )
+    ap.add_argument(
+        "--separate-buffers",
+        action="store_true",
+        help="interleaved: raw NIXL and ours each get their own (equal-sized) buffers "
+        "(default: the same tensors, registered with both agents)",
+    )
     ap.add_argument("--batch-count", type=int, default=1000)
     ap.add_argument("--batch-size", type=B.parse_size, default=64 * B.KiB)
     ap.add_argument(
@@ -426,6 +852,14 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="run every system N times in turn; report the median of the per-round medians "
         "(evens out load drift on a shared machine)",
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="interleaved: pin the writer process (all its threads) to one CPU and the receiver "
+        "to another (default: on; without it, where the threads land differs per run and moves "
+        "the 64 MiB ratio by up to 10%%)",
     )
     args = ap.parse_args(argv)
 
@@ -439,7 +873,13 @@ def main(argv: list[str] | None = None) -> int:
         f"bench_core: sizes {[B.size_label(n) for n, _, _ in cfg['sizes']]}, "
         f"batch {cfg['batch'][0]}x{B.size_label(cfg['batch'][1]) if cfg['batch'][0] else '-'}, "
         f"raw receiver progress '{cfg['recv_progress']}', env {cfg['env'] or 'UCX defaults'}, "
-        f"{os.cpu_count()} cpus",
+        f"{os.cpu_count()} cpus, raw vs ours: {cfg['mode']}"
+        + (
+            f" (block {cfg['block']} below 1 MiB, "
+            f"{'shared' if cfg['shared_buffers'] else 'separate'} buffers)"
+            if cfg["mode"] == "interleaved"
+            else ""
+        ),
         flush=True,
     )
 
@@ -465,12 +905,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[ours] SKIPPED: {why}", flush=True)
             systems = [s for s in systems if s != "ours"]
 
+    code = code_info() if "ours" in systems else {}
+    if code:
+        print(f"ours: transport from {_describe_code(code)}", flush=True)
+        notes.append(f"ours: transport from {_describe_code(code)}")
+        if code.get("uncommitted"):
+            print(
+                "  WARNING: edits in progress change what 'ours' is between (and within) runs; "
+                "see benchmarks/README.md for measuring a commit",
+                flush=True,
+            )
+
+    pair = [s for s in ("raw", "ours") if s in systems]
     for rnd in range(args.rounds):
         records = []
         if args.rounds > 1:
             print(f"-- round {rnd + 1}/{args.rounds}", flush=True)
+        paired_done = False
         for name in systems:
-            if name == "memcpy":
+            if args.mode == "interleaved" and name in pair:
+                if not paired_done:
+                    take("+".join(pair) + " interleaved", run_interleaved(cfg, pair))
+                    paired_done = True
+            elif name == "memcpy":
                 try:
                     take(name, B.run_memcpy(cfg))
                 except Exception as e:  # noqa: BLE001
@@ -521,6 +978,7 @@ def main(argv: list[str] | None = None) -> int:
                         "platform": platform.platform(),
                         "python": platform.python_version(),
                     },
+                    "code": code,
                     "records": records,
                     "ratios": ratios,
                     "notes": notes,
