@@ -29,6 +29,7 @@ from transport.errors import (
 )
 from transport.handle import Handle, wait_all
 from transport.store import Store, store_from_url
+from transport.weights import PublishHandle, PublishResult, WeightPublisher, WeightSubscriber
 from transport.wire import RegionInfo
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "PeerLostError",
     "PeerNotFoundError",
     "PeerWaitTimeout",
+    "PublishHandle",
+    "PublishResult",
     "RegionError",
     "RegionInfo",
     "SignatureError",
@@ -49,6 +52,8 @@ __all__ = [
     "TransferTimeout",
     "Transport",
     "TransportError",
+    "WeightPublisher",
+    "WeightSubscriber",
     "WireFormatError",
     "__version__",
     "default",

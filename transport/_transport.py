@@ -403,6 +403,20 @@ class Transport:
                 return handle
         return self._transfer(READ, dst, peer, key, offset, None, timeout, stream)
 
+    def _put_control(
+        self,
+        src: Mapping[str, torch.Tensor],
+        peer: str,
+        channel: str,
+        payload: bytes,
+        timeout: float | None,
+    ) -> Handle:
+        """A batched put whose notification is a control message of ``channel`` (for the library's
+        own layers)."""
+        return self._transfer(
+            WRITE, src, peer, None, 0, None, timeout, None, frame_control(channel, payload)
+        )
+
     def _fast(
         self,
         op: str,
@@ -445,6 +459,7 @@ class Transport:
         notify: bytes | None,
         timeout: float | None,
         stream: Any,
+        frame: bytes | None = None,
     ) -> Handle:
         if self._state is not _State.OPEN:
             self._check_open()
@@ -501,7 +516,11 @@ class Transport:
         else:
             _positive("timeout", timeout)
         deadline = time.monotonic() + timeout
-        notif = frame_user_notification(notify) if notify is not None else b""
+        notif = (
+            frame
+            if frame is not None
+            else (frame_user_notification(notify) if notify is not None else b"")
+        )
         plans = [self._plan(op, p, items, sig, offset) for p in peers]
         handle = Handle("put" if op == WRITE else "get", peers, sum(p.nbytes for p in plans), 0)
         ops: list[Op] = []
@@ -710,6 +729,12 @@ class Transport:
         self._conns[peer] = conn
         return conn
 
+    def _connect_locked(self, peer: str) -> PeerConn:
+        """_connect() for the library's own layers."""
+        with self._lock:
+            self._check_open()
+            return self._connect(peer)
+
     def _drop_conn(self, conn: PeerConn) -> None:
         conn.close(self._backend)
         with self._lock:
@@ -799,8 +824,9 @@ class Transport:
     def _send_frame(self, peer: str, frame: bytes) -> None:
         self._check_open()
         check_name("peer name", peer)
-        with self._lock:
-            conn = self._connect(peer)
+        conn = self._conns.get(peer)
+        if conn is None or not conn.alive:
+            conn = self._connect_locked(peer)
         with conn.lock:
             if not conn.alive:
                 raise PeerLostError(

@@ -1,0 +1,173 @@
+"""What publishers and subscribers of a weight group say to each other, and where they meet.
+
+Store keys, under ``transport/<namespace>/groups/<group>/``:
+
+* ``epoch``: bumped by every join and leave, so a publisher notices changes with one read
+* ``members/count``, ``members/<i>``, ``members/by-name/<name>``: every name that ever joined
+* ``sub/<name>``: the subscriber's entry (generation, mode, slots) while it is in the group
+
+Control messages travel as notifications on channel ``ws/<group>`` (msgpack maps):
+
+* publisher -> subscriber ``{"k": "hello"}``: tell me which slots I may write
+* publisher -> subscriber ``{"k": "begin", "v": N, "s": slot}``: version N is being written
+* publisher -> subscriber ``{"k": "ver", "v": N, "s": slot}``: the notification of the data put:
+  every tensor of version N has landed in ``slot``
+* subscriber -> publisher ``{"k": "credit", "s": [slots], "v": newest}``: the slots it may write now
+
+A staging subscriber has two slots. It never credits the slot that holds its newest complete
+version, nor the slot an ``apply()`` is copying from, so the publisher never writes what is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from transport.errors import WireFormatError
+from transport.store.base import Store
+
+log = logging.getLogger("transport.weights")
+
+MODES = ("staging", "inplace")
+
+
+def channel(group: str) -> str:
+    return f"ws/{group}"
+
+
+def region(group: str, slot: int, name: str) -> str:
+    return f"{group}@{slot}/{name}"
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    out: bytes = msgpack.packb({"k": kind, **fields}, use_bin_type=True)
+    return out
+
+
+_FIELDS = {"hello": set(), "begin": {"v", "s"}, "ver": {"v", "s"}, "credit": {"s", "v"}}
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    try:
+        m = msgpack.unpackb(
+            payload, raw=False, max_str_len=64, max_bin_len=64, max_array_len=16, max_map_len=8
+        )
+    except Exception as e:
+        raise WireFormatError(f"weight-sync message is not valid msgpack: {e}") from e
+    if not isinstance(m, dict) or m.get("k") not in _FIELDS or set(m) != _FIELDS[m["k"]] | {"k"}:
+        raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
+    for key in ("v", "s"):
+        v = m.get(key)
+        if (
+            key in m
+            and m["k"] != "credit"
+            and (not isinstance(v, int) or isinstance(v, bool) or v < 0)
+        ):
+            raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
+    if m["k"] == "credit":
+        if not isinstance(m["s"], list) or not all(
+            isinstance(x, int) and 0 <= x < 8 for x in m["s"]
+        ):
+            raise WireFormatError("credit slots must be a list of small ints")
+        if not isinstance(m["v"], int) or isinstance(m["v"], bool):
+            raise WireFormatError("credit version must be an int")
+    return m
+
+
+class GroupDirectory:
+    """The store side of a group."""
+
+    def __init__(self, store: Store, namespace: str, group: str) -> None:
+        self.store = store
+        self.prefix = f"transport/{namespace}/groups/{group}/"
+
+    def epoch(self) -> int:
+        return self.store.add(self.prefix + "epoch", 0)
+
+    def join(self, name: str, generation: int, mode: str, slots: int) -> None:
+        entry = msgpack.packb({"v": 1, "gen": generation, "mode": mode, "slots": slots})
+        self.store.set(self.prefix + f"sub/{name}", entry)
+        if self.store.try_get(self.prefix + f"members/by-name/{name}") is None:
+            idx = self.store.add(self.prefix + "members/count", 1)
+            self.store.set(self.prefix + f"members/{idx}", name.encode())
+            self.store.set(self.prefix + f"members/by-name/{name}", str(idx).encode())
+        self.store.add(self.prefix + "epoch", 1)
+
+    def leave(self, name: str, generation: int) -> None:
+        entry = self.entry(name)
+        if entry is not None and entry["gen"] == generation:
+            self.store.delete(self.prefix + f"sub/{name}")
+            self.store.add(self.prefix + "epoch", 1)
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        raw = self.store.try_get(self.prefix + f"sub/{name}")
+        if raw is None:
+            return None
+        try:
+            m = msgpack.unpackb(raw, raw=False, max_str_len=64, max_map_len=8)
+        except Exception as e:
+            raise WireFormatError(f"group entry of {name!r} is not valid msgpack: {e}") from e
+        if (
+            not isinstance(m, dict)
+            or set(m) != {"v", "gen", "mode", "slots"}
+            or m["v"] != 1
+            or m["mode"] not in MODES
+            or m["slots"] not in (1, 2)
+            or not isinstance(m["gen"], int)
+        ):
+            raise WireFormatError(f"malformed group entry of {name!r}: {str(m)[:80]}")
+        return m
+
+    def names(self) -> list[str]:
+        count = self.store.add(self.prefix + "members/count", 0)
+        out = []
+        for i in range(1, count + 1):
+            raw = self.store.try_get(self.prefix + f"members/{i}")
+            if raw is not None and raw.decode(errors="replace") not in out:
+                out.append(raw.decode(errors="replace"))
+        return out
+
+
+class Worker:
+    """One thread that runs the layer's work off the engine thread (sends, callbacks), and a
+    periodic ``tick`` for deadlines."""
+
+    def __init__(self, name: str, tick: Callable[[], float | None] | None = None) -> None:
+        self._q: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._tick = tick
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        wait: float | None = None
+        while True:
+            try:
+                fn = self._q.get(timeout=wait)
+            except queue.Empty:
+                fn = None
+            else:
+                if fn is None:
+                    return
+                try:
+                    fn()
+                except Exception:
+                    log.exception("weight-sync work failed")
+            if self._tick is not None:
+                try:
+                    wait = self._tick()
+                except Exception:
+                    log.exception("weight-sync deadline check failed")
+                    wait = 0.1
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._q.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)

@@ -1,0 +1,338 @@
+"""WeightPublisher: the trainer's side of a weight group."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from transport._transport import Transport
+from transport.errors import (
+    PeerLostError,
+    PeerNotFoundError,
+    TransferTimeout,
+    TransportError,
+    WireFormatError,
+)
+from transport.handle import Handle
+from transport.memory import check_tensor, dtype_name
+from transport.weights._protocol import GroupDirectory, Worker, channel, decode, encode, region
+
+log = logging.getLogger("transport.weights")
+
+DONE, EXCLUDED, LOST = "done", "excluded", "lost"
+
+
+@dataclass
+class PublishResult:
+    """What became of one version at each subscriber: ``done``, ``excluded`` (too slow, or its
+    tensors do not match) or ``lost`` (it went away). ``reasons`` explains the last two."""
+
+    version: int
+    status: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def with_status(self, s: str) -> list[str]:
+        return sorted(n for n, v in self.status.items() if v == s)
+
+    @property
+    def done(self) -> list[str]:
+        return self.with_status(DONE)
+
+    @property
+    def excluded(self) -> list[str]:
+        return self.with_status(EXCLUDED)
+
+    @property
+    def lost(self) -> list[str]:
+        return self.with_status(LOST)
+
+
+class PublishHandle:
+    """The result of :meth:`WeightPublisher.publish`; completes when every subscriber has an outcome
+    (at the latest at the publish deadline)."""
+
+    def __init__(self, version: int, names: list[str], deadline: float) -> None:
+        self.result = PublishResult(version)
+        self.deadline = deadline
+        self._pending = set(names)
+        self._cond = threading.Condition()
+
+    def _settle(self, name: str, status: str, reason: str = "") -> None:
+        with self._cond:
+            if name not in self._pending:
+                return
+            self._pending.discard(name)
+            self.result.status[name] = status
+            if reason:
+                self.result.reasons[name] = reason
+            self._cond.notify_all()
+
+    def done(self) -> bool:
+        return not self._pending
+
+    def wait(self, timeout: float | None = None) -> PublishResult:
+        """The result, once every subscriber has an outcome. TransferTimeout if ``timeout`` ends first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransferTimeout(
+                        f"version {self.result.version} is still in flight to {sorted(self._pending)}"
+                    )
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+        return self.result
+
+
+class _Sub:
+    """The publisher's view of one subscriber incarnation."""
+
+    def __init__(self, name: str, generation: int, mode: str, slots: int) -> None:
+        self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
+        self.batches: list[dict[str, torch.Tensor]] = []
+        self.error = ""
+        self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
+        self.completed = -1  # the newest version that landed there
+        self.busy: int | None = None  # slot being written
+        self.waiting: tuple[int, PublishHandle] | None = None  # a version waiting for a credit
+
+
+class WeightPublisher:
+    """Publishes ``named_tensors`` to every subscriber of ``group``.
+
+    Subscribers are found through the store (one read per publish notices joins and leaves). For
+    each subscriber the publisher checks names, shapes and dtypes once (a subscriber may take a
+    subset of the names) and prepares one batched transfer per staging slot, which every publish
+    replays. :meth:`publish` sends to all subscribers at once and returns a :class:`PublishHandle`
+    whose result tells, per subscriber, done, excluded or lost.
+    """
+
+    def __init__(
+        self, transport: Transport, named_tensors: Mapping[str, torch.Tensor], group: str = "policy"
+    ) -> None:
+        if not named_tensors:
+            raise ValueError("a publisher needs at least one tensor")
+        for name, t in named_tensors.items():
+            check_tensor(t, f"tensor {name!r}")
+        self.transport = transport
+        self.group = group
+        self.tensors = dict(named_tensors)
+        for t in self.tensors.values():
+            transport.register(t)
+        self.version = -1
+        self._subs: dict[str, _Sub] = {}
+        self._epoch = -1
+        self._lock = threading.RLock()
+        self._handles: list[PublishHandle] = []
+        self._dir = GroupDirectory(transport.store, transport.namespace, group)
+        self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
+        transport._on_control(channel(group), self._on_message)
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def refresh(self) -> dict[str, str]:
+        """Re-read the group if it changed; returns the subscribers that cannot be served and why."""
+        epoch = self._dir.epoch()
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                seen = set()
+                for name in self._dir.names():
+                    entry = self._dir.entry(name)
+                    if entry is None:
+                        continue
+                    seen.add(name)
+                    sub = self._subs.get(name)
+                    if sub is None or sub.generation != entry["gen"]:
+                        self._subs[name] = self._plan(name, entry)
+                for name in set(self._subs) - seen:
+                    log.info("subscriber %s left group %s", name, self.group)
+                    del self._subs[name]
+            return {n: s.error for n, s in self._subs.items() if s.error}
+
+    def subscribers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._subs)
+
+    def _plan(self, name: str, entry: dict) -> _Sub:
+        sub = _Sub(name, entry["gen"], entry["mode"], entry["slots"])
+        try:
+            conn = self.transport._connect_locked(name)
+        except TransportError as e:
+            sub.error = f"cannot connect: {e}"
+            return sub
+        if conn.generation != entry["gen"]:
+            sub.error = (
+                f"its record is of generation {conn.generation}, its group entry of {entry['gen']}"
+            )
+            return sub
+        problems, names = [], []
+        prefix = region(self.group, 0, "")
+        for rname, info in conn.regions.items():
+            if not rname.startswith(prefix):
+                continue
+            n = rname[len(prefix) :]
+            t = self.tensors.get(n)
+            if t is None:
+                problems.append(f"{n!r}: the publisher has no tensor of that name")
+            elif tuple(t.shape) != info.shape or dtype_name(t.dtype) != info.dtype:
+                problems.append(
+                    f"{n!r}: publisher {tuple(t.shape)} {dtype_name(t.dtype)}, subscriber {info.shape} {info.dtype}"
+                )
+            else:
+                names.append(n)
+        if not names and not problems:
+            problems.append("it exposes none of the publisher's tensors")
+        if problems:
+            sub.error = (
+                f"subscriber {name!r} does not match ({len(problems)} problems): "
+                + "; ".join(problems)
+            )
+            log.error("group %s: %s", self.group, sub.error)
+            return sub
+        sub.batches = [
+            {region(self.group, k, n): self.tensors[n] for n in names} for k in range(sub.slots)
+        ]
+        if sub.mode == "staging":
+            try:
+                self.transport._send_control(name, channel(self.group), encode("hello"))
+            except TransportError as e:
+                sub.error = f"cannot reach it: {e}"
+        return sub
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    def publish(self, version: int, timeout: float | None = None) -> PublishHandle:
+        """Send the tensors as ``version`` to every subscriber; returns at once."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError("version must be an int")
+        if version <= self.version:
+            raise ValueError(f"versions only move forward: {version} after {self.version}")
+        timeout = self.transport.timeout if timeout is None else timeout
+        self.refresh()
+        with self._lock:
+            self.version = version
+            subs = list(self._subs.values())
+            handle = PublishHandle(version, [s.name for s in subs], time.monotonic() + timeout)
+            self._handles.append(handle)
+            for sub in subs:
+                if sub.error:
+                    handle._settle(sub.name, EXCLUDED, sub.error)
+                    continue
+                if sub.waiting is not None:  # a newer version supersedes the one that waited
+                    old_version, old = sub.waiting
+                    old._settle(
+                        sub.name, EXCLUDED, f"no free slot before version {version} replaced it"
+                    )
+                    sub.waiting = None
+                self._start(sub, version, handle)
+        return handle
+
+    def _start(self, sub: _Sub, version: int, handle: PublishHandle) -> None:
+        """With the lock held: write ``version`` into a free slot of ``sub`` now, or wait for one."""
+        free = sorted(sub.credits - ({sub.busy} if sub.busy is not None else set()))
+        if sub.busy is not None or not free:
+            sub.waiting = (version, handle)
+            return
+        slot = free[0]
+        sub.busy = slot
+        if sub.mode == "staging":
+            sub.credits.discard(slot)
+        left = handle.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TransferTimeout("the deadline passed before a slot was free")
+            self.transport._send_control(
+                sub.name, channel(self.group), encode("begin", v=version, s=slot)
+            )
+            h = self.transport._put_control(
+                sub.batches[slot],
+                sub.name,
+                channel(self.group),
+                encode("ver", v=version, s=slot),
+                left,
+            )
+        except TransportError as e:
+            self._finished(sub, slot, version, handle, e)
+            return
+        h.add_done_callback(
+            lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
+        )
+
+    def _on_done(
+        self, sub: _Sub, slot: int, version: int, handle: PublishHandle, h: Handle
+    ) -> None:
+        with self._lock:
+            self._finished(sub, slot, version, handle, h.exception(0))
+
+    def _finished(
+        self, sub: _Sub, slot: int, version: int, handle: PublishHandle, err: BaseException | None
+    ) -> None:
+        sub.busy = None
+        if err is None:
+            sub.completed = max(sub.completed, version)
+            handle._settle(sub.name, DONE)
+        elif isinstance(err, (PeerLostError, PeerNotFoundError)):
+            handle._settle(sub.name, LOST, str(err))
+            if self._subs.get(sub.name) is sub:
+                del self._subs[sub.name]  # dropped until it joins again
+                self._epoch = -1
+        else:
+            if sub.mode == "staging":
+                sub.credits.add(slot)  # nothing was announced in it: still free
+            handle._settle(sub.name, EXCLUDED, str(err))
+        if sub.waiting is not None and self._subs.get(sub.name) is sub:
+            v, hnd = sub.waiting
+            sub.waiting = None
+            self._start(sub, v, hnd)
+
+    def _on_message(self, peer: str, payload: bytes) -> None:
+        try:
+            m = decode(payload)
+        except WireFormatError as e:
+            log.warning("dropping a weight-sync message from %s: %s", peer, e)
+            return
+        if m["k"] == "credit":
+            self._worker.submit(lambda: self._on_credit(peer, m["s"], m["v"]))
+
+    def _on_credit(self, peer: str, slots: list[int], newest: int) -> None:
+        with self._lock:
+            sub = self._subs.get(peer)
+            if sub is None or sub.mode != "staging" or newest < sub.completed:
+                return  # unknown, or sent before it saw our latest version
+            sub.credits = {s for s in slots if 0 <= s < sub.slots}
+            if sub.waiting is not None and sub.busy is None:
+                v, hnd = sub.waiting
+                sub.waiting = None
+                self._start(sub, v, hnd)
+
+    def _expire(self) -> float:
+        """Worker tick: subscribers still waiting for a slot at their deadline are excluded."""
+        now = time.monotonic()
+        with self._lock:
+            for sub in self._subs.values():
+                if sub.waiting is not None and sub.waiting[1].deadline <= now:
+                    v, hnd = sub.waiting
+                    sub.waiting = None
+                    hnd._settle(
+                        sub.name,
+                        EXCLUDED,
+                        f"no free slot within the deadline of version {v} (a slow apply?)",
+                    )
+            self._handles = [h for h in self._handles if not h.done()]
+            deadlines = [h.deadline for h in self._handles]
+        return max(0.01, min(deadlines) - now) if deadlines else 1.0
+
+    def close(self) -> None:
+        self._worker.stop()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,215 @@
+"""WeightSubscriber: the generator's side of a weight group."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from transport._transport import Transport
+from transport.errors import ClosedError, TransferTimeout, TransportError, WireFormatError
+from transport.memory import check_tensor
+from transport.weights._protocol import (
+    MODES,
+    GroupDirectory,
+    Worker,
+    channel,
+    decode,
+    encode,
+    region,
+)
+
+log = logging.getLogger("transport.weights")
+
+
+class WeightSubscriber:
+    """Receives the versions a WeightPublisher of ``group`` sends into ``named_tensors``.
+
+    ``mode="staging"`` (the default) keeps two staging copies that the publisher writes; a version
+    reaches the live tensors only when :meth:`apply` copies it, at a moment the generator chooses,
+    so a generation in progress never reads a half-written version. ``mode="inplace"`` exposes the
+    live tensors themselves, for engines that pause while weights update.
+
+    :attr:`version` is the newest *complete* version (every tensor landed; -1 before the first).
+    Versions only move forward. ``on_update(version)`` runs on the subscriber's own thread after
+    each new complete version. A publish that began but did not complete (the publisher died or
+    missed its deadline) never changes :attr:`version`; :attr:`incomplete` names it.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        named_tensors: Mapping[str, torch.Tensor],
+        group: str = "policy",
+        mode: str = "staging",
+        on_update: Callable[[int], object] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not named_tensors:
+            raise ValueError("a subscriber needs at least one tensor")
+        for name, t in named_tensors.items():
+            check_tensor(t, f"tensor {name!r}")
+        self.transport = transport
+        self.group = group
+        self.mode = mode
+        self.on_update = on_update
+        self.live = dict(named_tensors)
+        self.slots = 2 if mode == "staging" else 1
+        if mode == "staging":
+            self.staging = [
+                {n: torch.empty_like(t) for n, t in self.live.items()} for _ in range(self.slots)
+            ]
+        else:
+            self.staging = [self.live]
+        self._lock = threading.Condition()
+        self._slot_version: list[int] = [-1] * self.slots
+        self._newest_slot: int | None = None
+        self._held: int | None = None
+        self.version = -1
+        self.applied_version = -1
+        self.incomplete: int | None = None
+        self._publishers: set[str] = set()
+        self._closed = False
+        self._worker = Worker(f"transport-ws-sub-{group}")
+        transport._on_control(channel(group), self._on_message)
+        exposed = {
+            region(group, k, n): t for k, slot in enumerate(self.staging) for n, t in slot.items()
+        }
+        transport.expose_all(exposed, access="w")
+        self._dir = GroupDirectory(transport.store, transport.namespace, group)
+        self._dir.join(transport.name, transport.generation, mode, self.slots)
+
+    # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
+
+    def _on_message(self, peer: str, payload: bytes) -> None:
+        try:
+            m = decode(payload)
+        except WireFormatError as e:
+            log.warning("dropping a weight-sync message from %s: %s", peer, e)
+            return
+        kind = m["k"]
+        if kind == "hello":
+            with self._lock:
+                self._publishers.add(peer)
+            self._worker.submit(lambda: self._send_credit(peer))
+        elif kind == "begin":
+            with self._lock:
+                if m["v"] > self.version:
+                    self.incomplete = m["v"]
+        elif kind == "ver":
+            self._on_version(peer, m["v"], m["s"])
+
+    def _on_version(self, peer: str, version: int, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            log.warning(
+                "%s announced version %d in slot %d, which does not exist", peer, version, slot
+            )
+            return
+        with self._lock:
+            newer = version > self.version
+            if newer:
+                self._slot_version[slot] = version
+                self._newest_slot = slot
+                self.version = version
+                if self.mode == "inplace":
+                    self.applied_version = version
+                if self.incomplete is not None and self.incomplete <= version:
+                    self.incomplete = None
+                self._lock.notify_all()
+        if self.mode == "staging":
+            self._worker.submit(lambda: self._send_credit(peer))
+        if newer and self.on_update is not None:
+            cb = self.on_update
+            self._worker.submit(lambda: cb(version))
+
+    def _free_slots(self) -> list[int]:
+        return [k for k in range(self.slots) if k != self._newest_slot and k != self._held]
+
+    def _send_credit(self, peer: str) -> None:
+        if self.mode != "staging" or self._closed:
+            return
+        with self._lock:
+            free, newest = self._free_slots(), self.version
+        try:
+            self.transport._send_control(
+                peer, channel(self.group), encode("credit", s=free, v=newest)
+            )
+        except TransportError as e:
+            log.info("could not tell %s which slots are free: %s", peer, e)
+
+    # -- the generator's side --------------------------------------------------------------------
+
+    def wait_for_version(self, min_version: int, timeout: float | None = None) -> int:
+        """Block until a version >= ``min_version`` is complete; returns it. TransferTimeout at the deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self.version < min_version:
+                if self._closed:
+                    raise ClosedError("the subscriber was closed")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransferTimeout(
+                        f"version {min_version} of group {self.group!r} did not arrive within {timeout:.3g} s "
+                        f"(newest complete: {self.version}"
+                        + (
+                            f", version {self.incomplete} began but did not complete)"
+                            if self.incomplete
+                            else ")"
+                        )
+                    )
+                self.transport._engine.waiting(+1)
+                try:
+                    self._lock.wait(0.1 if left is None else min(left, 0.1))
+                finally:
+                    self.transport._engine.waiting(-1)
+            return self.version
+
+    def apply(self) -> int:
+        """Copy the newest complete version into the live tensors (staging mode); returns the version
+        the live tensors now hold. In inplace mode there is nothing to copy."""
+        if self.mode == "inplace":
+            return self.version
+        with self._lock:
+            slot = self._newest_slot
+            if slot is None or self._slot_version[slot] <= self.applied_version:
+                return self.applied_version
+            self._held, version = slot, self._slot_version[slot]
+        try:
+            src = self.staging[slot]
+            for name, t in self.live.items():
+                t.copy_(src[name])
+        finally:
+            with self._lock:
+                self._held = None
+                self.applied_version = version
+                publishers = list(self._publishers)
+        for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
+            self._worker.submit(functools.partial(self._send_credit, p))
+        return version
+
+    def close(self) -> None:
+        """Leave the group (publishers drop this subscriber on their next publish)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._dir.leave(self.transport.name, self.transport.generation)
+        except TransportError as e:
+            log.warning("could not leave group %s: %s", self.group, e)
+        self._worker.stop()
+        with self._lock:
+            self._lock.notify_all()
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<WeightSubscriber {self.group} {self.mode} version={self.version} applied={self.applied_version}>"
