@@ -32,6 +32,15 @@ def test_push_weights_main_job():
     assert "push_weights: OK" in out
 
 
+@pytest.mark.timeout(300)
+def test_rl_loop_main_job():
+    out = run("rl_loop.py", "--steps", "6", "--generators", "2")
+    assert "rl_loop: OK" in out, out
+    for name in ("gen-0", "gen-1"):
+        line = next(line for line in out.splitlines() if line.startswith(f"{name}: ") and "samples" in line)
+        assert "checksum mismatches 0" in line and "..6," in line, line
+
+
 def test_push_weights_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "push_weights.py"), "--generators", "0"],

@@ -96,6 +96,7 @@ class Engine:
         self._stop = False
         self._last_activity = time.monotonic()
         self.wait_interval = wait_interval
+        self._floor: float | None = None
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         self.error: BaseException | None = None  # set if the engine thread died
@@ -177,6 +178,13 @@ class Engine:
                     self.poll(op)
 
         return poll_all
+
+    def poll_at_least(self, interval: float | None) -> None:
+        """Keep the idle polling interval at or below ``interval`` (None: back to ``idle_interval``).
+        A layer that expects notifications at any time (a weight subscriber) uses it to bound their
+        latency at a small, known CPU cost."""
+        self._floor = interval
+        self._wake.set()
 
     def waiting(self, delta: int) -> None:
         """A thread starts (+1) or stops (-1) waiting for a notification: while any waits, the
@@ -362,6 +370,8 @@ class Engine:
                 interval = min(interval, 100e-6)
             elif self._waiters:
                 interval = min(interval, self.wait_interval)
+            if self._floor is not None:
+                interval = min(interval, self._floor)
             self._wake.wait(interval)
             self._wake.clear()
 

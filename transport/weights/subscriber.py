@@ -36,7 +36,8 @@ class WeightSubscriber:
 
     :attr:`version` is the newest *complete* version (every tensor landed; -1 before the first).
     Versions only move forward. ``on_update(version)`` runs on the subscriber's own thread after
-    each new complete version. A publish that began but did not complete (the publisher died or
+    each new complete version. While subscribed, the Transport makes progress at least every
+    ``poll_interval`` seconds, which bounds how long a publish waits for this side to notice it. A publish that began but did not complete (the publisher died or
     missed its deadline) never changes :attr:`version`; :attr:`incomplete` names it.
     """
 
@@ -47,6 +48,7 @@ class WeightSubscriber:
         group: str = "policy",
         mode: str = "staging",
         on_update: Callable[[int], object] | None = None,
+        poll_interval: float = 1e-3,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -81,6 +83,9 @@ class WeightSubscriber:
             region(group, k, n): t for k, slot in enumerate(self.staging) for n, t in slot.items()
         }
         transport.expose_all(exposed, access="w")
+        # A publish completes only once this side has read its notification: poll at least this
+        # often while subscribed (1 ms costs a few percent of a core).
+        transport._engine.poll_at_least(poll_interval)
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._dir.join(transport.name, transport.generation, mode, self.slots)
 
@@ -202,6 +207,7 @@ class WeightSubscriber:
         except TransportError as e:
             log.warning("could not leave group %s: %s", self.group, e)
         self._worker.stop()
+        self.transport._engine.poll_at_least(None)
         with self._lock:
             self._lock.notify_all()
 
