@@ -12,10 +12,11 @@ one row ``(address, length, device_id)`` per contiguous piece.
 from __future__ import annotations
 
 import abc
-from types import TracebackType
 from typing import Any
 
 import numpy as np
+
+from transport._closing import Closing
 
 #: transfer states returned by post() and poll()
 DONE = 0
@@ -25,7 +26,7 @@ READ = "READ"
 WRITE = "WRITE"
 
 
-class Backend(abc.ABC):
+class Backend(Closing, abc.ABC):
     """One agent of a transfer library. Safe to call from several threads."""
 
     name: str = ""
@@ -92,16 +93,6 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release the agent. Idempotent."""
 
-    def __enter__(self) -> Backend:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def device_parts(device: str) -> tuple[str, int]:

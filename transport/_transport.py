@@ -11,13 +11,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
 import transport.backends as _backends
+from transport._closing import Closing
 from transport.backends.base import READ, WRITE, device_parts
 from transport.engine import QUEUED, Engine, Op
 from transport.errors import (
@@ -89,7 +89,7 @@ def _peer_info(rec: PeerRecord, hb: tuple[int, float] | None) -> PeerInfo:
     )  # fmt: skip
 
 
-class Transport:
+class Transport(Closing):
     """One process's endpoint for one-sided tensor transfers.
 
     ``Transport(name, store=..., namespace=..., secret=...)`` joins the
@@ -223,16 +223,6 @@ class Transport:
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
-    def __enter__(self) -> Transport:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def closed(self) -> bool:

@@ -17,15 +17,15 @@ import math
 import re
 import time
 from collections.abc import Iterable
-from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
 
+from transport._closing import Closing
 from transport.errors import ClosedError
 
 DEFAULT_TIMEOUT = 30.0
 
 
-class Store(abc.ABC):
+class Store(Closing, abc.ABC):
     """Abstract key-value store. Implementations: memory, tcp (torch TCPStore), redis."""
 
     #: the URL this store was opened from (for messages and for child processes)
@@ -71,16 +71,6 @@ class Store(abc.ABC):
     def close(self) -> None:
         """Release connections (and, for a store this process hosts, stop serving). Idempotent."""
 
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({redact_url(self.url)!r})"
