@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -235,6 +236,34 @@ def _describe_code(info: dict[str, Any]) -> str:
     dirty = info.get("uncommitted") or []
     state = f", UNCOMMITTED changes in {', '.join(dirty)}" if dirty else ", clean"
     return f"{where} (git {info['commit']}{state})"
+
+
+OTHER_CPU_WARN = 0.15  # other processes' CPU use (in CPUs) above which a phase is flagged
+
+
+def cpu_snapshot() -> tuple[float, float, float] | None:
+    """(wall s, CPU-seconds the machine was busy incl. steal, CPU-seconds of this process and its
+    joined children); None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal
+    busy = (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    mine = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return time.perf_counter(), busy, mine
+
+
+def other_cpu(before: tuple[float, float, float] | None) -> float | None:
+    """CPUs' worth of time used by processes other than this benchmark since ``before``."""
+    after = cpu_snapshot()
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    other = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, other) / (after[0] - before[0])
 
 
 def run_ours(cfg: dict, timeout: float = 600.0) -> dict:
@@ -920,7 +949,17 @@ def main(argv: list[str] | None = None) -> int:
 
     per_round: list[list[dict]] = []
 
-    def take(name: str, res: dict) -> None:
+    phases: list[dict[str, Any]] = []
+
+    def take(name: str, res: dict, cpu0: tuple[float, float, float] | None = None) -> None:
+        if cpu0 is not None:
+            other = other_cpu(cpu0)
+            if other is not None:
+                phases.append({"phase": name, "round": len(per_round) + 1, "other_cpus": other})
+                busy = f"; other processes used {100 * other:.0f}% of a CPU meanwhile"
+                if other > OTHER_CPU_WARN:
+                    busy += " (BUSY MACHINE)"
+                res.setdefault("notes", []).append(f"{name}: {busy[2:]}")
         if "error" in res:
             errors[name] = res["error"]
             print(f"[{name}] FAILED:\n{res['error']}", flush=True)
@@ -958,21 +997,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"-- round {rnd + 1}/{args.rounds}", flush=True)
         paired_done = False
         for name in systems:
+            cpu0 = cpu_snapshot()
             if args.mode == "interleaved" and name in pair:
                 if not paired_done:
-                    take("+".join(pair) + " interleaved", run_interleaved(cfg, pair))
+                    take("+".join(pair) + " interleaved", run_interleaved(cfg, pair), cpu0)
                     paired_done = True
             elif name == "memcpy":
                 try:
-                    take(name, B.run_memcpy(cfg))
+                    take(name, B.run_memcpy(cfg), cpu0)
                 except Exception as e:  # noqa: BLE001
                     take(name, {"error": f"{type(e).__name__}: {e}"})
             elif name == "raw":
-                take(name, B.run_raw_nixl(cfg))
+                take(name, B.run_raw_nixl(cfg), cpu0)
             elif name == "gloo":
-                take(name, B.run_gloo(cfg))
+                take(name, B.run_gloo(cfg), cpu0)
             elif name == "ours":
-                take(name, run_ours(cfg))
+                take(name, run_ours(cfg), cpu0)
         per_round.append(records)
     records = merge_rounds(per_round)
 
@@ -1000,6 +1040,14 @@ def main(argv: list[str] | None = None) -> int:
         print("errors:")
         for k, v in errors.items():
             print(f"  {k}: {v.strip().splitlines()[-1] if v.strip() else v}")
+    busy = [p for p in phases if p["other_cpus"] > OTHER_CPU_WARN]
+    if busy:
+        print(
+            "WARNING: other processes were using the CPUs during "
+            + ", ".join(f"{p['phase']} ({100 * p['other_cpus']:.0f}% of a CPU)" for p in busy)
+            + ": on this small machine that moves the ratios (ours' engine thread sleeps and "
+            "wakes between parts, a raw post does not); rerun when the machine is quiet"
+        )
     total = time.perf_counter() - t_start
     print(f"total {total:.1f} s")
 
@@ -1014,6 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
                         "python": platform.python_version(),
                     },
                     "code": code,
+                    "phases": phases,
                     "records": records,
                     "ratios": ratios,
                     "notes": notes,
