@@ -61,13 +61,13 @@ def generator(name: str, store: str, reports: mp.Queue) -> None:
         used: list[int] = []
         bad = 0
         sub.wait_for_version(1, timeout=120)
+        stopping = False
         while True:
             for n in t.notifications(timeout=0):  # checksums and the stop signal from the trainer
                 kind, _, rest = n.payload.decode().partition(":")
                 if kind == "stop":
-                    reports.put((name, used, bad))
-                    sub.close()
-                    return
+                    stopping = True  # after one last sample with the final version
+                    continue
                 v, s = rest.split(":")
                 sums[int(v)] = float(s)
             version = sub.apply()  # the newest complete version, between two samples
@@ -79,6 +79,10 @@ def generator(name: str, store: str, reports: mp.Queue) -> None:
                     seq = torch.cat([seq, model(seq)[:, -1:].argmax(-1)], dim=1)
             used.append(version)
             print(f"{name}: version {version:3d} sampled {seq[0].tolist()}", flush=True)
+            if stopping:
+                reports.put((name, used, bad))
+                sub.close()
+                return
             with contextlib.suppress(transport.TransferTimeout):  # the next version, or a moment
                 sub.wait_for_version(version + 1, timeout=0.2)  # to look at notifications again
 
