@@ -99,6 +99,7 @@ class _Sub:
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
         self.busy: int | None = None  # slot being written
+        self.writing = -1  # the version being written into it
         self.waiting: tuple[int, PublishHandle] | None = None  # a version waiting for a credit
 
 
@@ -126,6 +127,7 @@ class WeightPublisher:
             transport.register(t)
         self.version = -1
         self._subs: dict[str, _Sub] = {}
+        self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self._epoch = -1
         self._lock = threading.RLock()
         self._handles: list[PublishHandle] = []
@@ -144,8 +146,8 @@ class WeightPublisher:
                 seen = set()
                 for name in self._dir.names():
                     entry = self._dir.entry(name)
-                    if entry is None:
-                        continue
+                    if entry is None or self._lost.get(name) == entry["gen"]:
+                        continue  # not in the group, or died without leaving it
                     seen.add(name)
                     sub = self._subs.get(name)
                     if sub is None or sub.generation != entry["gen"]:
@@ -163,6 +165,9 @@ class WeightPublisher:
         sub = _Sub(name, entry["gen"], entry["mode"], entry["slots"])
         try:
             conn = self.transport._connect_locked(name)
+            if conn.generation < entry["gen"]:  # still connected to an older incarnation
+                with self.transport._lock:
+                    conn = self.transport._connect(name, refresh=True)
         except TransportError as e:
             sub.error = f"cannot connect: {e}"
             return sub
@@ -240,7 +245,7 @@ class WeightPublisher:
             sub.waiting = (version, handle)
             return
         slot = free[0]
-        sub.busy = slot
+        sub.busy, sub.writing = slot, version
         if sub.mode == "staging":
             sub.credits.discard(slot)
         left = handle.deadline - time.monotonic()
@@ -281,6 +286,7 @@ class WeightPublisher:
             handle._settle(sub.name, LOST, str(err))
             if self._subs.get(sub.name) is sub:
                 del self._subs[sub.name]  # dropped until it joins again
+                self._lost[sub.name] = sub.generation
                 self._epoch = -1
         else:
             if sub.mode == "staging":
@@ -303,8 +309,13 @@ class WeightPublisher:
     def _on_credit(self, peer: str, slots: list[int], newest: int) -> None:
         with self._lock:
             sub = self._subs.get(peer)
-            if sub is None or sub.mode != "staging" or newest < sub.completed:
-                return  # unknown, or sent before it saw our latest version
+            if (
+                sub is None
+                or sub.mode != "staging"
+                or newest < sub.completed
+                or (sub.busy is not None and newest < sub.writing)
+            ):
+                return  # unknown, or sent before it saw our latest version (it may name the busy slot)
             sub.credits = {s for s in slots if 0 <= s < sub.slots}
             if sub.waiting is not None and sub.busy is None:
                 v, hnd = sub.waiting

@@ -101,7 +101,7 @@ class WeightSubscriber:
         if kind == "hello":
             with self._lock:
                 self._publishers.add(peer)
-            self._worker.submit(lambda: self._send_credit(peer))
+            self._worker.submit(lambda: self._send_credit(peer, reconnect=True))
         elif kind == "begin":
             with self._lock:
                 if m["v"] > self.version:
@@ -135,12 +135,15 @@ class WeightSubscriber:
     def _free_slots(self) -> list[int]:
         return [k for k in range(self.slots) if k != self._newest_slot and k != self._held]
 
-    def _send_credit(self, peer: str) -> None:
+    def _send_credit(self, peer: str, reconnect: bool = False) -> None:
         if self.mode != "staging" or self._closed:
             return
-        with self._lock:
-            free, newest = self._free_slots(), self.version
         try:
+            if reconnect:  # a hello may come from a publisher that restarted under the same name
+                with self.transport._lock:
+                    self.transport._connect(peer, refresh=True)
+            with self._lock:
+                free, newest = self._free_slots(), self.version
             self.transport._send_control(
                 peer, channel(self.group), encode("credit", s=free, v=newest)
             )
