@@ -1,0 +1,431 @@
+"""A weight-sync member (a WeightSubscriber or a WeightPublisher) in a child process, driven over a
+pipe, like :mod:`helpers.peer`.
+
+Tensors are described by a :data:`Spec` (name -> shape and dtype) and, in every test, every element
+of every tensor of version N holds the value N; the child reports per tensor the smallest and the
+largest element, so ``(N, N)`` for every tensor means that every byte of version N arrived. Every
+call has a deadline; nothing here sleeps.
+
+A subscriber child also watches the group's control messages as they arrive (the same channel the
+subscriber listens on) and checks the staging rule of the protocol: a ``begin`` never names the
+slot that holds the newest complete version, nor the slot ``apply()`` is copying from.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
+
+MiB = 1 << 20
+
+
+def spec_of(n: int, numel: int, dtype: str = "float32", prefix: str = "w") -> Spec:
+    """``n`` tensors of ``numel`` elements: ``{prefix}0`` ... ``{prefix}{n-1}``."""
+    return {f"{prefix}{i}": ((numel,), dtype) for i in range(n)}
+
+
+def make_tensors(spec: Spec, value: float = 0.0) -> dict[str, torch.Tensor]:
+    return {
+        n: torch.full(shape, value, dtype=getattr(torch, dt)) for n, (shape, dt) in spec.items()
+    }
+
+
+def extremes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """Per tensor, (smallest, largest) element: equal to (v, v) iff every element is v."""
+    out = {}
+    for n, t in tensors.items():
+        lo, hi = torch.aminmax(t)
+        out[n] = (float(lo), float(hi))
+    return out
+
+
+class _Watch:
+    """What a subscriber child has seen: control messages, on_update calls, rule violations."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.messages: list[tuple[str, int | None, int | None]] = []  # (kind, version, slot)
+        self.updates: list[int] = []
+        self.violations: list[str] = []
+        self.snapshots = 0  # taken so far by the running snapshot loop
+
+    def on_update(self, version: int) -> None:
+        with self.cond:
+            self.updates.append(version)
+            self.cond.notify_all()
+
+    def wait(self, pred: Any, timeout: float, what: str) -> None:
+        with self.cond:
+            if not self.cond.wait_for(pred, timeout):
+                raise TimeoutError(f"{what} did not happen within {timeout} s")
+
+
+def _sub_child(
+    conn: Any,
+    name: str,
+    store: str,
+    spec: Spec,
+    group: str,
+    mode: str,
+    kwargs: dict[str, Any],
+) -> None:
+    import transport
+    from transport.weights._protocol import channel, decode
+
+    watch = _Watch()
+    try:
+        t = transport.Transport(name, store=store, **kwargs)
+        sub = transport.WeightSubscriber(
+            t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update
+        )
+        original = t._control_handlers[channel(group)]
+
+        def spy(peer: str, payload: bytes) -> None:
+            try:
+                m = decode(payload)
+            except Exception:
+                m = None
+            if m is not None and m["k"] == "begin" and mode == "staging":
+                with sub._lock:
+                    newest, held = sub._newest_slot, sub._held
+                if m["s"] in (newest, held):
+                    with watch.cond:
+                        watch.violations.append(
+                            f"begin of version {m['v']} in slot {m['s']} while the newest complete "
+                            f"version is in slot {newest} and apply() holds slot {held}"
+                        )
+            original(peer, payload)
+            if m is not None:
+                with watch.cond:
+                    watch.messages.append((m["k"], m.get("v"), m.get("s")))
+                    watch.cond.notify_all()
+
+        t._on_control(channel(group), spy)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    loop: dict[str, Any] = {}
+
+    def state() -> dict[str, Any]:
+        return {
+            "version": sub.version,
+            "applied": sub.applied_version,
+            "incomplete": sub.incomplete,
+        }
+
+    def staging() -> dict[str, Any]:
+        """The newest complete version's slot and the extremes of every staging slot."""
+        with sub._lock:
+            newest = sub._newest_slot
+            versions = list(sub._slot_version)
+        return {
+            "newest": newest,
+            "slot_versions": versions,
+            "slots": [extremes(s) for s in sub.staging],
+        }
+
+    def wait_message(kind: str, version: int, timeout: float) -> list[Any]:
+        watch.wait(
+            lambda: any(k == kind and v == version for k, v, _ in watch.messages),
+            timeout,
+            f"a {kind!r} message of version {version}",
+        )
+        return list(watch.messages)
+
+    def wait_updates(count: int, timeout: float) -> list[int]:
+        watch.wait(lambda: len(watch.updates) >= count, timeout, f"{count} on_update calls")
+        return list(watch.updates)
+
+    def snapshots(until: int, timeout: float) -> dict[str, Any]:
+        """apply(), then check that the live tensors hold one version, everywhere, again and again
+        until version ``until`` is applied (and checked) or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        out: dict[str, Any] = {
+            "snapshots": 0,
+            "mixed": 0,
+            "first_mixed": None,
+            "applied": [],
+            "backwards": 0,
+            "final": None,
+            "timed_out": False,
+        }
+        live = sub.live
+        last = -1
+        while True:
+            v = sub.apply()
+            lo = hi = where = None
+            for n, t in live.items():
+                a, b = torch.aminmax(t)
+                a, b = float(a), float(b)
+                lo = a if lo is None else min(lo, a)
+                hi = b if hi is None else max(hi, b)
+                if lo != hi:
+                    where = n  # the first tensor that differs
+                    break
+            out["snapshots"] += 1
+            with watch.cond:
+                watch.snapshots = out["snapshots"]
+                watch.cond.notify_all()
+            if lo != hi or (v >= 0 and lo != v):
+                out["mixed"] += 1
+                if out["first_mixed"] is None:
+                    out["first_mixed"] = {
+                        "apply_returned": v,
+                        "values": extremes(live),
+                        "tensor": where,
+                    }
+            if v < last:
+                out["backwards"] += 1
+            if v != last:
+                out["applied"].append(v)
+                last = v
+            out["final"] = v
+            if v >= until:
+                break
+            if time.monotonic() > deadline:
+                out["timed_out"] = True
+                break
+        return out
+
+    def wait_snapshots(count: int, timeout: float) -> int:
+        watch.wait(lambda: watch.snapshots >= count, timeout, f"{count} snapshots")
+        return watch.snapshots
+
+    def snapshot_start(until: int, timeout: float) -> None:
+        if "thread" in loop:
+            raise RuntimeError("a snapshot loop is already running")
+        watch.snapshots = 0
+
+        def run() -> None:
+            try:
+                loop["result"] = snapshots(until, timeout)
+            except BaseException:
+                loop["error"] = traceback.format_exc()
+
+        loop["thread"] = threading.Thread(target=run, daemon=True)
+        loop["thread"].start()
+
+    def snapshot_result(timeout: float) -> dict[str, Any]:
+        th = loop.pop("thread")
+        th.join(timeout)
+        if th.is_alive():
+            raise TimeoutError(f"the snapshot loop did not end within {timeout} s")
+        if "error" in loop:
+            raise RuntimeError(loop.pop("error"))
+        return loop.pop("result")  # type: ignore[no-any-return]
+
+    handlers = {
+        "state": state,
+        "wait_for_version": lambda n, timeout: sub.wait_for_version(n, timeout),
+        "apply": sub.apply,
+        "live": lambda: extremes(sub.live),
+        "staging": staging,
+        "wait_message": wait_message,
+        "wait_updates": wait_updates,
+        "violations": lambda: list(watch.violations),
+        "snapshot_start": snapshot_start,
+        "wait_snapshots": wait_snapshots,
+        "snapshot_result": snapshot_result,
+        "close": sub.close,
+    }
+    _serve(conn, handlers, lambda: (sub.close(), t.close()))
+
+
+def _pub_child(
+    conn: Any, name: str, store: str, spec: Spec, group: str, kwargs: dict[str, Any]
+) -> None:
+    import transport
+
+    try:
+        t = transport.Transport(name, store=store, **kwargs)
+        tensors = make_tensors(spec)
+        pub = transport.WeightPublisher(t, tensors, group=group)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    def fill_and_publish(version: int, value: float, timeout: float) -> Any:
+        for x in tensors.values():
+            x.fill_(value)
+        return pub.publish(version, timeout=timeout)
+
+    def publish(
+        version: int, value: float, timeout: float, wait: float
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        r = fill_and_publish(version, value, timeout).wait(wait)
+        return dict(r.status), dict(r.reasons)
+
+    def publish_nowait(version: int, value: float, timeout: float) -> None:
+        """Answer as soon as publish() returned, with the transfers still in flight (for a test
+        that kills this process then)."""
+        fill_and_publish(version, value, timeout)
+
+    handlers = {
+        "publish": publish,
+        "publish_nowait": publish_nowait,
+        "refresh": pub.refresh,
+        "subscribers": pub.subscribers,
+    }
+    _serve(conn, handlers, lambda: (pub.close(), t.close()))
+
+
+def _serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        if cmd == "exit":
+            close()
+            conn.send(("ok", None))
+            break
+        try:
+            result = handlers[cmd](*args)
+        except BaseException as e:
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+        else:
+            conn.send(("ok", result))
+
+
+class WsPeerError(RuntimeError):
+    pass
+
+
+class _Child:
+    """Starts the child; with ``wait=False`` the constructor returns at once and :meth:`started`
+    waits for the child to be ready (children start in parallel)."""
+
+    def __init__(
+        self,
+        name: str,
+        target: Any,
+        args: tuple[Any, ...],
+        start_timeout: float,
+        wait: bool = True,
+    ) -> None:
+        self.name = name
+        self.generation = self.pid = -1
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        try:
+            self.proc = ctx.Process(target=target, args=(child_conn, name, *args), daemon=True)
+            self.proc.start()
+        finally:
+            if env_backup is None:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        child_conn.close()
+        if wait:
+            self.started(start_timeout)
+
+    def started(self, timeout: float = 60) -> Any:
+        """Wait until the child is ready; returns self."""
+        if self.pid < 0:
+            try:
+                self.generation, self.pid = self._reply(timeout, "start")
+            except BaseException:
+                self.kill()
+                raise
+        return self
+
+    def _reply(self, timeout: float, what: str) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"{self.name!r} did not answer {what!r} within {timeout} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise WsPeerError(f"{self.name!r} died (exit code {self.proc.exitcode})") from None
+        if status != "ok":
+            raise WsPeerError(f"{self.name!r}: {value}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60) -> Any:
+        """Run ``cmd`` in the child; its result, or WsPeerError with the child's exception."""
+        self._conn.send((cmd, args))
+        return self._reply(timeout, cmd)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """kill -9, and reap the process."""
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.signal(signal.SIGCONT)  # in case a test left it stopped
+                self.call("exit", timeout=15)
+            except (WsPeerError, TimeoutError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+        self.kill()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SubscriberProcess(_Child):
+    """A child running ``Transport(name, store=store_url, **kwargs)`` and a WeightSubscriber of
+    ``group`` over zero-filled tensors of ``spec``. Commands: ``state`` (version, applied,
+    incomplete), ``wait_for_version``, ``apply``, ``live`` and ``staging`` (extremes of every
+    tensor), ``wait_message`` (a control message of a kind and version arrived), ``wait_updates``,
+    ``violations`` (of the staging rule), ``snapshot_start`` / ``wait_snapshots`` /
+    ``snapshot_result`` (a loop of apply() and checks on a thread of the child), ``close``
+    (leave the group, keep the Transport)."""
+
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        spec: Spec,
+        group: str = "policy",
+        mode: str = "staging",
+        start_timeout: float = 60,
+        wait: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            name, _sub_child, (store_url, spec, group, mode, kwargs), start_timeout, wait
+        )
+
+    def live_values(self) -> dict[str, tuple[float, float]]:
+        return self.call("live")
+
+
+class PublisherProcess(_Child):
+    """A child running a WeightPublisher of ``group`` over tensors of ``spec``. Commands:
+    ``publish(version, value, timeout, wait)`` fills every tensor with ``value``, publishes and
+    returns (status, reasons); ``publish_nowait(version, value, timeout)`` answers as soon as
+    ``publish()`` returned (the kill test kills it then); ``refresh``, ``subscribers``."""
+
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        spec: Spec,
+        group: str = "policy",
+        start_timeout: float = 60,
+        wait: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name, _pub_child, (store_url, spec, group, kwargs), start_timeout, wait)

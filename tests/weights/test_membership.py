@@ -1,0 +1,174 @@
+"""Weight-sync groups whose members come, go, die or freeze: a publisher killed mid-publish, and
+subscribers that join late, leave, are killed or are stopped.
+
+Every element of every tensor of version N holds N (see test_weight_sync)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+import transport
+from helpers.ws_peer import MiB, WsPeerError, make_tensors, spec_of
+
+
+def everywhere(names, value):
+    return {n: (float(value), float(value)) for n in names}
+
+
+def fill(tensors, value):
+    for t in tensors.values():
+        t.fill_(value)
+
+
+def publish(pub, tensors, version, timeout=20.0):
+    fill(tensors, version)
+    return pub.publish(version, timeout=timeout).wait(timeout + 10)
+
+
+def test_publisher_killed_mid_publish_leaves_the_previous_version(spawn):
+    spec = spec_of(4, 16 * MiB)  # 4 tensors of 64 MiB: 256 MiB
+    staging = spawn("sub", "gen-s", spec, mode="staging", wait=False)
+    inplace = spawn("sub", "gen-i", spec, mode="inplace", wait=False)
+    first = spawn("pub", "trainer", spec, wait=False)
+    for child in (staging, inplace, first):
+        child.started()
+    status, _ = first.call("publish", 1, 1.0, 30.0, 60.0)
+    assert status == {"gen-s": "done", "gen-i": "done"}
+    for sub in (staging, inplace):
+        assert sub.call("wait_for_version", 1, 30) == 1
+    assert staging.call("apply") == 1
+
+    first.call("publish_nowait", 2, 2.0, 30.0)
+    for sub in (staging, inplace):  # version 2 has begun at both ...
+        sub.call("wait_message", "begin", 2, 10)
+    first.kill()  # ... and its publisher dies with the 256 MiB in flight
+    assert first.proc.exitcode == -signal.SIGKILL
+
+    for sub in (staging, inplace):
+        assert sub.call("state")["version"] == 1, "version 2 completed before the kill"
+        assert sub.call("state")["incomplete"] == 2
+        with pytest.raises(WsPeerError, match="version 2 began but did not complete"):
+            sub.call("wait_for_version", 2, 0.5)
+    # the staging subscriber's live tensors and its newest slot still hold version 1
+    assert staging.call("apply") == 1
+    assert staging.call("live") == everywhere(spec, 1)
+    slots = staging.call("staging")
+    assert slots["slots"][slots["newest"]] == everywhere(spec, 1)
+    assert staging.call("state") == {"version": 1, "applied": 1, "incomplete": 2}
+
+    # the trainer restarts under the same name and publishes again
+    second = spawn("pub", "trainer", spec)
+    assert second.generation == first.generation + 1
+    status, reasons = second.call("publish", 3, 3.0, 30.0, 60.0)
+    assert status == {"gen-s": "done", "gen-i": "done"}, reasons
+    for sub in (staging, inplace):
+        assert sub.call("wait_for_version", 3, 30) == 3
+        assert sub.call("apply") == 3
+        assert sub.call("state") == {"version": 3, "applied": 3, "incomplete": None}
+        assert sub.call("live") == everywhere(spec, 3)
+        # version 2 never became complete anywhere
+        seen = sub.call("wait_message", "ver", 3, 5)
+        assert ("ver", 3) in [(k, v) for k, v, _ in seen]
+        assert ("ver", 2) not in [(k, v) for k, v, _ in seen]
+    assert staging.call("violations") == []
+
+
+def test_a_subscriber_that_joins_late_gets_the_next_version_and_one_that_leaves_is_dropped(
+    trainer, spawn
+):
+    spec = spec_of(3, 64 * 1024)
+    early = spawn("sub", "gen-early", spec)
+    tensors = make_tensors(spec)
+    with transport.WeightPublisher(trainer, tensors) as pub:
+        assert publish(pub, tensors, 1).status == {"gen-early": "done"}
+        late = spawn("sub", "gen-late", spec, mode="inplace")
+        assert late.call("state")["version"] == -1
+        r = publish(pub, tensors, 2)
+        assert r.status == {"gen-early": "done", "gen-late": "done"}
+        assert late.call("wait_for_version", 2, 10) == 2
+        assert late.call("live") == everywhere(spec, 2)
+        assert pub.subscribers() == ["gen-early", "gen-late"]
+
+        late.call("close")  # leaves the group; its Transport stays up
+        r = publish(pub, tensors, 3)
+        assert r.status == {"gen-early": "done"}
+        assert pub.subscribers() == ["gen-early"]
+        assert late.call("state")["version"] == 2
+        assert late.call("live") == everywhere(spec, 2)  # nothing more was written there
+
+        late.stop()  # and the Transport too
+        assert publish(pub, tensors, 4).status == {"gen-early": "done"}
+
+        again = spawn("sub", "gen-late", spec)  # joins again, under the same name
+        r = publish(pub, tensors, 5)
+        assert r.status == {"gen-early": "done", "gen-late": "done"}, r.reasons
+        assert again.call("wait_for_version", 5, 10) == 5
+        assert again.call("apply") == 5
+        assert again.call("live") == everywhere(spec, 5)
+    assert early.call("wait_for_version", 5, 10) == 5
+    assert early.call("apply") == 5
+    assert early.call("live") == everywhere(spec, 5)
+
+
+@pytest.mark.parametrize("mode", ["staging", "inplace"])
+def test_a_killed_subscriber_is_lost_once_then_absent(trainer, spawn, mode):
+    spec = spec_of(2, 1024 * 1024)  # 8 MiB
+    alive = spawn("sub", "gen-alive", spec, wait=False)
+    victim = spawn("sub", "gen-victim", spec, mode=mode, wait=False)
+    alive.started()
+    victim.started()
+    tensors = make_tensors(spec)
+    with transport.WeightPublisher(trainer, tensors) as pub:
+        assert publish(pub, tensors, 1).status == {"gen-alive": "done", "gen-victim": "done"}
+        victim.kill()
+        r = publish(pub, tensors, 2)
+        assert r.status == {"gen-alive": "done", "gen-victim": "lost"}, r.reasons
+        assert "gen-victim" in r.reasons
+        for v in (3, 4):
+            r = publish(pub, tensors, v)
+            assert r.status == {"gen-alive": "done"}, r.reasons
+        assert pub.subscribers() == ["gen-alive"]
+    assert alive.call("wait_for_version", 4, 10) == 4
+    assert alive.call("apply") == 4
+    assert alive.call("live") == everywhere(spec, 4)
+
+
+@pytest.mark.parametrize("mode", ["staging", "inplace"])
+def test_a_stopped_subscriber_is_excluded_at_the_deadline_without_delaying_others(
+    trainer, spawn, mode
+):
+    spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
+    other = spawn("sub", "gen-other", spec, wait=False)
+    frozen = spawn("sub", "gen-frozen", spec, mode=mode, wait=False)
+    other.started()
+    frozen.started()
+    tensors = make_tensors(spec)
+    with transport.WeightPublisher(trainer, tensors) as pub:
+        assert publish(pub, tensors, 1).status == {"gen-other": "done", "gen-frozen": "done"}
+        assert frozen.call("wait_for_version", 1, 10) == 1
+        frozen.signal(signal.SIGSTOP)
+        try:
+            fill(tensors, 2)
+            start = time.monotonic()
+            h = pub.publish(2, timeout=1.0)
+            # the other subscriber has version 2 before the frozen one's deadline
+            assert other.call("wait_for_version", 2, 0.9) == 2
+            r = h.wait(10)
+            elapsed = time.monotonic() - start
+        finally:
+            frozen.signal(signal.SIGCONT)
+        assert r.status == {"gen-other": "done", "gen-frozen": "excluded"}, r.reasons
+        assert "gen-frozen" in r.reasons
+        assert 0.9 <= elapsed < 3.0, elapsed  # at the deadline, not before and not much later
+        assert other.call("apply") == 2
+        assert other.call("live") == everywhere(spec, 2)
+
+        r = publish(pub, tensors, 3)
+        assert r.status == {"gen-other": "done", "gen-frozen": "done"}, r.reasons
+    assert frozen.call("wait_for_version", 3, 10) == 3
+    assert frozen.call("apply") == 3
+    assert frozen.call("live") == everywhere(spec, 3)
+    assert frozen.call("violations") == []
