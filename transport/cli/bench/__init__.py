@@ -1,0 +1,515 @@
+"""``transport bench put`` and ``transport bench sync``: our layer against raw NIXL, gloo, NCCL
+and memcpy, in one run.
+
+By default a run spawns its readers as local processes on an embedded store. With ``--store URL
+--role writer|reader`` the writer and the readers are started by hand, on any hosts that reach
+the store: readers expose memory and serve until the writer says done; the writer measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from transport.cli import CliError
+
+BASELINES = ("raw", "gloo", "memcpy", "nccl")
+ROLES = ("writer", "reader")
+PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"
+PUT_SIZES_QUICK = "4K,1M,64M"
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmark puts and weight syncs against baselines",
+                           description=__doc__)  # fmt: skip
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    put = bsub.add_parser(
+        "put", help="latency and bandwidth of put/get over sizes",
+        description="Latency and bandwidth of our put (WRITE) and get (READ) over sizes, single "
+        "tensors and batches, to 1..N receivers, against raw NIXL, gloo, NCCL and memcpy.",
+    )  # fmt: skip
+    put.add_argument(
+        "--sizes",
+        default=None,
+        help=f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})",
+    )
+    put.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 64M")
+    put.add_argument("--batch", default=None, metavar="COUNTxSIZE",
+                     help="a batch of COUNT separate tensors in one transfer (default 1000x64K; "
+                     "--quick: 100x64K; 'none' to skip)")  # fmt: skip
+    put.add_argument("--op", choices=("write", "read", "both"), default="both",
+                     help="WRITE (put), READ (get) or both (default)")  # fmt: skip
+    put.add_argument(
+        "--receivers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fan out to N receivers: measures 1, 2, 4, .. and N (default 1)",
+    )
+    put.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds of timed cycles per configuration (default 1.5; --quick 0.2)",
+    )
+    put.add_argument(
+        "--block",
+        type=int,
+        default=50,
+        help="iterations per turn below 1 MiB when systems are interleaved (default 50)",
+    )
+    _common(put)
+    put.set_defaults(run=run_put)
+
+    sync = bsub.add_parser(
+        "sync", help="weight sync of a synthetic model to N generators",
+        description="One trainer publishes a synthetic state dict to N generators "
+        "(WeightPublisher/WeightSubscriber), against raw NIXL writing the same tensors, gloo "
+        "broadcast, NCCL broadcast (CUDA) and memcpy.",
+    )  # fmt: skip
+    sync.add_argument("--params", default=None,
+                      help="parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
+                      "float32; --quick: 16M)")  # fmt: skip
+    sync.add_argument(
+        "--tensors", type=int, default=None, help="tensor count (default 300; --quick 50)"
+    )
+    sync.add_argument(
+        "--dtypes",
+        default="float32",
+        help="comma list of dtypes, assigned to the tensors in turn (default float32)",
+    )
+    sync.add_argument(
+        "--generators", type=int, default=None, metavar="N", help="receiving processes (default 2)"
+    )
+    sync.add_argument(
+        "--steps", type=int, default=None, help="timed syncs per system (default 5; --quick 3)"
+    )
+    sync.add_argument(
+        "--mode",
+        choices=("staging", "inplace"),
+        default="staging",
+        help="WeightSubscriber mode (default staging)",
+    )
+    _common(sync)
+    sync.set_defaults(run=run_sync)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help=f"comma list out of {', '.join(BASELINES)}, or 'none' (default: all; nccl "
+                   "only runs where CUDA is present)")  # fmt: skip
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke test: small sizes, few iterations (< 30 s)"
+    )
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="write results and the environment as JSON"
+    )
+    p.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="plot the results (needs matplotlib)"
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin the writer and each reader to its own CPU while NIXL is measured (default on)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds one transfer or reply may take"
+    )
+    g = p.add_argument_group("across hosts")
+    g.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="join this existing store (tcp://, redis://) instead of spawning local readers",
+    )
+    g.add_argument("--role", choices=ROLES, default=None, help="with --store: this process's role")
+    g.add_argument(
+        "--peers",
+        default=None,
+        metavar="A,B",
+        help="writer: the names of the readers, comma separated",
+    )
+    g.add_argument(
+        "--name", default=None, help="this peer's name (reader: required; writer: bench-writer)"
+    )
+    g.add_argument("--namespace", default="bench", help="namespace of the run (default bench)")
+    g.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long to wait for the other side (default 120 s)",
+    )
+    p.add_argument(
+        "--cpu", type=int, default=None, help=argparse.SUPPRESS
+    )  # local readers: pinning
+
+
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def parse_baselines(text: str) -> list[str]:
+    if text.strip().lower() == "none":
+        return []
+    names = [s.strip().lower() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise CliError(
+            f"unknown baseline {unknown[0]!r}; known baselines: {', '.join(BASELINES)} (or 'none')"
+        )
+    return list(dict.fromkeys(names))
+
+
+def check_roles(args: argparse.Namespace) -> list[str] | None:
+    """The reader names a writer drives (None for a local run)."""
+    if args.role is None and args.store is None:
+        if args.peers or args.name:
+            raise CliError("--peers and --name only apply with --store URL --role writer|reader")
+        return None
+    if args.role is None:
+        raise CliError("--store joins an existing store: give --role writer or --role reader too")
+    if args.store is None:
+        raise CliError(f"--role {args.role} needs --store URL (the store both sides reach)")
+    if args.role == "reader":
+        if not args.name:
+            raise CliError("--role reader needs --name NAME (the writer lists it in --peers)")
+        return []
+    peers = [p.strip() for p in (args.peers or "").split(",") if p.strip()]
+    if not peers:
+        raise CliError("--role writer needs --peers NAME[,NAME..]: the readers' names")
+    if len(set(peers)) != len(peers):
+        raise CliError(f"--peers names a reader twice: {args.peers}")
+    return peers
+
+
+def receiver_counts(n: int) -> list[int]:
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return [*ks, n]
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise CliError(f"{name} must be positive, got {value}")
+
+
+# -- the writer's session -----------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    t: Any
+    chan: Any
+    readers: list[str]
+    local: Any
+    saved_affinity: set[int] | None
+    store_url: str
+
+
+@contextmanager
+def writer_session(args: argparse.Namespace, command: str, peers: list[str] | None,
+                   n_readers: int, reader_args: list[str] | None = None) -> Iterator[Session]:  # fmt: skip
+    """The writer's Transport, with its readers in the namespace: local child processes (no
+    --store) or the named peers of an existing store."""
+    import transport
+    from transport.cli.bench._control import Channel, LocalReaders, wait_for_readers
+    from transport.cli.bench._util import affinity, pin_to
+    from transport.cli.peers import client_url
+    from transport.store import store_from_url
+    from transport.store.tcp import TcpStore
+
+    local = None
+    alive: Callable[[], None] | None = None
+    if peers is None:
+        store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
+        names = [f"bench-reader-{i}" for i in range(n_readers)]
+        ncpu = len(affinity() or {0})
+        cpus = [(1 + i) % ncpu if args.pin else None for i in range(n_readers)]
+        local = LocalReaders([command, *(reader_args or [])], names, client_url(store.url),
+                             args.namespace, cpus)  # fmt: skip
+        alive = local.check
+    else:
+        store = store_from_url(client_url(args.store), timeout=min(args.wait, 10.0))
+        names = peers
+    saved = affinity()
+    t = None
+    ok = False
+    try:
+        if args.pin:
+            pin_to(0)  # the engine thread and NIXL's threads inherit it
+        t = transport.Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
+                                timeout=args.timeout)  # fmt: skip
+        wait_for_readers(t, names, args.wait, alive)
+        s = Session(t, Channel(t, timeout=args.timeout, alive=alive), names, local, saved,
+                    getattr(store, "url", ""))  # fmt: skip
+        yield s
+        ok = True
+    finally:
+        if t is not None:
+            for name in names:  # best effort: readers on other hosts exit now, not at their timeout
+                with contextlib.suppress(Exception):  # a reader that is gone needs no goodbye
+                    t.notify(name, _done(failed=not ok))
+            if ok and local is None:
+                for name in names:
+                    with contextlib.suppress(CliError):
+                        s.chan.recv(name, timeout=10)
+            t.close()
+        if local is not None:
+            if ok:
+                local.close()
+            else:
+                local.kill()
+        store.close()
+
+
+def _done(failed: bool) -> bytes:
+    from transport.cli.bench._control import encode
+
+    return encode("done", failed=failed)
+
+
+def run_reader(args: argparse.Namespace, make: Callable[[Any, set[int] | None], Any]) -> int:
+    import torch
+
+    import transport
+    from transport.cli.bench._control import linger, serve
+    from transport.cli.bench._util import affinity, pin_to
+
+    saved = affinity()
+    torch.set_num_threads(1)  # helper ops need no pool; its threads would compete with the writer
+    if args.cpu is not None:
+        pin_to(args.cpu)
+    with transport.Transport(args.name, store=args.store, namespace=args.namespace,
+                             timeout=args.timeout) as t:  # fmt: skip
+        reader = make(t, saved)
+        try:
+            writer, failed = serve(t, reader.handlers(), reader.progress, args.wait)
+        finally:
+            reader.close()
+        linger(t, writer)
+    if failed:
+        raise CliError(f"the writer {writer!r} failed; see its output")
+    return 0
+
+
+# -- bench put ----------------------------------------------------------------------------------
+
+
+def put_plan(args: argparse.Namespace, peers: list[str] | None) -> Any:
+    from transport.cli.bench._util import parse_batch, parse_size, parse_sizes
+    from transport.cli.bench.put import PutPlan
+
+    sizes = parse_sizes(args.sizes or (PUT_SIZES_QUICK if args.quick else PUT_SIZES))
+    if args.max_size:
+        cap = parse_size(args.max_size, "--max-size")
+        sizes = [n for n in sizes if n <= cap]
+        if not sizes:
+            raise CliError(f"--max-size {args.max_size} leaves no size to measure")
+    batch_text = args.batch or ("100x64K" if args.quick else "1000x64K")
+    batch = None if batch_text.lower() == "none" else parse_batch(batch_text)
+    n = args.receivers
+    if n is not None and n < 1:
+        raise CliError(f"--receivers must be at least 1, got {n}")
+    if peers:
+        if n is not None and n != len(peers):
+            raise CliError(f"--receivers {n} does not match the {len(peers)} names of --peers")
+        n = len(peers)
+    n = n or 1
+    _positive("--budget", args.budget)
+    _positive("--timeout", args.timeout)
+    if args.block < 1:
+        raise CliError(f"--block must be at least 1, got {args.block}")
+    quick = args.quick
+    return PutPlan(
+        sizes=sizes, batch=batch, ops=["write", "read"] if args.op == "both" else [args.op],
+        ks=receiver_counts(n), readers=n, baselines=parse_baselines(args.baselines),
+        budget_s=args.budget or (0.2 if quick else 1.5), min_cycles=3 if quick else 5,
+        max_cycles=20 if quick else 100, block=args.block, dist_budget_s=0.2 if quick else 1.0,
+        memcpy_budget_s=0.1 if quick else 0.5, min_iters=3 if quick else 5, timeout=args.timeout,
+        pin=args.pin,
+    )  # fmt: skip
+
+
+def run_put(args: argparse.Namespace) -> int:
+    peers = check_roles(args)
+    plan = put_plan(args, peers)
+    if args.plot:
+        from transport.cli.bench.report import check_plot_support
+
+        check_plot_support()
+    if args.role == "reader":
+        from transport.cli.bench.put import PutReader
+
+        return run_reader(args, PutReader)
+    return _put_writer(args, plan, peers)
+
+
+def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) -> int:
+    import torch
+
+    from transport.cli.bench import report
+    from transport.cli.bench._util import CpuWatch, unpin
+    from transport.cli.bench.put import PutWriter, Results
+
+    t_start = time.perf_counter()
+    probe = report.start_ucx_probe()
+    torch.set_num_threads(
+        1
+    )  # memcpy: one thread, like CMA; no pool threads pinned with the main thread
+    res = Results()
+    shapes = plan.shapes()
+    nixl_units = len(plan.ops) * len(plan.ks) * len(shapes)
+    dist_units = 0
+    if "gloo" in plan.baselines:
+        dist_units += 2 * len(plan.ks) * len(shapes)
+    units = nixl_units + dist_units + (len(shapes) if "memcpy" in plan.baselines else 0) + 1
+    progress = report.Progress(units, report.progress_enabled(args.progress))
+    progress.step("starting readers")
+    try:
+        with writer_session(args, "put", peers, plan.readers) as s:
+            w = PutWriter(s.t, s.chan, s.readers, plan, progress, res)
+            watch = CpuWatch()
+            cpu0 = s.local.cpu_seconds() if s.local else 0.0
+            w.setup()
+            for op in plan.ops:
+                for k in plan.ks:
+                    for kind, n in shapes:
+                        progress.step(f"raw+ours {op} {plan.label(kind, n)} to {k}")
+                        w.measure(op, k, kind, n)
+            _phase(res, "raw+ours interleaved", watch, s, cpu0)
+            unpin(s.saved_affinity)
+            if "gloo" in plan.baselines:
+                watch, cpu0 = CpuWatch(), s.local.cpu_seconds() if s.local else 0.0
+                w.dist_phase("gloo", lambda rank: 0)
+                _phase(res, "gloo", watch, s, cpu0)
+            if "nccl" in plan.baselines:
+                why = _nccl_unavailable(w.ready, plan.readers + 1, s.local is not None)
+                if why:
+                    res.skipped["nccl"] = why
+                else:
+                    ndev = torch.cuda.device_count()
+                    w.dist_phase("nccl", (lambda r: r % ndev) if s.local else (lambda r: 0))
+            if "memcpy" in plan.baselines:
+                watch = CpuWatch()
+                w.memcpy_phase()
+                _phase(res, "memcpy", watch, s, None)
+            w.close()
+    finally:
+        progress.close()
+    total = time.perf_counter() - t_start
+    ucx = report.finish_ucx_probe(probe)
+    env = report.environment(ucx)
+    ratios = report.put_ratios(res.records)
+    out = sys.stdout
+    print(f"transport bench put: {', '.join(sorted({r['size'] for r in res.records if r['kind'] == 'single'}, key=lambda s: next(r['bytes'] for r in res.records if r['size'] == s)))}"
+          f"{'; batch ' + plan.label('batch', 0) if plan.batch else ''}; ops {'+'.join(plan.ops)}; "
+          f"receivers {','.join(map(str, plan.ks))}; {env['cpu']['count']} CPUs ({env['cpu']['model']}); "
+          f"{report.ucx_summary(ucx)}", file=out)  # fmt: skip
+    report.put_table(res.records, ratios, out)
+    _print_notes(res, out)
+    print(f"total {total:.1f} s", file=out)
+    title = f"transport bench put ({env['cpu']['count']} CPUs, {report.ucx_summary(ucx)[:90]})"
+    _write_outputs(
+        args,
+        "put",
+        plan,
+        res,
+        ratios,
+        env,
+        total,
+        lambda path: report.plot_put(res.records, path, title),
+    )
+    bad = [r for r in res.records if not r["verified"]]
+    return 1 if bad else 0
+
+
+def _nccl_unavailable(ready: list[dict[str, Any]], world: int, local: bool) -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA here (NCCL broadcast needs a GPU in every process)"
+    if any(not m.get("cuda") for m in ready):
+        return "a reader has no CUDA device"
+    if local and torch.cuda.device_count() < world:
+        return (
+            f"NCCL needs one GPU per process: {world} processes, {torch.cuda.device_count()} GPUs"
+        )
+    return None
+
+
+def _phase(res: Any, name: str, watch: Any, s: Session, cpu0: float | None) -> None:
+    helpers = (s.local.cpu_seconds() - cpu0) if (s.local and cpu0 is not None) else 0.0
+    other = watch.busy_cpus(helpers)
+    if other is None:
+        return
+    res.phases.append({"phase": name, "other_cpus": other})
+    if other > 0.15:
+        res.notes.append(
+            f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during {name}; "
+            "on a small machine that moves the ratios, rerun when it is quiet"
+        )
+
+
+def _print_notes(res: Any, out: Any) -> None:
+    if res.skipped:
+        print("\nskipped:", file=out)
+        for k, v in res.skipped.items():
+            print(f"  {k}: {v}", file=out)
+    if res.notes:
+        print("\nnotes:", file=out)
+        for n in res.notes:
+            print(f"  {n}", file=out)
+
+
+def _write_outputs(args: argparse.Namespace, command: str, plan: Any, res: Any, ratios: Any,
+                   env: dict[str, Any], total: float, plot: Callable[[str], None]) -> None:  # fmt: skip
+    from dataclasses import asdict
+
+    if args.json:
+        doc = {
+            "command": ["transport", *sys.argv[1:]],
+            "config": asdict(plan), "environment": env, "records": res.records, "ratios": ratios,
+            "skipped": res.skipped, "notes": res.notes, "phases": res.phases, "total_s": total,
+        }  # fmt: skip
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, args.json)
+    if args.plot:
+        plot(args.plot)
+
+
+# -- bench sync ---------------------------------------------------------------------------------
+
+
+def run_sync(args: argparse.Namespace) -> int:
+    from transport.cli.bench import sync
+
+    peers = check_roles(args)
+    plan = sync.sync_plan(args, peers)
+    if args.plot:
+        from transport.cli.bench.report import check_plot_support
+
+        check_plot_support()
+    if args.role == "reader":
+        return run_reader(args, lambda t, saved: sync.SyncReader(t, saved, plan))
+    return sync.run_writer(args, plan, peers)
