@@ -224,6 +224,15 @@ class Session:
     saved_affinity: set[int] | None
     store_url: str
 
+    def helper_cpu(self) -> float:
+        """CPU seconds our readers on this host have used so far."""
+        return self.local.cpu_seconds() if self.local else self.chan.cpu_here()
+
+    def watch(self) -> Any:
+        from transport.cli.bench._util import CpuWatch
+
+        return CpuWatch(self.helper_cpu)
+
 
 @contextmanager
 def writer_session(args: argparse.Namespace, command: str, peers: list[str] | None,
@@ -248,7 +257,7 @@ def writer_session(args: argparse.Namespace, command: str, peers: list[str] | No
                              args.namespace, cpus)  # fmt: skip
         alive = local.check
     else:
-        store = store_from_url(client_url(args.store), timeout=min(args.wait, 10.0))
+        store = store_from_url(client_url(args.store))
         names = peers
     saved = affinity()
     t = None
@@ -301,6 +310,11 @@ def run_reader(args: argparse.Namespace, make: Callable[[Any, set[int] | None], 
     with transport.Transport(args.name, store=args.store, namespace=args.namespace,
                              timeout=args.timeout) as t:  # fmt: skip
         reader = make(t, saved)
+        print(
+            f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of {args.store}; "
+            "waiting for a writer",
+            flush=True,
+        )
         try:
             writer, failed = serve(t, reader.handlers(), reader.progress, args.wait)
         finally:
@@ -367,7 +381,7 @@ def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) ->
     import torch
 
     from transport.cli.bench import report
-    from transport.cli.bench._util import CpuWatch, unpin
+    from transport.cli.bench._util import unpin
     from transport.cli.bench.put import PutWriter, Results
 
     t_start = time.perf_counter()
@@ -387,20 +401,19 @@ def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) ->
     try:
         with writer_session(args, "put", peers, plan.readers) as s:
             w = PutWriter(s.t, s.chan, s.readers, plan, progress, res)
-            watch = CpuWatch()
-            cpu0 = s.local.cpu_seconds() if s.local else 0.0
             w.setup()
+            watch = s.watch()
             for op in plan.ops:
                 for k in plan.ks:
                     for kind, n in shapes:
                         progress.step(f"raw+ours {op} {plan.label(kind, n)} to {k}")
                         w.measure(op, k, kind, n)
-            _phase(res, "raw+ours interleaved", watch, s, cpu0)
+            _phase(res, "raw+ours interleaved", watch)
             unpin(s.saved_affinity)
             if "gloo" in plan.baselines:
-                watch, cpu0 = CpuWatch(), s.local.cpu_seconds() if s.local else 0.0
+                watch = s.watch()
                 w.dist_phase("gloo", lambda rank: 0)
-                _phase(res, "gloo", watch, s, cpu0)
+                _phase(res, "gloo", watch)
             if "nccl" in plan.baselines:
                 why = _nccl_unavailable(w.ready, plan.readers + 1, s.local is not None)
                 if why:
@@ -409,9 +422,9 @@ def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) ->
                     ndev = torch.cuda.device_count()
                     w.dist_phase("nccl", (lambda r: r % ndev) if s.local else (lambda r: 0))
             if "memcpy" in plan.baselines:
-                watch = CpuWatch()
+                watch = s.watch()
                 w.memcpy_phase()
-                _phase(res, "memcpy", watch, s, None)
+                _phase(res, "memcpy", watch)
             w.close()
     finally:
         progress.close()
@@ -456,9 +469,8 @@ def _nccl_unavailable(ready: list[dict[str, Any]], world: int, local: bool) -> s
     return None
 
 
-def _phase(res: Any, name: str, watch: Any, s: Session, cpu0: float | None) -> None:
-    helpers = (s.local.cpu_seconds() - cpu0) if (s.local and cpu0 is not None) else 0.0
-    other = watch.busy_cpus(helpers)
+def _phase(res: Any, name: str, watch: Any) -> None:
+    other = watch.busy_cpus()
     if other is None:
         return
     res.phases.append({"phase": name, "other_cpus": other})

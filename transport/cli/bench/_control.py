@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,7 @@ class Channel:
     ) -> None:
         self.t, self.timeout, self.alive = t, timeout, alive
         self.cpu_s: dict[str, float] = {}  # each reader's CPU time, from its latest reply
+        self.hosts: dict[str, str] = {}
 
     def send(self, peer: str, cmd: str, **fields: Any) -> None:
         self.t.notify(peer, encode(cmd, **fields))
@@ -96,7 +98,14 @@ class Channel:
                 raise CliError(f"reader {peer!r} failed: {msg.get('msg', '?')}")
             if isinstance(msg.get("cpu"), float):
                 self.cpu_s[peer] = msg["cpu"]
+            if isinstance(msg.get("host"), str):
+                self.hosts[peer] = msg["host"]
             return msg
+
+    def cpu_here(self) -> float:
+        """CPU seconds used so far by the readers on this host, as their latest replies said."""
+        here = socket.gethostname()
+        return sum(v for p, v in self.cpu_s.items() if self.hosts.get(p) == here)
 
     def ask(
         self,

@@ -15,7 +15,10 @@ import torch
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-SIZE_FORMS = "a number of bytes with an optional suffix K, M, G (or KB, KiB, MB, MiB, GB, GiB), e.g. 4096, 4K, 64KiB, 1M, 1G"
+SIZE_FORMS = (
+    "a whole number with an optional suffix K, M or G (also KB/KiB, MB/MiB, GB/GiB; all powers "
+    "of 1024), e.g. 4096, 4K, 64KiB, 1M, 1G"
+)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
 _UNIT = {"": 1, "K": KiB, "M": MiB, "G": GiB}
 
@@ -221,9 +224,12 @@ def affinity() -> set[int] | None:
 
 
 class CpuWatch:
-    """How much CPU processes other than this one and its waited-for children used meanwhile."""
+    """How much CPU processes other than this one, its waited-for children and its helpers
+    (``helpers()``: CPU seconds our readers on this host have used so far) used meanwhile."""
 
-    def __init__(self) -> None:
+    def __init__(self, helpers: Callable[[], float] | None = None) -> None:
+        self.helpers = helpers
+        self.helpers0 = helpers() if helpers else 0.0
         self.start = self._snapshot()
 
     @staticmethod
@@ -238,11 +244,11 @@ class CpuWatch:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         return time.perf_counter(), busy, me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-    def busy_cpus(self, exclude_s: float = 0.0) -> float | None:
-        """CPUs' worth of time others used since this watch began; ``exclude_s``: CPU seconds of
-        known helpers (our receivers) to leave out."""
+    def busy_cpus(self) -> float | None:
+        """CPUs' worth of time others used since this watch began."""
         end = self._snapshot()
         if self.start is None or end is None or end[0] <= self.start[0]:
             return None
-        other = (end[1] - self.start[1]) - (end[2] - self.start[2]) - exclude_s
+        helpers = (self.helpers() - self.helpers0) if self.helpers else 0.0
+        other = (end[1] - self.start[1]) - (end[2] - self.start[2]) - helpers
         return max(0.0, other) / (end[0] - self.start[0])

@@ -30,7 +30,6 @@ from transport.cli.bench import _raw, report
 from transport.cli.bench._control import Channel, get_blob, put_blob
 from transport.cli.bench._dist import Group, as_bytes, close_group, open_group, reader_device
 from transport.cli.bench._util import (
-    CpuWatch,
     check_pattern,
     fill_pattern,
     fmt_time,
@@ -508,15 +507,15 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
                 progress.step(
                     f"ours{' + raw' if 'raw' in plan.baselines else ''}: {plan.steps} syncs"
                 )
-                watch, cpu0 = CpuWatch(), s.local.cpu_seconds() if s.local else 0.0
+                watch = s.watch()
                 w.measure()
-                _phase(res, "ours + raw", watch, s, cpu0)
+                _phase(res, "ours + raw", watch)
                 unpin(s.saved_affinity)
                 if "gloo" in plan.baselines:
                     progress.step("gloo broadcast")
-                    watch, cpu0 = CpuWatch(), s.local.cpu_seconds() if s.local else 0.0
+                    watch = s.watch()
                     w.dist_phase("gloo", lambda rank: 0)
-                    _phase(res, "gloo", watch, s, cpu0)
+                    _phase(res, "gloo", watch)
                 if "nccl" in plan.baselines:
                     progress.step("nccl broadcast")
                     why = _nccl_unavailable(w.ready, plan.generators + 1, s.local is not None)
