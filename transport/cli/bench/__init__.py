@@ -440,7 +440,7 @@ def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) ->
     report.put_table(res.records, ratios, out)
     _print_notes(res, out)
     print(f"total {total:.1f} s", file=out)
-    title = f"transport bench put ({env['cpu']['count']} CPUs, {report.ucx_summary(ucx)[:90]})"
+    title = f"transport bench put: {env['cpu']['count']} CPUs, {report.ucx_summary(ucx)}"
     _write_outputs(
         args,
         "put",

@@ -56,6 +56,17 @@ def size_label(n: int) -> str:
     return f"{n} B"
 
 
+def human_bytes(n: int) -> str:
+    """``size_label`` where it is exact, else one decimal: ``1 GiB``, ``48.0 MiB``."""
+    exact = size_label(n)
+    if not exact.endswith(" B") or n < KiB:
+        return exact
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.1f} {name}"
+    return exact
+
+
 def batch_label(count: int, size: int) -> str:
     return f"{count}x{size_label(size).replace(' ', '')}"
 

@@ -15,13 +15,17 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 from transport.cli import CliError
-from transport.cli.bench._util import KiB, MiB, fmt_time
+from transport.cli.bench._util import KiB, MiB, fmt_time, size_label
 
 SYSTEM_ORDER = [
     "memcpy", "gloo", "gloo-bcast", "nccl-bcast", "raw-nixl", "raw-nixl-repost", "ours", "ours-single",
 ]  # fmt: skip
 LATENCY_MAX = 64 * KiB  # at and below: compare latency; above: bandwidth
 TARGETS = {"latency": 1.3, "bandwidth": 0.95}  # ours against raw-nixl, one receiver
+COLORS = {
+    "ours": "tab:red", "ours-single": "tab:pink", "raw-nixl": "tab:blue", "raw-nixl-repost": "tab:cyan",
+    "gloo": "tab:green", "gloo-bcast": "tab:olive", "nccl-bcast": "tab:purple", "memcpy": "tab:gray",
+}  # fmt: skip
 
 
 # -- progress -----------------------------------------------------------------------------------
@@ -346,30 +350,38 @@ def plot_put(records: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bw, lat) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (bw, lat) = plt.subplots(1, 2, figsize=(13, 5.2))
     lines: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in records:
         if r["kind"] == "single" and r["system"] != "ours-single":
             lines.setdefault((r["system"], r["op"], r["receivers"]), []).append(r)
-    for (system, op, k), rs in sorted(
-        lines.items(),
-        key=lambda kv: (
-            kv[0][1],
-            kv[0][2],
-            SYSTEM_ORDER.index(kv[0][0]) if kv[0][0] in SYSTEM_ORDER else 99,
-        ),
-    ):
-        rs.sort(key=lambda r: r["bytes"])
-        label = system + ("" if op == "write" else f" {op}") + ("" if k == 1 else f" x{k}")
-        style = "-" if op == "write" else "--"
+
+    def order(key: tuple[str, str, int]) -> tuple[int, int, int]:
+        system, op, k = key
+        rank = SYSTEM_ORDER.index(system) if system in SYSTEM_ORDER else 99
+        return (op != "write", k, rank)
+
+    sizes: set[int] = set()
+    for key in sorted(lines, key=order):
+        system, op, k = key
+        rs = sorted(lines[key], key=lambda r: r["bytes"])
+        label = system + ("" if op == "write" else f" ({op})") + ("" if k == 1 else f" x{k}")
+        style = dict(
+            color=COLORS.get(system), linestyle="-" if op == "write" else "--", marker="o",
+            linewidth=2.2 if system == "ours" else 1.4, label=label, alpha=1.0 if k == 1 else 0.6,
+        )  # fmt: skip
         xs = [r["bytes"] for r in rs]
-        bw.plot(xs, [r["gbps"] for r in rs], style, marker="o", label=label)
-        lat.plot(xs, [r["median_s"] * 1e6 for r in rs], style, marker="o", label=label)
+        sizes.update(xs)
+        bw.plot(xs, [r["gbps"] for r in rs], **style)  # type: ignore[arg-type]
+        lat.plot(xs, [r["median_s"] * 1e6 for r in rs], **style)  # type: ignore[arg-type]
+    ticks = sorted(sizes)
     for ax in (bw, lat):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("transfer size (bytes)")
-        ax.grid(True, which="both", alpha=0.3)
-    bw.set_ylabel("bandwidth (GB/s, median)")
+        ax.set_xticks(ticks, [size_label(n).replace(" ", "") for n in ticks], fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("transfer size (per receiver)")
+        ax.grid(True, which="major", alpha=0.3)
+    bw.set_ylabel("GB/s (median)")
     lat.set_ylabel("time per transfer (us, median)")
     lat.set_yscale("log")
     bw.set_title("bandwidth")

@@ -33,10 +33,10 @@ from transport.cli.bench._util import (
     check_pattern,
     fill_pattern,
     fmt_time,
+    human_bytes,
     interleave,
     paired_ratio,
     parse_size,
-    size_label,
     summarize,
     time_loop,
     unpin,
@@ -204,8 +204,9 @@ class SyncReader:
         return {"ok": self._check(xs, m["seed"])}
 
     def check_ours(self, m: dict[str, Any]) -> dict[str, Any]:
-        for x in self.live.values():
-            zero_bytes(x)
+        if self.sub.mode == "staging":  # apply() must bring every byte (in place: already there)
+            for x in self.live.values():
+                zero_bytes(x)
         self.sub.wait_for_version(m["version"], timeout=60)
         t0 = time.perf_counter()
         applied = self.sub.apply()
@@ -458,8 +459,9 @@ def print_table(
     plan: SyncPlan, records: list[dict[str, Any]], rs: list[dict[str, Any]], out: Any
 ) -> None:
     dts = ",".join(dict.fromkeys(plan.dtypes))
-    print(f"\nweight sync: {plan.params:,} parameters ({size_label(plan.nbytes) if plan.nbytes % 1024 == 0 else plan.nbytes} "
-          f"of {dts}) in {plan.tensors} tensors to {plan.generators} generators, {plan.mode} mode; "
+    gens = f"{plan.generators} generator{'s' if plan.generators > 1 else ''}"
+    print(f"\nweight sync: {plan.params:,} parameters ({human_bytes(plan.nbytes)} "
+          f"of {dts}) in {plan.tensors} tensors to {gens}, {plan.mode} mode; "
           f"median of {plan.steps} syncs (GB/s: bytes delivered to all generators)", file=out)  # fmt: skip
     hdr = f"{'system':<12} {'per sync':>10} {'GB/s':>7} {'vs ours':>9} {'p10..p90':>21} {'steps':>5}  ok"
     print(hdr, file=out)
@@ -543,7 +545,7 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
     print_table(plan, res.records, rs, out)
     _print_notes(res, out)
     print(f"total {total:.1f} s", file=out)
-    title = (f"transport bench sync: {size_label(plan.nbytes) if plan.nbytes % 1024 == 0 else plan.nbytes} in "
+    title = (f"transport bench sync: {human_bytes(plan.nbytes)} in "
              f"{plan.tensors} tensors to {plan.generators} generators ({plan.mode})")  # fmt: skip
     _write_outputs(
         args,
