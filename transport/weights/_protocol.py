@@ -35,12 +35,17 @@ log = logging.getLogger("transport.weights")
 
 MODES = ("staging", "inplace")
 
+#: the publisher's own regions (read-only, for late joiners): "<group>@pub/<name>" and the
+#: sequence word "<group>@pub/__seq" = [seq (odd while the trainer changes the tensors), version]
+PUB_SLOT = "pub"
+SEQ_NAME = "__seq"
+
 
 def channel(group: str) -> str:
     return f"ws/{group}"
 
 
-def region(group: str, slot: int, name: str) -> str:
+def region(group: str, slot: int | str, name: str) -> str:
     return f"{group}@{slot}/{name}"
 
 

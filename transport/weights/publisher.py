@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,16 @@ from transport.errors import (
 )
 from transport.handle import Handle
 from transport.memory import check_tensor, dtype_name
-from transport.weights._protocol import GroupDirectory, Worker, channel, decode, encode, region
+from transport.weights._protocol import (
+    PUB_SLOT,
+    SEQ_NAME,
+    GroupDirectory,
+    Worker,
+    channel,
+    decode,
+    encode,
+    region,
+)
 
 log = logging.getLogger("transport.weights")
 
@@ -123,8 +133,14 @@ class WeightPublisher:
         self.transport = transport
         self.group = group
         self.tensors = dict(named_tensors)
-        for t in self.tensors.values():
-            transport.register(t)
+        # Late joiners read the newest version straight from here (see updating() and
+        # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word
+        # [seq, version] that is odd while the trainer changes them.
+        self._seq = torch.tensor([0, -1], dtype=torch.int64)  # no version until the first publish
+        self._updating = False
+        exposed = {region(self.group, PUB_SLOT, n): t for n, t in self.tensors.items()}
+        exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
+        transport.expose_all(exposed, access="r")
         self.version = -1
         self._subs: dict[str, _Sub] = {}
         self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
@@ -212,6 +228,24 @@ class WeightPublisher:
 
     # -- publishing ------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Wrap every change of the tensors (the optimizer step) in it, so that a late joiner's
+        :meth:`WeightSubscriber.pull` never takes a half-updated state; the trainer never waits
+        for a joiner. Without it, pull() refuses (it cannot tell a stable state from a changing one)."""
+        if self._updating:
+            raise RuntimeError("updating() is already active")
+        self._updating = True
+        self._seq[0] += 1  # odd: changing
+        self._seq[1] = -1  # the new state has no version until publish() names it
+        try:
+            yield
+            if any(t.is_cuda for t in self.tensors.values()):
+                torch.cuda.synchronize()  # the change must have happened before we say so
+        finally:
+            self._seq[0] += 1  # even: stable
+            self._updating = False
+
     def publish(self, version: int, timeout: float | None = None) -> PublishHandle:
         """Send the tensors as ``version`` to every subscriber; returns at once."""
         if not isinstance(version, int) or isinstance(version, bool):
@@ -222,6 +256,8 @@ class WeightPublisher:
         self.refresh()
         with self._lock:
             self.version = version
+            if not self._updating and int(self._seq[0]) % 2 == 0:
+                self._seq[1] = version  # what the stable state is, for pull()
             subs = list(self._subs.values())
             handle = PublishHandle(version, [s.name for s in subs], time.monotonic() + timeout)
             self._handles.append(handle)

@@ -15,6 +15,8 @@ from transport.errors import ClosedError, TransferTimeout, TransportError, WireF
 from transport.memory import check_tensor
 from transport.weights._protocol import (
     MODES,
+    PUB_SLOT,
+    SEQ_NAME,
     GroupDirectory,
     Worker,
     channel,
@@ -176,6 +178,46 @@ class WeightSubscriber:
                 finally:
                     self.transport._engine.waiting(-1)
             return self.version
+
+    def pull(self, publisher: str, timeout: float | None = None) -> int:
+        """Read the publisher's current state straight into the live tensors (one-sided READs; the
+        trainer does not pause) and return its version: for a generator that joins mid-run and should
+        not wait for the next publish. The publisher must wrap its updates in ``updating()``; a read
+        that overlapped an update is retried until ``timeout`` (TransferTimeout then)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seq = torch.zeros(2, dtype=torch.int64)
+        seq_region = region(self.group, PUB_SLOT, SEQ_NAME)
+        dst = {region(self.group, PUB_SLOT, n): t for n, t in self.live.items()}
+        delay = 0.001
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TransferTimeout(
+                    f"could not read a stable state of group {self.group!r} from {publisher!r} within "
+                    f"{timeout:.3g} s: it was changing the tensors the whole time (or never called publish)"
+                )
+            self.transport.get(seq, publisher, seq_region, timeout=left).wait()
+            first, version = int(seq[0]), int(seq[1])
+            if first % 2 == 0 and version >= 0:
+                with self._lock:
+                    self._held = -1  # apply() must not copy into the live tensors meanwhile
+                try:
+                    self.transport.get(dst, publisher, timeout=left).wait()
+                    self.transport.get(seq, publisher, seq_region, timeout=left).wait()
+                finally:
+                    with self._lock:
+                        self._held = None
+                if int(seq[0]) == first and int(seq[1]) == version:  # nothing changed meanwhile
+                    with self._lock:
+                        self.applied_version = max(self.applied_version, version)
+                        if self.mode == "inplace" and version > self.version:
+                            self.version = version
+                            self._lock.notify_all()
+                    return version
+            threading.Event().wait(
+                min(delay, left) if left is not None else delay
+            )  # the trainer is mid-step
+            delay = min(delay * 2, 0.05)
 
     def apply(self) -> int:
         """Copy the newest complete version into the live tensors (staging mode); returns the version

@@ -1,0 +1,69 @@
+"""A late joiner pulls the newest version straight from the publisher while the trainer keeps going."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import transport
+
+SHAPES = {f"layers.{i}.w": (256, 256) for i in range(16)}  # 4 MiB
+
+
+def test_pull_reads_a_consistent_version_while_training_goes_on(tcp_store, trainer):
+    weights = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    pub = transport.WeightPublisher(trainer, weights)
+    stop, first = threading.Event(), threading.Event()
+    steps = []
+
+    def train() -> None:
+        v = 0
+        while not stop.is_set():
+            v += 1
+            with pub.updating():  # the optimizer step
+                for t in weights.values():
+                    t.fill_(float(v))
+            pub.publish(v, timeout=10).wait(20)
+            steps.append(v)
+            first.set()
+            stop.wait(0.002)  # sync-ok: stands for the forward and backward pass of the next step
+
+    th = threading.Thread(target=train)
+    th.start()
+    try:
+        with transport.Transport("late", store=tcp_store) as late:
+            sub = transport.WeightSubscriber(late, {k: torch.zeros(s) for k, s in SHAPES.items()})
+            assert first.wait(30)
+            seen = []
+            for _ in range(100):
+                v = sub.pull("trainer", timeout=20)
+                values = {float(t.min()) for t in sub.live.values()} | {
+                    float(t.max()) for t in sub.live.values()
+                }
+                assert values == {float(v)}, (
+                    f"pulled version {v} but the tensors hold {sorted(values)[:5]}"
+                )
+                seen.append(v)
+            assert seen == sorted(seen) and seen[-1] > seen[0]  # the trainer moved on meanwhile
+            assert sub.applied_version == seen[-1]
+            sub.close()
+    finally:
+        stop.set()
+        th.join(30)
+        pub.close()
+    assert len(steps) > 10
+
+
+def test_pull_without_updating_brackets_or_versions_times_out(tcp_store, trainer):
+    weights = {"w": torch.zeros(64)}
+    pub = transport.WeightPublisher(trainer, weights)
+    with transport.Transport("late", store=tcp_store) as late:
+        sub = transport.WeightSubscriber(late, {"w": torch.zeros(64)})
+        with pytest.raises(transport.TransferTimeout, match="never called publish"):
+            sub.pull("trainer", timeout=0.3)  # nothing published yet: no version to take
+        pub.publish(1).wait(10)
+        assert sub.pull("trainer", timeout=5) == 1
+        sub.close()
+    pub.close()
