@@ -438,6 +438,7 @@ def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) ->
           f"receivers {','.join(map(str, plan.ks))}; {env['cpu']['count']} CPUs ({env['cpu']['model']}); "
           f"{report.ucx_summary(ucx)}", file=out)  # fmt: skip
     report.put_table(res.records, ratios, out)
+    res.notes.append(report.describe_code(env["code"]))
     _print_notes(res, out)
     print(f"total {total:.1f} s", file=out)
     title = f"transport bench put: {env['cpu']['count']} CPUs, {report.ucx_summary(ucx)}"

@@ -196,9 +196,38 @@ def linger(t: Transport, writer: str, timeout: float = 10.0) -> None:
 # -- local runs: the readers as child processes ----------------------------------------------------
 
 
+_BOOTSTRAP = """
+import importlib.util, sys
+dirs = {dirs!r}
+class TreeFinder:
+    def find_spec(self, name, path=None, target=None):
+        d = dirs.get(name)
+        if d is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            name, d + "/__init__.py", submodule_search_locations=[d])
+sys.meta_path.insert(0, TreeFinder())
+from transport.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _reader_bootstrap() -> str:
+    """``python -c`` code that runs ``transport`` from the very directories this process imported
+    it from (an editable install, a worktree a benchmark put first on the path, ...): the readers
+    must measure the same code as the writer."""
+    import transport
+    import transport.backends
+
+    dirs = {
+        "transport": os.path.dirname(os.path.abspath(transport.__file__)),
+        "transport.backends": os.path.dirname(os.path.abspath(transport.backends.__file__)),
+    }
+    return _BOOTSTRAP.format(dirs=dirs)
+
+
 class LocalReaders:
-    """Reader child processes (``python -m transport.cli bench <cmd> --role reader``); their
-    stderr goes to a temporary file whose last line explains a failure."""
+    """Reader child processes (``transport bench <cmd> --role reader``); their stderr goes to a temporary file whose last line explains a failure."""
 
     def __init__(
         self,
@@ -217,7 +246,7 @@ class LocalReaders:
                 prefix=f"{PREFIX}-{name}-", suffix=".log", delete=False
             )
             argv = [
-                sys.executable, "-m", "transport.cli", "bench", *command, "--role", "reader",
+                sys.executable, "-c", _reader_bootstrap(), "bench", *command, "--role", "reader",
                 "--store", store_url, "--name", name, "--namespace", namespace,
             ]  # fmt: skip
             if cpu is not None:

@@ -188,6 +188,44 @@ def ucx_summary(ucx: dict[str, Any]) -> str:
     )
 
 
+def code_info() -> dict[str, Any]:
+    """Which ``transport`` was measured: its directories and, in a git checkout, the commit and
+    the files with uncommitted changes (others may be editing the tree being measured)."""
+    import transport
+    import transport.backends
+
+    where = os.path.dirname(os.path.abspath(transport.__file__))
+    info: dict[str, Any] = {
+        "transport": where,
+        "backends": os.path.dirname(os.path.abspath(transport.backends.__file__)),
+    }
+    root = os.path.dirname(where)
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", "-C", root, *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    sha = git("rev-parse", "--short", "HEAD")
+    if sha:
+        info["commit"] = sha.strip()
+        dirty = git("status", "--porcelain", "--", "transport", "backends") or ""
+        info["uncommitted"] = [ln[3:] for ln in dirty.splitlines() if ln.strip()]
+    return info
+
+
+def describe_code(info: dict[str, Any]) -> str:
+    if "commit" not in info:
+        return f"transport from {info['transport']}"
+    dirty = info.get("uncommitted") or []
+    state = f"UNCOMMITTED changes in {', '.join(dirty)}" if dirty else "clean"
+    return f"transport from {info['transport']} (git {info['commit']}, {state})"
+
+
 def environment(ucx: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -207,6 +245,7 @@ def environment(ucx: dict[str, Any]) -> dict[str, Any]:
         "gpu": gpu_info(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
+        "code": code_info(),
     }
 
 

@@ -543,6 +543,7 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
         file=out,
     )
     print_table(plan, res.records, rs, out)
+    res.notes.append(report.describe_code(env["code"]))
     _print_notes(res, out)
     print(f"total {total:.1f} s", file=out)
     title = (f"transport bench sync: {human_bytes(plan.nbytes)} in "
