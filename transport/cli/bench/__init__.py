@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
         "--generators", type=int, default=None, metavar="N", help="receiving processes (default 2)"
     )
     sync.add_argument(
-        "--steps", type=int, default=None, help="timed syncs per system (default 5; --quick 3)"
+        "--steps", type=int, default=None, help="timed syncs per system (default 10; --quick 3)"
     )
     sync.add_argument(
         "--mode",

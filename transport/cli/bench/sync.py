@@ -115,7 +115,7 @@ def sync_plan(args: argparse.Namespace, peers: list[str] | None) -> SyncPlan:
             raise CliError(f"--generators {gens} does not match the {len(peers)} names of --peers")
         gens = len(peers)
     gens = 2 if gens is None else gens
-    steps = args.steps if args.steps is not None else (3 if quick else 5)
+    steps = args.steps if args.steps is not None else (3 if quick else 10)
     for name, v in (("--tensors", tensors), ("--generators", gens), ("--steps", steps)):
         if v < 1:
             raise CliError(f"{name} must be at least 1, got {v}")
@@ -463,7 +463,7 @@ def print_table(
     print(f"\nweight sync: {plan.params:,} parameters ({human_bytes(plan.nbytes)} "
           f"of {dts}) in {plan.tensors} tensors to {gens}, {plan.mode} mode; "
           f"median of {plan.steps} syncs (GB/s: bytes delivered to all generators)", file=out)  # fmt: skip
-    hdr = f"{'system':<12} {'per sync':>10} {'GB/s':>7} {'vs ours':>9} {'p10..p90':>21} {'steps':>5}  ok"
+    hdr = f"{'system':<12} {'per sync':>10} {'GB/s':>7} {'time/ours':>9} {'p10..p90':>21} {'steps':>5}  ok"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     ours = report.find(records, system="ours")
