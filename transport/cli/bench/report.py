@@ -441,7 +441,9 @@ def plot_sync(records: list[dict[str, Any]], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     names = [r["system"] for r in records]
-    ax.bar(names, [r["median_s"] for r in records], color="tab:blue")
+    ax.bar(
+        names, [r["median_s"] for r in records], color=[COLORS.get(n, "tab:blue") for n in names]
+    )
     for i, r in enumerate(records):
         ax.text(
             i,
@@ -451,6 +453,7 @@ def plot_sync(records: list[dict[str, Any]], path: str, title: str) -> None:
             va="bottom",
             fontsize=8,
         )
+    ax.set_ylim(0, 1.2 * max((r["median_s"] for r in records), default=1.0))
     ax.set_ylabel("time per weight sync (s, median)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
