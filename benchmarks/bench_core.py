@@ -107,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transport.cli import main as transport_main
 
     print("bench_core.py: transport " + " ".join(cli_args), file=sys.stderr, flush=True)
+    sys.argv = ["transport", *cli_args]  # what the JSON records as the command
     return transport_main(cli_args)
 
 

@@ -9,14 +9,6 @@ the store: readers expose memory and serve until the writer says done; the write
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from transport.cli import CliError
@@ -212,119 +204,6 @@ def _positive(name: str, value: float | None) -> None:
         raise CliError(f"{name} must be positive, got {value}")
 
 
-# -- the writer's session -----------------------------------------------------------------------
-
-
-@dataclass
-class Session:
-    t: Any
-    chan: Any
-    readers: list[str]
-    local: Any
-    saved_affinity: set[int] | None
-    store_url: str
-
-    def helper_cpu(self) -> float:
-        """CPU seconds our readers on this host have used so far."""
-        return self.local.cpu_seconds() if self.local else self.chan.cpu_here()
-
-    def watch(self) -> Any:
-        from transport.cli.bench._util import CpuWatch
-
-        return CpuWatch(self.helper_cpu)
-
-
-@contextmanager
-def writer_session(args: argparse.Namespace, command: str, peers: list[str] | None,
-                   n_readers: int, reader_args: list[str] | None = None) -> Iterator[Session]:  # fmt: skip
-    """The writer's Transport, with its readers in the namespace: local child processes (no
-    --store) or the named peers of an existing store."""
-    import transport
-    from transport.cli.bench._control import Channel, LocalReaders, wait_for_readers
-    from transport.cli.bench._util import affinity, pin_to
-    from transport.cli.peers import client_url
-    from transport.store import store_from_url
-    from transport.store.tcp import TcpStore
-
-    local = None
-    alive: Callable[[], None] | None = None
-    if peers is None:
-        store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
-        names = [f"bench-reader-{i}" for i in range(n_readers)]
-        ncpu = len(affinity() or {0})
-        cpus = [(1 + i) % ncpu if args.pin else None for i in range(n_readers)]
-        local = LocalReaders([command, *(reader_args or [])], names, client_url(store.url),
-                             args.namespace, cpus)  # fmt: skip
-        alive = local.check
-    else:
-        store = store_from_url(client_url(args.store))
-        names = peers
-    saved = affinity()
-    t = None
-    ok = False
-    try:
-        if args.pin:
-            pin_to(0)  # the engine thread and NIXL's threads inherit it
-        t = transport.Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
-                                timeout=args.timeout)  # fmt: skip
-        wait_for_readers(t, names, args.wait, alive)
-        s = Session(t, Channel(t, timeout=args.timeout, alive=alive), names, local, saved,
-                    getattr(store, "url", ""))  # fmt: skip
-        yield s
-        ok = True
-    finally:
-        if t is not None:
-            for name in names:  # best effort: readers on other hosts exit now, not at their timeout
-                with contextlib.suppress(Exception):  # a reader that is gone needs no goodbye
-                    t.notify(name, _done(failed=not ok))
-            if ok and local is None:
-                for name in names:
-                    with contextlib.suppress(CliError):
-                        s.chan.recv(name, timeout=10)
-            t.close()
-        if local is not None:
-            if ok:
-                local.close()
-            else:
-                local.kill()
-        store.close()
-
-
-def _done(failed: bool) -> bytes:
-    from transport.cli.bench._control import encode
-
-    return encode("done", failed=failed)
-
-
-def run_reader(args: argparse.Namespace, make: Callable[[Any, set[int] | None], Any]) -> int:
-    import torch
-
-    import transport
-    from transport.cli.bench._control import linger, serve
-    from transport.cli.bench._util import affinity, pin_to
-
-    saved = affinity()
-    torch.set_num_threads(1)  # helper ops need no pool; its threads would compete with the writer
-    if args.cpu is not None:
-        pin_to(args.cpu)
-    with transport.Transport(args.name, store=args.store, namespace=args.namespace,
-                             timeout=args.timeout) as t:  # fmt: skip
-        reader = make(t, saved)
-        print(
-            f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of {args.store}; "
-            "waiting for a writer",
-            flush=True,
-        )
-        try:
-            writer, failed = serve(t, reader.handlers(), reader.progress, args.wait)
-        finally:
-            reader.close()
-        linger(t, writer)
-    if failed:
-        raise CliError(f"the writer {writer!r} failed; see its output")
-    return 0
-
-
 # -- bench put ----------------------------------------------------------------------------------
 
 
@@ -371,144 +250,13 @@ def run_put(args: argparse.Namespace) -> int:
 
         check_plot_support()
     if args.role == "reader":
+        from transport.cli.bench._session import run_reader
         from transport.cli.bench.put import PutReader
 
         return run_reader(args, PutReader)
-    return _put_writer(args, plan, peers)
+    from transport.cli.bench.put import run_writer
 
-
-def _put_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) -> int:
-    import torch
-
-    from transport.cli.bench import report
-    from transport.cli.bench._util import unpin
-    from transport.cli.bench.put import PutWriter, Results
-
-    t_start = time.perf_counter()
-    probe = report.start_ucx_probe()
-    torch.set_num_threads(
-        1
-    )  # memcpy: one thread, like CMA; no pool threads pinned with the main thread
-    res = Results()
-    shapes = plan.shapes()
-    nixl_units = len(plan.ops) * len(plan.ks) * len(shapes)
-    dist_units = 0
-    if "gloo" in plan.baselines:
-        dist_units += 2 * len(plan.ks) * len(shapes)
-    units = nixl_units + dist_units + (len(shapes) if "memcpy" in plan.baselines else 0) + 1
-    progress = report.Progress(units, report.progress_enabled(args.progress))
-    progress.step("starting readers")
-    try:
-        with writer_session(args, "put", peers, plan.readers) as s:
-            w = PutWriter(s.t, s.chan, s.readers, plan, progress, res)
-            w.setup()
-            watch = s.watch()
-            for op in plan.ops:
-                for k in plan.ks:
-                    for kind, n in shapes:
-                        progress.step(f"raw+ours {op} {plan.label(kind, n)} to {k}")
-                        w.measure(op, k, kind, n)
-            _phase(res, "raw+ours interleaved", watch)
-            unpin(s.saved_affinity)
-            if "gloo" in plan.baselines:
-                watch = s.watch()
-                w.dist_phase("gloo", lambda rank: 0)
-                _phase(res, "gloo", watch)
-            if "nccl" in plan.baselines:
-                why = _nccl_unavailable(w.ready, plan.readers + 1, s.local is not None)
-                if why:
-                    res.skipped["nccl"] = why
-                else:
-                    ndev = torch.cuda.device_count()
-                    w.dist_phase("nccl", (lambda r: r % ndev) if s.local else (lambda r: 0))
-            if "memcpy" in plan.baselines:
-                watch = s.watch()
-                w.memcpy_phase()
-                _phase(res, "memcpy", watch)
-            w.close()
-    finally:
-        progress.close()
-    total = time.perf_counter() - t_start
-    ucx = report.finish_ucx_probe(probe)
-    env = report.environment(ucx)
-    ratios = report.put_ratios(res.records)
-    out = sys.stdout
-    print(f"transport bench put: {', '.join(sorted({r['size'] for r in res.records if r['kind'] == 'single'}, key=lambda s: next(r['bytes'] for r in res.records if r['size'] == s)))}"
-          f"{'; batch ' + plan.label('batch', 0) if plan.batch else ''}; ops {'+'.join(plan.ops)}; "
-          f"receivers {','.join(map(str, plan.ks))}; {env['cpu']['count']} CPUs ({env['cpu']['model']}); "
-          f"{report.ucx_summary(ucx)}", file=out)  # fmt: skip
-    report.put_table(res.records, ratios, out)
-    res.notes.append(report.describe_code(env["code"]))
-    _print_notes(res, out)
-    print(f"total {total:.1f} s", file=out)
-    title = f"transport bench put: {env['cpu']['count']} CPUs, {report.ucx_summary(ucx)}"
-    _write_outputs(
-        args,
-        "put",
-        plan,
-        res,
-        ratios,
-        env,
-        total,
-        lambda path: report.plot_put(res.records, path, title),
-    )
-    bad = [r for r in res.records if not r["verified"]]
-    return 1 if bad else 0
-
-
-def _nccl_unavailable(ready: list[dict[str, Any]], world: int, local: bool) -> str | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA here (NCCL broadcast needs a GPU in every process)"
-    if any(not m.get("cuda") for m in ready):
-        return "a reader has no CUDA device"
-    if local and torch.cuda.device_count() < world:
-        return (
-            f"NCCL needs one GPU per process: {world} processes, {torch.cuda.device_count()} GPUs"
-        )
-    return None
-
-
-def _phase(res: Any, name: str, watch: Any) -> None:
-    other = watch.busy_cpus()
-    if other is None:
-        return
-    res.phases.append({"phase": name, "other_cpus": other})
-    if other > 0.15:
-        res.notes.append(
-            f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during {name}; "
-            "on a small machine that moves the ratios, rerun when it is quiet"
-        )
-
-
-def _print_notes(res: Any, out: Any) -> None:
-    if res.skipped:
-        print("\nskipped:", file=out)
-        for k, v in res.skipped.items():
-            print(f"  {k}: {v}", file=out)
-    if res.notes:
-        print("\nnotes:", file=out)
-        for n in res.notes:
-            print(f"  {n}", file=out)
-
-
-def _write_outputs(args: argparse.Namespace, command: str, plan: Any, res: Any, ratios: Any,
-                   env: dict[str, Any], total: float, plot: Callable[[str], None]) -> None:  # fmt: skip
-    from dataclasses import asdict
-
-    if args.json:
-        doc = {
-            "command": ["transport", *sys.argv[1:]],
-            "config": asdict(plan), "environment": env, "records": res.records, "ratios": ratios,
-            "skipped": res.skipped, "notes": res.notes, "phases": res.phases, "total_s": total,
-        }  # fmt: skip
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, args.json)
-    if args.plot:
-        plot(args.plot)
+    return run_writer(args, plan, peers)
 
 
 # -- bench sync ---------------------------------------------------------------------------------
@@ -524,5 +272,7 @@ def run_sync(args: argparse.Namespace) -> int:
 
         check_plot_support()
     if args.role == "reader":
+        from transport.cli.bench._session import run_reader
+
         return run_reader(args, lambda t, saved: sync.SyncReader(t, saved, plan))
     return sync.run_writer(args, plan, peers)

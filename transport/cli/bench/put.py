@@ -14,8 +14,10 @@ source filled with a fresh byte pattern, one transfer made and the pattern check
 
 from __future__ import annotations
 
+import argparse
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +27,16 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _raw
+from transport.cli.bench import _raw, report
 from transport.cli.bench._control import Channel, get_blob, put_blob
 from transport.cli.bench._dist import Group, close_group, open_group, reader_device
+from transport.cli.bench._session import (
+    nccl_unavailable,
+    note_phase,
+    print_notes,
+    write_outputs,
+    writer_session,
+)
 from transport.cli.bench._util import (
     MiB,
     batch_label,
@@ -494,3 +503,81 @@ class _DistRun:
     def verify(self, seed: int) -> bool:
         """One operation of the bytes the caller filled with ``seed``, checked by every receiver."""
         return all(m["ok"] for m in self._go(1, seed)[1])
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def run_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) -> int:
+    """``transport bench put`` as the writer: local readers, or the named peers of a store."""
+    t_start = time.perf_counter()
+    probe = report.start_ucx_probe()
+    # memcpy with one thread, like CMA; and no torch pool threads pinned along with the main thread
+    torch.set_num_threads(1)
+    res = Results()
+    shapes = plan.shapes()
+    nixl_units = len(plan.ops) * len(plan.ks) * len(shapes)
+    dist_units = 0
+    if "gloo" in plan.baselines:
+        dist_units += 2 * len(plan.ks) * len(shapes)
+    units = nixl_units + dist_units + (len(shapes) if "memcpy" in plan.baselines else 0) + 1
+    progress = report.Progress(units, report.progress_enabled(args.progress))
+    progress.step("starting readers")
+    try:
+        with writer_session(args, "put", peers, plan.readers) as s:
+            w = PutWriter(s.t, s.chan, s.readers, plan, progress, res)
+            try:
+                w.setup()
+                watch = s.watch()
+                for op in plan.ops:
+                    for k in plan.ks:
+                        for kind, n in shapes:
+                            progress.step(f"raw+ours {op} {plan.label(kind, n)} to {k}")
+                            w.measure(op, k, kind, n)
+                note_phase(res, "raw+ours interleaved", watch)
+                unpin(s.saved_affinity)
+                if "gloo" in plan.baselines:
+                    watch = s.watch()
+                    w.dist_phase("gloo", lambda rank: 0)
+                    note_phase(res, "gloo", watch)
+                if "nccl" in plan.baselines:
+                    why = nccl_unavailable(w.ready, plan.readers + 1, s.local is not None)
+                    if why:
+                        res.skipped["nccl"] = why
+                    else:
+                        ndev = torch.cuda.device_count()
+                        w.dist_phase("nccl", (lambda r: r % ndev) if s.local else (lambda r: 0))
+                if "memcpy" in plan.baselines:
+                    watch = s.watch()
+                    w.memcpy_phase()
+                    note_phase(res, "memcpy", watch)
+            finally:
+                w.close()
+    finally:
+        progress.close()
+    total = time.perf_counter() - t_start
+    ucx = report.finish_ucx_probe(probe)
+    env = report.environment(ucx)
+    ratios = report.put_ratios(res.records)
+    out = sys.stdout
+    print(f"transport bench put: {', '.join(sorted({r['size'] for r in res.records if r['kind'] == 'single'}, key=lambda s: next(r['bytes'] for r in res.records if r['size'] == s)))}"
+          f"{'; batch ' + plan.label('batch', 0) if plan.batch else ''}; ops {'+'.join(plan.ops)}; "
+          f"receivers {','.join(map(str, plan.ks))}; {env['cpu']['count']} CPUs ({env['cpu']['model']}); "
+          f"{report.ucx_summary(ucx)}", file=out)  # fmt: skip
+    report.put_table(res.records, ratios, out)
+    res.notes.append(report.describe_code(env["code"]))
+    print_notes(res, out)
+    print(f"total {total:.1f} s", file=out)
+    title = f"transport bench put: {env['cpu']['count']} CPUs, {report.ucx_summary(ucx)}"
+    write_outputs(
+        args,
+        "put",
+        plan,
+        res,
+        ratios,
+        env,
+        total,
+        lambda path: report.plot_put(res.records, path, title),
+    )
+    bad = [r for r in res.records if not r["verified"]]
+    return 1 if bad else 0

@@ -19,7 +19,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,13 @@ from transport.cli import CliError
 from transport.cli.bench import _raw, report
 from transport.cli.bench._control import Channel, get_blob, put_blob
 from transport.cli.bench._dist import Group, as_bytes, close_group, open_group, reader_device
+from transport.cli.bench._session import (
+    nccl_unavailable,
+    note_phase,
+    print_notes,
+    write_outputs,
+    writer_session,
+)
 from transport.cli.bench._util import (
     check_pattern,
     fill_pattern,
@@ -485,13 +492,6 @@ def print_table(
 
 
 def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None) -> int:
-    from transport.cli.bench import (
-        _nccl_unavailable,
-        _phase,
-        _print_notes,
-        _write_outputs,
-        writer_session,
-    )
     from transport.cli.bench.put import Results
 
     t_start = time.perf_counter()
@@ -511,16 +511,16 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
                 )
                 watch = s.watch()
                 w.measure()
-                _phase(res, "ours + raw", watch)
+                note_phase(res, "ours + raw", watch)
                 unpin(s.saved_affinity)
                 if "gloo" in plan.baselines:
                     progress.step("gloo broadcast")
                     watch = s.watch()
                     w.dist_phase("gloo", lambda rank: 0)
-                    _phase(res, "gloo", watch)
+                    note_phase(res, "gloo", watch)
                 if "nccl" in plan.baselines:
                     progress.step("nccl broadcast")
-                    why = _nccl_unavailable(w.ready, plan.generators + 1, s.local is not None)
+                    why = nccl_unavailable(w.ready, plan.generators + 1, s.local is not None)
                     if why:
                         res.skipped["nccl"] = why
                     else:
@@ -544,11 +544,11 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
     )
     print_table(plan, res.records, rs, out)
     res.notes.append(report.describe_code(env["code"]))
-    _print_notes(res, out)
+    print_notes(res, out)
     print(f"total {total:.1f} s", file=out)
     title = (f"transport bench sync: {human_bytes(plan.nbytes)} in "
              f"{plan.tensors} tensors to {plan.generators} generators ({plan.mode})")  # fmt: skip
-    _write_outputs(
+    write_outputs(
         args,
         "sync",
         plan,
@@ -558,5 +558,4 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
         total,
         lambda path: report.plot_sync(res.records, path, title),
     )
-    _ = asdict  # the plan is written by _write_outputs
     return 0 if all(r["verified"] for r in res.records) else 1
