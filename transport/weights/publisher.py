@@ -180,10 +180,11 @@ class WeightPublisher:
     def _plan(self, name: str, entry: dict) -> _Sub:
         sub = _Sub(name, entry["gen"], entry["mode"], entry["slots"])
         try:
-            conn = self.transport._connect_locked(name)
-            if conn.generation < entry["gen"]:  # still connected to an older incarnation
-                with self.transport._lock:
-                    conn = self.transport._connect(name, refresh=True)
+            # Read its record afresh: a connection made before it subscribed lacks the group's
+            # regions, and one to an older incarnation is stale.
+            with self.transport._lock:
+                self.transport._check_open()
+                conn = self.transport._connect(name, refresh=True)
         except TransportError as e:
             sub.error = f"cannot connect: {e}"
             return sub
