@@ -67,3 +67,23 @@ def test_pull_without_updating_brackets_or_versions_times_out(tcp_store, trainer
         assert sub.pull("trainer", timeout=5) == 1
         sub.close()
     pub.close()
+
+
+def test_publisher_that_knew_the_peer_before_it_subscribed_still_serves_it(tcp_store, trainer):
+    """The trainer's Transport talked to the generator before the generator subscribed: the
+    publisher must read the generator's record afresh, not plan against the cached one."""
+    with transport.Transport("gen-0", store=tcp_store) as gen:
+        hello = torch.zeros(4)
+        gen.expose("hello", hello)
+        trainer.wait_for_peer("gen-0", 10, regions=["hello"])
+        trainer.put(torch.ones(4), "gen-0", "hello").wait(10)  # connected and cached
+        assert torch.equal(hello, torch.ones(4))
+        live = {"w": torch.zeros(128)}
+        sub = transport.WeightSubscriber(gen, live, mode="inplace")
+        weights = {"w": torch.full((128,), 3.0)}
+        pub = transport.WeightPublisher(trainer, weights)
+        result = pub.publish(1, timeout=10).wait(20)
+        assert result.done == ["gen-0"], result.reasons
+        assert sub.wait_for_version(1, 10) == 1 and torch.equal(live["w"], weights["w"])
+        sub.close()
+        pub.close()
