@@ -8,12 +8,12 @@ call has a deadline; nothing here sleeps.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
-import signal
 from typing import Any
 
 import torch
+
+from helpers.child import ChildError, ChildProcess, serve
 
 Regions = dict[str, tuple[str, int, str]]  # name -> (dtype, numel, access)
 
@@ -56,85 +56,34 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         "sha": lambda r: sha(bufs[r]),
         "shas": lambda names: {r: sha(bufs[r]) for r in names},
         "sha_range": lambda r, start, n: sha(bufs[r].view(torch.uint8)[start : start + n]),
-        "read": lambda r, start, n: bytes(bufs[r].view(torch.uint8)[start : start + n].numpy().tobytes()),
-        "fill": lambda r, seed: (bufs[r].view(torch.uint8).copy_(pattern(bufs[r].nbytes, seed)), sha(bufs[r]))[1],
+        "read": lambda r, start, n: bytes(
+            bufs[r].view(torch.uint8)[start : start + n].numpy().tobytes()
+        ),
+        "fill": lambda r, seed: (
+            bufs[r].view(torch.uint8).copy_(pattern(bufs[r].nbytes, seed)),
+            sha(bufs[r]),
+        )[1],
         "zero": lambda r: bufs[r].zero_() is not None,
         "notif_then_sha": notif_then_sha,
         "notifications": lambda timeout: [(n.peer, n.payload) for n in t.notifications(timeout)],
         "put_pattern": put_pattern,
         "wait_for_peer": lambda peer, timeout: t.wait_for_peer(peer, timeout).generation,
     }
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        if cmd == "exit":
-            t.close()
-            conn.send(("ok", None))
-            break
-        try:
-            conn.send(("ok", handlers[cmd](*args)))
-        except BaseException as e:
-            conn.send(("err", f"{type(e).__name__}: {e}"))
+    serve(conn, handlers, t.close)
 
 
-class PeerError(RuntimeError):
-    pass
+PeerError = ChildError
 
 
-class Peer:
+class Peer(ChildProcess):
     """A child process running ``Transport(name, store=store_url, **kwargs)`` with ``regions``."""
 
-    def __init__(self, name: str, store_url: str, regions: Regions | None = None, start_timeout: float = 60, **kwargs: Any):
-        self.name = name
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-        self.proc = ctx.Process(target=_child, args=(child_conn, name, store_url, regions or {}, kwargs), daemon=True)
-        self.proc.start()
-        if env_backup is None:
-            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
-        child_conn.close()
-        self.generation, self.pid = self._reply(start_timeout, "start")
-
-    def _reply(self, timeout: float, what: str) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer {self.name!r} did not answer {what!r} within {timeout} s")
-        try:
-            status, value = self._conn.recv()
-        except EOFError:
-            raise PeerError(f"peer {self.name!r} died (exit code {self.proc.exitcode})") from None
-        if status != "ok":
-            raise PeerError(f"peer {self.name!r}: {value}")
-        return value
-
-    def call(self, cmd: str, *args: Any, timeout: float = 60) -> Any:
-        self._conn.send((cmd, args))
-        return self._reply(timeout, cmd)
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """kill -9, and reap the process."""
-        if self.proc.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("exit", timeout=10)
-            except (PeerError, TimeoutError, OSError, EOFError):
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.kill()
-
-    def __enter__(self) -> Peer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        regions: Regions | None = None,
+        start_timeout: float = 60,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name, _child, (store_url, regions or {}, kwargs), start_timeout)
