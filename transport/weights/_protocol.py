@@ -23,12 +23,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
+import torch
 
 from transport.errors import WireFormatError
+from transport.memory import check_tensor
 from transport.store.base import Store
 
 log = logging.getLogger("transport.weights")
@@ -39,6 +41,15 @@ MODES = ("staging", "inplace")
 #: sequence word "<group>@pub/__seq" = [seq (odd while the trainer changes the tensors), version]
 PUB_SLOT = "pub"
 SEQ_NAME = "__seq"
+
+
+def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
+    """The tensors of a publisher or subscriber, checked before anything is registered."""
+    if not named:
+        raise ValueError(f"a {role} needs at least one tensor")
+    for name, t in named.items():
+        check_tensor(t, f"tensor {name!r}")
+    return dict(named)
 
 
 def channel(group: str) -> str:

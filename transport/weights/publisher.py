@@ -20,13 +20,14 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.handle import Handle
-from transport.memory import check_tensor, dtype_name
+from transport.memory import dtype_name
 from transport.weights._protocol import (
     PUB_SLOT,
     SEQ_NAME,
     GroupDirectory,
     Worker,
     channel,
+    check_named_tensors,
     decode,
     encode,
     region,
@@ -126,13 +127,10 @@ class WeightPublisher:
     def __init__(
         self, transport: Transport, named_tensors: Mapping[str, torch.Tensor], group: str = "policy"
     ) -> None:
-        if not named_tensors:
-            raise ValueError("a publisher needs at least one tensor")
-        for name, t in named_tensors.items():
-            check_tensor(t, f"tensor {name!r}")
+        tensors = check_named_tensors(named_tensors, "publisher")
         self.transport = transport
         self.group = group
-        self.tensors = dict(named_tensors)
+        self.tensors = tensors
         # Late joiners read the newest version straight from here (see updating() and
         # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word
         # [seq, version] that is odd while the trainer changes them.

@@ -12,7 +12,6 @@ import torch
 
 from transport._transport import Transport
 from transport.errors import ClosedError, TransferTimeout, TransportError, WireFormatError
-from transport.memory import check_tensor
 from transport.weights._protocol import (
     MODES,
     PUB_SLOT,
@@ -20,6 +19,7 @@ from transport.weights._protocol import (
     GroupDirectory,
     Worker,
     channel,
+    check_named_tensors,
     decode,
     encode,
     region,
@@ -54,15 +54,12 @@ class WeightSubscriber:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not named_tensors:
-            raise ValueError("a subscriber needs at least one tensor")
-        for name, t in named_tensors.items():
-            check_tensor(t, f"tensor {name!r}")
+        live = check_named_tensors(named_tensors, "subscriber")
         self.transport = transport
         self.group = group
         self.mode = mode
         self.on_update = on_update
-        self.live = dict(named_tensors)
+        self.live = live
         self.slots = 2 if mode == "staging" else 1
         if mode == "staging":
             self.staging = [

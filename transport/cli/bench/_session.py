@@ -177,3 +177,68 @@ def write_outputs(args: argparse.Namespace, command: str, plan: Any, res: Any, r
         os.replace(tmp, args.json)
     if args.plot:
         plot(args.plot)
+
+
+class ReaderBase:
+    """What every bench reader does alike: a raw NIXL agent beside our Transport (its progress,
+    its metadata through the store), and a torch.distributed group for the baselines."""
+
+    def __init__(self, t: Any, saved_affinity: set[int] | None) -> None:
+        self.t, self.saved_affinity = t, saved_affinity
+        self.agent: Any = None
+        self.group: Any = None
+
+    def progress(self) -> None:
+        if self.agent is not None:
+            self.agent.get_new_notifs()
+
+    def setup_raw(self, tensors: list[Any], blob: dict[str, Any]) -> None:
+        """Register ``tensors`` with a raw NIXL agent and publish its metadata plus ``blob``."""
+        import transport.cli.bench._raw as _raw
+        from transport.cli.bench._control import put_blob
+
+        self.agent = _raw.new_agent(f"raw-{self.t.name}")
+        self.agent.register_memory(tensors)
+        put_blob(
+            self.t.store,
+            self.t.namespace,
+            self.t.name,
+            "raw",
+            {"md": self.agent.get_agent_metadata(), **blob},
+        )
+
+    def ready(self) -> dict[str, Any]:
+        import socket
+
+        import torch
+
+        return {"k": "ready", "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                "host": socket.gethostname()}  # fmt: skip
+
+    def raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
+        from transport.cli.bench._control import get_blob
+
+        self.agent.add_remote_agent(
+            get_blob(self.t.store, self.t.namespace, m["writer"], "raw", 60)["md"]
+        )
+        return {}
+
+    def open_group(self, m: dict[str, Any]) -> str:
+        """Join the writer's torch.distributed group; returns the device its tensors live on."""
+        from transport.cli.bench._dist import Group, reader_device
+        from transport.cli.bench._util import unpin
+
+        unpin(self.saved_affinity)  # gloo's threads: placed by the scheduler, as users run it
+        device = reader_device(m["backend"], m["device"])
+        self.group = Group(
+            m["backend"], m["addr"], m["port"], m["rank"], m["world"], m["ks"], device
+        )
+        return device
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self) -> None:
+        self.close_group()

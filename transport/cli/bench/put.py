@@ -15,7 +15,6 @@ source filled with a fresh byte pattern, one transfer made and the pattern check
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -29,8 +28,9 @@ import transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, report
 from transport.cli.bench._control import Channel, get_blob, put_blob
-from transport.cli.bench._dist import Group, close_group, open_group, reader_device
+from transport.cli.bench._dist import Group, close_group, open_group
 from transport.cli.bench._session import (
+    ReaderBase,
     nccl_unavailable,
     note_phase,
     print_notes,
@@ -107,15 +107,13 @@ def record(system: str, family: str, op: str, k: int, kind: str, label: str, n: 
 # -- the reader ---------------------------------------------------------------------------------
 
 
-class PutReader:
+class PutReader(ReaderBase):
     """Exposes ``buf`` (and ``b0``..: the batch) and serves the writer's commands."""
 
     def __init__(self, t: transport.Transport, saved_affinity: set[int] | None) -> None:
-        self.t, self.saved_affinity = t, saved_affinity
-        self.agent: Any = None
+        super().__init__(t, saved_affinity)
         self.buf = torch.zeros(0, dtype=torch.uint8)
         self.batch: list[torch.Tensor] = []
-        self.group: Group | None = None
         self.dbuf: torch.Tensor | None = None
         self.dbatch: list[torch.Tensor] = []
 
@@ -126,29 +124,15 @@ class PutReader:
             "dist-end": self.dist_end,
         }  # fmt: skip
 
-    def progress(self) -> None:
-        if self.agent is not None:
-            self.agent.get_new_notifs()
-
     def setup(self, m: dict[str, Any]) -> dict[str, Any]:
         self.buf = torch.ones(m["max"], dtype=torch.uint8)  # touched: no page faults while timed
         count, size = m["batch"] or (0, 0)
         self.batch = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
         self.t.expose_all({"buf": self.buf, **{f"b{j}": b for j, b in enumerate(self.batch)}})
         if m["raw"]:
-            self.agent = _raw.new_agent(f"raw-{self.t.name}")
-            self.agent.register_memory([self.buf, *self.batch])
-            put_blob(self.t.store, self.t.namespace, self.t.name, "raw", {
-                "md": self.agent.get_agent_metadata(), "buf": self.buf.data_ptr(),
-                "batch": [b.data_ptr() for b in self.batch],
-            })  # fmt: skip
-        return {"k": "ready", "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                "host": socket.gethostname()}  # fmt: skip
-
-    def raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
-        blob = get_blob(self.t.store, self.t.namespace, m["writer"], "raw", 60)
-        self.agent.add_remote_agent(blob["md"])
-        return {}
+            self.setup_raw([self.buf, *self.batch],
+                           {"buf": self.buf.data_ptr(), "batch": [b.data_ptr() for b in self.batch]})  # fmt: skip
+        return self.ready()
 
     def _targets(self, kind: str, n: int, dist: bool = False) -> list[torch.Tensor]:
         if dist and self.dbuf is not None:
@@ -170,11 +154,7 @@ class PutReader:
         return {"ok": all(check_pattern(x, m["seed"] + j) for j, x in enumerate(xs))}
 
     def dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
-        unpin(self.saved_affinity)  # gloo's threads: placed by the scheduler, as users run it
-        device = reader_device(m["backend"], m["device"])
-        self.group = Group(
-            m["backend"], m["addr"], m["port"], m["rank"], m["world"], m["ks"], device
-        )
+        device = self.open_group(m)
         if device != "cpu":
             self.dbuf = torch.zeros(m["max"], dtype=torch.uint8, device=device)
             self.dbatch = [torch.zeros_like(b, device=device) for b in self.batch]
@@ -193,14 +173,9 @@ class PutReader:
         return {}
 
     def dist_end(self, m: dict[str, Any]) -> dict[str, Any]:
-        if self.group is not None:
-            self.group.close()
-            self.group, self.dbuf, self.dbatch = None, None, []
+        self.close_group()
+        self.dbuf, self.dbatch = None, []
         return {}
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
 
 
 # -- the writer ---------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ each generator checks every tensor it holds (ours: after ``apply()``).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -28,8 +27,9 @@ import transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, report
 from transport.cli.bench._control import Channel, get_blob, put_blob
-from transport.cli.bench._dist import Group, as_bytes, close_group, open_group, reader_device
+from transport.cli.bench._dist import as_bytes, close_group, open_group
 from transport.cli.bench._session import (
+    ReaderBase,
     nccl_unavailable,
     note_phase,
     print_notes,
@@ -152,22 +152,20 @@ def reader_args(plan: SyncPlan) -> list[str]:
 # -- the generator (reader) ---------------------------------------------------------------------
 
 
-class SyncReader:
+class SyncReader(ReaderBase):
     """A generator: subscribes at once (the trainer's first contact must find its regions), with
     the layout of its own command line, which must match the trainer's."""
 
     def __init__(
         self, t: transport.Transport, saved_affinity: set[int] | None, plan: SyncPlan
     ) -> None:
-        self.t, self.saved_affinity = t, saved_affinity
-        self.agent: Any = None
+        super().__init__(t, saved_affinity)
         self.live = make_tensors(plan.layout)
         self.sub = transport.WeightSubscriber(self.t, self.live, group=GROUP, mode=plan.mode)
         if plan.mode == "staging":
             for slot in self.sub.staging:  # touch them now, not inside a timed step
                 for x in slot.values():
                     zero_bytes(x)
-        self.group: Group | None = None
         self.dlive: list[torch.Tensor] = []
 
     def handlers(self) -> dict[str, Any]:
@@ -177,26 +175,12 @@ class SyncReader:
             "dist-end": self.dist_end,
         }  # fmt: skip
 
-    def progress(self) -> None:
-        if self.agent is not None:
-            self.agent.get_new_notifs()
-
     def setup(self, m: dict[str, Any]) -> dict[str, Any]:
         if m["raw"]:
-            self.agent = _raw.new_agent(f"raw-{self.t.name}")
-            self.agent.register_memory(list(self.live.values()))
-            put_blob(self.t.store, self.t.namespace, self.t.name, "raw", {
-                "md": self.agent.get_agent_metadata(),
-                "addrs": [x.data_ptr() for x in self.live.values()],
-            })  # fmt: skip
-        return {"k": "ready", "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                "host": socket.gethostname()}  # fmt: skip
-
-    def raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
-        self.agent.add_remote_agent(
-            get_blob(self.t.store, self.t.namespace, m["writer"], "raw", 60)["md"]
-        )
-        return {}
+            self.setup_raw(
+                list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
+            )
+        return self.ready()
 
     def _check(self, tensors: list[torch.Tensor], seed: int) -> bool:
         return all(check_pattern(x, seed + j) for j, x in enumerate(tensors))
@@ -222,11 +206,7 @@ class SyncReader:
         return {"ok": ok, "apply_s": dt if self.sub.mode == "staging" else None}
 
     def dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
-        unpin(self.saved_affinity)
-        device = reader_device(m["backend"], m["device"])
-        self.group = Group(
-            m["backend"], m["addr"], m["port"], m["rank"], m["world"], m["ks"], device
-        )
+        device = self.open_group(m)
         if device == "cpu":
             self.dlive = [as_bytes(x) for x in self.live.values()]
         else:
@@ -240,15 +220,13 @@ class SyncReader:
         return {}
 
     def dist_end(self, m: dict[str, Any]) -> dict[str, Any]:
-        if self.group is not None:
-            self.group.close()
-        self.group, self.dlive = None, []
+        self.close_group()
+        self.dlive = []
         return {}
 
     def close(self) -> None:
         self.sub.close()
-        if self.group is not None:
-            self.group.close()
+        super().close()
 
 
 # -- the trainer (writer) -----------------------------------------------------------------------
