@@ -54,6 +54,7 @@ class _Watch:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.messages: list[tuple[str, int | None, int | None]] = []  # (kind, version, slot)
+        self.senders: list[str] = []  # who sent each message
         self.updates: list[int] = []
         self.violations: list[str] = []
         self.snapshots = 0  # taken so far by the running snapshot loop
@@ -76,6 +77,7 @@ def _sub_child(
     spec: Spec,
     group: str,
     mode: str,
+    relay: bool,
     kwargs: dict[str, Any],
 ) -> None:
     import transport
@@ -85,7 +87,7 @@ def _sub_child(
     try:
         t = transport.Transport(name, store=store, **kwargs)
         sub = transport.WeightSubscriber(
-            t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update
+            t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update, relay=relay
         )
         original = t._control_handlers[channel(group)]
 
@@ -97,16 +99,19 @@ def _sub_child(
             if m is not None and m["k"] == "begin" and mode == "staging":
                 with sub._lock:
                     newest, held = sub._newest_slot, sub._held
-                if m["s"] in (newest, held):
+                    forwarding = sorted(k for k, n in sub._forwarding.items() if n)
+                if m["s"] in (newest, held) or m["s"] in forwarding:
                     with watch.cond:
                         watch.violations.append(
-                            f"begin of version {m['v']} in slot {m['s']} while the newest complete "
-                            f"version is in slot {newest} and apply() holds slot {held}"
+                            f"begin of version {m['v']} in slot {m['s']} from {peer} while the "
+                            f"newest complete version is in slot {newest}, apply() holds slot "
+                            f"{held} and forwards read slots {forwarding}"
                         )
             original(peer, payload)
             if m is not None:
                 with watch.cond:
                     watch.messages.append((m["k"], m.get("v"), m.get("s")))
+                    watch.senders.append(peer)
                     watch.cond.notify_all()
 
         t._on_control(channel(group), spy)
@@ -234,6 +239,9 @@ def _sub_child(
         "wait_message": wait_message,
         "wait_updates": wait_updates,
         "violations": lambda: list(watch.violations),
+        "writers": lambda kind: sorted(
+            {p for (k, _, _), p in zip(watch.messages, watch.senders, strict=True) if k == kind}
+        ),
         "snapshot_start": snapshot_start,
         "wait_snapshots": wait_snapshots,
         "snapshot_result": snapshot_result,
@@ -243,14 +251,20 @@ def _sub_child(
 
 
 def _pub_child(
-    conn: Any, name: str, store: str, spec: Spec, group: str, kwargs: dict[str, Any]
+    conn: Any,
+    name: str,
+    store: str,
+    spec: Spec,
+    group: str,
+    pub_kwargs: dict[str, Any],
+    kwargs: dict[str, Any],
 ) -> None:
     import transport
 
     try:
         t = transport.Transport(name, store=store, **kwargs)
         tensors = make_tensors(spec)
-        pub = transport.WeightPublisher(t, tensors, group=group)
+        pub = transport.WeightPublisher(t, tensors, group=group, **pub_kwargs)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -286,7 +300,8 @@ class SubscriberProcess(ChildProcess):
     ``group`` over zero-filled tensors of ``spec``. Commands: ``state`` (version, applied,
     incomplete), ``wait_for_version``, ``apply``, ``live`` and ``staging`` (extremes of every
     tensor), ``wait_message`` (a control message of a kind and version arrived), ``wait_updates``,
-    ``violations`` (of the staging rule), ``snapshot_start`` / ``wait_snapshots`` /
+    ``violations`` (of the staging rule), ``writers(kind)`` (who sent messages of a kind),
+    ``snapshot_start`` / ``wait_snapshots`` /
     ``snapshot_result`` (a loop of apply() and checks on a thread of the child), ``close``
     (leave the group, keep the Transport)."""
 
@@ -299,10 +314,11 @@ class SubscriberProcess(ChildProcess):
         mode: str = "staging",
         start_timeout: float = 60,
         wait: bool = True,
+        relay: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            name, _sub_child, (store_url, spec, group, mode, kwargs), start_timeout, wait
+            name, _sub_child, (store_url, spec, group, mode, relay, kwargs), start_timeout, wait
         )
 
     def live_values(self) -> dict[str, tuple[float, float]]:
@@ -323,9 +339,16 @@ class PublisherProcess(ChildProcess):
         group: str = "policy",
         start_timeout: float = 60,
         wait: bool = True,
+        fanout: str = "direct",
         **kwargs: Any,
     ) -> None:
-        super().__init__(name, _pub_child, (store_url, spec, group, kwargs), start_timeout, wait)
+        super().__init__(
+            name,
+            _pub_child,
+            (store_url, spec, group, {"fanout": fanout}, kwargs),
+            start_timeout,
+            wait,
+        )
 
 
 WsPeerError = ChildError  # the name the weight tests use

@@ -4,7 +4,7 @@ Store keys, under ``transport/<namespace>/groups/<group>/``:
 
 * ``epoch``: bumped by every join and leave, so a publisher notices changes with one read
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: every name that ever joined
-* ``sub/<name>``: the subscriber's entry (generation, mode, slots) while it is in the group
+* ``sub/<name>``: the subscriber's entry (generation, mode, slots, relay) while it is in the group
 
 Control messages travel as notifications on channel ``ws/<group>`` (msgpack maps):
 
@@ -14,8 +14,19 @@ Control messages travel as notifications on channel ``ws/<group>`` (msgpack maps
   every tensor of version N has landed in ``slot``
 * subscriber -> publisher ``{"k": "credit", "s": [slots], "v": newest}``: the slots it may write now
 
+Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
+
+* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot], ...]}``: once version N
+  is complete here, write it into each child's slot (within ``t`` milliseconds), as the publisher
+  would: ``begin``, then the data with ``ver`` as its notification
+* relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}``: what became of
+  one forward: outcome ``""`` (landed), ``"lost"`` (the child went away) or ``"fail"``
+
 A staging subscriber has two slots. It never credits the slot that holds its newest complete
-version, nor the slot an ``apply()`` is copying from, so the publisher never writes what is read.
+version, nor the slot an ``apply()`` is copying from, nor a slot it is forwarding from, so nobody
+writes what is read. The publisher alone hands out the slots of every subscriber (children credit
+the publisher, whoever writes them), and it gives a slot written by a relay back only when that
+relay has reported on it or is gone, so two writers never share a slot.
 """
 
 from __future__ import annotations
@@ -65,34 +76,66 @@ def encode(kind: str, **fields: Any) -> bytes:
     return out
 
 
-_FIELDS = {"hello": set(), "begin": {"v", "s"}, "ver": {"v", "s"}, "credit": {"s", "v"}}
+_FIELDS = {
+    "hello": set(),
+    "begin": {"v", "s"},
+    "ver": {"v", "s"},
+    "credit": {"s", "v"},
+    "fwd": {"v", "t", "to"},
+    "fwdr": {"v", "c", "x", "e"},
+}
+#: the most children one relay serves (the publisher's ``degree``)
+MAX_DEGREE = 16
+_NAME = 256  # peer names are shorter (wire.check_name)
 
 
 def decode(payload: bytes) -> dict[str, Any]:
     try:
         m = msgpack.unpackb(
-            payload, raw=False, max_str_len=64, max_bin_len=64, max_array_len=16, max_map_len=8
+            payload,
+            raw=False,
+            max_str_len=1024,
+            max_bin_len=64,
+            max_array_len=MAX_DEGREE * 2,
+            max_map_len=8,
         )
     except Exception as e:
         raise WireFormatError(f"weight-sync message is not valid msgpack: {e}") from e
     if not isinstance(m, dict) or m.get("k") not in _FIELDS or set(m) != _FIELDS[m["k"]] | {"k"}:
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
-    for key in ("v", "s"):
-        v = m.get(key)
-        if (
-            key in m
-            and m["k"] != "credit"
-            and (not isinstance(v, int) or isinstance(v, bool) or v < 0)
-        ):
+    kind = m["k"]
+    for key in ("v", "s", "t"):
+        if key in m and kind != "credit" and not _count(m[key]):
             raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
-    if m["k"] == "credit":
-        if not isinstance(m["s"], list) or not all(
-            isinstance(x, int) and 0 <= x < 8 for x in m["s"]
-        ):
+    if kind == "credit":
+        if not isinstance(m["s"], list) or not all(_count(x) and x < 8 for x in m["s"]):
             raise WireFormatError("credit slots must be a list of small ints")
         if not isinstance(m["v"], int) or isinstance(m["v"], bool):
             raise WireFormatError("credit version must be an int")
+    elif kind == "fwd":
+        to = m["to"]
+        if (
+            not isinstance(to, list)
+            or not 0 < len(to) <= MAX_DEGREE
+            or not all(
+                isinstance(x, list) and len(x) == 2 and _name(x[0]) and _count(x[1]) and x[1] < 8
+                for x in to
+            )
+        ):
+            raise WireFormatError("fwd targets must be a list of [child, slot]")
+    elif kind == "fwdr" and (
+        not _name(m["c"]) or m["x"] not in ("", "lost", "fail") or not isinstance(m["e"], str)
+    ):
+        raise WireFormatError("malformed relay report")
     return m
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _name(x: Any) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= _NAME
 
 
 class GroupDirectory:
@@ -105,8 +148,10 @@ class GroupDirectory:
     def epoch(self) -> int:
         return self.store.add(self.prefix + "epoch", 0)
 
-    def join(self, name: str, generation: int, mode: str, slots: int) -> None:
-        entry = msgpack.packb({"v": 1, "gen": generation, "mode": mode, "slots": slots})
+    def join(self, name: str, generation: int, mode: str, slots: int, relay: bool) -> None:
+        entry = msgpack.packb(
+            {"v": 1, "gen": generation, "mode": mode, "slots": slots, "relay": relay}
+        )
         self.store.set(self.prefix + f"sub/{name}", entry)
         if self.store.try_get(self.prefix + f"members/by-name/{name}") is None:
             idx = self.store.add(self.prefix + "members/count", 1)
@@ -130,8 +175,9 @@ class GroupDirectory:
             raise WireFormatError(f"group entry of {name!r} is not valid msgpack: {e}") from e
         if (
             not isinstance(m, dict)
-            or set(m) != {"v", "gen", "mode", "slots"}
+            or set(m) != {"v", "gen", "mode", "slots", "relay"}
             or m["v"] != 1
+            or not isinstance(m["relay"], bool)
             or m["mode"] not in MODES
             or m["slots"] not in (1, 2)
             or not isinstance(m["gen"], int)

@@ -22,6 +22,7 @@ from transport.errors import (
 from transport.handle import Handle
 from transport.memory import dtype_name
 from transport.weights._protocol import (
+    MAX_DEGREE,
     PUB_SLOT,
     SEQ_NAME,
     GroupDirectory,
@@ -46,6 +47,8 @@ class PublishResult:
     version: int
     status: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
+    #: subscribers a relay was asked to serve -> that relay (the others were written directly)
+    via: dict[str, str] = field(default_factory=dict)
 
     def with_status(self, s: str) -> list[str]:
         return sorted(n for n, v in self.status.items() if v == s)
@@ -103,15 +106,34 @@ class PublishHandle:
 class _Sub:
     """The publisher's view of one subscriber incarnation."""
 
-    def __init__(self, name: str, generation: int, mode: str, slots: int) -> None:
+    def __init__(self, name: str, generation: int, mode: str, slots: int, relay: bool) -> None:
         self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
+        self.can_relay = relay and mode == "staging"
+        self.names: frozenset[str] = frozenset()
         self.batches: list[dict[str, torch.Tensor]] = []
         self.error = ""
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
         self.busy: int | None = None  # slot being written
         self.writing = -1  # the version being written into it
-        self.waiting: tuple[int, PublishHandle] | None = None  # a version waiting for a credit
+        # a version waiting for a credit, and the relay to write it (None: the publisher)
+        self.waiting: tuple[int, PublishHandle, str | None] | None = None
+        self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
+        self.relay_handle: PublishHandle | None = None
+
+
+FANOUTS = ("direct", "chain", "tree")
+
+
+def check_fanout(fanout: object, degree: object) -> tuple[str, int]:
+    if fanout not in FANOUTS:
+        raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
+    if not isinstance(degree, int) or isinstance(degree, bool) or not 1 <= degree <= MAX_DEGREE:
+        raise ValueError(
+            f"degree (subscribers each writer serves in a tree) must be an int from 1 to "
+            f"{MAX_DEGREE}, got {degree!r}"
+        )
+    return str(fanout), degree
 
 
 class WeightPublisher:
@@ -122,11 +144,26 @@ class WeightPublisher:
     subset of the names) and prepares one batched transfer per staging slot, which every publish
     replays. :meth:`publish` sends to all subscribers at once and returns a :class:`PublishHandle`
     whose result tells, per subscriber, done, excluded or lost.
+
+    ``fanout`` chooses who writes each subscriber: ``"direct"`` (the publisher writes every one),
+    ``"chain"`` (the publisher writes the first, each subscriber forwards to the next) or
+    ``"tree"`` (the publisher writes ``degree`` subscribers, each of them forwards to ``degree``
+    more, and so on). Relays forward a version once all of it has landed with them, from their
+    staging slot (only staging subscribers that allow it relay; a subscriber is placed under a
+    relay only if the relay holds every tensor it takes). The trainer then sends each version
+    ``degree`` times (chain: once) instead of once per subscriber. It can be changed between
+    publishes (:attr:`fanout`, :attr:`degree`).
     """
 
     def __init__(
-        self, transport: Transport, named_tensors: Mapping[str, torch.Tensor], group: str = "policy"
+        self,
+        transport: Transport,
+        named_tensors: Mapping[str, torch.Tensor],
+        group: str = "policy",
+        fanout: str = "direct",
+        degree: int = 2,
     ) -> None:
+        self.fanout, self.degree = check_fanout(fanout, degree)
         tensors = check_named_tensors(named_tensors, "publisher")
         self.transport = transport
         self.group = group
@@ -169,6 +206,8 @@ class WeightPublisher:
                 for name in set(self._subs) - seen:
                     log.info("subscriber %s left group %s", name, self.group)
                     del self._subs[name]
+                    # A relay leaves only after its forwards ended (WeightSubscriber.close).
+                    self._release_children(name, "it left the group")
             return {n: s.error for n, s in self._subs.items() if s.error}
 
     def subscribers(self) -> list[str]:
@@ -176,7 +215,7 @@ class WeightPublisher:
             return sorted(self._subs)
 
     def _plan(self, name: str, entry: dict) -> _Sub:
-        sub = _Sub(name, entry["gen"], entry["mode"], entry["slots"])
+        sub = _Sub(name, entry["gen"], entry["mode"], entry["slots"], entry["relay"])
         try:
             # Read its record afresh: a connection made before it subscribed lacks the group's
             # regions, and one to an older incarnation is stale.
@@ -215,6 +254,7 @@ class WeightPublisher:
             )
             log.error("group %s: %s", self.group, sub.error)
             return sub
+        sub.names = frozenset(names)
         sub.batches = [
             {region(self.group, k, n): self.tensors[n] for n in names} for k in range(sub.slots)
         ]
@@ -260,30 +300,76 @@ class WeightPublisher:
             subs = list(self._subs.values())
             handle = PublishHandle(version, [s.name for s in subs], time.monotonic() + timeout)
             self._handles.append(handle)
+            direct = []
             for sub in subs:
                 if sub.error:
                     handle._settle(sub.name, EXCLUDED, sub.error)
                     continue
                 if sub.waiting is not None:  # a newer version supersedes the one that waited
-                    old_version, old = sub.waiting
+                    old = sub.waiting[1]
                     old._settle(
                         sub.name, EXCLUDED, f"no free slot before version {version} replaced it"
                     )
                     sub.waiting = None
-                self._start(sub, version, handle)
+                direct.append(sub)
+            via = self._tree(direct) if self.fanout != "direct" else {}
+            for sub in direct:
+                self._start(sub, version, handle, via.get(sub.name))
         return handle
 
-    def _start(self, sub: _Sub, version: int, handle: PublishHandle) -> None:
-        """With the lock held: write ``version`` into a free slot of ``sub`` now, or wait for one."""
+    def _tree(self, subs: list[_Sub]) -> dict[str, str]:
+        """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
+        publisher writes). Relays come first, by name, so that every publish to the same members
+        builds the same tree (and the relays reuse their prepared transfers). A subscriber goes
+        under a relay only if the relay holds every tensor it takes."""
+        order = sorted(subs, key=lambda s: (not s.can_relay, s.name))
+        k = 1 if self.fanout == "chain" else self.degree
+        via = {}
+        for i in range(k, len(order)):
+            parent = order[i // k - 1]
+            if parent.can_relay and order[i].names <= parent.names:
+                via[order[i].name] = parent.name
+        return via
+
+    @staticmethod
+    def _free_slot(sub: _Sub) -> int | None:
         free = sorted(sub.credits - ({sub.busy} if sub.busy is not None else set()))
-        if sub.busy is not None or not free:
-            sub.waiting = (version, handle)
+        return free[0] if free else None
+
+    def _release_children(self, relay: str, why: str) -> None:
+        """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to
+        write are the publisher's again, and what it did not forward is excluded."""
+        for sub in list(self._subs.values()):
+            if sub.relay == relay and sub.busy is not None and sub.relay_handle is not None:
+                err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
+                self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
+
+    def _start(
+        self, sub: _Sub, version: int, handle: PublishHandle, via: str | None = None
+    ) -> None:
+        """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
+        ``via`` write it), or wait for a free slot."""
+        slot = self._free_slot(sub)
+        if sub.busy is not None or slot is None:
+            sub.waiting = (version, handle, via)
             return
-        slot = free[0]
         sub.busy, sub.writing = slot, version
         if sub.mode == "staging":
             sub.credits.discard(slot)
         left = handle.deadline - time.monotonic()
+        if via is not None and via in self._subs and left > 0:
+            try:
+                self.transport._send_control(
+                    via,
+                    channel(self.group),
+                    encode("fwd", v=version, t=max(1, int(left * 1000)), to=[[sub.name, slot]]),
+                )
+            except TransportError as e:
+                log.info("group %s: %s cannot relay version %d: %s", self.group, via, version, e)
+            else:
+                sub.relay, sub.relay_handle = via, handle
+                handle.result.via[sub.name] = via
+                return
         try:
             if left <= 0:
                 raise TransferTimeout("the deadline passed before a slot was free")
@@ -313,7 +399,7 @@ class WeightPublisher:
     def _finished(
         self, sub: _Sub, slot: int, version: int, handle: PublishHandle, err: BaseException | None
     ) -> None:
-        sub.busy = None
+        sub.busy, sub.relay, sub.relay_handle = None, None, None
         if err is None:
             sub.completed = max(sub.completed, version)
             handle._settle(sub.name, DONE)
@@ -323,14 +409,15 @@ class WeightPublisher:
                 del self._subs[sub.name]  # dropped until it joins again
                 self._lost[sub.name] = sub.generation
                 self._epoch = -1
+                self._release_children(sub.name, "was lost")
         else:
             if sub.mode == "staging":
                 sub.credits.add(slot)  # nothing was announced in it: still free
             handle._settle(sub.name, EXCLUDED, str(err))
         if sub.waiting is not None and self._subs.get(sub.name) is sub:
-            v, hnd = sub.waiting
+            v, hnd, via = sub.waiting
             sub.waiting = None
-            self._start(sub, v, hnd)
+            self._start(sub, v, hnd, via)
 
     def _on_message(self, peer: str, payload: bytes) -> None:
         try:
@@ -340,6 +427,27 @@ class WeightPublisher:
             return
         if m["k"] == "credit":
             self._worker.submit(lambda: self._on_credit(peer, m["s"], m["v"]))
+        elif m["k"] == "fwdr":
+            self._worker.submit(lambda: self._on_relayed(peer, m["v"], m["c"], m["x"], m["e"]))
+
+    def _on_relayed(self, relay: str, version: int, child: str, outcome: str, why: str) -> None:
+        """A relay's report on one forward: the child's slot is the publisher's again."""
+        with self._lock:
+            sub = self._subs.get(child)
+            if (
+                sub is None
+                or sub.relay != relay
+                or sub.writing != version
+                or sub.busy is None
+                or sub.relay_handle is None
+            ):
+                return
+            err: TransportError | None = None
+            if outcome == "lost":
+                err = PeerLostError(f"relay {relay} lost it: {why}", child)
+            elif outcome:
+                err = TransportError(f"relay {relay} could not forward version {version}: {why}")
+            self._finished(sub, sub.busy, version, sub.relay_handle, err)
 
     def _on_credit(self, peer: str, slots: list[int], newest: int) -> None:
         with self._lock:
@@ -353,17 +461,25 @@ class WeightPublisher:
                 return  # unknown, or sent before it saw our latest version (it may name the busy slot)
             sub.credits = {s for s in slots if 0 <= s < sub.slots}
             if sub.waiting is not None and sub.busy is None:
-                v, hnd = sub.waiting
+                v, hnd, via = sub.waiting
                 sub.waiting = None
-                self._start(sub, v, hnd)
+                self._start(sub, v, hnd, via)
 
     def _expire(self) -> float:
         """Worker tick: subscribers still waiting for a slot at their deadline are excluded."""
         now = time.monotonic()
         with self._lock:
             for sub in self._subs.values():
+                h = sub.relay_handle
+                if h is not None and h.deadline <= now and sub.name in h._pending:
+                    # Excluded now; the slot stays the relay's until it reports or is gone.
+                    h._settle(
+                        sub.name,
+                        EXCLUDED,
+                        f"relay {sub.relay} did not forward version {sub.writing} within the deadline",
+                    )
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
-                    v, hnd = sub.waiting
+                    v, hnd, _ = sub.waiting
                     sub.waiting = None
                     hnd._settle(
                         sub.name,
@@ -373,6 +489,22 @@ class WeightPublisher:
             self._handles = [h for h in self._handles if not h.done()]
             deadlines = [h.deadline for h in self._handles]
         return max(0.01, min(deadlines) - now) if deadlines else 1.0
+
+    @property
+    def fanout(self) -> str:
+        return self._fanout
+
+    @fanout.setter
+    def fanout(self, value: str) -> None:
+        self._fanout, _ = check_fanout(value, 1)
+
+    @property
+    def degree(self) -> int:
+        return self._degree
+
+    @degree.setter
+    def degree(self, value: int) -> None:
+        _, self._degree = check_fanout("tree", value)
 
     def close(self) -> None:
         self._worker.stop()
