@@ -22,12 +22,16 @@ def run(script: str, *args: str) -> str:
 @pytest.mark.timeout(300)
 def test_quickstart():
     out = run("quickstart.py")
-    assert "every byte as sent: True" in out and "identical: True" in out and "quickstart: OK" in out
+    assert (
+        "every byte as sent: True" in out and "identical: True" in out and "quickstart: OK" in out
+    )
 
 
 @pytest.mark.timeout(300)
 def test_push_weights_main_job():
-    out = run("push_weights.py", "--generators", "2", "--steps", "3", "--params", "2e6", "--tensors", "20")
+    out = run(
+        "push_weights.py", "--generators", "2", "--steps", "3", "--params", "2e6", "--tensors", "20"
+    )
     assert "generators verified 6 of 6 updates, every byte; mismatches: 0" in out
     assert "push_weights: OK" in out
 
@@ -37,7 +41,9 @@ def test_rl_loop_main_job():
     out = run("rl_loop.py", "--steps", "6", "--generators", "2")
     assert "rl_loop: OK" in out, out
     for name in ("gen-0", "gen-1"):
-        line = next(line for line in out.splitlines() if line.startswith(f"{name}: ") and "samples" in line)
+        line = next(
+            line for line in out.splitlines() if line.startswith(f"{name}: ") and "samples" in line
+        )
         assert "checksum mismatches 0" in line and "..6," in line, line
 
 
@@ -54,5 +60,7 @@ def test_importing_nixl_leaves_logging_alone():
         "import logging; import transport.backends.nixl as n; n._load(); "
         "print(logging.raiseExceptions, logging.getLogger('nixl').getEffectiveLevel() >= logging.WARNING)"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

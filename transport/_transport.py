@@ -223,7 +223,6 @@ class Transport(Closing):
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
-
     @property
     def closed(self) -> bool:
         return self._state is _State.CLOSED

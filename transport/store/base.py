@@ -71,7 +71,6 @@ class Store(Closing, abc.ABC):
     def close(self) -> None:
         """Release connections (and, for a store this process hosts, stop serving). Idempotent."""
 
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({redact_url(self.url)!r})"
 

@@ -43,6 +43,7 @@ import torch
 from transport.errors import WireFormatError
 from transport.memory import check_tensor
 from transport.store.base import Store
+from transport.wire import NAME_RE
 
 log = logging.getLogger("transport.weights")
 
@@ -86,7 +87,6 @@ _FIELDS = {
 }
 #: the most children one relay serves (the publisher's ``degree``)
 MAX_DEGREE = 16
-_NAME = 256  # peer names are shorter (wire.check_name)
 
 
 def decode(payload: bytes) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def _count(x: Any) -> bool:
 
 
 def _name(x: Any) -> bool:
-    return isinstance(x, str) and 0 < len(x) <= _NAME
+    return isinstance(x, str) and NAME_RE.match(x) is not None
 
 
 class GroupDirectory:

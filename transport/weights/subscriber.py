@@ -326,7 +326,7 @@ class WeightSubscriber:
             ch = channel(self.group)
             self.transport._send_control(child, ch, encode("begin", v=version, s=dst))
             h = self.transport._put_control(batch, child, ch, encode("ver", v=version, s=dst), left)
-        except TransportError as e:
+        except Exception as e:  # whatever it was, the slot is released and the publisher told
             self._forwarded(publisher, version, src, child, e)
             return
         h.add_done_callback(
