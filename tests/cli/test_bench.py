@@ -115,6 +115,28 @@ def test_sync_quick_measures_every_system_and_verifies_each(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_sync_compares_direct_and_relayed_fan_out(tmp_path):
+    out = cli(
+        "bench", "sync", "--quick", "--generators", "3", "--fanout", "direct,chain,tree",
+        "--baselines", "raw", "--json", str(tmp_path / "s.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    systems = {r["system"]: r for r in doc["records"]}
+    assert set(systems) == {"raw-nixl", "ours", "ours-chain", "ours-tree"}
+    assert all(r["verified"] for r in doc["records"])  # every generator checked every tensor
+    size = systems["ours"]["bytes"]
+    assert [systems[s]["trainer_bytes"] for s in ("ours", "ours-chain", "ours-tree")] == [
+        3 * size,
+        size,
+        2 * size,
+    ]
+    assert {x["name"] for x in doc["ratios"]} >= {"ours-chain/ours time", "ours-tree/ours time"}
+    assert "ours-tree/ours time" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_writer_and_reader_started_by_hand_meet_in_a_store(tmp_path):
     """Cross-host mode on one machine: a reader (hosting the embedded store) and a writer, two
     processes that only share the store URL."""
@@ -167,6 +189,9 @@ BAD = [
     ),
     (["bench", "sync", "--dtypes", "float33"], "unknown dtype 'float33'"),
     (["bench", "sync", "--generators", "0"], "--generators must be at least 1"),
+    (["bench", "sync", "--fanout", "direct,ring"], "unknown --fanout 'ring'"),
+    (["bench", "sync", "--mode", "inplace", "--fanout", "chain"], "needs --mode staging"),
+    (["bench", "sync", "--fanout", "tree", "--degree", "0"], "--degree must be from 1 to 16"),
 ]
 
 

@@ -92,6 +92,16 @@ def add_parser(sub: Any) -> None:
         default="staging",
         help="WeightSubscriber mode (default staging)",
     )
+    sync.add_argument(
+        "--fanout",
+        default="direct",
+        help="comma list of WeightPublisher fan-outs to compare, interleaved step by step: "
+        "direct (the trainer writes every generator), chain, tree (generators relay; staging "
+        "mode) (default direct)",
+    )
+    sync.add_argument(
+        "--degree", type=int, default=2, help="generators each writer serves in a tree (default 2)"
+    )
     _common(sync)
     sync.set_defaults(run=run_sync)
 

@@ -25,6 +25,7 @@ TARGETS = {"latency": 1.3, "bandwidth": 0.95}  # ours against raw-nixl, one rece
 COLORS = {
     "ours": "tab:red", "ours-single": "tab:pink", "raw-nixl": "tab:blue", "raw-nixl-repost": "tab:cyan",
     "gloo": "tab:green", "gloo-bcast": "tab:olive", "nccl-bcast": "tab:purple", "memcpy": "tab:gray",
+    "ours-chain": "tab:orange", "ours-tree": "tab:brown",
 }  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """``transport bench sync``: one trainer publishes a synthetic model's weights to N generators.
 
 * ours: ``WeightPublisher.publish(v).wait()`` to every ``WeightSubscriber`` (staging or in place);
+  ``ours-chain`` and ``ours-tree`` are the same with the generators relaying (``--fanout``);
 * raw-nixl: the same tensors (one descriptor each) written straight into every generator's live
   tensors with raw NIXL, one transfer per generator with a notification, all posted then polled;
 * gloo-bcast / nccl-bcast: ``broadcast`` of every tensor from the trainer, then a 1-byte ack from
@@ -49,6 +50,8 @@ from transport.cli.bench._util import (
     unpin,
     zero_bytes,
 )
+from transport.weights._protocol import MAX_DEGREE
+from transport.weights.publisher import FANOUTS
 
 GROUP = "bench"
 ROLES_IN_LAYER = ["q", "k", "v", "o", "up", "down", "norm1", "norm2"]
@@ -67,6 +70,8 @@ class SyncPlan:
     baselines: list[str]
     timeout: float = 120.0
     pin: bool = True
+    fanouts: list[str] = field(default_factory=lambda: ["direct"])
+    degree: int = 2
     layout: list[tuple[str, int, str]] = field(default_factory=list)
 
     @property
@@ -137,8 +142,21 @@ def sync_plan(args: argparse.Namespace, peers: list[str] | None) -> SyncPlan:
         raise CliError(
             f"--params {args.params} is too small for {tensors} tensors; give at least {64 * tensors}"
         )
+    fanouts = list(dict.fromkeys(f.strip() for f in args.fanout.split(",") if f.strip()))
+    for f in fanouts:
+        if f not in FANOUTS:
+            raise CliError(f"unknown --fanout {f!r}; use a comma list of {', '.join(FANOUTS)}")
+    if not fanouts:
+        raise CliError(f"--fanout is empty; give e.g. direct,chain ({', '.join(FANOUTS)})")
+    if args.mode == "inplace" and fanouts != ["direct"]:
+        raise CliError(
+            "relays forward from their staging slots: --fanout chain or tree needs --mode staging"
+        )
+    if not 1 <= args.degree <= MAX_DEGREE:
+        raise CliError(f"--degree must be from 1 to {MAX_DEGREE}, got {args.degree}")
     plan = SyncPlan(params, tensors, dtypes, gens, steps, args.mode, parse_baselines(args.baselines),
-                    timeout=args.timeout, pin=args.pin)  # fmt: skip
+                    timeout=args.timeout, pin=args.pin, fanouts=fanouts,
+                    degree=args.degree)  # fmt: skip
     plan.layout = make_layout(params, tensors, dtypes)
     return plan
 
@@ -288,8 +306,9 @@ class SyncWriter:
                 _raw.connect(self.agent, rname, self.tensors[0], int(blob_addrs[2][0][0]))
             self.path = _raw.RawPath(self.agent, "WRITE", targets, notif=b"transport-bench-sync")
 
-    def ours_step(self) -> None:
+    def ours_step(self, fanout: str = "direct") -> None:
         assert self.pub is not None
+        self.pub.fanout = fanout
         self.version += 1
         r = self.pub.publish(self.version, timeout=self.plan.timeout).wait(self.plan.timeout)
         if len(r.done) != len(self.readers):
@@ -305,17 +324,24 @@ class SyncWriter:
 
     def measure(self) -> None:
         p = self.plan
-        fns: dict[str, Any] = {"ours": self.ours_step}
-        sched = ["ours"]
+        fns: dict[str, Any] = {}
+        for f in p.fanouts:
+            fns[system_of(f)] = lambda f=f: self.ours_step(f)
+        sched = list(fns)
         if self.path is not None:
             fns["raw-nixl"] = self.path.make_post
-            sched = ["raw-nixl", "ours"]
+            sched = ["raw-nixl", *sched]
+        assert self.pub is not None
+        self.pub.degree = p.degree
         warm = 2 if p.mode == "staging" else 1  # every staging slot written once
         times, per_cycle = interleave(fns, sched, 1, 0.0, p.steps, p.steps, warm)
         recs = {
-            name: self._record(name, "ours" if name == "ours" else "raw", times[name])
+            name: self._record(name, "raw" if name == "raw-nixl" else "ours", times[name])
             for name in sched
         }
+        for f in p.fanouts:
+            recs[system_of(f)]["fanout"] = f
+            recs[system_of(f)]["trainer_bytes"] = p.nbytes * trainer_sends(f, p)
         if self.path is not None:
             seed = self._fill(self.tensors)
             self.chan.ask(self.readers, "zero")
@@ -323,16 +349,30 @@ class SyncWriter:
             recs["raw-nixl"]["verified"] = all(
                 m["ok"] for m in self.chan.ask(self.readers, "check", seed=seed)
             )
-            recs["ours"]["paired_time_ratio"] = {
-                "raw-nixl": paired_ratio(per_cycle["ours"], per_cycle["raw-nixl"])
-            }
-        seed = self._fill(self.tensors)
-        self.ours_step()
-        replies = self.chan.ask(self.readers, "check-ours", version=self.version, seed=seed)
-        recs["ours"]["verified"] = all(m["ok"] for m in replies)
+        for f in p.fanouts:
+            rec = recs[system_of(f)]
+            if self.path is not None:
+                rec["paired_time_ratio"] = {
+                    "raw-nixl": paired_ratio(per_cycle[system_of(f)], per_cycle["raw-nixl"])
+                }
+            if f != "direct" and "ours" in per_cycle:
+                rec["paired_time_ratio"] = {
+                    **rec.get("paired_time_ratio", {}),
+                    "ours": paired_ratio(per_cycle[system_of(f)], per_cycle["ours"]),
+                }
+            seed = self._fill(self.tensors)
+            self.ours_step(f)
+            replies = self.chan.ask(self.readers, "check-ours", version=self.version, seed=seed)
+            rec["verified"] = all(m["ok"] for m in replies)
+        if p.fanouts != ["direct"]:
+            self.res.notes.append(
+                "relayed fan-out (ours-chain, ours-tree): the trainer sends each version "
+                + ", ".join(f"{f}: {trainer_sends(f, p)}x" for f in p.fanouts)
+                + f" (tree degree {p.degree}); generators forward once all of a version landed"
+            )
         applies = [m["apply_s"] for m in replies if m.get("apply_s") is not None]
         if applies:
-            recs["ours"]["apply_s"] = statistics.median(applies)
+            recs[system_of(p.fanouts[-1])]["apply_s"] = statistics.median(applies)
             self.res.notes.append(
                 f"ours: a generator's apply() (staging -> live copy, off the trainer's path) took {fmt_time(statistics.median(applies))}"
             )
@@ -416,6 +456,16 @@ class SyncWriter:
             self.pub.close()
 
 
+def system_of(fanout: str) -> str:
+    return "ours" if fanout == "direct" else f"ours-{fanout}"
+
+
+def trainer_sends(fanout: str, plan: SyncPlan) -> int:
+    """How many copies of the state dict leave the trainer per sync."""
+    n = plan.generators
+    return n if fanout == "direct" else min(n, 1 if fanout == "chain" else plan.degree)
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -423,11 +473,18 @@ def ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ours = report.find(records, system="ours")
     out: list[dict[str, Any]] = []
     if ours is None:
-        return out
+        ours = next((r for r in records if r["family"] == "ours"), None)
+        if ours is None:
+            return out
     for o in records:
         if o is ours:
             continue
-        if o["system"] == "raw-nixl":
+        if o["family"] == "ours":  # a relayed fan-out against direct
+            x = o["median_s"] / ours["median_s"]
+            out.append({"name": f"{o['system']}/{ours['system']} time", "vs": ours["system"],
+                        "ratio": x, "paired": o.get("paired_time_ratio", {}).get("ours"),
+                        "target": None, "pass": None})  # fmt: skip
+        elif o["system"] == "raw-nixl":
             x = ours["median_s"] / o["median_s"]
             out.append({"name": "ours/raw time", "vs": "raw-nixl", "ratio": x,
                         "paired": ours.get("paired_time_ratio", {}).get("raw-nixl"),
@@ -452,7 +509,7 @@ def print_table(
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     ours = report.find(records, system="ours")
-    order = ["memcpy", "gloo-bcast", "nccl-bcast", "raw-nixl", "ours"]
+    order = ["memcpy", "gloo-bcast", "nccl-bcast", "raw-nixl", "ours", "ours-chain", "ours-tree"]
     for r in sorted(records, key=lambda r: order.index(r["system"]) if r["system"] in order else 9):
         rel = "-" if ours is None or r is ours else f"{r['median_s'] / ours['median_s']:.2f}x"
         spread = f"{fmt_time(r['p10_s'])}..{fmt_time(r['p90_s'])}"

@@ -1,0 +1,88 @@
+"""The weight-sync control messages: every kind round-trips, malformed ones are refused with
+WireFormatError (a peer cannot crash a subscriber or a publisher with a message)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transport.errors import WireFormatError
+from transport.weights._protocol import MAX_DEGREE, decode, encode
+
+GOOD = [
+    ("hello", {}),
+    ("begin", {"v": 3, "s": 1}),
+    ("ver", {"v": 0, "s": 0}),
+    ("credit", {"s": [0, 1], "v": -1}),
+    ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0], ["gen-2", 1]]}),
+    ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": ""}),
+    ("fwdr", {"v": 7, "c": "gen-1", "x": "lost", "e": "peer 'gen-1' was lost"}),
+]
+
+
+@pytest.mark.parametrize("kind, fields", GOOD)
+def test_every_kind_round_trips(kind, fields):
+    assert decode(encode(kind, **fields)) == {"k": kind, **fields}
+
+
+def raw(m):
+    return msgpack.packb(m, use_bin_type=True)
+
+
+BAD = [
+    (b"\xc1", "not valid msgpack"),
+    (raw([1, 2]), "malformed"),
+    (raw({"k": "nope"}), "malformed"),
+    (raw({"k": "ver", "v": 1}), "malformed"),  # a field missing
+    (raw({"k": "ver", "v": 1, "s": 0, "x": 1}), "malformed"),  # one too many
+    (raw({"k": "ver", "v": -1, "s": 0}), "non-negative"),
+    (raw({"k": "begin", "v": True, "s": 0}), "non-negative"),
+    (raw({"k": "credit", "s": [9], "v": 1}), "credit slots"),
+    (raw({"k": "credit", "s": [0], "v": "1"}), "credit version"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": []}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1"]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 8]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": -5, "to": [["gen-1", 0]]}), "non-negative"),
+    (raw({"k": "fwd", "v": 1, "t": 1, "to": [["g", 0]] * (MAX_DEGREE + 1)}), "fwd targets"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "maybe", "e": ""}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": 5, "x": "", "e": ""}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x"}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "x" * 300, "x": "", "e": ""}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "a/b", "x": "", "e": ""}), "relay report"),
+]
+
+
+@pytest.mark.parametrize("payload, rule", BAD)
+def test_malformed_messages_are_refused(payload, rule):
+    with pytest.raises(WireFormatError, match=rule):
+        decode(payload)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_decode_or_raise_wire_format_error(payload):
+    try:
+        m = decode(payload)
+    except WireFormatError:
+        return
+    assert isinstance(m, dict) and m["k"] in {k for k, _ in GOOD}
+
+
+_leaf = st.one_of(st.integers(-3, 10), st.text(max_size=8), st.booleans(), st.none())
+_value = st.recursive(_leaf, lambda c: st.lists(c, max_size=4), max_leaves=8)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    st.sampled_from([k for k, _ in GOOD]),
+    st.dictionaries(st.sampled_from(["v", "s", "t", "to", "c", "x", "e"]), _value, max_size=5),
+)
+def test_well_formed_msgpack_of_any_shape_decodes_or_is_refused(kind, fields):
+    try:
+        m = decode(raw({"k": kind, **fields}))
+    except WireFormatError:
+        return
+    assert m["k"] == kind
