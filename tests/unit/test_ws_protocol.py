@@ -16,7 +16,8 @@ GOOD = [
     ("begin", {"v": 3, "s": 1}),
     ("ver", {"v": 0, "s": 0}),
     ("credit", {"s": [0, 1], "v": -1}),
-    ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0], ["gen-2", 1]]}),
+    ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1], ["gen-2", 1, 0]]}),
+    ("seg", {"v": 7, "s": 1, "a": 0, "b": 12}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": ""}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "lost", "e": "peer 'gen-1' was lost"}),
 ]
@@ -42,11 +43,15 @@ BAD = [
     (raw({"k": "credit", "s": [9], "v": 1}), "credit slots"),
     (raw({"k": "credit", "s": [0], "v": "1"}), "credit version"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": []}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1"]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 8]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": -5, "to": [["gen-1", 0]]}), "non-negative"),
-    (raw({"k": "fwd", "v": 1, "t": 1, "to": [["g", 0]] * (MAX_DEGREE + 1)}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0, 0]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 8, 0]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, 2]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, True]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": -5, "to": [["gen-1", 0, 0]]}), "non-negative"),
+    (raw({"k": "fwd", "v": 1, "t": 1, "to": [["g", 0, 0]] * (MAX_DEGREE + 1)}), "fwd targets"),
+    (raw({"k": "seg", "v": 1, "s": 0, "a": 3, "b": 3}), "at least one tensor"),
+    (raw({"k": "seg", "v": 1, "s": 0, "a": -1, "b": 3}), "non-negative"),
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "maybe", "e": ""}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": 5, "x": "", "e": ""}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x"}), "relay report"),
@@ -78,7 +83,9 @@ _value = st.recursive(_leaf, lambda c: st.lists(c, max_size=4), max_leaves=8)
 @settings(max_examples=2000, deadline=None)
 @given(
     st.sampled_from([k for k, _ in GOOD]),
-    st.dictionaries(st.sampled_from(["v", "s", "t", "to", "c", "x", "e"]), _value, max_size=5),
+    st.dictionaries(
+        st.sampled_from(["v", "s", "t", "to", "c", "x", "e", "a", "b"]), _value, max_size=5
+    ),
 )
 def test_well_formed_msgpack_of_any_shape_decodes_or_is_refused(kind, fields):
     try:

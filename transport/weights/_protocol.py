@@ -16,9 +16,14 @@ Control messages travel as notifications on channel ``ws/<group>`` (msgpack maps
 
 Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
 
-* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot], ...]}``: once version N
-  is complete here, write it into each child's slot (within ``t`` milliseconds), as the publisher
-  would: ``begin``, then the data with ``ver`` as its notification
+* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot, relays], ...]}``: write
+  version N into each child's slot (within ``t`` milliseconds) as it lands here; ``relays`` (0/1):
+  the child forwards it in turn, so announce each segment to it
+* writer -> relay ``{"k": "seg", "v": N, "s": slot, "a": i, "b": j}``: the notification of one
+  segment of version N: the tensors ``i`` to ``j - 1`` of the relay's names in sorted order have
+  landed in ``slot``; the relay forwards them at once (a pipeline: every hop copies while the one
+  before it still writes). The writer's last segment carries ``ver`` and is posted only after the
+  others have landed, so ``ver`` still means "all of it".
 * relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}``: what became of
   one forward: outcome ``""`` (landed), ``"lost"`` (the child went away) or ``"fail"``
 
@@ -34,13 +39,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 import torch
 
-from transport.errors import WireFormatError
+from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor
 from transport.store.base import Store
 from transport.wire import NAME_RE
@@ -83,6 +89,7 @@ _FIELDS = {
     "ver": {"v", "s"},
     "credit": {"s", "v"},
     "fwd": {"v", "t", "to"},
+    "seg": {"v", "s", "a", "b"},
     "fwdr": {"v", "c", "x", "e"},
 }
 #: the most children one relay serves (the publisher's ``degree``)
@@ -104,7 +111,7 @@ def decode(payload: bytes) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("k") not in _FIELDS or set(m) != _FIELDS[m["k"]] | {"k"}:
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
     kind = m["k"]
-    for key in ("v", "s", "t"):
+    for key in ("v", "s", "t", "a", "b"):
         if key in m and kind != "credit" and not _count(m[key]):
             raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
     if kind == "credit":
@@ -118,11 +125,19 @@ def decode(payload: bytes) -> dict[str, Any]:
             not isinstance(to, list)
             or not 0 < len(to) <= MAX_DEGREE
             or not all(
-                isinstance(x, list) and len(x) == 2 and _name(x[0]) and _count(x[1]) and x[1] < 8
+                isinstance(x, list)
+                and len(x) == 3
+                and _name(x[0])
+                and _count(x[1])
+                and x[1] < 8
+                and x[2] in (0, 1)
+                and not isinstance(x[2], bool)
                 for x in to
             )
         ):
-            raise WireFormatError("fwd targets must be a list of [child, slot]")
+            raise WireFormatError("fwd targets must be a list of [child, slot, relays]")
+    elif kind == "seg" and not m["a"] < m["b"]:
+        raise WireFormatError("a segment must name at least one tensor")
     elif kind == "fwdr" and (
         not _name(m["c"]) or m["x"] not in ("", "lost", "fail") or not isinstance(m["e"], str)
     ):
@@ -233,3 +248,116 @@ class Worker:
         self._q.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+
+#: the size of the segments a version is cut into on its way to a relay
+SEGMENT_BYTES = 32 << 20
+
+
+def segments(tensors: Mapping[str, torch.Tensor], seg_bytes: int = SEGMENT_BYTES) -> list[int]:
+    """Where the segments of a relay's tensors (its names in sorted order) begin, and the end:
+    consecutive tensors of at least ``seg_bytes`` together (a larger tensor is one segment)."""
+    names = sorted(tensors)
+    bounds, size = [0], 0
+    for i, n in enumerate(names):
+        size += tensors[n].nbytes
+        if size >= seg_bytes and i + 1 < len(names):
+            bounds.append(i + 1)
+            size = 0
+    bounds.append(len(names))
+    return bounds
+
+
+class SegmentedWrite:
+    """Writes one version into one slot of a peer in segments, as they become ready: each
+    segment is posted at once (announced by a ``seg`` message when the peer relays); the last one
+    carries ``ver`` and is posted only once every other one has landed. ``done(error or None)``
+    is called once, on ``submit``'s thread, when all of it has landed or the first error is known
+    and nothing is in flight any more."""
+
+    def __init__(
+        self,
+        transport: Any,
+        peer: str,
+        group: str,
+        version: int,
+        slot: int,
+        deadline: float,
+        announce: bool,
+        submit: Callable[[Callable[[], Any]], None],
+        done: Callable[[BaseException | None], Any],
+    ) -> None:
+        self.t, self.peer, self.chan = transport, peer, channel(group)
+        self.version, self.slot, self.deadline, self.announce = version, slot, deadline, announce
+        self.submit, self.done = submit, done
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._last: dict[str, torch.Tensor] | None = None
+        self._ended = self._finished = False
+        self.error: BaseException | None = None
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(f"the deadline of version {self.version} passed")
+        return left
+
+    def begin(self) -> bool:
+        try:
+            self.t._send_control(self.peer, self.chan, encode("begin", v=self.version, s=self.slot))
+        except Exception as e:
+            self.fail(e)
+            return False
+        return True
+
+    def add(self, a: int, b: int, batch: Mapping[str, torch.Tensor]) -> None:
+        """Post the tensors ``a`` to ``b - 1`` (in the peer's sorted names) now."""
+        with self._lock:
+            if self.error is not None or self._ended:
+                return
+            self._pending += 1
+        try:
+            if self.announce:
+                msg = encode("seg", v=self.version, s=self.slot, a=a, b=b)
+                h = self.t._put_control(batch, self.peer, self.chan, msg, self._left())
+            else:
+                h = self.t.put(dict(batch), self.peer, timeout=self._left())
+        except Exception as e:
+            self._landed(e)
+            return
+        h.add_done_callback(lambda h: self.submit(lambda: self._landed(h.exception(0))))
+
+    def end(self, last: Mapping[str, torch.Tensor]) -> None:
+        """The rest (possibly nothing), with ``ver``, once every segment posted so far landed."""
+        with self._lock:
+            self._ended, self._last = True, dict(last)
+        self._landed(None, count=False)
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            self._ended = True
+        self._landed(None, count=False)
+
+    def _landed(self, error: BaseException | None, count: bool = True) -> None:
+        with self._lock:
+            if count:
+                self._pending -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            if not self._ended or self._pending or self._finished:
+                return
+            self._finished = True
+            last, err = self._last, self.error
+        if err is None:
+            try:
+                msg = encode("ver", v=self.version, s=self.slot)
+                if last:
+                    h = self.t._put_control(last, self.peer, self.chan, msg, self._left())
+                    h.add_done_callback(lambda h: self.submit(lambda: self.done(h.exception(0))))
+                    return
+                self.t._send_control(self.peer, self.chan, msg)
+            except Exception as e:
+                err = e
+        self.done(err)

@@ -26,12 +26,14 @@ from transport.weights._protocol import (
     PUB_SLOT,
     SEQ_NAME,
     GroupDirectory,
+    SegmentedWrite,
     Worker,
     channel,
     check_named_tensors,
     decode,
     encode,
     region,
+    segments,
 )
 
 log = logging.getLogger("transport.weights")
@@ -120,6 +122,7 @@ class _Sub:
         self.waiting: tuple[int, PublishHandle, str | None] | None = None
         self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
         self.relay_handle: PublishHandle | None = None
+        self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
 
 
 FANOUTS = ("direct", "chain", "tree")
@@ -182,6 +185,7 @@ class WeightPublisher:
         self._epoch = -1
         self._lock = threading.RLock()
         self._handles: list[PublishHandle] = []
+        self._relays: set[str] = set()  # the subscribers that forward the current version
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
         transport._on_control(channel(group), self._on_message)
@@ -313,6 +317,7 @@ class WeightPublisher:
                     sub.waiting = None
                 direct.append(sub)
             via = self._tree(direct) if self.fanout != "direct" else {}
+            self._relays = set(via.values())
             for sub in direct:
                 self._start(sub, version, handle, via.get(sub.name))
         return handle
@@ -362,7 +367,12 @@ class WeightPublisher:
                 self.transport._send_control(
                     via,
                     channel(self.group),
-                    encode("fwd", v=version, t=max(1, int(left * 1000)), to=[[sub.name, slot]]),
+                    encode(
+                        "fwd",
+                        v=version,
+                        t=max(1, int(left * 1000)),
+                        to=[[sub.name, slot, int(sub.name in self._relays)]],
+                    ),
                 )
             except TransportError as e:
                 log.info("group %s: %s cannot relay version %d: %s", self.group, via, version, e)
@@ -370,6 +380,9 @@ class WeightPublisher:
                 sub.relay, sub.relay_handle = via, handle
                 handle.result.via[sub.name] = via
                 return
+        if sub.name in self._relays and left > 0:
+            self._write_segments(sub, slot, version, handle)
+            return
         try:
             if left <= 0:
                 raise TransferTimeout("the deadline passed before a slot was free")
@@ -389,6 +402,41 @@ class WeightPublisher:
         h.add_done_callback(
             lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
         )
+
+    def _write_segments(self, sub: _Sub, slot: int, version: int, handle: PublishHandle) -> None:
+        """With the lock held: write a relay in segments, each announced as it lands, so that it
+        forwards while the rest is still on its way (see ``_protocol``)."""
+        segs = sub.segments.get(slot)
+        if segs is None:
+            names = sorted(sub.names)
+            bounds = segments({n: self.tensors[n] for n in names})
+            segs = sub.segments[slot] = [
+                (a, b, {region(self.group, slot, n): self.tensors[n] for n in names[a:b]})
+                for a, b in zip(bounds, bounds[1:], strict=False)
+            ]
+        write = SegmentedWrite(
+            self.transport,
+            sub.name,
+            self.group,
+            version,
+            slot,
+            handle.deadline,
+            True,
+            self._worker.submit,
+            lambda err: self._worker.submit(
+                lambda: self._on_written(sub, slot, version, handle, err)
+            ),
+        )
+        if write.begin():
+            for a, b, batch in segs[:-1]:
+                write.add(a, b, batch)
+            write.end(segs[-1][2])
+
+    def _on_written(
+        self, sub: _Sub, slot: int, version: int, handle: PublishHandle, err: BaseException | None
+    ) -> None:
+        with self._lock:
+            self._finished(sub, slot, version, handle, err)
 
     def _on_done(
         self, sub: _Sub, slot: int, version: int, handle: PublishHandle, h: Handle
@@ -412,12 +460,20 @@ class WeightPublisher:
                 self._release_children(sub.name, "was lost")
         else:
             if sub.mode == "staging":
-                sub.credits.add(slot)  # nothing was announced in it: still free
+                # Nothing was announced in the slot, but the subscriber may read it (a relay
+                # forwarding what landed of it): it says which slots are free when it runs again.
+                self._worker.submit(lambda: self._ask_credits(sub))
             handle._settle(sub.name, EXCLUDED, str(err))
         if sub.waiting is not None and self._subs.get(sub.name) is sub:
             v, hnd, via = sub.waiting
             sub.waiting = None
             self._start(sub, v, hnd, via)
+
+    def _ask_credits(self, sub: _Sub) -> None:
+        try:
+            self.transport._send_control(sub.name, channel(self.group), encode("hello"))
+        except TransportError as e:
+            log.info("group %s: cannot ask %s for free slots: %s", self.group, sub.name, e)
 
     def _on_message(self, peer: str, payload: bytes) -> None:
         try:

@@ -13,13 +13,10 @@ import torch
 from transport._transport import Transport
 from transport.errors import (
     ClosedError,
-    PeerLostError,
-    PeerNotFoundError,
     TransferTimeout,
     TransportError,
     WireFormatError,
 )
-from transport.memory import dtype_name
 from transport.weights._protocol import (
     MODES,
     PUB_SLOT,
@@ -32,6 +29,7 @@ from transport.weights._protocol import (
     encode,
     region,
 )
+from transport.weights._relay import Relay
 
 log = logging.getLogger("transport.weights")
 
@@ -92,13 +90,10 @@ class WeightSubscriber:
         self.incomplete: int | None = None
         self._publishers: set[str] = set()
         self._closed = False
-        # relaying: version -> [(deadline, publisher, child, slot)] not yet started; slot ->
-        # forwards reading it; the child -> (its generation, the names it takes) last seen
         self.relay = relay and mode == "staging"
-        self._fwd: dict[int, list[tuple[float, str, str, int]]] = {}
-        self._forwarding: dict[int, int] = {}
-        self._children: dict[str, tuple[int, list[str]]] = {}
-        self._worker = Worker(f"transport-ws-sub-{group}", tick=self._expire_forwards)
+        self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
+        self._relay = Relay(self)
+        self._worker = Worker(f"transport-ws-sub-{group}", tick=self._relay.expire)
         transport._on_control(channel(group), self._on_message)
         exposed = {
             region(group, k, n): t for k, slot in enumerate(self.staging) for n, t in slot.items()
@@ -127,10 +122,15 @@ class WeightSubscriber:
             with self._lock:
                 if m["v"] > self.version:
                     self.incomplete = m["v"]
+            if self.relay and 0 <= m["s"] < self.slots:
+                self._relay.on_begin(m["v"], m["s"])
         elif kind == "ver":
             self._on_version(peer, m["v"], m["s"])
+        elif kind == "seg":
+            if self.relay:
+                self._relay.on_seg(m["v"], m["s"], m["a"], m["b"])
         elif kind == "fwd":
-            self._on_forward(peer, m["v"], m["t"], [(c, s) for c, s in m["to"]])
+            self._relay.on_fwd(peer, m["v"], m["t"], m["to"])
 
     def _on_version(self, peer: str, version: int, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -153,7 +153,7 @@ class WeightSubscriber:
             # credits go to the publisher, which hands out the slots, even when a relay wrote
             self._worker.submit(lambda: self._credit_publishers(peer))
         if self.relay:
-            self._worker.submit(lambda: self._try_forward(version))
+            self._relay.on_complete(version)
         if newer and self.on_update is not None:
             cb = self.on_update
             self._worker.submit(lambda: cb(version))
@@ -280,149 +280,6 @@ class WeightSubscriber:
             self._worker.submit(functools.partial(self._send_credit, p))
         return version
 
-    # -- relaying (worker thread, except _on_forward) --------------------------------------------
-
-    def _on_forward(self, peer: str, version: int, ms: int, to: list[tuple[str, int]]) -> None:
-        deadline = time.monotonic() + ms / 1000
-        with self._lock:
-            jobs = self._fwd.setdefault(version, [])
-            jobs.extend((deadline, peer, child, slot) for child, slot in to)
-        self._worker.submit(lambda: self._try_forward(version))
-
-    def _try_forward(self, version: int) -> None:
-        """Start the forwards of ``version`` once it is complete here (in either order of its
-        ``fwd`` and its ``ver``); the slot it is in is held until they end."""
-        with self._lock:
-            jobs = self._fwd.get(version)
-            if not jobs:
-                return
-            why = ""
-            if self._closed or not self.relay:
-                why = "this subscriber does not relay (closed, or relay=False)"
-            elif self.version > version:
-                why = f"version {self.version} arrived here before it was forwarded"
-            elif self.version < version:
-                return  # not complete here yet
-            del self._fwd[version]
-            slot = self._newest_slot
-            if not why:
-                assert slot is not None
-                self._forwarding[slot] = self._forwarding.get(slot, 0) + len(jobs)
-        for deadline, publisher, child, dst in jobs:
-            if why:
-                self._report(publisher, version, child, "fail", why)
-            else:
-                assert slot is not None
-                self._forward_one(publisher, version, slot, child, dst, deadline)
-
-    def _forward_one(
-        self, publisher: str, version: int, src: int, child: str, dst: int, deadline: float
-    ) -> None:
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise TransferTimeout(f"the deadline of version {version} passed")
-            batch = self._relay_batch(child, src, dst)
-            ch = channel(self.group)
-            self.transport._send_control(child, ch, encode("begin", v=version, s=dst))
-            h = self.transport._put_control(batch, child, ch, encode("ver", v=version, s=dst), left)
-        except Exception as e:  # whatever it was, the slot is released and the publisher told
-            self._forwarded(publisher, version, src, child, e)
-            return
-        h.add_done_callback(
-            lambda h: self._worker.submit(
-                lambda: self._forwarded(publisher, version, src, child, h.exception(0))
-            )
-        )
-
-    def _relay_batch(self, child: str, src: int, dst: int) -> dict[str, torch.Tensor]:
-        """What this relay writes into ``child``'s slot ``dst``: the tensors the child takes (its
-        record is read afresh once per incarnation of the child)."""
-        with self.transport._lock:
-            self.transport._check_open()
-            conn = self.transport._connect(child)
-            known = self._children.get(child)
-            if known is None or known[0] != conn.generation:
-                conn = self.transport._connect(child, refresh=True)
-                prefix, names = region(self.group, 0, ""), []
-                for rname, info in conn.regions.items():
-                    if not rname.startswith(prefix):
-                        continue
-                    n = rname[len(prefix) :]
-                    t = self.live.get(n)
-                    if (
-                        t is None
-                        or tuple(t.shape) != info.shape
-                        or dtype_name(t.dtype) != info.dtype
-                    ):
-                        raise TransportError(
-                            f"child {child!r} takes {n!r} {info.shape} {info.dtype}, which this "
-                            "relay does not hold in that shape and dtype"
-                        )
-                    names.append(n)
-                known = self._children[child] = (conn.generation, names)
-        return {region(self.group, dst, n): self.staging[src][n] for n in known[1]}
-
-    def _forwarded(
-        self, publisher: str, version: int, src: int, child: str, err: BaseException | None
-    ) -> None:
-        with self._lock:
-            left = self._forwarding.get(src, 0) - 1
-            if left > 0:
-                self._forwarding[src] = left
-            else:
-                self._forwarding.pop(src, None)
-            self._lock.notify_all()
-        if err is None:
-            self._report(publisher, version, child, "", "")
-        else:
-            self._children.pop(child, None)
-            lost = isinstance(err, (PeerLostError, PeerNotFoundError))
-            self._report(publisher, version, child, "lost" if lost else "fail", str(err))
-        if self._closed:
-            return
-        self._credit_publishers()  # the slot may be free now
-
-    def _report(self, publisher: str, version: int, child: str, outcome: str, why: str) -> None:
-        try:
-            self.transport._send_control(
-                publisher,
-                channel(self.group),
-                encode("fwdr", v=version, c=child, x=outcome, e=why[:900]),
-            )
-        except TransportError as e:
-            log.info(
-                "could not tell %s what became of version %d at %s: %s",
-                publisher,
-                version,
-                child,
-                e,
-            )
-
-    def _drop_forwards(self) -> None:
-        with self._lock:
-            jobs = [(v, j) for v, js in self._fwd.items() for j in js]
-            self._fwd.clear()
-            self._lock.notify_all()
-        for v, (_, publisher, child, _) in jobs:
-            self._report(publisher, v, child, "fail", "the relay left the group")
-
-    def _expire_forwards(self) -> float:
-        """Worker tick: forwards whose version did not arrive by their deadline are reported."""
-        now = time.monotonic()
-        late = []
-        with self._lock:
-            for v in list(self._fwd):
-                late += [(v, j) for j in self._fwd[v] if j[0] <= now]
-                self._fwd[v] = [j for j in self._fwd[v] if j[0] > now]
-                if not self._fwd[v]:
-                    del self._fwd[v]
-            nearest = min((j[0] for js in self._fwd.values() for j in js), default=None)
-        for v, (_, publisher, child, _) in late:
-            why = f"version {v} did not arrive here within the deadline"
-            self._report(publisher, v, child, "fail", why)
-        return 1.0 if nearest is None else max(0.01, nearest - now)
-
     def close(self) -> None:
         """Leave the group (publishers drop this subscriber on their next publish)."""
         if self._closed:
@@ -430,11 +287,9 @@ class WeightSubscriber:
         self._closed = True
         # A relay leaves only after its forwards ended (each has a deadline): the publisher then
         # gives the slots they wrote to other writers.
-        self._worker.submit(self._drop_forwards)
+        self._worker.submit(self._relay.drop)
         with self._lock:
-            self._lock.wait_for(
-                lambda: not self._forwarding and not self._fwd, self.transport.timeout
-            )
+            self._lock.wait_for(lambda: not self._relay.busy(), self.transport.timeout)
         try:
             self._dir.leave(self.transport.name, self.transport.generation)
         except TransportError as e:

@@ -1,0 +1,277 @@
+"""The forwarding side of a staging WeightSubscriber: relayed fan-out (see ``_protocol``).
+
+The publisher tells a relay (``fwd``) to write version N into a child's slot. The relay forwards
+each segment of N as it lands here (``seg``), so every hop of a chain copies while the one before
+it still writes, and ends with the rest and ``ver`` once N is complete here. The slot N lands in is
+held (never credited) from the first forward until the last one ended, and every forward ends
+with a report to the publisher, which alone gives the child's slot to another writer.
+
+Engine-thread entry points (``on_*``) only record and hand over to the subscriber's worker thread,
+where everything else runs, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
+from transport.memory import dtype_name
+from transport.weights._protocol import SegmentedWrite, channel, encode, region
+
+if TYPE_CHECKING:
+    from transport.weights.subscriber import WeightSubscriber
+
+log = logging.getLogger("transport.weights")
+
+
+class _Job:
+    """One child's forward of one version."""
+
+    def __init__(self, publisher: str, version: int, src: int, child: str, dst: int) -> None:
+        self.publisher, self.version, self.child = publisher, version, child
+        self.src, self.dst = src, dst  # our slot, the child's
+        self.names: list[str] = []  # the child's names, sorted
+        self.index: dict[str, int] = {}
+        self.sent: set[str] = set()
+        self.write: SegmentedWrite | None = None
+
+
+class Relay:
+    def __init__(self, sub: WeightSubscriber) -> None:
+        self.sub = sub
+        self.t = sub.transport
+        self.group = sub.group
+        self.names = sorted(sub.live)  # the index space of the segments we receive
+        # version -> [(deadline, publisher, child, slot, relays)] not started yet
+        self.pending: dict[int, list[tuple[float, str, str, int, bool]]] = {}
+        # version -> (its slot here, the segments that landed)
+        self.incoming: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        self.jobs: dict[int, list[_Job]] = {}
+        self.deadlines: dict[int, float] = {}
+        self.children: dict[str, tuple[int, list[str]]] = {}  # child -> (generation, names)
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def on_fwd(self, peer: str, version: int, ms: int, to: list[list[Any]]) -> None:
+        deadline = time.monotonic() + ms / 1000
+        with self.sub._lock:
+            self.pending.setdefault(version, []).extend(
+                (deadline, peer, c, s, bool(r)) for c, s, r in to
+            )
+        self.sub._worker.submit(lambda: self.advance(version))
+
+    def on_begin(self, version: int, slot: int) -> None:
+        with self.sub._lock:
+            if version > self.sub.version:
+                self.incoming[version] = (slot, [])
+                for v in [v for v in self.incoming if v < self.sub.version]:
+                    del self.incoming[v]
+        self.sub._worker.submit(lambda: self.advance(version))
+
+    def on_seg(self, version: int, slot: int, a: int, b: int) -> None:
+        with self.sub._lock:
+            inc = self.incoming.get(version)
+            if inc is None or inc[0] != slot or b > len(self.names):
+                return
+            inc[1].append((a, b))
+        self.sub._worker.submit(lambda: self.segment(version, a, b))
+
+    def on_complete(self, version: int) -> None:
+        self.sub._worker.submit(lambda: self.advance(version))
+
+    # -- worker thread ---------------------------------------------------------------------------
+
+    def advance(self, version: int) -> None:
+        """Start the forwards of ``version`` whose slot is known, end them once it is complete
+        here, and fail them if it never will be."""
+        sub = self.sub
+        failed: list[tuple[str, str, str]] = []
+        started: list[tuple[_Job, float, bool]] = []
+        with sub._lock:
+            complete = sub.version == version
+            superseded = sub.version > version
+            inc = self.incoming.get(version)
+            waiting = self.pending.pop(version, [])
+            if waiting and (sub._closed or superseded or not sub.relay):
+                why = (
+                    f"version {sub.version} arrived here before {version} was forwarded"
+                    if superseded
+                    else "this subscriber does not relay (closed, or relay=False)"
+                )
+                failed = [(p, c, why) for _, p, c, _, _ in waiting]
+            elif waiting and not complete and inc is None:
+                self.pending[version] = waiting  # nothing of it here yet
+            elif waiting:
+                src = sub._newest_slot if complete else inc[0]  # type: ignore[index]
+                assert src is not None
+                sub._forwarding[src] = sub._forwarding.get(src, 0) + len(waiting)
+                for deadline, p, c, dst, relays in waiting:
+                    job = _Job(p, version, src, c, dst)
+                    self.jobs.setdefault(version, []).append(job)
+                    started.append((job, deadline, relays))
+            landed = list(inc[1]) if inc is not None else []
+        for p, c, why in failed:
+            self.report(p, version, c, "fail", why)
+        for job, deadline, relays in started:
+            self.start(job, deadline, relays, landed)
+        if complete or superseded:
+            with sub._lock:
+                jobs = self.jobs.pop(version, [])
+                self.incoming.pop(version, None)
+            for job in jobs:
+                if job.write is None:
+                    continue
+                if complete:
+                    rest = [n for n in job.names if n not in job.sent]
+                    job.write.end(self.batch(job, rest))
+                else:
+                    job.write.fail(TransportError(f"version {version} never completed here"))
+
+    def start(
+        self, job: _Job, deadline: float, relays: bool, landed: list[tuple[int, int]]
+    ) -> None:
+        job.write = SegmentedWrite(
+            self.t,
+            job.child,
+            self.group,
+            job.version,
+            job.dst,
+            deadline,
+            relays,
+            self.sub._worker.submit,
+            lambda err: self.ended(job, err),
+        )
+        try:
+            job.names = self.child_names(job.child)
+            job.index = {n: i for i, n in enumerate(job.names)}
+        except Exception as e:
+            job.write.fail(e)
+            return
+        if job.write.begin():
+            for a, b in landed:
+                self.send(job, a, b)
+
+    def segment(self, version: int, a: int, b: int) -> None:
+        with self.sub._lock:
+            jobs = list(self.jobs.get(version, []))
+        for job in jobs:
+            self.send(job, a, b)
+
+    def send(self, job: _Job, a: int, b: int) -> None:
+        """Forward our tensors ``a`` to ``b - 1`` that the child takes and has not got yet."""
+        if job.write is None:
+            return
+        names = [n for n in self.names[a:b] if n in job.index and n not in job.sent]
+        if not names:
+            return
+        job.sent.update(names)
+        lo, hi = job.index[names[0]], job.index[names[-1]] + 1
+        if hi - lo != len(names):  # cannot happen for a child's subset of our names
+            job.write.fail(TransportError(f"segment {a}..{b} is not contiguous at {job.child}"))
+            return
+        job.write.add(lo, hi, self.batch(job, names))
+
+    def batch(self, job: _Job, names: list[str]) -> dict[str, torch.Tensor]:
+        return {region(self.group, job.dst, n): self.sub.staging[job.src][n] for n in names}
+
+    def child_names(self, child: str) -> list[str]:
+        """The names ``child`` takes (its record is read afresh once per incarnation)."""
+        with self.t._lock:
+            self.t._check_open()
+            conn = self.t._connect(child)
+            known = self.children.get(child)
+            if known is not None and known[0] == conn.generation:
+                return known[1]
+            conn = self.t._connect(child, refresh=True)
+        prefix, names = region(self.group, 0, ""), []
+        for rname, info in conn.regions.items():
+            if not rname.startswith(prefix):
+                continue
+            n = rname[len(prefix) :]
+            t = self.sub.live.get(n)
+            if t is None or tuple(t.shape) != info.shape or dtype_name(t.dtype) != info.dtype:
+                raise TransportError(
+                    f"child {child!r} takes {n!r} {info.shape} {info.dtype}, which this relay "
+                    "does not hold in that shape and dtype"
+                )
+            names.append(n)
+        names.sort()
+        self.children[child] = (conn.generation, names)
+        return names
+
+    def ended(self, job: _Job, err: BaseException | None) -> None:
+        sub = self.sub
+        with sub._lock:
+            left = sub._forwarding.get(job.src, 0) - 1
+            if left > 0:
+                sub._forwarding[job.src] = left
+            else:
+                sub._forwarding.pop(job.src, None)
+            jobs = self.jobs.get(job.version)
+            if jobs is not None and job in jobs:
+                jobs.remove(job)
+            sub._lock.notify_all()
+        if err is None:
+            self.report(job.publisher, job.version, job.child, "", "")
+        else:
+            self.children.pop(job.child, None)
+            lost = isinstance(err, (PeerLostError, PeerNotFoundError))
+            self.report(job.publisher, job.version, job.child, "lost" if lost else "fail", str(err))
+        if not sub._closed:
+            sub._credit_publishers()  # the slot may be free now
+
+    def report(self, publisher: str, version: int, child: str, outcome: str, why: str) -> None:
+        try:
+            self.t._send_control(
+                publisher,
+                channel(self.group),
+                encode("fwdr", v=version, c=child, x=outcome, e=why[:900]),
+            )
+        except TransportError as e:
+            log.info(
+                "could not tell %s what became of version %d at %s: %s",
+                publisher,
+                version,
+                child,
+                e,
+            )
+
+    def expire(self) -> float:
+        """Worker tick: forwards past their deadline end (those not started are reported)."""
+        now = time.monotonic()
+        late, stalled = [], []
+        with self.sub._lock:
+            for v in list(self.pending):
+                late += [(v, j) for j in self.pending[v] if j[0] <= now]
+                self.pending[v] = [j for j in self.pending[v] if j[0] > now]
+                if not self.pending[v]:
+                    del self.pending[v]
+            for jobs in self.jobs.values():
+                stalled += [j for j in jobs if j.write is not None and j.write.deadline <= now]
+            deadlines = [j[0] for js in self.pending.values() for j in js] + [
+                j.write.deadline for js in self.jobs.values() for j in js if j.write is not None
+            ]
+        for v, (_, publisher, child, _, _) in late:
+            self.report(publisher, v, child, "fail", f"version {v} did not arrive here in time")
+        for job in stalled:
+            assert job.write is not None
+            job.write.fail(TransferTimeout(f"version {job.version} was not complete here in time"))
+        nearest = min(deadlines, default=None)
+        return 1.0 if nearest is None else max(0.01, nearest - now)
+
+    def drop(self) -> None:
+        """Leaving: forwards not started are reported; started ones end (each has a deadline)."""
+        with self.sub._lock:
+            jobs = [(v, j) for v, js in self.pending.items() for j in js]
+            self.pending.clear()
+            self.sub._lock.notify_all()
+        for v, (_, publisher, child, _, _) in jobs:
+            self.report(publisher, v, child, "fail", "the relay left the group")
+
+    def busy(self) -> bool:
+        """With the subscriber's lock held: forwards are pending or in flight."""
+        return bool(self.pending or self.sub._forwarding)
