@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--generators", type=int, default=2)
     ap.add_argument("--store", default="tcp://127.0.0.1:29517", help="store URL: the embedded one, or redis://...")
+    ap.add_argument("--fanout", choices=("direct", "chain", "tree"), default="direct",
+                    help="who writes each generator: the trainer (direct), or generators relaying (chain, tree)")
     args = ap.parse_args()
     if args.steps < 1 or args.generators < 1:
         ap.error("--steps and --generators must be at least 1")
@@ -103,7 +105,7 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     reports: mp.Queue = ctx.Queue()
     with transport.Transport("trainer", store=args.store) as t:
-        pub = transport.WeightPublisher(t, model.state_dict(), group="policy")
+        pub = transport.WeightPublisher(t, model.state_dict(), group="policy", fanout=args.fanout)
         procs = [ctx.Process(target=generator, args=(n, args.store, reports)) for n in names]
         for p in procs:
             p.start()
@@ -136,7 +138,8 @@ def main() -> int:
         pub.close()
     nbytes = sum(v.nbytes for v in model.state_dict().values())
     print(f"trainer: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-          f"{len(model.state_dict())} tensors, {nbytes / 2**20:.1f} MiB per publish to {len(names)} generators; "
+          f"{len(model.state_dict())} tensors, {nbytes / 2**20:.1f} MiB per publish to {len(names)} generators "
+          f"({args.fanout}); "
           f"publish median {statistics.median(publish_ms):.2f} ms")
     ok = all(p.exitcode == 0 for p in procs)
     for name, used, bad in results:

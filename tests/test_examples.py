@@ -47,6 +47,18 @@ def test_rl_loop_main_job():
         assert "checksum mismatches 0" in line and "..6," in line, line
 
 
+@pytest.mark.timeout(300)
+def test_rl_loop_with_generators_relaying_along_a_chain():
+    out = run("rl_loop.py", "--steps", "4", "--generators", "3", "--fanout", "chain")
+    assert "rl_loop: OK" in out and "(chain)" in out, out
+    for name in ("gen-0", "gen-1", "gen-2"):
+        line = next(
+            line for line in out.splitlines() if line.startswith(f"{name}: ") and "samples" in line
+        )
+        assert "checksum mismatches 0" in line and "..4," in line, line
+    assert "excluded" not in out, out
+
+
 def test_push_weights_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "push_weights.py"), "--generators", "0"],
