@@ -154,13 +154,20 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_idle_transport_uses_under_5_percent_of_a_core(tcp_store):
-    """A receiver that exposes memory and waits, measured from outside its process over 5 s."""
+    """A receiver that exposes memory and waits, measured from outside its process in three
+    windows of 2 s: the median must stay under 5% (a steady cost fails it; one window disturbed by
+    another tenant of a 2-core machine does not)."""
+    shares = []
     with Peer("idle", tcp_store.url, {"x": ("float32", 1024, "rw")}) as p:
         p.call("sha", "x")  # start-up is over
-        cpu0, wall0 = _cpu_seconds(p.pid), time.monotonic()
-        threading.Event().wait(5.0)  # the measurement window
-        cpu, wall = _cpu_seconds(p.pid) - cpu0, time.monotonic() - wall0
-    assert cpu / wall < 0.05, f"an idle Transport used {100 * cpu / wall:.1f}% of a core"
+        for _ in range(3):
+            cpu0, wall0 = _cpu_seconds(p.pid), time.monotonic()
+            threading.Event().wait(2.0)  # the measurement window
+            shares.append((_cpu_seconds(p.pid) - cpu0) / (time.monotonic() - wall0))
+    shares.sort()
+    assert shares[1] < 0.05, (
+        f"an idle Transport used {[f'{100 * x:.1f}%' for x in shares]} of a core"
+    )
 
 
 def test_notify_without_data_follows_earlier_puts(pair):
