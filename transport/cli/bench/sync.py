@@ -368,7 +368,7 @@ class SyncWriter:
             self.res.notes.append(
                 "relayed fan-out (ours-chain, ours-tree): the trainer sends each version "
                 + ", ".join(f"{f}: {trainer_sends(f, p)}x" for f in p.fanouts)
-                + f" (tree degree {p.degree}); generators forward once all of a version landed"
+                + f" (tree degree {p.degree}); relays forward each 32 MiB segment as it lands"
             )
         applies = [m["apply_s"] for m in replies if m.get("apply_s") is not None]
         if applies:
