@@ -161,6 +161,7 @@ class Transport(Closing):
         self._secret = secret
         self._state = _State.OPEN
         self._lock = threading.RLock()  # guards regions, connections, plans
+        self._stream: Any = None  # transport.cuda.stream.StreamOps, on the first stream= call
 
         if store is None:
             store = os.environ.get("TRANSPORT_STORE", DEFAULT_STORE_URL)
@@ -240,6 +241,8 @@ class Transport(Closing):
             self._dir.leave(self.name, self.generation)
         except Exception as e:
             log.warning("could not remove %s from the store: %s", self.name, e)
+        if self._stream is not None:
+            self._stream.close()  # streams waiting on a transfer are released
         self._engine.stop()
         if (
             getattr(self, "_control", None) is not None
@@ -367,6 +370,8 @@ class Transport(Closing):
         Without ``key`` the name the source was exposed or registered under is used.
         """
         if type(src) is torch.Tensor and type(peer) is str and stream is None:
+            if self._stream is not None:
+                self._stream.check()
             handle = self._fast(WRITE, src, peer, key, offset, notify, timeout)
             if handle is not None:
                 return handle
@@ -387,6 +392,8 @@ class Transport(Closing):
         if not isinstance(peer, str):
             raise TypeError("get reads from one peer; pass its name as a str")
         if type(dst) is torch.Tensor and stream is None:
+            if self._stream is not None:
+                self._stream.check()
             handle = self._fast(READ, dst, peer, key, offset, None, timeout)
             if handle is not None:
                 return handle
@@ -449,57 +456,16 @@ class Transport(Closing):
         timeout: float | None,
         stream: Any,
         frame: bytes | None = None,
+        proxy: bool = False,
     ) -> Handle:
         if self._state is not _State.OPEN:
             self._check_open()
+        if self._stream is not None and not proxy:
+            self._stream.check()  # an error of a stream-ordered transfer surfaces here
         if stream is not None:
-            raise ValueError(
-                "stream= needs stream-ordered transfers, which this build does not include yet"
-            )
+            return self._stream_op(op, obj, peer, key, offset, notify, timeout, stream)
         peers = (peer,) if isinstance(peer, str) else _peer_list(peer)
-        if type(offset) is not int or offset < 0:
-            raise ValueError(
-                f"offset must be a non-negative int (elements of the region), got {offset!r}"
-            )
-        if isinstance(obj, torch.Tensor):
-            if not obj.is_contiguous() or obj.layout != torch.strided:
-                check_tensor(obj)
-            if key is None:
-                key = self._local_names.get((obj.data_ptr(), obj.nbytes))
-                if key is None:
-                    raise ValueError(
-                        "no key given and the tensor was never exposed or registered under a name; "
-                        "pass key='region' or call register(tensor, name='region')"
-                    )
-            items: tuple[tuple[str, torch.Tensor], ...] = ((key, obj),)
-            sig: tuple[Any, ...] = (key, obj.data_ptr(), obj.nbytes, obj.dtype)
-        elif isinstance(obj, Mapping):
-            if key is not None:
-                raise ValueError(
-                    "key= cannot be combined with a dict; the dict's keys name the regions"
-                )
-            if offset:
-                raise ValueError(
-                    "offset= cannot be combined with a dict; put each tensor separately"
-                )
-            if not obj:
-                raise ValueError("the dict of tensors is empty")
-            items = tuple(obj.items())
-            # The signature is all a cached plan needs; full checks run when a plan is built. A
-            # tensor matching a cached plan's (pointer, size, dtype) is that same memory, so only
-            # its layout can have changed.
-            try:
-                sig = tuple([(k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items])
-                contiguous = all([t.is_contiguous() for _, t in items])
-            except (AttributeError, TypeError, RuntimeError):
-                contiguous = False
-            if not contiguous:
-                for k, t in items:
-                    check_tensor(t, f"tensor {k!r}")
-        else:
-            raise TypeError(
-                f"expected a torch.Tensor or a dict of name -> torch.Tensor, got {type(obj).__name__}"
-            )
+        items, sig = self._items(obj, key, offset)
         if timeout is None:
             timeout = self.timeout
         else:
@@ -551,6 +517,102 @@ class Transport(Closing):
         else:
             self._engine.submit(ops)
         return handle
+
+    def _items(
+        self, obj: Any, key: str | None, offset: int
+    ) -> tuple[tuple[tuple[str, torch.Tensor], ...], tuple[Any, ...]]:
+        """The (region name, tensor) pairs of a put or get, and the signature of its plan."""
+        if type(offset) is not int or offset < 0:
+            raise ValueError(
+                f"offset must be a non-negative int (elements of the region), got {offset!r}"
+            )
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_contiguous() or obj.layout != torch.strided:
+                check_tensor(obj)
+            if key is None:
+                key = self._local_names.get((obj.data_ptr(), obj.nbytes))
+                if key is None:
+                    raise ValueError(
+                        "no key given and the tensor was never exposed or registered under a name; "
+                        "pass key='region' or call register(tensor, name='region')"
+                    )
+            items: tuple[tuple[str, torch.Tensor], ...] = ((key, obj),)
+            sig: tuple[Any, ...] = (key, obj.data_ptr(), obj.nbytes, obj.dtype)
+        elif isinstance(obj, Mapping):
+            if key is not None:
+                raise ValueError(
+                    "key= cannot be combined with a dict; the dict's keys name the regions"
+                )
+            if offset:
+                raise ValueError(
+                    "offset= cannot be combined with a dict; put each tensor separately"
+                )
+            if not obj:
+                raise ValueError("the dict of tensors is empty")
+            items = tuple(obj.items())
+            # The signature is all a cached plan needs; full checks run when a plan is built. A
+            # tensor matching a cached plan's (pointer, size, dtype) is that same memory, so only
+            # its layout can have changed.
+            try:
+                sig = tuple([(k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items])
+                contiguous = all([t.is_contiguous() for _, t in items])
+            except (AttributeError, TypeError, RuntimeError):
+                contiguous = False
+            if not contiguous:
+                for k, t in items:
+                    check_tensor(t, f"tensor {k!r}")
+        else:
+            raise TypeError(
+                f"expected a torch.Tensor or a dict of name -> torch.Tensor, got {type(obj).__name__}"
+            )
+        return items, sig
+
+    def _stream_op(
+        self,
+        op: str,
+        obj: Any,
+        peer: str | Iterable[str],
+        key: str | None,
+        offset: int,
+        notify: bytes | None,
+        timeout: float | None,
+        stream: Any,
+    ) -> Any:
+        """Enqueue the transfer on ``stream``: checked and planned now, posted by the proxy
+        thread when the stream reaches it (see transport.cuda)."""
+        ops = self._stream_ops()
+        peers = (peer,) if isinstance(peer, str) else _peer_list(peer)
+        items, sig = self._items(obj, key, offset)
+        for p in peers:
+            self._plan(op, p, items, sig, offset)  # every check before anything is enqueued
+        if timeout is not None:
+            _positive("timeout", timeout)
+
+        def start() -> Handle:
+            return self._transfer(op, obj, peer, key, offset, notify, timeout, None, proxy=True)
+
+        what = f"{'put' if op == WRITE else 'get'} to {', '.join(peers)}"
+        return ops.enqueue((op, peers, sig, offset, notify), start, what, stream)
+
+    def _stream_ops(self) -> Any:
+        """The stream machinery, created on first use; a clear error without CUDA or CuPy."""
+        if self._stream is None:
+            from transport.cuda import stream as cuda_stream
+
+            why = cuda_stream.unavailable()
+            if why is not None:
+                raise RuntimeError(why)
+            with self._lock:
+                if self._stream is None:
+                    self._stream = cuda_stream.StreamOps()
+        return self._stream
+
+    def check(self) -> None:
+        """Raise the oldest error of a stream-ordered transfer not raised yet (they surface at the
+        next put or get, or a handle's wait, too). Nothing to do without stream= transfers."""
+        self._check_open()
+        if self._stream is not None:
+            self._stream.check()
 
     def _after_loss(
         self,

@@ -6,8 +6,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, overload
 
 import torch
 
@@ -77,6 +78,7 @@ class PublishHandle:
         self.deadline = deadline
         self._pending = set(names)
         self._cond = threading.Condition()
+        self._callbacks: list[Callable[[PublishHandle], Any]] = []
 
     def _settle(self, name: str, status: str, reason: str = "") -> None:
         with self._cond:
@@ -87,6 +89,22 @@ class PublishHandle:
             if reason:
                 self.result.reasons[name] = reason
             self._cond.notify_all()
+            callbacks = [] if self._pending else self._callbacks
+            self._callbacks = []
+        for fn in callbacks:
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[[PublishHandle], Any]) -> None:
+        """Call ``fn(handle)`` once every subscriber has an outcome (at once if they have)."""
+        with self._cond:
+            if self._pending:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """None: a publish does not fail as a whole; :attr:`result` tells each subscriber's outcome."""
+        return None
 
     def done(self) -> bool:
         return not self._pending
@@ -289,8 +307,45 @@ class WeightPublisher:
             self._seq[0] += 1  # even: stable
             self._updating = False
 
-    def publish(self, version: int, timeout: float | None = None) -> PublishHandle:
-        """Send the tensors as ``version`` to every subscriber; returns at once."""
+    @overload
+    def publish(
+        self, version: int | None = None, timeout: float | None = None, stream: None = None
+    ) -> PublishHandle: ...
+
+    @overload
+    def publish(
+        self, version: None = None, timeout: float | None = None, *, stream: Any
+    ) -> Any: ...
+
+    def publish(
+        self, version: int | None = None, timeout: float | None = None, stream: Any = None
+    ) -> Any:
+        """Send the tensors as ``version`` (default: the next one) to every subscriber; returns
+        a :class:`PublishHandle` at once.
+
+        With ``stream=`` (a ``torch.cuda.Stream``) the publish is ordered on that stream: it
+        starts once the work queued before it (the optimizer step) has run, and returns a
+        ``StreamHandle`` whose ``wait_stream()`` holds later work until every subscriber has an
+        outcome. Inside ``torch.cuda.graph`` capture it is recorded, and every replay publishes
+        the next version. Versions are then counted by the publisher (``version`` must be None).
+        """
+        if stream is not None:
+            if version is not None:
+                raise ValueError(
+                    "with stream=, each run (or graph replay) publishes the next version: "
+                    "pass version=None and read pub.version"
+                )
+            ops = self.transport._stream_ops()
+            if timeout is not None and not timeout > 0:
+                raise ValueError(f"timeout must be positive, got {timeout!r}")
+            return ops.enqueue(
+                ("publish", self.group, id(self)),
+                lambda: self.publish(None, timeout),
+                f"publish of group {self.group!r}",
+                stream,
+            )
+        if version is None:
+            version = self.version + 1 if self.version >= 0 else 1
         if not isinstance(version, int) or isinstance(version, bool):
             raise TypeError("version must be an int")
         if version <= self.version:
