@@ -1,5 +1,6 @@
 """Shared fixtures. Stores: ``store`` runs a test on every kind, ``interprocess_store``
-on the kinds other processes can reach; ``redis_url`` is a real Redis server."""
+on the kinds other processes can reach; ``redis_url`` is a real Redis server; ``tcp_store`` is the
+embedded store hosted by the test process, and ``writer`` a Transport on it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import transport
 from helpers.redis_server import RedisServer, external_redis_url, flush
 from transport.store import MemoryStore, Store, store_from_url
 from transport.store.tcp import TcpStore
@@ -61,3 +63,18 @@ def interprocess_store(request: pytest.FixtureRequest) -> Iterator[Store]:
     opened = _open_store(request.param, request)
     yield opened
     opened.close()
+
+
+@pytest.fixture
+def tcp_store() -> Iterator[Store]:
+    """The embedded store (torch TCPStore) hosted by the test process on a free port."""
+    s = TcpStore("127.0.0.1", 0, hosting="yes")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def writer(tcp_store: Store) -> Iterator[transport.Transport]:
+    """A Transport named "writer" in the test process."""
+    with transport.Transport("writer", store=tcp_store, timeout=30) as t:
+        yield t

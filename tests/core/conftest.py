@@ -7,19 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-import transport
 from helpers.peer import Peer
 from helpers.redis_server import flush
 from transport.store import Store, store_from_url
 from transport.store.tcp import TcpStore
-
-
-@pytest.fixture
-def tcp_store() -> Iterator[Store]:
-    """The embedded store (torch TCPStore) hosted by the test process on a free port."""
-    s = TcpStore("127.0.0.1", 0, hosting="yes")
-    yield s
-    s.close()
 
 
 @pytest.fixture(params=["tcp", "redis"])
@@ -33,12 +24,6 @@ def any_store(request: pytest.FixtureRequest) -> Iterator[Store]:
         s = store_from_url(url)
     yield s
     s.close()
-
-
-@pytest.fixture
-def writer(tcp_store: Store) -> Iterator[transport.Transport]:
-    with transport.Transport("writer", store=tcp_store, timeout=30) as t:
-        yield t
 
 
 def start_receiver(store: Store, name: str = "recv", **regions: tuple[str, int, str]) -> Peer:

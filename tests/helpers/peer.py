@@ -15,7 +15,8 @@ import torch
 
 from helpers.child import ChildError, ChildProcess, serve
 
-Regions = dict[str, tuple[str, int, str]]  # name -> (dtype, numel, access)
+# name -> (dtype, numel, access) or (dtype, numel, access, device), e.g. device "cuda:0"
+Regions = dict[str, tuple[Any, ...]]
 
 
 def pattern(nbytes: int, seed: int) -> torch.Tensor:
@@ -25,7 +26,7 @@ def pattern(nbytes: int, seed: int) -> torch.Tensor:
 
 
 def sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
 def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str, Any]) -> None:
@@ -33,9 +34,12 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
 
     try:
         t = transport.Transport(name, store=store, **kwargs)
-        bufs = {r: torch.zeros(n, dtype=getattr(torch, dt)) for r, (dt, n, _) in regions.items()}
+        bufs = {
+            r: torch.zeros(spec[1], dtype=getattr(torch, spec[0]), device=(*spec, "cpu")[3])
+            for r, spec in regions.items()
+        }
         for access in ("rw", "w", "r"):
-            group = {r: bufs[r] for r, (_, _, a) in regions.items() if a == access}
+            group = {r: bufs[r] for r, spec in regions.items() if spec[2] == access}
             if group:
                 t.expose_all(group, access=access)
     except BaseException as e:
@@ -57,10 +61,10 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         "shas": lambda names: {r: sha(bufs[r]) for r in names},
         "sha_range": lambda r, start, n: sha(bufs[r].view(torch.uint8)[start : start + n]),
         "read": lambda r, start, n: bytes(
-            bufs[r].view(torch.uint8)[start : start + n].numpy().tobytes()
+            bufs[r].view(torch.uint8)[start : start + n].cpu().numpy().tobytes()
         ),
         "fill": lambda r, seed: (
-            bufs[r].view(torch.uint8).copy_(pattern(bufs[r].nbytes, seed)),
+            bufs[r].view(torch.uint8).copy_(pattern(bufs[r].nbytes, seed).to(bufs[r].device)),
             sha(bufs[r]),
         )[1],
         "zero": lambda r: bufs[r].zero_() is not None,

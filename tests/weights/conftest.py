@@ -11,15 +11,6 @@ import pytest
 import transport
 from helpers.ws_peer import PublisherProcess, SubscriberProcess
 from transport.store import Store
-from transport.store.tcp import TcpStore
-
-
-@pytest.fixture
-def tcp_store() -> Iterator[Store]:
-    """The embedded store (torch TCPStore) hosted by the test process on a free port."""
-    s = TcpStore("127.0.0.1", 0, hosting="yes")
-    yield s
-    s.close()
 
 
 @pytest.fixture
