@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import signal
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,8 @@ from transport.memory import LocalMemory, check_tensor, device_of, dtype_name
 from transport.peers import Directory
 from transport.plan import PeerConn, Plan
 from transport.store import DEFAULT_STORE_URL, Store, store_from_url
+from transport.trace import DEFAULT_CAPACITY, FlightRecorder
+from transport.trace import ENV_DIR as TRACE_ENV_DIR
 from transport.wire import (
     ACCESS_MODES,
     TAG_CONTROL,
@@ -51,6 +56,41 @@ from transport.wire import (
 )
 
 log = logging.getLogger("transport")
+
+#: automatic dumps after errors: at most one per this many seconds per Transport
+DUMP_MIN_INTERVAL = 5.0
+
+_sigusr1_lock = threading.Lock()
+_sigusr1_transports: weakref.WeakSet[Transport] = weakref.WeakSet()
+_sigusr1_previous: Any = None
+
+
+def _watch_sigusr1(t: Transport) -> None:
+    """SIGUSR1 dumps the ring of every Transport of the process that has a trace directory. The
+    handler is installed once, from the main thread (elsewhere Python refuses; the Transport then
+    dumps on errors and requests only), and calls the handler that was there before."""
+    global _sigusr1_previous
+    with _sigusr1_lock:
+        _sigusr1_transports.add(t)
+        if (
+            _sigusr1_previous is not None
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        try:
+            _sigusr1_previous = signal.signal(signal.SIGUSR1, _on_sigusr1)
+        except (ValueError, OSError) as e:
+            log.info("SIGUSR1 is not watched: %s", e)
+
+
+def _on_sigusr1(signum: int, frame: Any) -> None:
+    for t in list(_sigusr1_transports):
+        if not t.closed:
+            t._request_dump("SIGUSR1")
+    prev = _sigusr1_previous
+    if callable(prev) and prev not in (signal.SIG_IGN, signal.SIG_DFL):
+        prev(signum, frame)
+
 
 __version__ = "0.1.0"
 
@@ -142,6 +182,8 @@ class Transport(Closing):
         inline_bytes: int = 1 << 20,
         idle_interval: float = 5e-3,
         heartbeat_interval: float = 1.0,
+        trace_dir: str | os.PathLike[str] | None = None,
+        trace_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         self.name = check_name("peer name", name)
         self.namespace = check_name("namespace", namespace)
@@ -162,6 +204,15 @@ class Transport(Closing):
         self._state = _State.OPEN
         self._lock = threading.RLock()  # guards regions, connections, plans
         self._stream: Any = None  # transport.cuda.stream.StreamOps, on the first stream= call
+        # the flight recorder; automatic dumps (errors, requests of the namespace, SIGUSR1) go to
+        # trace_dir, or $TRANSPORT_TRACE_DIR, and nowhere without one
+        self.recorder = FlightRecorder(trace_capacity)
+        env_dir = os.environ.get(TRACE_ENV_DIR)
+        self.trace_dir = Path(trace_dir) if trace_dir else (Path(env_dir) if env_dir else None)
+        self._dump_reason: str | None = None
+        self._dump_seen = 0
+        self._last_dump = 0.0
+        self.recorder.on_error = self._on_transfer_error
 
         if store is None:
             store = os.environ.get("TRANSPORT_STORE", DEFAULT_STORE_URL)
@@ -206,9 +257,13 @@ class Transport(Closing):
         try:
             self._publish()
             self._dir.heartbeat(self.name, self.generation)
+            if self.trace_dir is not None:
+                self._dump_seen = self.store.add(self._dump_key, 0)  # answer only newer requests
         except BaseException:
             self.close()
             raise
+        if self.trace_dir is not None:
+            _watch_sigusr1(self)
         self.heartbeat_interval = heartbeat_interval
         self._control = threading.Thread(
             target=self._control_loop, name=f"transport-control-{name}", daemon=True
@@ -439,9 +494,14 @@ class Transport(Closing):
             return None
         notif = frame_user_notification(notify) if notify is not None else b""
         handle = Handle("put" if op == WRITE else "get", (peer,), nbytes, 1)
+        handle._rec = self.recorder  # its end is recorded, unless it completes inside the post
         if self._engine.post_fast(
             handle, plan, notif, self.timeout if timeout is None else timeout
         ):
+            if handle._state:  # completed inside the post: one event
+                self.recorder.record("done", handle.id, handle.op, peer, nbytes, key, "inline")
+            else:
+                self.recorder.record("post", handle.id, handle.op, peer, nbytes, key)
             return handle
         return None
 
@@ -478,6 +538,16 @@ class Transport(Closing):
         )
         plans = [self._plan(op, p, items, sig, offset) for p in peers]
         handle = Handle("put" if op == WRITE else "get", peers, sum(p.nbytes for p in plans), 0)
+        handle._rec = self.recorder
+        # names only (the signature holds no tensor): the ring must not keep memory alive
+        self.recorder.record(
+            "post",
+            handle.id,
+            handle.op,
+            peers,
+            handle.nbytes,
+            items[0][0] if len(items) == 1 else sig,
+        )
         ops: list[Op] = []
         inline = True
         for plan in plans:
@@ -778,6 +848,7 @@ class Transport(Closing):
             )
         conn = PeerConn(rec, loaded)
         self._conns[peer] = conn
+        self.recorder.record("join", peers=peer, info=f"generation {rec.generation}")
         return conn
 
     def _connect_locked(self, peer: str) -> PeerConn:
@@ -820,6 +891,7 @@ class Transport(Closing):
         # thread may hold that while it talks to the store). Stale plans are purged by _connect.
         if conn.alive:
             log.warning("peer %s#%d lost: %s", conn.name, conn.generation, error)
+            self.recorder.record("lost", peers=conn.name, info=str(error)[:300])
             conn.close(self._backend)
 
     def _on_notifications(self, notifs: dict[str, list[bytes]]) -> None:
@@ -1037,10 +1109,17 @@ class Transport(Closing):
                 break
             if self._retries:
                 self._run_retries()
+            if self._dump_reason is not None:
+                self._dump_now()
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + self.heartbeat_interval
             try:
+                if self.trace_dir is not None:
+                    requested = self.store.add(self._dump_key, 0)
+                    if requested > self._dump_seen:
+                        self._dump_seen = requested
+                        self._dump_to_dir("a peer of the namespace asked (it saw an error)")
                 self._dir.heartbeat(self.name, self.generation)
                 for conn in list(self._conns.values()):
                     if conn.alive and self._dir.generation(conn.name) > conn.generation:
@@ -1050,6 +1129,61 @@ class Transport(Closing):
                         self._drop_conn(conn)
             except Exception as e:  # the store may be down; transfers go on without it
                 log.warning("transport %s: store unavailable for heartbeats: %s", self.name, e)
+
+    # -- flight recorder -------------------------------------------------------------------------
+
+    def dump_trace(
+        self, directory: str | os.PathLike[str] | None = None, reason: str = "on demand"
+    ) -> Path:
+        """Write the flight recorder's ring to a new file in ``directory`` (default: the trace
+        directory) and return its path; ``transport trace DIR`` reads it."""
+        d = directory if directory is not None else self.trace_dir
+        if d is None:
+            raise ValueError(
+                f"no directory: pass one, or give Transport(trace_dir=...) or ${TRACE_ENV_DIR}"
+            )
+        return self.recorder.dump(d, self._trace_header(reason))
+
+    def _trace_header(self, reason: str) -> dict[str, Any]:
+        return {"name": self.name, "generation": self.generation, "namespace": self.namespace,
+                "reason": reason}  # fmt: skip
+
+    @property
+    def _dump_key(self) -> str:
+        return f"transport/{self.namespace}/trace/requests"
+
+    def _on_transfer_error(self, kind: str) -> None:
+        """A transfer failed (any thread, often the engine's): dump, and ask the namespace to."""
+        if self.trace_dir is not None and self._dump_reason is None:
+            self._dump_reason = f"a transfer ended with a {kind}"
+            self._control_wake.set()
+
+    def _request_dump(self, reason: str) -> None:
+        """From a signal handler: only a flag and a wake-up."""
+        self._dump_reason = reason
+        self._control_wake.set()
+
+    def _dump_now(self) -> None:
+        reason, self._dump_reason = self._dump_reason or "", None
+        if reason.startswith("a transfer"):
+            if time.monotonic() - self._last_dump < DUMP_MIN_INTERVAL:
+                return  # one error storm, one round of dumps
+            try:
+                self._dump_seen = self.store.add(self._dump_key, 1)
+            except Exception as e:
+                log.warning("transport %s: could not ask the namespace to dump: %s", self.name, e)
+        self._dump_to_dir(reason)
+
+    def _dump_to_dir(self, reason: str) -> None:
+        if self.trace_dir is None:
+            return
+        self._last_dump = time.monotonic()
+        try:
+            path = self.recorder.dump(self.trace_dir, self._trace_header(reason))
+        except OSError as e:
+            log.warning("transport %s: could not write its trace: %s", self.name, e)
+            return
+        log.info("transport %s: trace written to %s (%s)", self.name, path, reason)
 
     def __repr__(self) -> str:
         return f"<Transport {self.name}#{self.generation} ns={self.namespace} {self._state.value}>"

@@ -16,6 +16,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 from transport.errors import TransferTimeout, TransportError
+from transport.trace import FlightRecorder, next_id
 
 _PENDING, _OK, _FAILED = 0, 1, 2
 
@@ -32,9 +33,11 @@ class Handle:
         "_cond",
         "_error",
         "_poller",
+        "_rec",
         "_remaining",
         "_state",
         "errors",
+        "id",
         "nbytes",
         "op",
         "peers",
@@ -52,6 +55,8 @@ class Handle:
         self._callbacks: list[Callable[[Handle], Any]] | None = None
         # drives progress from the waiting thread for transfers posted by the caller (fast path)
         self._poller: Callable[[], None] | None = None
+        self.id = next_id()  # names it in the flight recorder
+        self._rec: FlightRecorder | None = None  # where its end is recorded
 
     # -- completion (called by the engine, or by a waiter driving progress) ---------------------
 
@@ -71,6 +76,17 @@ class Handle:
                 self._state = _OK
             cond, callbacks = self._cond, self._callbacks
             self._callbacks = None
+        rec = self._rec
+        if rec is not None:
+            if self._error is None:
+                rec.record("done", self.id, self.op, self.peers, self.nbytes)
+            else:
+                kind = "timeout" if isinstance(self._error, TransferTimeout) else "error"
+                rec.record(
+                    kind, self.id, self.op, self.peers, self.nbytes, None, str(self._error)[:300]
+                )
+                if rec.on_error is not None:
+                    rec.on_error(kind)
         if cond is not None:
             with cond:
                 cond.notify_all()

@@ -168,7 +168,14 @@ class StreamOps(SlotTable):
 
         super().__init__(torch.zeros((CAPACITY, 4), dtype=torch.int64, pin_memory=True))
         self.counters = torch.zeros(CAPACITY, dtype=torch.int64, device=device or "cuda")
-        self._host_ptr = int(cupy.cuda.runtime.hostGetDevicePointer(self.words.data_ptr(), 0))
+        # With unified addressing (every 64-bit CUDA platform) pinned memory is mapped and the
+        # device sees it at the host address; ask the runtime where it can be asked.
+        ptr = self.words.data_ptr()
+        get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+        try:
+            self._host_ptr = int(get(ptr, 0)) if get is not None else ptr
+        except Exception:
+            self._host_ptr = ptr
 
     def _word_ptr(self, slot: Slot, which: int) -> int:
         return self._host_ptr + (slot.index * 4 + which) * 8
