@@ -909,6 +909,7 @@ class Transport(Closing):
                 except WireFormatError as e:
                     log.warning("dropping a notification from %s: %s", who[0], e)
                     continue
+                self.recorder.record("notif", 0, channel or "", who[0], len(payload))
                 if tag == TAG_CONTROL:
                     handler = self._control_handlers.get(channel)
                     if handler is None:
