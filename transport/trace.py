@@ -1,12 +1,13 @@
 """The flight recorder: a ring of the last transfer events of one Transport, dumped to a file when
 something goes wrong (by every Transport of the namespace at once), on SIGUSR1, or on demand.
 
-Events: ``post`` (a transfer handed to NIXL), ``done`` / ``error`` / ``timeout`` (how it ended;
-``inline`` marks a put that completed inside its post), ``notif`` (a notification arrived),
+Events: ``post`` (a transfer handed to NIXL), ``done`` / ``error`` / ``timeout`` (how it ended),
+``notif`` (a notification arrived),
 ``join`` (a connection to a peer incarnation), ``lost`` (a peer died or restarted), ``dump``.
 Each has the monotonic time (wall-clock time comes from one offset taken at dump), the peers, the
-bytes, the region names and the handle id. Recording is one tuple appended to a deque: the ring
-costs well under a microsecond per transfer.
+bytes, the region names and the handle id. Recording is one tuple appended to a deque. Small puts
+and gets that complete inside their post (they cannot stall) are only counted, in the header's
+``inline_completed``: the fastest path pays nothing measurable for the recorder.
 
 A dump is one JSON-lines file: a header (who, why, clocks), then the events, oldest first.
 ``transport trace DIR`` merges the dumps of every peer into one timeline and names the transfers

@@ -45,24 +45,33 @@ def test_the_ring_records_every_kind_and_keeps_the_newest(tcp_store, tmp_path):
         transport.Transport("a", store=tcp_store, trace_capacity=8) as a,
     ):
         a.wait_for_peer("b", 30)
-        src = torch.ones(1024)
-        a.register(src)
         handles = []
-        for _ in range(40):
-            handles.append(a.put(src, "b", "x"))
+        for i in range(40):  # batches take the general path: a post and an end each
+            handles.append(a.put({"x": torch.full((1024,), float(i))}, "b"))
             handles[-1].wait(10)
         head, events = read(a.dump_trace(tmp_path, "test"))
         assert head["name"] == "a" and head["reason"] == "test" and head["capacity"] == 8
         assert len(events) == 8 and events[-1]["kind"] == "dump"
-        # the newest: each put recorded as it went (a post and its end, or one event when it
-        # completed inside the post), in order, with its peer, bytes and region
         ids = [h.id for h in handles]
-        got = [e["handle"] for e in events[:-1]]
-        assert got == sorted(got) and set(got) <= set(ids[-7:]) and got[-1] == ids[-1]
-        assert events[-2]["kind"] == "done"
+        assert [(e["kind"], e["handle"]) for e in events[:-1]] == [
+            ("done", ids[-4]),
+            *[(k, i) for i in ids[-3:] for k in ("post", "done")],
+        ]
         for e in events[:-1]:
-            assert e["kind"] in ("post", "done") and e["bytes"] == 4096 and e["peers"] == ["b"]
-            assert e["keys"] == ["x"] or (e["kind"] == "done" and e["info"] != "inline")
+            assert e["bytes"] == 4096 and e["peers"] == ["b"] and e["op"] == "put"
+            assert e["keys"] == (["x"] if e["kind"] == "post" else None)
+        assert b.call("sha", "x") == sha(torch.full((1024,), 39.0))
+        # registered memory, small: a put that completes inside its post is counted, not recorded
+        src = torch.ones(1024)
+        a.register(src)
+        fast = []
+        for _ in range(10):
+            fast.append(a.put(src, "b", "x"))
+            fast[-1].wait(10)
+        head, events = read(a.dump_trace(tmp_path, "fast"))
+        recorded = {e["handle"] for e in events} & {h.id for h in fast}
+        assert head["inline_completed"] + len(recorded) == 10
+        assert head["inline_completed"] >= 5  # CMA: after the first ones, every one
         # memory not registered before: posted, then done; the bytes are there
         h = a.put(torch.full((1024,), 2.0), "b", "x", notify=b"n")
         h.wait(10)
