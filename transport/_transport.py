@@ -404,8 +404,19 @@ class Transport(Closing):
             agent=agent_name(self.name, self.generation), backend=self._backend.name,
             metadata=self._backend.metadata(), host=socket.gethostname()[:255] or "?", pid=os.getpid(),
             version=__version__, created=self._created, regions=tuple(info for _, info in self._regions.values()),
+            registrations=self._exposed_registrations(),
         )  # fmt: skip
         self._dir.publish(rec)
+
+    def _exposed_registrations(self) -> tuple[tuple[int, int, str], ...]:
+        """The registered memory under the exposed regions (each tensor's whole storage, which is
+        what the registration cache registers)."""
+        seen: dict[tuple[int, str], int] = {}
+        for t, info in self._regions.values():
+            st = t.untyped_storage()
+            key = (st.data_ptr(), info.device)
+            seen[key] = max(seen.get(key, 0), st.nbytes())
+        return tuple((addr, n, dev) for (addr, dev), n in sorted(seen.items()))
 
     # -- transfers ----------------------------------------------------------------------------------
 

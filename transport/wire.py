@@ -15,6 +15,7 @@ re-encoding is needed to verify it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import math
@@ -26,7 +27,7 @@ import msgpack
 
 from transport.errors import SignatureError, WireFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
 MAX_RECORD_BYTES = 6 << 20
@@ -132,6 +133,9 @@ class PeerRecord:
     version: str
     created: float
     regions: tuple[RegionInfo, ...]
+    #: the registered memory the regions lie in: (address, bytes, device); a decoded record whose
+    #: region reaches outside it is refused
+    registrations: tuple[tuple[int, int, str], ...] = ()
 
     def region_map(self) -> dict[str, RegionInfo]:
         return {r.name: r for r in self.regions}
@@ -139,7 +143,7 @@ class PeerRecord:
 
 _PEER_FIELDS = {
     "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
-    "host": str, "pid": int, "version": str, "created": float, "regions": list,
+    "host": str, "pid": int, "version": str, "created": float, "regions": list, "regs": list,
 }  # fmt: skip
 _ENVELOPE_FIELDS = {"v", "kind", "body", "sig"}
 
@@ -212,12 +216,16 @@ def _decode_region(item: object, idx: int) -> RegionInfo:
         raise WireFormatError(f"{what}: shape {shape} of {dtype} does not match nbytes={nbytes}")
     if access not in ACCESS_MODES:
         raise WireFormatError(f"{what} has unknown access {str(access)[:10]!r}")
-    if not isinstance(device, str) or not (
-        device == "cpu"
-        or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
-    ):
+    if not _device_ok(device):
         raise WireFormatError(f"{what} has unknown device {str(device)[:20]!r}")
     return RegionInfo(name, addr, nbytes, dtype, tuple(shape), access, device)
+
+
+def _device_ok(device: object) -> bool:
+    return isinstance(device, str) and (
+        device == "cpu"
+        or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
+    )
 
 
 def _sign(secret: bytes, body: bytes) -> bytes:
@@ -236,6 +244,7 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
             "backend": rec.backend, "md": bytes(rec.metadata), "host": rec.host, "pid": rec.pid,
             "version": rec.version, "created": float(rec.created),
             "regions": [r._pack() for r in rec.regions],
+            "regs": [list(r) for r in rec.registrations],
         },
         use_bin_type=True,
     )  # fmt: skip
@@ -300,11 +309,50 @@ def decode_peer_record(
     regions = tuple(_decode_region(r, i) for i, r in enumerate(m["regions"]))
     if len({r.name for r in regions}) != len(regions):
         raise WireFormatError("peer record lists a region name twice")
+    regs = _decode_registrations(m["regs"])
+    _check_within(regions, regs)
     return PeerRecord(
         name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
         metadata=m["md"], host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
-        regions=regions,
+        regions=regions, registrations=regs,
     )  # fmt: skip
+
+
+def _decode_registrations(items: list[Any]) -> tuple[tuple[int, int, str], ...]:
+    if len(items) > MAX_REGIONS:
+        raise WireFormatError(f"peer record has more than {MAX_REGIONS} registrations")
+    out = []
+    for item in items:
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item[:2])
+            or not 0 < item[0] < _MAX_U64
+            or not 0 < item[1] <= _MAX_EXTENT
+            or item[0] + item[1] > _MAX_U64
+            or not _device_ok(item[2])
+        ):
+            raise WireFormatError(f"peer record has a malformed registration {str(item)[:60]}")
+        out.append((item[0], item[1], item[2]))
+    return tuple(out)
+
+
+def _check_within(regions: tuple[RegionInfo, ...], regs: tuple[tuple[int, int, str], ...]) -> None:
+    """Every region lies inside memory its peer registered (on the same device): a record that
+    says otherwise would have writers aim at memory nobody offered."""
+    by_dev: dict[str, list[tuple[int, int]]] = {}
+    for addr, n, dev in regs:
+        by_dev.setdefault(dev, []).append((addr, addr + n))
+    for spans in by_dev.values():
+        spans.sort()
+    for r in regions:
+        spans = by_dev.get(r.device, [])
+        i = bisect.bisect_right(spans, (r.addr, _MAX_U64)) - 1
+        if i < 0 or r.addr + r.nbytes > spans[i][1]:
+            raise WireFormatError(
+                f"region {r.name[:80]!r} ({r.nbytes} bytes at {r.addr:#x} on {r.device}) lies "
+                "outside the memory its peer registered; the record is refused"
+            )
 
 
 # --- heartbeats -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def record(**over) -> PeerRecord:
         host="h", pid=42, version="0.1.0", created=1.5,
         regions=(RegionInfo("layers.0.w", 0x7F0000001000, 64, "float32", (4, 4), "rw", "cpu"),
                  RegionInfo("emb", 0x7F0000002000, 2, "bfloat16", (1,), "r", "cuda:1")),
+        registrations=((0x7F0000001000, 4096, "cpu"), (0x7F0000002000, 2, "cuda:1")),
     )  # fmt: skip
     base.update(over)
     return PeerRecord(**base)
@@ -41,7 +42,7 @@ def body_of(raw: bytes) -> dict:
 
 
 def rewrap(body: dict, **env) -> bytes:
-    e = {"v": 1, "kind": "peer", "body": msgpack.packb(body, use_bin_type=True), "sig": None}
+    e = {"v": 2, "kind": "peer", "body": msgpack.packb(body, use_bin_type=True), "sig": None}
     e.update(env)
     return msgpack.packb(e, use_bin_type=True)
 
@@ -106,6 +107,19 @@ def test_namespace_is_checked():
         (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw"]]), "7 fields"),
         (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw", "cpu"]] * 2), "twice"),
         (lambda b: b.update(regions=[["x", 4096, -4, "float32", [-1], "rw", "cpu"]]), "bad nbytes"),
+        # regions must lie in registered memory of their device
+        (
+            lambda b: b["regions"][0].__setitem__(1, 0x7F0000001000 + 4096 - 32),
+            "outside the memory its peer registered",
+        ),
+        (lambda b: b["regions"][0].__setitem__(1, 0x7F0000000FF0), "outside the memory"),
+        (lambda b: b["regions"][1].__setitem__(6, "cuda:0"), "outside the memory"),
+        (lambda b: b.update(regs=[]), "outside the memory"),
+        (lambda b: b.update(regs=[[0x1000, 0, "cpu"]]), "malformed registration"),
+        (lambda b: b.update(regs=[[0x1000, 8, "tpu"]]), "malformed registration"),
+        (lambda b: b.update(regs=[[0x1000, True, "cpu"]]), "malformed registration"),
+        (lambda b: b.update(regs=[["a", 8, "cpu"]]), "malformed registration"),
+        (lambda b: b.pop("regs"), "missing \\['regs'\\]"),
     ],
 )
 def test_malformed_bodies_are_rejected(mutate, match):
@@ -117,8 +131,8 @@ def test_malformed_bodies_are_rejected(mutate, match):
 
 def test_envelope_rules():
     body = body_of(encode_peer_record(record()))
-    with pytest.raises(WireFormatError, match="format version 2"):
-        decode_peer_record(rewrap(body, v=2))
+    with pytest.raises(WireFormatError, match="format version 1"):
+        decode_peer_record(rewrap(body, v=1))
     with pytest.raises(WireFormatError, match="not a peer record"):
         decode_peer_record(rewrap(body, kind="other"))
     with pytest.raises(WireFormatError, match="signature must be 32 bytes"):
@@ -161,7 +175,7 @@ def test_garbage_only_raises_wire_format_error(data):
 )
 def test_well_formed_msgpack_of_the_wrong_shape_only_raises_wire_format_error(obj):
     raw = msgpack.packb(
-        {"v": 1, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sig": None}
+        {"v": 2, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sig": None}
     )
     with pytest.raises(WireFormatError):
         decode_peer_record(raw)

@@ -36,6 +36,7 @@ BAD = [
     (b"\xc1", "not valid msgpack"),
     (raw([1, 2]), "malformed"),
     (raw({"k": "nope"}), "malformed"),
+    (raw({"k": {"a": 1}}), "malformed"),  # found by the minute of fuzzing: an unhashable kind
     (raw({"k": "ver", "v": 1}), "malformed"),  # a field missing
     (raw({"k": "ver", "v": 1, "s": 0, "x": 1}), "malformed"),  # one too many
     (raw({"k": "ver", "v": -1, "s": 0}), "non-negative"),

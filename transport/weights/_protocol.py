@@ -108,7 +108,12 @@ def decode(payload: bytes) -> dict[str, Any]:
         )
     except Exception as e:
         raise WireFormatError(f"weight-sync message is not valid msgpack: {e}") from e
-    if not isinstance(m, dict) or m.get("k") not in _FIELDS or set(m) != _FIELDS[m["k"]] | {"k"}:
+    if (
+        not isinstance(m, dict)
+        or not isinstance(m.get("k"), str)
+        or m["k"] not in _FIELDS
+        or set(m) != _FIELDS[m["k"]] | {"k"}
+    ):
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
     kind = m["k"]
     for key in ("v", "s", "t", "a", "b"):
