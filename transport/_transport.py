@@ -407,6 +407,7 @@ class Transport(Closing):
             registrations=self._exposed_registrations(),
         )  # fmt: skip
         self._dir.publish(rec)
+        self._record = rec
 
     def _exposed_registrations(self) -> tuple[tuple[int, int, str], ...]:
         """The registered memory under the exposed regions (each tensor's whole storage, which is
@@ -749,6 +750,8 @@ class Transport(Closing):
             plan.inline = len(plan.parts) == 1 and plan.nbytes <= self.inline_bytes
             self._plans[ckey] = plan
             plan.conn.plans.add(plan)
+            if self._mem.over_limit():
+                self._shed_plans(plan)
             for _ in range(len(self._plans) - self.max_plans):
                 old_key, old = next(iter(self._plans.items()))
                 with old.conn.lock:
@@ -759,6 +762,23 @@ class Transport(Closing):
                     old.conn.plans.discard(old)
                     old.release(self._backend)
         return plan
+
+    def _shed_plans(self, current: Plan) -> None:
+        """With the lock held: implicit registrations are over their limits, and plans pin them.
+        Release the least recently made idle plans on implicit memory (a later put of the same
+        tensors plans again) until registrations can be dropped."""
+        for key, old in list(self._plans.items()):
+            if not self._mem.over_limit():
+                break
+            if old is current or not any(not r.explicit for r in old.keep):
+                continue
+            with old.conn.lock:
+                if old.busy:
+                    continue
+                del self._plans[key]
+                old.conn.plans.discard(old)
+                old.release(self._backend)
+            self._mem.evict()
 
     def _build_plan(
         self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int
@@ -1140,6 +1160,14 @@ class Transport(Closing):
                         self._dump_seen = requested
                         self._dump_to_dir("a peer of the namespace asked (it saw an error)")
                 self._dir.heartbeat(self.name, self.generation)
+                if self._dir.restore(self._record):
+                    log.warning(
+                        "transport %s: the store had lost its record (restarted?); published it again",
+                        self.name,
+                    )
+                    self.recorder.record(
+                        "join", peers=self.name, info="record restored in the store"
+                    )
                 for conn in list(self._conns.values()):
                     if conn.alive and self._dir.generation(conn.name) > conn.generation:
                         log.info(

@@ -81,7 +81,7 @@ class Registration:
 
 class LocalMemory:
     def __init__(
-        self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 16 << 30
+        self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 4 << 30
     ) -> None:
         self._backend = backend
         self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
@@ -103,12 +103,23 @@ class LocalMemory:
         reg = Registration(base, nbytes, device, token, storage, explicit)
         self._regs[key] = reg
         if not explicit:
-            self._evict()
+            self.evict(keep=reg)
         return reg
 
-    def _evict(self) -> None:
-        implicit = [(k, r) for k, r in self._regs.items() if not r.explicit]
-        count, total = len(implicit), sum(r.nbytes for _, r in implicit)
+    def over_limit(self) -> bool:
+        implicit = [r for r in self._regs.values() if not r.explicit]
+        return (
+            len(implicit) > self.max_implicit
+            or sum(r.nbytes for r in implicit) > self.max_implicit_bytes
+        )
+
+    def evict(self, keep: Registration | None = None) -> None:
+        """Deregister the oldest implicit registrations no plan uses until under the limits
+        (never ``keep``, the one being used right now). Each holds its memory alive, so this is
+        what lets the memory of tensors put once and dropped be freed."""
+        implicit = [(k, r) for k, r in self._regs.items() if not r.explicit and r is not keep]
+        count = len(implicit) + (keep is not None and not keep.explicit)
+        total = sum(r.nbytes for _, r in implicit) + (keep.nbytes if keep is not None else 0)
         for key, reg in implicit:  # oldest first
             if count <= self.max_implicit and total <= self.max_implicit_bytes:
                 break

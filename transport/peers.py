@@ -90,6 +90,21 @@ class Directory:
     def generation(self, name: str) -> int:
         return self.store.add(self.key("gen", name), 0)
 
+    def restore(self, record: PeerRecord) -> bool:
+        """Put our record back if the store lost it (a Redis restarted without persistence):
+        the generation counter, the membership index and the record. True if it was missing."""
+        if self.store.try_get(self.key("peers", record.name)) is not None:
+            return False
+        current = self.store.add(self.key("gen", record.name), 0)
+        if current < record.generation:
+            self.store.add(self.key("gen", record.name), record.generation - current)
+        if self.store.try_get(self.key("members", "by-name", record.name)) is None:
+            idx = self.store.add(self.key("members", "count"), 1)
+            self.store.set(self.key("members", str(idx)), record.name.encode())
+            self.store.set(self.key("members", "by-name", record.name), str(idx).encode())
+        self.publish(record)
+        return True
+
     def heartbeat(self, name: str, generation: int) -> None:
         self.store.set(self.key("hb", name), encode_heartbeat(generation, time.time()))
 

@@ -91,3 +91,35 @@ class Peer(ChildProcess):
         **kwargs: Any,
     ) -> None:
         super().__init__(name, _child, (store_url, regions or {}, kwargs), start_timeout)
+
+
+def _cycler_child(conn: Any, name: str, store: str, nbytes: int) -> None:
+    """A peer that joins and leaves on command: ``open`` starts a Transport exposing ``buf``,
+    ``close`` closes it, ``sha`` hashes ``buf``."""
+    import transport
+
+    state: dict[str, Any] = {}
+
+    def open_() -> int:
+        t = transport.Transport(name, store=store)
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        t.expose("buf", buf, access="w")
+        state["t"], state["buf"] = t, buf
+        return t.generation
+
+    def close() -> None:
+        state.pop("t").close()
+
+    conn.send(("ok", (0, os.getpid())))
+    serve(
+        conn,
+        {"open": open_, "close": close, "sha": lambda: sha(state["buf"])},
+        lambda: state["t"].close() if "t" in state else None,
+    )
+
+
+class Cycler(ChildProcess):
+    """A child process that opens and closes a Transport named ``name`` on command."""
+
+    def __init__(self, name: str, store_url: str, nbytes: int, start_timeout: float = 60) -> None:
+        super().__init__(name, _cycler_child, (store_url, nbytes), start_timeout)

@@ -77,6 +77,17 @@ class RedisServer:
         finally:
             client.close()
 
+    def restart(self, timeout: float = 15.0) -> None:
+        """Stop the server and start an empty one on the same port (no persistence: every key
+        is gone, as after a crash of a cache-only Redis)."""
+        self.stop()
+        executable = shutil.which("redis-server")
+        assert executable is not None
+        end = time.monotonic() + timeout
+        while not self._start(executable, max(1.0, end - time.monotonic())):
+            if time.monotonic() > end:  # the port may linger a moment after the old server
+                raise RuntimeError(f"redis-server did not restart:\n{self._output()}")
+
     def _output(self) -> str:
         return "".join(self._reader.seen) if self.proc is not None else ""
 

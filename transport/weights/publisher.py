@@ -132,6 +132,7 @@ class _Sub:
         self.names: frozenset[str] = frozenset()
         self.batches: list[dict[str, torch.Tensor]] = []
         self.error = ""
+        self.transient = False  # the error may pass (connecting failed): planned again next time
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
         self.busy: int | None = None  # slot being written
@@ -214,6 +215,8 @@ class WeightPublisher:
         """Re-read the group if it changed; returns the subscribers that cannot be served and why."""
         epoch = self._dir.epoch()
         with self._lock:
+            if any(s.transient for s in self._subs.values()):
+                self._epoch = -1  # try those again
             if epoch != self._epoch:
                 self._epoch = epoch
                 seen = set()
@@ -245,7 +248,7 @@ class WeightPublisher:
                 self.transport._check_open()
                 conn = self.transport._connect(name, refresh=True)
         except TransportError as e:
-            sub.error = f"cannot connect: {e}"
+            sub.error, sub.transient = f"cannot connect: {e}", True
             return sub
         if conn.generation != entry["gen"]:
             sub.error = (
@@ -284,7 +287,7 @@ class WeightPublisher:
             try:
                 self.transport._send_control(name, channel(self.group), encode("hello"))
             except TransportError as e:
-                sub.error = f"cannot reach it: {e}"
+                sub.error, sub.transient = f"cannot reach it: {e}", True
         return sub
 
     # -- publishing ------------------------------------------------------------------------------

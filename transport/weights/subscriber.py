@@ -93,7 +93,8 @@ class WeightSubscriber:
         self.relay = relay and mode == "staging"
         self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
         self._relay = Relay(self)
-        self._worker = Worker(f"transport-ws-sub-{group}", tick=self._relay.expire)
+        self._next_entry_check = time.monotonic() + 1.0
+        self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
         transport._on_control(channel(group), self._on_message)
         exposed = {
             region(group, k, n): t for k, slot in enumerate(self.staging) for n, t in slot.items()
@@ -157,6 +158,24 @@ class WeightSubscriber:
         if newer and self.on_update is not None:
             cb = self.on_update
             self._worker.submit(lambda: cb(version))
+
+    def _tick(self) -> float:
+        """Worker tick: relay deadlines, and joining the group again if the store lost our entry
+        (a Redis restarted without persistence: publishers would drop us on their next read)."""
+        wait = self._relay.expire()
+        now = time.monotonic()
+        if now >= self._next_entry_check and not self._closed:
+            self._next_entry_check = now + 1.0
+            try:
+                if self._dir.entry(self.transport.name) is None:
+                    log.warning("group %s: the store lost our entry; joining again", self.group)
+                    self._dir.join(
+                        self.transport.name, self.transport.generation, self.mode, self.slots,
+                        self.relay,
+                    )  # fmt: skip
+            except TransportError as e:
+                log.info("group %s: cannot check our entry: %s", self.group, e)
+        return min(wait, max(0.01, self._next_entry_check - now))
 
     def _free_slots(self) -> list[int]:
         return [
