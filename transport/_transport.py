@@ -22,6 +22,7 @@ import torch
 
 import transport.backends as _backends
 from transport._closing import Closing
+from transport._withdraw import Withdrawals
 from transport.backends.base import READ, WRITE, device_parts
 from transport.engine import QUEUED, Engine, Op
 from transport.errors import (
@@ -243,6 +244,7 @@ class Transport(Closing):
         self.max_plans = 4096
         self._notifs: deque[Notification] = deque()
         self._control_handlers: dict[str, Any] = {}
+        self._withdrawals = Withdrawals(self)
         self._notif_cond = threading.Condition()
         self._created = time.time()
         self._stop_control = threading.Event()
@@ -381,6 +383,19 @@ class Transport(Closing):
                 out[name] = info
             self._publish()
         return out
+
+    def unexpose(self, name: str, timeout: float | None = None) -> list[str]:
+        """Withdraw region ``name``: take it out of this peer's record, tell every peer of the
+        namespace, wait until each has stopped using it and its transfers into it have ended (at
+        most ``timeout`` seconds, default the Transport's), then deregister the memory. Returns
+        the peers that did not confirm in time (only they may still write there; none with a
+        timeout long enough). Afterwards puts into it fail with RegionError and the tensor is
+        the caller's again."""
+        if not isinstance(name, str):
+            raise TypeError(f"region name must be a str, got {type(name).__name__}")
+        if timeout is not None:
+            _positive("timeout", timeout)
+        return self._withdrawals.withdraw(name, self.timeout if timeout is None else timeout)
 
     def register(self, tensor: torch.Tensor, name: str | None = None) -> None:
         """Register ``tensor`` as a local source/destination (not visible to peers). With ``name``,
@@ -849,6 +864,7 @@ class Transport(Closing):
         )
         for reg in keep:
             reg.users += 1
+        plan.regions = frozenset(key for key, _ in items)
         return plan
 
     def _connect(self, peer: str, refresh: bool = False) -> PeerConn:
@@ -1150,6 +1166,7 @@ class Transport(Closing):
                 self._run_retries()
             if self._dump_reason is not None:
                 self._dump_now()
+            self._withdrawals.run()
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + self.heartbeat_interval

@@ -128,6 +128,21 @@ class LocalMemory:
                 count -= 1
                 total -= reg.nbytes
 
+    def release_explicit(self, t: torch.Tensor, still_used: list[torch.Tensor]) -> None:
+        """``t`` is no longer exposed: its registration becomes an ordinary cached one (dropped
+        now if no plan uses it), unless another exposed tensor shares its storage."""
+        st = t.untyped_storage()
+        key = (st.data_ptr(), device_of(t))
+        reg = self._regs.get(key)
+        if reg is None:
+            return
+        for x in still_used:
+            if x.untyped_storage().data_ptr() == key[0] and device_of(x) == key[1]:
+                return
+        reg.explicit = False
+        if reg.users == 0:
+            self._drop(key, reg)
+
     def _drop(self, key: tuple[int, str], reg: Registration) -> None:
         del self._regs[key]
         try:

@@ -88,7 +88,9 @@ class Plan:
         self.keep = keep  # registrations (and tensors) that must outlive the plan
         local, remote, bounds = split_descs(local, remote, chunk_bytes)
         self.nbytes = int(local[:, 1].sum()) if len(local) else 0
-        self.valid = True
+        self.valid = True  # False: no new use (released, or its region was withdrawn)
+        self.released = False
+        self.regions: frozenset[str] = frozenset()  # the remote regions it writes or reads
         self.inline = False  # small and in one part: posted from the caller's thread
         self.busy = 0  # transfers in flight (guarded by conn.lock)
         self.local = backend.prep(None, local, device)
@@ -123,8 +125,9 @@ class Plan:
             backend.release_xfer(xfer)
 
     def release(self, backend: Backend) -> None:
-        if not self.valid:
+        if self.released:
             return
+        self.released = True
         self.valid = False
         for part in self.parts:
             for pool in part.idle.values():

@@ -56,7 +56,42 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         t.put(src, peer, key).wait(timeout)
         return sha(src)
 
+    loop: dict[str, Any] = {}
+
+    def put_loop_start(peer: str, key: str, nbytes: int, seed: int) -> None:
+        """Put a pattern into ``peer``'s ``key`` again and again on a thread, until the first
+        error or put_loop_stop."""
+        import threading
+
+        src = pattern(nbytes, seed)
+        stop = threading.Event()
+        out: dict[str, Any] = {"ok": 0, "error": None}
+
+        def run() -> None:
+            while not stop.is_set():
+                try:
+                    t.put(src, peer, key, timeout=30).wait(30)
+                except Exception as e:
+                    out["error"] = f"{type(e).__name__}: {e}"
+                    return
+                out["ok"] += 1
+
+        th = threading.Thread(target=run, daemon=True)
+        loop.update(stop=stop, out=out, thread=th)
+        th.start()
+
+    def put_loop_count() -> int:
+        return int(loop["out"]["ok"])
+
+    def put_loop_stop(timeout: float) -> dict[str, Any]:
+        loop["stop"].set()
+        loop["thread"].join(timeout)
+        return dict(loop["out"])
+
     handlers = {
+        "put_loop_start": put_loop_start,
+        "put_loop_count": put_loop_count,
+        "put_loop_stop": put_loop_stop,
         "sha": lambda r: sha(bufs[r]),
         "shas": lambda names: {r: sha(bufs[r]) for r in names},
         "sha_range": lambda r, start, n: sha(bufs[r].view(torch.uint8)[start : start + n]),
