@@ -45,12 +45,24 @@ class LineReader:
 class PythonProcess:
     """``python -c CODE ARGS...`` run from the repository root, with piped stdio."""
 
-    def __init__(self, code: str, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    def __init__(
+        self,
+        code: str,
+        *args: str,
+        prefix: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``prefix`` runs it through another command (``ip netns exec NS``); ``env`` adds variables."""
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args],
+            [*prefix, sys.executable, "-c", code, *args],
             cwd=REPO,
-            env=env,
+            env=full_env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
