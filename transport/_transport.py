@@ -912,6 +912,7 @@ class Transport(Closing):
             return self._connect(peer)
 
     def _drop_conn(self, conn: PeerConn) -> None:
+        self.recorder.record("leave", peers=conn.name, info=f"generation {conn.generation}")
         conn.close(self._backend)
         with self._lock:
             for k in [k for k, p in self._plans.items() if p.conn is conn]:

@@ -2,8 +2,9 @@
 something goes wrong (by every Transport of the namespace at once), on SIGUSR1, or on demand.
 
 Events: ``post`` (a transfer handed to NIXL), ``done`` / ``error`` / ``timeout`` (how it ended),
-``notif`` (a notification arrived),
-``join`` (a connection to a peer incarnation), ``lost`` (a peer died or restarted), ``dump``.
+``notif`` (a notification arrived), ``join`` (a connection to a peer incarnation), ``leave`` (a
+connection dropped: the peer left or restarted), ``lost`` (a peer died), ``suspect`` (a peer did
+not complete a transfer by its deadline), ``withdraw`` (a region unexposed), ``dump``.
 Each has the monotonic time (wall-clock time comes from one offset taken at dump), the peers, the
 bytes, the region names and the handle id. Recording is one tuple appended to a deque. Small puts
 and gets that complete inside their post (they cannot stall) are only counted, in the header's
@@ -73,6 +74,7 @@ class FlightRecorder:
             out.append(
                 {
                     "t": mono + offset,
+                    "mono": mono,
                     "kind": kind,
                     "handle": hid,
                     "op": op,

@@ -5,9 +5,11 @@ compiled to PTX here; tests/gpu runs them on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,43 +124,49 @@ def test_a_failed_transfer_releases_the_stream_and_raises_at_the_next_check(tcp_
         p.kill()
 
 
-def test_a_frozen_peer_fails_at_the_deadline_and_the_stream_goes_on(tcp_store, writer):
-    ops = install(writer)
+@contextlib.contextmanager
+def frozen_peer(tcp_store, writer) -> Iterator[tuple[torch.Tensor, Peer]]:
+    """A peer written once with a notified stream put (slot 1 done), then SIGSTOPped until the
+    block ends; yields the source and the peer (notified puts into a stopped peer cannot
+    complete)."""
     with Peer("frozen", tcp_store.url, {"buf": ("uint8", 4 * MiB, "w")}) as p:
         writer.wait_for_peer("frozen", 30)
         src = pattern(4 * MiB, 9)
         writer.put(src, "frozen", "buf", notify=b"x", stream="s0").wait(30)
         p.signal(signal.SIGSTOP)
         try:
-            h = writer.put(src, "frozen", "buf", notify=b"x", stream="s0", timeout=0.5)
-            h.wait_stream(timeout=30)
-            assert h.failed()
-            with pytest.raises(transport.TransferTimeout):
-                writer.check()
+            yield src, p
         finally:
             p.signal(signal.SIGCONT)
-        slot = ops.proxy.slots[0]
+
+
+def test_a_frozen_peer_fails_at_the_deadline_and_the_stream_goes_on(tcp_store, writer):
+    ops = install(writer)
+    with frozen_peer(tcp_store, writer) as (src, _):
+        h = writer.put(src, "frozen", "buf", notify=b"x", stream="s0", timeout=0.5)
+        h.wait_stream(timeout=30)
+        assert h.failed()
+        with pytest.raises(transport.TransferTimeout):
+            writer.check()
+    slot = ops.proxy.slots[0]
+    with Peer("frozen", tcp_store.url, {"buf": ("uint8", 4 * MiB, "w")}):
+        writer.wait_for_peer("frozen", 30)  # a new incarnation under the same name
         h = writer.put(src, "frozen", "buf", notify=b"x", stream="s0", timeout=30)
         h.wait(30)
-        assert ops.proxy.word(slot, DONE) == 3 and ops.proxy.word(slot, FAILED) == 2
+    assert ops.proxy.word(slot, DONE) == 3 and ops.proxy.word(slot, FAILED) == 2
 
 
 def test_a_stream_that_gives_up_waiting_raises_at_the_next_check(tcp_store, writer):
     ops = install(writer)
-    with Peer("frozen", tcp_store.url, {"buf": ("uint8", 4 * MiB, "w")}) as p:
-        writer.wait_for_peer("frozen", 30)
-        src = pattern(4 * MiB, 9)
-        writer.put(src, "frozen", "buf", notify=b"x", stream="s0").wait(30)
-        p.signal(signal.SIGSTOP)
-        try:
-            h = writer.put(src, "frozen", "buf", notify=b"x", stream="s0", timeout=30)
-            h.wait_stream(timeout=0.2)  # the stream stops waiting long before the deadline
-            with pytest.raises(transport.TransferTimeout, match="stopped waiting"):
-                writer.check()
-        finally:
-            p.signal(signal.SIGCONT)
+    with frozen_peer(tcp_store, writer) as (src, p):
+        h = writer.put(src, "frozen", "buf", notify=b"x", stream="s0", timeout=30)
+        h.wait_stream(timeout=0.2)  # the stream stops waiting long before the deadline
+        with pytest.raises(transport.TransferTimeout, match="stopped waiting"):
+            writer.check()
+        assert not h.done()
+        p.signal(signal.SIGCONT)
         h.wait(30)  # the transfer itself completes once the peer runs
-        assert ops.proxy.word(ops.proxy.slots[0], FAILED) == 0
+    assert ops.proxy.word(ops.proxy.slots[0], FAILED) == 0
 
 
 def test_bad_stream_input_is_checked_before_anything_is_enqueued(tcp_store, writer):
