@@ -37,6 +37,8 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.handle import Handle
+from transport.lanes import Lane, default_lanes
+from transport.lanes import split as lanes_split
 from transport.memory import LocalMemory, check_tensor, device_of, dtype_name
 from transport.peers import Directory
 from transport.plan import PeerConn, Plan
@@ -186,6 +188,8 @@ class Transport(Closing):
         heartbeat_interval: float = 1.0,
         trace_dir: str | os.PathLike[str] | None = None,
         trace_capacity: int = DEFAULT_CAPACITY,
+        lanes: int | None = None,
+        lane_bytes: int = 64 << 20,
     ) -> None:
         self.name = check_name("peer name", name)
         self.namespace = check_name("namespace", namespace)
@@ -206,6 +210,21 @@ class Transport(Closing):
         self._state = _State.OPEN
         self._lock = threading.RLock()  # guards regions, connections, plans
         self._stream: Any = None  # transport.cuda.stream.StreamOps, on the first stream= call
+        # lanes: extra agents for large transfers (lanes.py), started on first use
+        self.lanes = default_lanes() if lanes is None else lanes
+        if (
+            not isinstance(self.lanes, int)
+            or isinstance(self.lanes, bool)
+            or not 1 <= self.lanes <= 16
+        ):
+            raise ValueError(
+                f"lanes must be an int from 1 to 16 (1: no extra agents), got {lanes!r}"
+            )
+        if not isinstance(lane_bytes, int) or lane_bytes < 1 << 20:
+            raise ValueError(f"lane_bytes must be an int of at least 1 MiB, got {lane_bytes!r}")
+        self.lane_bytes = lane_bytes
+        self._lanes: list[Lane] = []
+        self._backend_kind = backend
         # the flight recorder; automatic dumps (errors, requests of the namespace, SIGUSR1) go to
         # trace_dir, or $TRANSPORT_TRACE_DIR, and nowhere without one
         self.recorder = FlightRecorder(trace_capacity)
@@ -303,6 +322,8 @@ class Transport(Closing):
             log.warning("could not remove %s from the store: %s", self.name, e)
         if self._stream is not None:
             self._stream.close()  # streams waiting on a transfer are released
+        for lane in self._lanes:
+            lane.engine.stop()
         self._engine.stop()
         if (
             getattr(self, "_control", None) is not None
@@ -318,6 +339,9 @@ class Transport(Closing):
             conn.close(self._backend)
         self._conns.clear()
         self._plans.clear()
+        for lane in self._lanes:
+            lane.close()
+        self._lanes.clear()
         self._mem.close()
         self._backend.close()
         if self._owns_store:
@@ -585,6 +609,10 @@ class Transport(Closing):
         ops: list[Op] = []
         inline = True
         for plan in plans:
+            if self.lanes > 1 and plan.nbytes >= self.lane_bytes:
+                ops.extend(self._lane_ops(handle, plan, items, notif, deadline, timeout))
+                inline = False
+                continue
             parts = plan.parts
             if len(parts) == 1:
                 ops.append(Op(handle, plan, parts[0], notif, deadline, timeout))
@@ -618,9 +646,58 @@ class Transport(Closing):
                     else:
                         ops[i] = retry  # the poller sees the list, so it polls the retry
                         self._engine.post_now(retry)
-        else:
+        elif not self._lanes:
             self._engine.submit(ops)
+        else:
+            by_engine: dict[int, tuple[Engine, list[Op]]] = {}
+            for o in ops:
+                eng = o.engine or self._engine
+                by_engine.setdefault(id(eng), (eng, []))[1].append(o)
+            for eng, group_ops in by_engine.values():
+                eng.submit(group_ops)
         return handle
+
+    def _lane_ops(
+        self,
+        handle: Handle,
+        plan: Plan,
+        items: tuple[tuple[str, torch.Tensor], ...],
+        notif: bytes,
+        deadline: float,
+        timeout: float,
+    ) -> list[Op]:
+        """The ops of one large transfer cut over the lanes: one group; the notification on the
+        last part of share 0, after every other part of every share has landed."""
+        with self._lock:
+            if not self._lanes:
+                self._start_lanes()
+            shares = lanes_split(plan, self._lanes, self._backend, [t for _, t in items])
+        group: list[Op] = []
+        for share, lane in shares:
+            eng = lane.engine if lane is not None else self._engine
+            for part in share.parts:
+                o = Op(handle, share, part, b"", deadline, timeout)
+                o.engine = eng
+                group.append(o)
+        last = group[len(shares[0][0].parts) - 1]
+        if notif:
+            last.notif = notif
+            last.after = [o for o in group if o is not last]
+        for o in group:
+            o.group = group
+        if self._rec_append is not None:
+            self.recorder.record("lanes", handle.id, handle.op, plan.conn.name, plan.nbytes,
+                                 None, f"{len(shares)} shares")  # fmt: skip
+        return group
+
+    def _start_lanes(self) -> None:
+        """With the lock held: the extra agents, each with its own posting thread."""
+        base = agent_name(self.name, self.generation)
+        for i in range(1, self.lanes):
+            backend = _backends.new_backend(self._backend_kind, agent_name=f"{base}.lane{i}")
+            lane = Lane(backend, f"{self.name}-lane{i}", self._engine.idle_interval)
+            lane.engine.on_finish = self._engine.wake
+            self._lanes.append(lane)
 
     def _items(
         self, obj: Any, key: str | None, offset: int
@@ -770,7 +847,7 @@ class Transport(Closing):
             for _ in range(len(self._plans) - self.max_plans):
                 old_key, old = next(iter(self._plans.items()))
                 with old.conn.lock:
-                    if old.busy:  # in flight: keep it, retry later
+                    if old.in_flight:  # in flight: keep it, retry later
                         self._plans.move_to_end(old_key)
                         continue
                     del self._plans[old_key]
@@ -788,7 +865,7 @@ class Transport(Closing):
             if old is current or not any(not r.explicit for r in old.keep):
                 continue
             with old.conn.lock:
-                if old.busy:
+                if old.in_flight:
                     continue
                 del self._plans[key]
                 old.conn.plans.discard(old)

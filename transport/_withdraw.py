@@ -158,7 +158,7 @@ class Withdrawals:
             for plan in list(conn.plans):
                 if region in plan.regions:
                     plan.valid = False
-                    if plan.busy:
+                    if plan.in_flight:
                         busy = True
                     else:
                         idle.append(plan)

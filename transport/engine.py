@@ -40,6 +40,7 @@ class Op:
     __slots__ = (
         "after",
         "deadline",
+        "engine",
         "group",
         "handle",
         "lock",
@@ -69,6 +70,7 @@ class Op:
         )
         self.group: list[Op] | None = None  # all parts of this handle to this peer
         self.retry: Any = None  # what the Transport needs to re-plan for a restarted peer
+        self.engine: Engine | None = None  # the engine that runs it, when it is a lane's
 
 
 class Engine:
@@ -100,6 +102,7 @@ class Engine:
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         self.error: BaseException | None = None  # set if the engine thread died
+        self.on_finish: Callable[[], None] | None = None  # a lane wakes the main engine
         self._thread = threading.Thread(
             target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True
         )
@@ -178,6 +181,9 @@ class Engine:
                     self.poll(op)
 
         return poll_all
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def poll_at_least(self, interval: float | None) -> None:
         """Keep the idle polling interval at or below ``interval`` (None: back to ``idle_interval``).
@@ -313,6 +319,8 @@ class Engine:
                     "the backend refused to withdraw a failed transfer to %s", plan.conn.name
                 )
         op.handle._part_done(plan.conn.name, error)
+        if self.on_finish is not None:
+            self.on_finish()
         if error is not None:
             if isinstance(error, PeerLostError):
                 self._on_peer_lost(plan.conn, error)
@@ -321,7 +329,7 @@ class Engine:
                     # no part of a failed transfer stays posted
                     if sib.lock.acquire(blocking=False):
                         try:
-                            self._finish(sib, error)
+                            (sib.engine or self)._finish(sib, error)  # a lane's own backend
                         finally:
                             sib.lock.release()
                     else:

@@ -67,6 +67,17 @@ class Part:
         self.idle: dict[bool, list[Any]] = {False: [], True: []}
 
 
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_nolock = _NoLock()  # the caller already holds the connection's lock
+
+
 class Plan:
     """A prepared transfer to one peer, replayable any number of times (one use at a time per
     part; concurrent uses make extra backend transfers)."""
@@ -85,7 +96,10 @@ class Plan:
     ) -> None:
         self.conn = conn
         self.op = op
+        self.backend = backend
         self.keep = keep  # registrations (and tensors) that must outlive the plan
+        self.rows = (local, remote, device, remote_device, chunk_bytes)  # to split over lanes
+        self.shares: list[Plan] | None = None  # the same transfer cut over lanes (lanes.py)
         local, remote, bounds = split_descs(local, remote, chunk_bytes)
         self.nbytes = int(local[:, 1].sum()) if len(local) else 0
         self.valid = True  # False: no new use (released, or its region was withdrawn)
@@ -102,6 +116,11 @@ class Plan:
         self.parts = [
             Part(np.arange(a, b, dtype=np.int32), int(local[a:b, 1].sum())) for a, b in bounds
         ]
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers in flight on this plan or on its shares over lanes."""
+        return self.busy + sum(s.busy for s in self.shares or ())
 
     def take(self, backend: Backend, part: Part, notif: bytes) -> Any:
         """A backend transfer for ``part``: an idle one from the pool, or a new one."""
@@ -129,6 +148,10 @@ class Plan:
             return
         self.released = True
         self.valid = False
+        for share in self.shares or ():  # the same transfer cut over lanes: each on its agent
+            with share.conn.lock if share.conn is not self.conn else _nolock:
+                share.conn.plans.discard(share)
+                share.release(share.backend)
         for part in self.parts:
             for pool in part.idle.values():
                 while pool:

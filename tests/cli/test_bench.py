@@ -115,6 +115,21 @@ def test_sync_quick_measures_every_system_and_verifies_each(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_put_compares_lane_settings(tmp_path):
+    out = cli(
+        "bench", "put", "--quick", "--sizes", "4K,96M", "--op", "write", "--batch", "none",
+        "--baselines", "raw", "--lanes", "2,1", "--json", str(tmp_path / "p.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "p.json").read_text())
+    got = {(r["system"], r["size"]) for r in doc["records"]}
+    for size in ("4 KiB", "96 MiB"):
+        assert {("ours", size), ("ours-lanes1", size), ("raw-nixl", size)} <= got
+    assert all(r["verified"] for r in doc["records"])  # every setting's bytes checked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sync_compares_direct_and_relayed_fan_out(tmp_path):
     out = cli(
         "bench", "sync", "--quick", "--generators", "3", "--fanout", "direct,chain,tree",
@@ -190,6 +205,7 @@ BAD = [
     (["bench", "sync", "--dtypes", "float33"], "unknown dtype 'float33'"),
     (["bench", "sync", "--generators", "0"], "--generators must be at least 1"),
     (["bench", "sync", "--fanout", "direct,ring"], "unknown --fanout 'ring'"),
+    (["bench", "put", "--lanes", "2,0"], "--lanes takes counts from 1 to 16, got '0'"),
     (["bench", "sync", "--mode", "inplace", "--fanout", "chain"], "needs --mode staging"),
     (["bench", "sync", "--fanout", "tree", "--degree", "0"], "--degree must be from 1 to 16"),
 ]

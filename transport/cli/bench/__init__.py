@@ -60,6 +60,12 @@ def add_parser(sub: Any) -> None:
         default=50,
         help="iterations per turn below 1 MiB when systems are interleaved (default 50)",
     )
+    put.add_argument(
+        "--lanes",
+        default=None,
+        help="comma list of lane counts to compare, interleaved: the first is 'ours', each other "
+        "one 'ours-lanesN' (default: the Transport's default only)",
+    )
     _common(put)
     put.set_defaults(run=run_put)
 
@@ -242,13 +248,20 @@ def put_plan(args: argparse.Namespace, peers: list[str] | None) -> Any:
     if args.block < 1:
         raise CliError(f"--block must be at least 1, got {args.block}")
     quick = args.quick
+    lanes: list[int] = []
+    for x in (args.lanes or "").split(","):
+        if not x.strip():
+            continue
+        if not x.strip().isdigit() or not 1 <= int(x) <= 16:
+            raise CliError(f"--lanes takes counts from 1 to 16, got {x.strip()!r}")
+        lanes.append(int(x))
     return PutPlan(
         sizes=sizes, batch=batch, ops=["write", "read"] if args.op == "both" else [args.op],
         ks=receiver_counts(n), readers=n, baselines=parse_baselines(args.baselines),
         budget_s=args.budget or (0.2 if quick else 1.5), min_cycles=3 if quick else 5,
         max_cycles=20 if quick else 100, block=args.block, dist_budget_s=0.2 if quick else 1.0,
         memcpy_budget_s=0.1 if quick else 0.5, min_iters=3 if quick else 5, timeout=args.timeout,
-        pin=args.pin,
+        pin=args.pin, lanes=list(dict.fromkeys(lanes)),
     )  # fmt: skip
 
 

@@ -54,6 +54,21 @@ from transport.cli.bench._util import (
 OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
 
 
+def _with_lanes(
+    t: transport.Transport, lanes: int, base_lanes: int, fn: Callable[[], object]
+) -> Callable[[], object]:
+    """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
+
+    def run() -> object:
+        t.lanes = lanes
+        try:
+            return fn()
+        finally:
+            t.lanes = base_lanes
+
+    return run
+
+
 @dataclass
 class PutPlan:
     sizes: list[int]
@@ -72,6 +87,7 @@ class PutPlan:
     min_iters: int = 5  # gloo, NCCL, memcpy
     timeout: float = 60.0
     pin: bool = True
+    lanes: list[int] = field(default_factory=list)  # [ours, others...]; empty: the default
 
     @property
     def max_bytes(self) -> int:
@@ -307,6 +323,11 @@ class PutWriter:
                 fns[OURS] = lambda: transport.wait_all(
                     [t.get(v, r, "buf") for v, r in zip(views, peers, strict=True)], tmo
                 )
+        if p.lanes:
+            t.lanes = p.lanes[0]
+            base = fns[OURS]
+            for n_l in p.lanes[1:]:
+                fns[f"ours-lanes{n_l}"] = _with_lanes(t, n_l, p.lanes[0], base)
         return fns, paths
 
     def verify(
@@ -341,6 +362,7 @@ class PutWriter:
             sched = [RAW, OURS, REPOST, OURS] if RAW in fns else [OURS]
             if SINGLE in fns:
                 sched.append(SINGLE)
+            sched += [name for name in fns if name.startswith("ours-lanes")]
             per_peer = p.batch[1] if kind == "batch" and p.batch else n
             block = p.block if per_peer < MiB and kind != "batch" else 1
             times, per_cycle = interleave(

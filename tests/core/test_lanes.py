@@ -1,0 +1,125 @@
+"""Lanes: a large put or get cut over extra agents, each posting from its own thread; every byte
+lands, the notification comes once after all of it, a failure fails the whole handle and leaves
+nothing posted, and small transfers never start a lane."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+import transport
+from helpers.peer import Peer, pattern, sha
+
+MiB = 1 << 20
+
+
+def nothing_in_flight(t: transport.Transport) -> bool:
+    engines = [t._engine, *(lane.engine for lane in t._lanes)]
+    return all(not e._inflight and not e._queue for e in engines) and all(
+        p.in_flight == 0 for p in t._plans.values()
+    )
+
+
+def test_a_large_put_and_get_are_cut_over_lanes(tcp_store):
+    with (
+        Peer("recv", tcp_store.url, {"buf": ("uint8", 96 * MiB, "rw")}) as p,
+        transport.Transport("writer", store=tcp_store, lanes=3, lane_bytes=16 * MiB) as w,
+    ):
+        w.wait_for_peer("recv", 30)
+        src = pattern(96 * MiB, 1)
+        w.put(src, "recv", "buf", notify=b"all").wait(60)
+        assert len(w._lanes) == 2  # the Transport's own agent and two more
+        plan = next(iter(w._plans.values()))
+        assert plan.shares is not None and len(plan.shares) == 3
+        assert sum(s.nbytes for s in plan.shares) == 96 * MiB
+        assert {s.backend for s in plan.shares} == {w._backend, *(ln.backend for ln in w._lanes)}
+        peer, payload, shas = p.call("notif_then_sha", 30, ["buf"])
+        assert (peer, payload) == ("writer", b"all") and shas["buf"] == sha(src)
+        assert p.call("notifications", 0) == []  # one notification for the three shares
+        # a READ too, into fresh memory, and a second put reusing the cut
+        p.call("fill", "buf", 7)
+        back = torch.zeros(96 * MiB, dtype=torch.uint8)
+        w.get(back, "recv", "buf").wait(60)
+        assert sha(back) == p.call("sha", "buf")
+        src2 = pattern(96 * MiB, 2)
+        src.copy_(src2)
+        w.put(src, "recv", "buf").wait(60)
+        assert p.call("sha", "buf") == sha(src2)
+        assert nothing_in_flight(w)
+
+
+def test_a_batch_to_two_receivers_over_lanes(tcp_store):
+    names = [f"w{i}" for i in range(300)]
+    spec = {n: ("float32", 64 * 1024, "w") for n in names}  # 300 x 256 KiB = 75 MiB
+    batch = {n: torch.full((64 * 1024,), float(i)) for i, n in enumerate(names)}
+    with (
+        Peer("gen-0", tcp_store.url, spec) as a,
+        Peer("gen-1", tcp_store.url, spec) as b,
+        transport.Transport("writer", store=tcp_store, lanes=2, lane_bytes=16 * MiB) as w,
+    ):
+        for g in ("gen-0", "gen-1"):
+            w.wait_for_peer(g, 30)
+        w.put(batch, ["gen-0", "gen-1"], notify=b"v1").wait(60)
+        for r in (a, b):
+            _, payload, shas = r.call("notif_then_sha", 30, names)
+            assert payload == b"v1" and shas == {n: sha(t) for n, t in batch.items()}
+
+
+def test_a_killed_receiver_fails_the_whole_handle_and_nothing_stays_posted(tcp_store):
+    p = Peer("victim", tcp_store.url, {"buf": ("uint8", 256 * MiB, "w")})
+    try:
+        with transport.Transport("writer", store=tcp_store, lanes=2, lane_bytes=16 * MiB) as w:
+            w.wait_for_peer("victim", 30)
+            src = pattern(256 * MiB, 3)
+            w.put(src, "victim", "buf").wait(60)
+            p.kill()
+            err = w.put(src, "victim", "buf", timeout=30).exception(60)
+            assert isinstance(err, transport.PeerLostError), err
+            assert nothing_in_flight(w)
+    finally:
+        p.kill()
+
+
+def test_a_frozen_receiver_times_out_the_whole_handle(tcp_store):
+    with (
+        Peer("frozen", tcp_store.url, {"buf": ("uint8", 64 * MiB, "w")}) as p,
+        transport.Transport("writer", store=tcp_store, lanes=2, lane_bytes=16 * MiB) as w,
+    ):
+        w.wait_for_peer("frozen", 30)
+        src = pattern(64 * MiB, 4)
+        w.put(src, "frozen", "buf", notify=b"a").wait(60)
+        p.signal(signal.SIGSTOP)
+        try:
+            err = w.put(src, "frozen", "buf", notify=b"b", timeout=1.0).exception(30)
+            assert isinstance(err, transport.TransferTimeout), err
+            assert nothing_in_flight(w)
+        finally:
+            p.signal(signal.SIGCONT)
+        w.put(src, "frozen", "buf", notify=b"c").wait(60)  # and it works again
+        assert p.call("sha", "buf") == sha(src)
+
+
+def test_small_transfers_never_start_a_lane(tcp_store):
+    with (
+        Peer("recv", tcp_store.url, {"buf": ("uint8", 8 * MiB, "w")}) as p,
+        transport.Transport("writer", store=tcp_store, lanes=4) as w,
+    ):
+        w.wait_for_peer("recv", 30)
+        for i in range(5):
+            w.put(pattern(8 * MiB, i), "recv", "buf").wait(30)
+        assert w._lanes == []  # under lane_bytes (64 MiB by default)
+        assert p.call("sha", "buf") == sha(pattern(8 * MiB, 4))
+    with transport.Transport("one", store=tcp_store, lanes=1) as t:
+        assert t.lanes == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, rule",
+    [({"lanes": 0}, "lanes must be"), ({"lanes": 17}, "lanes must be"),
+     ({"lanes": True}, "lanes must be"), ({"lane_bytes": 4096}, "lane_bytes")],
+)  # fmt: skip
+def test_bad_lane_settings(tcp_store, kwargs, rule):
+    with pytest.raises(ValueError, match=rule):
+        transport.Transport("bad", store=tcp_store, **kwargs)

@@ -1,0 +1,143 @@
+"""Lanes: extra NIXL agents of one Transport, each posting from its own thread.
+
+One agent copies about 8 GB/s here whatever its threads or descriptors (CMA: the copy runs inside
+the post, under the agent's lock); two agents posting halves from two threads copy in parallel.
+A transfer of at least ``lane_bytes`` is cut by bytes into one share per lane: share 0 on the
+Transport's own agent, the others on the lanes. All the shares' parts form one group (one failure
+fails the handle and withdraws the rest) and the notification rides on share 0's last part,
+posted only once every part of every share has landed. Receivers see nothing new: lanes never
+send notifications and are never published.
+
+Lanes start on the first transfer that needs them; each registers the local memory it sends
+from (a cache like the Transport's) and loads the peers it writes to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from transport.engine import Engine
+from transport.memory import LocalMemory
+from transport.plan import PeerConn, Plan
+
+if TYPE_CHECKING:
+    from transport.backends.base import Backend
+
+log = logging.getLogger("transport")
+
+
+def default_lanes() -> int:
+    """Agents per Transport for large transfers: ``$TRANSPORT_LANES``, or one per two cores, at
+    least 2 (two agents already copy 1.6x faster on a 2-core machine) and at most 4."""
+    env = os.environ.get("TRANSPORT_LANES", "").strip()
+    if env:
+        if not env.isdigit() or not 1 <= int(env) <= 16:
+            raise ValueError(f"TRANSPORT_LANES must be a count from 1 to 16, got {env!r}")
+        return int(env)
+    return max(2, min(4, (os.cpu_count() or 2) // 2))
+
+
+class Lane:
+    def __init__(self, backend: Backend, name: str, idle_interval: float) -> None:
+        self.backend = backend
+        self.mem = LocalMemory(backend)
+        self.engine = Engine(backend, name, lambda n: None, self._on_lost, None, idle_interval)
+        self.conns: dict[str, PeerConn] = {}
+        self.lock = threading.Lock()
+        self.engine.start()
+
+    def _on_lost(self, conn: PeerConn, error: BaseException) -> None:
+        conn.close(self.backend)
+
+    def conn(self, main: PeerConn) -> PeerConn:
+        """This lane's connection to the incarnation ``main`` is connected to."""
+        with self.lock:
+            c = self.conns.get(main.name)
+            if c is not None and c.alive and c.generation == main.generation:
+                return c
+            if c is not None:
+                c.close(self.backend)
+            loaded = self.backend.add_peer(main.record.metadata)
+            c = self.conns[main.name] = PeerConn(main.record, loaded)
+            return c
+
+    def close(self) -> None:
+        self.engine.stop()
+        with self.lock:
+            for c in self.conns.values():
+                c.close(self.backend)
+            self.conns.clear()
+        self.mem.close()
+        self.backend.close()
+
+
+def cut(local: np.ndarray, remote: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` shares of about equal bytes of paired descriptor rows (address, bytes, device);
+    a row is cut where a share ends."""
+    total = int(local[:, 1].sum())
+    target = -(-total // n)
+    shares: list[tuple[list[Any], list[Any]]] = [([], [])]
+    room = target
+    for lrow, rrow in zip(local.tolist(), remote.tolist(), strict=True):
+        la, size, ldev = lrow
+        ra, _, rdev = rrow
+        while size > 0:
+            if room == 0 and len(shares) < n:
+                shares.append(([], []))
+                room = target
+            take = size if len(shares) == n else min(size, room)
+            shares[-1][0].append((la, take, ldev))
+            shares[-1][1].append((ra, take, rdev))
+            la, ra, size, room = la + take, ra + take, size - take, room - take
+    return [
+        (np.array(lo, dtype=np.uint64), np.array(re, dtype=np.uint64)) for lo, re in shares if lo
+    ]
+
+
+def split(
+    plan: Plan, lanes: list[Lane], main_backend: Backend, tensors: list[Any]
+) -> list[tuple[Plan, Lane | None]]:
+    """The plan's shares: (share 0 on the Transport's agent, then one per lane); cached on the plan."""
+    if plan.shares is not None:
+        if all(s.valid for s in plan.shares):
+            return list(zip(plan.shares, [None, *lanes], strict=False))
+        old, plan.shares = plan.shares, None  # a lane lost its connection: cut again
+        for s in old:
+            with s.conn.lock:
+                s.conn.plans.discard(s)
+            s.release(s.backend)
+    local, remote, device, rdevice, chunk = plan.rows
+    shares = cut(local, remote, len(lanes) + 1)
+    out: list[tuple[Plan, Lane | None]] = []
+    try:
+        for i, (lo, re) in enumerate(shares):
+            if i == 0:
+                p = Plan(
+                    main_backend, plan.conn, plan.op, lo, re, device, rdevice, chunk, plan.keep
+                )
+                for reg in plan.keep:
+                    reg.users += 1
+                out.append((p, None))
+                continue
+            lane = lanes[i - 1]
+            keep = tuple(lane.mem.ensure(t) for t in tensors)
+            conn = lane.conn(plan.conn)
+            p = Plan(lane.backend, conn, plan.op, lo, re, device, rdevice, chunk, keep)
+            for reg in keep:
+                reg.users += 1
+            with conn.lock:
+                conn.plans.add(p)
+            out.append((p, lane))
+    except BaseException:
+        for made, _ in out:
+            with made.conn.lock:
+                made.conn.plans.discard(made)
+            made.release(made.backend)
+        raise
+    plan.shares = [p for p, _ in out]
+    return out
