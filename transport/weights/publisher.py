@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -40,6 +41,8 @@ from transport.weights._protocol import (
 log = logging.getLogger("transport.weights")
 
 DONE, EXCLUDED, LOST = "done", "excluded", "lost"
+#: seconds after which a subscriber that has not answered our hello is asked again
+HELLO_AGAIN = 0.5
 
 
 @dataclass
@@ -133,6 +136,7 @@ class _Sub:
         self.batches: list[dict[str, torch.Tensor]] = []
         self.error = ""
         self.transient = False  # the error may pass (connecting failed): planned again next time
+        self.asked = time.monotonic()  # when we last said hello (asked for free slots)
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
         self.busy: int | None = None  # slot being written
@@ -528,6 +532,7 @@ class WeightPublisher:
             self._start(sub, v, hnd, via)
 
     def _ask_credits(self, sub: _Sub) -> None:
+        sub.asked = time.monotonic()
         try:
             self.transport._send_control(sub.name, channel(self.group), encode("hello"))
         except TransportError as e:
@@ -592,6 +597,16 @@ class WeightPublisher:
                         EXCLUDED,
                         f"relay {sub.relay} did not forward version {sub.writing} within the deadline",
                     )
+                if (
+                    sub.waiting is not None
+                    and sub.mode == "staging"
+                    and not sub.credits
+                    and now - sub.asked > HELLO_AGAIN
+                ):
+                    # No answer to our hello yet (it may have come when the subscriber could not
+                    # reach us: a store that lost our record, say): ask again.
+                    sub.asked = now
+                    self._worker.submit(functools.partial(self._ask_credits, sub))
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
@@ -602,6 +617,8 @@ class WeightPublisher:
                     )
             self._handles = [h for h in self._handles if not h.done()]
             deadlines = [h.deadline for h in self._handles]
+            if any(s.waiting is not None for s in self._subs.values()):
+                deadlines.append(now + HELLO_AGAIN)
         return max(0.01, min(deadlines) - now) if deadlines else 1.0
 
     @property
