@@ -610,7 +610,9 @@ class Transport(Closing):
         inline = True
         for plan in plans:
             if self.lanes > 1 and plan.nbytes >= self.lane_bytes:
-                ops.extend(self._lane_ops(handle, plan, items, notif, deadline, timeout))
+                ops.extend(
+                    self._lane_ops(handle, plan, items, sig, offset, notif, deadline, timeout)
+                )
                 inline = False
                 continue
             parts = plan.parts
@@ -662,6 +664,8 @@ class Transport(Closing):
         handle: Handle,
         plan: Plan,
         items: tuple[tuple[str, torch.Tensor], ...],
+        sig: tuple[Any, ...],
+        offset: int,
         notif: bytes,
         deadline: float,
         timeout: float,
@@ -683,6 +687,14 @@ class Transport(Closing):
         if notif:
             last.notif = notif
             last.after = [o for o in group if o is not last]
+        # The first part goes alone: if it finds the peer restarted, nothing else was posted and
+        # the whole transfer is re-planned on the new incarnation (as an unsplit one would be).
+        first = group[0]
+        assert first is not last or len(group) == 1
+        first.retry = (items, sig, offset)
+        for o in group[1:]:
+            if o.after is None and o.engine is not self._engine:
+                o.after = [first]
         for o in group:
             o.group = group
         if self._rec_append is not None:

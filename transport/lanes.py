@@ -117,9 +117,11 @@ def split(
     try:
         for i, (lo, re) in enumerate(shares):
             if i == 0:
-                p = Plan(
-                    main_backend, plan.conn, plan.op, lo, re, device, rdevice, chunk, plan.keep
-                )
+                # at least two parts: the first goes alone (it finds a restarted peer before
+                # anything else is posted), the last carries the notification
+                half = max(1, -(-int(lo[:, 1].sum()) // 2))
+                p = Plan(main_backend, plan.conn, plan.op, lo, re, device, rdevice,
+                         min(chunk, half), plan.keep)  # fmt: skip
                 for reg in plan.keep:
                     reg.users += 1
                 out.append((p, None))
