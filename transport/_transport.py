@@ -858,14 +858,20 @@ class Transport(Closing):
                 self._shed_plans(plan)
             for _ in range(len(self._plans) - self.max_plans):
                 old_key, old = next(iter(self._plans.items()))
-                with old.conn.lock:
-                    if old.in_flight:  # in flight: keep it, retry later
-                        self._plans.move_to_end(old_key)
-                        continue
-                    del self._plans[old_key]
-                    old.conn.plans.discard(old)
-                    old.release(self._backend)
+                if not self._forget_plan(old_key, old):  # in flight: keep it, retry later
+                    self._plans.move_to_end(old_key)
         return plan
+
+    def _forget_plan(self, key: tuple[Any, ...], plan: Plan) -> bool:
+        """With the lock held: drop a cached plan and release it, unless transfers are in flight
+        on it (False then)."""
+        with plan.conn.lock:
+            if plan.in_flight:
+                return False
+            del self._plans[key]
+            plan.conn.plans.discard(plan)
+            plan.release(self._backend)
+        return True
 
     def _shed_plans(self, current: Plan) -> None:
         """With the lock held: implicit registrations are over their limits, and plans pin them.
@@ -876,13 +882,8 @@ class Transport(Closing):
                 break
             if old is current or not any(not r.explicit for r in old.keep):
                 continue
-            with old.conn.lock:
-                if old.in_flight:
-                    continue
-                del self._plans[key]
-                old.conn.plans.discard(old)
-                old.release(self._backend)
-            self._mem.evict()
+            if self._forget_plan(key, old):
+                self._mem.evict()
 
     def _build_plan(
         self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int

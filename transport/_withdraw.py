@@ -151,22 +151,11 @@ class Withdrawals:
         conn = t._conns.get(owner)
         if conn is None or conn.generation != gen:
             return True  # never wrote to that incarnation
-        idle = []
         with conn.lock:
             conn.regions.pop(region, None)
-            busy = False
-            for plan in list(conn.plans):
+            for plan in conn.plans:
                 if region in plan.regions:
-                    plan.valid = False
-                    if plan.in_flight:
-                        busy = True
-                    else:
-                        idle.append(plan)
+                    plan.valid = False  # no new use; the cache lets go of it below
         with t._lock:
-            for plan in idle:
-                for key in [k for k, p in t._plans.items() if p is plan]:
-                    del t._plans[key]
-                conn.plans.discard(plan)
-                with conn.lock:
-                    plan.release(t._backend)
-        return not busy
+            stopped = [(k, p) for k, p in t._plans.items() if p.conn is conn and not p.valid]
+            return all([t._forget_plan(k, p) for k, p in stopped])

@@ -16,8 +16,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 from transport.errors import TransferTimeout, TransportError
-from transport.trace import FlightRecorder
-from transport.trace import _ids as _ids
+from transport.trace import FlightRecorder, handle_ids
 
 _PENDING, _OK, _FAILED = 0, 1, 2
 
@@ -56,7 +55,7 @@ class Handle:
         self._callbacks: list[Callable[[Handle], Any]] | None = None
         # drives progress from the waiting thread for transfers posted by the caller (fast path)
         self._poller: Callable[[], None] | None = None
-        self.id = next(_ids)  # names it in the flight recorder
+        self.id = next(handle_ids)  # names it in the flight recorder
         self._rec: FlightRecorder | None = None  # where its end is recorded
 
     # -- completion (called by the engine, or by a waiter driving progress) ---------------------

@@ -13,6 +13,7 @@ lost, the connection is closed and everything prepared against it released.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -65,17 +66,6 @@ class Part:
         # idle[False]: transfers made without a notification, idle[True]: with one (a pooled transfer
         # keeps the notification it was made with unless a new one is passed when posting)
         self.idle: dict[bool, list[Any]] = {False: [], True: []}
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_nolock = _NoLock()  # the caller already holds the connection's lock
 
 
 class Plan:
@@ -149,7 +139,8 @@ class Plan:
         self.released = True
         self.valid = False
         for share in self.shares or ():  # the same transfer cut over lanes: each on its agent
-            with share.conn.lock if share.conn is not self.conn else _nolock:
+            # the caller holds this plan's connection lock; a lane's share has its own
+            with share.conn.lock if share.conn is not self.conn else contextlib.nullcontext():
                 share.conn.plans.discard(share)
                 share.release(share.backend)
         for part in self.parts:

@@ -32,12 +32,8 @@ from typing import Any
 ENV_DIR = "TRANSPORT_TRACE_DIR"
 DEFAULT_CAPACITY = 65536
 
-_ids = itertools.count(1)
-
-
-def next_id() -> int:
-    """A handle id, unique in the process."""
-    return next(_ids)
+#: handle ids, unique in the process (next(handle_ids))
+handle_ids = itertools.count(1)
 
 
 class FlightRecorder:

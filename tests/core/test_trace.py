@@ -31,7 +31,7 @@ def wait_for_files(d: Path, pred, timeout: float) -> list[Path]:
             return files
         if time.monotonic() > end:
             raise AssertionError(f"dumps in {d} after {timeout} s: {[f.name for f in files]}")
-        time.sleep(0.05)  # polling a directory another process writes; not synchronization
+        time.sleep(0.05)  # sync-ok: the poll interval of a deadline-bounded wait for files
 
 
 def read(path: Path) -> tuple[dict, list[dict]]:

@@ -20,7 +20,7 @@ def wait_until(pred, timeout: float, what: str) -> None:
     while not pred():
         if time.monotonic() > end:
             raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.01)  # polling another process's progress; not synchronization
+        time.sleep(0.01)  # sync-ok: the poll interval of a deadline-bounded wait on a condition
 
 
 def test_no_writer_writes_into_withdrawn_memory(tcp_store):

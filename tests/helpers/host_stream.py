@@ -45,7 +45,7 @@ class HostStreamOps(SlotTable):
             if time.monotonic() > end:
                 self.words[slot.index, GAVE_UP] = seq
                 return
-            time.sleep(50e-6)  # the kernel's __nanosleep: this is the waiting stream, not a test
+            time.sleep(50e-6)  # sync-ok: the wait kernel's __nanosleep, between reads of the word
 
 
 def install(t: Any) -> HostStreamOps:

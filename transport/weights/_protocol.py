@@ -47,7 +47,7 @@ import msgpack
 import torch
 
 from transport.errors import TransferTimeout, WireFormatError
-from transport.memory import check_tensor
+from transport.memory import check_tensor, dtype_name
 from transport.store.base import Store
 from transport.wire import NAME_RE
 
@@ -68,6 +68,29 @@ def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[st
     for name, t in named.items():
         check_tensor(t, f"tensor {name!r}")
     return dict(named)
+
+
+def match_regions(
+    regions: Mapping[str, Any], group: str, tensors: Mapping[str, torch.Tensor], role: str
+) -> tuple[list[str], list[str]]:
+    """The names of a subscriber's slot-0 regions of ``group`` that ``tensors`` can fill, and
+    one problem per region they cannot (missing, or another shape or dtype); ``role`` names the
+    side that holds ``tensors`` in the messages."""
+    prefix, names, problems = region(group, 0, ""), [], []
+    for rname, info in regions.items():
+        if not rname.startswith(prefix):
+            continue
+        n = rname[len(prefix) :]
+        t = tensors.get(n)
+        if t is None:
+            problems.append(f"{n!r}: the {role} has no tensor of that name")
+        elif tuple(t.shape) != info.shape or dtype_name(t.dtype) != info.dtype:
+            problems.append(
+                f"{n!r}: {role} {tuple(t.shape)} {dtype_name(t.dtype)}, subscriber {info.shape} {info.dtype}"
+            )
+        else:
+            names.append(n)
+    return names, problems
 
 
 def channel(group: str) -> str:

@@ -19,8 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
-from transport.memory import dtype_name
-from transport.weights._protocol import SegmentedWrite, channel, encode, region
+from transport.weights._protocol import (
+    SegmentedWrite,
+    channel,
+    encode,
+    match_regions,
+    region,
+)
 
 if TYPE_CHECKING:
     from transport.weights.subscriber import WeightSubscriber
@@ -187,18 +192,11 @@ class Relay:
             if known is not None and known[0] == conn.generation:
                 return known[1]
             conn = self.t._connect(child, refresh=True)
-        prefix, names = region(self.group, 0, ""), []
-        for rname, info in conn.regions.items():
-            if not rname.startswith(prefix):
-                continue
-            n = rname[len(prefix) :]
-            t = self.sub.live.get(n)
-            if t is None or tuple(t.shape) != info.shape or dtype_name(t.dtype) != info.dtype:
-                raise TransportError(
-                    f"child {child!r} takes {n!r} {info.shape} {info.dtype}, which this relay "
-                    "does not hold in that shape and dtype"
-                )
-            names.append(n)
+        names, problems = match_regions(conn.regions, self.group, self.sub.live, "relay")
+        if problems:  # the publisher places a child only under a relay holding all it takes
+            raise TransportError(
+                f"child {child!r} does not match this relay: {'; '.join(problems)}"
+            )
         names.sort()
         self.children[child] = (conn.generation, names)
         return names

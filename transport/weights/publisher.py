@@ -22,7 +22,6 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.handle import Handle
-from transport.memory import dtype_name
 from transport.weights._protocol import (
     MAX_DEGREE,
     PUB_SLOT,
@@ -34,6 +33,7 @@ from transport.weights._protocol import (
     check_named_tensors,
     decode,
     encode,
+    match_regions,
     region,
     segments,
 )
@@ -259,21 +259,7 @@ class WeightPublisher:
                 f"its record is of generation {conn.generation}, its group entry of {entry['gen']}"
             )
             return sub
-        problems, names = [], []
-        prefix = region(self.group, 0, "")
-        for rname, info in conn.regions.items():
-            if not rname.startswith(prefix):
-                continue
-            n = rname[len(prefix) :]
-            t = self.tensors.get(n)
-            if t is None:
-                problems.append(f"{n!r}: the publisher has no tensor of that name")
-            elif tuple(t.shape) != info.shape or dtype_name(t.dtype) != info.dtype:
-                problems.append(
-                    f"{n!r}: publisher {tuple(t.shape)} {dtype_name(t.dtype)}, subscriber {info.shape} {info.dtype}"
-                )
-            else:
-                names.append(n)
+        names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")
         if not names and not problems:
             problems.append("it exposes none of the publisher's tensors")
         if problems:

@@ -185,12 +185,10 @@ class WeightSubscriber:
         ]
 
     def _credit_publishers(self, sender: str | None = None) -> None:
+        """Tell the publishers (those that said hello) which slots are free; a version written by
+        a relay is credited to them, not to the relay. Before any hello: the sender."""
         with self._lock:
-            targets = (
-                [sender]
-                if sender in self._publishers or sender is not None and not self._publishers
-                else list(self._publishers)
-            )
+            targets = list(self._publishers) or ([sender] if sender is not None else [])
         for p in targets:
             self._send_credit(p)
 
