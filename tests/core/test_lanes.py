@@ -5,6 +5,7 @@ nothing posted, and small transfers never start a lane."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -15,11 +16,23 @@ from helpers.peer import Peer, pattern, sha
 MiB = 1 << 20
 
 
-def nothing_in_flight(t: transport.Transport) -> bool:
+def nothing_in_flight(t: transport.Transport, timeout: float = 5.0) -> bool:
+    """No part of any transfer queued or posted on any agent, and no plan busy. Each engine
+    withdraws the parts of a failed transfer on its own thread (within a loop of it), so this
+    polls until the deadline."""
+    from transport.engine import POSTED, QUEUED
+
     engines = [t._engine, *(lane.engine for lane in t._lanes)]
-    return all(not e._inflight and not e._queue for e in engines) and all(
-        p.in_flight == 0 for p in t._plans.values()
-    )
+    end = time.monotonic() + timeout
+    while True:
+        ops = [o for e in engines for o in [*e._inflight, *e._queue]]
+        if all(o.state not in (QUEUED, POSTED) for o in ops) and all(
+            p.in_flight == 0 for p in t._plans.values()
+        ):
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)  # sync-ok: the poll interval of a deadline-bounded wait
 
 
 def test_a_large_put_and_get_are_cut_over_lanes(tcp_store):
