@@ -693,8 +693,11 @@ class Transport(Closing):
         assert first is not last or len(group) == 1
         first.retry = (items, sig, offset)
         for o in group[1:]:
-            if o.after is None and o.engine is not self._engine:
+            if o.after is None:
+                # share 0's parts too: posted behind the first, they would keep its engine from
+                # seeing it complete (and the lanes from starting) for a whole part's copy
                 o.after = [first]
+        first.wakes = [lane.engine for _, lane in shares if lane is not None]
         for o in group:
             o.group = group
         if self._rec_append is not None:

@@ -50,6 +50,7 @@ class Op:
         "retry",
         "state",
         "timeout",
+        "wakes",
         "xfer",
     )
 
@@ -71,6 +72,7 @@ class Op:
         self.group: list[Op] | None = None  # all parts of this handle to this peer
         self.retry: Any = None  # what the Transport needs to re-plan for a restarted peer
         self.engine: Engine | None = None  # the engine that runs it, when it is a lane's
+        self.wakes: list[Engine] | None = None  # other engines holding parts that wait for it
 
 
 class Engine:
@@ -321,6 +323,9 @@ class Engine:
         op.handle._part_done(plan.conn.name, error)
         if self.on_finish is not None:
             self.on_finish()
+        for engine in op.wakes or ():
+            engine.wake()  # a lane idling with parts that wait for this one: without it, it
+            # would see them only at its next idle poll, up to idle_interval later
         if error is not None:
             if isinstance(error, PeerLostError):
                 self._on_peer_lost(plan.conn, error)

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transport")
 
+# The first and last parts of a cut transfer: the first is posted before every other part and the
+# last after them, each alone, so they are small (64 MiB parts would leave a lane idle for a
+# tenth of a 1 GiB transfer at each end).
+EDGE_BYTES = 256 << 10
+
 
 def default_lanes() -> int:
     """Agents per Transport for large transfers: ``$TRANSPORT_LANES``, or one per two cores, at
@@ -117,11 +122,14 @@ def split(
     try:
         for i, (lo, re) in enumerate(shares):
             if i == 0:
-                # at least two parts: the first goes alone (it finds a restarted peer before
-                # anything else is posted), the last carries the notification
-                half = max(1, -(-int(lo[:, 1].sum()) // 2))
-                p = Plan(main_backend, plan.conn, plan.op, lo, re, device, rdevice,
-                         min(chunk, half), plan.keep)  # fmt: skip
+                # a small first part goes alone (it finds a restarted peer before anything else
+                # is posted, and holds the lanes back only briefly); a small last part carries
+                # the notification (posted once every other part landed, so nothing else runs
+                # beside it)
+                size = int(lo[:, 1].sum())
+                edge = min(EDGE_BYTES, size // 3)
+                p = Plan(main_backend, plan.conn, plan.op, lo, re, device, rdevice, chunk,
+                         plan.keep, edge, edge)  # fmt: skip
                 for reg in plan.keep:
                     reg.users += 1
                 out.append((p, None))

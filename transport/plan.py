@@ -83,6 +83,8 @@ class Plan:
         remote_device: str,
         chunk_bytes: int,
         keep: tuple[Any, ...],
+        head: int = 0,
+        tail: int = 0,
     ) -> None:
         self.conn = conn
         self.op = op
@@ -90,7 +92,7 @@ class Plan:
         self.keep = keep  # registrations (and tensors) that must outlive the plan
         self.rows = (local, remote, device, remote_device, chunk_bytes)  # to split over lanes
         self.shares: list[Plan] | None = None  # the same transfer cut over lanes (lanes.py)
-        local, remote, bounds = split_descs(local, remote, chunk_bytes)
+        local, remote, bounds = split_descs(local, remote, chunk_bytes, head, tail)
         self.nbytes = int(local[:, 1].sum()) if len(local) else 0
         self.valid = True  # False: no new use (released, or its region was withdrawn)
         self.released = False
@@ -154,13 +156,32 @@ class Plan:
 
 
 def split_descs(
-    local: np.ndarray, remote: np.ndarray, chunk: int
+    local: np.ndarray, remote: np.ndarray, chunk: int, head: int = 0, tail: int = 0
 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """Split paired descriptor lists into parts of at most ``chunk`` bytes.
 
-    Descriptors larger than ``chunk`` are cut into pieces; small ones are grouped.
+    Descriptors larger than ``chunk`` are cut into pieces; small ones are grouped. With ``head``
+    or ``tail``, the first or last part is exactly that many bytes (a row is cut there), when
+    what is left between them is not empty.
     Returns the (possibly longer) lists and the [start, end) row range of each part.
     """
+    total = int(local[:, 1].sum()) if len(local) else 0
+    if (head or tail) and head + tail < total:
+        runs: list[tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]] = []
+        if head:
+            hl, hr, local, remote = _cut_at(local, remote, head)
+            runs.append((hl, hr, [(0, len(hl))]))
+        if tail:
+            local, remote, tl, tr = _cut_at(local, remote, total - head - tail)
+        runs.append(split_descs(local, remote, chunk))
+        if tail:
+            runs.append((tl, tr, [(0, len(tl))]))
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for lo, _, bs in runs:
+            spans.extend((a + at, b + at) for a, b in bs)
+            at += len(lo)
+        return np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs]), spans
     lens = local[:, 1].astype(np.int64)
     if len(lens) == 0:
         return local, remote, [(0, 0)]
@@ -185,3 +206,22 @@ def split_descs(
         acc += n
     bounds.append((start, len(lens)))
     return local, remote, bounds
+
+
+def _cut_at(
+    local: np.ndarray, remote: np.ndarray, at: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Paired rows before and after byte ``at`` (0 < at < total), a row cut in two there."""
+    ends = np.cumsum(local[:, 1].astype(np.int64))
+    i = int(np.searchsorted(ends, at, side="left"))  # the row holding byte at - 1
+    into = at - (int(ends[i - 1]) if i else 0)
+    ll, lr = local[: i + 1].copy(), remote[: i + 1].copy()
+    ll[i, 1] = lr[i, 1] = into
+    rl, rr = local[i:].copy(), remote[i:].copy()
+    rl[0, 0] += np.uint64(into)
+    rr[0, 0] += np.uint64(into)
+    rl[0, 1] -= np.uint64(into)
+    rr[0, 1] = rl[0, 1]
+    if rl[0, 1] == 0:
+        rl, rr = rl[1:], rr[1:]
+    return ll, lr, rl, rr

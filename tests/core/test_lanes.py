@@ -12,6 +12,7 @@ import torch
 
 import transport
 from helpers.peer import Peer, pattern, sha
+from transport.lanes import EDGE_BYTES
 
 MiB = 1 << 20
 
@@ -47,6 +48,9 @@ def test_a_large_put_and_get_are_cut_over_lanes(tcp_store):
         plan = next(iter(w._plans.values()))
         assert plan.shares is not None and len(plan.shares) == 3
         assert sum(s.nbytes for s in plan.shares) == 96 * MiB
+        # share 0 starts with a small part posted alone and ends with a small notifying one
+        edges = plan.shares[0].parts[0].nbytes, plan.shares[0].parts[-1].nbytes
+        assert edges == (EDGE_BYTES, EDGE_BYTES)
         assert {s.backend for s in plan.shares} == {w._backend, *(ln.backend for ln in w._lanes)}
         peer, payload, shas = p.call("notif_then_sha", 30, ["buf"])
         assert (peer, payload) == ("writer", b"all") and shas["buf"] == sha(src)
