@@ -264,3 +264,25 @@ def test_sizes_parse_in_every_accepted_form():
     for bad in ("1000", "0x4K", "x4K", "10x"):
         with pytest.raises(ValueError):
             parse_batch(bad)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "pin", "lanes", "readers", "pinned", "noted"),
+    [
+        (2, None, 2, 1, False, True),  # lanes pinned onto one CPU could not copy in parallel
+        (4, None, 2, 1, True, False),
+        (3, None, 2, 1, True, False),
+        (2, True, 2, 1, True, False),  # asked for: pinned, CPUs shared
+        (16, False, 2, 1, False, False),
+    ],
+)
+def test_pinning_is_left_off_where_the_lanes_would_share_a_cpu(
+    monkeypatch, cpus, pin, lanes, readers, pinned, noted
+):
+    from transport.cli.bench import _util
+
+    monkeypatch.setattr(_util, "affinity", lambda: set(range(cpus)))
+    got, note = _util.pin_layout(pin, lanes, readers)
+    assert got is pinned and (note is not None) is noted
+    if note:
+        assert f"need {lanes + readers} CPUs" in note and "--pin" in note

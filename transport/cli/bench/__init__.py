@@ -134,8 +134,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="pin the writer and each reader to its own CPU while NIXL is measured (default on)",
+        default=None,
+        help="pin the writer to one CPU per lane and each reader to a CPU of its own while NIXL "
+        "is measured (default: when the host has CPUs enough for all of them)",
     )
     p.add_argument(
         "--timeout", type=float, default=120.0, help="seconds one transfer or reply may take"

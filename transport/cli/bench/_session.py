@@ -24,6 +24,7 @@ class Session:
     local: Any
     saved_affinity: set[int] | None
     store_url: str
+    notes: list[str]  # how the processes were placed, for the report
 
     def helper_cpu(self) -> float:
         """CPU seconds our readers on this host have used so far."""
@@ -42,18 +43,22 @@ def writer_session(args: argparse.Namespace, command: str, peers: list[str] | No
     --store) or the named peers of an existing store."""
     import transport
     from transport.cli.bench._control import Channel, LocalReaders, wait_for_readers
-    from transport.cli.bench._util import affinity, pin_to
+    from transport.cli.bench._util import affinity, pin_layout, pin_to
     from transport.cli.peers import client_url
+    from transport.lanes import default_lanes
     from transport.store import store_from_url
     from transport.store.tcp import TcpStore
 
     local = None
     alive: Callable[[], None] | None = None
+    lanes = [int(x) for x in (getattr(args, "lanes", None) or "").split(",") if x.strip()]
+    writer_cpus = max(lanes or [default_lanes()])
+    pin, pin_note = pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)
     if peers is None:
         store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
         names = [f"bench-reader-{i}" for i in range(n_readers)]
         ncpu = len(affinity() or {0})
-        cpus = [(1 + i) % ncpu if args.pin else None for i in range(n_readers)]
+        cpus = [(writer_cpus + i) % ncpu if pin else None for i in range(n_readers)]
         local = LocalReaders([command, *(reader_args or [])], names, client_url(store.url),
                              args.namespace, cpus)  # fmt: skip
         alive = local.check
@@ -64,13 +69,13 @@ def writer_session(args: argparse.Namespace, command: str, peers: list[str] | No
     t = None
     ok = False
     try:
-        if args.pin:
-            pin_to(0)  # the engine thread and NIXL's threads inherit it
+        if pin:
+            pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
         t = transport.Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
                                 timeout=args.timeout)  # fmt: skip
         wait_for_readers(t, names, args.wait, alive)
         s = Session(t, Channel(t, timeout=args.timeout, alive=alive), names, local, saved,
-                    getattr(store, "url", ""))  # fmt: skip
+                    getattr(store, "url", ""), [pin_note] if pin_note else [])  # fmt: skip
         yield s
         ok = True
     finally:

@@ -214,15 +214,33 @@ def zero_bytes(t: torch.Tensor) -> None:
 # -- CPUs -----------------------------------------------------------------------------------------
 
 
-def pin_to(cpu_index: int | None) -> int | None:
-    """Pin the calling thread (and every thread it starts from now on) to one CPU of this process's
-    set, ``cpu_index`` modulo its size; returns the CPU, or None when not pinned."""
+def pin_to(cpu_index: int | None, count: int = 1) -> int | None:
+    """Pin the calling thread (and every thread it starts from now on) to ``count`` CPUs of this
+    process's set from ``cpu_index`` on (modulo its size); returns the first CPU, or None when not
+    pinned."""
     if cpu_index is None or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    cpu = cpus[cpu_index % len(cpus)]
-    os.sched_setaffinity(0, {cpu})
-    return cpu
+    chosen = {cpus[(cpu_index + i) % len(cpus)] for i in range(count)}
+    os.sched_setaffinity(0, chosen)
+    return cpus[cpu_index % len(cpus)]
+
+
+def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, str | None]:
+    """Whether to pin the writer (to ``writer_cpus`` CPUs: one per lane, as its lanes copy in
+    parallel) and each local reader (to one CPU each), and a note on why not. ``pin`` None: only
+    when there are CPUs enough for all of them, since pinning lanes onto fewer CPUs than lanes
+    would measure a writer that cannot use them."""
+    ncpu = len(affinity() or {0})
+    want = writer_cpus + readers
+    if pin is None:
+        if ncpu >= want:
+            return True, None
+        return False, (
+            f"processes not pinned: the writer's {writer_cpus} lane(s) and {readers} reader(s) "
+            f"need {want} CPUs, this host gives {ncpu} (--pin pins them anyway, sharing CPUs)"
+        )
+    return pin, None
 
 
 def unpin(saved: set[int] | None) -> None:

@@ -5,7 +5,8 @@ Raw NIXL and ours run INTERLEAVED in the same writer and reader processes, on th
 ours, raw-nixl-repost, ours (below 1 MiB each turn is a block of iterations), every iteration
 timed on its own, so the machine's drift hits every system alike. Besides the ratio of medians
 each "ours" record carries the paired ratio: the median over cycles of ours / other within one
-cycle. The writer and each reader are pinned to one CPU for this phase (``--no-pin``).
+cycle. For this phase the writer is pinned to one CPU per lane and each reader to one of its own,
+when the host has that many CPUs (``--pin``/``--no-pin`` decide instead).
 
 gloo (and NCCL where every process has a GPU) then run in the same processes; memcpy last, in the
 writer alone. Every system is verified once per configuration: the destination is zeroed, the
@@ -86,7 +87,7 @@ class PutPlan:
     memcpy_budget_s: float = 0.5
     min_iters: int = 5  # gloo, NCCL, memcpy
     timeout: float = 60.0
-    pin: bool = True
+    pin: bool | None = None  # None: when the host has CPUs enough (bench._util.pin_layout)
     lanes: list[int] = field(default_factory=list)  # [ours, others...]; empty: the default
 
     @property
@@ -522,6 +523,7 @@ def run_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) -> 
     progress.step("starting readers")
     try:
         with writer_session(args, "put", peers, plan.readers) as s:
+            res.notes.extend(s.notes)
             w = PutWriter(s.t, s.chan, s.readers, plan, progress, res)
             try:
                 w.setup()

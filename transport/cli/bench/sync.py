@@ -69,7 +69,7 @@ class SyncPlan:
     mode: str
     baselines: list[str]
     timeout: float = 120.0
-    pin: bool = True
+    pin: bool | None = None  # None: when the host has CPUs enough (bench._util.pin_layout)
     fanouts: list[str] = field(default_factory=lambda: ["direct"])
     degree: int = 2
     layout: list[tuple[str, int, str]] = field(default_factory=list)
@@ -541,6 +541,7 @@ def run_writer(args: argparse.Namespace, plan: SyncPlan, peers: list[str] | None
     progress.step("starting generators")
     try:
         with writer_session(args, "sync", peers, plan.generators, reader_args(plan)) as s:
+            res.notes.extend(s.notes)
             w = SyncWriter(s.t, s.chan, s.readers, plan, res)
             try:
                 w.setup(args.wait)
