@@ -478,12 +478,19 @@ class Transport(Closing):
         elements of the region. ``notify`` (bytes) reaches the peer after all the data has landed.
         Without ``key`` the name the source was exposed or registered under is used.
         """
-        if type(src) is torch.Tensor and type(peer) is str and stream is None:
-            if self._stream is not None:
-                self._stream.check()
-            handle = self._fast(WRITE, src, peer, key, offset, notify, timeout)
-            if handle is not None:
-                return handle
+        if type(src) is torch.Tensor and stream is None:
+            if type(peer) is str:
+                if self._stream is not None:
+                    self._stream.check()
+                handle = self._fast(WRITE, src, peer, key, offset, notify, timeout)
+                if handle is not None:
+                    return handle
+            elif type(peer) in (list, tuple):
+                if self._stream is not None:
+                    self._stream.check()
+                handle = self._fast_fanout(src, peer, key, offset, notify, timeout)  # type: ignore[arg-type]
+                if handle is not None:
+                    return handle
         return self._transfer(WRITE, src, peer, key, offset, notify, timeout, stream)
 
     def get(
@@ -562,6 +569,93 @@ class Transport(Closing):
                 )
             return handle
         return None
+
+    def _fast_fanout(
+        self,
+        t: torch.Tensor,
+        peers: list[str] | tuple[str, ...],
+        key: str | None,
+        offset: int,
+        notify: bytes | None,
+        timeout: float | None,
+    ) -> Handle | None:
+        """A small put to several peers, each a cached one-part plan, posted one after the other
+        from the caller's thread (as a single-peer put is); None when the general path is needed.
+        A peer whose post fails (it was lost or restarted meanwhile) and the peers after it go
+        through the general path, as part of the same handle."""
+        n = len(peers)
+        if n < 2 or n > 64 or self._state is not _State.OPEN or not t.is_contiguous():
+            return None
+        if timeout is not None and not (type(timeout) in (int, float) and timeout > 0):
+            return None
+        ptr, nbytes = t.data_ptr(), t.nbytes
+        if key is None:
+            key = self._local_names.get((ptr, nbytes))
+        sig = (key, ptr, nbytes, t.dtype)
+        plans = []
+        for peer in peers:
+            plan = self._plans.get((WRITE, peer, sig, offset)) if type(peer) is str else None
+            if plan is None or not plan.inline or not plan.conn.alive:
+                return None
+            plans.append(plan)
+        if len(set(peers)) != n:
+            return None  # the general path says why
+        notif = frame_user_notification(notify) if notify is not None else b""
+        handle = Handle("put", tuple(peers), nbytes * n, n + 1)  # + 1: held until all is posted
+        timeout = self.timeout if timeout is None else timeout
+        inflight: list[Op] = []
+        done_now: list[str] = []
+        for i, plan in enumerate(plans):
+            r = self._engine.post_inline(handle, plan, notif, timeout)
+            if r is True:
+                done_now.append(peers[i])
+            elif r is not None:
+                inflight.append(r)
+            elif i == 0:
+                return None  # nothing sent yet: the general path does it all
+            else:
+                self._rest_of_fanout(handle, t, tuple(peers[i:]), key, offset, notify, timeout)
+                break
+        if len(done_now) == n:
+            # every part completed inside its post and nothing else saw the handle: counted, not
+            # recorded (like a single-peer put on this path)
+            handle._complete_now()
+            self._inline_count += n
+            return handle
+        handle._rec = self.recorder
+        self.recorder.record("post", handle.id, handle.op, handle.peers, handle.nbytes, key)
+        if inflight:
+            handle._poller = self._engine.poller(inflight)
+        for peer in done_now:
+            handle._part_done(peer, None)
+        handle._part_done(peers[0], None)  # the hold
+        return handle
+
+    def _rest_of_fanout(
+        self,
+        handle: Handle,
+        t: torch.Tensor,
+        rest: tuple[str, ...],
+        key: str | None,
+        offset: int,
+        notify: bytes | None,
+        timeout: float,
+    ) -> None:
+        """The peers of a fast fan-out from the first whose post failed on: through the general
+        path (which re-plans a restarted peer), their parts completing ``handle``'s."""
+        try:
+            sub = self._transfer(WRITE, t, list(rest), key, offset, notify, timeout, None)
+        except Exception as e:  # noqa: BLE001 - reported as those peers' error, through the handle
+            for p in rest:
+                handle._part_done(p, e)
+            return
+
+        def done(h: Handle) -> None:
+            for p in rest:
+                # each failed peer is in errors; a failure that names none is every peer's
+                handle._part_done(p, h.errors.get(p) or (None if h.errors else h._error))
+
+        sub.add_done_callback(done)
 
     def _transfer(
         self,

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from transport.backends.base import DONE, Backend
 from transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
@@ -131,33 +131,46 @@ class Engine:
     def post_fast(self, handle: Handle, plan: Plan, notif: bytes, timeout: float) -> bool:
         """Post a one-part plan from the caller's thread, completing ``handle`` at once when the
         backend finishes during the post. False when the general path must handle it (errors)."""
+        op = self.post_inline(handle, plan, notif, timeout)
+        if op is None:
+            return False
+        if op is True:
+            handle._complete_now()
+        else:
+            handle._poller = self.poller([op])
+        return True
+
+    def post_inline(
+        self, handle: Handle, plan: Plan, notif: bytes, timeout: float
+    ) -> Op | Literal[True] | None:
+        """Post one part of ``handle`` (a one-part plan) from the caller's thread. True: the backend
+        finished it during the post (the caller accounts for it); an Op: posted and handed to the
+        engine, which completes it; None: nothing was sent, the general path must handle it."""
         conn = plan.conn
         part = plan.parts[0]
         with conn.lock:
             if not conn.alive or not plan.valid:
-                return False
+                return None
             pool = part.idle[bool(notif)]
             try:
                 xfer = pool.pop() if pool else plan.take(self._backend, part, notif)
             except TransportError:
-                return False
+                return None
             try:
                 st = self._backend.post(xfer, notif, conn.name)
             except TransportError:
                 self._backend.release_xfer(xfer)
-                return False
+                return None
             if st == DONE:
                 plan.give_back(self._backend, part, xfer, bool(notif))
-                handle._complete_now()
                 return True
             plan.busy += 1
         op = Op(handle, plan, part, notif, time.monotonic() + timeout, timeout)
         op.xfer = xfer
         op.state = POSTED
-        handle._poller = self.poller([op])
         self._new.append(op)
         self._last_activity = time.monotonic()
-        return True
+        return op
 
     def submit(self, ops: list[Op]) -> None:
         """Hand ops to the engine thread for posting (large transfers and dependent parts)."""

@@ -160,3 +160,55 @@ def test_restarted_receiver_gets_the_next_large_put(tcp_store, unwatched_writer,
         assert "restarted (generation 2); retrying" in caplog.text
         peer, payload, shas = second.call("notif_then_sha", 30, ["w"])
         assert (peer, payload) == ("writer", b"v2") and shas["w"] == sha(src)
+
+
+def test_small_fan_out_with_a_restarted_and_a_dead_peer(
+    tcp_store, unwatched_writer, caplog, monkeypatch
+):
+    """A small put to a list of peers whose cached plans are replayed from the caller's thread:
+    a peer that restarted since gets the put in its new process (the rest of the list goes
+    through the general path, same handle); a peer that is gone fails the handle, naming it,
+    while the others still get their bytes."""
+    writer = unwatched_writer
+    spec = {"w": ("uint8", 4096, "rw")}
+    a = Peer("gen-a", tcp_store.url, spec)
+    b = Peer("gen-b", tcp_store.url, spec)
+    c = Peer("gen-c", tcp_store.url, spec)
+    try:
+        for p in ("gen-a", "gen-b", "gen-c"):
+            writer.wait_for_peer(p, 30)
+        src = pattern(4096, 1)
+        writer.put(src, ["gen-a", "gen-b", "gen-c"], "w").wait(10)
+        writer.put(src, ["gen-a", "gen-b", "gen-c"], "w").wait(10)  # now cached, caller's thread
+        b.kill()
+        with Peer("gen-b", tcp_store.url, spec) as b2:
+            assert b2.generation == b.generation + 1
+            src2 = pattern(4096, 2)
+            src.copy_(src2)  # the same source tensor: its plans are cached
+            rests: list[tuple[str, ...]] = []
+            rest_of_fanout = writer._rest_of_fanout
+
+            def spy(handle, t, rest, *args):
+                rests.append(rest)
+                return rest_of_fanout(handle, t, rest, *args)
+
+            monkeypatch.setattr(writer, "_rest_of_fanout", spy)
+            with caplog.at_level("INFO", logger="transport"):
+                writer.put(src, ["gen-a", "gen-b", "gen-c"], "w", notify=b"v2").wait(10)
+            assert "restarted (generation 2); retrying" in caplog.text
+            assert rests == [("gen-b", "gen-c")]  # gen-a from the caller's thread, the rest not
+            for p in (a, b2, c):
+                peer, payload, shas = p.call("notif_then_sha", 10, ["w"])
+                assert (peer, payload) == ("writer", b"v2") and shas["w"] == sha(src2), p.name
+        # gen-b closed for good (its record is gone); gen-c killed without a word
+        c.kill()
+        src3 = pattern(4096, 3)
+        src.copy_(src3)
+        h = writer.put(src, ["gen-a", "gen-c"], "w")
+        with pytest.raises(transport.TransportError, match="gen-c"):
+            h.wait(10)
+        assert "gen-c" in h.errors and "gen-a" not in h.errors
+        assert a.call("sha", "w") == sha(src3)
+    finally:
+        for p in (a, b, c):
+            p.kill()

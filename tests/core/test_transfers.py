@@ -136,6 +136,39 @@ def test_fan_out_to_three_receivers(tcp_store, writer):
             p.stop()
 
 
+def test_small_fan_out_puts_land_at_every_receiver_each_time(tcp_store, writer, monkeypatch):
+    """Repeated small puts to a list of peers (after the first, posted from the caller's thread
+    one peer after the other): every receiver gets every version's bytes and its notification."""
+    peers = [Peer(f"gen-{i}", tcp_store.url, {"w": ("uint8", 4096, "w")}) for i in range(3)]
+    try:
+        for p in peers:
+            writer.wait_for_peer(p.name, 30)
+        names = [p.name for p in peers]
+        src = torch.zeros(4096, dtype=torch.uint8)
+        posted_inline: list[str] = []
+        post_inline = writer._engine.post_inline
+
+        def spy(handle, plan, notif, timeout):
+            posted_inline.append(plan.conn.name)
+            return post_inline(handle, plan, notif, timeout)
+
+        monkeypatch.setattr(writer._engine, "post_inline", spy)
+        for step in range(30):
+            src.copy_(pattern(4096, seed=step))
+            writer.put(src, names, "w", notify=f"v{step}".encode()).wait(30)
+            for p in peers:
+                peer, payload, shas = p.call("notif_then_sha", 30, ["w"])
+                assert (peer, payload) == ("writer", f"v{step}".encode())
+                assert shas["w"] == sha(src), (p.name, step)
+        # after the first put (which plans), the caller's thread posted to each peer in turn
+        assert posted_inline == names * 29
+        for p in peers:
+            assert p.call("notifications", 0) == []  # one notification per put, no more
+    finally:
+        for p in peers:
+            p.stop()
+
+
 def test_put_without_key_uses_exposed_or_registered_name(tcp_store, writer):
     with Peer("recv", tcp_store.url, {"a": ("int64", 16, "rw"), "b": ("int64", 16, "rw")}) as r:
         writer.wait_for_peer("recv", 30)
