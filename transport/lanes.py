@@ -4,9 +4,12 @@ One agent copies about 8 GB/s here whatever its threads or descriptors (CMA: the
 the post, under the agent's lock); two agents posting halves from two threads copy in parallel.
 A transfer of at least ``lane_bytes`` is cut by bytes into one share per lane: share 0 on the
 Transport's own agent, the others on the lanes. All the shares' parts form one group (one failure
-fails the handle and withdraws the rest) and the notification rides on share 0's last part,
-posted only once every part of every share has landed. Receivers see nothing new: lanes never
-send notifications and are never published.
+fails the handle and withdraws the rest). Share 0 begins with a small part that goes alone (every
+other part waits for it: a restarted peer is found before anything else is posted, and the whole
+transfer is re-planned on it) and ends with a small part carrying the notification, posted only
+once every other part of every share has landed; both are small so that the lanes idle only
+briefly at either end. Receivers see nothing new: lanes never send notifications and are never
+published.
 
 Lanes start on the first transfer that needs them; each registers the local memory it sends
 from (a cache like the Transport's) and loads the peers it writes to.
