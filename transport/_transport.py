@@ -63,6 +63,10 @@ log = logging.getLogger("transport")
 
 #: automatic dumps after errors: at most one per this many seconds per Transport
 DUMP_MIN_INTERVAL = 5.0
+# Lanes cut transfers between host memory only: there the copy runs inside the posting thread
+# (CMA), which is what a second agent parallelizes. GPU copies run on the GPU's copy engines; no
+# measurement yet shows lanes helping them, so a CUDA transfer stays on one agent.
+HOST_ONLY = ("cpu", "cpu")
 
 _sigusr1_lock = threading.Lock()
 _sigusr1_transports: weakref.WeakSet[Transport] = weakref.WeakSet()
@@ -170,7 +174,10 @@ class Transport(Closing):
     transfers of at most ``inline_bytes`` are posted by the calling thread (no
     hand-off); ``idle_interval`` is how often an idle engine makes progress
     (receivers' notified transfers complete at that pace after a quiet spell);
-    ``heartbeat_interval`` is how often the store hears from this peer.
+    ``heartbeat_interval`` is how often the store hears from this peer;
+    transfers between host memory of at least ``lane_bytes`` are cut over
+    ``lanes`` agents, each posting from its own thread (lanes.py; default from
+    the CPU count, ``$TRANSPORT_LANES``; 1 turns them off).
     """
 
     def __init__(
@@ -703,7 +710,7 @@ class Transport(Closing):
         ops: list[Op] = []
         inline = True
         for plan in plans:
-            if self.lanes > 1 and plan.nbytes >= self.lane_bytes:
+            if self.lanes > 1 and plan.nbytes >= self.lane_bytes and plan.rows[2:4] == HOST_ONLY:
                 ops.extend(
                     self._lane_ops(handle, plan, items, sig, offset, notif, deadline, timeout)
                 )

@@ -126,6 +126,8 @@ def test_vram_and_pinned_memory_as_sources_and_destinations(tcp_store, writer, w
         back = torch.zeros_like(src)
         writer.get(back, "recv", "buf").wait(30)
         assert sha(back) == sha(data)
+        if where == "cuda":
+            assert not writer._lanes  # GPU transfers stay on one agent (64 MiB = lane_bytes)
 
 
 def test_a_captured_publish_sends_the_next_version_every_replay(tcp_store, writer):
