@@ -536,6 +536,22 @@ class Transport(Closing):
             WRITE, src, peer, None, 0, None, timeout, None, frame_control(channel, payload)
         )
 
+    def _put_control_at(
+        self,
+        src: torch.Tensor,
+        key: str,
+        offset: int,
+        peer: str,
+        channel: str,
+        payload: bytes,
+        timeout: float | None,
+    ) -> Handle:
+        """A put of one tensor at ``offset`` (elements) of region ``key`` whose notification is a
+        control message of ``channel`` (for the library's own layers)."""
+        return self._transfer(
+            WRITE, src, peer, key, offset, None, timeout, None, frame_control(channel, payload)
+        )
+
     def _fast(
         self,
         op: str,

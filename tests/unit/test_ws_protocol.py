@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transport.errors import WireFormatError
-from transport.weights._protocol import MAX_DEGREE, decode, encode
+from transport.weights._protocol import MAX_DEGREE, decode, encode, piece, pieces, segments
 
 GOOD = [
     ("hello", {}),
@@ -18,6 +18,7 @@ GOOD = [
     ("credit", {"s": [0, 1], "v": -1}),
     ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1], ["gen-2", 1, 0]]}),
     ("seg", {"v": 7, "s": 1, "a": 0, "b": 12}),
+    ("part", {"v": 7, "s": 1, "a": 3, "o": 32 << 20, "n": 16 << 20}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": ""}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "lost", "e": "peer 'gen-1' was lost"}),
 ]
@@ -53,6 +54,9 @@ BAD = [
     (raw({"k": "fwd", "v": 1, "t": 1, "to": [["g", 0, 0]] * (MAX_DEGREE + 1)}), "fwd targets"),
     (raw({"k": "seg", "v": 1, "s": 0, "a": 3, "b": 3}), "at least one tensor"),
     (raw({"k": "seg", "v": 1, "s": 0, "a": -1, "b": 3}), "non-negative"),
+    (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0, "n": 0}), "at least one byte"),
+    (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": -4, "n": 4}), "non-negative"),
+    (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0}), "malformed"),
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "maybe", "e": ""}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": 5, "x": "", "e": ""}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x"}), "relay report"),
@@ -94,3 +98,35 @@ def test_well_formed_msgpack_of_any_shape_decodes_or_is_refused(kind, fields):
     except WireFormatError:
         return
     assert m["k"] == kind
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 5000), min_size=1, max_size=10),
+    st.sampled_from(["uint8", "float16", "float32", "float64"]),
+    st.integers(8, 4096),
+)
+def test_segments_and_pieces_cover_every_byte_once(numels, dtype, seg_bytes):
+    """A tensor larger than a segment is a segment of its own, cut into whole-element pieces that
+    cover its bytes once, in order; smaller ones are grouped."""
+    import torch
+
+    tensors = {
+        f"t{i:02d}": torch.zeros(n, dtype=getattr(torch, dtype)) for i, n in enumerate(numels)
+    }
+    names = sorted(tensors)
+    bounds = segments(tensors, seg_bytes)
+    assert bounds[0] == 0 and bounds[-1] == len(names) and bounds == sorted(set(bounds))
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        if any(tensors[n].nbytes > seg_bytes for n in names[a:b]):
+            assert b == a + 1  # alone
+    for n in names:
+        t = tensors[n]
+        t.copy_(torch.arange(t.numel()).to(t.dtype))
+        cut = pieces(t, seg_bytes)
+        assert [o for o, _ in cut] == [sum(k for _, k in cut[:i]) for i in range(len(cut))]
+        assert sum(k for _, k in cut) == t.nbytes
+        assert all(o % t.element_size() == 0 and k % t.element_size() == 0 for o, k in cut)
+        assert all(k <= max(seg_bytes, t.element_size()) for _, k in cut)
+        joined = torch.cat([piece(t, o, k) for o, k in cut])
+        assert torch.equal(joined, t)

@@ -63,6 +63,37 @@ def test_a_chain_forwards_every_version_and_ends_in_an_inplace_subscriber(traine
         assert s.call("violations") == []
 
 
+def test_tensors_larger_than_a_segment_are_relayed_piece_by_piece(trainer, spawn):
+    """An 80 MiB tensor in the middle and a 48 MiB one at the end (segments are 32 MiB): each
+    travels in pieces announced as they land, every relay forwards each piece at once, and every
+    byte of every version arrives down the chain."""
+    spec = {
+        "a": ((1 << 20,), "float32"),
+        "emb": ((20 << 20,), "float32"),
+        "w": ((1 << 20,), "float32"),
+        "z_head": ((12 << 20,), "float32"),
+    }
+    a, b, c = start(spawn, ["gen-a", "gen-b", "gen-c"], spec)
+    (d,) = start(spawn, ["gen-d"], spec, mode="inplace")
+    tensors = make_tensors(spec)
+    with transport.WeightPublisher(trainer, tensors, fanout="chain") as pub:
+        for v in (1, 2, 3):
+            r = publish(pub, tensors, v, timeout=60)
+            assert r.done == ["gen-a", "gen-b", "gen-c", "gen-d"], r.reasons
+            for s in (a, b, c):
+                holds(s, spec, v)
+            assert d.call("wait_for_version", v, 10) == v
+            assert d.call("live") == everywhere(spec, v)
+    # pieces announced by the publisher to the head, and by each relay to the next relay; the
+    # in-place tail relays nothing, so its pieces come unannounced
+    assert a.call("writers", "part") == ["trainer"]
+    assert b.call("writers", "part") == ["gen-a"]
+    assert c.call("writers", "part") == ["gen-b"]
+    assert d.call("writers", "part") == []
+    for s in (a, b, c, d):
+        assert s.call("violations") == []
+
+
 def test_a_tree_of_degree_two(trainer, spawn):
     subs = start(spawn, [f"gen-{i}" for i in range(5)])
     tensors = make_tensors(SPEC)

@@ -24,6 +24,10 @@ Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
   landed in ``slot``; the relay forwards them at once (a pipeline: every hop copies while the one
   before it still writes). The writer's last segment carries ``ver`` and is posted only after the
   others have landed, so ``ver`` still means "all of it".
+* writer -> relay ``{"k": "part", "v": N, "s": slot, "a": i, "o": offset, "n": bytes}``: the
+  notification of one piece of a tensor larger than a segment: bytes ``offset`` to
+  ``offset + bytes - 1`` of tensor ``i`` have landed; the relay forwards them at once, so one huge
+  tensor (an embedding) is pipelined too.
 * relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}``: what became of
   one forward: outcome ``""`` (landed), ``"lost"`` (the child went away) or ``"fail"``
 
@@ -113,6 +117,7 @@ _FIELDS = {
     "credit": {"s", "v"},
     "fwd": {"v", "t", "to"},
     "seg": {"v", "s", "a", "b"},
+    "part": {"v", "s", "a", "o", "n"},
     "fwdr": {"v", "c", "x", "e"},
 }
 #: the most children one relay serves (the publisher's ``degree``)
@@ -139,7 +144,7 @@ def decode(payload: bytes) -> dict[str, Any]:
     ):
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
     kind = m["k"]
-    for key in ("v", "s", "t", "a", "b"):
+    for key in ("v", "s", "t", "a", "b", "o", "n"):
         if key in m and kind != "credit" and not _count(m[key]):
             raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
     if kind == "credit":
@@ -166,6 +171,8 @@ def decode(payload: bytes) -> dict[str, Any]:
             raise WireFormatError("fwd targets must be a list of [child, slot, relays]")
     elif kind == "seg" and not m["a"] < m["b"]:
         raise WireFormatError("a segment must name at least one tensor")
+    elif kind == "part" and not m["n"]:
+        raise WireFormatError("a piece must hold at least one byte")
     elif kind == "fwdr" and (
         not _name(m["c"]) or m["x"] not in ("", "lost", "fail") or not isinstance(m["e"], str)
     ):
@@ -282,13 +289,32 @@ class Worker:
 SEGMENT_BYTES = 32 << 20
 
 
+def pieces(t: torch.Tensor, seg_bytes: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
+    """(byte offset, bytes) of the pieces a tensor larger than ``seg_bytes`` travels in, each a
+    whole number of elements."""
+    size = t.element_size()
+    step = max(size, seg_bytes - seg_bytes % size)
+    return [(o, min(step, t.nbytes - o)) for o in range(0, t.nbytes, step)]
+
+
+def piece(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """The elements of ``t`` (contiguous) at bytes ``offset`` to ``offset + nbytes - 1``."""
+    size = t.element_size()
+    return t.reshape(-1)[offset // size : (offset + nbytes) // size]
+
+
 def segments(tensors: Mapping[str, torch.Tensor], seg_bytes: int = SEGMENT_BYTES) -> list[int]:
     """Where the segments of a relay's tensors (its names in sorted order) begin, and the end:
-    consecutive tensors of at least ``seg_bytes`` together (a larger tensor is one segment)."""
+    consecutive tensors of at least ``seg_bytes`` together; a tensor larger than that is a
+    segment of its own (it travels in ``pieces``)."""
     names = sorted(tensors)
     bounds, size = [0], 0
     for i, n in enumerate(names):
-        size += tensors[n].nbytes
+        nbytes = tensors[n].nbytes
+        if nbytes > seg_bytes and size:
+            bounds.append(i)
+            size = 0
+        size += nbytes
         if size >= seg_bytes and i + 1 < len(names):
             bounds.append(i + 1)
             size = 0
@@ -350,6 +376,25 @@ class SegmentedWrite:
                 h = self.t._put_control(batch, self.peer, self.chan, msg, self._left())
             else:
                 h = self.t.put(dict(batch), self.peer, timeout=self._left())
+        except Exception as e:
+            self._landed(e)
+            return
+        h.add_done_callback(lambda h: self.submit(lambda: self._landed(h.exception(0))))
+
+    def add_part(self, a: int, key: str, t: torch.Tensor, offset: int, nbytes: int) -> None:
+        """Post bytes ``offset`` to ``offset + nbytes - 1`` of ``t`` (tensor ``a`` in the peer's
+        sorted names) into the same bytes of the peer's region ``key`` now."""
+        with self._lock:
+            if self.error is not None or self._ended:
+                return
+            self._pending += 1
+        try:
+            src, at = piece(t, offset, nbytes), offset // t.element_size()
+            if self.announce:
+                msg = encode("part", v=self.version, s=self.slot, a=a, o=offset, n=nbytes)
+                h = self.t._put_control_at(src, key, at, self.peer, self.chan, msg, self._left())
+            else:
+                h = self.t.put(src, self.peer, key, offset=at, timeout=self._left())
         except Exception as e:
             self._landed(e)
             return

@@ -42,6 +42,7 @@ class _Job:
         self.names: list[str] = []  # the child's names, sorted
         self.index: dict[str, int] = {}
         self.sent: set[str] = set()
+        self.pieces: dict[str, dict[int, int]] = {}  # name -> {offset: bytes} forwarded so far
         self.write: SegmentedWrite | None = None
 
 
@@ -53,8 +54,8 @@ class Relay:
         self.names = sorted(sub.live)  # the index space of the segments we receive
         # version -> [(deadline, publisher, child, slot, relays)] not started yet
         self.pending: dict[int, list[tuple[float, str, str, int, bool]]] = {}
-        # version -> (its slot here, the segments that landed)
-        self.incoming: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        # version -> (its slot here, the segments (a, b) and pieces (a, offset, bytes) that landed)
+        self.incoming: dict[int, tuple[int, list[tuple[int, ...]]]] = {}
         self.jobs: dict[int, list[_Job]] = {}
         self.deadlines: dict[int, float] = {}
         self.children: dict[str, tuple[int, list[str]]] = {}  # child -> (generation, names)
@@ -84,6 +85,19 @@ class Relay:
                 return
             inc[1].append((a, b))
         self.sub._worker.submit(lambda: self.segment(version, a, b))
+
+    def on_part(self, version: int, slot: int, a: int, offset: int, nbytes: int) -> None:
+        with self.sub._lock:
+            inc = self.incoming.get(version)
+            if (
+                inc is None
+                or inc[0] != slot
+                or a >= len(self.names)
+                or offset + nbytes > self.sub.live[self.names[a]].nbytes
+            ):
+                return
+            inc[1].append((a, offset, nbytes))
+        self.sub._worker.submit(lambda: self.segment_part(version, a, offset, nbytes))
 
     def on_complete(self, version: int) -> None:
         self.sub._worker.submit(lambda: self.advance(version))
@@ -137,7 +151,7 @@ class Relay:
                     job.write.fail(TransportError(f"version {version} never completed here"))
 
     def start(
-        self, job: _Job, deadline: float, relays: bool, landed: list[tuple[int, int]]
+        self, job: _Job, deadline: float, relays: bool, landed: list[tuple[int, ...]]
     ) -> None:
         job.write = SegmentedWrite(
             self.t,
@@ -157,14 +171,39 @@ class Relay:
             job.write.fail(e)
             return
         if job.write.begin():
-            for a, b in landed:
-                self.send(job, a, b)
+            for got in landed:
+                if len(got) == 2:
+                    self.send(job, *got)
+                else:
+                    self.send_part(job, *got)
 
     def segment(self, version: int, a: int, b: int) -> None:
         with self.sub._lock:
             jobs = list(self.jobs.get(version, []))
         for job in jobs:
             self.send(job, a, b)
+
+    def segment_part(self, version: int, a: int, offset: int, nbytes: int) -> None:
+        with self.sub._lock:
+            jobs = list(self.jobs.get(version, []))
+        for job in jobs:
+            self.send_part(job, a, offset, nbytes)
+
+    def send_part(self, job: _Job, a: int, offset: int, nbytes: int) -> None:
+        """Forward bytes ``offset`` to ``offset + nbytes - 1`` of our tensor ``a`` if the child
+        takes it. A tensor counts as sent once all its bytes were; one sent only in part when the
+        version completes goes whole with the rest."""
+        name = self.names[a]
+        if job.write is None or name not in job.index or name in job.sent:
+            return
+        got = job.pieces.setdefault(name, {})
+        if offset in got:
+            return
+        got[offset] = nbytes
+        src = self.sub.staging[job.src][name]
+        job.write.add_part(job.index[name], region(self.group, job.dst, name), src, offset, nbytes)
+        if sum(got.values()) >= src.nbytes:
+            job.sent.add(name)
 
     def send(self, job: _Job, a: int, b: int) -> None:
         """Forward our tensors ``a`` to ``b - 1`` that the child takes and has not got yet."""

@@ -25,6 +25,7 @@ from transport.handle import Handle
 from transport.weights._protocol import (
     MAX_DEGREE,
     PUB_SLOT,
+    SEGMENT_BYTES,
     SEQ_NAME,
     GroupDirectory,
     SegmentedWrite,
@@ -34,6 +35,7 @@ from transport.weights._protocol import (
     decode,
     encode,
     match_regions,
+    pieces,
     region,
     segments,
 )
@@ -476,9 +478,19 @@ class WeightPublisher:
             ),
         )
         if write.begin():
-            for a, b, batch in segs[:-1]:
-                write.add(a, b, batch)
-            write.end(segs[-1][2])
+            for i, (a, b, batch) in enumerate(segs):
+                last = i == len(segs) - 1
+                alone = next(iter(batch.items())) if b == a + 1 else None
+                if alone is not None and alone[1].nbytes > SEGMENT_BYTES:
+                    key, t = alone
+                    for offset, nbytes in pieces(t):  # a huge tensor: relayed piece by piece
+                        write.add_part(a, key, t, offset, nbytes)
+                    if last:
+                        write.end({})
+                elif not last:
+                    write.add(a, b, batch)
+                else:
+                    write.end(batch)
 
     def _on_written(
         self, sub: _Sub, slot: int, version: int, handle: PublishHandle, err: BaseException | None

@@ -130,6 +130,9 @@ class WeightSubscriber:
         elif kind == "seg":
             if self.relay:
                 self._relay.on_seg(m["v"], m["s"], m["a"], m["b"])
+        elif kind == "part":
+            if self.relay:
+                self._relay.on_part(m["v"], m["s"], m["a"], m["o"], m["n"])
         elif kind == "fwd":
             self._relay.on_fwd(peer, m["v"], m["t"], m["to"])
 
