@@ -478,12 +478,15 @@ class WeightPublisher:
             ),
         )
         if write.begin():
+            # pieces as large as the Transport cuts over lanes: pipelining must not cost the lanes
+            lanes_on = self.transport.lanes > 1
+            step = max(SEGMENT_BYTES, self.transport.lane_bytes if lanes_on else 0)
             for i, (a, b, batch) in enumerate(segs):
                 last = i == len(segs) - 1
                 alone = next(iter(batch.items())) if b == a + 1 else None
                 if alone is not None and alone[1].nbytes > SEGMENT_BYTES:
                     key, t = alone
-                    for offset, nbytes in pieces(t):  # a huge tensor: relayed piece by piece
+                    for offset, nbytes in pieces(t, step):  # a huge tensor: piece by piece
                         write.add_part(a, key, t, offset, nbytes)
                     if last:
                         write.end({})
