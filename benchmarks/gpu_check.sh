@@ -23,5 +23,8 @@ timeout 300 "$PY" -m pytest tests/gpu tests/core/test_stream.py -q -p no:cachepr
 tests=${PIPESTATUS[0]}
 timeout 200 "$PY" benchmarks/gpu_bench.py --json "$RESULTS/gpu-bench.json" 2>&1 | tee -a "$RESULTS/summary.txt"
 bench=${PIPESTATUS[0]}
+# lanes on a host with more cores (host memory; 4 lanes is the default at 8+ cores)
+timeout 60 "$PY" -m transport.cli bench put --sizes 4K,1G --op write --baselines raw,memcpy --lanes 4,2,1 --budget 0.5 \
+    --batch none --no-progress --json "$RESULTS/lanes.json" 2>&1 | tail -25 | tee -a "$RESULTS/summary.txt"
 echo "gpu_check: tests exit $tests, bench exit $bench" | tee -a "$RESULTS/summary.txt"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
