@@ -56,6 +56,7 @@ def _seeds() -> list[tuple[str, bytes]]:
         ("ws", encode_ws("fwdr", v=9, c="gen-1", x="fail", e="why")),
         ("ws", encode_ws("seg", v=9, s=0, a=2, b=5)),
         ("ws", encode_ws("part", v=9, s=0, a=2, o=4096, n=8192)),
+        ("ws", encode_ws("abort", v=9, s=1)),
     ]
 
 

@@ -13,6 +13,7 @@ from transport.weights._protocol import MAX_DEGREE, decode, encode, piece, piece
 
 GOOD = [
     ("hello", {}),
+    ("abort", {"v": 9, "s": 1}),
     ("begin", {"v": 3, "s": 1}),
     ("ver", {"v": 0, "s": 0}),
     ("credit", {"s": [0, 1], "v": -1}),
@@ -55,6 +56,8 @@ BAD = [
     (raw({"k": "seg", "v": 1, "s": 0, "a": 3, "b": 3}), "at least one tensor"),
     (raw({"k": "seg", "v": 1, "s": 0, "a": -1, "b": 3}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0, "n": 0}), "at least one byte"),
+    (raw({"k": "abort", "v": 1}), "malformed"),
+    (raw({"k": "abort", "v": 1, "s": -1}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": -4, "n": 4}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0}), "malformed"),
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "maybe", "e": ""}), "relay report"),

@@ -13,6 +13,10 @@ Control messages travel as notifications on channel ``ws/<group>`` (msgpack maps
 * publisher -> subscriber ``{"k": "ver", "v": N, "s": slot}``: the notification of the data put:
   every tensor of version N has landed in ``slot``
 * subscriber -> publisher ``{"k": "credit", "s": [slots], "v": newest}``: the slots it may write now
+* publisher -> subscriber ``{"k": "abort", "v": N, "s": slot}``: the write of version N into
+  ``slot`` was given up (its deadline passed, or its relay failed): a ``ver`` of it that still
+  comes is ignored, so a slot the subscriber credits next is never also a version it completes;
+  answered like ``hello``
 
 Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
 
@@ -112,6 +116,7 @@ def encode(kind: str, **fields: Any) -> bytes:
 
 _FIELDS = {
     "hello": set(),
+    "abort": {"v", "s"},
     "begin": {"v", "s"},
     "ver": {"v", "s"},
     "credit": {"s", "v"},

@@ -524,13 +524,24 @@ class WeightPublisher:
         else:
             if sub.mode == "staging":
                 # Nothing was announced in the slot, but the subscriber may read it (a relay
-                # forwarding what landed of it): it says which slots are free when it runs again.
-                self._worker.submit(lambda: self._ask_credits(sub))
+                # forwarding what landed of it): it says which slots are free when it runs again,
+                # and ignores the version's ``ver`` should it still come (the write was withdrawn
+                # at its deadline, but its notification may have been on its way).
+                self._worker.submit(lambda: self._abort(sub, slot, version))
             handle._settle(sub.name, EXCLUDED, str(err))
         if sub.waiting is not None and self._subs.get(sub.name) is sub:
             v, hnd, via = sub.waiting
             sub.waiting = None
             self._start(sub, v, hnd, via)
+
+    def _abort(self, sub: _Sub, slot: int, version: int) -> None:
+        sub.asked = time.monotonic()
+        try:
+            msg = encode("abort", v=version, s=slot)
+            self.transport._send_control(sub.name, channel(self.group), msg)
+        except TransportError as e:
+            log.info("group %s: cannot tell %s version %d was given up: %s",
+                     self.group, sub.name, version, e)  # fmt: skip
 
     def _ask_credits(self, sub: _Sub) -> None:
         sub.asked = time.monotonic()

@@ -88,6 +88,7 @@ class WeightSubscriber:
         self.version = -1
         self.applied_version = -1
         self.incomplete: int | None = None
+        self._aborted: dict[int, int] = {}  # slot -> a version written there that was given up
         self._publishers: set[str] = set()
         self._closed = False
         self.relay = relay and mode == "staging"
@@ -119,10 +120,20 @@ class WeightSubscriber:
             with self._lock:
                 self._publishers.add(peer)
             self._worker.submit(lambda: self._send_credit(peer, reconnect=True))
+        elif kind == "abort":
+            with self._lock:
+                self._publishers.add(peer)
+                if 0 <= m["s"] < self.slots and m["v"] > self.version:
+                    self._aborted[m["s"]] = m["v"]
+                    if self.incomplete == m["v"]:
+                        self.incomplete = None
+            self._worker.submit(lambda: self._send_credit(peer))
         elif kind == "begin":
             with self._lock:
                 if m["v"] > self.version:
                     self.incomplete = m["v"]
+                if self._aborted.get(m["s"], m["v"]) != m["v"]:
+                    del self._aborted[m["s"]]  # another version is written there now
             if self.relay and 0 <= m["s"] < self.slots:
                 self._relay.on_begin(m["v"], m["s"])
         elif kind == "ver":
@@ -143,6 +154,11 @@ class WeightSubscriber:
             )
             return
         with self._lock:
+            if self._aborted.get(slot) == version:
+                # given up by its publisher, whose next credit may already hand this slot out
+                log.info("group %s: ignoring version %d in slot %d: %s gave it up",
+                         self.group, version, slot, peer)  # fmt: skip
+                return
             newer = version > self.version
             if newer:
                 self._slot_version[slot] = version
