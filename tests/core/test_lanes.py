@@ -140,3 +140,26 @@ def test_small_transfers_never_start_a_lane(tcp_store):
 def test_bad_lane_settings(tcp_store, kwargs, rule):
     with pytest.raises(ValueError, match=rule):
         transport.Transport("bad", store=tcp_store, **kwargs)
+
+
+def test_fresh_tensors_over_lanes_are_let_go_on_every_agent(tcp_store):
+    """A new source tensor every put (x.clone(), say), each cut over lanes: every agent's
+    registration cache stays within its limits, so the memory of dropped tensors is freed."""
+    with (
+        Peer("recv", tcp_store.url, {"buf": ("uint8", 4 * MiB, "w")}) as p,
+        transport.Transport("writer", store=tcp_store, lanes=2, lane_bytes=MiB) as w,
+    ):
+        w.wait_for_peer("recv", 30)
+        w.put(pattern(4 * MiB, 0), "recv", "buf").wait(30)  # starts the lane
+        mems = [w._mem, *(lane.mem for lane in w._lanes)]
+        assert len(mems) == 2
+        for mem in mems:
+            mem.max_implicit, mem.max_implicit_bytes = 8, 16 * MiB
+        for i in range(1, 120):
+            src = pattern(4 * MiB, i)
+            w.put(src, "recv", "buf").wait(30)
+            if i % 20 == 0:
+                assert p.call("sha", "buf") == sha(src), f"put {i}"
+                for mem in mems:
+                    assert len(mem) <= 9, (mem, len(mem))
+        assert p.call("sha", "buf") == sha(src)
