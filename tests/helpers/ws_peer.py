@@ -286,9 +286,26 @@ def _pub_child(
         that kills this process then)."""
         fill_and_publish(version, value, timeout)
 
+    def hold_notified_parts() -> None:
+        """From now on the engine never posts a part that carries a notification: every byte of
+        a version lands, its ``ver`` never goes (for a test that kills this process then, without
+        racing the transfer). Only for transfers the engine thread posts (not small inline ones)."""
+        import threading
+
+        held = threading.Event()  # never set: the process is killed while its engine waits
+        post = t._engine._post
+
+        def hold(op: Any, lost_raises: bool = False) -> None:
+            if op.notif:
+                held.wait()
+            post(op, lost_raises)
+
+        t._engine._post = hold
+
     handlers = {
         "publish": publish,
         "publish_nowait": publish_nowait,
+        "hold_notified_parts": hold_notified_parts,
         "refresh": pub.refresh,
         "subscribers": pub.subscribers,
     }
@@ -329,7 +346,8 @@ class PublisherProcess(ChildProcess):
     """A child running a WeightPublisher of ``group`` over tensors of ``spec``. Commands:
     ``publish(version, value, timeout, wait)`` fills every tensor with ``value``, publishes and
     returns (status, reasons); ``publish_nowait(version, value, timeout)`` answers as soon as
-    ``publish()`` returned (the kill test kills it then); ``refresh``, ``subscribers``."""
+    ``publish()`` returned (the kill test kills it then); ``hold_notified_parts`` (data goes,
+    notifications never do); ``refresh``, ``subscribers``."""
 
     def __init__(
         self,

@@ -41,10 +41,13 @@ def test_publisher_killed_mid_publish_leaves_the_previous_version(spawn):
         assert sub.call("wait_for_version", 1, 30) == 1
     assert staging.call("apply") == 1
 
+    # version 2's data goes, its notification is held back (so the kill cannot race the
+    # transfer: 256 MiB over lanes can land between two RPCs)
+    first.call("hold_notified_parts")
     first.call("publish_nowait", 2, 2.0, 30.0)
     for sub in (staging, inplace):  # version 2 has begun at both ...
         sub.call("wait_message", "begin", 2, 10)
-    first.kill()  # ... and its publisher dies with the 256 MiB in flight
+    first.kill()  # ... and its publisher dies before announcing it complete
     assert first.proc.exitcode == -signal.SIGKILL
 
     for sub in (staging, inplace):
