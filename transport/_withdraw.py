@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from transport.errors import TransportError, WireFormatError
+from transport.wire import unpack
 
 if TYPE_CHECKING:
     from transport._transport import Transport
@@ -34,10 +35,7 @@ def encode(kind: str, region: str, generation: int) -> bytes:
 
 
 def decode(payload: bytes) -> tuple[str, str, int]:
-    try:
-        m = msgpack.unpackb(payload, raw=False, max_str_len=4096, max_map_len=4)
-    except Exception as e:
-        raise WireFormatError(f"withdraw message is not valid msgpack: {e}") from e
+    m = unpack(payload, "withdraw message", 8192, max_str=4096, max_array=0, max_map=4)
     if (
         not isinstance(m, dict)
         or set(m) != {"k", "r", "g"}

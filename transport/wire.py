@@ -148,7 +148,17 @@ _PEER_FIELDS = {
 _ENVELOPE_FIELDS = {"v", "kind", "body", "sig"}
 
 
-def _unpack(data: object, what: str, limit: int) -> Any:
+def unpack(
+    data: object,
+    what: str,
+    limit: int,
+    *,
+    max_str: int | None = None,
+    max_array: int = MAX_REGIONS,
+    max_map: int = 64,
+) -> Any:
+    """Decode untrusted msgpack of at most ``limit`` bytes (strings and binaries at most
+    ``max_str``, default ``limit``); anything else is a WireFormatError naming ``what``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireFormatError(f"{what} must be bytes, got {type(data).__name__}")
     if len(data) > limit:
@@ -159,10 +169,10 @@ def _unpack(data: object, what: str, limit: int) -> Any:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_str_len=limit,
-            max_bin_len=limit,
-            max_array_len=MAX_REGIONS,
-            max_map_len=64,
+            max_str_len=max_str or limit,
+            max_bin_len=max_str or limit,
+            max_array_len=max_array,
+            max_map_len=max_map,
             max_ext_len=0,
         )
     except Exception as e:  # msgpack raises many types on garbage; all mean the same to us
@@ -268,7 +278,7 @@ def decode_peer_record(
     With ``namespace``, a record of another namespace is rejected.
     """
     env = _check_fields(
-        _unpack(data, "peer record", MAX_RECORD_BYTES), _ENVELOPE_FIELDS, "peer record"
+        unpack(data, "peer record", MAX_RECORD_BYTES), _ENVELOPE_FIELDS, "peer record"
     )
     if env["v"] != FORMAT_VERSION:
         raise WireFormatError(
@@ -290,7 +300,7 @@ def decode_peer_record(
         if not hmac.compare_digest(sig, _sign(secret, body)):
             raise SignatureError("peer record signature does not match the shared secret")
     m = _check_fields(
-        _unpack(body, "peer record body", MAX_RECORD_BYTES), _PEER_FIELDS, "peer record body"
+        unpack(body, "peer record body", MAX_RECORD_BYTES), _PEER_FIELDS, "peer record body"
     )
     for key in ("name", "ns"):
         if not NAME_RE.match(m[key]):
@@ -365,7 +375,7 @@ def encode_heartbeat(generation: int, wall_time: float) -> bytes:
 
 def decode_heartbeat(data: object) -> tuple[int, float]:
     m = _check_fields(
-        _unpack(data, "heartbeat", 256), {"v": int, "gen": int, "t": float}, "heartbeat"
+        unpack(data, "heartbeat", 256), {"v": int, "gen": int, "t": float}, "heartbeat"
     )
     if m["v"] != FORMAT_VERSION:
         raise WireFormatError(f"heartbeat has format version {m['v']!r}")

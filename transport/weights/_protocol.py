@@ -57,7 +57,7 @@ import torch
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.store.base import Store
-from transport.wire import NAME_RE
+from transport.wire import NAME_RE, unpack
 
 log = logging.getLogger("transport.weights")
 
@@ -130,17 +130,8 @@ MAX_DEGREE = 16
 
 
 def decode(payload: bytes) -> dict[str, Any]:
-    try:
-        m = msgpack.unpackb(
-            payload,
-            raw=False,
-            max_str_len=1024,
-            max_bin_len=64,
-            max_array_len=MAX_DEGREE * 2,
-            max_map_len=8,
-        )
-    except Exception as e:
-        raise WireFormatError(f"weight-sync message is not valid msgpack: {e}") from e
+    m = unpack(payload, "weight-sync message", 1 << 16, max_str=1024, max_array=MAX_DEGREE * 2,
+               max_map=8)  # fmt: skip
     if (
         not isinstance(m, dict)
         or not isinstance(m.get("k"), str)
@@ -224,10 +215,7 @@ class GroupDirectory:
         raw = self.store.try_get(self.prefix + f"sub/{name}")
         if raw is None:
             return None
-        try:
-            m = msgpack.unpackb(raw, raw=False, max_str_len=64, max_map_len=8)
-        except Exception as e:
-            raise WireFormatError(f"group entry of {name!r} is not valid msgpack: {e}") from e
+        m = unpack(raw, f"group entry of {name!r}", 4096, max_str=64, max_map=8)
         if (
             not isinstance(m, dict)
             or set(m) != {"v", "gen", "mode", "slots", "relay"}
