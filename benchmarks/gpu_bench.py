@@ -18,6 +18,8 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -46,15 +48,25 @@ def _subscriber(store_url: str, layout: list[int], ready: Any, done: Any) -> Non
         sub.close()
 
 
+@contextmanager
+def _peer(target: Callable[..., None], *args: Any) -> Iterator[None]:
+    """``target(*args, ready, done)`` in a spawned process, ready on entry, told to end on exit."""
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, ready, done))
+    proc.start()
+    try:
+        assert ready.wait(120), f"{target.__name__} did not start"
+        yield
+    finally:
+        done.set()
+        proc.join(60)
+
+
 def bench_put(store_url: str, nbytes: int, iters: int) -> dict[str, Any]:
     import transport
 
-    ctx = mp.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_receiver, args=(store_url, nbytes, ready, done))
-    proc.start()
-    try:
-        assert ready.wait(120), "the receiver did not start"
+    with _peer(_receiver, store_url, nbytes):
         with transport.Transport("gpu-send", store=store_url) as t:
             t.wait_for_peer("gpu-recv", 60)
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -75,21 +87,13 @@ def bench_put(store_url: str, nbytes: int, iters: int) -> dict[str, Any]:
         return {"bytes": nbytes, "put_s": put, "d2d_copy_s": copy,
                 "put_gbps": nbytes / put / 1e9, "copy_gbps": nbytes / copy / 1e9,
                 "put_over_copy_bandwidth": copy / put, "target": 0.7}  # fmt: skip
-    finally:
-        done.set()
-        proc.join(60)
 
 
 def bench_publish(store_url: str, tensors: int, params: int, iters: int) -> dict[str, Any]:
     import transport
 
     layout = [params // tensors] * tensors
-    ctx = mp.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_subscriber, args=(store_url, layout, ready, done))
-    proc.start()
-    try:
-        assert ready.wait(120), "the subscriber did not start"
+    with _peer(_subscriber, store_url, layout):
         with transport.Transport("gpu-trainer", store=store_url) as t:
             step = torch.zeros(1, device="cuda")
             weights = {f"w{i}": torch.zeros(n, device="cuda") for i, n in enumerate(layout)}
@@ -136,9 +140,6 @@ def bench_publish(store_url: str, tensors: int, params: int, iters: int) -> dict
         return {"tensors": tensors, "bytes": params * 4, "eager_step_s": e, "graph_step_s": st,
                 "graph_host_s": h, "graph_over_eager_step": st / e, "host_target_s": 30e-6,
                 "step_target": 1.1}  # fmt: skip
-    finally:
-        done.set()
-        proc.join(60)
 
 
 def main() -> int:
