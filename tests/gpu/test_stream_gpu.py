@@ -20,9 +20,8 @@ MiB = 1 << 20
 def spin(ms: float) -> None:
     """Keep the current stream busy for about ``ms`` milliseconds (so a put that ignored the
     stream's order would read the source before the kernel below wrote it)."""
-    torch.cuda._sleep(
-        int(ms * 1e6)
-    )  # sync-ok: a busy GPU kernel (about 1 cycle per ns), not a host wait
+    cycles = int(ms * 1e6)  # about 1 cycle per ns
+    torch.cuda._sleep(cycles)  # sync-ok: a busy GPU kernel that orders the stream, not a host wait
 
 
 def test_a_put_follows_the_kernel_before_it_and_later_kernels_wait(tcp_store, writer):
