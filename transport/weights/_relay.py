@@ -84,7 +84,7 @@ class Relay:
             if inc is None or inc[0] != slot or b > len(self.names):
                 return
             inc[1].append((a, b))
-        self.sub._worker.submit(lambda: self.segment(version, a, b))
+        self.sub._worker.submit(lambda: self.segment(version, (a, b)))
 
     def on_part(self, version: int, slot: int, a: int, offset: int, nbytes: int) -> None:
         with self.sub._lock:
@@ -97,7 +97,7 @@ class Relay:
             ):
                 return
             inc[1].append((a, offset, nbytes))
-        self.sub._worker.submit(lambda: self.segment_part(version, a, offset, nbytes))
+        self.sub._worker.submit(lambda: self.segment(version, (a, offset, nbytes)))
 
     def on_complete(self, version: int) -> None:
         self.sub._worker.submit(lambda: self.advance(version))
@@ -172,22 +172,20 @@ class Relay:
             return
         if job.write.begin():
             for got in landed:
-                if len(got) == 2:
-                    self.send(job, *got)
-                else:
-                    self.send_part(job, *got)
+                self.forward(job, got)
 
-    def segment(self, version: int, a: int, b: int) -> None:
+    def segment(self, version: int, got: tuple[int, ...]) -> None:
+        """A segment (a, b) or a piece (a, offset, bytes) of ``version`` landed here."""
         with self.sub._lock:
             jobs = list(self.jobs.get(version, []))
         for job in jobs:
-            self.send(job, a, b)
+            self.forward(job, got)
 
-    def segment_part(self, version: int, a: int, offset: int, nbytes: int) -> None:
-        with self.sub._lock:
-            jobs = list(self.jobs.get(version, []))
-        for job in jobs:
-            self.send_part(job, a, offset, nbytes)
+    def forward(self, job: _Job, got: tuple[int, ...]) -> None:
+        if len(got) == 2:
+            self.send(job, *got)
+        else:
+            self.send_part(job, *got)
 
     def send_part(self, job: _Job, a: int, offset: int, nbytes: int) -> None:
         """Forward bytes ``offset`` to ``offset + nbytes - 1`` of our tensor ``a`` if the child
