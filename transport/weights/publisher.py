@@ -527,26 +527,21 @@ class WeightPublisher:
                 # forwarding what landed of it): it says which slots are free when it runs again,
                 # and ignores the version's ``ver`` should it still come (the write was withdrawn
                 # at its deadline, but its notification may have been on its way).
-                self._worker.submit(lambda: self._abort(sub, slot, version))
+                self._worker.submit(lambda: self._ask_credits(sub, (slot, version)))
             handle._settle(sub.name, EXCLUDED, str(err))
         if sub.waiting is not None and self._subs.get(sub.name) is sub:
             v, hnd, via = sub.waiting
             sub.waiting = None
             self._start(sub, v, hnd, via)
 
-    def _abort(self, sub: _Sub, slot: int, version: int) -> None:
+    def _ask_credits(self, sub: _Sub, given_up: tuple[int, int] | None = None) -> None:
+        """Ask ``sub`` which slots are free (``hello``), telling it first, when ``given_up`` is
+        (slot, version), that we gave that write up (``abort``)."""
         sub.asked = time.monotonic()
+        slot_version = {} if given_up is None else {"s": given_up[0], "v": given_up[1]}
+        msg = encode("abort" if given_up else "hello", **slot_version)
         try:
-            msg = encode("abort", v=version, s=slot)
             self.transport._send_control(sub.name, channel(self.group), msg)
-        except TransportError as e:
-            log.info("group %s: cannot tell %s version %d was given up: %s",
-                     self.group, sub.name, version, e)  # fmt: skip
-
-    def _ask_credits(self, sub: _Sub) -> None:
-        sub.asked = time.monotonic()
-        try:
-            self.transport._send_control(sub.name, channel(self.group), encode("hello"))
         except TransportError as e:
             log.info("group %s: cannot ask %s for free slots: %s", self.group, sub.name, e)
 
