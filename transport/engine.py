@@ -41,6 +41,7 @@ class Op:
         "after",
         "deadline",
         "engine",
+        "error",
         "group",
         "handle",
         "lock",
@@ -64,6 +65,7 @@ class Op:
         self.deadline = deadline
         self.timeout = timeout
         self.state = QUEUED
+        self.error: BaseException | None = None  # why it failed; set before state turns FAILED
         self.xfer: Any = None
         self.lock = threading.Lock()
         self.after: list[Op] | None = (
@@ -325,6 +327,7 @@ class Engine:
                 plan.give_back(self._backend, op.part, xfer, bool(op.notif))
         else:
             was_posted = op.state == POSTED and xfer is not None
+            op.error = error  # before FAILED: a part waiting on it on another engine fails with it
             op.state = FAILED
             if was_posted:
                 with plan.conn.lock:
@@ -410,11 +413,15 @@ class Engine:
                 self._queue.remove(op)
                 continue
             if op.after:
-                if any(a.state == FAILED for a in op.after):
+                failed = next((a for a in op.after if a.state == FAILED), None)
+                if failed is not None:
+                    # the same error as the part it waited on (a timeout stays a timeout and
+                    # does not mark a frozen peer lost), whichever engine sees it first
                     self._queue.remove(op)
                     self.fail(
                         op,
-                        PeerLostError(
+                        failed.error
+                        or PeerLostError(
                             f"an earlier part of the transfer to {op.plan.conn.name!r} failed",
                             op.plan.conn.name,
                         ),

@@ -5,14 +5,20 @@ nothing posted, and small transfers never start a lane."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import transport
 from helpers.peer import Peer, pattern, sha
+from transport.engine import FAILED, Op
+from transport.handle import Handle
 from transport.lanes import EDGE_BYTES
+from transport.plan import Part
 
 MiB = 1 << 20
 
@@ -163,3 +169,27 @@ def test_fresh_tensors_over_lanes_are_let_go_on_every_agent(tcp_store):
                 for mem in mems:
                     assert len(mem) <= 9, (mem, len(mem))
         assert p.call("sha", "buf") == sha(src)
+
+
+@pytest.mark.parametrize("cause", ["timeout", "lost"])
+def test_a_part_waiting_on_a_failed_part_fails_with_its_error(tcp_store, cause):
+    """Whichever engine sees a failed part first, the parts waiting on it fail with the same
+    error: a timed-out first part must not turn into 'peer lost' (which would also mark a
+    merely frozen peer lost) because a lane's engine noticed it before the handle did."""
+    first_error = (
+        transport.TransferTimeout("WRITE to 'frozen': its deadline passed")
+        if cause == "timeout"
+        else transport.PeerLostError("'gone' went away", "gone")
+    )
+    with transport.Transport("writer", store=tcp_store, lanes=1) as w:
+        plan = SimpleNamespace(conn=SimpleNamespace(name="ghost", lock=threading.Lock()))
+        part = Part(np.zeros(1, dtype=np.int64), 1)
+        handle = Handle("WRITE", ("ghost",), 1, 1)
+        first = Op(handle, plan, part, b"", time.monotonic() + 30, 30.0)  # never posted
+        first.error, first.state = first_error, FAILED
+        waiting = Op(handle, plan, part, b"", time.monotonic() + 30, 30.0)
+        waiting.after = [first]
+        w._engine.submit([waiting])
+        assert handle.exception(10) is not None
+        assert waiting.state == FAILED and waiting.error is first_error
+        assert handle.errors["ghost"] is first_error
