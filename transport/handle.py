@@ -70,8 +70,9 @@ class Handle:
             if self._remaining > 0:
                 return
             if self.errors:
-                self._state = _FAILED
+                # the error first: a waiter reads _state without the lock, then _error
                 self._error = _summarize(self.op, self.errors, len(self.peers))
+                self._state = _FAILED
             else:
                 self._state = _OK
             cond, callbacks = self._cond, self._callbacks
