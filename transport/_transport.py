@@ -727,9 +727,15 @@ class Transport(Closing):
         inline = True
         for plan in plans:
             if self.lanes > 1 and plan.nbytes >= self.lane_bytes and plan.rows[2:4] == HOST_ONLY:
-                ops.extend(
-                    self._lane_ops(handle, plan, items, sig, offset, notif, deadline, timeout)
-                )
+                args = (items, sig, offset, notif, deadline, timeout)
+                try:
+                    ops.extend(self._lane_ops(handle, plan, *args))
+                except PeerLostError:
+                    if plan.conn.alive:
+                        raise
+                    # its connection was dropped while the plan was cut (a newer incarnation)
+                    plan = self._plan(op, plan.conn.name, items, sig, offset)
+                    ops.extend(self._lane_ops(handle, plan, *args))
                 inline = False
                 continue
             parts = plan.parts
@@ -969,6 +975,13 @@ class Transport(Closing):
                 plan = self._build_plan(op, conn, items, offset)
             except RegionError:
                 # the peer may have exposed more since we read its record
+                fresh = self._connect(peer, refresh=True)
+                plan = self._build_plan(op, fresh, items, offset)
+            except PeerLostError:
+                if conn.alive:
+                    raise
+                # the connection was dropped while the plan was made (the control thread saw a
+                # newer incarnation, or a transfer saw the peer go): plan on what the store holds
                 fresh = self._connect(peer, refresh=True)
                 plan = self._build_plan(op, fresh, items, offset)
             plan.inline = len(plan.parts) == 1 and plan.nbytes <= self.inline_bytes

@@ -147,6 +147,51 @@ def test_100_join_and_leave_cycles(tcp_store, writer):
         c.stop()
 
 
+@pytest.mark.parametrize(
+    ("nbytes", "drop_at"),
+    [(64 * 1024, 1), (4 * MiB, 1), (4 * MiB, 2)],
+    ids=["small", "large-plan", "large-cut-over-lanes"],
+)
+def test_a_connection_dropped_while_a_put_plans_on_it_goes_to_the_new_incarnation(
+    tcp_store, nbytes, drop_at
+):
+    """The control thread drops the connection of a peer that restarted (its heartbeat saw the
+    newer generation) at the worst moment: while a put prepares descriptors on it (for a large
+    put: its plan, or the share of it cut for the Transport's own agent). The put must land on
+    the new incarnation, not fail with 'peer lost'. The heartbeat is turned off and the drop
+    made inside the prepare, so the interleaving happens every run."""
+    c = Cycler("cycler", tcp_store.url, nbytes)
+    try:
+        with transport.Transport(
+            "writer", store=tcp_store, heartbeat_interval=3600, timeout=30, lanes=2,
+            lane_bytes=1 * MiB,
+        ) as w:  # fmt: skip
+            c.call("open")
+            w.wait_for_peer("cycler", 30)
+            w.put(pattern(nbytes, 1), "cycler", "buf").wait(30)
+            stale = w._conns["cycler"]
+            c.call("close")
+            c.call("open")
+            assert w._conns["cycler"] is stale and stale.alive  # nothing noticed yet
+            prep, seen = w._backend.prep, []
+
+            def prep_while_dropped(agent, descs, device):
+                if agent == stale.agent:
+                    seen.append(agent)
+                    if len(seen) == drop_at:
+                        w._drop_conn(stale)  # what the heartbeat does on a newer generation
+                return prep(agent, descs, device)
+
+            w._backend.prep = prep_while_dropped
+            src = pattern(nbytes, 2)  # a new tensor: a new plan, made on the stale connection
+            w.put(src, "cycler", "buf").wait(30)
+            assert len(seen) == drop_at and not stale.alive
+            assert c.call("sha") == sha(src)
+            assert w._conns["cycler"].generation > stale.generation
+    finally:
+        c.stop()
+
+
 def test_100000_puts_keep_resident_memory_flat(tcp_store, writer):
     with Peer(
         "recv", tcp_store.url, {"small": ("uint8", 4096, "w"), "big": ("uint8", 2 * MiB, "w")}
