@@ -192,6 +192,34 @@ def test_a_connection_dropped_while_a_put_plans_on_it_goes_to_the_new_incarnatio
         c.stop()
 
 
+def test_a_notification_never_skips_to_a_restarted_peer(tcp_store):
+    """notify() promises to arrive after every transfer completed to that peer before it. When
+    the peer has restarted since, those transfers went to the old incarnation: the notification
+    must fail with PeerLostError, not reach the new one (which would take it for 'your data is
+    there'); the next call reaches the new incarnation. The heartbeat is off, so the stale
+    connection is still the cached one."""
+    c = Cycler("cycler", tcp_store.url, 4096)
+    try:
+        with transport.Transport("writer", store=tcp_store, heartbeat_interval=3600) as w:
+            c.call("open")
+            w.wait_for_peer("cycler", 30)
+            w.put(pattern(4096, 1), "cycler", "buf").wait(30)
+            w.notify("cycler", b"data is there")
+            assert c.call("notification", 10) == ("writer", b"data is there")
+            w.put(pattern(4096, 2), "cycler", "buf").wait(30)  # to the old incarnation
+            stale = w._conns["cycler"]
+            c.call("close")
+            c.call("open")
+            assert w._conns["cycler"] is stale and stale.alive
+            with pytest.raises(transport.PeerLostError, match="cycler"):
+                w.notify("cycler", b"data is there")
+            w.notify("cycler", b"hello again")  # the next call reconnects
+            assert c.call("notification", 10) == ("writer", b"hello again")
+            assert w._conns["cycler"].generation > stale.generation
+    finally:
+        c.stop()
+
+
 def test_100000_puts_keep_resident_memory_flat(tcp_store, writer):
     with Peer(
         "recv", tcp_store.url, {"small": ("uint8", 4096, "w"), "big": ("uint8", 2 * MiB, "w")}

@@ -130,7 +130,8 @@ class Peer(ChildProcess):
 
 def _cycler_child(conn: Any, name: str, store: str, nbytes: int) -> None:
     """A peer that joins and leaves on command: ``open`` starts a Transport exposing ``buf``,
-    ``close`` closes it, ``sha`` hashes ``buf``."""
+    ``close`` closes it, ``sha`` hashes ``buf``, ``notification`` returns the next one (or None
+    after ``timeout``)."""
     import transport
 
     state: dict[str, Any] = {}
@@ -148,7 +149,14 @@ def _cycler_child(conn: Any, name: str, store: str, nbytes: int) -> None:
     conn.send(("ok", (0, os.getpid())))
     serve(
         conn,
-        {"open": open_, "close": close, "sha": lambda: sha(state["buf"])},
+        {
+            "open": open_,
+            "close": close,
+            "sha": lambda: sha(state["buf"]),
+            "notification": lambda timeout: next(
+                ((n.peer, n.payload) for n in state["t"].notifications(timeout)), None
+            ),
+        },
         lambda: state["t"].close() if "t" in state else None,
     )
 
