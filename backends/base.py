@@ -94,7 +94,6 @@ class Backend(Closing, abc.ABC):
         """Release the agent. Idempotent."""
 
 
-
 def device_parts(device: str) -> tuple[str, int]:
     """'cpu' -> ('DRAM', 0); 'cuda:3' -> ('VRAM', 3)."""
     if device == "cpu":

@@ -32,7 +32,9 @@ class TinyLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
-        layer = nn.TransformerEncoderLayer(DIM, nhead=4, dim_feedforward=4 * DIM, batch_first=True, dropout=0.0)
+        layer = nn.TransformerEncoderLayer(
+            DIM, nhead=4, dim_feedforward=4 * DIM, batch_first=True, dropout=0.0
+        )
         self.body = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -91,9 +93,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--generators", type=int, default=2)
-    ap.add_argument("--store", default="tcp://127.0.0.1:29517", help="store URL: the embedded one, or redis://...")
-    ap.add_argument("--fanout", choices=("direct", "chain", "tree"), default="direct",
-                    help="who writes each generator: the trainer (direct), or generators relaying (chain, tree)")
+    ap.add_argument(
+        "--store",
+        default="tcp://127.0.0.1:29517",
+        help="store URL: the embedded one, or redis://...",
+    )
+    ap.add_argument(
+        "--fanout",
+        choices=("direct", "chain", "tree"),
+        default="direct",
+        help="who writes each generator: the trainer (direct), or generators relaying (chain, tree)",
+    )
     args = ap.parse_args()
     if args.steps < 1 or args.generators < 1:
         ap.error("--steps and --generators must be at least 1")
@@ -117,7 +127,9 @@ def main() -> int:
         publish_ms, losses = [], []
         for step in range(1, args.steps + 1):
             x = batch(g)
-            loss = nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+            loss = nn.functional.cross_entropy(
+                model(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1)
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -129,7 +141,9 @@ def main() -> int:
             for n in names:
                 t.notify(n, f"sum:{step}:{s!r}".encode())
             if result.excluded or result.lost:
-                print(f"trainer: step {step}: excluded {result.excluded} lost {result.lost} {result.reasons}")
+                print(
+                    f"trainer: step {step}: excluded {result.excluded} lost {result.lost} {result.reasons}"
+                )
         for n in names:
             t.notify(n, b"stop:")
         results = [reports.get(timeout=120) for _ in names]
@@ -137,13 +151,17 @@ def main() -> int:
             p.join(60)
         pub.close()
     nbytes = sum(v.nbytes for v in model.state_dict().values())
-    print(f"trainer: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-          f"{len(model.state_dict())} tensors, {nbytes / 2**20:.1f} MiB per publish to {len(names)} generators "
-          f"({args.fanout}); "
-          f"publish median {statistics.median(publish_ms):.2f} ms")
+    print(
+        f"trainer: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+        f"{len(model.state_dict())} tensors, {nbytes / 2**20:.1f} MiB per publish to {len(names)} generators "
+        f"({args.fanout}); "
+        f"publish median {statistics.median(publish_ms):.2f} ms"
+    )
     ok = all(p.exitcode == 0 for p in procs)
     for name, used, bad in results:
-        print(f"{name}: {len(used)} samples, versions {used[0]}..{used[-1]}, checksum mismatches {bad}")
+        print(
+            f"{name}: {len(used)} samples, versions {used[0]}..{used[-1]}, checksum mismatches {bad}"
+        )
         ok = ok and bad == 0 and used == sorted(used) and used[-1] >= 1
     print("rl_loop:", "OK" if ok else "FAILED")
     return 0 if ok else 1
