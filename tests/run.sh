@@ -32,8 +32,15 @@ if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
         --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log"
     stop_redis() {
-        if [ -f "$REDIS_DIR/redis.pid" ]; then kill "$(cat "$REDIS_DIR/redis.pid")" 2>/dev/null || true; fi
-        rm -rf "$REDIS_DIR"
+        # never the reason this command fails: its exit status is pytest's
+        local pid=""
+        [ -f "$REDIS_DIR/redis.pid" ] && pid=$(cat "$REDIS_DIR/redis.pid" 2>/dev/null || true)
+        if [ -n "$pid" ]; then
+            kill "$pid" 2>/dev/null || true
+            # it writes its log while it shuts down: wait (5 s at most) before removing its folder
+            for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        fi
+        rm -rf "$REDIS_DIR" 2>/dev/null || true
     }
     trap stop_redis EXIT
     for _ in $(seq 1 100); do
