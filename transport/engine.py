@@ -418,14 +418,8 @@ class Engine:
                     # the same error as the part it waited on (a timeout stays a timeout and
                     # does not mark a frozen peer lost), whichever engine sees it first
                     self._queue.remove(op)
-                    self.fail(
-                        op,
-                        failed.error
-                        or PeerLostError(
-                            f"an earlier part of the transfer to {op.plan.conn.name!r} failed",
-                            op.plan.conn.name,
-                        ),
-                    )
+                    assert failed.error is not None  # set before its state turned FAILED
+                    self.fail(op, failed.error)
                     continue
                 if any(a.state != OK for a in op.after):
                     continue
