@@ -231,7 +231,9 @@ def test_wait_times_out_naming_the_missing_key(store: Store) -> None:
     start = time.monotonic()
     with pytest.raises(StoreTimeout, match=r"\['nope'\]"):
         store.wait(["a", "nope"], timeout=0.3)
-    assert 0.3 <= time.monotonic() - start < 2.0
+    # never early; "not late" is only "not the default timeout of minutes": a loaded machine
+    # may be late by any amount
+    assert 0.3 <= time.monotonic() - start < 30
     with pytest.raises(StoreTimeout):
         store.wait(["nope"], timeout=0)
 
