@@ -238,6 +238,19 @@ def test_wait_times_out_naming_the_missing_key(store: Store) -> None:
         store.wait(["nope"], timeout=0)
 
 
+def test_waits_and_gets_never_end_before_their_timeout(store: Store) -> None:
+    # TCPStore counts in whole milliseconds: a fraction cut off ended most waits early
+    for _ in range(20):
+        for call in (
+            lambda: store.wait(["nope"], timeout=0.0505),
+            lambda: store.get("nope", 0.0505),
+        ):
+            start = time.monotonic()
+            with pytest.raises(StoreTimeout):
+                call()
+            assert time.monotonic() - start >= 0.0505
+
+
 def test_a_closed_store_raises_closed_error(store: Store) -> None:
     store.set("k", b"v")
     store.close()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import math
 import os
 import socket
 import threading
@@ -93,7 +94,9 @@ def _plain(value: bytes) -> bool:
 
 
 def _span(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.0))
+    """``seconds`` for TCPStore, rounded up to whole milliseconds: it counts in milliseconds, and
+    a fraction cut off made its waits end up to a millisecond before our deadline."""
+    return datetime.timedelta(milliseconds=math.ceil(max(seconds, 0.0) * 1000))
 
 
 def is_local_address(host: str) -> bool:
@@ -328,16 +331,22 @@ class TcpStore(Store):
         def missing() -> str:
             return f"key {key!r} did not appear within {seconds:g} s"
 
-        with self._torch_errors("get", missing):
+        with self._torch_errors("get"):
             client = self._client()
-            while True:
+        while True:
+            with self._torch_errors("get"):
                 raw = self._raw_try_get(client, key)
-                if raw is not None:
-                    return _decode(raw)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StoreTimeout(f"{missing()} in store {self.url}")
-                client.wait([key], _span(left))
+            if raw is not None:
+                return _decode(raw)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreTimeout(f"{missing()} in store {self.url}")
+            try:
+                with self._torch_errors("get", missing):
+                    client.wait([key], _span(left))
+            except StoreTimeout:
+                if time.monotonic() >= deadline:
+                    raise
 
     def try_get(self, key: str) -> bytes | None:
         key = check_key(key)
@@ -422,9 +431,7 @@ class TcpStore(Store):
                 with self._torch_errors("wait", missing):
                     client.wait(wanted, _span(left))
                 return
-            except StoreTimeout:
-                # TCPStore's own clock may end the wait a little before our deadline: the
-                # deadline is ours, so wait out the rest
+            except StoreTimeout:  # the deadline is ours: a wait TCPStore ends early goes on
                 if time.monotonic() >= deadline:
                     raise
 
