@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import statistics
@@ -169,9 +170,10 @@ def main() -> int:
         print(f"publish of 300 tensors: eager step {p['eager_step_s'] * 1e3:.2f} ms, graph step "
               f"{p['graph_step_s'] * 1e3:.2f} ms ({p['graph_over_eager_step']:.2f}x, target <= 1.1); "
               f"host time per replay {p['graph_host_s'] * 1e6:.1f} us (target <= 30)", flush=True)  # fmt: skip
-        tt = getattr(torch.distributed, "_transport", None)
+        # a submodule is an attribute only once imported: ask the import system
+        present = importlib.util.find_spec("torch.distributed._transport") is not None
         out["torch_transport"] = (
-            "present: compare write_stream by hand" if tt is not None else "absent in this torch"
+            "present: compare write_stream by hand" if present else "absent in this torch"
         )
         print(f"torch.distributed._transport: {out['torch_transport']}")
     finally:

@@ -48,9 +48,13 @@ fi
 # 2. This tree, in editable mode, so that every process (the spawned peers too) imports it.
 from_tree='import os, sys, transport.backends as b; sys.exit(not b.__file__.startswith(os.getcwd() + os.sep))'
 if ! "$PY" -c "$from_tree" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . \
+    build=(--no-build-isolation)  # the machine's own setuptools (70.1 or newer)
+    builders=("$WHEELS"/build/*.whl)
+    [ ${#builders[@]} -gt 0 ] && build=(--find-links "$WHEELS/build")  # the carried one
+    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps "${build[@]}" -e . \
         >>"$RESULTS/install.log" 2>&1 \
-        || fail "installing this tree (pip install -e . with setuptools from $PY) failed: see install.log"
+        || fail "installing this tree (pip install -e . ${build[*]}) failed: see install.log (benchmarks/gpu_wheels.sh carries a setuptools for it in .whl/build)"
+    say "installed this tree in editable mode (${build[*]})"
 fi
 
 # 3. The versions found; fail in seconds if anything is missing.

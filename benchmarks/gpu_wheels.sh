@@ -8,8 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Exactly what the lent machine lacks, pinned to what the tests here use.
+# Exactly what the lent machine lacks, pinned to what the tests here use; and, in build/, what
+# pip needs to install this tree in editable mode there (whatever setuptools that machine has).
 WHEELS=("nixl-cu13==1.5.1" "redis==8.1.0")
+BUILD=("setuptools==84.2.1")
 LIMIT_MIB=64
 PYVER=3.12
 DEST=.whl
@@ -23,29 +25,35 @@ while [ $# -gt 0 ]; do
 done
 
 PY=${PYTHON:-python3}
-mkdir -p "$DEST"
-# One version of each: a stale wheel of another version would stop the install there.
-for spec in "${WHEELS[@]}"; do
-    dist=${spec%%==*}
-    rm -f "$DEST/${dist//-/_}"-*.whl
-done
-"$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version "$PYVER" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-    -d "$DEST" "${WHEELS[@]}" 2>&1 | grep -v "^WARNING: Location" || true
-for spec in "${WHEELS[@]}"; do
-    dist=${spec%%==*}
-    ls "$DEST/${dist//-/_}-${spec##*==}"-*.whl >/dev/null 2>&1 || {
-        echo "gpu_wheels: no wheel of $spec for Python $PYVER was downloaded (see pip's message above)" >&2
-        exit 1
-    }
-done
+download() {  # download FOLDER SPEC...: one wheel of each SPEC for the lent machine into FOLDER
+    local folder=$1 spec dist
+    shift
+    mkdir -p "$folder"
+    # one version of each: a stale wheel of another version would stop the install there
+    for spec in "$@"; do
+        dist=${spec%%==*}
+        rm -f "$folder/${dist//-/_}"-*.whl
+    done
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+        --python-version "$PYVER" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        -d "$folder" "$@" 2>&1 | grep -v "^WARNING: Location" || true
+    for spec in "$@"; do
+        dist=${spec%%==*}
+        ls "$folder/${dist//-/_}-${spec##*==}"-*.whl >/dev/null 2>&1 || {
+            echo "gpu_wheels: no wheel of $spec for Python $PYVER was downloaded (see pip's message above)" >&2
+            exit 1
+        }
+    done
+}
+download "$DEST" "${WHEELS[@]}"
+download "$DEST/build" "${BUILD[@]}"
 
 # What a device call carries: tracked and untracked files that git does not ignore, plus the wheels.
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s -- 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
-wheels=$(find "$DEST" -maxdepth 1 -name '*.whl' -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+wheels=$(find "$DEST" -maxdepth 2 -name '*.whl' -printf '%s\n' | awk '{s += $1} END {print s + 0}')
 awk -v t="$tree" -v w="$wheels" -v lim="$LIMIT_MIB" -v d="$DEST" 'BEGIN {
     m = 1048576
     printf "gpu_wheels: tree %.1f MiB + wheels in %s %.1f MiB = %.1f MiB of the %d MiB a call carries\n", t / m, d, w / m, (t + w) / m, lim
@@ -54,4 +62,4 @@ awk -v t="$tree" -v w="$wheels" -v lim="$LIMIT_MIB" -v d="$DEST" 'BEGIN {
         exit 1
     }
 }'
-ls -1 "$DEST"/*.whl
+ls -1 "$DEST"/*.whl "$DEST"/build/*.whl
