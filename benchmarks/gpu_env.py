@@ -6,7 +6,9 @@ Run by benchmarks/gpu_check.sh after the carried wheels are installed:
     python3 benchmarks/gpu_env.py [--dry-run] [--json versions.json]
 
 With ``--dry-run`` a machine without a CUDA device passes (the GPU tests then skip with their
-reason), and so does one without CuPy; everything else is still required. Exit status: 0 ready, 2 something is missing.
+reason), and so does one without CuPy; with CuPy, the kernels of csrc/ are compiled to PTX by
+NVRTC, which needs no device. Everything else is still required. Exit status: 0 ready, 2 something
+is missing.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def check_cupy(r: Report, dry_run: bool) -> None:
         return
     r.versions["cupy"] = cupy.__version__
     if dry_run and no_device:
+        check_ptx(r)
         return
     try:
         r.versions["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
@@ -115,6 +118,32 @@ def check_cupy(r: Report, dry_run: bool) -> None:
         r.need(
             "CUDA kernels", f"CuPy could not compile csrc/stream_ops.cu: {type(e).__name__}: {e}"
         )
+
+
+def check_ptx(r: Report) -> None:
+    """Without a device: csrc/stream_ops.cu compiled to PTX by the NVRTC that CuPy finds, which
+    needs no driver (loading the module does)."""
+    from transport.cuda.stream import kernel_source
+
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        prog = nvrtc.createProgram(kernel_source(), "stream_ops.cu", [], [])
+    except Exception as e:  # no NVRTC here: nothing to say about the kernels
+        r.versions["kernels"] = f"not compiled (no NVRTC: {type(e).__name__})"
+        return
+    try:
+        nvrtc.compileProgram(prog, ["--std=c++17", "--gpu-architecture=compute_90"])
+    except Exception as e:
+        r.need(
+            "CUDA kernels",
+            f"NVRTC could not compile csrc/stream_ops.cu: {e}\n{nvrtc.getProgramLog(prog)}",
+        )
+        return
+    major, minor = nvrtc.getVersion()
+    r.versions["kernels"] = (
+        f"csrc/stream_ops.cu compiled to PTX by NVRTC {major}.{minor} (no device to load it)"
+    )
 
 
 def check_nixl(r: Report) -> None:
