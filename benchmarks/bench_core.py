@@ -12,8 +12,6 @@ readers included). See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -30,30 +28,15 @@ GONE = {
 }
 
 
-class _TreeFinder(importlib.abc.MetaPathFinder):
-    """``transport`` from ``ROOT/transport`` and ``transport.backends`` from ``ROOT/backends``."""
-
-    def __init__(self, dirs: dict[str, str]) -> None:
-        self.dirs = dirs
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None = None, target: object = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        d = self.dirs.get(fullname)
-        if d is None:
-            return None
-        return importlib.util.spec_from_file_location(
-            fullname, os.path.join(d, "__init__.py"), submodule_search_locations=[d]
-        )
-
-
 def use_tree(root: str) -> None:
-    dirs = {
-        "transport": os.path.join(root, "transport"),
-        "transport.backends": os.path.join(root, "backends"),
-    }
-    if all(os.path.isfile(os.path.join(d, "__init__.py")) for d in dirs.values()):
-        sys.meta_path.insert(0, _TreeFinder(dirs))
+    """Import ``transport`` from ``root`` (the finder lives in the package: loaded by its path)."""
+    finder = os.path.join(root, "transport", "cli", "bench", "_tree.py")
+    if os.path.isfile(finder):
+        tree = importlib.util.spec_from_file_location("_transport_tree", finder)
+        assert tree is not None and tree.loader is not None
+        module = importlib.util.module_from_spec(tree)
+        tree.loader.exec_module(module)
+        module.use_tree(module.tree_dirs(root))
 
 
 def translate(argv: Sequence[str]) -> list[str]:

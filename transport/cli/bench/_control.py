@@ -198,15 +198,10 @@ def linger(t: Transport, writer: str, timeout: float = 10.0) -> None:
 
 _BOOTSTRAP = """
 import importlib.util, sys
-dirs = {dirs!r}
-class TreeFinder:
-    def find_spec(self, name, path=None, target=None):
-        d = dirs.get(name)
-        if d is None:
-            return None
-        return importlib.util.spec_from_file_location(
-            name, d + "/__init__.py", submodule_search_locations=[d])
-sys.meta_path.insert(0, TreeFinder())
+spec = importlib.util.spec_from_file_location("_transport_tree", {tree!r})
+tree = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tree)
+tree.use_tree({dirs!r})
 from transport.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -218,12 +213,13 @@ def _reader_bootstrap() -> str:
     must measure the same code as the writer."""
     import transport
     import transport.backends
+    from transport.cli.bench import _tree
 
     dirs = {
         "transport": os.path.dirname(os.path.abspath(transport.__file__)),
         "transport.backends": os.path.dirname(os.path.abspath(transport.backends.__file__)),
     }
-    return _BOOTSTRAP.format(dirs=dirs)
+    return _BOOTSTRAP.format(tree=os.path.abspath(_tree.__file__), dirs=dirs)
 
 
 class LocalReaders:
