@@ -26,6 +26,11 @@ class Handle:
 
     ``peers`` lists the peers the transfer went to; after completion
     ``errors`` maps each peer whose part failed to its error.
+
+    It owns its completion state: the parts still to come, the error, the waiters' condition and
+    the done-callbacks. Rules: it completes once (later part reports are ignored); the error is
+    set before the state turns failed, so a waiter that sees it done always reads the error;
+    callbacks run once, on the thread that completed it, outside any lock.
     """
 
     __slots__ = (
@@ -61,7 +66,7 @@ class Handle:
     # -- completion (called by the engine, or by a waiter driving progress) ---------------------
 
     def _part_done(self, peer: str, error: BaseException | None) -> None:
-        with _handle_lock:
+        with _LOCKS[self.id & _STRIPE]:
             if self._state != _PENDING:
                 return
             if error is not None and peer not in self.errors:
@@ -97,7 +102,7 @@ class Handle:
 
     def _resize(self, delta: int) -> None:
         """Some parts were replaced by a different number of parts (a retry)."""
-        with _handle_lock:
+        with _LOCKS[self.id & _STRIPE]:
             self._remaining += delta
 
     def _complete_now(self) -> None:
@@ -134,7 +139,7 @@ class Handle:
     def add_done_callback(self, fn: Callable[[Handle], Any]) -> None:
         """Call ``fn(handle)`` on completion (at once if already complete). Runs on the engine thread:
         keep it short and never wait on a handle inside it."""
-        with _handle_lock:
+        with _LOCKS[self.id & _STRIPE]:
             if self._state == _PENDING:
                 if self._callbacks is None:
                     self._callbacks = []
@@ -181,7 +186,7 @@ class Handle:
                     break
             if self._state != _PENDING:
                 return
-        with _handle_lock:
+        with _LOCKS[self.id & _STRIPE]:
             if self._cond is None:
                 self._cond = threading.Condition(threading.Lock())
             cond = self._cond
@@ -204,7 +209,11 @@ class Handle:
 
 
 ENGINE_THREAD_PREFIX = "transport-engine"
-_handle_lock = threading.Lock()
+# Completion state is guarded per handle: by one of these locks, chosen by the handle's id (a lock
+# of its own would cost an allocation on every put). Handles that engines or lanes complete at
+# the same time almost never share one.
+_STRIPE = 63
+_LOCKS = tuple(threading.Lock() for _ in range(_STRIPE + 1))
 
 
 def _summarize(op: str, errors: dict[str, BaseException], npeers: int) -> BaseException:
