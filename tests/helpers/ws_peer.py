@@ -81,7 +81,8 @@ def _sub_child(
     kwargs: dict[str, Any],
 ) -> None:
     import transport
-    from transport.weights._protocol import channel, decode
+    from transport.weights._messages import Begin, decode
+    from transport.weights._protocol import channel
 
     watch = _Watch()
     try:
@@ -96,21 +97,26 @@ def _sub_child(
                 m = decode(payload)
             except Exception:
                 m = None
-            if m is not None and m["k"] == "begin" and mode == "staging":
+            if isinstance(m, Begin) and mode == "staging":
                 with sub._lock:
                     newest, held = sub._newest_slot, sub._held
                     forwarding = sorted(k for k, n in sub._forwarding.items() if n)
-                if m["s"] in (newest, held) or m["s"] in forwarding:
+                if m.slot in (newest, held) or m.slot in forwarding:
                     with watch.cond:
                         watch.violations.append(
-                            f"begin of version {m['v']} in slot {m['s']} from {peer} while the "
+                            f"begin of version {m.version} in slot {m.slot} from {peer} while the "
                             f"newest complete version is in slot {newest}, apply() holds slot "
                             f"{held} and forwards read slots {forwarding}"
                         )
             original(peer, payload)
             if m is not None:
                 with watch.cond:
-                    watch.messages.append((m["k"], m.get("v"), m.get("s")))
+                    kind, version, slot = (
+                        m.KIND,
+                        getattr(m, "version", None),
+                        getattr(m, "slot", None),
+                    )
+                    watch.messages.append((kind, version, slot))
                     watch.senders.append(peer)
                     watch.cond.notify_all()
 

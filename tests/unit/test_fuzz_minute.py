@@ -15,8 +15,18 @@ import time
 import msgpack
 
 from transport.errors import WireFormatError
-from transport.weights._protocol import decode as decode_ws
-from transport.weights._protocol import encode as encode_ws
+from transport.weights._messages import (
+    Abort,
+    Credit,
+    Forward,
+    Piece,
+    Report,
+    Segment,
+    Target,
+    Ver,
+)
+from transport.weights._messages import decode as decode_ws
+from transport.weights._messages import encode as encode_ws
 from transport.wire import (
     PeerRecord,
     RegionInfo,
@@ -49,14 +59,14 @@ def _seeds() -> list[tuple[str, bytes]]:
         ("record", encode_peer_record(rec)),
         ("record-signed", encode_peer_record(rec, SECRET)),
         ("heartbeat", encode_heartbeat(7, 12345.5)),
-        ("frame", frame_control("ws/policy", encode_ws("ver", v=3, s=1))),
+        ("frame", frame_control("ws/policy", encode_ws(Ver(3, 1)))),
         ("frame", frame_user_notification(b"hello")),
-        ("ws", encode_ws("fwd", v=9, t=1000, to=[["gen-1", 0, 1], ["gen-2", 1, 0]])),
-        ("ws", encode_ws("credit", s=[0, 1], v=4)),
-        ("ws", encode_ws("fwdr", v=9, c="gen-1", x="fail", e="why")),
-        ("ws", encode_ws("seg", v=9, s=0, a=2, b=5)),
-        ("ws", encode_ws("part", v=9, s=0, a=2, o=4096, n=8192)),
-        ("ws", encode_ws("abort", v=9, s=1)),
+        ("ws", encode_ws(Forward(9, 1000, (Target("gen-1", 0, True), Target("gen-2", 1, False))))),
+        ("ws", encode_ws(Credit((0, 1), 4))),
+        ("ws", encode_ws(Report(9, "gen-1", "fail", "why"))),
+        ("ws", encode_ws(Segment(9, 0, 2, 5))),
+        ("ws", encode_ws(Piece(9, 0, 2, 4096, 8192))),
+        ("ws", encode_ws(Abort(9, 1))),
     ]
 
 

@@ -9,7 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transport.errors import WireFormatError
-from transport.weights._protocol import MAX_DEGREE, decode, encode, piece, pieces, segments
+from transport.weights._messages import (
+    KINDS,
+    MAX_DEGREE,
+    Credit,
+    Forward,
+    Hello,
+    Target,
+    decode,
+    encode,
+)
+from transport.weights._protocol import piece, pieces, segments
 
 GOOD = [
     ("hello", {}),
@@ -25,13 +35,24 @@ GOOD = [
 ]
 
 
-@pytest.mark.parametrize("kind, fields", GOOD)
-def test_every_kind_round_trips(kind, fields):
-    assert decode(encode(kind, **fields)) == {"k": kind, **fields}
-
-
 def raw(m):
     return msgpack.packb(m, use_bin_type=True)
+
+
+@pytest.mark.parametrize("kind, fields", GOOD)
+def test_every_kind_round_trips(kind, fields):
+    m = decode(raw({"k": kind, **fields}))
+    assert type(m) is KINDS[kind]
+    assert msgpack.unpackb(encode(m)) == {"k": kind, **fields}  # the wire form is unchanged
+    assert decode(encode(m)) == m
+
+
+def test_messages_are_typed_values_with_named_fields():
+    assert set(KINDS) == {k for k, _ in GOOD}
+    assert decode(raw({"k": "hello"})) == Hello()
+    assert decode(raw({"k": "credit", "s": [1], "v": 4})) == Credit(slots=(1,), newest=4)
+    fwd = decode(raw({"k": "fwd", "v": 7, "t": 10, "to": [["gen-1", 1, 1]]}))
+    assert fwd == Forward(version=7, ms=10, targets=(Target("gen-1", 1, relays=True),))
 
 
 BAD = [
@@ -81,7 +102,7 @@ def test_any_bytes_decode_or_raise_wire_format_error(payload):
         m = decode(payload)
     except WireFormatError:
         return
-    assert isinstance(m, dict) and m["k"] in {k for k, _ in GOOD}
+    assert m.KIND in {k for k, _ in GOOD}
 
 
 _leaf = st.one_of(st.integers(-3, 10), st.text(max_size=8), st.booleans(), st.none())
@@ -100,7 +121,7 @@ def test_well_formed_msgpack_of_any_shape_decodes_or_is_refused(kind, fields):
         m = decode(raw({"k": kind, **fields}))
     except WireFormatError:
         return
-    assert m["k"] == kind
+    assert kind == m.KIND
 
 
 @settings(max_examples=200, deadline=None)

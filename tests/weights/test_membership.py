@@ -183,27 +183,28 @@ def test_a_version_given_up_by_its_publisher_is_never_completed_late(tcp_store, 
     complete that version once told it was given up, since the publisher may hand the slot out
     again on the subscriber's next credit. Messages are fed to a real subscriber in the order the
     race delivers them; the bytes of the slot are the subscriber's own."""
-    from transport.weights._protocol import channel, encode
+    from transport.weights._messages import Abort, Begin, Ver, encode
+    from transport.weights._protocol import channel
 
     spec = spec_of(2, 1024)
     with transport.Transport("gen-0", store=tcp_store, timeout=10) as t:
         sub = transport.WeightSubscriber(t, make_tensors(spec), group="policy", mode="staging")
         on_message = t._control_handlers[channel("policy")]
         try:
-            on_message("trainer", encode("begin", v=5, s=1))
-            on_message("trainer", encode("abort", v=5, s=1))
-            on_message("trainer", encode("ver", v=5, s=1))  # late: ignored
+            on_message("trainer", encode(Begin(5, 1)))
+            on_message("trainer", encode(Abort(5, 1)))
+            on_message("trainer", encode(Ver(5, 1)))  # late: ignored
             with pytest.raises(transport.TransferTimeout, match="did not arrive"):
                 sub.wait_for_version(5, timeout=0.2)
             assert sub.version == -1 and sub._newest_slot is None
             # the next version written into the same slot completes as usual
-            on_message("trainer", encode("begin", v=6, s=1))
-            on_message("trainer", encode("ver", v=6, s=1))
+            on_message("trainer", encode(Begin(6, 1)))
+            on_message("trainer", encode(Ver(6, 1)))
             assert sub.wait_for_version(6, timeout=5) == 6 and sub._newest_slot == 1
             # an abort of a version that already completed changes nothing
-            on_message("trainer", encode("abort", v=6, s=1))
-            on_message("trainer", encode("begin", v=7, s=0))
-            on_message("trainer", encode("ver", v=7, s=0))
+            on_message("trainer", encode(Abort(6, 1)))
+            on_message("trainer", encode(Begin(7, 0)))
+            on_message("trainer", encode(Ver(7, 0)))
             assert sub.wait_for_version(7, timeout=5) == 7 and sub._newest_slot == 0
         finally:
             sub.close()

@@ -6,34 +6,37 @@ Store keys, under ``transport/<namespace>/groups/<group>/``:
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: every name that ever joined
 * ``sub/<name>``: the subscriber's entry (generation, mode, slots, relay) while it is in the group
 
-Control messages travel as notifications on channel ``ws/<group>`` (msgpack maps):
+Control messages travel as notifications on channel ``ws/<group>``: msgpack maps on the wire, the
+typed values of ``_messages`` (named here in brackets) in the code.
 
-* publisher -> subscriber ``{"k": "hello"}``: tell me which slots I may write
-* publisher -> subscriber ``{"k": "begin", "v": N, "s": slot}``: version N is being written
-* publisher -> subscriber ``{"k": "ver", "v": N, "s": slot}``: the notification of the data put:
-  every tensor of version N has landed in ``slot``
-* subscriber -> publisher ``{"k": "credit", "s": [slots], "v": newest}``: the slots it may write now
-* publisher -> subscriber ``{"k": "abort", "v": N, "s": slot}``: the write of version N into
-  ``slot`` was given up (its deadline passed, or its relay failed): a ``ver`` of it that still
-  comes is ignored, so a slot the subscriber credits next is never also a version it completes;
-  answered like ``hello``
+* publisher -> subscriber ``{"k": "hello"}`` (Hello): tell me which slots I may write
+* publisher -> subscriber ``{"k": "begin", "v": N, "s": slot}`` (Begin): version N is being
+  written
+* publisher -> subscriber ``{"k": "ver", "v": N, "s": slot}`` (Ver): the notification of the data
+  put: every tensor of version N has landed in ``slot``
+* subscriber -> publisher ``{"k": "credit", "s": [slots], "v": newest}`` (Credit): the slots it
+  may write now
+* publisher -> subscriber ``{"k": "abort", "v": N, "s": slot}`` (Abort): the write of version N
+  into ``slot`` was given up (its deadline passed, or its relay failed): a ``ver`` of it that
+  still comes is ignored, so a slot the subscriber credits next is never also a version it
+  completes; answered like ``hello``
 
 Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
 
-* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot, relays], ...]}``: write
-  version N into each child's slot (within ``t`` milliseconds) as it lands here; ``relays`` (0/1):
-  the child forwards it in turn, so announce each segment to it
-* writer -> relay ``{"k": "seg", "v": N, "s": slot, "a": i, "b": j}``: the notification of one
-  segment of version N: the tensors ``i`` to ``j - 1`` of the relay's names in sorted order have
-  landed in ``slot``; the relay forwards them at once (a pipeline: every hop copies while the one
-  before it still writes). The writer's last segment carries ``ver`` and is posted only after the
-  others have landed, so ``ver`` still means "all of it".
-* writer -> relay ``{"k": "part", "v": N, "s": slot, "a": i, "o": offset, "n": bytes}``: the
-  notification of one piece of a tensor larger than a segment: bytes ``offset`` to
+* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot, relays], ...]}``
+  (Forward): write version N into each child's slot (within ``t`` milliseconds) as it lands here;
+  ``relays`` (0/1): the child forwards it in turn, so announce each segment to it
+* writer -> relay ``{"k": "seg", "v": N, "s": slot, "a": i, "b": j}`` (Segment): the notification
+  of one segment of version N: the tensors ``i`` to ``j - 1`` of the relay's names in sorted order
+  have landed in ``slot``; the relay forwards them at once (a pipeline: every hop copies while the
+  one before it still writes). The writer's last segment carries ``ver`` and is posted only after
+  the others have landed, so ``ver`` still means "all of it".
+* writer -> relay ``{"k": "part", "v": N, "s": slot, "a": i, "o": offset, "n": bytes}`` (Piece):
+  the notification of one piece of a tensor larger than a segment: bytes ``offset`` to
   ``offset + bytes - 1`` of tensor ``i`` have landed; the relay forwards them at once, so one huge
   tensor (an embedding) is pipelined too.
-* relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}``: what became of
-  one forward: outcome ``""`` (landed), ``"lost"`` (the child went away) or ``"fail"``
+* relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}`` (Report): what
+  became of one forward: outcome ``""`` (landed), ``"lost"`` (the child went away) or ``"fail"``
 
 A staging subscriber has two slots. It never credits the slot that holds its newest complete
 version, nor the slot an ``apply()`` is copying from, nor a slot it is forwarding from, so nobody
@@ -57,7 +60,8 @@ import torch
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.store.base import Store
-from transport.wire import NAME_RE, unpack
+from transport.weights._messages import Begin, Piece, Segment, Ver, encode
+from transport.wire import unpack
 
 log = logging.getLogger("transport.weights")
 
@@ -107,81 +111,6 @@ def channel(group: str) -> str:
 
 def region(group: str, slot: int | str, name: str) -> str:
     return f"{group}@{slot}/{name}"
-
-
-def encode(kind: str, **fields: Any) -> bytes:
-    out: bytes = msgpack.packb({"k": kind, **fields}, use_bin_type=True)
-    return out
-
-
-_FIELDS = {
-    "hello": set(),
-    "abort": {"v", "s"},
-    "begin": {"v", "s"},
-    "ver": {"v", "s"},
-    "credit": {"s", "v"},
-    "fwd": {"v", "t", "to"},
-    "seg": {"v", "s", "a", "b"},
-    "part": {"v", "s", "a", "o", "n"},
-    "fwdr": {"v", "c", "x", "e"},
-}
-#: the most children one relay serves (the publisher's ``degree``)
-MAX_DEGREE = 16
-
-
-def decode(payload: bytes) -> dict[str, Any]:
-    m = unpack(payload, "weight-sync message", 1 << 16, max_str=1024, max_array=MAX_DEGREE * 2,
-               max_map=8)  # fmt: skip
-    if (
-        not isinstance(m, dict)
-        or not isinstance(m.get("k"), str)
-        or m["k"] not in _FIELDS
-        or set(m) != _FIELDS[m["k"]] | {"k"}
-    ):
-        raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
-    kind = m["k"]
-    for key in ("v", "s", "t", "a", "b", "o", "n"):
-        if key in m and kind != "credit" and not _count(m[key]):
-            raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
-    if kind == "credit":
-        if not isinstance(m["s"], list) or not all(_count(x) and x < 8 for x in m["s"]):
-            raise WireFormatError("credit slots must be a list of small ints")
-        if not isinstance(m["v"], int) or isinstance(m["v"], bool):
-            raise WireFormatError("credit version must be an int")
-    elif kind == "fwd":
-        to = m["to"]
-        if (
-            not isinstance(to, list)
-            or not 0 < len(to) <= MAX_DEGREE
-            or not all(
-                isinstance(x, list)
-                and len(x) == 3
-                and _name(x[0])
-                and _count(x[1])
-                and x[1] < 8
-                and x[2] in (0, 1)
-                and not isinstance(x[2], bool)
-                for x in to
-            )
-        ):
-            raise WireFormatError("fwd targets must be a list of [child, slot, relays]")
-    elif kind == "seg" and not m["a"] < m["b"]:
-        raise WireFormatError("a segment must name at least one tensor")
-    elif kind == "part" and not m["n"]:
-        raise WireFormatError("a piece must hold at least one byte")
-    elif kind == "fwdr" and (
-        not _name(m["c"]) or m["x"] not in ("", "lost", "fail") or not isinstance(m["e"], str)
-    ):
-        raise WireFormatError("malformed relay report")
-    return m
-
-
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _name(x: Any) -> bool:
-    return isinstance(x, str) and NAME_RE.match(x) is not None
 
 
 class GroupDirectory:
@@ -351,7 +280,7 @@ class SegmentedWrite:
 
     def begin(self) -> bool:
         try:
-            self.t._send_control(self.peer, self.chan, encode("begin", v=self.version, s=self.slot))
+            self.t._send_control(self.peer, self.chan, encode(Begin(self.version, self.slot)))
         except Exception as e:
             self.fail(e)
             return False
@@ -365,7 +294,7 @@ class SegmentedWrite:
             self._pending += 1
         try:
             if self.announce:
-                msg = encode("seg", v=self.version, s=self.slot, a=a, b=b)
+                msg = encode(Segment(self.version, self.slot, a, b))
                 h = self.t._put_control(batch, self.peer, self.chan, msg, self._left())
             else:
                 h = self.t.put(dict(batch), self.peer, timeout=self._left())
@@ -384,7 +313,7 @@ class SegmentedWrite:
         try:
             src, at = piece(t, offset, nbytes), offset // t.element_size()
             if self.announce:
-                msg = encode("part", v=self.version, s=self.slot, a=a, o=offset, n=nbytes)
+                msg = encode(Piece(self.version, self.slot, a, offset, nbytes))
                 h = self.t._put_control_at(src, key, at, self.peer, self.chan, msg, self._left())
             else:
                 h = self.t.put(src, self.peer, key, offset=at, timeout=self._left())
@@ -418,7 +347,7 @@ class SegmentedWrite:
             last, err = self._last, self.error
         if err is None:
             try:
-                msg = encode("ver", v=self.version, s=self.slot)
+                msg = encode(Ver(self.version, self.slot))
                 if last:
                     h = self.t._put_control(last, self.peer, self.chan, msg, self._left())
                     h.add_done_callback(lambda h: self.submit(lambda: self.done(h.exception(0))))

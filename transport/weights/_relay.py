@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
-from transport.weights._protocol import (
-    SegmentedWrite,
-    channel,
-    encode,
-    match_regions,
-    region,
-)
+from transport.weights._messages import Begin, Forward, Piece, Report, Segment, encode
+from transport.weights._protocol import SegmentedWrite, channel, match_regions, region
 
 if TYPE_CHECKING:
     from transport.weights.subscriber import WeightSubscriber
@@ -62,15 +57,16 @@ class Relay:
 
     # -- engine thread ---------------------------------------------------------------------------
 
-    def on_fwd(self, peer: str, version: int, ms: int, to: list[list[Any]]) -> None:
-        deadline = time.monotonic() + ms / 1000
+    def on_fwd(self, peer: str, m: Forward) -> None:
+        version, deadline = m.version, time.monotonic() + m.ms / 1000
         with self.sub._lock:
             self.pending.setdefault(version, []).extend(
-                (deadline, peer, c, s, bool(r)) for c, s, r in to
+                (deadline, peer, t.child, t.slot, t.relays) for t in m.targets
             )
         self.sub._worker.submit(lambda: self.advance(version))
 
-    def on_begin(self, version: int, slot: int) -> None:
+    def on_begin(self, m: Begin) -> None:
+        version, slot = m.version, m.slot
         with self.sub._lock:
             if version > self.sub.version:
                 self.incoming[version] = (slot, [])
@@ -78,7 +74,8 @@ class Relay:
                     del self.incoming[v]
         self.sub._worker.submit(lambda: self.advance(version))
 
-    def on_seg(self, version: int, slot: int, a: int, b: int) -> None:
+    def on_seg(self, m: Segment) -> None:
+        version, slot, a, b = m.version, m.slot, m.first, m.end
         with self.sub._lock:
             inc = self.incoming.get(version)
             if inc is None or inc[0] != slot or b > len(self.names):
@@ -86,7 +83,8 @@ class Relay:
             inc[1].append((a, b))
         self.sub._worker.submit(lambda: self.segment(version, (a, b)))
 
-    def on_part(self, version: int, slot: int, a: int, offset: int, nbytes: int) -> None:
+    def on_part(self, m: Piece) -> None:
+        version, slot, a, offset, nbytes = m.version, m.slot, m.index, m.offset, m.nbytes
         with self.sub._lock:
             inc = self.incoming.get(version)
             if (
@@ -264,7 +262,7 @@ class Relay:
             self.t._send_control(
                 publisher,
                 channel(self.group),
-                encode("fwdr", v=version, c=child, x=outcome, e=why[:900]),
+                encode(Report(version, child, outcome, why[:900])),
             )
         except TransportError as e:
             log.info(

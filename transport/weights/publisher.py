@@ -22,8 +22,20 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.handle import Handle
-from transport.weights._protocol import (
+from transport.weights._messages import (
     MAX_DEGREE,
+    Abort,
+    Begin,
+    Credit,
+    Forward,
+    Hello,
+    Report,
+    Target,
+    Ver,
+    decode,
+    encode,
+)
+from transport.weights._protocol import (
     PUB_SLOT,
     SEGMENT_BYTES,
     SEQ_NAME,
@@ -32,8 +44,6 @@ from transport.weights._protocol import (
     Worker,
     channel,
     check_named_tensors,
-    decode,
-    encode,
     match_regions,
     pieces,
     region,
@@ -277,7 +287,7 @@ class WeightPublisher:
         ]
         if sub.mode == "staging":
             try:
-                self.transport._send_control(name, channel(self.group), encode("hello"))
+                self.transport._send_control(name, channel(self.group), encode(Hello()))
             except TransportError as e:
                 sub.error, sub.transient = f"cannot reach it: {e}", True
         return sub
@@ -418,10 +428,11 @@ class WeightPublisher:
                     via,
                     channel(self.group),
                     encode(
-                        "fwd",
-                        v=version,
-                        t=max(1, int(left * 1000)),
-                        to=[[sub.name, slot, int(sub.name in self._relays)]],
+                        Forward(
+                            version,
+                            max(1, int(left * 1000)),
+                            (Target(sub.name, slot, sub.name in self._relays),),
+                        )
                     ),
                 )
             except TransportError as e:
@@ -437,13 +448,13 @@ class WeightPublisher:
             if left <= 0:
                 raise TransferTimeout("the deadline passed before a slot was free")
             self.transport._send_control(
-                sub.name, channel(self.group), encode("begin", v=version, s=slot)
+                sub.name, channel(self.group), encode(Begin(version, slot))
             )
             h = self.transport._put_control(
                 sub.batches[slot],
                 sub.name,
                 channel(self.group),
-                encode("ver", v=version, s=slot),
+                encode(Ver(version, slot)),
                 left,
             )
         except TransportError as e:
@@ -538,8 +549,7 @@ class WeightPublisher:
         """Ask ``sub`` which slots are free (``hello``), telling it first, when ``given_up`` is
         (slot, version), that we gave that write up (``abort``)."""
         sub.asked = time.monotonic()
-        slot_version = {} if given_up is None else {"s": given_up[0], "v": given_up[1]}
-        msg = encode("abort" if given_up else "hello", **slot_version)
+        msg = encode(Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0]))
         try:
             self.transport._send_control(sub.name, channel(self.group), msg)
         except TransportError as e:
@@ -551,13 +561,14 @@ class WeightPublisher:
         except WireFormatError as e:
             log.warning("dropping a weight-sync message from %s: %s", peer, e)
             return
-        if m["k"] == "credit":
-            self._worker.submit(lambda: self._on_credit(peer, m["s"], m["v"]))
-        elif m["k"] == "fwdr":
-            self._worker.submit(lambda: self._on_relayed(peer, m["v"], m["c"], m["x"], m["e"]))
+        if isinstance(m, Credit):
+            self._worker.submit(lambda: self._on_credit(peer, m))
+        elif isinstance(m, Report):
+            self._worker.submit(lambda: self._on_relayed(peer, m))
 
-    def _on_relayed(self, relay: str, version: int, child: str, outcome: str, why: str) -> None:
+    def _on_relayed(self, relay: str, report: Report) -> None:
         """A relay's report on one forward: the child's slot is the publisher's again."""
+        version, child, outcome, why = report.version, report.child, report.outcome, report.why
         with self._lock:
             sub = self._subs.get(child)
             if (
@@ -575,7 +586,8 @@ class WeightPublisher:
                 err = TransportError(f"relay {relay} could not forward version {version}: {why}")
             self._finished(sub, sub.busy, version, sub.relay_handle, err)
 
-    def _on_credit(self, peer: str, slots: list[int], newest: int) -> None:
+    def _on_credit(self, peer: str, credit: Credit) -> None:
+        slots, newest = credit.slots, credit.newest
         with self._lock:
             sub = self._subs.get(peer)
             if (

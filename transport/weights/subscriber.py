@@ -17,6 +17,18 @@ from transport.errors import (
     TransportError,
     WireFormatError,
 )
+from transport.weights._messages import (
+    Abort,
+    Begin,
+    Credit,
+    Forward,
+    Hello,
+    Piece,
+    Segment,
+    Ver,
+    decode,
+    encode,
+)
 from transport.weights._protocol import (
     MODES,
     PUB_SLOT,
@@ -25,8 +37,6 @@ from transport.weights._protocol import (
     Worker,
     channel,
     check_named_tensors,
-    decode,
-    encode,
     region,
 )
 from transport.weights._relay import Relay
@@ -115,37 +125,36 @@ class WeightSubscriber:
         except WireFormatError as e:
             log.warning("dropping a weight-sync message from %s: %s", peer, e)
             return
-        kind = m["k"]
-        if kind == "hello":
+        if isinstance(m, Hello):
             with self._lock:
                 self._publishers.add(peer)
             self._worker.submit(lambda: self._send_credit(peer, reconnect=True))
-        elif kind == "abort":
+        elif isinstance(m, Abort):
             with self._lock:
                 self._publishers.add(peer)
-                if 0 <= m["s"] < self.slots and m["v"] > self.version:
-                    self._aborted[m["s"]] = m["v"]
-                    if self.incomplete == m["v"]:
+                if 0 <= m.slot < self.slots and m.version > self.version:
+                    self._aborted[m.slot] = m.version
+                    if self.incomplete == m.version:
                         self.incomplete = None
             self._worker.submit(lambda: self._send_credit(peer))
-        elif kind == "begin":
+        elif isinstance(m, Begin):
             with self._lock:
-                if m["v"] > self.version:
-                    self.incomplete = m["v"]
-                if self._aborted.get(m["s"], m["v"]) != m["v"]:
-                    del self._aborted[m["s"]]  # another version is written there now
-            if self.relay and 0 <= m["s"] < self.slots:
-                self._relay.on_begin(m["v"], m["s"])
-        elif kind == "ver":
-            self._on_version(peer, m["v"], m["s"])
-        elif kind == "seg":
+                if m.version > self.version:
+                    self.incomplete = m.version
+                if self._aborted.get(m.slot, m.version) != m.version:
+                    del self._aborted[m.slot]  # another version is written there now
+            if self.relay and 0 <= m.slot < self.slots:
+                self._relay.on_begin(m)
+        elif isinstance(m, Ver):
+            self._on_version(peer, m.version, m.slot)
+        elif isinstance(m, Segment):
             if self.relay:
-                self._relay.on_seg(m["v"], m["s"], m["a"], m["b"])
-        elif kind == "part":
+                self._relay.on_seg(m)
+        elif isinstance(m, Piece):
             if self.relay:
-                self._relay.on_part(m["v"], m["s"], m["a"], m["o"], m["n"])
-        elif kind == "fwd":
-            self._relay.on_fwd(peer, m["v"], m["t"], m["to"])
+                self._relay.on_part(m)
+        elif isinstance(m, Forward):
+            self._relay.on_fwd(peer, m)
 
     def _on_version(self, peer: str, version: int, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -221,7 +230,7 @@ class WeightSubscriber:
             with self._lock:
                 free, newest = self._free_slots(), self.version
             self.transport._send_control(
-                peer, channel(self.group), encode("credit", s=free, v=newest)
+                peer, channel(self.group), encode(Credit(tuple(free), newest))
             )
         except TransportError as e:
             log.info("could not tell %s which slots are free: %s", peer, e)

@@ -49,4 +49,3 @@ def use_tree(dirs: Mapping[str, str]) -> bool:
         return False
     sys.meta_path.insert(0, TreeFinder(dirs))
     return True
-

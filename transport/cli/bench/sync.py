@@ -50,7 +50,7 @@ from transport.cli.bench._util import (
     unpin,
     zero_bytes,
 )
-from transport.weights._protocol import MAX_DEGREE
+from transport.weights._messages import MAX_DEGREE
 from transport.weights.publisher import FANOUTS
 
 GROUP = "bench"

@@ -1,0 +1,216 @@
+"""The weight-sync control messages as typed values, and their one encoder and one decoder.
+
+What each message means, who sends it and when is in ``_protocol``'s docstring. On the wire a
+message is a msgpack map with its kind under ``"k"`` and one-letter keys for its fields (the
+notifications stay small); in the code it is a frozen dataclass with named fields. :func:`decode`
+is the only place that reads a peer's bytes: exact field sets, types and ranges, or
+:class:`WireFormatError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from transport.errors import WireFormatError
+from transport.wire import NAME_RE, unpack
+
+#: the most children one relay serves (the publisher's ``degree``)
+MAX_DEGREE = 16
+#: slots are small numbers (a staging subscriber has two)
+MAX_SLOT = 8
+#: what a relay report may say of a forward: landed, the child went away, or it failed
+OUTCOMES = ("", "lost", "fail")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """publisher -> subscriber: tell me which slots I may write."""
+
+    KIND: ClassVar[str] = "hello"
+    WIRE: ClassVar[dict[str, str]] = {}
+
+
+@dataclass(frozen=True)
+class Begin:
+    """publisher -> subscriber: ``version`` is being written into ``slot``."""
+
+    version: int
+    slot: int
+    KIND: ClassVar[str] = "begin"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
+
+
+@dataclass(frozen=True)
+class Ver:
+    """The notification of the data put: every tensor of ``version`` has landed in ``slot``."""
+
+    version: int
+    slot: int
+    KIND: ClassVar[str] = "ver"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
+
+
+@dataclass(frozen=True)
+class Abort:
+    """publisher -> subscriber: the write of ``version`` into ``slot`` was given up."""
+
+    version: int
+    slot: int
+    KIND: ClassVar[str] = "abort"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
+
+
+@dataclass(frozen=True)
+class Credit:
+    """subscriber -> publisher: the slots it may write now, and its newest complete version
+    (-1: none yet)."""
+
+    slots: tuple[int, ...]
+    newest: int
+    KIND: ClassVar[str] = "credit"
+    WIRE: ClassVar[dict[str, str]] = {"slots": "s", "newest": "v"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One child of a relay: write into its ``slot``; ``relays``: it forwards in turn."""
+
+    child: str
+    slot: int
+    relays: bool
+
+
+@dataclass(frozen=True)
+class Forward:
+    """publisher -> relay: write ``version`` into each target as it lands here, within ``ms``."""
+
+    version: int
+    ms: int
+    targets: tuple[Target, ...]
+    KIND: ClassVar[str] = "fwd"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "ms": "t", "targets": "to"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """writer -> relay: tensors ``first`` to ``end - 1`` (sorted names) of ``version`` have
+    landed in ``slot``."""
+
+    version: int
+    slot: int
+    first: int
+    end: int
+    KIND: ClassVar[str] = "seg"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s", "first": "a", "end": "b"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """writer -> relay: bytes ``offset`` to ``offset + nbytes - 1`` of tensor ``index`` of
+    ``version`` have landed in ``slot``."""
+
+    version: int
+    slot: int
+    index: int
+    offset: int
+    nbytes: int
+    KIND: ClassVar[str] = "part"
+    WIRE: ClassVar[dict[str, str]] = {
+        "version": "v", "slot": "s", "index": "a", "offset": "o", "nbytes": "n",
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Report:
+    """relay -> publisher: what became of the forward of ``version`` to ``child``: ``outcome``
+    is one of :data:`OUTCOMES`, ``why`` says why it failed."""
+
+    version: int
+    child: str
+    outcome: str
+    why: str
+    KIND: ClassVar[str] = "fwdr"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "child": "c", "outcome": "x", "why": "e"}
+
+
+Message = Hello | Begin | Ver | Abort | Credit | Forward | Segment | Piece | Report
+KINDS: dict[str, type[Message]] = {
+    cls.KIND: cls for cls in (Hello, Begin, Ver, Abort, Credit, Forward, Segment, Piece, Report)
+}
+
+
+def encode(msg: Message) -> bytes:
+    """The wire form of ``msg``."""
+    out: dict[str, Any] = {"k": msg.KIND}
+    for f in fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, tuple) and value and isinstance(value[0], Target):
+            value = [[t.child, t.slot, int(t.relays)] for t in value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[msg.WIRE[f.name]] = value
+    packed: bytes = msgpack.packb(out, use_bin_type=True)
+    return packed
+
+
+def decode(payload: bytes) -> Message:
+    """A peer's bytes as a message, or :class:`WireFormatError` naming the broken rule."""
+    m = unpack(payload, "weight-sync message", 1 << 16, max_str=1024, max_array=MAX_DEGREE * 2,
+               max_map=8)  # fmt: skip
+    kind = m.get("k") if isinstance(m, dict) else None
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None or set(m) != set(cls.WIRE.values()) | {"k"}:
+        raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
+    raw = {name: m[key] for name, key in cls.WIRE.items()}
+    for name in ("version", "slot", "ms", "first", "end", "index", "offset", "nbytes"):
+        if name in raw and cls is not Credit and not _count(raw[name]):
+            key = cls.WIRE[name]
+            raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
+    if cls is Credit:
+        slots = raw["slots"]
+        if not isinstance(slots, list) or not all(_count(x) and x < MAX_SLOT for x in slots):
+            raise WireFormatError("credit slots must be a list of small ints")
+        if not isinstance(raw["newest"], int) or isinstance(raw["newest"], bool):
+            raise WireFormatError("credit version must be an int")
+        return Credit(tuple(slots), raw["newest"])
+    if cls is Forward:
+        return Forward(raw["version"], raw["ms"], _targets(raw["targets"]))
+    if cls is Segment and not raw["first"] < raw["end"]:
+        raise WireFormatError("a segment must name at least one tensor")
+    if cls is Piece and not raw["nbytes"]:
+        raise WireFormatError("a piece must hold at least one byte")
+    if cls is Report and (
+        not _name(raw["child"]) or raw["outcome"] not in OUTCOMES or not isinstance(raw["why"], str)
+    ):
+        raise WireFormatError("malformed relay report")
+    return cls(**raw)
+
+
+def _targets(to: Any) -> tuple[Target, ...]:
+    if (
+        not isinstance(to, list)
+        or not 0 < len(to) <= MAX_DEGREE
+        or not all(
+            isinstance(x, list)
+            and len(x) == 3
+            and _name(x[0])
+            and _count(x[1])
+            and x[1] < MAX_SLOT
+            and x[2] in (0, 1)
+            and not isinstance(x[2], bool)
+            for x in to
+        )
+    ):
+        raise WireFormatError("fwd targets must be a list of [child, slot, relays]")
+    return tuple(Target(x[0], x[1], bool(x[2])) for x in to)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _name(x: Any) -> bool:
+    return isinstance(x, str) and NAME_RE.match(x) is not None
