@@ -66,7 +66,6 @@ DUMP_MIN_INTERVAL = 5.0
 # Lanes cut transfers between host memory only: there the copy runs inside the posting thread
 # (CMA), which is what a second agent parallelizes. GPU copies run on the GPU's copy engines; no
 # measurement yet shows lanes helping them, so a CUDA transfer stays on one agent.
-HOST_ONLY = ("cpu", "cpu")
 
 _sigusr1_lock = threading.Lock()
 _sigusr1_transports: weakref.WeakSet[Transport] = weakref.WeakSet()
@@ -726,7 +725,7 @@ class Transport(Closing):
         ops: list[Op] = []
         inline = True
         for plan in plans:
-            if self.lanes > 1 and plan.nbytes >= self.lane_bytes and plan.rows[2:4] == HOST_ONLY:
+            if self.lanes > 1 and plan.nbytes >= self.lane_bytes and plan.rows.host_only:
                 args = (items, sig, offset, notif, deadline, timeout)
                 try:
                     ops.extend(self._lane_ops(handle, plan, *args))

@@ -119,8 +119,9 @@ def split(
             with s.conn.lock:
                 s.conn.plans.discard(s)
             s.release(s.backend)
-    local, remote, device, rdevice, chunk = plan.rows
-    shares = cut(local, remote, len(lanes) + 1)
+    rows = plan.rows
+    device, rdevice, chunk = rows.device, rows.remote_device, rows.chunk_bytes
+    shares = cut(rows.local, rows.remote, len(lanes) + 1)
     out: list[tuple[Plan, Lane | None]] = []
     try:
         for i, (lo, re) in enumerate(shares):

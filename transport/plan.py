@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,24 @@ class Part:
         self.idle: dict[bool, list[Any]] = {False: [], True: []}
 
 
+@dataclass(frozen=True)
+class Descriptors:
+    """What a plan was made from, kept to cut the same transfer over lanes: the local and remote
+    descriptor rows (address, length, device id), the memory kinds of both ends, and the chunk
+    size of its parts."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    device: str
+    remote_device: str
+    chunk_bytes: int
+
+    @property
+    def host_only(self) -> bool:
+        """Host memory at both ends (the only transfers lanes take)."""
+        return self.device == "cpu" and self.remote_device == "cpu"
+
+
 class Plan:
     """A prepared transfer to one peer, replayable any number of times (one use at a time per
     part; concurrent uses make extra backend transfers)."""
@@ -90,7 +109,7 @@ class Plan:
         self.op = op
         self.backend = backend
         self.keep = keep  # registrations (and tensors) that must outlive the plan
-        self.rows = (local, remote, device, remote_device, chunk_bytes)  # to split over lanes
+        self.rows = Descriptors(local, remote, device, remote_device, chunk_bytes)
         self.shares: list[Plan] | None = None  # the same transfer cut over lanes (lanes.py)
         local, remote, bounds = split_descs(local, remote, chunk_bytes, head, tail)
         self.nbytes = int(local[:, 1].sum()) if len(local) else 0
