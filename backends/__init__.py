@@ -2,7 +2,7 @@
 
 >>> from transport import backends
 >>> backends.available()
-['nixl']
+['loopback', 'nixl']
 >>> b = backends.new_backend("nixl", agent_name="trainer-0#1")
 
 Backends are imported lazily, so importing the package never loads NIXL.
@@ -15,7 +15,10 @@ from typing import Any
 
 from transport.backends.base import DONE, IN_PROGRESS, READ, WRITE, Backend
 
-_REGISTRY: dict[str, str] = {"nixl": "transport.backends.nixl:NixlBackend"}
+_REGISTRY: dict[str, str] = {
+    "loopback": "transport.backends.loopback:LoopbackBackend",  # in-process, for unit tests only
+    "nixl": "transport.backends.nixl:NixlBackend",
+}
 
 
 def register_backend(name: str, target: str) -> None:

@@ -112,7 +112,7 @@ def test_remove_and_release_never_raise():
 
 
 def test_registry():
-    assert available() == ["nixl"]
+    assert available() == ["loopback", "nixl"]
     assert backend_class("nixl") is NixlBackend
-    with pytest.raises(ValueError, match="unknown backend 'ucc'; known backends: nixl"):
+    with pytest.raises(ValueError, match="unknown backend 'ucc'; known backends: loopback, nixl"):
         new_backend("ucc")
