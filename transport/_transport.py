@@ -103,6 +103,15 @@ __version__ = "0.1.0"
 
 
 class _State(enum.Enum):
+    """Whether a Transport is open: OPEN from construction, CLOSED from the moment ``close()``
+    begins, and never open again.
+
+    Only ``close()`` changes it, under the Transport's lock and once (a second close returns at
+    once). Everything else reads it without the lock (``closed``, ``_check_open``, the fast
+    paths), so it does not stop a call that checked it just before close began; close fails what
+    the engines still hold with ClosedError.
+    """
+
     OPEN = "open"
     CLOSED = "closed"
 

@@ -50,6 +50,18 @@ def decode(payload: bytes) -> tuple[str, str, int]:
 
 
 class Withdrawals:
+    """One Transport's side of ``unexpose``, both ways: withdrawing its own regions
+    (:meth:`withdraw`) and answering its peers' withdrawals (the handler of ``tx/withdraw``).
+
+    It owns the answers awaited per region being withdrawn and the withdrawals still to answer;
+    ``_cond`` guards both. Threads: :meth:`withdraw` runs on the caller's thread and blocks;
+    ``_on_message`` runs on the engine thread and only records (never the Transport's lock);
+    :meth:`run` runs on the control thread, which stops the plans and answers. The timeout bounds
+    the wait only: at it the memory is deregistered all the same and the silent peers are
+    returned; answers that come later, or name another generation of ours, are ignored. A writer
+    answers once nothing of its own is in flight into the region, or at its own timeout.
+    """
+
     def __init__(self, t: Transport) -> None:
         self.t = t
         self._cond = threading.Condition()

@@ -8,11 +8,11 @@ the receiving side. Small transfers are posted by the caller's thread and only
 polls a transfer first completes it.
 
 Idle, the engine wakes every ``idle_interval`` (5 ms by default) to read
-notifications: about 1% of a core. After any activity (a transfer or a
-notification) it polls every 50 us and backs off to the idle interval over the
-next ~100 ms; while a thread waits for a notification it polls at least every
-``wait_interval`` (250 us), which bounds the latency of a notification without
-spinning a core that the writer may need.
+notifications, at a small fraction of a core (see benchmarks/README.md). After
+any activity (a transfer or a notification) it polls every 50 us and backs off
+to the idle interval over the next ~100 ms; while a thread waits for a
+notification it polls at least every ``wait_interval`` (250 us), which bounds
+the latency of a notification without spinning a core that the writer may need.
 """
 
 from __future__ import annotations
@@ -35,7 +35,15 @@ QUEUED, POSTED, OK, FAILED, RETIRED = 0, 1, 2, 3, 4  # RETIRED: replaced by a re
 
 
 class Op:
-    """One backend transfer: one part of a handle, to one peer."""
+    """One backend transfer: one part of a handle, to one peer.
+
+    States: QUEUED, POSTED, then OK or FAILED, once (RETIRED: replaced by a retry's ops). Once it
+    is shared, only the thread holding ``lock`` posts, polls or finishes it; ``error`` is set before
+    ``state`` turns FAILED. It is posted only after every op of ``after`` is OK (one failed: it
+    fails with the same error). A failed op finishes the rest of its ``group``, each with its own
+    ``engine``'s backend (one that another thread holds gets its deadline zeroed instead, and that
+    thread withdraws it).
+    """
 
     __slots__ = (
         "after",
@@ -78,6 +86,18 @@ class Op:
 
 
 class Engine:
+    """The progress engine of one agent (a Transport's or a lane's): a daemon thread named
+    ``transport-engine-<name>``, from :meth:`start` to :meth:`stop`.
+
+    It owns the ops handed to it, to post (:meth:`submit`) or to track (posted by a caller), and
+    the list in flight, which only its thread touches until :meth:`stop`. Its methods may be
+    called from any thread; whichever thread polls an op first completes it (and runs its handle's
+    callbacks). It posts one queued part per loop, while fewer than ``max_posted_parts`` are in
+    flight. It fails every op past its deadline with TransferTimeout, withdrawing it if posted (a
+    handle's ``wait(timeout)`` cancels nothing). The callbacks it is given must not block. If its
+    thread dies, ``error`` is set and every op fails with ClosedError, as at :meth:`stop`.
+    """
+
     def __init__(
         self,
         backend: Backend,

@@ -1,7 +1,8 @@
 """Lanes: extra NIXL agents of one Transport, each posting from its own thread.
 
-One agent copies about 8 GB/s here whatever its threads or descriptors (CMA: the copy runs inside
-the post, under the agent's lock); two agents posting halves from two threads copy in parallel.
+One agent copies no faster with more threads or descriptors (CMA: the copy runs inside the post,
+under the agent's lock, so one at a time); two agents posting halves from two threads copy in
+parallel, and faster (see benchmarks/README.md).
 A transfer of at least ``lane_bytes`` is cut by bytes into one share per lane: share 0 on the
 Transport's own agent, the others on the lanes. All the shares' parts form one group (one failure
 fails the handle and withdraws the rest). Share 0 begins with a small part that goes alone (every
@@ -34,14 +35,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("transport")
 
 # The first and last parts of a cut transfer: the first is posted before every other part and the
-# last after them, each alone, so they are small (64 MiB parts would leave a lane idle for a
-# tenth of a 1 GiB transfer at each end).
+# last after them, each alone, so they are small (with 64 MiB parts the lanes idled for a
+# noticeable share of a 1 GiB transfer at each end; see benchmarks/README.md).
 EDGE_BYTES = 256 << 10
 
 
 def default_lanes() -> int:
     """Agents per Transport for large transfers: ``$TRANSPORT_LANES``, or one per two cores, at
-    least 2 (two agents already copy 1.6x faster on a 2-core machine) and at most 4."""
+    least 2 (two agents already copy faster than one on a 2-core machine; see
+    benchmarks/README.md) and at most 4."""
     env = os.environ.get("TRANSPORT_LANES", "").strip()
     if env:
         if not env.isdigit() or not 1 <= int(env) <= 16:
@@ -51,6 +53,18 @@ def default_lanes() -> int:
 
 
 class Lane:
+    """One extra agent of a Transport: its own backend (agent ``<agent>.laneN``), engine thread,
+    registrations (``mem``) and connections, started on the first transfer that needs lanes and
+    closed with the Transport, after every engine has stopped.
+
+    ``conns`` holds one connection per peer, to the incarnation the Transport's own connection
+    reaches (``lock`` guards the map); :meth:`conn` and ``mem`` are used under the Transport's lock
+    (by :func:`split`). Its engine posts and polls its shares and wakes the Transport's engine as
+    each part ends; a lost peer closes only the lane's connection (its shares are cut again on the
+    next transfer). It never publishes a record, drops every notification and retries nothing: a
+    failed part fails its whole group.
+    """
+
     def __init__(self, backend: Backend, name: str, idle_interval: float) -> None:
         self.backend = backend
         self.mem = LocalMemory(backend)

@@ -65,6 +65,15 @@ def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
 
 
 class Registration:
+    """One backend registration: the whole memory of one tensor storage (``base``, ``nbytes``)
+    on one ``device``, and the backend's ``token`` for it.
+
+    It holds the ``storage`` while registered, so the memory cannot be freed and reused behind
+    the backend's back (None once deregistered). ``users`` counts the plans holding it: eviction
+    skips it while that is not 0. ``explicit`` (exposed or registered by the user) means it is
+    never evicted; ``LocalMemory.release_explicit`` turns it back into an ordinary cached one.
+    """
+
     __slots__ = ("base", "device", "explicit", "nbytes", "storage", "token", "users")
 
     def __init__(
@@ -80,6 +89,17 @@ class Registration:
 
 
 class LocalMemory:
+    """The registrations of one agent (a Transport's or a lane's), one per (storage address,
+    device), with an LRU bound on the implicit ones (``max_implicit``, ``max_implicit_bytes``).
+
+    It has no lock: the Transport calls it under its own lock (a lane's too, while cutting a
+    transfer), and :meth:`close` once every engine has stopped. A storage is registered once, and
+    again only if it grew. Implicit entries are evicted oldest first but never while a plan holds
+    one, so the cache can stay over its bounds until plans let go (the Transport sheds idle ones
+    for that); explicit ones stay until ``release_explicit`` or :meth:`close`, which deregisters
+    everything.
+    """
+
     def __init__(
         self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 4 << 30
     ) -> None:

@@ -28,7 +28,16 @@ log = logging.getLogger("transport.peers")
 
 
 class Directory:
-    """One namespace of a store, seen by one peer."""
+    """One namespace of a store, seen by one peer: peer records (signed with ``secret`` when
+    there is one; ``fetch`` checks the signature, the namespace and the name), generation
+    counters, the membership index and heartbeats.
+
+    It keeps nothing but the store, the namespace and the secret: every call is one or more store
+    round trips, as thread-safe as the store, and off the hot path (the Transport resolves peers
+    and heartbeats with it, never on the engine thread). Generations and the membership index only
+    grow (``names`` lists every name that ever joined, live or not); ``leave`` deletes a record
+    only if no newer incarnation has replaced it.
+    """
 
     def __init__(self, store: Store, namespace: str, secret: bytes | None) -> None:
         self.store = store

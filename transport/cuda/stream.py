@@ -52,6 +52,13 @@ def kernel_source() -> str:
 
 
 class _Kernels:
+    """The kernels of ``csrc/stream_ops.cu``: one CuPy RawModule for the whole process (class
+    state, shared by every StreamOps), made under ``_lock`` on the first launch and kept until the
+    process exits. CuPy compiles it with NVRTC when its first kernel is fetched, so the first
+    stream-ordered call of the process pays for the compile, on the calling thread, and a kernel
+    that does not compile raises there.
+    """
+
     _lock = threading.Lock()
     _module: Any = None
 

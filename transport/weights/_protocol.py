@@ -114,7 +114,14 @@ def region(group: str, slot: int | str, name: str) -> str:
 
 
 class GroupDirectory:
-    """The store side of a group."""
+    """The store side of a group: the subscribers' entries, the membership index and the epoch,
+    under ``transport/<namespace>/groups/<group>/``.
+
+    It keeps nothing but the key prefix: every call is one or more store round trips, as
+    thread-safe as the store, and never made on the engine thread. Join and leave bump the epoch;
+    the membership index only grows (``names`` drops duplicates); ``leave`` deletes the entry only
+    while it is still that generation's; ``entry`` raises WireFormatError for a malformed one.
+    """
 
     def __init__(self, store: Store, namespace: str, group: str) -> None:
         self.store = store

@@ -42,6 +42,19 @@ class _Job:
 
 
 class Relay:
+    """The forwarding side of one WeightSubscriber (every subscriber has one; one that does not
+    relay reports each forward it is asked for as failed): the forwards the publisher asked for
+    (``pending``), what of each version has landed here (``incoming``), the writes under way
+    (``jobs``) and the names each child takes (``children``).
+
+    ``pending``, ``incoming`` and ``jobs`` are guarded by the subscriber's lock. The ``on_*``
+    methods run on the engine thread and only record and hand over; everything else runs on the
+    subscriber's worker thread, in order, and only there are ``children`` and a job's fields
+    touched. The slot a forward reads is held (``sub._forwarding``) from its start until it ends.
+    Every forward, started or not, ends with one report to its publisher; :meth:`expire` enforces
+    the deadline the publisher gave it.
+    """
+
     def __init__(self, sub: WeightSubscriber) -> None:
         self.sub = sub
         self.t = sub.transport

@@ -18,6 +18,16 @@ from transport.cli import CliError
 
 @dataclass
 class Session:
+    """What :func:`writer_session` yields to a bench writer: its Transport ``t``, the command
+    channel ``chan`` to the ``readers`` (already in the namespace), ``local`` (the reader child
+    processes; None for the named peers of an existing store), the CPU affinity from before
+    pinning (``saved_affinity``, restored for the baselines) and placement ``notes``.
+
+    Valid only inside the ``with`` and used from the writer's main thread. Leaving it tells every
+    reader done (failed or not), then closes the Transport, the local readers (killed after a
+    failure) and the store.
+    """
+
     t: Any
     chan: Any
     readers: list[str]

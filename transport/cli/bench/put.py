@@ -72,6 +72,17 @@ def _with_lanes(
 
 @dataclass
 class PutPlan:
+    """What one ``bench put`` run measures, from its command line (:func:`put_plan`): the
+    ``sizes``, an optional ``batch`` (count, bytes each), the ``ops``, the receiver counts ``ks``
+    (of ``readers``), the baselines, the lane counts to compare, and the budgets: each
+    configuration runs ``warm`` untimed cycles, then ``min_cycles`` to ``max_cycles`` cycles until
+    ``budget_s`` has passed (a turn is ``block`` iterations for a single transfer under 1 MiB);
+    gloo, NCCL and memcpy have their own budgets and ``min_iters``.
+
+    Made alike in the writer and every reader; nothing changes it afterwards, and the writer's
+    JSON records it as ``config``.
+    """
+
     sizes: list[int]
     batch: tuple[int, int] | None
     ops: list[str]  # "write", "read"
@@ -107,6 +118,12 @@ class PutPlan:
 
 @dataclass
 class Results:
+    """What a bench run (``put`` or ``sync``) collects for its report and JSON: ``records`` (one
+    per system and configuration), ``notes``, the ``skipped`` baselines with the reason, and
+    ``phases`` (the CPU other processes used during each phase). Filled by the writer's main
+    thread only; printed and written once the session has ended.
+    """
+
     records: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)

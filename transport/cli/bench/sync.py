@@ -61,6 +61,16 @@ TARGETS = {"ours/raw": 1.25, "gloo/ours": 1.5}
 
 @dataclass
 class SyncPlan:
+    """What one ``bench sync`` run measures, from its command line: the synthetic state dict
+    (``params`` elements in ``tensors`` tensors of ``dtypes``, laid out by :func:`make_layout`),
+    the ``generators``, ``steps`` timed syncs per system, the subscribers' ``mode``, the
+    ``fanouts`` and tree ``degree``, and the baselines.
+
+    :func:`sync_plan` makes it in the writer and in every reader (local readers get the layout
+    flags from :func:`reader_args`, so both sides build the same tensors); nothing changes it
+    afterwards, and the writer's JSON records it as ``config``.
+    """
+
     params: int
     tensors: int
     dtypes: list[str]
@@ -251,6 +261,16 @@ class SyncReader(ReaderBase):
 
 
 class SyncWriter:
+    """The trainer's side of ``bench sync``, on the writer's main thread inside a
+    :func:`writer_session`: it owns the state dict, the WeightPublisher, the raw NIXL agent and
+    path (when raw is a baseline) and the version counter.
+
+    Order: :meth:`setup` (every generator has joined the group; raw NIXL connected), then
+    :meth:`measure` (ours and raw interleaved, then each system verified once with fresh bytes),
+    the baseline phases, and :meth:`close` in any case. Records and notes go to ``res``; a sync
+    that misses a generator, or bytes that do not arrive intact, raise CliError.
+    """
+
     def __init__(self, t: transport.Transport, chan: Channel, readers: list[str], plan: SyncPlan,
                  res: Any) -> None:  # fmt: skip
         self.t, self.chan, self.readers, self.plan, self.res = t, chan, readers, plan, res
