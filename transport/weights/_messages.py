@@ -34,33 +34,34 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class Begin:
+class _SlotMessage:
+    """A message about one version in one slot."""
+
+    version: int
+    slot: int
+    KIND: ClassVar[str] = ""
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
+
+
+@dataclass(frozen=True)
+class Begin(_SlotMessage):
     """publisher -> subscriber: ``version`` is being written into ``slot``."""
 
-    version: int
-    slot: int
     KIND: ClassVar[str] = "begin"
-    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
 
 
 @dataclass(frozen=True)
-class Ver:
+class Ver(_SlotMessage):
     """The notification of the data put: every tensor of ``version`` has landed in ``slot``."""
 
-    version: int
-    slot: int
     KIND: ClassVar[str] = "ver"
-    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
 
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(_SlotMessage):
     """publisher -> subscriber: the write of ``version`` into ``slot`` was given up."""
 
-    version: int
-    slot: int
     KIND: ClassVar[str] = "abort"
-    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s"}
 
 
 @dataclass(frozen=True)
