@@ -81,11 +81,11 @@ class LoopbackBackend(Backend):
             _agents[agent_name] = self
         self.agent_name = agent_name
         self.incarnation = next(_incarnations)
-        self._regions: dict[int, tuple[int, int]] = {}  # token -> (address, length)
+        self.regions: dict[int, tuple[int, int]] = {}  # token -> (address, length)
         self._tokens = itertools.count(1)
         self._peers: dict[str, int] = {}  # agent name -> incarnation loaded
-        self._notifs: dict[str, list[bytes]] = {}
-        self._held: dict[str, list[bytes]] = {}  # bare notifications sent while it was frozen
+        self.notifs: dict[str, list[bytes]] = {}
+        self.held: dict[str, list[bytes]] = {}  # bare notifications sent while it was frozen
         self._closed = False
 
     # -- setup ---------------------------------------------------------------------------------
@@ -100,12 +100,12 @@ class LoopbackBackend(Backend):
         with _lock:
             self._check_open()
             token = next(self._tokens)
-            self._regions[token] = (addr, nbytes)
+            self.regions[token] = (addr, nbytes)
         return token
 
     def deregister(self, token: Any) -> None:
         with _lock:
-            self._regions.pop(token, None)
+            self.regions.pop(token, None)
 
     def add_peer(self, metadata: bytes) -> str:
         if not metadata.startswith(_PREFIX) or metadata.count(b"\n") != 1:
@@ -128,7 +128,7 @@ class LoopbackBackend(Backend):
         with _lock:
             if agent is None:
                 self._check_open()
-                if not _inside(self._regions.values(), rows):
+                if not _inside(self.regions.values(), rows):
                     raise RegionError(
                         "local descriptors outside the loopback agent's registrations"
                     )
@@ -186,18 +186,18 @@ class LoopbackBackend(Backend):
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         with _lock:
-            if self._held and self.agent_name not in _frozen:  # sent while it was frozen
-                for sender, msgs in self._held.items():
-                    self._notifs.setdefault(sender, [])[:0] = msgs
-                self._held = {}
-            out, self._notifs = self._notifs, {}
+            if self.held and self.agent_name not in _frozen:  # sent while it was frozen
+                for sender, msgs in self.held.items():
+                    self.notifs.setdefault(sender, [])[:0] = msgs
+                self.held = {}
+            out, self.notifs = self.notifs, {}
         return out
 
     def send_notif(self, agent: str, message: bytes, peer: str) -> None:
         with _lock:
             self._check_open()
             target = self._target(agent, peer)
-            queue = target._held if agent in _frozen else target._notifs
+            queue = target.held if agent in _frozen else target.notifs
             queue.setdefault(self.agent_name, []).append(bytes(message))
 
     def close(self) -> None:
@@ -207,7 +207,7 @@ class LoopbackBackend(Backend):
             self._closed = True
             if _agents.get(self.agent_name) is self:
                 del _agents[self.agent_name]
-            self._regions.clear()
+            self.regions.clear()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -223,16 +223,16 @@ class LoopbackBackend(Backend):
 
     def _copy(self, xfer: _Xfer, peer: str) -> None:
         target = self._target(xfer.target, peer)
-        if not _inside(target._regions.values(), xfer.remote):
+        if not _inside(target.regions.values(), xfer.remote):
             raise PeerLostError(f"memory of loopback agent {xfer.target!r} is not registered", peer)
-        if not _inside(self._regions.values(), xfer.local):
+        if not _inside(self.regions.values(), xfer.local):
             raise RegionError("local memory of a transfer is not registered any more")
         for (la, n, _), (ra, _, _) in zip(xfer.local.tolist(), xfer.remote.tolist(), strict=True):
             src, dst = (la, ra) if xfer.op == WRITE else (ra, la)
             ctypes.memmove(dst, src, n)
         xfer.pending = False
         if xfer.notif:
-            target._notifs.setdefault(self.agent_name, []).append(xfer.notif)
+            target.notifs.setdefault(self.agent_name, []).append(xfer.notif)
 
 
 def _inside(regions: Any, rows: np.ndarray) -> bool:

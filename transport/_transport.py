@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic_ns
@@ -24,6 +24,7 @@ import transport.backends as _backends
 from transport._closing import Closing
 from transport._withdraw import Withdrawals
 from transport.backends.base import READ, WRITE, device_parts
+from transport.contract import ControlHandler, CoreLink
 from transport.engine import QUEUED, Engine, Op
 from transport.errors import (
     BackendError,
@@ -277,7 +278,7 @@ class Transport(Closing):
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         self.max_plans = 4096
         self._notifs: deque[Notification] = deque()
-        self._control_handlers: dict[str, Any] = {}
+        self._control_handlers: dict[str, ControlHandler] = {}
         self._withdrawals = Withdrawals(self)
         self._notif_cond = threading.Condition()
         self._created = time.time()
@@ -293,6 +294,18 @@ class Transport(Closing):
             idle_interval=idle_interval,
         )
         self._engine.start()
+        #: the internal contract of the library's own layers (weights/, cuda/): see contract.py
+        self.core = CoreLink(
+            check_open=self._check_open,
+            peer=self._connect_locked,
+            on_control=self._on_control,
+            send_control=self._send_control,
+            put_control=self._put_control,
+            put_control_at=self._put_control_at,
+            poll_at_least=self._engine.poll_at_least,
+            waiting=self._engine.waiting,
+            stream_ops=self._stream_ops,
+        )
         try:
             self._publish()
             self._dir.heartbeat(self.name, self.generation)
@@ -1136,11 +1149,11 @@ class Transport(Closing):
         self.recorder.record("join", peers=peer, info=f"generation {rec.generation}")
         return conn
 
-    def _connect_locked(self, peer: str) -> PeerConn:
-        """_connect() for the library's own layers."""
+    def _connect_locked(self, peer: str, refresh: bool = False) -> PeerConn:
+        """_connect() under the lock, for the library's own layers (``core.peer``)."""
         with self._lock:
             self._check_open()
-            return self._connect(peer)
+            return self._connect(peer, refresh)
 
     def _drop_conn(self, conn: PeerConn) -> None:
         self.recorder.record("leave", peers=conn.name, info=f"generation {conn.generation}")
@@ -1227,9 +1240,23 @@ class Transport(Closing):
         """Send a library-internal message (see ``_on_control``)."""
         self._send_frame(peer, frame_control(channel, payload))
 
-    def _on_control(self, channel: str, handler: Any) -> None:
-        """Route control messages of ``channel`` to ``handler(peer, payload)`` (on the engine thread)."""
-        self._control_handlers[channel] = handler
+    def _on_control(self, channel: str, handler: ControlHandler) -> Callable[[], None]:
+        """Route control messages of ``channel`` to ``handler(peer, payload)`` (on the engine
+        thread); returns the call that stops it. One handler per channel."""
+        with self._lock:
+            if channel in self._control_handlers:
+                raise ValueError(
+                    f"control channel {channel!r} already has a handler on this Transport (a "
+                    "second weight publisher or subscriber of one group?); close the first"
+                )
+            self._control_handlers[channel] = handler
+
+        def stop() -> None:
+            with self._lock:
+                if self._control_handlers.get(channel) is handler:
+                    del self._control_handlers[channel]
+
+        return stop
 
     def _send_frame(self, peer: str, frame: bytes) -> None:
         self._check_open()

@@ -106,7 +106,8 @@ class RegionInfo:
     def readable(self) -> bool:
         return "r" in self.access
 
-    def _pack(self) -> list[Any]:
+    def wire_form(self) -> list[Any]:
+        """This region as it travels in a peer record."""
         return [
             self.name,
             self.addr,
@@ -253,7 +254,7 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
             "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,
             "backend": rec.backend, "md": bytes(rec.metadata), "host": rec.host, "pid": rec.pid,
             "version": rec.version, "created": float(rec.created),
-            "regions": [r._pack() for r in rec.regions],
+            "regions": [r.wire_form() for r in rec.regions],
             "regs": [list(r) for r in rec.registrations],
         },
         use_bin_type=True,

@@ -187,7 +187,7 @@ def test_control_messages_reach_their_handler_not_the_user(pair):
     a, b, small, big = pair
     got: list[tuple[str, bytes]] = []
     seen = threading.Event()
-    b._on_control("test", lambda peer, payload: (got.append((peer, payload)), seen.set()))
+    b.core.on_control("test", lambda peer, payload: (got.append((peer, payload)), seen.set()))
     a._send_control("b", "test", b"\x01\x02")
     a._send_control("b", "nobody-listens", b"x")
     assert seen.wait(5) and got == [("a", b"\x01\x02")]

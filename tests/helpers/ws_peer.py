@@ -90,7 +90,7 @@ def _sub_child(
         sub = transport.WeightSubscriber(
             t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update, relay=relay
         )
-        original = t._control_handlers[channel(group)]
+        original = sub._on_message
 
         def spy(peer: str, payload: bytes) -> None:
             try:
@@ -120,7 +120,8 @@ def _sub_child(
                     watch.senders.append(peer)
                     watch.cond.notify_all()
 
-        t._on_control(channel(group), spy)
+        sub._stop_control()  # the spy takes the subscriber's place on its channel
+        sub._stop_control = t.core.on_control(channel(group), spy)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return

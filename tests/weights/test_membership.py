@@ -184,12 +184,11 @@ def test_a_version_given_up_by_its_publisher_is_never_completed_late(tcp_store, 
     again on the subscriber's next credit. Messages are fed to a real subscriber in the order the
     race delivers them; the bytes of the slot are the subscriber's own."""
     from transport.weights._messages import Abort, Begin, Ver, encode
-    from transport.weights._protocol import channel
 
     spec = spec_of(2, 1024)
     with transport.Transport("gen-0", store=tcp_store, timeout=10) as t:
         sub = transport.WeightSubscriber(t, make_tensors(spec), group="policy", mode="staging")
-        on_message = t._control_handlers[channel("policy")]
+        on_message = sub._on_message  # the subscriber's handler of control messages
         try:
             on_message("trainer", encode(Begin(5, 1)))
             on_message("trainer", encode(Abort(5, 1)))

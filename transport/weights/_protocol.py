@@ -287,7 +287,7 @@ class SegmentedWrite:
 
     def begin(self) -> bool:
         try:
-            self.t._send_control(self.peer, self.chan, encode(Begin(self.version, self.slot)))
+            self.t.core.send_control(self.peer, self.chan, encode(Begin(self.version, self.slot)))
         except Exception as e:
             self.fail(e)
             return False
@@ -302,7 +302,7 @@ class SegmentedWrite:
         try:
             if self.announce:
                 msg = encode(Segment(self.version, self.slot, a, b))
-                h = self.t._put_control(batch, self.peer, self.chan, msg, self._left())
+                h = self.t.core.put_control(batch, self.peer, self.chan, msg, self._left())
             else:
                 h = self.t.put(dict(batch), self.peer, timeout=self._left())
         except Exception as e:
@@ -321,7 +321,9 @@ class SegmentedWrite:
             src, at = piece(t, offset, nbytes), offset // t.element_size()
             if self.announce:
                 msg = encode(Piece(self.version, self.slot, a, offset, nbytes))
-                h = self.t._put_control_at(src, key, at, self.peer, self.chan, msg, self._left())
+                h = self.t.core.put_control_at(
+                    src, key, at, self.peer, self.chan, msg, self._left()
+                )
             else:
                 h = self.t.put(src, self.peer, key, offset=at, timeout=self._left())
         except Exception as e:
@@ -356,10 +358,10 @@ class SegmentedWrite:
             try:
                 msg = encode(Ver(self.version, self.slot))
                 if last:
-                    h = self.t._put_control(last, self.peer, self.chan, msg, self._left())
+                    h = self.t.core.put_control(last, self.peer, self.chan, msg, self._left())
                     h.add_done_callback(lambda h: self.submit(lambda: self.done(h.exception(0))))
                     return
-                self.t._send_control(self.peer, self.chan, msg)
+                self.t.core.send_control(self.peer, self.chan, msg)
             except Exception as e:
                 err = e
         self.done(err)

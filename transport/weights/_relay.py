@@ -233,13 +233,11 @@ class Relay:
 
     def child_names(self, child: str) -> list[str]:
         """The names ``child`` takes (its record is read afresh once per incarnation)."""
-        with self.t._lock:
-            self.t._check_open()
-            conn = self.t._connect(child)
-            known = self.children.get(child)
-            if known is not None and known[0] == conn.generation:
-                return known[1]
-            conn = self.t._connect(child, refresh=True)
+        conn = self.t.core.peer(child)
+        known = self.children.get(child)
+        if known is not None and known[0] == conn.generation:
+            return known[1]
+        conn = self.t.core.peer(child, refresh=True)
         names, problems = match_regions(conn.regions, self.group, self.sub.live, "relay")
         if problems:  # the publisher places a child only under a relay holding all it takes
             raise TransportError(
@@ -272,7 +270,7 @@ class Relay:
 
     def report(self, publisher: str, version: int, child: str, outcome: str, why: str) -> None:
         try:
-            self.t._send_control(
+            self.t.core.send_control(
                 publisher,
                 channel(self.group),
                 encode(Report(version, child, outcome, why[:900])),

@@ -223,7 +223,7 @@ class WeightPublisher:
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
-        transport._on_control(channel(group), self._on_message)
+        self._stop_control = transport.core.on_control(channel(group), self._on_message)
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -260,9 +260,7 @@ class WeightPublisher:
         try:
             # Read its record afresh: a connection made before it subscribed lacks the group's
             # regions, and one to an older incarnation is stale.
-            with self.transport._lock:
-                self.transport._check_open()
-                conn = self.transport._connect(name, refresh=True)
+            conn = self.transport.core.peer(name, refresh=True)
         except TransportError as e:
             sub.error, sub.transient = f"cannot connect: {e}", True
             return sub
@@ -287,7 +285,7 @@ class WeightPublisher:
         ]
         if sub.mode == "staging":
             try:
-                self.transport._send_control(name, channel(self.group), encode(Hello()))
+                self.transport.core.send_control(name, channel(self.group), encode(Hello()))
             except TransportError as e:
                 sub.error, sub.transient = f"cannot reach it: {e}", True
         return sub
@@ -340,7 +338,7 @@ class WeightPublisher:
                     "with stream=, each run (or graph replay) publishes the next version: "
                     "pass version=None and read pub.version"
                 )
-            ops = self.transport._stream_ops()
+            ops = self.transport.core.stream_ops()
             if timeout is not None and not timeout > 0:
                 raise ValueError(f"timeout must be positive, got {timeout!r}")
             return ops.enqueue(
@@ -424,7 +422,7 @@ class WeightPublisher:
         left = handle.deadline - time.monotonic()
         if via is not None and via in self._subs and left > 0:
             try:
-                self.transport._send_control(
+                self.transport.core.send_control(
                     via,
                     channel(self.group),
                     encode(
@@ -447,10 +445,10 @@ class WeightPublisher:
         try:
             if left <= 0:
                 raise TransferTimeout("the deadline passed before a slot was free")
-            self.transport._send_control(
+            self.transport.core.send_control(
                 sub.name, channel(self.group), encode(Begin(version, slot))
             )
-            h = self.transport._put_control(
+            h = self.transport.core.put_control(
                 sub.batches[slot],
                 sub.name,
                 channel(self.group),
@@ -551,7 +549,7 @@ class WeightPublisher:
         sub.asked = time.monotonic()
         msg = encode(Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0]))
         try:
-            self.transport._send_control(sub.name, channel(self.group), msg)
+            self.transport.core.send_control(sub.name, channel(self.group), msg)
         except TransportError as e:
             log.info("group %s: cannot ask %s for free slots: %s", self.group, sub.name, e)
 
@@ -657,6 +655,7 @@ class WeightPublisher:
         _, self._degree = check_fanout("tree", value)
 
     def close(self) -> None:
+        self._stop_control()
         self._worker.stop()
 
     def __enter__(self) -> WeightPublisher:

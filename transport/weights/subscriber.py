@@ -106,16 +106,24 @@ class WeightSubscriber:
         self._relay = Relay(self)
         self._next_entry_check = time.monotonic() + 1.0
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
-        transport._on_control(channel(group), self._on_message)
-        exposed = {
-            region(group, k, n): t for k, slot in enumerate(self.staging) for n, t in slot.items()
-        }
-        transport.expose_all(exposed, access="w")
-        # A publish completes only once this side has read its notification: poll at least this
-        # often while subscribed (1 ms costs a few percent of a core).
-        transport._engine.poll_at_least(poll_interval)
-        self._dir = GroupDirectory(transport.store, transport.namespace, group)
-        self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
+        self._stop_control: Callable[[], None] = lambda: None
+        try:
+            self._stop_control = transport.core.on_control(channel(group), self._on_message)
+            exposed = {
+                region(group, k, n): t
+                for k, slot in enumerate(self.staging)
+                for n, t in slot.items()
+            }
+            transport.expose_all(exposed, access="w")
+            # A publish completes only once this side has read its notification: poll at least
+            # this often while subscribed (1 ms costs a few percent of a core).
+            transport.core.poll_at_least(poll_interval)
+            self._dir = GroupDirectory(transport.store, transport.namespace, group)
+            self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
+        except BaseException:
+            self._stop_control()
+            self._worker.stop()
+            raise
 
     # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
 
@@ -225,11 +233,10 @@ class WeightSubscriber:
             return
         try:
             if reconnect:  # a hello may come from a publisher that restarted under the same name
-                with self.transport._lock:
-                    self.transport._connect(peer, refresh=True)
+                self.transport.core.peer(peer, refresh=True)
             with self._lock:
                 free, newest = self._free_slots(), self.version
-            self.transport._send_control(
+            self.transport.core.send_control(
                 peer, channel(self.group), encode(Credit(tuple(free), newest))
             )
         except TransportError as e:
@@ -255,11 +262,11 @@ class WeightSubscriber:
                             else ")"
                         )
                     )
-                self.transport._engine.waiting(+1)
+                self.transport.core.waiting(+1)
                 try:
                     self._lock.wait(0.1 if left is None else min(left, 0.1))
                 finally:
-                    self.transport._engine.waiting(-1)
+                    self.transport.core.waiting(-1)
             return self.version
 
     def pull(self, publisher: str, timeout: float | None = None) -> int:
@@ -340,7 +347,8 @@ class WeightSubscriber:
         except TransportError as e:
             log.warning("could not leave group %s: %s", self.group, e)
         self._worker.stop()
-        self.transport._engine.poll_at_least(None)
+        self._stop_control()
+        self.transport.core.poll_at_least(None)
         with self._lock:
             self._lock.notify_all()
 

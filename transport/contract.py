@@ -1,0 +1,74 @@
+"""The internal contract between the core and the layers above it (weights/, cuda/).
+
+Those layers use a Transport's public API plus this: :class:`CoreLink`, reached as
+``transport.core``, the handful of calls they need that users do not (control messages, a put
+that carries one, a fresh view of a peer, polling hints, the stream machinery). Nothing else of
+the core is theirs to touch, and ruff's SLF001 (private member access) keeps it so. Users should
+not need it; it may change with the library.
+
+Control messages are the library's own notifications: each layer listens on a channel of its
+own (``ws/<group>`` for a weight group), and a channel has one handler at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from transport.handle import Handle
+    from transport.wire import RegionInfo
+
+#: ``handler(peer, payload)``: runs on the engine thread, so it only does bookkeeping and hands
+#: the rest to a thread of its own
+ControlHandler = Callable[[str, bytes], None]
+
+
+class PeerView(Protocol):
+    """What a layer may read of a connection to a peer: the incarnation it reaches and the
+    regions its record lists."""
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def regions(self) -> Mapping[str, RegionInfo]: ...
+
+
+@dataclass(frozen=True)
+class CoreLink:
+    """The calls of one Transport that the layers above the core may make, and their rules.
+
+    * ``check_open()``: raise ClosedError if the Transport is closed (or its engine died).
+    * ``peer(name, refresh=False)``: connect to ``name`` (raises like a put would) and return
+      what the connection shows; ``refresh`` reads its record afresh (its regions may have
+      changed, or it may have restarted).
+    * ``on_control(channel, handler)``: route control messages of ``channel`` to ``handler``;
+      returns the call that stops it. A channel that already has a handler is refused
+      (ValueError): two layers would steal each other's messages.
+    * ``send_control(peer, channel, payload)``: a control message, after every transfer this
+      Transport completed to ``peer`` before the call.
+    * ``put_control(tensors, peer, channel, payload, timeout)``: a batched put (region names as
+      keys) whose notification is a control message: it arrives after all of the data.
+    * ``put_control_at(tensor, key, offset, peer, channel, payload, timeout)``: the same for one
+      tensor at ``offset`` elements of region ``key``.
+    * ``poll_at_least(interval)``: keep the engine's idle polling at or below ``interval``
+      seconds (None: back to its default), for a layer that expects control messages any time.
+    * ``waiting(delta)``: a thread starts (+1) or stops (-1) waiting for a control message, so
+      the engine polls quickly meanwhile.
+    * ``stream_ops()``: the stream machinery of ``stream=`` calls (ClosedError when closed, a
+      clear error without CUDA or CuPy).
+    """
+
+    check_open: Callable[[], None]
+    peer: Callable[..., PeerView]
+    on_control: Callable[[str, ControlHandler], Callable[[], None]]
+    send_control: Callable[[str, str, bytes], None]
+    put_control: Callable[[Mapping[str, torch.Tensor], str, str, bytes, float | None], Handle]
+    put_control_at: Callable[[torch.Tensor, str, int, str, str, bytes, float | None], Handle]
+    poll_at_least: Callable[[float | None], None]
+    waiting: Callable[[int], None]
+    stream_ops: Callable[[], Any]
