@@ -7,14 +7,18 @@ held (never credited) from the first forward until the last one ended, and every
 with a report to the publisher, which alone gives the child's slot to another writer.
 
 Engine-thread entry points (``on_*``) only record and hand over to the subscriber's worker thread,
-where everything else runs, in order.
+where everything else runs, in order. The relay owns its state; what it needs of its subscriber
+comes through a :class:`RelayHost`, a handful of explicit calls.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,10 +26,33 @@ from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, 
 from transport.weights._messages import Begin, Forward, Piece, Report, Segment, encode
 from transport.weights._protocol import SegmentedWrite, channel, match_regions, region
 
-if TYPE_CHECKING:
-    from transport.weights.subscriber import WeightSubscriber
-
 log = logging.getLogger("transport.weights")
+
+
+@dataclass(frozen=True)
+class RelayHost:
+    """What a relay may ask of its subscriber; each call takes the subscriber's lock itself, and
+    the relay never makes one while it holds its own lock (the lock order is subscriber, then
+    relay).
+
+    * ``submit(fn)``: run ``fn`` on the subscriber's worker thread, after what is queued there.
+    * ``version()``: the newest complete version.
+    * ``pin(version, arriving, count)``: atomically, decide where forwards of ``version`` read
+      from and hold that slot ``count`` times (never credited while held): returns
+      ``(slot, None)``, or ``(None, why)`` when they cannot start now: ``why`` is ``""`` while
+      nothing of the version has arrived (``arriving`` is None and it is not complete), else the
+      reason they never will (a newer version is complete, or the subscriber does not relay).
+    * ``unpin(slot)``: one forward reading ``slot`` ended.
+    * ``changed()``: wake whoever waits on the subscriber (its close waits for the relay).
+    * ``credit()``: tell the publishers which slots are free now (unless closed).
+    """
+
+    submit: Callable[[Callable[[], Any]], None]
+    version: Callable[[], int]
+    pin: Callable[[int, int | None, int], tuple[int | None, str | None]]
+    unpin: Callable[[int], None]
+    changed: Callable[[], None]
+    credit: Callable[[], None]
 
 
 class _Job:
@@ -47,19 +74,29 @@ class Relay:
     (``pending``), what of each version has landed here (``incoming``), the writes under way
     (``jobs``) and the names each child takes (``children``).
 
-    ``pending``, ``incoming`` and ``jobs`` are guarded by the subscriber's lock. The ``on_*``
+    ``pending``, ``incoming`` and ``jobs`` are guarded by the relay's own lock. The ``on_*``
     methods run on the engine thread and only record and hand over; everything else runs on the
     subscriber's worker thread, in order, and only there are ``children`` and a job's fields
-    touched. The slot a forward reads is held (``sub._forwarding``) from its start until it ends.
-    Every forward, started or not, ends with one report to its publisher; :meth:`expire` enforces
-    the deadline the publisher gave it.
+    touched. The slot a forward reads is pinned at its subscriber (:class:`RelayHost`) from its
+    start until it ends. Every forward, started or not, ends with one report to its publisher;
+    :meth:`expire` enforces the deadline the publisher gave it.
     """
 
-    def __init__(self, sub: WeightSubscriber) -> None:
-        self.sub = sub
-        self.t = sub.transport
-        self.group = sub.group
-        self.names = sorted(sub.live)  # the index space of the segments we receive
+    def __init__(
+        self,
+        transport: Any,
+        group: str,
+        live: Mapping[str, torch.Tensor],
+        staging: Sequence[Mapping[str, torch.Tensor]],
+        host: RelayHost,
+    ) -> None:
+        self.t = transport
+        self.group = group
+        self.live = live
+        self.staging = staging  # the subscriber's slots, by index
+        self.host = host
+        self._lock = threading.Lock()
+        self.names = sorted(live)  # the index space of the segments we receive
         # version -> [(deadline, publisher, child, slot, relays)] not started yet
         self.pending: dict[int, list[tuple[float, str, str, int, bool]]] = {}
         # version -> (its slot here, the segments (a, b) and pieces (a, offset, bytes) that landed)
@@ -72,84 +109,79 @@ class Relay:
 
     def on_fwd(self, peer: str, m: Forward) -> None:
         version, deadline = m.version, time.monotonic() + m.ms / 1000
-        with self.sub._lock:
+        with self._lock:
             self.pending.setdefault(version, []).extend(
                 (deadline, peer, t.child, t.slot, t.relays) for t in m.targets
             )
-        self.sub._worker.submit(lambda: self.advance(version))
+        self.host.submit(lambda: self.advance(version))
 
     def on_begin(self, m: Begin) -> None:
         version, slot = m.version, m.slot
-        with self.sub._lock:
-            if version > self.sub.version:
+        newest = self.host.version()
+        with self._lock:
+            if version > newest:
                 self.incoming[version] = (slot, [])
-                for v in [v for v in self.incoming if v < self.sub.version]:
+                for v in [v for v in self.incoming if v < newest]:
                     del self.incoming[v]
-        self.sub._worker.submit(lambda: self.advance(version))
+        self.host.submit(lambda: self.advance(version))
 
     def on_seg(self, m: Segment) -> None:
         version, slot, a, b = m.version, m.slot, m.first, m.end
-        with self.sub._lock:
+        with self._lock:
             inc = self.incoming.get(version)
             if inc is None or inc[0] != slot or b > len(self.names):
                 return
             inc[1].append((a, b))
-        self.sub._worker.submit(lambda: self.segment(version, (a, b)))
+        self.host.submit(lambda: self.segment(version, (a, b)))
 
     def on_part(self, m: Piece) -> None:
         version, slot, a, offset, nbytes = m.version, m.slot, m.index, m.offset, m.nbytes
-        with self.sub._lock:
+        with self._lock:
             inc = self.incoming.get(version)
             if (
                 inc is None
                 or inc[0] != slot
                 or a >= len(self.names)
-                or offset + nbytes > self.sub.live[self.names[a]].nbytes
+                or offset + nbytes > self.live[self.names[a]].nbytes
             ):
                 return
             inc[1].append((a, offset, nbytes))
-        self.sub._worker.submit(lambda: self.segment(version, (a, offset, nbytes)))
+        self.host.submit(lambda: self.segment(version, (a, offset, nbytes)))
 
     def on_complete(self, version: int) -> None:
-        self.sub._worker.submit(lambda: self.advance(version))
+        self.host.submit(lambda: self.advance(version))
 
     # -- worker thread ---------------------------------------------------------------------------
 
     def advance(self, version: int) -> None:
         """Start the forwards of ``version`` whose slot is known, end them once it is complete
-        here, and fail them if it never will be."""
-        sub = self.sub
-        failed: list[tuple[str, str, str]] = []
+        here, and fail them if it never will be. Runs on the worker thread only, so two never
+        overlap."""
         started: list[tuple[_Job, float, bool]] = []
-        with sub._lock:
-            complete = sub.version == version
-            superseded = sub.version > version
+        with self._lock:
             inc = self.incoming.get(version)
             waiting = self.pending.pop(version, [])
-            if waiting and (sub._closed or superseded or not sub.relay):
-                why = (
-                    f"version {sub.version} arrived here before {version} was forwarded"
-                    if superseded
-                    else "this subscriber does not relay (closed, or relay=False)"
-                )
-                failed = [(p, c, why) for _, p, c, _, _ in waiting]
-            elif waiting and not complete and inc is None:
-                self.pending[version] = waiting  # nothing of it here yet
-            elif waiting:
-                src = sub._newest_slot if complete else inc[0]  # type: ignore[index]
-                assert src is not None
-                sub._forwarding[src] = sub._forwarding.get(src, 0) + len(waiting)
-                for deadline, p, c, dst, relays in waiting:
-                    job = _Job(p, version, src, c, dst)
-                    self.jobs.setdefault(version, []).append(job)
-                    started.append((job, deadline, relays))
             landed = list(inc[1]) if inc is not None else []
-        for p, c, why in failed:
-            self.report(p, version, c, "fail", why)
+        if waiting:
+            src, why = self.host.pin(version, None if inc is None else inc[0], len(waiting))
+            if src is not None:
+                with self._lock:
+                    for deadline, p, c, dst, relays in waiting:
+                        job = _Job(p, version, src, c, dst)
+                        self.jobs.setdefault(version, []).append(job)
+                        started.append((job, deadline, relays))
+            elif not why:  # nothing of it here yet: the forwards wait (first in line still)
+                with self._lock:
+                    self.pending.setdefault(version, [])[:0] = waiting
+            else:
+                for _, p, c, _, _ in waiting:
+                    self.report(p, version, c, "fail", why)
         for job, deadline, relays in started:
             self.start(job, deadline, relays, landed)
+        newest = self.host.version()
+        complete, superseded = newest == version, newest > version
         if complete or superseded:
-            with sub._lock:
+            with self._lock:
                 jobs = self.jobs.pop(version, [])
                 self.incoming.pop(version, None)
             for job in jobs:
@@ -172,7 +204,7 @@ class Relay:
             job.dst,
             deadline,
             relays,
-            self.sub._worker.submit,
+            self.host.submit,
             lambda err: self.ended(job, err),
         )
         try:
@@ -187,7 +219,7 @@ class Relay:
 
     def segment(self, version: int, got: tuple[int, ...]) -> None:
         """A segment (a, b) or a piece (a, offset, bytes) of ``version`` landed here."""
-        with self.sub._lock:
+        with self._lock:
             jobs = list(self.jobs.get(version, []))
         for job in jobs:
             self.forward(job, got)
@@ -209,7 +241,7 @@ class Relay:
         if offset in got:
             return
         got[offset] = nbytes
-        src = self.sub.staging[job.src][name]
+        src = self.staging[job.src][name]
         job.write.add_part(job.index[name], region(self.group, job.dst, name), src, offset, nbytes)
         if sum(got.values()) >= src.nbytes:
             job.sent.add(name)
@@ -229,7 +261,7 @@ class Relay:
         job.write.add(lo, hi, self.batch(job, names))
 
     def batch(self, job: _Job, names: list[str]) -> dict[str, torch.Tensor]:
-        return {region(self.group, job.dst, n): self.sub.staging[job.src][n] for n in names}
+        return {region(self.group, job.dst, n): self.staging[job.src][n] for n in names}
 
     def child_names(self, child: str) -> list[str]:
         """The names ``child`` takes (its record is read afresh once per incarnation)."""
@@ -238,7 +270,7 @@ class Relay:
         if known is not None and known[0] == conn.generation:
             return known[1]
         conn = self.t.core.peer(child, refresh=True)
-        names, problems = match_regions(conn.regions, self.group, self.sub.live, "relay")
+        names, problems = match_regions(conn.regions, self.group, self.live, "relay")
         if problems:  # the publisher places a child only under a relay holding all it takes
             raise TransportError(
                 f"child {child!r} does not match this relay: {'; '.join(problems)}"
@@ -248,25 +280,18 @@ class Relay:
         return names
 
     def ended(self, job: _Job, err: BaseException | None) -> None:
-        sub = self.sub
-        with sub._lock:
-            left = sub._forwarding.get(job.src, 0) - 1
-            if left > 0:
-                sub._forwarding[job.src] = left
-            else:
-                sub._forwarding.pop(job.src, None)
+        with self._lock:
             jobs = self.jobs.get(job.version)
             if jobs is not None and job in jobs:
                 jobs.remove(job)
-            sub._lock.notify_all()
+        self.host.unpin(job.src)
         if err is None:
             self.report(job.publisher, job.version, job.child, "", "")
         else:
             self.children.pop(job.child, None)
             lost = isinstance(err, (PeerLostError, PeerNotFoundError))
             self.report(job.publisher, job.version, job.child, "lost" if lost else "fail", str(err))
-        if not sub._closed:
-            sub._credit_publishers()  # the slot may be free now
+        self.host.credit()  # the slot may be free now
 
     def report(self, publisher: str, version: int, child: str, outcome: str, why: str) -> None:
         try:
@@ -288,7 +313,7 @@ class Relay:
         """Worker tick: forwards past their deadline end (those not started are reported)."""
         now = time.monotonic()
         late, stalled = [], []
-        with self.sub._lock:
+        with self._lock:
             for v in list(self.pending):
                 late += [(v, j) for j in self.pending[v] if j[0] <= now]
                 self.pending[v] = [j for j in self.pending[v] if j[0] > now]
@@ -309,13 +334,14 @@ class Relay:
 
     def drop(self) -> None:
         """Leaving: forwards not started are reported; started ones end (each has a deadline)."""
-        with self.sub._lock:
+        with self._lock:
             jobs = [(v, j) for v, js in self.pending.items() for j in js]
             self.pending.clear()
-            self.sub._lock.notify_all()
+        self.host.changed()
         for v, (_, publisher, child, _, _) in jobs:
             self.report(publisher, v, child, "fail", "the relay left the group")
 
-    def busy(self) -> bool:
-        """With the subscriber's lock held: forwards are pending or in flight."""
-        return bool(self.pending or self.sub._forwarding)
+    def has_pending(self) -> bool:
+        """Forwards asked for and not started yet (those started pin their slot)."""
+        with self._lock:
+            return bool(self.pending)

@@ -39,7 +39,7 @@ from transport.weights._protocol import (
     check_named_tensors,
     region,
 )
-from transport.weights._relay import Relay
+from transport.weights._relay import Relay, RelayHost
 
 log = logging.getLogger("transport.weights")
 
@@ -103,7 +103,20 @@ class WeightSubscriber:
         self._closed = False
         self.relay = relay and mode == "staging"
         self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
-        self._relay = Relay(self)
+        self._relay = Relay(
+            transport,
+            group,
+            self.live,
+            self.staging,
+            RelayHost(
+                submit=self._submit,
+                version=self._newest_version,
+                pin=self._pin,
+                unpin=self._unpin,
+                changed=self._changed,
+                credit=self._credit_if_open,
+            ),
+        )
         self._next_entry_check = time.monotonic() + 1.0
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
         self._stop_control: Callable[[], None] = lambda: None
@@ -212,6 +225,44 @@ class WeightSubscriber:
             except TransportError as e:
                 log.info("group %s: cannot check our entry: %s", self.group, e)
         return min(wait, max(0.01, self._next_entry_check - now))
+
+    # -- what the relay asks of us (RelayHost) ---------------------------------------------------
+
+    def _submit(self, fn: Callable[[], object]) -> None:
+        self._worker.submit(fn)
+
+    def _newest_version(self) -> int:
+        with self._lock:
+            return self.version
+
+    def _pin(self, version: int, arriving: int | None, count: int) -> tuple[int | None, str | None]:
+        with self._lock:
+            if self.version > version:
+                return None, f"version {self.version} arrived here before {version} was forwarded"
+            if self._closed or not self.relay:
+                return None, "this subscriber does not relay (closed, or relay=False)"
+            src = self._newest_slot if self.version == version else arriving
+            if src is None:
+                return None, ""  # nothing of it here yet
+            self._forwarding[src] = self._forwarding.get(src, 0) + count
+            return src, None
+
+    def _unpin(self, slot: int) -> None:
+        with self._lock:
+            left = self._forwarding.get(slot, 0) - 1
+            if left > 0:
+                self._forwarding[slot] = left
+            else:
+                self._forwarding.pop(slot, None)
+            self._lock.notify_all()
+
+    def _changed(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _credit_if_open(self) -> None:
+        if not self._closed:
+            self._credit_publishers()
 
     def _free_slots(self) -> list[int]:
         return [
@@ -341,7 +392,10 @@ class WeightSubscriber:
         # gives the slots they wrote to other writers.
         self._worker.submit(self._relay.drop)
         with self._lock:
-            self._lock.wait_for(lambda: not self._relay.busy(), self.transport.timeout)
+            self._lock.wait_for(
+                lambda: not self._forwarding and not self._relay.has_pending(),
+                self.transport.timeout,
+            )
         try:
             self._dir.leave(self.transport.name, self.transport.generation)
         except TransportError as e:
