@@ -84,36 +84,63 @@ class PublishResult:
         return self.with_status(LOST)
 
 
-class PublishHandle:
-    """The result of :meth:`WeightPublisher.publish`; completes when every subscriber has an outcome
-    (at the latest at the publish deadline)."""
+class _Delivery:
+    """One version on its way to every subscriber: who has no outcome yet (``pending``), the
+    result, its deadline, the waiters and the done-callbacks. The publisher settles it, under its
+    own lock or not; ``cond`` guards the rest; callbacks run once, on the thread that settled the
+    last subscriber, outside the lock. Users see it through its :class:`PublishHandle`."""
 
     def __init__(self, version: int, names: list[str], deadline: float) -> None:
         self.result = PublishResult(version)
         self.deadline = deadline
-        self._pending = set(names)
-        self._cond = threading.Condition()
-        self._callbacks: list[Callable[[PublishHandle], Any]] = []
+        self.pending = set(names)
+        self.cond = threading.Condition()
+        self.callbacks: list[Callable[[PublishHandle], Any]] = []
+        self.handle = PublishHandle(self)
 
-    def _settle(self, name: str, status: str, reason: str = "") -> None:
-        with self._cond:
-            if name not in self._pending:
+    def settle(self, name: str, status: str, reason: str = "") -> None:
+        """``name``'s outcome (the first one counts)."""
+        with self.cond:
+            if name not in self.pending:
                 return
-            self._pending.discard(name)
+            self.pending.discard(name)
             self.result.status[name] = status
             if reason:
                 self.result.reasons[name] = reason
-            self._cond.notify_all()
-            callbacks = [] if self._pending else self._callbacks
-            self._callbacks = []
+            self.cond.notify_all()
+            callbacks = [] if self.pending else self.callbacks
+            self.callbacks = []
         for fn in callbacks:
-            fn(self)
+            fn(self.handle)
+
+    def done(self) -> bool:
+        return not self.pending
+
+
+class PublishHandle:
+    """The result of :meth:`WeightPublisher.publish`; completes when every subscriber has an outcome
+    (at the latest at the publish deadline)."""
+
+    def __init__(self, delivery: _Delivery) -> None:
+        self._delivery = delivery
+
+    @property
+    def result(self) -> PublishResult:
+        """Each subscriber's outcome so far (complete once :meth:`done`)."""
+        return self._delivery.result
+
+    @property
+    def deadline(self) -> float:
+        """When the publish gives up on the subscribers still without an outcome
+        (``time.monotonic()``)."""
+        return self._delivery.deadline
 
     def add_done_callback(self, fn: Callable[[PublishHandle], Any]) -> None:
         """Call ``fn(handle)`` once every subscriber has an outcome (at once if they have)."""
-        with self._cond:
-            if self._pending:
-                self._callbacks.append(fn)
+        d = self._delivery
+        with d.cond:
+            if d.pending:
+                d.callbacks.append(fn)
                 return
         fn(self)
 
@@ -122,20 +149,21 @@ class PublishHandle:
         return None
 
     def done(self) -> bool:
-        return not self._pending
+        return self._delivery.done()
 
     def wait(self, timeout: float | None = None) -> PublishResult:
         """The result, once every subscriber has an outcome. TransferTimeout if ``timeout`` ends first."""
+        d = self._delivery
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending:
+        with d.cond:
+            while d.pending:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise TransferTimeout(
-                        f"version {self.result.version} is still in flight to {sorted(self._pending)}"
+                        f"version {d.result.version} is still in flight to {sorted(d.pending)}"
                     )
-                self._cond.wait(0.05 if left is None else min(left, 0.05))
-        return self.result
+                d.cond.wait(0.05 if left is None else min(left, 0.05))
+        return d.result
 
 
 class _Sub:
@@ -154,9 +182,9 @@ class _Sub:
         self.busy: int | None = None  # slot being written
         self.writing = -1  # the version being written into it
         # a version waiting for a credit, and the relay to write it (None: the publisher)
-        self.waiting: tuple[int, PublishHandle, str | None] | None = None
+        self.waiting: tuple[int, _Delivery, str | None] | None = None
         self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
-        self.relay_handle: PublishHandle | None = None
+        self.relay_handle: _Delivery | None = None
         self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
 
 
@@ -219,7 +247,7 @@ class WeightPublisher:
         self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self._epoch = -1
         self._lock = threading.RLock()
-        self._handles: list[PublishHandle] = []
+        self._handles: list[_Delivery] = []
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
@@ -360,16 +388,16 @@ class WeightPublisher:
             if not self._updating and int(self._seq[0]) % 2 == 0:
                 self._seq[1] = version  # what the stable state is, for pull()
             subs = list(self._subs.values())
-            handle = PublishHandle(version, [s.name for s in subs], time.monotonic() + timeout)
+            handle = _Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
             self._handles.append(handle)
             direct = []
             for sub in subs:
                 if sub.error:
-                    handle._settle(sub.name, EXCLUDED, sub.error)
+                    handle.settle(sub.name, EXCLUDED, sub.error)
                     continue
                 if sub.waiting is not None:  # a newer version supersedes the one that waited
                     old = sub.waiting[1]
-                    old._settle(
+                    old.settle(
                         sub.name, EXCLUDED, f"no free slot before version {version} replaced it"
                     )
                     sub.waiting = None
@@ -378,7 +406,7 @@ class WeightPublisher:
             self._relays = set(via.values())
             for sub in direct:
                 self._start(sub, version, handle, via.get(sub.name))
-        return handle
+        return handle.handle
 
     def _tree(self, subs: list[_Sub]) -> dict[str, str]:
         """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
@@ -407,9 +435,7 @@ class WeightPublisher:
                 err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
                 self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
 
-    def _start(
-        self, sub: _Sub, version: int, handle: PublishHandle, via: str | None = None
-    ) -> None:
+    def _start(self, sub: _Sub, version: int, handle: _Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
         ``via`` write it), or wait for a free slot."""
         slot = self._free_slot(sub)
@@ -462,7 +488,7 @@ class WeightPublisher:
             lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
         )
 
-    def _write_segments(self, sub: _Sub, slot: int, version: int, handle: PublishHandle) -> None:
+    def _write_segments(self, sub: _Sub, slot: int, version: int, handle: _Delivery) -> None:
         """With the lock held: write a relay in segments, each announced as it lands, so that it
         forwards while the rest is still on its way (see ``_protocol``)."""
         segs = sub.segments.get(slot)
@@ -505,26 +531,24 @@ class WeightPublisher:
                     write.end(batch)
 
     def _on_written(
-        self, sub: _Sub, slot: int, version: int, handle: PublishHandle, err: BaseException | None
+        self, sub: _Sub, slot: int, version: int, handle: _Delivery, err: BaseException | None
     ) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, err)
 
-    def _on_done(
-        self, sub: _Sub, slot: int, version: int, handle: PublishHandle, h: Handle
-    ) -> None:
+    def _on_done(self, sub: _Sub, slot: int, version: int, handle: _Delivery, h: Handle) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, h.exception(0))
 
     def _finished(
-        self, sub: _Sub, slot: int, version: int, handle: PublishHandle, err: BaseException | None
+        self, sub: _Sub, slot: int, version: int, handle: _Delivery, err: BaseException | None
     ) -> None:
         sub.busy, sub.relay, sub.relay_handle = None, None, None
         if err is None:
             sub.completed = max(sub.completed, version)
-            handle._settle(sub.name, DONE)
+            handle.settle(sub.name, DONE)
         elif isinstance(err, (PeerLostError, PeerNotFoundError)):
-            handle._settle(sub.name, LOST, str(err))
+            handle.settle(sub.name, LOST, str(err))
             if self._subs.get(sub.name) is sub:
                 del self._subs[sub.name]  # dropped until it joins again
                 self._lost[sub.name] = sub.generation
@@ -537,7 +561,7 @@ class WeightPublisher:
                 # and ignores the version's ``ver`` should it still come (the write was withdrawn
                 # at its deadline, but its notification may have been on its way).
                 self._worker.submit(lambda: self._ask_credits(sub, (slot, version)))
-            handle._settle(sub.name, EXCLUDED, str(err))
+            handle.settle(sub.name, EXCLUDED, str(err))
         if sub.waiting is not None and self._subs.get(sub.name) is sub:
             v, hnd, via = sub.waiting
             sub.waiting = None
@@ -607,9 +631,9 @@ class WeightPublisher:
         with self._lock:
             for sub in self._subs.values():
                 h = sub.relay_handle
-                if h is not None and h.deadline <= now and sub.name in h._pending:
+                if h is not None and h.deadline <= now and sub.name in h.pending:
                     # Excluded now; the slot stays the relay's until it reports or is gone.
-                    h._settle(
+                    h.settle(
                         sub.name,
                         EXCLUDED,
                         f"relay {sub.relay} did not forward version {sub.writing} within the deadline",
@@ -627,7 +651,7 @@ class WeightPublisher:
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
-                    hnd._settle(
+                    hnd.settle(
                         sub.name,
                         EXCLUDED,
                         f"no free slot within the deadline of version {v} (a slow apply?)",
