@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from typing import Any
 
 
@@ -87,7 +88,11 @@ class ChildProcess:
         return self._reply(timeout, cmd)
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; for SIGSTOP, return only once every thread of the child has stopped (the
+        signal is delivered asynchronously: a put right after kill() could still be served)."""
         os.kill(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:
+            wait_until_stopped(self.proc.pid, 30.0)
 
     def kill(self) -> None:
         """kill -9, and reap the process."""
@@ -110,3 +115,21 @@ class ChildProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_until_stopped(pid: int, timeout: float) -> None:
+    """Block until every thread of ``pid`` is in the stopped state (``T`` in /proc), or raise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout} s (states {states})")
+        time.sleep(0.001)  # sync-ok: polling /proc for the kernel's stop, no event exists for it
