@@ -1,6 +1,7 @@
 """Weight sync for RL: a publisher (the trainer) and subscribers (generators) of a named group."""
 
-from transport.weights.publisher import PublishHandle, PublishResult, WeightPublisher
+from transport.weights._delivery import PublishHandle, PublishResult
+from transport.weights.publisher import WeightPublisher
 from transport.weights.subscriber import WeightSubscriber
 
 __all__ = ["PublishHandle", "PublishResult", "WeightPublisher", "WeightSubscriber"]

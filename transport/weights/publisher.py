@@ -7,8 +7,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any, overload
 
 import torch
@@ -22,6 +21,13 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.handle import Handle
+from transport.weights._delivery import (
+    DONE,
+    EXCLUDED,
+    LOST,
+    Delivery,
+    PublishHandle,
+)
 from transport.weights._messages import (
     MAX_DEGREE,
     Abort,
@@ -52,118 +58,8 @@ from transport.weights._protocol import (
 
 log = logging.getLogger("transport.weights")
 
-DONE, EXCLUDED, LOST = "done", "excluded", "lost"
 #: seconds after which a subscriber that has not answered our hello is asked again
 HELLO_AGAIN = 0.5
-
-
-@dataclass
-class PublishResult:
-    """What became of one version at each subscriber: ``done``, ``excluded`` (too slow, or its
-    tensors do not match) or ``lost`` (it went away). ``reasons`` explains the last two."""
-
-    version: int
-    status: dict[str, str] = field(default_factory=dict)
-    reasons: dict[str, str] = field(default_factory=dict)
-    #: subscribers a relay was asked to serve -> that relay (the others were written directly)
-    via: dict[str, str] = field(default_factory=dict)
-
-    def with_status(self, s: str) -> list[str]:
-        return sorted(n for n, v in self.status.items() if v == s)
-
-    @property
-    def done(self) -> list[str]:
-        return self.with_status(DONE)
-
-    @property
-    def excluded(self) -> list[str]:
-        return self.with_status(EXCLUDED)
-
-    @property
-    def lost(self) -> list[str]:
-        return self.with_status(LOST)
-
-
-class _Delivery:
-    """One version on its way to every subscriber: who has no outcome yet (``pending``), the
-    result, its deadline, the waiters and the done-callbacks. The publisher settles it, under its
-    own lock or not; ``cond`` guards the rest; callbacks run once, on the thread that settled the
-    last subscriber, outside the lock. Users see it through its :class:`PublishHandle`."""
-
-    def __init__(self, version: int, names: list[str], deadline: float) -> None:
-        self.result = PublishResult(version)
-        self.deadline = deadline
-        self.pending = set(names)
-        self.cond = threading.Condition()
-        self.callbacks: list[Callable[[PublishHandle], Any]] = []
-        self.handle = PublishHandle(self)
-
-    def settle(self, name: str, status: str, reason: str = "") -> None:
-        """``name``'s outcome (the first one counts)."""
-        with self.cond:
-            if name not in self.pending:
-                return
-            self.pending.discard(name)
-            self.result.status[name] = status
-            if reason:
-                self.result.reasons[name] = reason
-            self.cond.notify_all()
-            callbacks = [] if self.pending else self.callbacks
-            self.callbacks = []
-        for fn in callbacks:
-            fn(self.handle)
-
-    def done(self) -> bool:
-        return not self.pending
-
-
-class PublishHandle:
-    """The result of :meth:`WeightPublisher.publish`; completes when every subscriber has an outcome
-    (at the latest at the publish deadline)."""
-
-    def __init__(self, delivery: _Delivery) -> None:
-        self._delivery = delivery
-
-    @property
-    def result(self) -> PublishResult:
-        """Each subscriber's outcome so far (complete once :meth:`done`)."""
-        return self._delivery.result
-
-    @property
-    def deadline(self) -> float:
-        """When the publish gives up on the subscribers still without an outcome
-        (``time.monotonic()``)."""
-        return self._delivery.deadline
-
-    def add_done_callback(self, fn: Callable[[PublishHandle], Any]) -> None:
-        """Call ``fn(handle)`` once every subscriber has an outcome (at once if they have)."""
-        d = self._delivery
-        with d.cond:
-            if d.pending:
-                d.callbacks.append(fn)
-                return
-        fn(self)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """None: a publish does not fail as a whole; :attr:`result` tells each subscriber's outcome."""
-        return None
-
-    def done(self) -> bool:
-        return self._delivery.done()
-
-    def wait(self, timeout: float | None = None) -> PublishResult:
-        """The result, once every subscriber has an outcome. TransferTimeout if ``timeout`` ends first."""
-        d = self._delivery
-        end = None if timeout is None else time.monotonic() + timeout
-        with d.cond:
-            while d.pending:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TransferTimeout(
-                        f"version {d.result.version} is still in flight to {sorted(d.pending)}"
-                    )
-                d.cond.wait(0.05 if left is None else min(left, 0.05))
-        return d.result
 
 
 class _Sub:
@@ -182,9 +78,9 @@ class _Sub:
         self.busy: int | None = None  # slot being written
         self.writing = -1  # the version being written into it
         # a version waiting for a credit, and the relay to write it (None: the publisher)
-        self.waiting: tuple[int, _Delivery, str | None] | None = None
+        self.waiting: tuple[int, Delivery, str | None] | None = None
         self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
-        self.relay_handle: _Delivery | None = None
+        self.relay_handle: Delivery | None = None
         self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
 
 
@@ -247,7 +143,7 @@ class WeightPublisher:
         self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self._epoch = -1
         self._lock = threading.RLock()
-        self._handles: list[_Delivery] = []
+        self._handles: list[Delivery] = []
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
@@ -388,7 +284,7 @@ class WeightPublisher:
             if not self._updating and int(self._seq[0]) % 2 == 0:
                 self._seq[1] = version  # what the stable state is, for pull()
             subs = list(self._subs.values())
-            handle = _Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
+            handle = Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
             self._handles.append(handle)
             direct = []
             for sub in subs:
@@ -435,7 +331,7 @@ class WeightPublisher:
                 err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
                 self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
 
-    def _start(self, sub: _Sub, version: int, handle: _Delivery, via: str | None = None) -> None:
+    def _start(self, sub: _Sub, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
         ``via`` write it), or wait for a free slot."""
         slot = self._free_slot(sub)
@@ -488,7 +384,7 @@ class WeightPublisher:
             lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
         )
 
-    def _write_segments(self, sub: _Sub, slot: int, version: int, handle: _Delivery) -> None:
+    def _write_segments(self, sub: _Sub, slot: int, version: int, handle: Delivery) -> None:
         """With the lock held: write a relay in segments, each announced as it lands, so that it
         forwards while the rest is still on its way (see ``_protocol``)."""
         segs = sub.segments.get(slot)
@@ -531,17 +427,17 @@ class WeightPublisher:
                     write.end(batch)
 
     def _on_written(
-        self, sub: _Sub, slot: int, version: int, handle: _Delivery, err: BaseException | None
+        self, sub: _Sub, slot: int, version: int, handle: Delivery, err: BaseException | None
     ) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, err)
 
-    def _on_done(self, sub: _Sub, slot: int, version: int, handle: _Delivery, h: Handle) -> None:
+    def _on_done(self, sub: _Sub, slot: int, version: int, handle: Delivery, h: Handle) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, h.exception(0))
 
     def _finished(
-        self, sub: _Sub, slot: int, version: int, handle: _Delivery, err: BaseException | None
+        self, sub: _Sub, slot: int, version: int, handle: Delivery, err: BaseException | None
     ) -> None:
         sub.busy, sub.relay, sub.relay_handle = None, None, None
         if err is None:
