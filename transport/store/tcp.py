@@ -338,15 +338,7 @@ class TcpStore(Store):
                 raw = self._raw_try_get(client, key)
             if raw is not None:
                 return _decode(raw)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreTimeout(f"{missing()} in store {self.url}")
-            try:
-                with self._torch_errors("get", missing):
-                    client.wait([key], _span(left))
-            except StoreTimeout:
-                if time.monotonic() >= deadline:
-                    raise
+            self._wait_until(client, [key], deadline, "get", missing)
 
     def try_get(self, key: str) -> bytes | None:
         key = check_key(key)
@@ -423,15 +415,27 @@ class TcpStore(Store):
             client = self._client()
             if not wanted or client.check(wanted):
                 return
+        self._wait_until(client, wanted, deadline, "wait", missing)
+
+    def _wait_until(
+        self,
+        client: dist.TCPStore,
+        keys: list[str],
+        deadline: float,
+        op: str,
+        missing: Callable[[], str],
+    ) -> None:
+        """TCPStore's wait for ``keys``, to our ``deadline`` (StoreTimeout then): the deadline is
+        ours, so a wait that TCPStore's own clock ends early goes on."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreTimeout(f"{missing()} in store {self.url}")
             try:
-                with self._torch_errors("wait", missing):
-                    client.wait(wanted, _span(left))
+                with self._torch_errors(op, missing):
+                    client.wait(keys, _span(left))
                 return
-            except StoreTimeout:  # the deadline is ours: a wait TCPStore ends early goes on
+            except StoreTimeout:
                 if time.monotonic() >= deadline:
                     raise
 
