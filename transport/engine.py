@@ -157,9 +157,9 @@ class Engine:
         if op is None:
             return False
         if op is True:
-            handle._complete_now()
+            handle.complete_now()
         else:
-            handle._poller = self.poller([op])
+            handle.poller = self.poller([op])
         return True
 
     def post_inline(
@@ -254,7 +254,7 @@ class Engine:
         """Post ``op``; the caller holds ``op.lock``."""
         plan, conn = op.plan, op.plan.conn
         if time.monotonic() > op.deadline:
-            self._finish(op, self._timeout_error(op, posted=False))
+            self.finish(op, self._timeout_error(op, posted=False))
             return
         xfer = None
         try:
@@ -295,21 +295,21 @@ class Engine:
                 self._on_retry(group, e)
                 return
             op.state = POSTED  # so that _finish() releases the transfer
-            self._finish(op, e)
+            self.finish(op, e)
             return
         if st == DONE:
-            self._finish(op, None)
+            self.finish(op, None)
 
     def _poll_locked(self, op: Op) -> None:
         try:
             st = self._backend.poll(op.xfer, op.plan.conn.name)
         except TransportError as e:
-            self._finish(op, e)
+            self.finish(op, e)
             return
         if st == DONE:
-            self._finish(op, None)
+            self.finish(op, None)
         elif time.monotonic() > op.deadline:
-            self._finish(op, self._timeout_error(op, posted=True))
+            self.finish(op, self._timeout_error(op, posted=True))
 
     def _timeout_error(self, op: Op, posted: bool) -> TransferTimeout:
         conn = op.plan.conn
@@ -333,9 +333,11 @@ class Engine:
 
     def fail(self, op: Op, error: BaseException) -> None:
         with op.lock:
-            self._finish(op, error)
+            self.finish(op, error)
 
-    def _finish(self, op: Op, error: BaseException | None) -> None:
+    def finish(self, op: Op, error: BaseException | None) -> None:
+        """Settle ``op`` (by the thread holding its lock): OK, or FAILED with ``error`` and every
+        other part of its group with it; its handle hears of it. A second call does nothing."""
         if op.state in (OK, FAILED):
             return
         xfer, op.xfer = op.xfer, None
@@ -356,7 +358,7 @@ class Engine:
                 log.warning(
                     "the backend refused to withdraw a failed transfer to %s", plan.conn.name
                 )
-        op.handle._part_done(plan.conn.name, error)
+        op.handle.part_done(plan.conn.name, error)
         if self.on_finish is not None:
             self.on_finish()
         for engine in op.wakes or ():
@@ -370,7 +372,7 @@ class Engine:
                     # no part of a failed transfer stays posted
                     if sib.lock.acquire(blocking=False):
                         try:
-                            (sib.engine or self)._finish(sib, error)  # a lane's own backend
+                            (sib.engine or self).finish(sib, error)  # a lane's own backend
                         finally:
                             sib.lock.release()
                     else:
@@ -463,4 +465,4 @@ class Engine:
             if op.state == POSTED and now > op.deadline:
                 with op.lock:
                     if op.state == POSTED:
-                        self._finish(op, self._timeout_error(op, posted=True))
+                        self.finish(op, self._timeout_error(op, posted=True))

@@ -31,14 +31,18 @@ class Handle:
     the done-callbacks. Rules: it completes once (later part reports are ignored); the error is
     set before the state turns failed, so a waiter that sees it done always reads the error;
     callbacks run once, on the thread that completed it, outside any lock.
+
+    Users call :meth:`done`, :meth:`wait`, :meth:`exception`, :meth:`add_done_callback` or await
+    it. The core's side (the engine and the transfer paths; not for users): :meth:`set_parts`,
+    :meth:`part_done`, :meth:`resize`, :meth:`complete_now`, ``poller`` (drives the progress of
+    a transfer the caller posted, from the waiting thread) and ``recorder`` (where its end is
+    recorded).
     """
 
     __slots__ = (
         "_callbacks",
         "_cond",
         "_error",
-        "_poller",
-        "_rec",
         "_remaining",
         "_state",
         "errors",
@@ -46,6 +50,8 @@ class Handle:
         "nbytes",
         "op",
         "peers",
+        "poller",
+        "recorder",
     )
 
     def __init__(self, op: str, peers: tuple[str, ...], nbytes: int, parts: int) -> None:
@@ -59,13 +65,17 @@ class Handle:
         self._cond: threading.Condition | None = None
         self._callbacks: list[Callable[[Handle], Any]] | None = None
         # drives progress from the waiting thread for transfers posted by the caller (fast path)
-        self._poller: Callable[[], None] | None = None
+        self.poller: Callable[[], None] | None = None
         self.id = next(handle_ids)  # names it in the flight recorder
-        self._rec: FlightRecorder | None = None  # where its end is recorded
+        self.recorder: FlightRecorder | None = None  # where its end is recorded
 
-    # -- completion (called by the engine, or by a waiter driving progress) ---------------------
+    # -- the core's side: completion (by an engine, the transfer paths, or a waiter polling) --
 
-    def _part_done(self, peer: str, error: BaseException | None) -> None:
+    def set_parts(self, parts: int) -> None:
+        """How many part reports complete it (before it is shared with another thread)."""
+        self._remaining = parts
+
+    def part_done(self, peer: str, error: BaseException | None) -> None:
         with _LOCKS[self.id & _STRIPE]:
             if self._state != _PENDING:
                 return
@@ -82,7 +92,7 @@ class Handle:
                 self._state = _OK
             cond, callbacks = self._cond, self._callbacks
             self._callbacks = None
-        rec = self._rec
+        rec = self.recorder
         if rec is not None:
             if self._error is None:
                 rec.record("done", self.id, self.op, self.peers, self.nbytes)
@@ -100,22 +110,32 @@ class Handle:
             for cb in callbacks:
                 _run_callback(cb, self)
 
-    def _resize(self, delta: int) -> None:
+    def resize(self, delta: int) -> None:
         """Some parts were replaced by a different number of parts (a retry)."""
         with _LOCKS[self.id & _STRIPE]:
             self._remaining += delta
 
-    def _complete_now(self) -> None:
+    def complete_now(self) -> None:
         """Success before the handle was shared with any other thread (the fast path)."""
         self._remaining = 0
         self._state = _OK
+
+    @property
+    def settled(self) -> bool:
+        """Whether it has completed, without polling anything (the core's check)."""
+        return self._state != _PENDING
+
+    @property
+    def error(self) -> BaseException | None:
+        """Its error once it failed (None while pending or after success); never blocks."""
+        return self._error
 
     # -- public ------------------------------------------------------------------------------
 
     def done(self) -> bool:
         """Whether the transfer has completed (successfully or not). Never blocks."""
-        if self._state == _PENDING and self._poller is not None:
-            self._poller()
+        if self._state == _PENDING and self.poller is not None:
+            self.poller()
         return self._state != _PENDING
 
     def wait(self, timeout: float | None = None) -> None:
@@ -176,7 +196,7 @@ class Handle:
                 "use add_done_callback's argument instead"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
-        poller = self._poller
+        poller = self.poller
         if poller is not None:
             # Fast path: the transfer was posted by the caller; poll it here first.
             spin_until = time.perf_counter() + 200e-6

@@ -25,12 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import transport.backends as _backends
 from transport.engine import Engine
 from transport.memory import LocalMemory
 from transport.plan import PeerConn, Plan
+from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
+    from transport.endpoint import Endpoint
 
 log = logging.getLogger("transport")
 
@@ -58,7 +61,7 @@ class Lane:
     closed with the Transport, after every engine has stopped.
 
     ``conns`` holds one connection per peer, to the incarnation the Transport's own connection
-    reaches (``lock`` guards the map); :meth:`conn` and ``mem`` are used under the Transport's lock
+    reaches (``lock`` guards the map); :meth:`conn` and ``mem`` are used under the lane set's lock
     (by :func:`split`). Its engine posts and polls its shares and wakes the Transport's engine as
     each part ends; a lost peer closes only the lane's connection (its shares are cut again on the
     next transfer). It never publishes a record, drops every notification and retries nothing: a
@@ -96,6 +99,49 @@ class Lane:
             self.conns.clear()
         self.mem.close()
         self.backend.close()
+
+
+class LaneSet:
+    """The lanes of one Transport: started together on the first transfer that needs them (as
+    many as ``settings.lanes`` says then, less the Transport's own agent), stopped and closed with
+    the Transport.
+
+    It owns the list of lanes; ``lock`` guards starting them and cutting a plan over them
+    (:meth:`split`). Each lane's engine wakes the Transport's engine as each part ends.
+    """
+
+    def __init__(self, ep: Endpoint) -> None:
+        self._ep = ep
+        self.lock = threading.Lock()
+        self.lanes: list[Lane] = []
+
+    def split(self, plan: Plan, tensors: list[Any]) -> list[tuple[Plan, Lane | None]]:
+        """``plan`` cut over the lanes (started now if need be): see :func:`split`."""
+        with self.lock:
+            if not self.lanes:
+                self._start()
+            return split(plan, self.lanes, self._ep.backend, tensors)
+
+    def _start(self) -> None:
+        ep = self._ep
+        base = agent_name(ep.name, ep.generation)
+        for i in range(1, ep.settings.lanes):
+            backend = _backends.new_backend(ep.backend_kind, agent_name=f"{base}.lane{i}")
+            lane = Lane(backend, f"{ep.name}-lane{i}", ep.engine.idle_interval)
+            lane.engine.on_finish = ep.engine.wake
+            self.lanes.append(lane)
+
+    def stop(self) -> None:
+        """Stop every lane's engine (their transfers fail with ClosedError)."""
+        for lane in self.lanes:
+            lane.engine.stop()
+
+    def close(self) -> None:
+        """Release every lane (after every engine has stopped)."""
+        with self.lock:
+            lanes, self.lanes = self.lanes, []
+        for lane in lanes:
+            lane.close()
 
 
 def cut(local: np.ndarray, remote: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -153,11 +199,9 @@ def split(
                 out.append((p, None))
                 continue
             lane = lanes[i - 1]
-            keep = tuple(lane.mem.ensure(t) for t in tensors)
+            keep = tuple(lane.mem.acquire(t) for t in tensors)
             conn = lane.conn(plan.conn)
             p = Plan(lane.backend, conn, plan.op, lo, re, device, rdevice, chunk, keep)
-            for reg in keep:
-                reg.users += 1
             with conn.lock:
                 conn.plans.add(p)
             out.append((p, lane))

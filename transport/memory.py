@@ -12,6 +12,7 @@ evicted only when no prepared plan uses it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -92,9 +93,10 @@ class LocalMemory:
     """The registrations of one agent (a Transport's or a lane's), one per (storage address,
     device), with an LRU bound on the implicit ones (``max_implicit``, ``max_implicit_bytes``).
 
-    It has no lock: the Transport calls it under its own lock (a lane's too, while cutting a
-    transfer), and :meth:`close` once every engine has stopped. A storage is registered once, and
-    again only if it grew. Implicit entries are evicted oldest first but never while a plan holds
+    ``lock`` guards the registrations (regions, the plan cache and a lane cutting a transfer use it
+    from their own threads); :meth:`close` runs once every engine has stopped. A storage is
+    registered once, and again only if it grew. :meth:`acquire` counts a plan as a user of the
+    registration in the same step, so no eviction or withdrawal can drop it in between. Implicit entries are evicted oldest first but never while a plan holds
     one, so the cache can stay over its bounds until plans let go (the Transport sheds idle ones
     for that); explicit ones stay until ``release_explicit`` or :meth:`close`, which deregisters
     everything.
@@ -107,8 +109,20 @@ class LocalMemory:
         self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
         self.max_implicit = max_implicit
         self.max_implicit_bytes = max_implicit_bytes
+        self.lock = threading.RLock()
+
+    def acquire(self, t: torch.Tensor) -> Registration:
+        """The registration under ``t`` (made if needed), with one more user (a plan's)."""
+        with self.lock:
+            reg = self.ensure(t)
+            reg.users += 1
+            return reg
 
     def ensure(self, t: torch.Tensor, explicit: bool = False) -> Registration:
+        with self.lock:
+            return self._ensure(t, explicit)
+
+    def _ensure(self, t: torch.Tensor, explicit: bool) -> Registration:
         storage = t.untyped_storage()
         base, nbytes, device = storage.data_ptr(), storage.nbytes(), device_of(t)
         key = (base, device)
@@ -123,11 +137,12 @@ class LocalMemory:
         reg = Registration(base, nbytes, device, token, storage, explicit)
         self._regs[key] = reg
         if not explicit:
-            self.evict(keep=reg)
+            self._evict(reg)
         return reg
 
     def over_limit(self) -> bool:
-        implicit = [r for r in self._regs.values() if not r.explicit]
+        with self.lock:
+            implicit = [r for r in self._regs.values() if not r.explicit]
         return (
             len(implicit) > self.max_implicit
             or sum(r.nbytes for r in implicit) > self.max_implicit_bytes
@@ -137,6 +152,10 @@ class LocalMemory:
         """Deregister the oldest implicit registrations no plan uses until under the limits
         (never ``keep``, the one being used right now). Each holds its memory alive, so this is
         what lets the memory of tensors put once and dropped be freed."""
+        with self.lock:
+            self._evict(keep)
+
+    def _evict(self, keep: Registration | None) -> None:
         implicit = [(k, r) for k, r in self._regs.items() if not r.explicit and r is not keep]
         count = len(implicit) + (keep is not None and not keep.explicit)
         total = sum(r.nbytes for _, r in implicit) + (keep.nbytes if keep is not None else 0)
@@ -151,6 +170,10 @@ class LocalMemory:
     def release_explicit(self, t: torch.Tensor, still_used: list[torch.Tensor]) -> None:
         """``t`` is no longer exposed: its registration becomes an ordinary cached one (dropped
         now if no plan uses it), unless another exposed tensor shares its storage."""
+        with self.lock:
+            self._release_explicit(t, still_used)
+
+    def _release_explicit(self, t: torch.Tensor, still_used: list[torch.Tensor]) -> None:
         st = t.untyped_storage()
         key = (st.data_ptr(), device_of(t))
         reg = self._regs.get(key)
@@ -172,8 +195,9 @@ class LocalMemory:
         reg.storage = None
 
     def close(self) -> None:
-        for key, reg in list(self._regs.items()):
-            self._drop(key, reg)
+        with self.lock:
+            for key, reg in list(self._regs.items()):
+                self._drop(key, reg)
 
     def __len__(self) -> int:
         return len(self._regs)

@@ -4,7 +4,8 @@ A :class:`Plan` holds the prepared local and remote descriptor lists of one
 (op, peer, source, destination) combination, split into parts of at most
 ``chunk_bytes`` so that one huge post never holds the agent for long, and a
 pool of reusable backend transfers per part. Plans are cached by the
-Transport, so a repeated put replays a plan without planning.
+Transport's plan cache (plan_cache.py), so a repeated put replays a plan without planning;
+:func:`build_plan` makes one, checking every rule of a transfer first.
 
 A :class:`PeerConn` is our state for one incarnation (generation) of a peer:
 its record, its loaded agent, and the plans that target it. When the peer is
@@ -17,12 +18,17 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from transport.backends.base import Backend
+from transport.backends.base import READ, WRITE, Backend, device_parts
+from transport.errors import RegionError
+from transport.memory import LocalMemory, Registration, check_tensor, device_of, dtype_name
 from transport.wire import PeerRecord, RegionInfo
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("transport.plan")
 
@@ -244,3 +250,92 @@ def _cut_at(
     if rl[0, 1] == 0:
         rl, rr = rl[1:], rr[1:]
     return ll, lr, rl, rr
+
+
+def build_plan(
+    backend: Backend,
+    mem: LocalMemory,
+    conn: PeerConn,
+    op: str,
+    items: tuple[tuple[str, torch.Tensor], ...],
+    offset: int,
+    chunk_bytes: int,
+) -> Plan:
+    """Check a put or get of ``items`` (region name, tensor) at ``offset`` elements against
+    ``conn``'s regions and make its plan; every rule is checked here, before any byte moves."""
+    n = len(items)
+    local = np.empty((n, 3), dtype=np.uint64)
+    remote = np.empty((n, 3), dtype=np.uint64)
+    keep: list[Registration] = []
+    devices, rdevices = set(), set()
+    rows = 0
+    try:
+        for key, t in items:
+            if not isinstance(key, str):
+                raise TypeError(f"dict keys must be region names (str), got {type(key).__name__}")
+            check_tensor(t, f"tensor {key!r}")
+            region = conn.regions.get(key)
+            if region is None:
+                raise RegionError(_missing_region(conn, key))
+            _check_access(op, conn, key, region)
+            dt = dtype_name(t.dtype)
+            if dt != region.dtype:
+                raise RegionError(
+                    f"dtype mismatch for region {key!r} of peer {conn.name!r}: the tensor is {dt}, the region "
+                    f"is {region.dtype}; convert with .to(torch.{region.dtype}) or view the bytes with .view()"
+                )
+            start = offset * region.itemsize
+            if start + t.nbytes > region.nbytes:
+                raise RegionError(
+                    f"{t.numel()} elements at offset {offset} do not fit region {key!r} of peer {conn.name!r} "
+                    f"({region.numel} elements of {region.dtype}, shape {list(region.shape)}); "
+                    "send a smaller slice or a smaller offset"
+                )
+            if t.nbytes == 0:
+                continue
+            keep.append(mem.acquire(t))
+            dev, rdev = device_parts(device_of(t)), device_parts(region.device)
+            devices.add(dev[0])
+            rdevices.add(rdev[0])
+            local[rows] = (t.data_ptr(), t.nbytes, dev[1])
+            remote[rows] = (region.addr + start, t.nbytes, rdev[1])
+            rows += 1
+        if rows == 0:
+            raise ValueError("every tensor is empty; there is nothing to transfer")
+        if len(devices) > 1 or len(rdevices) > 1:
+            raise ValueError(
+                "one transfer cannot mix CPU and CUDA memory; split the batch by device"
+            )
+        device = "cpu" if "DRAM" in devices else "cuda:0"
+        rdevice = "cpu" if "DRAM" in rdevices else "cuda:0"
+        plan = Plan(backend, conn, op, local[:rows], remote[:rows], device, rdevice, chunk_bytes,
+                    tuple(keep))  # fmt: skip
+    except BaseException:
+        for reg in keep:
+            reg.users -= 1
+        raise
+    plan.regions = frozenset(key for key, _ in items)
+    return plan
+
+
+def _check_access(op: str, conn: PeerConn, key: str, region: RegionInfo) -> None:
+    if op == WRITE and not region.writable:
+        raise RegionError(
+            f"peer {conn.name!r} exposes region {key!r} read-only (access={region.access!r}); "
+            "it cannot be written; ask the peer to expose it with access='w' or 'rw'"
+        )
+    if op == READ and not region.readable:
+        raise RegionError(
+            f"peer {conn.name!r} exposes region {key!r} write-only (access={region.access!r}); "
+            "it cannot be read; ask the peer to expose it with access='r' or 'rw'"
+        )
+
+
+def _missing_region(conn: PeerConn, key: str) -> str:
+    names = list(conn.regions)
+    if not names:
+        return f"peer {conn.name!r} has no region {key!r}; it exposes no regions yet"
+    return (
+        f"peer {conn.name!r} has no region {key!r}; it exposes {len(names)} regions, e.g. {names[0]!r}"
+        + (f", {names[1]!r}" if len(names) > 1 else "")
+    )

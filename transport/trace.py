@@ -48,6 +48,11 @@ class FlightRecorder:
         self._lock = threading.Lock()  # one dump at a time
         #: called (on the thread that saw it) when a transfer ends in an error or a timeout
         self.on_error: Callable[[str], None] | None = None
+        #: the hot paths' record: appends one event tuple (monotonic ns, kind, handle id, op,
+        #: peers, bytes, keys, info) as is; None when nothing is recorded
+        self.append: Callable[[tuple[Any, ...]], None] | None = (
+            self._ring.append if capacity else None
+        )
 
     def record(
         self,

@@ -188,7 +188,7 @@ def test_control_messages_reach_their_handler_not_the_user(pair):
     got: list[tuple[str, bytes]] = []
     seen = threading.Event()
     b.core.on_control("test", lambda peer, payload: (got.append((peer, payload)), seen.set()))
-    a._send_control("b", "test", b"\x01\x02")
-    a._send_control("b", "nobody-listens", b"x")
+    a.core.send_control("b", "test", b"\x01\x02")
+    a.core.send_control("b", "nobody-listens", b"x")
     assert seen.wait(5) and got == [("a", b"\x01\x02")]
     assert list(b.notifications(timeout=0.2)) == []

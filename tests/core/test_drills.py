@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.peer import Cycler, Peer, pattern, sha
 from helpers.processes import free_port
 from helpers.redis_server import RedisServer
@@ -55,9 +56,10 @@ def test_a_redis_restart_keeps_transfers_going_and_discovery_recovers():
                 recovered = time.monotonic() - restarted
                 n.put(pattern(MiB, 3), "recv", "buf").wait(30)
                 assert p.call("sha", "buf") == sha(pattern(MiB, 3))
-                n.expose("in", torch.zeros(MiB, dtype=torch.uint8))
+                inbox = torch.zeros(MiB, dtype=torch.uint8)
+                n.expose("in", inbox)
                 w.put(pattern(MiB, 4), "newcomer", "in").wait(30)  # found through the store
-                assert sha(n._regions["in"][0]) == sha(pattern(MiB, 4))
+                assert sha(inbox) == sha(pattern(MiB, 4))
             assert {i.name for i in w.peers()} >= {"recv", "writer"}
     print(f"\ndiscovery recovered {recovered:.2f} s after the Redis restart")
 
@@ -140,7 +142,7 @@ def test_100_join_and_leave_cycles(tcp_store, writer):
             writer.put(pattern(64, 0), "cycler", "buf", timeout=5).wait(5)
         with pytest.raises(transport.PeerNotFoundError):
             writer.put(pattern(64, 0), "cycler", "buf", timeout=5).wait(5)
-        assert len(writer._conns) <= 1 and len(writer._plans) <= 2
+        assert internals.connection_count(writer) <= 1 and len(internals.plans(writer)) <= 2
         assert threading.active_count() <= threads + 1
         assert [i.name for i in writer.peers()] == ["writer"]
     finally:
@@ -169,25 +171,25 @@ def test_a_connection_dropped_while_a_put_plans_on_it_goes_to_the_new_incarnatio
             c.call("open")
             w.wait_for_peer("cycler", 30)
             w.put(pattern(nbytes, 1), "cycler", "buf").wait(30)
-            stale = w._conns["cycler"]
+            stale = internals.connection(w, "cycler")
             c.call("close")
             c.call("open")
-            assert w._conns["cycler"] is stale and stale.alive  # nothing noticed yet
-            prep, seen = w._backend.prep, []
+            assert internals.connection(w, "cycler") is stale and stale.alive  # nothing noticed yet
+            prep, seen = internals.backend(w).prep, []
 
             def prep_while_dropped(agent, descs, device):
                 if agent == stale.agent:
                     seen.append(agent)
                     if len(seen) == drop_at:
-                        w._drop_conn(stale)  # what the heartbeat does on a newer generation
+                        internals.drop_connection(w, stale)  # what the heartbeat does on a newer generation
                 return prep(agent, descs, device)
 
-            w._backend.prep = prep_while_dropped
+            internals.backend(w).prep = prep_while_dropped
             src = pattern(nbytes, 2)  # a new tensor: a new plan, made on the stale connection
             w.put(src, "cycler", "buf").wait(30)
             assert len(seen) == drop_at and not stale.alive
             assert c.call("sha") == sha(src)
-            assert w._conns["cycler"].generation > stale.generation
+            assert internals.connection(w, "cycler").generation > stale.generation
     finally:
         c.stop()
 
@@ -207,15 +209,15 @@ def test_a_notification_never_skips_to_a_restarted_peer(tcp_store):
             w.notify("cycler", b"data is there")
             assert c.call("notification", 10) == ("writer", b"data is there")
             w.put(pattern(4096, 2), "cycler", "buf").wait(30)  # to the old incarnation
-            stale = w._conns["cycler"]
+            stale = internals.connection(w, "cycler")
             c.call("close")
             c.call("open")
-            assert w._conns["cycler"] is stale and stale.alive
+            assert internals.connection(w, "cycler") is stale and stale.alive
             with pytest.raises(transport.PeerLostError, match="cycler"):
                 w.notify("cycler", b"data is there")
             w.notify("cycler", b"hello again")  # the next call reconnects
             assert c.call("notification", 10) == ("writer", b"hello again")
-            assert w._conns["cycler"].generation > stale.generation
+            assert internals.connection(w, "cycler").generation > stale.generation
     finally:
         c.stop()
 
@@ -252,7 +254,7 @@ def test_fresh_tensors_are_registered_then_let_go(tcp_store, writer):
     """A put of a new tensor every time (x.clone(), say): each is registered on the way, and the
     oldest registrations no plan needs are dropped (with their memory) past the cache's limits.
     (The cache used to drop the registration it had just made, once full: puts failed.)"""
-    mem = writer._mem
+    mem = internals.local_memory(writer)
     mem.max_implicit, mem.max_implicit_bytes = 64, 16 * MiB
     with Peer("recv", tcp_store.url, {"buf": ("uint8", MiB, "w")}) as p:
         writer.wait_for_peer("recv", 30)

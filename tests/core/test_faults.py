@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.peer import Peer, pattern, sha
 
 MiB = 1 << 20
@@ -186,13 +187,13 @@ def test_small_fan_out_with_a_restarted_and_a_dead_peer(
             src2 = pattern(4096, 2)
             src.copy_(src2)  # the same source tensor: its plans are cached
             rests: list[tuple[str, ...]] = []
-            rest_of_fanout = writer._rest_of_fanout
+            rest_of_fanout = internals.transfers(writer).rest_of_fanout
 
             def spy(handle, t, rest, *args):
                 rests.append(rest)
                 return rest_of_fanout(handle, t, rest, *args)
 
-            monkeypatch.setattr(writer, "_rest_of_fanout", spy)
+            monkeypatch.setattr(internals.transfers(writer), "rest_of_fanout", spy)
             with caplog.at_level("INFO", logger="transport"):
                 writer.put(src, ["gen-a", "gen-b", "gen-c"], "w", notify=b"v2").wait(10)
             assert "restarted (generation 2); retrying" in caplog.text

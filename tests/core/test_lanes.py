@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.peer import Peer, pattern, sha
 from transport.engine import FAILED, Op
 from transport.handle import Handle
@@ -29,12 +30,12 @@ def nothing_in_flight(t: transport.Transport, timeout: float = 5.0) -> bool:
     polls until the deadline."""
     from transport.engine import POSTED, QUEUED
 
-    engines = [t._engine, *(lane.engine for lane in t._lanes)]
+    engines = [internals.engine(t), *(lane.engine for lane in internals.lanes(t))]
     end = time.monotonic() + timeout
     while True:
-        ops = [o for e in engines for o in [*e._inflight, *e._queue]]
+        ops = [o for e in engines for o in internals.engine_ops(e)]
         if all(o.state not in (QUEUED, POSTED) for o in ops) and all(
-            p.in_flight == 0 for p in t._plans.values()
+            p.in_flight == 0 for p in internals.plans(t)
         ):
             return True
         if time.monotonic() > end:
@@ -50,14 +51,14 @@ def test_a_large_put_and_get_are_cut_over_lanes(tcp_store):
         w.wait_for_peer("recv", 30)
         src = pattern(96 * MiB, 1)
         w.put(src, "recv", "buf", notify=b"all").wait(60)
-        assert len(w._lanes) == 2  # the Transport's own agent and two more
-        plan = next(iter(w._plans.values()))
+        assert len(internals.lanes(w)) == 2  # the Transport's own agent and two more
+        plan = internals.plans(w)[0]
         assert plan.shares is not None and len(plan.shares) == 3
         assert sum(s.nbytes for s in plan.shares) == 96 * MiB
         # share 0 starts with a small part posted alone and ends with a small notifying one
         edges = plan.shares[0].parts[0].nbytes, plan.shares[0].parts[-1].nbytes
         assert edges == (EDGE_BYTES, EDGE_BYTES)
-        assert {s.backend for s in plan.shares} == {w._backend, *(ln.backend for ln in w._lanes)}
+        assert {s.backend for s in plan.shares} == {internals.backend(w), *(ln.backend for ln in internals.lanes(w))}
         peer, payload, shas = p.call("notif_then_sha", 30, ["buf"])
         assert (peer, payload) == ("writer", b"all") and shas["buf"] == sha(src)
         assert p.call("notifications", 0) == []  # one notification for the three shares
@@ -132,7 +133,7 @@ def test_small_transfers_never_start_a_lane(tcp_store):
         w.wait_for_peer("recv", 30)
         for i in range(5):
             w.put(pattern(8 * MiB, i), "recv", "buf").wait(30)
-        assert w._lanes == []  # under lane_bytes (64 MiB by default)
+        assert internals.lanes(w) == []  # under lane_bytes (64 MiB by default)
         assert p.call("sha", "buf") == sha(pattern(8 * MiB, 4))
     with transport.Transport("one", store=tcp_store, lanes=1) as t:
         assert t.lanes == 1
@@ -157,7 +158,7 @@ def test_fresh_tensors_over_lanes_are_let_go_on_every_agent(tcp_store):
     ):
         w.wait_for_peer("recv", 30)
         w.put(pattern(4 * MiB, 0), "recv", "buf").wait(30)  # starts the lane
-        mems = [w._mem, *(lane.mem for lane in w._lanes)]
+        mems = [internals.local_memory(w), *(lane.mem for lane in internals.lanes(w))]
         assert len(mems) == 2
         for mem in mems:
             mem.max_implicit, mem.max_implicit_bytes = 8, 16 * MiB
@@ -189,7 +190,7 @@ def test_a_part_waiting_on_a_failed_part_fails_with_its_error(tcp_store, cause):
         first.error, first.state = first_error, FAILED
         waiting = Op(handle, plan, part, b"", time.monotonic() + 30, 30.0)
         waiting.after = [first]
-        w._engine.submit([waiting])
+        internals.engine(w).submit([waiting])
         assert handle.exception(10) is not None
         assert waiting.state == FAILED and waiting.error is first_error
         assert handle.errors["ghost"] is first_error

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.peer import Peer, pattern, sha
 
 MiB = 1 << 20
@@ -94,7 +95,7 @@ def test_batch_of_500_is_one_transfer_with_one_notification(tcp_store, writer):
         h = writer.put(batch, "recv", notify=b"v1")
         h.wait(30)
         # the plan behind the batch is a single backend transfer
-        plans = [p for p in writer._plans.values() if p.conn.name == "recv"]
+        plans = [p for p in internals.plans(writer) if p.conn.name == "recv"]
         assert len(plans) == 1 and len(plans[0].parts) == 1 and plans[0].parts[0].count == 500
         peer, payload, shas = r.call("notif_then_sha", 30, list(batch))
         assert (peer, payload) == ("writer", b"v1")
@@ -110,7 +111,7 @@ def test_large_batch_in_parts_notifies_once_after_all(tcp_store):
             w.wait_for_peer("recv", 30)
             batch = {f"t{i}": pattern(300 * 1024, seed=100 + i) for i in range(20)}
             w.put(batch, "recv", notify=b"done").wait(30)
-            plan = next(p for p in w._plans.values() if p.conn.name == "recv")
+            plan = next(p for p in internals.plans(w) if p.conn.name == "recv")
             assert len(plan.parts) > 1
             peer, payload, shas = r.call("notif_then_sha", 30, list(batch))
             assert payload == b"done"
@@ -146,13 +147,13 @@ def test_small_fan_out_puts_land_at_every_receiver_each_time(tcp_store, writer, 
         names = [p.name for p in peers]
         src = torch.zeros(4096, dtype=torch.uint8)
         posted_inline: list[str] = []
-        post_inline = writer._engine.post_inline
+        post_inline = internals.engine(writer).post_inline
 
         def spy(handle, plan, notif, timeout):
             posted_inline.append(plan.conn.name)
             return post_inline(handle, plan, notif, timeout)
 
-        monkeypatch.setattr(writer._engine, "post_inline", spy)
+        monkeypatch.setattr(internals.engine(writer), "post_inline", spy)
         for step in range(30):
             src.copy_(pattern(4096, seed=step))
             writer.put(src, names, "w", notify=f"v{step}".encode()).wait(30)
@@ -192,7 +193,7 @@ def test_repeated_puts_replay_the_plan(tcp_store, writer):
             src.fill_(step)
             writer.put(src, "recv", "x").wait(10)
         assert r.call("read", "x", 0, 4096) == torch.full((1024,), 199.0).numpy().tobytes()
-        assert len(writer._plans) == 1
+        assert len(internals.plans(writer)) == 1
 
 
 def test_put_and_get_on_each_store(any_store):

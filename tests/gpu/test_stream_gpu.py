@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.peer import Peer, pattern, sha
 from transport.cuda.stream import unavailable
 
@@ -21,7 +22,7 @@ def spin(ms: float) -> None:
     """Keep the current stream busy for about ``ms`` milliseconds (so a put that ignored the
     stream's order would read the source before the kernel below wrote it)."""
     cycles = int(ms * 1e6)  # about 1 cycle per ns
-    torch.cuda._sleep(cycles)  # sync-ok: a busy GPU kernel that orders the stream, not a host wait
+    internals.gpu_sleep(cycles)  # sync-ok: a busy GPU kernel that orders the stream, not a host wait
 
 
 def test_a_put_follows_the_kernel_before_it_and_later_kernels_wait(tcp_store, writer):
@@ -98,7 +99,7 @@ def test_10000_replays_allocate_nothing(tcp_store, writer):
         with torch.cuda.graph(g, stream=s):
             src.copy_(step.expand(1024))
             writer.put(src, "recv", "buf", stream=s).wait_stream(s)
-        ops = writer._stream
+        ops = writer.core.stream_ops()
         slots, words = len(ops.proxy.slots), ops.words.data_ptr()
         torch.cuda.synchronize()
         mem = torch.cuda.memory_allocated()
@@ -126,7 +127,7 @@ def test_vram_and_pinned_memory_as_sources_and_destinations(tcp_store, writer, w
         writer.get(back, "recv", "buf").wait(30)
         assert sha(back) == sha(data)
         if where == "cuda":
-            assert not writer._lanes  # GPU transfers stay on one agent (64 MiB = lane_bytes)
+            assert not internals.lanes(writer)  # GPU transfers stay on one agent (64 MiB = lane_bytes)
 
 
 def test_a_captured_publish_sends_the_next_version_every_replay(tcp_store, writer):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from helpers import internals
 from transport.cuda.proxy import BELL, DONE, GAVE_UP, Slot
 from transport.cuda.stream import SlotTable
 
@@ -50,5 +51,5 @@ class HostStreamOps(SlotTable):
 
 def install(t: Any) -> HostStreamOps:
     ops = HostStreamOps()
-    t._stream = ops
+    internals.install_stream_ops(t, ops)
     return ops

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from helpers import internals
 from helpers.child import ChildError, ChildProcess, serve
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
@@ -90,17 +91,14 @@ def _sub_child(
         sub = transport.WeightSubscriber(
             t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update, relay=relay
         )
-        original = sub._on_message
 
-        def spy(peer: str, payload: bytes) -> None:
+        def spy(original: Any, peer: str, payload: bytes) -> None:
             try:
                 m = decode(payload)
             except Exception:
                 m = None
             if isinstance(m, Begin) and mode == "staging":
-                with sub._lock:
-                    newest, held = sub._newest_slot, sub._held
-                    forwarding = sorted(k for k, n in sub._forwarding.items() if n)
+                newest, held, forwarding, _ = internals.slot_state(sub)
                 if m.slot in (newest, held) or m.slot in forwarding:
                     with watch.cond:
                         watch.violations.append(
@@ -120,8 +118,7 @@ def _sub_child(
                     watch.senders.append(peer)
                     watch.cond.notify_all()
 
-        sub._stop_control()  # the spy takes the subscriber's place on its channel
-        sub._stop_control = t.core.on_control(channel(group), spy)
+        internals.spy_on_messages(sub, t, channel(group), spy)  # in the subscriber's place
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -138,9 +135,7 @@ def _sub_child(
 
     def staging() -> dict[str, Any]:
         """The newest complete version's slot and the extremes of every staging slot."""
-        with sub._lock:
-            newest = sub._newest_slot
-            versions = list(sub._slot_version)
+        newest, _, _, versions = internals.slot_state(sub)
         return {
             "newest": newest,
             "slot_versions": versions,
@@ -300,14 +295,12 @@ def _pub_child(
         import threading
 
         held = threading.Event()  # never set: the process is killed while its engine waits
-        post = t._engine._post
 
-        def hold(op: Any, lost_raises: bool = False) -> None:
+        def hold(op: Any) -> None:
             if op.notif:
                 held.wait()
-            post(op, lost_raises)
 
-        t._engine._post = hold
+        internals.hold_engine_posts(t, hold)
 
     handlers = {
         "publish": publish,

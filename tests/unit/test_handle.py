@@ -18,7 +18,7 @@ def test_a_waiter_that_sees_a_failed_handle_done_also_sees_its_error():
         for _ in range(10_000):
             h = Handle("WRITE", ("peer",), 1, 1)
             err = transport.TransferTimeout("its deadline passed")
-            t = threading.Thread(target=h._part_done, args=("peer", err))
+            t = threading.Thread(target=h.part_done, args=("peer", err))
             t.start()
             while not h.done():
                 pass

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import transport
+from helpers import internals
 from helpers.ws_peer import MiB, WsPeerError, make_tensors, spec_of
 
 
@@ -188,22 +189,22 @@ def test_a_version_given_up_by_its_publisher_is_never_completed_late(tcp_store, 
     spec = spec_of(2, 1024)
     with transport.Transport("gen-0", store=tcp_store, timeout=10) as t:
         sub = transport.WeightSubscriber(t, make_tensors(spec), group="policy", mode="staging")
-        on_message = sub._on_message  # the subscriber's handler of control messages
+        on_message = internals.control_handler(sub)  # the subscriber's handler of control messages
         try:
             on_message("trainer", encode(Begin(5, 1)))
             on_message("trainer", encode(Abort(5, 1)))
             on_message("trainer", encode(Ver(5, 1)))  # late: ignored
             with pytest.raises(transport.TransferTimeout, match="did not arrive"):
                 sub.wait_for_version(5, timeout=0.2)
-            assert sub.version == -1 and sub._newest_slot is None
+            assert sub.version == -1 and internals.newest_slot(sub) is None
             # the next version written into the same slot completes as usual
             on_message("trainer", encode(Begin(6, 1)))
             on_message("trainer", encode(Ver(6, 1)))
-            assert sub.wait_for_version(6, timeout=5) == 6 and sub._newest_slot == 1
+            assert sub.wait_for_version(6, timeout=5) == 6 and internals.newest_slot(sub) == 1
             # an abort of a version that already completed changes nothing
             on_message("trainer", encode(Abort(6, 1)))
             on_message("trainer", encode(Begin(7, 0)))
             on_message("trainer", encode(Ver(7, 0)))
-            assert sub.wait_for_version(7, timeout=5) == 7 and sub._newest_slot == 0
+            assert sub.wait_for_version(7, timeout=5) == 7 and internals.newest_slot(sub) == 0
         finally:
             sub.close()

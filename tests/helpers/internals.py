@@ -1,0 +1,126 @@
+"""The one place the tests reach into private state: what a test must observe or provoke that no
+public call (nor ``transport.core``) shows. Each helper says what it is for; ruff's SLF001
+(private member access) is off for this file only, so a new private access shows up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import transport
+from transport.backends.base import Backend
+from transport.engine import Engine, Op
+from transport.lanes import Lane
+from transport.memory import LocalMemory
+from transport.plan import PeerConn, Plan
+
+# -- a Transport's parts --------------------------------------------------------------------------
+
+
+def connection(t: transport.Transport, peer: str) -> PeerConn | None:
+    """The cached connection to ``peer`` (alive or not): which incarnation a put would use."""
+    return t._peers.get(peer)
+
+
+def connection_count(t: transport.Transport) -> int:
+    """Connections held (a peer that left must not leave one behind)."""
+    return len(t._peers)
+
+
+def drop_connection(t: transport.Transport, conn: PeerConn) -> None:
+    """What housekeeping does when the store shows a newer incarnation of ``conn``'s peer."""
+    t._peers.drop(conn)
+
+
+def plans(t: transport.Transport) -> list[Plan]:
+    """The cached plans, least recently made first."""
+    return t._plans.plans()
+
+
+def backend(t: transport.Transport) -> Backend:
+    """The Transport's own agent (to spy on or fail its calls)."""
+    return t._ep.backend
+
+
+def local_memory(t: transport.Transport) -> LocalMemory:
+    """The registration cache of the Transport's own agent (its limits, its size)."""
+    return t._ep.mem
+
+
+def lanes(t: transport.Transport) -> list[Lane]:
+    """The lanes started so far (none until a transfer needs them)."""
+    return t._transfers.lanes.lanes
+
+
+def engine(t: transport.Transport) -> Engine:
+    """The Transport's own progress engine."""
+    return t._engine
+
+
+def engine_ops(e: Engine) -> list[Op]:
+    """The ops an engine holds: in flight and queued."""
+    return [*e._inflight, *e._queue]
+
+
+def transfers(t: transport.Transport) -> Any:
+    """The transfer paths (to spy on one of them with monkeypatch)."""
+    return t._transfers
+
+
+def install_stream_ops(t: transport.Transport, ops: Any) -> None:
+    """Stream machinery of a test's own (a host-memory stand-in of the GPU's words)."""
+    t._transfers.stream = ops
+
+
+def hold_engine_posts(t: transport.Transport, hold: Callable[[Op], None]) -> None:
+    """Call ``hold(op)`` before the engine posts each op it posts itself (not the caller's)."""
+    e = t._engine
+    post = e._post
+
+    def held(op: Op, lost_raises: bool = False) -> None:
+        hold(op)
+        post(op, lost_raises)
+
+    e._post = held  # type: ignore[method-assign]
+
+
+# -- a weight subscriber --------------------------------------------------------------------------
+
+
+def control_handler(sub: transport.WeightSubscriber) -> Callable[[str, bytes], None]:
+    """The subscriber's handler of control messages (to feed it messages directly)."""
+    return sub._on_message
+
+
+def newest_slot(sub: transport.WeightSubscriber) -> int | None:
+    """The staging slot of the newest complete version."""
+    with sub._lock:
+        return sub._newest_slot
+
+
+def slot_state(
+    sub: transport.WeightSubscriber,
+) -> tuple[int | None, int | None, list[int], list[int]]:
+    """Under the subscriber's lock: the newest complete version's slot, the slot apply() holds,
+    the slots read by forwards in progress, and each slot's version."""
+    with sub._lock:
+        forwarding = sorted(k for k, n in sub._forwarding.items() if n)
+        return sub._newest_slot, sub._held, forwarding, list(sub._slot_version)
+
+
+def spy_on_messages(
+    sub: transport.WeightSubscriber, t: transport.Transport, channel: str,
+    spy: Callable[[Callable[[str, bytes], None], str, bytes], None],
+) -> None:  # fmt: skip
+    """Put ``spy(original, peer, payload)`` in the subscriber's place on its control channel."""
+    original = sub._on_message
+    sub._stop_control()
+    sub._stop_control = t.core.on_control(channel, lambda p, m: spy(original, p, m))
+
+
+def gpu_sleep(cycles: int) -> None:
+    """A GPU kernel that keeps the current stream busy for about ``cycles`` clock cycles."""
+    torch.cuda._sleep(cycles)

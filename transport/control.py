@@ -1,0 +1,214 @@
+"""The control channel: notifications in and out, and the routing of the library's own messages."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from transport.contract import ControlHandler
+from transport.endpoint import Endpoint, State
+from transport.errors import PeerLostError, TransferTimeout, WireFormatError
+from transport.peer_table import PeerTable
+from transport.wire import (
+    TAG_CONTROL,
+    check_name,
+    frame_control,
+    frame_user_notification,
+    parse_notification,
+    peer_of_agent,
+)
+
+log = logging.getLogger("transport")
+
+#: user notifications held until read; a peer flooding us beyond this loses the newest
+MAX_QUEUED_NOTIFICATIONS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A notification received from a peer: who sent it and the payload passed as ``notify=``."""
+
+    peer: str
+    payload: bytes
+
+
+class ControlChannel:
+    """Everything one Transport sends or receives without data: user notifications and the
+    control messages of the library's own layers (weights/, withdrawals).
+
+    It owns the handler registry (one handler per channel: a second is refused with ValueError;
+    :meth:`on_control` returns the call that unregisters it) and the queue of user notifications,
+    bounded by ``max_queued`` (beyond it the newest are dropped and logged, so a peer cannot grow
+    our memory without bound). Threads: :meth:`route` runs on the engine thread, calls handlers
+    there (a handler's exception is logged, never kills the engine) and never blocks; the waits
+    (:meth:`wait`, :meth:`iterate`) are bounded by their deadline and end when the Transport
+    closes (:meth:`close` wakes them). A notification is sent after every transfer completed to
+    that peer before the call (the backend keeps that order).
+    """
+
+    def __init__(
+        self, ep: Endpoint, peers: PeerTable, max_queued: int = MAX_QUEUED_NOTIFICATIONS
+    ) -> None:
+        self._ep = ep
+        self._peers = peers
+        self.max_queued = max_queued
+        self._handlers: dict[str, ControlHandler] = {}
+        self._handlers_lock = threading.Lock()
+        self._queue: deque[Notification] = deque()
+        self._cond = threading.Condition()
+        self._dropped = 0
+
+    # -- the library's own messages ----------------------------------------------------------
+
+    def on_control(self, channel: str, handler: ControlHandler) -> Callable[[], None]:
+        """Route control messages of ``channel`` to ``handler(peer, payload)`` (on the engine
+        thread); returns the call that stops it. One handler per channel."""
+        with self._handlers_lock:
+            if channel in self._handlers:
+                raise ValueError(
+                    f"control channel {channel!r} already has a handler on this Transport (a "
+                    "second weight publisher or subscriber of one group?); close the first"
+                )
+            self._handlers[channel] = handler
+
+        def stop() -> None:
+            with self._handlers_lock:
+                if self._handlers.get(channel) is handler:
+                    del self._handlers[channel]
+
+        return stop
+
+    def send_control(self, peer: str, channel: str, payload: bytes) -> None:
+        self.send(peer, frame_control(channel, payload))
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        self.send(peer, frame_user_notification(payload))
+
+    def send(self, peer: str, frame: bytes) -> None:
+        """Send one framed notification to ``peer`` (connecting first if needed)."""
+        self._ep.check_open()
+        check_name("peer name", peer)
+        conn = self._peers.get(peer)
+        if conn is None or not conn.alive:
+            conn = self._peers.connect(peer)
+        backend = self._ep.backend
+        with conn.lock:
+            if not conn.alive:
+                raise PeerLostError(
+                    f"peer {peer!r} was lost; the next call reconnects if it has restarted", peer
+                )
+            try:
+                backend.send_notif(conn.agent, frame, peer)
+            except PeerLostError:
+                lost = True
+            else:
+                lost = False
+        if lost:
+            conn.close(backend)
+            raise PeerLostError(f"peer {peer!r} was lost while notifying it", peer)
+
+    # -- incoming (engine thread) ------------------------------------------------------------
+
+    def route(self, notifs: dict[str, list[bytes]]) -> None:
+        """The engine's notifications: control messages to their handlers, the rest queued."""
+        out = []
+        rec = self._ep.recorder
+        for agent, frames in notifs.items():
+            who = peer_of_agent(agent)
+            if who is None:
+                log.warning(
+                    "dropping %d notifications from unknown agent %r", len(frames), agent[:80]
+                )
+                continue
+            peer = who[0]
+            for frame in frames:
+                try:
+                    tag, channel, payload = parse_notification(frame)
+                except WireFormatError as e:
+                    log.warning("dropping a notification from %s: %s", peer, e)
+                    continue
+                rec.record("notif", 0, channel or "", peer, len(payload))
+                if tag == TAG_CONTROL:
+                    self._dispatch(peer, channel or "", payload)
+                else:
+                    out.append(Notification(peer, payload))
+        if out:
+            self._enqueue(out)
+
+    def _dispatch(self, peer: str, channel: str, payload: bytes) -> None:
+        handler = self._handlers.get(channel)
+        if handler is None:
+            log.debug("dropping a %r control message from %s: no handler", channel, peer)
+            return
+        try:
+            handler(peer, payload)
+        except Exception:  # a layer's handler must not kill the engine
+            log.exception("the %r control handler failed on a message from %s", channel, peer)
+
+    def _enqueue(self, out: list[Notification]) -> None:
+        with self._cond:
+            room = self.max_queued - len(self._queue)
+            if room < len(out):
+                lost = len(out) - max(room, 0)
+                self._dropped += lost
+                out = out[: max(room, 0)]
+                log.warning(
+                    "dropped %d notifications (%d in all): %d are queued unread, the most this "
+                    "Transport holds; read them with notifications() or wait_notification()",
+                    lost,
+                    self._dropped,
+                    self.max_queued,
+                )
+            self._queue.extend(out)
+            self._cond.notify_all()
+
+    # -- reading (user threads) --------------------------------------------------------------
+
+    def iterate(self, timeout: float | None) -> Iterator[Notification]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if not self._queue and not self._await(deadline):
+                    return
+                n = self._queue.popleft()
+            yield n
+
+    def wait(self, timeout: float | None, peer: str | None) -> Notification:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for i, n in enumerate(self._queue):
+                    if peer is None or n.peer == peer:
+                        del self._queue[i]
+                        return n
+                self._ep.check_open()
+                if not self._await(deadline, after=len(self._queue)):
+                    self._ep.check_open()
+                    who = f" from {peer!r}" if peer else ""
+                    raise TransferTimeout(f"no notification{who} arrived within {timeout:.3g} s")
+
+    def _await(self, deadline: float | None, after: int = 0) -> bool:
+        """With ``_cond`` held: wait until more than ``after`` notifications are queued. False at
+        the deadline or when the Transport closes."""
+        engine = self._ep.engine
+        engine.waiting(+1)
+        try:
+            while len(self._queue) <= after:
+                if self._ep.state is not State.OPEN:
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.1 if left is None else min(left, 0.1))
+            return True
+        finally:
+            engine.waiting(-1)
+
+    def close(self) -> None:
+        """Wake every reader (the Transport is closed: they return or raise ClosedError)."""
+        with self._cond:
+            self._cond.notify_all()

@@ -1,0 +1,88 @@
+"""Housekeeping: the background thread of one Transport."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from transport.dumps import Dumps
+from transport.endpoint import Endpoint
+from transport.peer_table import PeerTable
+from transport.plan_cache import PlanCache
+from transport.regions import Regions
+from transport.transfers import Transfers
+
+log = logging.getLogger("transport")
+
+
+class Housekeeping:
+    """The thread ``transport-control-<name>`` of one Transport, from :meth:`start` until the
+    Transport closes (``ep.stopping``).
+
+    It owns no state of its own; it runs the other parts' slow work off the hot paths: at once
+    when woken (``ep.wake``: retries of transfers to a restarted peer, dumps, withdrawals), and
+    every ``heartbeat_interval``: the heartbeat, restoring our record if the store lost it, the
+    namespace's dump requests, dropping connections to peers that restarted, letting go of the
+    plans of dropped connections. Rules: it never holds a lock across parts; a store that is down
+    costs a warning per round, never the thread.
+    """
+
+    def __init__(
+        self,
+        ep: Endpoint,
+        peers: PeerTable,
+        plans: PlanCache,
+        regions: Regions,
+        transfers: Transfers,
+        dumps: Dumps,
+    ) -> None:
+        self._ep = ep
+        self._peers = peers
+        self._plans = plans
+        self._regions = regions
+        self._transfers = transfers
+        self._dumps = dumps
+        self._thread = threading.Thread(
+            target=self._loop, name=f"transport-control-{ep.name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        ep = self._ep
+        next_beat = time.monotonic() + ep.settings.heartbeat_interval
+        while not ep.stopping.is_set():
+            ep.wake.wait(max(0.0, next_beat - time.monotonic()))
+            ep.wake.clear()
+            if ep.stopping.is_set():
+                break
+            if self._transfers.retries_waiting:
+                self._transfers.run_retries()
+            self._dumps.run()
+            self._regions.run()
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + ep.settings.heartbeat_interval
+            try:
+                self._beat()
+            except Exception as e:  # the store may be down; transfers go on without it
+                log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
+
+    def _beat(self) -> None:
+        ep = self._ep
+        self._dumps.check_requests()
+        ep.directory.heartbeat(ep.name, ep.generation)
+        if self._regions.restore():
+            log.warning(
+                "transport %s: the store had lost its record (restarted?); published it again",
+                ep.name,
+            )
+            ep.recorder.record("join", peers=ep.name, info="record restored in the store")
+        self._peers.drop_restarted()
+        self._plans.purge()

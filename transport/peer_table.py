@@ -1,0 +1,192 @@
+"""The peer table: our connections to the peers of the namespace, one per name."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from transport.endpoint import Endpoint
+from transport.errors import (
+    BackendError,
+    PeerLostError,
+    PeerNotFoundError,
+    StoreError,
+    WireFormatError,
+)
+from transport.plan import PeerConn
+from transport.wire import PeerRecord
+
+log = logging.getLogger("transport")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A live peer of the namespace, as its record and heartbeat describe it."""
+
+    name: str
+    generation: int
+    host: str
+    pid: int
+    version: str
+    regions: int
+    region_bytes: int
+    last_heartbeat: float | None  # wall-clock time, None if it never sent one
+
+
+def peer_info(rec: PeerRecord, hb: tuple[int, float] | None) -> PeerInfo:
+    return PeerInfo(
+        rec.name, rec.generation, rec.host, rec.pid, rec.version, len(rec.regions),
+        sum(r.nbytes for r in rec.regions), hb[1] if hb and hb[0] == rec.generation else None,
+    )  # fmt: skip
+
+
+class PeerTable:
+    """One Transport's connections: for each peer name, the connection to the incarnation
+    (generation) we reach, made from its record in the store on first use.
+
+    It owns the map of connections (``lock`` guards it and is held while a record is fetched, so
+    two threads never load one peer twice). Rules: :meth:`connect` returns a live connection or
+    raises (PeerNotFoundError, PeerLostError, WireFormatError) before anything is posted; a peer
+    that restarted under its name is dropped and connected afresh; a dropped or lost connection
+    is closed (its plans released) and queued in :meth:`take_dropped` for the plan cache, which
+    lets go of its cached plans (the table never calls the cache: the cache calls it, under its
+    own lock). :meth:`on_lost` runs on the engine thread and takes only the connection's lock.
+    """
+
+    def __init__(self, ep: Endpoint) -> None:
+        self._ep = ep
+        self.lock = threading.RLock()
+        self._conns: dict[str, PeerConn] = {}
+        self._dropped: deque[PeerConn] = deque()
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def get(self, peer: str) -> PeerConn | None:
+        """The connection to ``peer`` as it is now (live or not), without touching the store."""
+        return self._conns.get(peer)
+
+    def live(self) -> list[PeerConn]:
+        return [c for c in list(self._conns.values()) if c.alive]
+
+    def connect(self, peer: str, refresh: bool = False) -> PeerConn:
+        """A live connection to ``peer``; ``refresh`` reads its record afresh (it may have exposed
+        more, or restarted)."""
+        conn = self._conns.get(peer)
+        if conn is not None and conn.alive and not refresh:
+            return conn
+        with self.lock:
+            self._ep.check_open()
+            return self._connect(peer, refresh)
+
+    def _connect(self, peer: str, refresh: bool) -> PeerConn:
+        ep = self._ep
+        conn = self._conns.get(peer)
+        if conn is not None and conn.alive and not refresh:
+            return conn
+        rec = ep.directory.fetch(peer)
+        if rec is None:
+            if conn is not None:
+                self.drop(conn)
+            raise PeerNotFoundError(self.not_found_message(peer), peer)
+        if rec.backend != ep.backend.name:
+            raise WireFormatError(
+                f"peer {peer!r} uses backend {rec.backend!r}; this Transport uses {ep.backend.name!r}"
+            )
+        if conn is not None and conn.alive and rec.generation == conn.generation:
+            if rec != conn.record:
+                ep.backend.add_peer(rec.metadata)  # same agent, more registered memory
+                conn.record, conn.regions = rec, rec.region_map()
+            return conn
+        if conn is not None:
+            self.drop(conn)  # the old incarnation, and every plan made for it
+        try:
+            loaded = ep.backend.add_peer(rec.metadata)
+        except BackendError as e:
+            raise PeerLostError(
+                f"peer {peer!r} (generation {rec.generation}) is registered but cannot be reached; it may have "
+                "died without leaving (its record stays until it restarts) [" + str(e) + "]",
+                peer,
+            ) from e
+        if loaded != rec.agent:
+            ep.backend.remove_peer(loaded)
+            raise WireFormatError(
+                f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}"
+            )
+        conn = PeerConn(rec, loaded)
+        self._conns[peer] = conn
+        ep.recorder.record("join", peers=peer, info=f"generation {rec.generation}")
+        return conn
+
+    def drop(self, conn: PeerConn) -> None:
+        """Close ``conn`` (its plans are released) and forget it."""
+        self._ep.recorder.record("leave", peers=conn.name, info=f"generation {conn.generation}")
+        conn.close(self._ep.backend)
+        with self.lock:
+            if self._conns.get(conn.name) is conn:
+                del self._conns[conn.name]
+        self._dropped.append(conn)
+
+    def take_dropped(self) -> list[PeerConn]:
+        """The connections dropped since the last call (for the plan cache to purge)."""
+        out = []
+        while self._dropped:
+            out.append(self._dropped.popleft())
+        return out
+
+    def on_lost(self, conn: PeerConn, error: BaseException) -> None:
+        """Engine thread: a transfer found ``conn``'s peer gone. Only the connection's own lock,
+        never the table's (a user thread may hold that while it talks to the store); its stale
+        plans go at the next plan made or housekeeping round."""
+        if conn.alive:
+            log.warning("peer %s#%d lost: %s", conn.name, conn.generation, error)
+            self._ep.recorder.record("lost", peers=conn.name, info=str(error)[:300])
+            conn.close(self._ep.backend)
+            self._dropped.append(conn)
+
+    def drop_restarted(self) -> None:
+        """Housekeeping: drop every connection whose peer has a newer generation in the store."""
+        for conn in self.live():
+            if self._ep.directory.generation(conn.name) > conn.generation:
+                log.info("peer %s restarted; dropping generation %d", conn.name, conn.generation)
+                self.drop(conn)
+
+    def restarted(self, old: PeerConn) -> PeerRecord | None:
+        """The record of a newer incarnation of ``old``'s peer, if the store has one."""
+        try:
+            rec = self._ep.directory.fetch(old.name)
+        except (StoreError, WireFormatError):
+            return None
+        if rec is None or rec.generation <= old.generation:
+            return None
+        return rec
+
+    def not_found_message(self, peer: str) -> str:
+        ep = self._ep
+        try:
+            known = [
+                n
+                for n in ep.directory.names()
+                if n != ep.name and ep.store.try_get(ep.directory.key("peers", n))
+            ]
+        except StoreError:
+            known = []
+        hint = (
+            f"known peers: {', '.join(known[:8])}" + (" ..." if len(known) > 8 else "")
+            if known
+            else "no other peers are registered"
+        )
+        return (
+            f"no peer named {peer!r} in namespace {ep.namespace!r} ({hint}); "
+            "check the name and namespace, or wait_for_peer() before the first put"
+        )
+
+    def close(self) -> None:
+        """Close every connection (once every engine has stopped)."""
+        with self.lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close(self._ep.backend)
+        self._dropped.clear()
