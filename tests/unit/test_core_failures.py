@@ -19,7 +19,7 @@ import torch
 import transport
 from helpers.loopback_net import frozen, pattern
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(10)
 
 # Restart tests: the writer's heartbeat would also notice a restart (within heartbeat_interval);
 # a long one leaves it to the put, the path these tests are about.

@@ -14,7 +14,7 @@ import torch
 import transport
 from helpers.loopback_net import frozen, pattern
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(10)
 
 N = 3
 

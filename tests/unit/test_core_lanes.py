@@ -16,7 +16,7 @@ import transport
 from helpers.loopback_net import agent_of, frozen, pattern
 from transport.backends.loopback import LoopbackBackend
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(10)
 
 LANES = {"lanes": 3, "lane_bytes": 1 << 20}
 N = (5 << 20) + 7  # bytes of one large transfer

@@ -16,7 +16,7 @@ import torch
 import transport
 from helpers.loopback_net import frozen, pattern
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(10)
 
 
 def test_each_senders_notifications_keep_their_order_and_follow_its_puts(loopback_net):

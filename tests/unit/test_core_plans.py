@@ -15,7 +15,7 @@ import transport
 from helpers.loopback_net import frozen, pattern
 from transport.backends.loopback import LoopbackBackend
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(10)
 
 
 @pytest.fixture
