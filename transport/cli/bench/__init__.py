@@ -15,7 +15,7 @@ from transport.cli import CliError
 
 BASELINES = ("raw", "gloo", "memcpy", "nccl")
 ROLES = ("writer", "reader")
-PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"
+PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"  # put.SIZES, without importing torch for --help
 PUT_SIZES_QUICK = "4K,1M,64M"
 
 
@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
         "one 'ours-lanesN' (default: the Transport's default only)",
     )
     _common(put)
-    put.set_defaults(run=run_put)
+    put.set_defaults(run=lambda args: run(args, "put"))
 
     sync = bsub.add_parser(
         "sync", help="weight sync of a synthetic model to N generators",
@@ -109,7 +109,7 @@ def add_parser(sub: Any) -> None:
         "--degree", type=int, default=2, help="generators each writer serves in a tree (default 2)"
     )
     _common(sync)
-    sync.set_defaults(run=run_sync)
+    sync.set_defaults(run=lambda args: run(args, "sync"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -209,94 +209,28 @@ def check_roles(args: argparse.Namespace) -> list[str] | None:
 
 
 def receiver_counts(n: int) -> list[int]:
-    ks, k = [], 1
-    while k < n:
-        ks.append(k)
-        k *= 2
+    """1, 2, 4, .. below ``n``, then ``n``."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i < n]
     return [*ks, n]
 
 
-def _positive(name: str, value: float | None) -> None:
+def positive(name: str, value: float | None) -> None:
     if value is not None and value <= 0:
         raise CliError(f"{name} must be positive, got {value}")
 
 
-# -- bench put ----------------------------------------------------------------------------------
-
-
-def put_plan(args: argparse.Namespace, peers: list[str] | None) -> Any:
-    from transport.cli.bench._util import parse_batch, parse_size, parse_sizes
-    from transport.cli.bench.put import PutPlan
-
-    sizes = parse_sizes(args.sizes or (PUT_SIZES_QUICK if args.quick else PUT_SIZES))
-    if args.max_size:
-        cap = parse_size(args.max_size, "--max-size")
-        sizes = [n for n in sizes if n <= cap]
-        if not sizes:
-            raise CliError(f"--max-size {args.max_size} leaves no size to measure")
-    batch_text = args.batch or ("100x64K" if args.quick else "1000x64K")
-    batch = None if batch_text.lower() == "none" else parse_batch(batch_text)
-    n = args.receivers
-    if n is not None and n < 1:
-        raise CliError(f"--receivers must be at least 1, got {n}")
-    if peers:
-        if n is not None and n != len(peers):
-            raise CliError(f"--receivers {n} does not match the {len(peers)} names of --peers")
-        n = len(peers)
-    n = n or 1
-    _positive("--budget", args.budget)
-    _positive("--timeout", args.timeout)
-    if args.block < 1:
-        raise CliError(f"--block must be at least 1, got {args.block}")
-    quick = args.quick
-    lanes: list[int] = []
-    for x in (args.lanes or "").split(","):
-        if not x.strip():
-            continue
-        if not x.strip().isdigit() or not 1 <= int(x) <= 16:
-            raise CliError(f"--lanes takes counts from 1 to 16, got {x.strip()!r}")
-        lanes.append(int(x))
-    return PutPlan(
-        sizes=sizes, batch=batch, ops=["write", "read"] if args.op == "both" else [args.op],
-        ks=receiver_counts(n), readers=n, baselines=parse_baselines(args.baselines),
-        budget_s=args.budget or (0.2 if quick else 1.5), min_cycles=3 if quick else 5,
-        max_cycles=20 if quick else 100, block=args.block, dist_budget_s=0.2 if quick else 1.0,
-        memcpy_budget_s=0.1 if quick else 0.5, min_iters=3 if quick else 5, timeout=args.timeout,
-        pin=args.pin, lanes=list(dict.fromkeys(lanes)),
-    )  # fmt: skip
-
-
-def run_put(args: argparse.Namespace) -> int:
-    peers = check_roles(args)
-    plan = put_plan(args, peers)
-    if args.plot:
-        from transport.cli.bench.report import check_plot_support
-
-        check_plot_support()
-    if args.role == "reader":
-        from transport.cli.bench._session import run_reader
-        from transport.cli.bench.put import PutReader
-
-        return run_reader(args, PutReader)
-    from transport.cli.bench.put import run_writer
-
-    return run_writer(args, plan, peers)
-
-
-# -- bench sync ---------------------------------------------------------------------------------
-
-
-def run_sync(args: argparse.Namespace) -> int:
-    from transport.cli.bench import sync
+def run(args: argparse.Namespace, command: str) -> int:
+    """``transport bench put|sync``: the writer (local readers, or --role writer) or a reader."""
+    from transport.cli.bench import _report, _runner, _session
 
     peers = check_roles(args)
-    plan = sync.sync_plan(args, peers)
+    if command == "put":
+        from transport.cli.bench.put import PutWorkload as Kind
+    else:
+        from transport.cli.bench.sync import SyncWorkload as Kind  # type: ignore[assignment]
+    w = Kind.from_args(args, peers)
     if args.plot:
-        from transport.cli.bench.report import check_plot_support
-
-        check_plot_support()
+        _report.check_plot_support()
     if args.role == "reader":
-        from transport.cli.bench._session import run_reader
-
-        return run_reader(args, lambda t, saved: sync.SyncReader(t, saved, plan))
-    return sync.run_writer(args, plan, peers)
+        return _session.run_reader(args, w.buffers)
+    return _runner.run_writer(args, w, peers)
