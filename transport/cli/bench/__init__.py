@@ -23,49 +23,26 @@ def add_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark puts and weight syncs against baselines",
                            description=__doc__)  # fmt: skip
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-
     put = bsub.add_parser(
         "put", help="latency and bandwidth of put/get over sizes",
         description="Latency and bandwidth of our put (WRITE) and get (READ) over sizes, single "
         "tensors and batches, to 1..N receivers, against raw NIXL, gloo, NCCL and memcpy.",
     )  # fmt: skip
-    put.add_argument(
-        "--sizes",
-        default=None,
-        help=f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})",
-    )
-    put.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 64M")
-    put.add_argument("--batch", default=None, metavar="COUNTxSIZE",
-                     help="a batch of COUNT separate tensors in one transfer (default 1000x64K; "
-                     "--quick: 100x64K; 'none' to skip)")  # fmt: skip
-    put.add_argument("--op", choices=("write", "read", "both"), default="both",
-                     help="WRITE (put), READ (get) or both (default)")  # fmt: skip
-    put.add_argument(
-        "--receivers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="fan out to N receivers: measures 1, 2, 4, .. and N (default 1)",
-    )
-    put.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds of timed cycles per configuration (default 1.5; --quick 0.2)",
-    )
-    put.add_argument(
-        "--block",
-        type=int,
-        default=50,
-        help="iterations per turn below 1 MiB when systems are interleaved (default 50)",
-    )
-    put.add_argument(
-        "--lanes",
-        default=None,
-        help="comma list of lane counts to compare, interleaved: the first is 'ours', each other "
-        "one 'ours-lanesN' (default: the Transport's default only)",
-    )
+    add = put.add_argument
+    add("--sizes", help=f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})")
+    add("--max-size", help="drop sizes above this one, e.g. 64M")
+    add("--batch", metavar="COUNTxSIZE", help="a batch of COUNT separate tensors in one transfer "
+        "(default 1000x64K; --quick: 100x64K; 'none' to skip)")  # fmt: skip
+    add("--op", choices=("write", "read", "both"), default="both",
+        help="WRITE (put), READ (get) or both (default)")  # fmt: skip
+    add("--receivers", type=int, metavar="N",
+        help="fan out to N receivers: measures 1, 2, 4, .. and N (default 1)")  # fmt: skip
+    add("--budget", type=float, metavar="S",
+        help="seconds of timed cycles per configuration (default 1.5; --quick 0.2)")  # fmt: skip
+    add("--block", type=int, default=50,
+        help="iterations per turn below 1 MiB when systems are interleaved (default 50)")  # fmt: skip
+    add("--lanes", help="comma list of lane counts to compare, interleaved: the first is 'ours', "
+        "each other one 'ours-lanesN' (default: the Transport's default only)")  # fmt: skip
     _common(put)
     put.set_defaults(run=lambda args: run(args, "put"))
 
@@ -75,100 +52,48 @@ def add_parser(sub: Any) -> None:
         "(WeightPublisher/WeightSubscriber), against raw NIXL writing the same tensors, gloo "
         "broadcast, NCCL broadcast (CUDA) and memcpy.",
     )  # fmt: skip
-    sync.add_argument("--params", default=None,
-                      help="parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
-                      "float32; --quick: 16M)")  # fmt: skip
-    sync.add_argument(
-        "--tensors", type=int, default=None, help="tensor count (default 300; --quick 50)"
-    )
-    sync.add_argument(
-        "--dtypes",
-        default="float32",
-        help="comma list of dtypes, assigned to the tensors in turn (default float32)",
-    )
-    sync.add_argument(
-        "--generators", type=int, default=None, metavar="N", help="receiving processes (default 2)"
-    )
-    sync.add_argument(
-        "--steps", type=int, default=None, help="timed syncs per system (default 10; --quick 3)"
-    )
-    sync.add_argument(
-        "--mode",
-        choices=("staging", "inplace"),
-        default="staging",
-        help="WeightSubscriber mode (default staging)",
-    )
-    sync.add_argument(
-        "--fanout",
-        default="direct",
-        help="comma list of WeightPublisher fan-outs to compare, interleaved step by step: "
-        "direct (the trainer writes every generator), chain, tree (generators relay; staging "
-        "mode) (default direct)",
-    )
-    sync.add_argument(
-        "--degree", type=int, default=2, help="generators each writer serves in a tree (default 2)"
-    )
+    add = sync.add_argument
+    add("--params", help="parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
+        "float32; --quick: 16M)")  # fmt: skip
+    add("--tensors", type=int, help="tensor count (default 300; --quick 50)")
+    add("--dtypes", default="float32",
+        help="comma list of dtypes, assigned to the tensors in turn (default float32)")  # fmt: skip
+    add("--generators", type=int, metavar="N", help="receiving processes (default 2)")
+    add("--steps", type=int, help="timed syncs per system (default 10; --quick 3)")
+    add("--mode", choices=("staging", "inplace"), default="staging",
+        help="WeightSubscriber mode (default staging)")  # fmt: skip
+    add("--fanout", default="direct", help="comma list of WeightPublisher fan-outs to compare, "
+        "interleaved step by step: direct (the trainer writes every generator), chain, tree "
+        "(generators relay; staging mode) (default direct)")  # fmt: skip
+    add("--degree", type=int, default=2, help="generators each writer serves in a tree (default 2)")
     _common(sync)
     sync.set_defaults(run=lambda args: run(args, "sync"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--baselines", default=",".join(BASELINES),
-                   help=f"comma list out of {', '.join(BASELINES)}, or 'none' (default: all; nccl "
-                   "only runs where CUDA is present)")  # fmt: skip
-    p.add_argument(
-        "--quick", action="store_true", help="a smoke test: small sizes, few iterations (< 30 s)"
-    )
-    p.add_argument(
-        "--json", default=None, metavar="FILE", help="write results and the environment as JSON"
-    )
-    p.add_argument(
-        "--plot", default=None, metavar="FILE.png", help="plot the results (needs matplotlib)"
-    )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: when stderr is a terminal)",
-    )
-    p.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pin the writer to one CPU per lane and each reader to a CPU of its own while NIXL "
-        "is measured (default: when the host has CPUs enough for all of them)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds one transfer or reply may take"
-    )
-    g = p.add_argument_group("across hosts")
-    g.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help="join this existing store (tcp://, redis://) instead of spawning local readers",
-    )
-    g.add_argument("--role", choices=ROLES, default=None, help="with --store: this process's role")
-    g.add_argument(
-        "--peers",
-        default=None,
-        metavar="A,B",
-        help="writer: the names of the readers, comma separated",
-    )
-    g.add_argument(
-        "--name", default=None, help="this peer's name (reader: required; writer: bench-writer)"
-    )
-    g.add_argument("--namespace", default="bench", help="namespace of the run (default bench)")
-    g.add_argument(
-        "--wait",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="how long to wait for the other side (default 120 s)",
-    )
-    p.add_argument(
-        "--cpu", type=int, default=None, help=argparse.SUPPRESS
-    )  # local readers: pinning
+    on_off = argparse.BooleanOptionalAction
+    add = p.add_argument
+    add("--baselines", default=",".join(BASELINES), help=f"comma list out of "
+        f"{', '.join(BASELINES)}, or 'none' (default: all; nccl only runs where CUDA is present)")  # fmt: skip
+    add("--quick", action="store_true", help="a smoke test: small sizes, few iterations (< 30 s)")
+    add("--json", metavar="FILE", help="write results and the environment as JSON")
+    add("--plot", metavar="FILE.png", help="plot the results (needs matplotlib)")
+    add("--progress", action=on_off, help="progress bar on stderr (default: when stderr is a "
+        "terminal)")  # fmt: skip
+    add("--pin", action=on_off, help="pin the writer to one CPU per lane and each reader to a CPU "
+        "of its own while NIXL is measured (default: when the host has CPUs enough for all of "
+        "them)")  # fmt: skip
+    add("--timeout", type=float, default=120.0, help="seconds one transfer or reply may take")
+    add = p.add_argument_group("across hosts").add_argument
+    add("--store", metavar="URL",
+        help="join this existing store (tcp://, redis://) instead of spawning local readers")  # fmt: skip
+    add("--role", choices=ROLES, help="with --store: this process's role")
+    add("--peers", metavar="A,B", help="writer: the names of the readers, comma separated")
+    add("--name", help="this peer's name (reader: required; writer: bench-writer)")
+    add("--namespace", default="bench", help="namespace of the run (default bench)")
+    add("--wait", type=float, default=120.0, metavar="S",
+        help="how long to wait for the other side (default 120 s)")  # fmt: skip
+    p.add_argument("--cpu", type=int, help=argparse.SUPPRESS)  # local readers: pinning
 
 
 # -- arguments ----------------------------------------------------------------------------------

@@ -25,12 +25,14 @@ from transport.cli.bench._systems import System
 from transport.cli.bench._util import Stats, unpin
 
 
-class Case:
+class Case(ABC):
     """One configuration's coordinates in records and ratios (a frozen dataclass whose fields,
-    ending with ``bytes``, are the record's JSON fields); ``receivers`` multiplies ``bytes``."""
+    ending with ``bytes``, are the record's JSON fields); the bytes go to :meth:`copies` peers."""
 
     bytes: int
-    receivers: int
+
+    @abstractmethod
+    def copies(self) -> int: ...
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Record:
     paired_time_ratio: dict[str, float] = field(default_factory=dict)
 
     def json(self) -> dict[str, Any]:
-        total = self.case.bytes * self.case.receivers
+        total = self.case.bytes * self.case.copies()
         paired = {"paired_time_ratio": self.paired_time_ratio} if self.paired_time_ratio else {}
         return {"system": self.system, "family": self.family, **asdict(self.case),  # type: ignore[call-overload]
                 "total_bytes": total, **asdict(self.stats), "verified": self.verified,
@@ -216,7 +218,7 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
             times, per_cycle = {s.name: alone(s, t.timing) for s in t.systems}, {}
         recs: dict[str, Record] = {}
         for s in t.systems:
-            stats = Stats.of(times[s.name], t.case.bytes * t.case.receivers)
+            stats = Stats.of(times[s.name], t.case.bytes * t.case.copies())
             rec = recs[s.name] = Record(s.name, s.family, t.case, stats)
             if t.cycles and t.schedule:
                 rec.extra.update(block=t.timing.block, cycles=len(per_cycle[s.name]))

@@ -17,28 +17,10 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _raw
-from transport.cli.bench._control import (
-    Channel,
-    LocalReaders,
-    encode,
-    get_blob,
-    linger,
-    put_blob,
-    serve,
-    wait_for_readers,
-)
+from transport.cli.bench import _control, _raw, _util
+from transport.cli.bench._control import Channel, LocalReaders, encode, serve
 from transport.cli.bench._dist import Group, device_for
-from transport.cli.bench._util import (
-    CpuWatch,
-    affinity,
-    check_pattern,
-    fill_pattern,
-    pin_layout,
-    pin_to,
-    unpin,
-    zero_bytes,
-)
+from transport.cli.bench._util import CpuWatch, affinity, pin_layout, pin_to, unpin
 
 
 @dataclass
@@ -116,7 +98,7 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
         t = transport.Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
                                 timeout=args.timeout)  # fmt: skip
         alive = local.check if local else None
-        wait_for_readers(t, names, args.wait, alive)
+        _control.wait_for_readers(t, names, args.wait, alive)
         chan = Channel(t, timeout=args.timeout, alive=alive)
         yield Session(t, chan, names, local, saved, [pin_note] if pin_note else [], args.wait)
         ok = True
@@ -157,7 +139,7 @@ class Buffers(ABC):
 
     def check(self, spec: dict[str, Any], seed: int, dist: bool) -> dict[str, Any]:
         xs = self.tensors(spec, dist)
-        return {"ok": all(check_pattern(x, seed + j) for j, x in enumerate(xs))}
+        return {"ok": all(_util.check_pattern(x, seed + j) for j, x in enumerate(xs))}
 
     def close(self) -> None:  # noqa: B027 - a hook
         """Release what :meth:`setup` took."""
@@ -189,23 +171,23 @@ class Reader:
             self.agent = _raw.new_agent(f"raw-{self.t.name}")
             self.agent.register_memory(tensors)
             blob = {"md": self.agent.get_agent_metadata(), **addrs}
-            put_blob(self.t.store, self.t.namespace, self.t.name, "raw", blob)
+            _control.put_blob(self.t.store, self.t.namespace, self.t.name, "raw", blob)
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return {"cmd": "ready", "cuda": cuda, "host": socket.gethostname()}
 
     def raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
-        blob = get_blob(self.t.store, self.t.namespace, m["writer"], "raw", 60)
+        blob = _control.get_blob(self.t.store, self.t.namespace, m["writer"], "raw", 60)
         self.agent.add_remote_agent(blob["md"])
         return {}
 
     def zero(self, m: dict[str, Any]) -> dict[str, Any]:
         for x in self.buffers.tensors(m["spec"], m["dist"]):
-            zero_bytes(x)
+            _util.zero_bytes(x)
         return {}
 
     def fill(self, m: dict[str, Any]) -> dict[str, Any]:
         for j, x in enumerate(self.buffers.tensors(m["spec"], m["dist"])):
-            fill_pattern(x, m["seed"] + j)
+            _util.fill_pattern(x, m["seed"] + j)
         return {}
 
     def check(self, m: dict[str, Any]) -> dict[str, Any]:
@@ -254,7 +236,7 @@ def run_reader(args: argparse.Namespace, buffers: Any) -> int:
             writer, failed = serve(t, reader.handlers(), reader.progress, args.wait)
         finally:
             reader.close()
-        linger(t, writer)
+        _control.linger(t, writer)
     if failed:
         raise CliError(f"the writer {writer!r} failed; see its output")
     return 0

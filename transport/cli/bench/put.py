@@ -50,6 +50,14 @@ class PutCase(Case):
     size: str
     bytes: int
 
+    def copies(self) -> int:
+        return self.receivers
+
+
+def case_of(r: Record) -> PutCase:
+    assert isinstance(r.case, PutCase)
+    return r.case
+
 
 class PutBuffers(Buffers):
     """A reader's ``buf`` (the largest size) and the batch ``b0``.. (exposed and touched at setup),
@@ -204,8 +212,8 @@ class PutWorkload(Workload):
             res.notes.append(f"ours: first put to {r} (resolve + connect) {1e3 * dt:.1f} ms")
 
     def close(self) -> None:
-        if getattr(self, "raw", None) is not None:
-            self.raw.close()
+        if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
+            raw.close()
 
     def phases(self, s: Session, res: Results) -> list[Phase]:
         b = self.baselines
@@ -236,7 +244,9 @@ class PutWorkload(Workload):
             return lambda: t.put(srcs[0], to, key).wait(tmo)
         if k == 1:
             return lambda: t.get(srcs[0], peers[0], key).wait(tmo)
-        return lambda: transport.wait_all([t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo)
+        return lambda: transport.wait_all(
+            [t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo
+        )
 
     def _with_lanes(self, lanes: int, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
@@ -328,12 +338,10 @@ class PutWorkload(Workload):
         time (latency, <= 1 is better) or other/ours time = ours/other bandwidth (>= 1 is better)."""
         out = []
         for r in (r for r in records if r.system == OURS):
-            c = r.case
-            assert isinstance(c, PutCase)
+            c = case_of(r)
             latency = c.bytes <= LATENCY_MAX and c.kind == "single"
             for o in records:
-                oc = o.case
-                assert isinstance(oc, PutCase)
+                oc = case_of(o)
                 same = (oc.receivers, oc.kind, oc.size) == (c.receivers, c.kind, c.size)
                 if not same or o.system in (OURS, SINGLE):
                     continue
@@ -361,8 +369,7 @@ class PutWorkload(Workload):
                      f"({cpu['model']}); {_env.ucx_summary(env['ucx'])}")  # fmt: skip
         blocks: dict[tuple[str, int], list[Record]] = {}
         for r in sorted(res.records, key=lambda r: r.family not in ("ours", "raw")):
-            c = r.case
-            assert isinstance(c, PutCase)
+            c = case_of(r)
             blocks.setdefault((c.op, c.receivers), []).append(r)
         for (op, k), rows in blocks.items():
             more = " (GB/s: bytes delivered to all receivers)" if k > 1 else ""
@@ -431,10 +438,8 @@ def _sections(rows: list[Record]) -> list[list[list[str]]]:
     """One section per size of a (op, receivers) block: its systems, each against raw-nixl and
     ours (time ratio up to 64 KiB, bandwidth ratio above)."""
     by_size: dict[tuple[str, str], list[Record]] = {}
-    for r in sorted(
-        rows, key=lambda r: (r.case.bytes + (r.case.kind == "batch"), _report.rank(r.system))
-    ):  # type: ignore[attr-defined]
-        by_size.setdefault((r.case.kind, r.case.size), []).append(r)  # type: ignore[attr-defined]
+    for r in sorted(rows, key=lambda r: (r.case.bytes + (case_of(r).kind == "batch"), _report.rank(r.system))):  # fmt: skip
+        by_size.setdefault((case_of(r).kind, case_of(r).size), []).append(r)
     out = []
     for (kind, size), sel in by_size.items():
         ref = next((r for r in sel if r.system == RAW), None)

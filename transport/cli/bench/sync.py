@@ -51,8 +51,7 @@ class SyncCase(Case):
     tensors: int
     bytes: int
 
-    @property
-    def receivers(self) -> int:
+    def copies(self) -> int:
         return self.generators
 
 
@@ -281,12 +280,9 @@ class SyncWorkload(Workload):
             self.path = self.raw.path("WRITE", pairs, notif=b"transport-bench-sync")
 
     def close(self) -> None:
-        if getattr(self, "path", None) is not None:
-            self.path.close()
-        if getattr(self, "raw", None) is not None:
-            self.raw.close()
-        if getattr(self, "pub", None) is not None:
-            self.pub.close()
+        for part in ("path", "raw", "pub"):  # as far as setup got
+            if (x := getattr(self, part, None)) is not None:
+                x.close()
 
     def phases(self, s: Session, res: Results) -> list[Phase]:
         b = self.baselines
@@ -350,8 +346,8 @@ class SyncWorkload(Workload):
     # -- the report -----------------------------------------------------------------------------
 
     def ratios(self, records: list[Record]) -> list[Ratio]:
-        ours = next((r for r in records if r.system == "ours"), None)
-        ours = ours or next((r for r in records if r.family == "ours"), None)
+        named = [r for r in records if r.system == "ours"]
+        ours = next(iter(named or [r for r in records if r.family == "ours"]), None)
         if ours is None:
             return []
         fanouts = [ours] + [r for r in records if r.family == "ours" and r is not ours]
@@ -362,16 +358,16 @@ class SyncWorkload(Workload):
                 paired = o.paired_time_ratio.get("ours")
                 out.append(Ratio(ours.system, x, paired, name=f"{o.system}/{ours.system} time"))
             elif o.system == "raw-nixl":
-                x, target = ours.stats.median_s / o.stats.median_s, TARGETS["ours/raw"]
+                x, most = ours.stats.median_s / o.stats.median_s, TARGETS["ours/raw"]
                 paired = ours.paired_time_ratio.get("raw-nixl")
-                out.append(Ratio("raw-nixl", x, paired, target, x <= target, name="ours/raw time"))
+                out.append(Ratio("raw-nixl", x, paired, most, x <= most, name="ours/raw time"))
             else:  # the broadcast against every fan-out of ours (a relayed one too)
-                target = TARGETS["gloo/ours"] if o.system == "gloo-bcast" else None
+                least = TARGETS["gloo/ours"] if o.system == "gloo-bcast" else None
                 for r in fanouts:
                     x = o.stats.median_s / r.stats.median_s
-                    ok = None if target is None else x >= target
+                    ok = None if least is None else x >= least
                     name = f"{o.system}/{r.system} time"
-                    out.append(Ratio(o.system, x, None, target, ok, name=name))
+                    out.append(Ratio(o.system, x, None, least, ok, name=name))
         return out
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
