@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from helpers.processes import REPO, LineReader, free_port
+from transport.cli.bench._systems import Memcpy
 from transport.cli.bench._util import parse_batch, parse_size, parse_sizes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -286,3 +288,52 @@ def test_pinning_is_left_off_where_the_lanes_would_share_a_cpu(
     assert got is pinned and (note is not None) is noted
     if note:
         assert f"need {lanes + readers} CPUs" in note and "--pin" in note
+
+
+# -- the System contract and the runner, in-process (no readers) ----------------------------------
+
+
+class Lossy(Memcpy):
+    """A memcpy that loses the last byte: verify must catch it."""
+
+    def step(self) -> None:
+        super().step()
+        self.dst[-1].view(-1).view(torch.uint8)[-1:].zero_()
+
+
+def _tensors() -> list[Any]:
+    # a whole pattern block and a tail, and another dtype: every byte must be checked
+    return [torch.ones(70_000, dtype=torch.uint8), torch.ones(33, dtype=torch.float32)]
+
+
+def test_memcpy_system_keeps_the_contract_and_verifies_every_byte():
+    m = Memcpy(_tensors(), repeat=2)
+    m.setup()
+    assert len(m.run(3)) == 3
+    assert m.verify(seed=5)
+    assert all(torch.equal(d, s) for d, s in zip(m.dst, m.src, strict=True))
+    assert not Lossy(_tensors()).verify(seed=5)
+    m.close()
+
+
+def test_runner_records_interleaved_systems_with_paired_ratios_and_refuses_lost_bytes():
+    from transport.cli import CliError
+    from transport.cli.bench._runner import Results, Timing, Turn, measure
+    from transport.cli.bench.put import PutCase
+
+    case = PutCase("write", 1, "single", "4 KiB", 4096)
+    a, b = Memcpy(_tensors()), Memcpy(_tensors())
+    b.name = "memcpy-b"
+    res, seeds = Results(), iter(range(1, 100, 7))
+    turn = Turn("two copies", case, [a, b], Timing(0.0, 3, 3, 1, 2), ["memcpy", "memcpy-b"],
+                [("memcpy", "memcpy-b")])  # fmt: skip
+    measure(turn, res, seeds)
+    first, second = (r.json() for r in res.records)
+    assert first["verified"] and second["verified"]
+    assert first["iters"] == 6 and first["cycles"] == 3 and first["block"] == 2
+    assert set(first["paired_time_ratio"]) == {"memcpy-b"} and "paired_time_ratio" not in second
+    assert list(first)[:8] == ["system", "family", "op", "receivers", "kind", "size", "bytes",
+                               "total_bytes"]  # fmt: skip
+    lossy = Turn("lossy", case, [Lossy(_tensors())], Timing(0.0, 2, 2))
+    with pytest.raises(CliError, match="did not land"):
+        measure(lossy, Results(), seeds)

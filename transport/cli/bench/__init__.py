@@ -15,7 +15,7 @@ from transport.cli import CliError
 
 BASELINES = ("raw", "gloo", "memcpy", "nccl")
 ROLES = ("writer", "reader")
-PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"
+PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"  # put.SIZES, without importing torch for --help
 PUT_SIZES_QUICK = "4K,1M,64M"
 
 
@@ -23,51 +23,28 @@ def add_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark puts and weight syncs against baselines",
                            description=__doc__)  # fmt: skip
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-
     put = bsub.add_parser(
         "put", help="latency and bandwidth of put/get over sizes",
         description="Latency and bandwidth of our put (WRITE) and get (READ) over sizes, single "
         "tensors and batches, to 1..N receivers, against raw NIXL, gloo, NCCL and memcpy.",
     )  # fmt: skip
-    put.add_argument(
-        "--sizes",
-        default=None,
-        help=f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})",
-    )
-    put.add_argument("--max-size", default=None, help="drop sizes above this one, e.g. 64M")
-    put.add_argument("--batch", default=None, metavar="COUNTxSIZE",
-                     help="a batch of COUNT separate tensors in one transfer (default 1000x64K; "
-                     "--quick: 100x64K; 'none' to skip)")  # fmt: skip
-    put.add_argument("--op", choices=("write", "read", "both"), default="both",
-                     help="WRITE (put), READ (get) or both (default)")  # fmt: skip
-    put.add_argument(
-        "--receivers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="fan out to N receivers: measures 1, 2, 4, .. and N (default 1)",
-    )
-    put.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds of timed cycles per configuration (default 1.5; --quick 0.2)",
-    )
-    put.add_argument(
-        "--block",
-        type=int,
-        default=50,
-        help="iterations per turn below 1 MiB when systems are interleaved (default 50)",
-    )
-    put.add_argument(
-        "--lanes",
-        default=None,
-        help="comma list of lane counts to compare, interleaved: the first is 'ours', each other "
-        "one 'ours-lanesN' (default: the Transport's default only)",
-    )
+    add = put.add_argument
+    add("--sizes", help=f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})")
+    add("--max-size", help="drop sizes above this one, e.g. 64M")
+    add("--batch", metavar="COUNTxSIZE", help="a batch of COUNT separate tensors in one transfer "
+        "(default 1000x64K; --quick: 100x64K; 'none' to skip)")  # fmt: skip
+    add("--op", choices=("write", "read", "both"), default="both",
+        help="WRITE (put), READ (get) or both (default)")  # fmt: skip
+    add("--receivers", type=int, metavar="N",
+        help="fan out to N receivers: measures 1, 2, 4, .. and N (default 1)")  # fmt: skip
+    add("--budget", type=float, metavar="S",
+        help="seconds of timed cycles per configuration (default 1.5; --quick 0.2)")  # fmt: skip
+    add("--block", type=int, default=50,
+        help="iterations per turn below 1 MiB when systems are interleaved (default 50)")  # fmt: skip
+    add("--lanes", help="comma list of lane counts to compare, interleaved: the first is 'ours', "
+        "each other one 'ours-lanesN' (default: the Transport's default only)")  # fmt: skip
     _common(put)
-    put.set_defaults(run=run_put)
+    put.set_defaults(run=lambda args: run(args, "put"))
 
     sync = bsub.add_parser(
         "sync", help="weight sync of a synthetic model to N generators",
@@ -75,100 +52,48 @@ def add_parser(sub: Any) -> None:
         "(WeightPublisher/WeightSubscriber), against raw NIXL writing the same tensors, gloo "
         "broadcast, NCCL broadcast (CUDA) and memcpy.",
     )  # fmt: skip
-    sync.add_argument("--params", default=None,
-                      help="parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
-                      "float32; --quick: 16M)")  # fmt: skip
-    sync.add_argument(
-        "--tensors", type=int, default=None, help="tensor count (default 300; --quick 50)"
-    )
-    sync.add_argument(
-        "--dtypes",
-        default="float32",
-        help="comma list of dtypes, assigned to the tensors in turn (default float32)",
-    )
-    sync.add_argument(
-        "--generators", type=int, default=None, metavar="N", help="receiving processes (default 2)"
-    )
-    sync.add_argument(
-        "--steps", type=int, default=None, help="timed syncs per system (default 10; --quick 3)"
-    )
-    sync.add_argument(
-        "--mode",
-        choices=("staging", "inplace"),
-        default="staging",
-        help="WeightSubscriber mode (default staging)",
-    )
-    sync.add_argument(
-        "--fanout",
-        default="direct",
-        help="comma list of WeightPublisher fan-outs to compare, interleaved step by step: "
-        "direct (the trainer writes every generator), chain, tree (generators relay; staging "
-        "mode) (default direct)",
-    )
-    sync.add_argument(
-        "--degree", type=int, default=2, help="generators each writer serves in a tree (default 2)"
-    )
+    add = sync.add_argument
+    add("--params", help="parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
+        "float32; --quick: 16M)")  # fmt: skip
+    add("--tensors", type=int, help="tensor count (default 300; --quick 50)")
+    add("--dtypes", default="float32",
+        help="comma list of dtypes, assigned to the tensors in turn (default float32)")  # fmt: skip
+    add("--generators", type=int, metavar="N", help="receiving processes (default 2)")
+    add("--steps", type=int, help="timed syncs per system (default 10; --quick 3)")
+    add("--mode", choices=("staging", "inplace"), default="staging",
+        help="WeightSubscriber mode (default staging)")  # fmt: skip
+    add("--fanout", default="direct", help="comma list of WeightPublisher fan-outs to compare, "
+        "interleaved step by step: direct (the trainer writes every generator), chain, tree "
+        "(generators relay; staging mode) (default direct)")  # fmt: skip
+    add("--degree", type=int, default=2, help="generators each writer serves in a tree (default 2)")
     _common(sync)
-    sync.set_defaults(run=run_sync)
+    sync.set_defaults(run=lambda args: run(args, "sync"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--baselines", default=",".join(BASELINES),
-                   help=f"comma list out of {', '.join(BASELINES)}, or 'none' (default: all; nccl "
-                   "only runs where CUDA is present)")  # fmt: skip
-    p.add_argument(
-        "--quick", action="store_true", help="a smoke test: small sizes, few iterations (< 30 s)"
-    )
-    p.add_argument(
-        "--json", default=None, metavar="FILE", help="write results and the environment as JSON"
-    )
-    p.add_argument(
-        "--plot", default=None, metavar="FILE.png", help="plot the results (needs matplotlib)"
-    )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: when stderr is a terminal)",
-    )
-    p.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pin the writer to one CPU per lane and each reader to a CPU of its own while NIXL "
-        "is measured (default: when the host has CPUs enough for all of them)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds one transfer or reply may take"
-    )
-    g = p.add_argument_group("across hosts")
-    g.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help="join this existing store (tcp://, redis://) instead of spawning local readers",
-    )
-    g.add_argument("--role", choices=ROLES, default=None, help="with --store: this process's role")
-    g.add_argument(
-        "--peers",
-        default=None,
-        metavar="A,B",
-        help="writer: the names of the readers, comma separated",
-    )
-    g.add_argument(
-        "--name", default=None, help="this peer's name (reader: required; writer: bench-writer)"
-    )
-    g.add_argument("--namespace", default="bench", help="namespace of the run (default bench)")
-    g.add_argument(
-        "--wait",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="how long to wait for the other side (default 120 s)",
-    )
-    p.add_argument(
-        "--cpu", type=int, default=None, help=argparse.SUPPRESS
-    )  # local readers: pinning
+    on_off = argparse.BooleanOptionalAction
+    add = p.add_argument
+    add("--baselines", default=",".join(BASELINES), help=f"comma list out of "
+        f"{', '.join(BASELINES)}, or 'none' (default: all; nccl only runs where CUDA is present)")  # fmt: skip
+    add("--quick", action="store_true", help="a smoke test: small sizes, few iterations (< 30 s)")
+    add("--json", metavar="FILE", help="write results and the environment as JSON")
+    add("--plot", metavar="FILE.png", help="plot the results (needs matplotlib)")
+    add("--progress", action=on_off, help="progress bar on stderr (default: when stderr is a "
+        "terminal)")  # fmt: skip
+    add("--pin", action=on_off, help="pin the writer to one CPU per lane and each reader to a CPU "
+        "of its own while NIXL is measured (default: when the host has CPUs enough for all of "
+        "them)")  # fmt: skip
+    add("--timeout", type=float, default=120.0, help="seconds one transfer or reply may take")
+    add = p.add_argument_group("across hosts").add_argument
+    add("--store", metavar="URL",
+        help="join this existing store (tcp://, redis://) instead of spawning local readers")  # fmt: skip
+    add("--role", choices=ROLES, help="with --store: this process's role")
+    add("--peers", metavar="A,B", help="writer: the names of the readers, comma separated")
+    add("--name", help="this peer's name (reader: required; writer: bench-writer)")
+    add("--namespace", default="bench", help="namespace of the run (default bench)")
+    add("--wait", type=float, default=120.0, metavar="S",
+        help="how long to wait for the other side (default 120 s)")  # fmt: skip
+    p.add_argument("--cpu", type=int, help=argparse.SUPPRESS)  # local readers: pinning
 
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -209,94 +134,28 @@ def check_roles(args: argparse.Namespace) -> list[str] | None:
 
 
 def receiver_counts(n: int) -> list[int]:
-    ks, k = [], 1
-    while k < n:
-        ks.append(k)
-        k *= 2
+    """1, 2, 4, .. below ``n``, then ``n``."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i < n]
     return [*ks, n]
 
 
-def _positive(name: str, value: float | None) -> None:
+def positive(name: str, value: float | None) -> None:
     if value is not None and value <= 0:
         raise CliError(f"{name} must be positive, got {value}")
 
 
-# -- bench put ----------------------------------------------------------------------------------
-
-
-def put_plan(args: argparse.Namespace, peers: list[str] | None) -> Any:
-    from transport.cli.bench._util import parse_batch, parse_size, parse_sizes
-    from transport.cli.bench.put import PutPlan
-
-    sizes = parse_sizes(args.sizes or (PUT_SIZES_QUICK if args.quick else PUT_SIZES))
-    if args.max_size:
-        cap = parse_size(args.max_size, "--max-size")
-        sizes = [n for n in sizes if n <= cap]
-        if not sizes:
-            raise CliError(f"--max-size {args.max_size} leaves no size to measure")
-    batch_text = args.batch or ("100x64K" if args.quick else "1000x64K")
-    batch = None if batch_text.lower() == "none" else parse_batch(batch_text)
-    n = args.receivers
-    if n is not None and n < 1:
-        raise CliError(f"--receivers must be at least 1, got {n}")
-    if peers:
-        if n is not None and n != len(peers):
-            raise CliError(f"--receivers {n} does not match the {len(peers)} names of --peers")
-        n = len(peers)
-    n = n or 1
-    _positive("--budget", args.budget)
-    _positive("--timeout", args.timeout)
-    if args.block < 1:
-        raise CliError(f"--block must be at least 1, got {args.block}")
-    quick = args.quick
-    lanes: list[int] = []
-    for x in (args.lanes or "").split(","):
-        if not x.strip():
-            continue
-        if not x.strip().isdigit() or not 1 <= int(x) <= 16:
-            raise CliError(f"--lanes takes counts from 1 to 16, got {x.strip()!r}")
-        lanes.append(int(x))
-    return PutPlan(
-        sizes=sizes, batch=batch, ops=["write", "read"] if args.op == "both" else [args.op],
-        ks=receiver_counts(n), readers=n, baselines=parse_baselines(args.baselines),
-        budget_s=args.budget or (0.2 if quick else 1.5), min_cycles=3 if quick else 5,
-        max_cycles=20 if quick else 100, block=args.block, dist_budget_s=0.2 if quick else 1.0,
-        memcpy_budget_s=0.1 if quick else 0.5, min_iters=3 if quick else 5, timeout=args.timeout,
-        pin=args.pin, lanes=list(dict.fromkeys(lanes)),
-    )  # fmt: skip
-
-
-def run_put(args: argparse.Namespace) -> int:
-    peers = check_roles(args)
-    plan = put_plan(args, peers)
-    if args.plot:
-        from transport.cli.bench.report import check_plot_support
-
-        check_plot_support()
-    if args.role == "reader":
-        from transport.cli.bench._session import run_reader
-        from transport.cli.bench.put import PutReader
-
-        return run_reader(args, PutReader)
-    from transport.cli.bench.put import run_writer
-
-    return run_writer(args, plan, peers)
-
-
-# -- bench sync ---------------------------------------------------------------------------------
-
-
-def run_sync(args: argparse.Namespace) -> int:
-    from transport.cli.bench import sync
+def run(args: argparse.Namespace, command: str) -> int:
+    """``transport bench put|sync``: the writer (local readers, or --role writer) or a reader."""
+    from transport.cli.bench import _report, _runner, _session
 
     peers = check_roles(args)
-    plan = sync.sync_plan(args, peers)
+    if command == "put":
+        from transport.cli.bench.put import PutWorkload as Kind
+    else:
+        from transport.cli.bench.sync import SyncWorkload as Kind  # type: ignore[assignment]
+    w = Kind.from_args(args, peers)
     if args.plot:
-        from transport.cli.bench.report import check_plot_support
-
-        check_plot_support()
+        _report.check_plot_support()
     if args.role == "reader":
-        from transport.cli.bench._session import run_reader
-
-        return run_reader(args, lambda t, saved: sync.SyncReader(t, saved, plan))
-    return sync.run_writer(args, plan, peers)
+        return _session.run_reader(args, w.buffers)
+    return _runner.run_writer(args, w, peers)

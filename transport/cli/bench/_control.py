@@ -2,8 +2,8 @@
 
 Every bench run is one *writer* (it measures) and one or more *readers* (they expose memory and
 serve). They meet in a store and a namespace as ordinary Transport peers, and the writer drives
-the readers with small commands: msgpack notifications ``{"k": kind, ...}`` over the Transport
-itself, each answered by one reply (``{"k": "error", "msg": ...}`` when the reader failed).
+the readers with small commands: msgpack notifications ``{"cmd": name, ...}`` over the Transport
+itself, each answered by one reply (``{"cmd": "error", "msg": ...}`` when the reader failed).
 Larger blobs (raw NIXL agent metadata, addresses of a thousand tensors) go through the store
 under ``transport-bench/<namespace>/<peer>/<what>``.
 
@@ -33,10 +33,11 @@ from transport.store import Store
 
 PREFIX = "transport-bench"
 MAX_MESSAGE = 60 << 10
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def encode(cmd: str, **fields: Any) -> bytes:
-    data: bytes = msgpack.packb({"k": cmd, **fields}, use_bin_type=True)
+    data: bytes = msgpack.packb({"cmd": cmd, **fields}, use_bin_type=True)
     if len(data) > MAX_MESSAGE:
         raise ValueError(f"bench command {cmd!r} is {len(data)} bytes; put large data in the store")
     return data
@@ -47,35 +48,34 @@ def decode(data: bytes) -> dict[str, Any]:
         msg = msgpack.unpackb(data, raw=False, max_bin_len=MAX_MESSAGE, max_str_len=MAX_MESSAGE)
     except Exception as e:
         raise WireFormatError(f"a bench message could not be decoded: {e}") from e
-    if not isinstance(msg, dict) or not isinstance(msg.get("k"), str):
-        raise WireFormatError(f"a bench message is not a map with a kind: {data[:80]!r}")
+    if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
+        raise WireFormatError(f"a bench message is not a map with a command: {data[:80]!r}")
     return msg
 
 
-def blob_key(namespace: str, peer: str, what: str) -> str:
-    return f"{PREFIX}/{namespace}/{peer}/{what}"
-
-
 def put_blob(store: Store, namespace: str, peer: str, what: str, obj: Any) -> None:
-    store.set(blob_key(namespace, peer, what), msgpack.packb(obj, use_bin_type=True))
+    store.set(f"{PREFIX}/{namespace}/{peer}/{what}", msgpack.packb(obj, use_bin_type=True))
 
 
 def get_blob(store: Store, namespace: str, peer: str, what: str, timeout: float) -> Any:
     try:
-        data = store.get(blob_key(namespace, peer, what), timeout=timeout)
+        data = store.get(f"{PREFIX}/{namespace}/{peer}/{what}", timeout=timeout)
     except StoreTimeout as e:
         raise CliError(f"peer {peer!r} did not publish its {what} within {timeout:.0f} s") from e
     return msgpack.unpackb(data, raw=False)
 
 
 class Channel:
-    """The writer's side: commands to readers and their replies."""
+    """The writer's side of the commands: one reply per command, in order, per reader. Used from
+    the writer's main thread only; a reader that fails, or says nothing within ``timeout``, is a
+    CliError (``alive()`` is called while waiting, to notice dead local readers early). Keeps the
+    readers' CPU seconds from their latest replies, for the CPU accounting."""
 
     def __init__(
         self, t: Transport, timeout: float = 300.0, alive: Callable[[], None] | None = None
     ) -> None:
         self.t, self.timeout, self.alive = t, timeout, alive
-        self.cpu_s: dict[str, float] = {}  # each reader's CPU time, from its latest reply
+        self.cpu_s: dict[str, float] = {}
         self.hosts: dict[str, str] = {}
 
     def send(self, peer: str, cmd: str, **fields: Any) -> None:
@@ -94,7 +94,7 @@ class Channel:
                     raise CliError(f"reader {peer!r} did not answer within {limit:.0f} s") from None
                 continue
             msg = decode(n.payload)
-            if msg["k"] == "error":
+            if msg["cmd"] == "error":
                 raise CliError(f"reader {peer!r} failed: {msg.get('msg', '?')}")
             if isinstance(msg.get("cpu"), float):
                 self.cpu_s[peer] = msg["cpu"]
@@ -108,42 +108,29 @@ class Channel:
         return sum(v for p, v in self.cpu_s.items() if self.hosts.get(p) == here)
 
     def ask(
-        self,
-        peers: Sequence[str],
-        cmd: str,
-        per_peer: Callable[[int], dict[str, Any]] | None = None,
-        timeout: float | None = None,
+        self, peers: Sequence[str], cmd: str, per_peer: Callable[[int], dict[str, Any]] | None = None,
         **fields: Any,
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, Any]]:  # fmt: skip
         """Send ``cmd`` to every peer (``per_peer(i)`` adds fields), then collect every reply."""
         for i, p in enumerate(peers):
             self.send(p, cmd, **fields, **(per_peer(i) if per_peer else {}))
-        return [self.recv(p, timeout) for p in peers]
-
-
-Handler = Callable[[dict[str, Any]], dict[str, Any] | None]
+        return [self.recv(p) for p in peers]
 
 
 def serve(
-    t: Transport,
-    handlers: dict[str, Handler],
-    progress: Callable[[], object] | None,
-    wait_s: float,
+    t: Transport, handlers: dict[str, Handler], progress: Callable[[], object], wait_s: float
 ) -> tuple[str, bool]:
-    """The reader's loop: wait for a writer's commands, run each handler and send its reply (a
-    handler may return None to reply later itself), until "done". ``progress`` is called at
-    least every 0.5 ms (raw NIXL targets need it). Returns the writer's name and whether it
-    said it failed.
+    """The reader's loop: wait for a writer's commands, run each handler and send its reply,
+    until "done". ``progress`` is called at least every 0.5 ms (raw NIXL targets need it).
+    Returns the writer's name and whether it said it failed.
 
     Raises CliError when no writer turns up within ``wait_s`` or the writer goes away."""
     writer: str | None = None
     start = last_look = time.monotonic()
-    step = 0.0005 if progress is not None else 0.05
     while True:
-        if progress is not None:
-            progress()
+        progress()
         try:
-            n = t.wait_notification(timeout=step)
+            n = t.wait_notification(timeout=0.0005)
         except TransferTimeout:
             now = time.monotonic()
             if now - last_look > 2.0:
@@ -157,28 +144,23 @@ def serve(
             continue
         if writer is not None and n.peer != writer:
             continue
-        msg = decode(n.payload)
-        writer = n.peer
-        kind = msg["k"]
-        if kind == "done":
+        msg, writer = decode(n.payload), n.peer
+        if msg["cmd"] == "done":
             t.notify(writer, encode("bye", cpu=time.process_time()))
             return writer, bool(msg.get("failed"))
-        handler = handlers.get(kind)
         try:
+            handler = handlers.get(msg["cmd"])
             if handler is None:
                 raise CliError(
-                    f"unknown bench command {kind!r} (writer and reader of different versions?)"
+                    f"unknown bench command {msg['cmd']!r} (writer and reader of different versions?)"
                 )
             reply = handler(msg)
         except Exception as e:
             with contextlib.suppress(Exception):
-                t.notify(
-                    writer, encode("error", msg=f"{type(e).__name__}: {e}".splitlines()[0][:2000])
-                )
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:2000]
+                t.notify(writer, encode("error", msg=why))
             raise
-        if reply is not None:
-            reply.setdefault("cpu", time.process_time())
-            t.notify(writer, encode(reply.pop("k", "ok"), **reply))
+        t.notify(writer, encode(reply.pop("cmd", "ok"), cpu=time.process_time(), **reply))
 
 
 def linger(t: Transport, writer: str, timeout: float = 10.0) -> None:
@@ -193,8 +175,27 @@ def linger(t: Transport, writer: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-# -- local runs: the readers as child processes ----------------------------------------------------
+def wait_for_readers(
+    t: Transport, names: Sequence[str], timeout: float, alive: Callable[[], None] | None
+) -> None:
+    end = time.monotonic() + timeout
+    for name in names:
+        while True:
+            try:
+                t.wait_for_peer(name, timeout=0.5)
+                break
+            except PeerWaitTimeout:
+                if alive is not None:
+                    alive()
+                if time.monotonic() > end:
+                    raise CliError(
+                        f"reader {name!r} did not join namespace {t.namespace!r} within "
+                        f"{timeout:.0f} s; start it with: transport bench ... --role reader "
+                        f"--name {name} --store URL"
+                    ) from None
 
+
+# -- local runs: the readers as child processes ----------------------------------------------------
 
 _BOOTSTRAP = """
 import importlib.util, sys
@@ -215,78 +216,53 @@ def _reader_bootstrap() -> str:
     import transport.backends
     from transport.cli.bench import _tree
 
-    dirs = {
-        "transport": os.path.dirname(os.path.abspath(transport.__file__)),
-        "transport.backends": os.path.dirname(os.path.abspath(transport.backends.__file__)),
-    }
+    dirs = {m.__name__: os.path.dirname(os.path.abspath(m.__file__ or "")) for m in
+            (transport, transport.backends)}  # fmt: skip
     return _BOOTSTRAP.format(tree=os.path.abspath(_tree.__file__), dirs=dirs)
 
 
 class LocalReaders:
-    """Reader child processes (``transport bench <cmd> --role reader``); their stderr goes to a temporary file whose last line explains a failure."""
+    """The reader child processes of a local run (``transport bench <cmd> --role reader``), one
+    per name, each optionally pinned to a CPU. Each one's stderr goes to a temporary log, kept
+    only when that reader failed: its last line explains the failure. :meth:`close` waits for
+    them to exit (killing stragglers); :meth:`kill` ends them at once, after a failed run."""
 
-    def __init__(
-        self,
-        command: Sequence[str],
-        names: Sequence[str],
-        store_url: str,
-        namespace: str,
-        cpus: Sequence[int | None],
-        env: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, command: Sequence[str], names: Sequence[str], store_url: str,
+                 namespace: str, cpus: Sequence[int | None]) -> None:  # fmt: skip
         self.names = list(names)
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Any] = []
+        self.logs = []
         for name, cpu in zip(names, cpus, strict=True):
             log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open until the reader is done
                 prefix=f"{PREFIX}-{name}-", suffix=".log", delete=False
             )
-            argv = [
-                sys.executable, "-c", _reader_bootstrap(), "bench", *command, "--role", "reader",
-                "--store", store_url, "--name", name, "--namespace", namespace,
-            ]  # fmt: skip
-            if cpu is not None:
-                argv += ["--cpu", str(cpu)]
+            argv = [sys.executable, "-c", _reader_bootstrap(), "bench", *command, "--role",
+                    "reader", "--store", store_url, "--name", name, "--namespace", namespace]  # fmt: skip
+            argv += ["--cpu", str(cpu)] if cpu is not None else []
             self.logs.append(log)
-            self.procs.append(
-                subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                    env={**os.environ, **(env or {})},
-                )  # fmt: skip
-            )
-
-    def _last_line(self, i: int) -> str:
-        try:
-            with open(self.logs[i].name, errors="replace") as f:
-                lines = [ln.strip() for ln in f if ln.strip()]
-        except OSError:
-            return "?"
-        return lines[-1] if lines else "(no output)"
+            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.DEVNULL, stderr=log))  # fmt: skip
 
     def check(self) -> None:
         """CliError when a reader has exited with an error."""
-        for i, p in enumerate(self.procs):
-            rc = p.poll()
-            if rc is not None and rc != 0:
-                raise CliError(
-                    f"reader {self.names[i]!r} exited with status {rc}: {self._last_line(i)} "
-                    f"(log: {self.logs[i].name})"
-                )
+        for p, name, log in zip(self.procs, self.names, self.logs, strict=True):
+            if p.poll() not in (None, 0):
+                try:
+                    with open(log.name, errors="replace") as f:
+                        last = ([ln.strip() for ln in f if ln.strip()] or ["(no output)"])[-1]
+                except OSError:
+                    last = "?"
+                raise CliError(f"reader {name!r} exited with status {p.returncode}: {last} "
+                               f"(log: {log.name})")  # fmt: skip
 
     def cpu_seconds(self) -> float:
         """CPU time the readers have used so far (from /proc; 0 where it cannot be read)."""
         total = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
         for p in self.procs:
-            try:
+            with contextlib.suppress(OSError, IndexError, ValueError):
                 with open(f"/proc/{p.pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / tick
-            except (OSError, IndexError, ValueError):
-                pass
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return total
 
     def close(self, timeout: float = 15.0) -> None:
@@ -297,10 +273,9 @@ class LocalReaders:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-        failed = [i for i, p in enumerate(self.procs) if p.returncode not in (0, -9)]
-        for i, log in enumerate(self.logs):
+        for p, log in zip(self.procs, self.logs, strict=True):
             log.close()
-            if i not in failed:
+            if p.returncode in (0, -9):
                 with contextlib.suppress(OSError):
                     os.unlink(log.name)
 
@@ -309,22 +284,3 @@ class LocalReaders:
             if p.poll() is None:
                 p.kill()
         self.close(5.0)
-
-
-def wait_for_readers(
-    t: Transport, names: Sequence[str], timeout: float, alive: Callable[[], None] | None
-) -> None:
-    end = time.monotonic() + timeout
-    for name in names:
-        while True:
-            try:
-                t.wait_for_peer(name, timeout=0.5)
-                break
-            except PeerWaitTimeout:
-                if alive is not None:
-                    alive()
-                if time.monotonic() > end:
-                    raise CliError(
-                        f"reader {name!r} did not join namespace {t.namespace!r} within {timeout:.0f} s; "
-                        f"start it with: transport bench ... --role reader --name {name} --store URL"
-                    ) from None

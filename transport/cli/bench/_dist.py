@@ -13,13 +13,11 @@ import datetime
 import ipaddress
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-
-BACKENDS = {"gloo": "gloo", "nccl": "nccl"}
 
 
 def my_address(store_url: str | None) -> str:
@@ -39,40 +37,28 @@ def my_address(store_url: str | None) -> str:
 
 
 class Group:
-    """One process's membership of the benchmark's process group, and sub-groups 0..k."""
+    """One process's membership of the benchmark's process group, and the sub-groups of ranks
+    0..k for every receiver count k. Every rank creates every sub-group, in the same order;
+    :meth:`close` destroys the group (one group per process at a time)."""
 
-    def __init__(
-        self,
-        backend: str,
-        addr: str,
-        port: int,
-        rank: int,
-        world: int,
-        ks: Sequence[int],
-        device: str,
-    ) -> None:
+    def __init__(self, backend: str, addr: str, port: int, rank: int, world: int,
+                 ks: Sequence[int], device: str) -> None:  # fmt: skip
         import torch.distributed as dist
 
         if addr.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        self.dist, self.rank, self.world, self.device = dist, rank, world, torch.device(device)
+        self.dist, self.rank, self.device = dist, rank, torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        self.groups: dict[int, Any] = {}
-        for k in sorted(set(ks)):
-            # every rank creates every group, in the same order
-            g = dist.new_group(list(range(k + 1))) if k + 1 < world else None
-            self.groups[k] = g
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+        self.groups = {
+            k: dist.new_group(list(range(k + 1))) if k + 1 < world else None
+            for k in sorted(set(ks))
+        }
         self.ack = torch.zeros(1, dtype=torch.uint8, device=self.device)
 
-    def sync(self) -> None:
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -80,48 +66,44 @@ class Group:
         """Rank 0: deliver ``tensors`` to ranks 1..k and wait for their acks."""
         d = self.dist
         if mode == "p2p":
-            reqs = [d.isend(t, r) for r in range(1, k + 1) for t in tensors]
-            for q in reqs:
+            for q in [d.isend(t, r) for r in range(1, k + 1) for t in tensors]:
                 q.wait()
         else:
             for t in tensors:
                 d.broadcast(t, 0, group=self.groups[k])
         for r in range(1, k + 1):
             d.recv(self.ack, r)
-        self.sync()
+        self._sync()
 
     def read(self, mode: str, tensors: Sequence[torch.Tensor], k: int) -> None:
         """Rank 1..k: the other side of :meth:`write`."""
-        d = self.dist
         if self.rank > k:
             return
-        if mode == "p2p":
-            for t in tensors:
-                d.recv(t, 0)
-        else:
-            for t in tensors:
-                d.broadcast(t, 0, group=self.groups[k])
-        d.send(self.ack, 0)
-        self.sync()
+        for t in tensors:
+            if mode == "p2p":
+                self.dist.recv(t, 0)
+            else:
+                self.dist.broadcast(t, 0, group=self.groups[k])
+        self.dist.send(self.ack, 0)
+        self._sync()
 
     def close(self) -> None:
         self.dist.destroy_process_group()
 
 
 def open_group(chan: Any, store_url: str | None, peers: Sequence[str], backend: str,
-               ks: Sequence[int], device_of: Any, **extra: Any) -> Group:  # fmt: skip
+               ks: Sequence[int], device_of: Callable[[int], int]) -> Group:  # fmt: skip
     """The writer's side of starting a process group with its readers (rank 0 = the writer):
-    tells each reader (command ``dist-init``) and joins; returns once every reader has joined."""
+    tells each reader (command ``dist-init``) and joins; returns once every reader has joined.
+    ``device_of(rank)``: the CUDA device index each rank uses (NCCL)."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = int(s.getsockname()[1])
-    addr = my_address(store_url)
-    world = len(peers) + 1
+    addr, world = my_address(store_url), len(peers) + 1
     for i, r in enumerate(peers):
         chan.send(r, "dist-init", backend=backend, addr=addr, port=port, rank=i + 1, world=world,
-                  ks=list(ks), device=device_of(i + 1), **extra)  # fmt: skip
-    device = "cpu" if backend == "gloo" else f"cuda:{device_of(0)}"
-    group = Group(backend, addr, port, 0, world, ks, device)
+                  ks=list(ks), device=device_of(i + 1))  # fmt: skip
+    group = Group(backend, addr, port, 0, world, ks, device_for(backend, device_of(0)))
     for r in peers:
         chan.recv(r)
     return group
@@ -135,10 +117,8 @@ def close_group(chan: Any, peers: Sequence[str], group: Group) -> None:
         chan.recv(r)
 
 
-def reader_device(backend: str, index: int) -> str:
-    if backend != "nccl":
-        return "cpu"
-    return f"cuda:{index % torch.cuda.device_count()}"
+def device_for(backend: str, index: int) -> str:
+    return "cpu" if backend != "nccl" else f"cuda:{index % torch.cuda.device_count()}"
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

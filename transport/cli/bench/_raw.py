@@ -11,6 +11,9 @@
 The target of a raw transfer must make NIXL progress calls (``get_new_notifs``) at least until
 the first transfer has connected (UCX wire-up), and all the time over transports other than CMA;
 the bench readers call it every 0.5 ms while they wait for commands.
+
+``python -m transport.cli.bench._raw`` (run with UCX_PROTO_INFO=y) makes one put and one get
+between two agents of one process, so that UCX prints the protocols it picks on this host.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 XFER_TIMEOUT_S = float(os.environ.get("BENCH_XFER_TIMEOUT", "60"))
+Target = tuple[str, np.ndarray, np.ndarray]  # remote agent, local descriptors, remote descriptors
 
 
 def new_agent(name: str) -> Any:
@@ -41,22 +46,6 @@ def remote_name(x: object) -> str:
     return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-def poll_done(agent: Any, h: Any, st: str) -> None:
-    if st == "PROC":
-        deadline = time.monotonic() + XFER_TIMEOUT_S
-        check = agent.check_xfer_state
-        n = 0
-        while True:
-            st = check(h)
-            if st != "PROC":
-                break
-            n += 1
-            if (n & 0x3FF) == 0 and time.monotonic() > deadline:
-                raise TimeoutError(f"raw NIXL transfer still PROC after {XFER_TIMEOUT_S} s")
-    if st != "DONE":
-        raise RuntimeError(f"raw NIXL transfer ended in state {st}")
-
-
 def descs(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.array([(t.data_ptr(), t.nbytes, 0) for t in tensors], dtype=np.uint64)
 
@@ -65,81 +54,84 @@ def remote_descs(addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
     return np.array([(a, n, 0) for a, n in zip(addrs, sizes, strict=True)], dtype=np.uint64)
 
 
+def poll_done(agent: Any, h: Any, st: str) -> None:
+    deadline, n = time.monotonic() + XFER_TIMEOUT_S, 0
+    while st == "PROC":
+        st = agent.check_xfer_state(h)
+        n += 1
+        if (n & 0x3FF) == 0 and time.monotonic() > deadline:
+            raise TimeoutError(f"raw NIXL transfer still PROC after {XFER_TIMEOUT_S} s")
+    if st != "DONE":
+        raise RuntimeError(f"raw NIXL transfer ended in state {st}")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Untimed figures of raw-nixl's calls: how often transfer() returned DONE at once, polls per
+    transfer, and the medians of make_prepped_xfer, transfer() and release()."""
+
+    post_returned_done: float
+    polls_per_xfer: float
+    make_median_s: float
+    transfer_call_median_s: float
+    release_median_s: float
+
+
 class RawPath:
     """Prepared descriptor lists for one op (WRITE or READ) between local tensors and each of
     ``len(targets)`` remote agents; ``make_post`` and ``repost`` each move the bytes once to (or
-    from) every target: all transfers posted first, then polled."""
+    from) every target: all transfers posted first, then polled. Owns its descriptor lists and
+    the reposted handles until :meth:`close`."""
 
-    def __init__(
-        self,
-        agent: Any,
-        op: str,
-        targets: Sequence[tuple[str, np.ndarray, np.ndarray]],
-        notif: bytes = b"",
-    ) -> None:
-        """``targets``: (remote agent, local descriptors, remote descriptors) per peer."""
+    def __init__(self, agent: Any, op: str, targets: Sequence[Target], notif: bytes = b"") -> None:
         self.agent, self.op, self.notif = agent, op, notif
         self.sides = []
         for rname, local, remote in targets:
             lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
             rp = agent.prep_xfer_dlist(rname, remote, "DRAM")
-            idx = np.arange(len(local), dtype=np.int32)
-            self.sides.append((lp, rp, idx))
-        self.handles = [
-            agent.make_prepped_xfer(op, lp, idx, rp, idx, notif_msg=notif)
-            for lp, rp, idx in self.sides
-        ]
+            self.sides.append((lp, rp, np.arange(len(local), dtype=np.int32)))
+        self.handles = [self._make(side) for side in self.sides]
+
+    def _make(self, side: tuple[Any, Any, np.ndarray]) -> Any:
+        lp, rp, idx = side
+        return self.agent.make_prepped_xfer(self.op, lp, idx, rp, idx, notif_msg=self.notif)
+
+    def _post(self, handles: list[Any]) -> None:
+        sts = [self.agent.transfer(h) for h in handles]
+        for h, st in zip(handles, sts, strict=True):
+            poll_done(self.agent, h, st)
 
     def make_post(self) -> None:
-        agent, op, notif = self.agent, self.op, self.notif
-        hs = [
-            agent.make_prepped_xfer(op, lp, i, rp, i, notif_msg=notif) for lp, rp, i in self.sides
-        ]
-        sts = [agent.transfer(h) for h in hs]
-        for h, st in zip(hs, sts, strict=True):
-            poll_done(agent, h, st)
+        hs = [self._make(side) for side in self.sides]
+        self._post(hs)
         for h in hs:
             h.release()
 
     def repost(self) -> None:
-        agent = self.agent
-        sts = [agent.transfer(h) for h in self.handles]
-        for h, st in zip(self.handles, sts, strict=True):
-            poll_done(agent, h, st)
+        self._post(self.handles)
 
-    def probe(self, k: int) -> dict[str, float]:
-        """Untimed: how often transfer() returns DONE at once, polls per transfer, and the median
-        cost of make_prepped_xfer / transfer() / release() (first target only)."""
-        agent, (lp, rp, idx) = self.agent, self.sides[0]
+    def probe(self, k: int) -> Probe:
+        """``k`` untimed transfers to the first target, each call timed on its own."""
         immediate = polls = 0
-        make: list[int] = []
-        post: list[int] = []
-        rel: list[int] = []
+        make, post, rel = [], [], []
         clock = time.perf_counter_ns
         for _ in range(k):
             t0 = clock()
-            h = agent.make_prepped_xfer(self.op, lp, idx, rp, idx, notif_msg=self.notif)
+            h = self._make(self.sides[0])
             t1 = clock()
-            st = agent.transfer(h)
-            t2 = clock()
+            st = self.agent.transfer(h)
             make.append(t1 - t0)
-            post.append(t2 - t1)
+            post.append(clock() - t1)
             immediate += st == "DONE"
             while st == "PROC":
                 polls += 1
-                st = agent.check_xfer_state(h)
-            if st != "DONE":
-                raise RuntimeError(f"raw NIXL transfer ended in state {st}")
+                st = self.agent.check_xfer_state(h)
+            poll_done(self.agent, h, st)
             t3 = clock()
             h.release()
             rel.append(clock() - t3)
-        return {
-            "post_returned_done": immediate / k,
-            "polls_per_xfer": polls / k,
-            "make_median_s": statistics.median(make) / 1e9,
-            "transfer_call_median_s": statistics.median(post) / 1e9,
-            "release_median_s": statistics.median(rel) / 1e9,
-        }
+        med = lambda xs: statistics.median(xs) / 1e9  # noqa: E731
+        return Probe(immediate / k, polls / k, med(make), med(post), med(rel))
 
     def close(self) -> None:
         for h in self.handles:
@@ -153,14 +145,59 @@ def connect(agent: Any, rname: str, local: torch.Tensor, raddr: int) -> float:
     """A first 64-byte WRITE: UCX connects lazily, here and not inside a timed size (the target
     must be making progress calls). Returns its wall time in seconds."""
     t0 = time.perf_counter()
-    path = RawPath(
-        agent,
-        "WRITE",
-        [(rname, descs([local.view(-1).view(torch.uint8)[:64]]), remote_descs([raddr], [64]))],
-    )
+    first = local.view(-1).view(torch.uint8)[:64]
+    path = RawPath(agent, "WRITE", [(rname, descs([first]), remote_descs([raddr], [64]))])
     path.repost()
     path.close()
     return time.perf_counter() - t0
 
 
-ProgressFn = Callable[[], object]
+class RawLink:
+    """The writer's raw NIXL agent: registered with its ``local`` tensors, its metadata published,
+    every reader's agent added (with the addresses each reader published, ``blobs[i]``), and each
+    reader told to add the writer's. Paths made by :meth:`path` belong to the caller;
+    :meth:`close` removes the remote agents."""
+
+    def __init__(self, t: Any, chan: Any, readers: list[str], local: list[torch.Tensor]) -> None:
+        from transport.cli.bench._control import get_blob, put_blob
+
+        self.agent = new_agent(f"raw-{t.name}")
+        self.agent.register_memory(local)
+        put_blob(t.store, t.namespace, t.name, "raw", {"md": self.agent.get_agent_metadata()})
+        self.blobs = [get_blob(t.store, t.namespace, r, "raw", 60) for r in readers]
+        self.names = [remote_name(self.agent.add_remote_agent(b["md"])) for b in self.blobs]
+        chan.ask(readers, "raw-md", writer=t.name)
+
+    def connect(self, i: int, local: torch.Tensor, raddr: int) -> float:
+        return connect(self.agent, self.names[i], local, raddr)
+
+    def path(self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]],
+             notif: bytes = b"") -> RawPath:  # fmt: skip
+        """``pairs[i]``: (local tensors, the addresses they pair with at reader ``i``)."""
+        targets = [(name, descs(xs), remote_descs(addrs, [x.nbytes for x in xs]))
+                   for name, (xs, addrs) in zip(self.names, pairs, strict=False)]  # fmt: skip
+        return RawPath(self.agent, op, targets, notif)
+
+    def close(self) -> None:
+        for name in self.names:
+            self.agent.remove_remote_agent(name)
+
+
+def main() -> None:
+    a, b = new_agent("bench-probe-a"), new_agent("bench-probe-b")
+    x, y = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+    a.register_memory(x)
+    b.register_memory(y)
+    name = remote_name(a.add_remote_agent(b.get_agent_metadata()))
+    for op in ("WRITE", "READ"):
+        path = RawPath(a, op, [(name, descs([x]), remote_descs([y.data_ptr()], [y.nbytes]))])
+        h = path.handles[0]
+        st = a.transfer(h)
+        while st == "PROC":
+            b.get_new_notifs()
+            st = a.check_xfer_state(h)
+        path.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,19 +1,19 @@
-"""Small pieces every benchmark uses: sizes, statistics, timing loops, byte patterns, CPU use."""
+"""Small pieces every benchmark uses: sizes and labels, statistics, byte patterns, CPUs."""
 
 from __future__ import annotations
 
 import os
 import re
 import resource
-import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+_UNITS = ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB"))
 
 SIZE_FORMS = (
     "a whole number with an optional suffix K, M or G (also KB/KiB, MB/MiB, GB/GiB; all powers "
@@ -50,10 +50,8 @@ def parse_batch(text: str) -> tuple[int, int]:
 
 
 def size_label(n: int) -> str:
-    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
-        if n >= unit and n % unit == 0:
-            return f"{n // unit} {name}"
-    return f"{n} B"
+    """``4 KiB``, ``1 GiB``; bytes where no unit divides ``n``."""
+    return next((f"{n // u} {name}" for u, name in _UNITS if n >= u and n % u == 0), f"{n} B")
 
 
 def human_bytes(n: int) -> str:
@@ -61,150 +59,65 @@ def human_bytes(n: int) -> str:
     exact = size_label(n)
     if not exact.endswith(" B") or n < KiB:
         return exact
-    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
-        if n >= unit:
-            return f"{n / unit:.1f} {name}"
-    return exact
-
-
-def batch_label(count: int, size: int) -> str:
-    return f"{count}x{size_label(size).replace(' ', '')}"
+    return next(f"{n / u:.1f} {name}" for u, name in _UNITS if n >= u)
 
 
 def fmt_time(s: float) -> str:
     if s < 1e-3:
         return f"{s * 1e6:.1f} us"
-    if s < 1.0:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.3f} s"
+    return f"{s * 1e3:.2f} ms" if s < 1.0 else f"{s:.3f} s"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass(frozen=True)
+class Stats:
+    """Per-iteration wall times of one system in one configuration, and what a report reads from
+    them: median, p10, p90, min (seconds) and GB/s (1e9 B/s of ``nbytes``, from the median)."""
 
+    iters: int
+    median_s: float
+    p10_s: float
+    p90_s: float
+    min_s: float
+    gbps: float
+    times_ns: list[int] = field(repr=False)
 
-def summarize(times_ns: Sequence[int], nbytes: int) -> dict[str, Any]:
-    """Median, p10, p90, min (seconds) and GB/s (1e9 B/s, from the median) of per-iteration times."""
-    ts = sorted(times_ns)
-    med = statistics.median(ts) / 1e9
-    return {
-        "iters": len(ts),
-        "median_s": med,
-        "p10_s": ts[int(0.10 * (len(ts) - 1))] / 1e9,
-        "p90_s": ts[int(0.90 * (len(ts) - 1))] / 1e9,
-        "min_s": ts[0] / 1e9,
-        "gbps": nbytes / med / 1e9 if med > 0 else float("inf"),
-        "times_ns": list(times_ns),
-    }
-
-
-def time_loop(fn: Callable[[], object], budget_s: float, lo: int, hi: int, warm: int) -> list[int]:
-    """Run ``fn`` ``warm`` times, then time it iteration by iteration: at least ``lo`` and at most
-    ``hi`` iterations, stopping once ``budget_s`` seconds of timed iterations have passed."""
-    for _ in range(warm):
-        fn()
-    clock = time.perf_counter_ns
-    out: list[int] = []
-    end = clock() + int(budget_s * 1e9)
-    while len(out) < hi:
-        t0 = clock()
-        fn()
-        t1 = clock()
-        out.append(t1 - t0)
-        if len(out) >= lo and t1 >= end:
-            break
-    return out
-
-
-def interleave(
-    fns: dict[str, Callable[[], object]],
-    schedule: list[str],
-    block: int,
-    budget_s: float,
-    lo: int,
-    hi: int,
-    warm: int,
-) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
-    """Cycles of ``schedule``: each turn runs ``block`` iterations of one system, each timed on its
-    own, so the machine's drift hits every system alike. ``warm`` untimed cycles first; then at
-    least ``lo`` and at most ``hi`` cycles, stopping after ``budget_s`` seconds.
-
-    Returns (times per system, per-cycle median per system): the second pairs the systems'
-    iterations of the same cycle (milliseconds apart) for drift-free ratios."""
-    for _ in range(warm):
-        for name in schedule:
-            f = fns[name]
-            for _ in range(block):
-                f()
-    clock = time.perf_counter_ns
-    times: dict[str, list[int]] = {name: [] for name in schedule}
-    per_cycle: dict[str, list[float]] = {name: [] for name in schedule}
-    end = clock() + int(budget_s * 1e9)
-    cycles = 0
-    while cycles < hi and (cycles < lo or clock() < end):
-        cyc: dict[str, list[int]] = {name: [] for name in schedule}
-        for name in schedule:
-            f, out = fns[name], cyc[name]
-            for _ in range(block):
-                t0 = clock()
-                f()
-                out.append(clock() - t0)
-        for name, ts in cyc.items():
-            times[name].extend(ts)
-            per_cycle[name].append(statistics.median(ts))
-        cycles += 1
-    return times, per_cycle
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    """Median over cycles of a/b within the same cycle."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    @classmethod
+    def of(cls, times_ns: Sequence[int], nbytes: int) -> Stats:
+        ts = sorted(times_ns)
+        med = statistics.median(ts) / 1e9
+        at = lambda q: ts[int(q * (len(ts) - 1))] / 1e9  # noqa: E731
+        gbps = nbytes / med / 1e9 if med > 0 else float("inf")
+        return cls(len(ts), med, at(0.10), at(0.90), ts[0] / 1e9, gbps, list(times_ns))
 
 
 # -- byte patterns: a transfer that moved nothing (or the wrong bytes) never passes -----------------
 
 _PERIOD = 251  # prime: a shifted, truncated or misplaced copy cannot match by accident
 _BLOCK = 64 * KiB
-_ext: torch.Tensor | None = None
+_EXT = (torch.arange(_BLOCK + _PERIOD, dtype=torch.int32) % _PERIOD).to(torch.uint8)
 
 
 def _pattern(nbytes: int, seed: int) -> torch.Tensor:
-    global _ext
-    if _ext is None:
-        _ext = (torch.arange(_BLOCK + _PERIOD, dtype=torch.int32) % _PERIOD).to(torch.uint8)
     off = seed % _PERIOD
-    return _ext[off : off + min(nbytes, _BLOCK)]
+    return _EXT[off : off + min(nbytes, _BLOCK)]
 
 
-def _blocks(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(whole blocks view, tail view or None, the tensor as flat bytes)."""
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The bytes of ``t`` as rows of whole pattern blocks, and the tail."""
     flat = t.reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    whole = (n // _BLOCK) * _BLOCK if n >= _BLOCK else 0
-    body = flat[:whole].view(-1, _BLOCK) if whole else flat[:0].view(0, 1)
-    tail = flat[whole:] if whole < n else None
-    return body, tail, flat
+    whole = flat.numel() // _BLOCK * _BLOCK
+    out = [flat[:whole].view(-1, _BLOCK)] if whole else []
+    return out + ([flat[whole:]] if whole < flat.numel() else [])
 
 
 def fill_pattern(t: torch.Tensor, seed: int) -> None:
     """Fill a contiguous tensor (any dtype) with the byte pattern of ``seed``."""
-    body, tail, _ = _blocks(t)
-    if body.numel():
-        body.copy_(_pattern(_BLOCK, seed).expand_as(body))
-    if tail is not None:
-        tail.copy_(_pattern(tail.numel(), seed))
+    for part in _parts(t):
+        part.copy_(_pattern(part.shape[-1], seed).expand_as(part))
 
 
 def check_pattern(t: torch.Tensor, seed: int) -> bool:
-    body, tail, _ = _blocks(t)
-    ok = True
-    if body.numel():
-        ok = bool(torch.equal(body, _pattern(_BLOCK, seed).expand_as(body)))
-    if ok and tail is not None:
-        ok = bool(torch.equal(tail, _pattern(tail.numel(), seed)))
-    return ok
+    return all(torch.equal(p, _pattern(p.shape[-1], seed).expand_as(p)) for p in _parts(t))
 
 
 def zero_bytes(t: torch.Tensor) -> None:
@@ -214,6 +127,10 @@ def zero_bytes(t: torch.Tensor) -> None:
 # -- CPUs -----------------------------------------------------------------------------------------
 
 
+def affinity() -> set[int] | None:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def pin_to(cpu_index: int | None, count: int = 1) -> int | None:
     """Pin the calling thread (and every thread it starts from now on) to ``count`` CPUs of this
     process's set from ``cpu_index`` on (modulo its size); returns the first CPU, or None when not
@@ -221,9 +138,13 @@ def pin_to(cpu_index: int | None, count: int = 1) -> int | None:
     if cpu_index is None or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
-    chosen = {cpus[(cpu_index + i) % len(cpus)] for i in range(count)}
-    os.sched_setaffinity(0, chosen)
+    os.sched_setaffinity(0, {cpus[(cpu_index + i) % len(cpus)] for i in range(count)})
     return cpus[cpu_index % len(cpus)]
+
+
+def unpin(saved: set[int] | None) -> None:
+    if saved and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, saved)
 
 
 def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, str | None]:
@@ -233,32 +154,21 @@ def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, 
     would measure a writer that cannot use them."""
     ncpu = len(affinity() or {0})
     want = writer_cpus + readers
-    if pin is None:
-        if ncpu >= want:
-            return True, None
-        return False, (
-            f"processes not pinned: the writer's {writer_cpus} lane(s) and {readers} reader(s) "
-            f"need {want} CPUs, this host gives {ncpu} (--pin pins them anyway, sharing CPUs)"
-        )
-    return pin, None
-
-
-def unpin(saved: set[int] | None) -> None:
-    if saved and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, saved)
-
-
-def affinity() -> set[int] | None:
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if pin is not None or ncpu >= want:
+        return pin is not False, None
+    return False, (
+        f"processes not pinned: the writer's {writer_cpus} lane(s) and {readers} reader(s) "
+        f"need {want} CPUs, this host gives {ncpu} (--pin pins them anyway, sharing CPUs)"
+    )
 
 
 class CpuWatch:
     """How much CPU processes other than this one, its waited-for children and its helpers
-    (``helpers()``: CPU seconds our readers on this host have used so far) used meanwhile."""
+    (``helpers()``: CPU seconds our readers on this host have used so far) used from its creation
+    to :meth:`busy_cpus`. None where /proc cannot be read."""
 
-    def __init__(self, helpers: Callable[[], float] | None = None) -> None:
-        self.helpers = helpers
-        self.helpers0 = helpers() if helpers else 0.0
+    def __init__(self, helpers: Callable[[], float]) -> None:
+        self.helpers, self.helpers0 = helpers, helpers()
         self.start = self._snapshot()
 
     @staticmethod
@@ -278,6 +188,5 @@ class CpuWatch:
         end = self._snapshot()
         if self.start is None or end is None or end[0] <= self.start[0]:
             return None
-        helpers = (self.helpers() - self.helpers0) if self.helpers else 0.0
-        other = (end[1] - self.start[1]) - (end[2] - self.start[2]) - helpers
-        return max(0.0, other) / (end[0] - self.start[0])
+        other = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, other - (self.helpers() - self.helpers0)) / (end[0] - self.start[0])

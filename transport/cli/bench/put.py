@@ -16,71 +16,93 @@ source filled with a fresh byte pattern, one transfer made and the pattern check
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _raw, report
-from transport.cli.bench._control import Channel, get_blob, put_blob
-from transport.cli.bench._dist import Group, close_group, open_group
-from transport.cli.bench._session import (
-    ReaderBase,
-    nccl_unavailable,
-    note_phase,
-    print_notes,
-    write_outputs,
-    writer_session,
-)
-from transport.cli.bench._util import (
-    MiB,
-    batch_label,
-    check_pattern,
-    fill_pattern,
-    interleave,
-    paired_ratio,
-    size_label,
-    summarize,
-    time_loop,
-    unpin,
-    zero_bytes,
-)
+from transport.cli.bench import _env, _raw, _report
+from transport.cli.bench._dist import close_group, open_group
+from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._session import Buffers, Session
+from transport.cli.bench._systems import Dist, Memcpy, Ours, RawNixl, Route, System
+from transport.cli.bench._util import KiB, MiB, fmt_time, parse_batch, parse_size, parse_sizes
+from transport.cli.bench._util import size_label as label_of
 
 OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
+LATENCY_MAX = 64 * KiB  # at and below: compare latency; above: bandwidth
+TARGETS = {"latency": 1.3, "bandwidth": 0.95}  # ours against raw-nixl, one receiver
+SIZES, SIZES_QUICK = "4K,64K,1M,16M,64M,256M,1G", "4K,1M,64M"
 
 
-def _with_lanes(
-    t: transport.Transport, lanes: int, base_lanes: int, fn: Callable[[], object]
-) -> Callable[[], object]:
-    """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
+@dataclass(frozen=True)
+class PutCase(Case):
+    """One configuration of ``bench put``: ``op`` to (or from) ``receivers`` readers, a single
+    tensor or a batch (``kind``) of ``bytes`` per receiver, ``size`` its label."""
 
-    def run() -> object:
-        t.lanes = lanes
-        try:
-            return fn()
-        finally:
-            t.lanes = base_lanes
+    op: str
+    receivers: int
+    kind: str
+    size: str
+    bytes: int
 
-    return run
+    def copies(self) -> int:
+        return self.receivers
+
+
+def case_of(r: Record) -> PutCase:
+    assert isinstance(r.case, PutCase)
+    return r.case
+
+
+class PutBuffers(Buffers):
+    """A reader's ``buf`` (the largest size) and the batch ``b0``.. (exposed and touched at setup),
+    and their copies on the collectives' device."""
+
+    def __init__(self) -> None:
+        self.buf = torch.zeros(0, dtype=torch.uint8)
+        self.batch: list[torch.Tensor] = []
+        self.dbuf: torch.Tensor | None = None
+        self.dbatch: list[torch.Tensor] = []
+
+    def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        self.buf = torch.ones(m["max"], dtype=torch.uint8)  # touched: no page faults while timed
+        count, size = m["batch"] or (0, 0)
+        self.batch = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
+        t.expose_all({"buf": self.buf, **{f"b{j}": b for j, b in enumerate(self.batch)}})
+        addrs = {"buf": self.buf.data_ptr(), "batch": [b.data_ptr() for b in self.batch]}
+        return [self.buf, *self.batch], addrs
+
+    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
+        buf, batch = (
+            (self.dbuf, self.dbatch) if dist and self.dbuf is not None else (self.buf, self.batch)
+        )
+        return batch if spec["kind"] == "batch" else [buf[: spec["n"]]]
+
+    def open_dist(self, device: str) -> None:
+        if device != "cpu":
+            self.dbuf = torch.zeros_like(self.buf, device=device)
+            self.dbatch = [torch.zeros_like(b, device=device) for b in self.batch]
+
+    def close_dist(self) -> None:
+        self.dbuf, self.dbatch = None, []
 
 
 @dataclass
-class PutPlan:
-    """What one ``bench put`` run measures, from its command line (:func:`put_plan`): the
+class PutWorkload(Workload):
+    """What one ``bench put`` run measures, from its command line (:meth:`from_args`): the
     ``sizes``, an optional ``batch`` (count, bytes each), the ``ops``, the receiver counts ``ks``
     (of ``readers``), the baselines, the lane counts to compare, and the budgets: each
     configuration runs ``warm`` untimed cycles, then ``min_cycles`` to ``max_cycles`` cycles until
     ``budget_s`` has passed (a turn is ``block`` iterations for a single transfer under 1 MiB);
     gloo, NCCL and memcpy have their own budgets and ``min_iters``.
 
-    Made alike in the writer and every reader; nothing changes it afterwards, and the writer's
-    JSON records it as ``config``.
+    The fields do not change after :meth:`from_args`; the writer's tensors and raw NIXL agent
+    live from :meth:`setup` to :meth:`close`.
     """
 
     sizes: list[int]
@@ -100,500 +122,337 @@ class PutPlan:
     timeout: float = 60.0
     pin: bool | None = None  # None: when the host has CPUs enough (bench._util.pin_layout)
     lanes: list[int] = field(default_factory=list)  # [ours, others...]; empty: the default
+    command = "put"
 
-    @property
-    def max_bytes(self) -> int:
-        return max(self.sizes)
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> PutWorkload:
+        from transport.cli.bench import parse_baselines, positive, receiver_counts
+
+        q = args.quick
+        sizes = parse_sizes(args.sizes or (SIZES_QUICK if q else SIZES))
+        if args.max_size:
+            sizes = [n for n in sizes if n <= parse_size(args.max_size, "--max-size")]
+            if not sizes:
+                raise CliError(f"--max-size {args.max_size} leaves no size to measure")
+        batch_text = args.batch or ("100x64K" if q else "1000x64K")
+        n = args.receivers
+        if n is not None and n < 1:
+            raise CliError(f"--receivers must be at least 1, got {n}")
+        if peers:
+            if n is not None and n != len(peers):
+                raise CliError(f"--receivers {n} does not match the {len(peers)} names of --peers")
+            n = len(peers)
+        positive("--budget", args.budget)
+        positive("--timeout", args.timeout)
+        if args.block < 1:
+            raise CliError(f"--block must be at least 1, got {args.block}")
+        lanes = [x.strip() for x in (args.lanes or "").split(",") if x.strip()]
+        for x in lanes:
+            if not x.isdigit() or not 1 <= int(x) <= 16:
+                raise CliError(f"--lanes takes counts from 1 to 16, got {x!r}")
+        return cls(
+            sizes=sizes, batch=None if batch_text.lower() == "none" else parse_batch(batch_text),
+            ops=["write", "read"] if args.op == "both" else [args.op], ks=receiver_counts(n or 1),
+            readers=n or 1, baselines=parse_baselines(args.baselines),
+            budget_s=args.budget or (0.2 if q else 1.5), min_cycles=3 if q else 5,
+            max_cycles=20 if q else 100, block=args.block, dist_budget_s=0.2 if q else 1.0,
+            memcpy_budget_s=0.1 if q else 0.5, min_iters=3 if q else 5, timeout=args.timeout,
+            pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in lanes)),
+        )  # fmt: skip
 
     def shapes(self) -> list[tuple[str, int]]:
         """("single", n) for every size, then ("batch", total) if a batch is measured."""
-        out = [("single", n) for n in self.sizes]
-        if self.batch:
-            out.append(("batch", self.batch[0] * self.batch[1]))
-        return out
+        return [("single", n) for n in self.sizes] + (
+            [("batch", self.batch[0] * self.batch[1])] if self.batch else []
+        )
 
     def label(self, kind: str, n: int) -> str:
-        return batch_label(*self.batch) if kind == "batch" and self.batch else size_label(n)
+        if kind == "batch" and self.batch:
+            return f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}"
+        return label_of(n)
 
+    def reader_count(self) -> int:
+        return self.readers
 
-@dataclass
-class Results:
-    """What a bench run (``put`` or ``sync``) collects for its report and JSON: ``records`` (one
-    per system and configuration), ``notes``, the ``skipped`` baselines with the reason, and
-    ``phases`` (the CPU other processes used during each phase). Filled by the writer's main
-    thread only; printed and written once the session has ended.
-    """
+    def buffers(self, t: Any) -> Buffers:
+        return PutBuffers()
 
-    records: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
-    phases: list[dict[str, Any]] = field(default_factory=list)
+    def units(self) -> int:
+        per_k = len(self.ks) * len(self.shapes())
+        gloo = 2 * per_k if "gloo" in self.baselines else 0
+        memcpy = len(self.shapes()) if "memcpy" in self.baselines else 0
+        return len(self.ops) * per_k + gloo + memcpy
 
+    # -- the writer ---------------------------------------------------------------------------
 
-def record(system: str, family: str, op: str, k: int, kind: str, label: str, n: int,
-           times: list[int], **extra: Any) -> dict[str, Any]:  # fmt: skip
-    return {
-        "system": system, "family": family, "op": op, "receivers": k, "kind": kind, "size": label,
-        "bytes": n, "total_bytes": n * k, **summarize(times, n * k), "verified": False, **extra,
-    }  # fmt: skip
-
-
-# -- the reader ---------------------------------------------------------------------------------
-
-
-class PutReader(ReaderBase):
-    """Exposes ``buf`` (and ``b0``..: the batch) and serves the writer's commands."""
-
-    def __init__(self, t: transport.Transport, saved_affinity: set[int] | None) -> None:
-        super().__init__(t, saved_affinity)
-        self.buf = torch.zeros(0, dtype=torch.uint8)
-        self.batch: list[torch.Tensor] = []
-        self.dbuf: torch.Tensor | None = None
-        self.dbatch: list[torch.Tensor] = []
-
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]]:
-        return {
-            "setup": self.setup, "raw-md": self.raw_md, "zero": self.zero, "fill": self.fill,
-            "check": self.check, "dist-init": self.dist_init, "dist-run": self.dist_run,
-            "dist-end": self.dist_end,
-        }  # fmt: skip
-
-    def setup(self, m: dict[str, Any]) -> dict[str, Any]:
-        self.buf = torch.ones(m["max"], dtype=torch.uint8)  # touched: no page faults while timed
-        count, size = m["batch"] or (0, 0)
-        self.batch = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
-        self.t.expose_all({"buf": self.buf, **{f"b{j}": b for j, b in enumerate(self.batch)}})
-        if m["raw"]:
-            self.setup_raw([self.buf, *self.batch],
-                           {"buf": self.buf.data_ptr(), "batch": [b.data_ptr() for b in self.batch]})  # fmt: skip
-        return self.ready()
-
-    def _targets(self, kind: str, n: int, dist: bool = False) -> list[torch.Tensor]:
-        if dist and self.dbuf is not None:
-            return self.dbatch if kind == "batch" else [self.dbuf[:n]]
-        return self.batch if kind == "batch" else [self.buf[:n]]
-
-    def zero(self, m: dict[str, Any]) -> dict[str, Any]:
-        for x in self._targets(m["kind"], m["n"]):
-            zero_bytes(x)
-        return {}
-
-    def fill(self, m: dict[str, Any]) -> dict[str, Any]:
-        for j, x in enumerate(self._targets(m["kind"], m["n"])):
-            fill_pattern(x, m["seed"] + j)
-        return {}
-
-    def check(self, m: dict[str, Any]) -> dict[str, Any]:
-        xs = self._targets(m["kind"], m["n"], m.get("dist", False))
-        return {"ok": all(check_pattern(x, m["seed"] + j) for j, x in enumerate(xs))}
-
-    def dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
-        device = self.open_group(m)
-        if device != "cpu":
-            self.dbuf = torch.zeros(m["max"], dtype=torch.uint8, device=device)
-            self.dbatch = [torch.zeros_like(b, device=device) for b in self.batch]
-        return {}
-
-    def dist_run(self, m: dict[str, Any]) -> dict[str, Any]:
-        assert self.group is not None
-        xs = self._targets(m["kind"], m["n"], dist=True)
-        if m.get("check_seed") is not None:
-            for x in xs:
-                zero_bytes(x)
-        for _ in range(m["count"]):
-            self.group.read(m["mode"], xs, m["recv"])
-        if m.get("check_seed") is not None:
-            return {"ok": all(check_pattern(x, m["check_seed"] + j) for j, x in enumerate(xs))}
-        return {}
-
-    def dist_end(self, m: dict[str, Any]) -> dict[str, Any]:
-        self.close_group()
-        self.dbuf, self.dbatch = None, []
-        return {}
-
-
-# -- the writer ---------------------------------------------------------------------------------
-
-
-class PutWriter:
-    """Measures; ``readers`` are the names of the reader peers (already in the namespace)."""
-
-    def __init__(self, t: transport.Transport, chan: Channel, readers: list[str], plan: PutPlan,
-                 progress: Any, res: Results) -> None:  # fmt: skip
-        self.t, self.chan, self.readers, self.plan, self.progress, self.res = (
-            t,
-            chan,
-            readers,
-            plan,
-            progress,
-            res,
-        )
-        self.seed = 1000
-        self.agent: Any = None
-        self.remote: list[dict[str, Any]] = []
-        self.raw_names: list[str] = []
-        kmax = max(plan.ks)
-        fan_in = "read" in plan.ops and kmax > 1
-        self.src = torch.ones(plan.max_bytes, dtype=torch.uint8)
-        self.lbuf = [self.src] + [
-            torch.ones(plan.max_bytes, dtype=torch.uint8) for _ in range(1, kmax if fan_in else 1)
-        ]
-        count, size = plan.batch or (0, 0)
-        self.lbatch = [
-            [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
-            for _ in range(kmax if fan_in else 1)
-        ]
-        self.ready: list[dict[str, Any]] = []
-
-    # setup
-
-    def setup(self) -> None:
-        p = self.plan
-        use_raw = "raw" in p.baselines
-        self.ready = self.chan.ask(self.readers, "setup", max=p.max_bytes,
-                                   batch=list(p.batch) if p.batch else None, raw=use_raw)  # fmt: skip
-        regions = ["buf", *(f"b{j}" for j in range(p.batch[0] if p.batch else 0))]
-        for r in self.readers:
-            self.t.wait_for_peer(r, timeout=60, regions=regions)
-        local = [x for x in self.lbuf] + [x for b in self.lbatch for x in b]
+    def setup(self, s: Session, res: Results) -> None:
+        self.s, self.raw = s, None
+        big, count, size = max(self.sizes), *(self.batch or (0, 0))
+        copies = max(self.ks) if "read" in self.ops and max(self.ks) > 1 else 1
+        self.lbuf = [torch.ones(big, dtype=torch.uint8) for _ in range(copies)]
+        self.lbatch = [[torch.ones(size, dtype=torch.uint8) for _ in range(count)]
+                       for _ in range(copies)]  # fmt: skip
+        use_raw = "raw" in self.baselines
+        s.ready = s.chan.ask(s.readers, "setup", max=big, batch=list(self.batch or []) or None,
+                             raw=use_raw)  # fmt: skip
+        for r in s.readers:
+            s.t.wait_for_peer(r, timeout=60, regions=["buf", *(f"b{j}" for j in range(count))])
+        local = [*self.lbuf, *(x for b in self.lbatch for x in b)]
         for x in local:
-            self.t.register(x)
+            s.t.register(x)
         if use_raw:
-            self.agent = _raw.new_agent(f"raw-{self.t.name}")
-            self.agent.register_memory(local)
-            put_blob(self.t.store, self.t.namespace, self.t.name, "raw",
-                     {"md": self.agent.get_agent_metadata()})  # fmt: skip
-            for r in self.readers:
-                blob = get_blob(self.t.store, self.t.namespace, r, "raw", 60)
-                self.remote.append(blob)
-                self.raw_names.append(_raw.remote_name(self.agent.add_remote_agent(blob["md"])))
-            self.chan.ask(self.readers, "raw-md", writer=self.t.name)
-            for i, rname in enumerate(self.raw_names):
-                dt = _raw.connect(self.agent, rname, self.src, self.remote[i]["buf"])
-                self.res.notes.append(
-                    f"raw NIXL: first transfer to {self.readers[i]} (connect) {1e3 * dt:.1f} ms"
-                )
-        for r in self.readers:
+            self.raw = _raw.RawLink(s.t, s.chan, s.readers, local)
+            for i, r in enumerate(s.readers):
+                dt = self.raw.connect(i, self.lbuf[0], self.raw.blobs[i]["buf"])
+                res.notes.append(f"raw NIXL: first transfer to {r} (connect) {1e3 * dt:.1f} ms")
+        for r in s.readers:
             t0 = time.perf_counter()
-            self.t.put(self.src[:64], r, "buf").wait(timeout=p.timeout)
-            self.res.notes.append(
-                f"ours: first put to {r} (resolve + connect) {1e3 * (time.perf_counter() - t0):.1f} ms"
-            )
+            s.t.put(self.lbuf[0][:64], r, "buf").wait(timeout=self.timeout)
+            dt = time.perf_counter() - t0
+            res.notes.append(f"ours: first put to {r} (resolve + connect) {1e3 * dt:.1f} ms")
 
-    # the NIXL phase: raw and ours interleaved
+    def close(self) -> None:
+        if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
+            raw.close()
+
+    def phases(self, s: Session, res: Results) -> list[Phase]:
+        b = self.baselines
+        nccl = Phase("nccl", lambda: self.dist_turns("nccl"), watch=False,
+                     skip=s.nccl_unavailable() if "nccl" in b else None)  # fmt: skip
+        return [
+            Phase("raw+ours interleaved", self.nixl_turns, pinned=True),
+            *([Phase("gloo", lambda: self.dist_turns("gloo"))] if "gloo" in b else []),
+            *([nccl] if "nccl" in b else []),
+            *([Phase("memcpy", lambda: self.memcpy_turns(res))] if "memcpy" in b else []),
+        ]
 
     def _local(self, i: int, op: str, kind: str, n: int) -> list[torch.Tensor]:
         idx = 0 if op == "write" else i
         return self.lbatch[idx] if kind == "batch" else [self.lbuf[idx][:n]]
 
-    def _fns(
-        self, op: str, k: int, kind: str, n: int
-    ) -> tuple[dict[str, Callable[[], object]], list[Any]]:
-        p, t, peers = self.plan, self.t, self.readers[:k]
-        fns: dict[str, Callable[[], object]] = {}
-        paths: list[Any] = []
-        if self.agent is not None:
-            targets = []
-            for i in range(k):
-                loc = self._local(i, op, kind, n)
-                if kind == "batch":
-                    rem = _raw.remote_descs(self.remote[i]["batch"], [x.nbytes for x in loc])
-                else:
-                    rem = _raw.remote_descs([self.remote[i]["buf"]], [n])
-                targets.append((self.raw_names[i], _raw.descs(loc), rem))
-            path = _raw.RawPath(self.agent, op.upper(), targets)
-            paths.append(path)
-            fns[RAW], fns[REPOST] = path.make_post, path.repost
-        tmo = p.timeout
-        if kind == "batch":
-            dicts = [
-                {f"b{j}": x for j, x in enumerate(self._local(i, op, kind, n))} for i in range(k)
-            ]
-        if op == "write":
-            target: str | list[str] = peers[0] if k == 1 else peers
-            if kind == "batch":
-                d0 = dicts[0]
-                fns[OURS] = lambda: t.put(d0, target).wait(tmo)
-                if n <= p.max_bytes:
-                    v = self.src[:n]
-                    fns[SINGLE] = lambda: t.put(v, target, "buf").wait(tmo)
-            else:
-                v = self.src[:n]
-                fns[OURS] = lambda: t.put(v, target, "buf").wait(tmo)
-        elif k == 1:
-            peer = peers[0]
-            if kind == "batch":
-                d0 = dicts[0]
-                fns[OURS] = lambda: t.get(d0, peer).wait(tmo)
-                if n <= p.max_bytes:
-                    v = self.src[:n]
-                    fns[SINGLE] = lambda: t.get(v, peer, "buf").wait(tmo)
-            else:
-                v = self.src[:n]
-                fns[OURS] = lambda: t.get(v, peer, "buf").wait(tmo)
-        else:
-            if kind == "batch":
-                fns[OURS] = lambda: transport.wait_all(
-                    [t.get(d, r) for d, r in zip(dicts, peers, strict=True)], tmo
-                )
-            else:
-                views = [self.lbuf[i][:n] for i in range(k)]
-                fns[OURS] = lambda: transport.wait_all(
-                    [t.get(v, r, "buf") for v, r in zip(views, peers, strict=True)], tmo
-                )
-        if p.lanes:
-            t.lanes = p.lanes[0]
-            base = fns[OURS]
-            for n_l in p.lanes[1:]:
-                fns[f"ours-lanes{n_l}"] = _with_lanes(t, n_l, p.lanes[0], base)
-        return fns, paths
+    def _route(self, op: str, k: int, kind: str, n: int) -> Route:
+        local = [self._local(i, op, kind, n) for i in range(k if op == "read" else 1)]
+        return Route(self.s.chan, self.s.readers[:k], {"kind": kind, "n": n}, op, local)
 
-    def verify(
-        self, fn: Callable[[], object], op: str, k: int, kind: str, n: int, single: bool = False
-    ) -> bool:
-        """One transfer of fresh bytes, checked where they land."""
-        self.seed += 7
-        seed, peers = self.seed, self.readers[:k]
-        shape = "single" if single else kind
+    def _ours(self, op: str, k: int, kind: str, n: int) -> Callable[[], object]:
+        t, tmo, peers = self.s.t, self.timeout, self.s.readers[:k]
+        key = None if kind == "batch" else "buf"
+        srcs: list[Any] = [self._local(i, op, kind, n) for i in range(k)]
+        srcs = [{f"b{j}": x for j, x in enumerate(xs)} if key is None else xs[0] for xs in srcs]
         if op == "write":
-            self.chan.ask(peers, "zero", kind=shape, n=n)
-            for j, x in enumerate(self._local(0, op, shape, n)):
-                fill_pattern(x, seed + j)
-            fn()
-            return all(m["ok"] for m in self.chan.ask(peers, "check", seed=seed, kind=shape, n=n))
-        self.chan.ask(peers, "fill", per_peer=lambda i: {"seed": seed + 1000 * i}, kind=shape, n=n)
-        for i in range(k):
-            for x in self._local(i, op, shape, n):
-                zero_bytes(x)
-        fn()
-        return all(
-            check_pattern(x, seed + 1000 * i + j)
-            for i in range(k)
-            for j, x in enumerate(self._local(i, op, shape, n))
+            to = peers[0] if k == 1 else peers
+            return lambda: t.put(srcs[0], to, key).wait(tmo)
+        if k == 1:
+            return lambda: t.get(srcs[0], peers[0], key).wait(tmo)
+        return lambda: transport.wait_all(
+            [t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo
         )
 
-    def measure(self, op: str, k: int, kind: str, n: int) -> None:
-        p = self.plan
-        label = p.label(kind, n)
-        fns, paths = self._fns(op, k, kind, n)
-        try:
-            sched = [RAW, OURS, REPOST, OURS] if RAW in fns else [OURS]
-            if SINGLE in fns:
-                sched.append(SINGLE)
-            sched += [name for name in fns if name.startswith("ours-lanes")]
-            per_peer = p.batch[1] if kind == "batch" and p.batch else n
-            block = p.block if per_peer < MiB and kind != "batch" else 1
-            times, per_cycle = interleave(
-                fns, sched, block, p.budget_s, p.min_cycles, p.max_cycles, p.warm
-            )
-            recs: dict[str, dict[str, Any]] = {}
-            for name in dict.fromkeys(sched):
-                fam = "raw" if name.startswith("raw") else "ours"
-                rec = record(name, fam, op, k, kind, label, n, times[name], block=block,
-                             cycles=len(per_cycle[name]))  # fmt: skip
-                rec["verified"] = self.verify(fns[name], op, k, kind, n, single=name == SINGLE)
-                if not rec["verified"]:
-                    raise CliError(
-                        f"{name} {op} {label} to {k} receiver(s): the bytes did not land"
-                    )
-                recs[name] = rec
-            recs[OURS]["paired_time_ratio"] = {
-                other: paired_ratio(per_cycle[OURS], per_cycle[other])
-                for other in recs
-                if other != OURS
-            }
-            if RAW in recs and k == 1 and n <= 64 * MiB:
-                recs[RAW].update(paths[0].probe(200 if n <= MiB else 3))
-            self.res.records.extend(recs.values())
-        finally:
-            for path in paths:
-                path.close()
+    def _with_lanes(self, lanes: int, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
 
-    # gloo / NCCL
-
-    def dist_phase(self, backend: str, device_of: Callable[[int], int]) -> None:
-        """gloo or NCCL: send/recv (gloo) and broadcast, each with an ack; ``device_of(rank)``:
-        the CUDA device index each rank uses (NCCL)."""
-        p, peers = self.plan, self.readers
-        group = open_group(self.chan, getattr(self.t.store, "url", None), peers, backend, p.ks,
-                           device_of, max=p.max_bytes)  # fmt: skip
-        device = str(group.device)
-        if device == "cpu":
-            dbuf, dbatch = self.src, self.lbatch[0]
-        else:
-            dbuf = torch.ones(p.max_bytes, dtype=torch.uint8, device=device)
-            dbatch = [torch.ones_like(x, device=device) for x in self.lbatch[0]]
-        try:
-            for mode in ("p2p", "bcast"):
-                if backend == "nccl" and mode == "p2p":
-                    continue
-                system = f"{backend}-bcast" if mode == "bcast" else backend
-                for k in p.ks:
-                    for kind, n in p.shapes():
-                        label = p.label(kind, n)
-                        self.progress.step(f"{system} {label} to {k}")
-                        xs = dbatch if kind == "batch" else [dbuf[:n]]
-                        run = _DistRun(self.chan, group, peers[:k], mode, kind, n, xs)
-                        warm = run(10 if n < MiB else 1)
-                        per = max(statistics.median(warm), 1) / 1e9
-                        times = run(int(min(2000, max(p.min_iters, p.dist_budget_s / per))))
-                        self.seed += 7
-                        for j, x in enumerate(xs):
-                            fill_pattern(x, self.seed + j)
-                        rec = record(
-                            system, backend, "write", k, kind, label, n, times, device=device
-                        )
-                        rec["verified"] = run.verify(self.seed)
-                        if not rec["verified"]:
-                            raise CliError(
-                                f"{system} {label} to {k} receiver(s): the bytes did not land"
-                            )
-                        self.res.records.append(rec)
-        finally:
-            close_group(self.chan, peers, group)
-
-    # memcpy
-
-    def memcpy_phase(self) -> None:
-        p = self.plan
-        self.res.notes.append(
-            f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} thread(s) (CMA too is one copy by one thread)"
-        )
-        for kind, n in p.shapes():
-            label = p.label(kind, n)
-            self.progress.step(f"memcpy {label}")
-            if kind == "batch" and p.batch:
-                src = [torch.ones(p.batch[1], dtype=torch.uint8) for _ in range(p.batch[0])]
-            else:
-                src = [torch.ones(n, dtype=torch.uint8)]
-            dst = [torch.zeros_like(x) for x in src]
-
-            def one(src: list[torch.Tensor] = src, dst: list[torch.Tensor] = dst) -> None:
-                for d, s in zip(dst, src, strict=True):
-                    d.copy_(s)
-
-            times = time_loop(one, p.memcpy_budget_s, p.min_iters, 5000, 2 if n < MiB else 1)
-            self.seed += 7
-            for j, x in enumerate(src):
-                fill_pattern(x, self.seed + j)
-            one()
-            rec = record("memcpy", "memcpy", "write", 1, kind, label, n, times)
-            rec["verified"] = all(check_pattern(x, self.seed + j) for j, x in enumerate(dst))
-            if not rec["verified"]:
-                raise CliError(f"memcpy {label}: the copy did not match")
-            self.res.records.append(rec)
-            del src, dst
-
-    def close(self) -> None:
-        if self.agent is not None:
-            for rname in self.raw_names:
-                self.agent.remove_remote_agent(rname)
-
-
-class _DistRun:
-    """``count`` operations of one configuration: the readers are told, then the writer times
-    each of its own."""
-
-    def __init__(self, chan: Channel, group: Group, targets: list[str], mode: str, kind: str, n: int,
-                 xs: list[torch.Tensor]) -> None:  # fmt: skip
-        self.chan, self.group, self.targets = chan, group, targets
-        self.mode, self.kind, self.n, self.xs = mode, kind, n, xs
-
-    def _go(self, count: int, check_seed: int | None) -> tuple[list[int], list[dict[str, Any]]]:
-        k = len(self.targets)
-        for r in self.targets:
-            self.chan.send(r, "dist-run", mode=self.mode, recv=k, kind=self.kind, n=self.n,
-                           count=count, check_seed=check_seed)  # fmt: skip
-        out = []
-        clock = time.perf_counter_ns
-        for _ in range(count):
-            t0 = clock()
-            self.group.write(self.mode, self.xs, k)
-            out.append(clock() - t0)
-        return out, [self.chan.recv(r) for r in self.targets]
-
-    def __call__(self, count: int) -> list[int]:
-        return self._go(count, None)[0]
-
-    def verify(self, seed: int) -> bool:
-        """One operation of the bytes the caller filled with ``seed``, checked by every receiver."""
-        return all(m["ok"] for m in self._go(1, seed)[1])
-
-
-# -- the run -----------------------------------------------------------------------------------
-
-
-def run_writer(args: argparse.Namespace, plan: Any, peers: list[str] | None) -> int:
-    """``transport bench put`` as the writer: local readers, or the named peers of a store."""
-    t_start = time.perf_counter()
-    probe = report.start_ucx_probe()
-    # memcpy with one thread, like CMA; and no torch pool threads pinned along with the main thread
-    torch.set_num_threads(1)
-    res = Results()
-    shapes = plan.shapes()
-    nixl_units = len(plan.ops) * len(plan.ks) * len(shapes)
-    dist_units = 0
-    if "gloo" in plan.baselines:
-        dist_units += 2 * len(plan.ks) * len(shapes)
-    units = nixl_units + dist_units + (len(shapes) if "memcpy" in plan.baselines else 0) + 1
-    progress = report.Progress(units, report.progress_enabled(args.progress))
-    progress.step("starting readers")
-    try:
-        with writer_session(args, "put", peers, plan.readers) as s:
-            res.notes.extend(s.notes)
-            w = PutWriter(s.t, s.chan, s.readers, plan, progress, res)
+        def run() -> object:
+            self.s.t.lanes = lanes
             try:
-                w.setup()
-                watch = s.watch()
-                for op in plan.ops:
-                    for k in plan.ks:
-                        for kind, n in shapes:
-                            progress.step(f"raw+ours {op} {plan.label(kind, n)} to {k}")
-                            w.measure(op, k, kind, n)
-                note_phase(res, "raw+ours interleaved", watch)
-                unpin(s.saved_affinity)
-                if "gloo" in plan.baselines:
-                    watch = s.watch()
-                    w.dist_phase("gloo", lambda rank: 0)
-                    note_phase(res, "gloo", watch)
-                if "nccl" in plan.baselines:
-                    why = nccl_unavailable(w.ready, plan.readers + 1, s.local is not None)
-                    if why:
-                        res.skipped["nccl"] = why
-                    else:
-                        ndev = torch.cuda.device_count()
-                        w.dist_phase("nccl", (lambda r: r % ndev) if s.local else (lambda r: 0))
-                if "memcpy" in plan.baselines:
-                    watch = s.watch()
-                    w.memcpy_phase()
-                    note_phase(res, "memcpy", watch)
+                return fn()
             finally:
-                w.close()
-    finally:
-        progress.close()
-    total = time.perf_counter() - t_start
-    ucx = report.finish_ucx_probe(probe)
-    env = report.environment(ucx)
-    ratios = report.put_ratios(res.records)
-    out = sys.stdout
-    print(f"transport bench put: {', '.join(sorted({r['size'] for r in res.records if r['kind'] == 'single'}, key=lambda s: next(r['bytes'] for r in res.records if r['size'] == s)))}"
-          f"{'; batch ' + plan.label('batch', 0) if plan.batch else ''}; ops {'+'.join(plan.ops)}; "
-          f"receivers {','.join(map(str, plan.ks))}; {env['cpu']['count']} CPUs ({env['cpu']['model']}); "
-          f"{report.ucx_summary(ucx)}", file=out)  # fmt: skip
-    report.put_table(res.records, ratios, out)
-    res.notes.append(report.describe_code(env["code"]))
-    print_notes(res, out)
-    print(f"total {total:.1f} s", file=out)
-    title = f"transport bench put: {env['cpu']['count']} CPUs, {report.ucx_summary(ucx)}"
-    write_outputs(
-        args,
-        "put",
-        plan,
-        res,
-        ratios,
-        env,
-        total,
-        lambda path: report.plot_put(res.records, path, title),
-    )
-    bad = [r for r in res.records if not r["verified"]]
-    return 1 if bad else 0
+                self.s.t.lanes = self.lanes[0]
+
+        return run
+
+    def nixl_turns(self) -> Iterator[Turn]:
+        for op in self.ops:
+            for k in self.ks:
+                for kind, n in self.shapes():
+                    yield self.nixl_turn(op, k, kind, n)
+
+    def nixl_turn(self, op: str, k: int, kind: str, n: int) -> Turn:
+        systems: list[System] = []
+        route = self._route(op, k, kind, n)
+        if self.raw is not None:
+            path = self.raw.path(op.upper(), [
+                (self._local(i, op, kind, n), b["batch"] if kind == "batch" else [b["buf"]])
+                for i, b in enumerate(self.raw.blobs[:k])])  # fmt: skip
+            probe = (200 if n <= MiB else 3) if k == 1 and n <= 64 * MiB else 0
+            systems.append(RawNixl(RAW, path, route, probe=probe))
+        ours = self._ours(op, k, kind, n)
+        if self.lanes:
+            self.s.t.lanes = self.lanes[0]
+        systems.append(Ours(OURS, ours, route))
+        if self.raw is not None:
+            systems.append(RawNixl(REPOST, path, route, repost=True, owns=False))
+        if kind == "batch" and n <= max(self.sizes) and (op == "write" or k == 1):
+            systems.append(Ours(SINGLE, self._ours(op, k, "single", n),
+                                self._route(op, k, "single", n)))  # fmt: skip
+        for lanes in self.lanes[1:]:
+            systems.append(Ours(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
+        sched = [RAW, OURS, REPOST, OURS] if self.raw is not None else [OURS]
+        sched += [x.name for x in systems if x.name not in sched]
+        timing = Timing(self.budget_s, self.min_cycles, self.max_cycles, self.warm,
+                        self.block if kind == "single" and n < MiB else 1)  # fmt: skip
+        case = PutCase(op, k, kind, self.label(kind, n), n)
+        pairs = [(OURS, x.name) for x in systems if x.name != OURS]
+        return Turn(f"raw+ours {op} {case.size} to {k}", case, systems, timing, sched, pairs)
+
+    def dist_turns(self, backend: str) -> Iterator[Turn]:
+        """gloo: send/recv, then broadcast; NCCL: broadcast; each with an ack per receiver."""
+        s = self.s
+        store_url = getattr(s.t.store, "url", None)
+        group = open_group(s.chan, store_url, s.readers, backend, self.ks, s.device_of)
+        dev = group.device
+        dbuf = self.lbuf[0] if dev.type == "cpu" else torch.ones_like(self.lbuf[0], device=dev)
+        dbatch = [
+            x if dev.type == "cpu" else torch.ones_like(x, device=dev) for x in self.lbatch[0]
+        ]
+        try:
+            for mode in ("p2p", "bcast") if backend == "gloo" else ("bcast",):
+                name = f"{backend}-bcast" if mode == "bcast" else backend
+                for k in self.ks:
+                    for kind, n in self.shapes():
+                        xs = dbatch if kind == "batch" else [dbuf[:n]]
+                        route = Route(s.chan, s.readers[:k], {"kind": kind, "n": n}, local=[xs],
+                                      dist=True)  # fmt: skip
+                        timing = Timing(
+                            self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1
+                        )
+                        case = PutCase("write", k, kind, self.label(kind, n), n)
+                        system = Dist(name, group, mode, xs, route)
+                        yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
+        finally:
+            close_group(s.chan, s.readers, group)
+
+    def memcpy_turns(self, res: Results) -> Iterator[Turn]:
+        res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
+                         "thread(s) (CMA too is one copy by one thread)")  # fmt: skip
+        for kind, n in self.shapes():
+            count, size = self.batch if kind == "batch" and self.batch else (1, n)
+            src = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
+            timing = Timing(self.memcpy_budget_s, self.min_iters, 5000, 2 if n < MiB else 1)
+            case = PutCase("write", 1, kind, self.label(kind, n), n)
+            yield Turn(f"memcpy {case.size}", case, [Memcpy(src)], timing)
+
+    # -- the report ---------------------------------------------------------------------------
+
+    def ratios(self, records: list[Record]) -> list[Ratio]:
+        """Ours against every other system measured in the same configuration. ``ratio``: ours/other
+        time (latency, <= 1 is better) or other/ours time = ours/other bandwidth (>= 1 is better)."""
+        out = []
+        for r in (r for r in records if r.system == OURS):
+            c = case_of(r)
+            latency = c.bytes <= LATENCY_MAX and c.kind == "single"
+            for o in records:
+                oc = case_of(o)
+                same = (oc.receivers, oc.kind, oc.size) == (c.receivers, c.kind, c.size)
+                if not same or o.system in (OURS, SINGLE):
+                    continue
+                if (o.family == "raw" and oc.op != c.op) or (o.family != "raw" and c.op != "write"):
+                    continue  # gloo, NCCL and memcpy have no READ
+                x = r.stats.median_s / o.stats.median_s
+                paired = r.paired_time_ratio.get(o.system)
+                if not latency:
+                    x, paired = 1 / x, (None if paired is None else 1 / paired)
+                target = None
+                if o.system == RAW and c.receivers == 1 and c.kind == "single":
+                    target = TARGETS["latency"] if latency else TARGETS["bandwidth"]
+                    target = None if not latency and c.bytes < 64 * MiB else target
+                ok = None if target is None else (x <= target if latency else x >= target)
+                metric = "latency" if latency else "bandwidth"
+                out.append(Ratio(o.system, x, paired, target, ok, case=c, metric=metric))
+        return out
+
+    def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
+        sizes = ", ".join(label_of(n) for n in self.sizes)
+        batch = f"; batch {self.label('batch', 0)}" if self.batch else ""
+        cpu = env["cpu"]
+        _report.text(out, f"transport bench put: {sizes}{batch}; ops {'+'.join(self.ops)}; "
+                     f"receivers {','.join(map(str, self.ks))}; {cpu['count']} CPUs "
+                     f"({cpu['model']}); {_env.ucx_summary(env['ucx'])}")  # fmt: skip
+        blocks: dict[tuple[str, int], list[Record]] = {}
+        for r in sorted(res.records, key=lambda r: r.family not in ("ours", "raw")):
+            c = case_of(r)
+            blocks.setdefault((c.op, c.receivers), []).append(r)
+        for (op, k), rows in blocks.items():
+            more = " (GB/s: bytes delivered to all receivers)" if k > 1 else ""
+            _report.text(out, f"\n{op.upper()}, {k} receiver{'s' if k > 1 else ''}{more}")
+            _report.table(out, ["size", "<system", "median", "GB/s", "vs raw-nixl", "vs ours",
+                                "p10..p90", "iters", "ok"], _sections(rows))  # fmt: skip
+        targets = [x for x in ratios if x.target is not None]
+        if targets:
+            _report.text(out, "\ntargets: ours against raw-nixl (make + post + poll + release per "
+                         "transfer), one receiver; ratio of medians [paired within cycles]")  # fmt: skip
+        for x in targets:
+            assert isinstance(x.case, PutCase)
+            rule = ("<=" if x.metric == "latency" else ">=") + f" {x.target}"
+            paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
+            _report.text(out, f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
+                         f"{x.ratio:.3f}{paired}  (target {rule})  {'PASS' if x.passed else 'MISS'}")  # fmt: skip
+        dist = [x for x in ratios if x.vs in ("gloo", "gloo-bcast", "nccl-bcast")]
+        dist = [x for x in dist if isinstance(x.case, PutCase) and x.case.kind == "single"]
+        if dist:
+            _report.text(out, "\nours against torch.distributed (send/recv or broadcast, each with a "
+                         "1-byte ack):")  # fmt: skip
+        for x in dist:
+            assert isinstance(x.case, PutCase)
+            what = (f"{x.vs}/ours latency = {1 / x.ratio:.1f}x" if x.metric == "latency"
+                    else f"ours/{x.vs} bandwidth = {x.ratio:.2f}x")  # fmt: skip
+            _report.text(
+                out, f"  {x.case.op.upper():<5} {x.case.receivers} recv {x.case.size:>8}  {what}"
+            )
+
+    def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None:
+        plt = _report.pyplot()
+        fig, (bw, lat) = plt.subplots(1, 2, figsize=(13, 5.2))
+        lines: dict[tuple[str, str, int], list[Record]] = {}
+        for r in records:
+            c = r.case
+            if isinstance(c, PutCase) and c.kind == "single" and r.system != SINGLE:
+                lines.setdefault((r.system, c.op, c.receivers), []).append(r)
+        sizes: set[int] = set()
+        for system, op, k in sorted(
+            lines, key=lambda x: (x[1] != "write", x[2], _report.rank(x[0]))
+        ):
+            rs = sorted(lines[system, op, k], key=lambda r: r.case.bytes)
+            label = system + ("" if op == "write" else f" ({op})") + ("" if k == 1 else f" x{k}")
+            style = dict(color=_report.COLORS.get(system), linestyle="-" if op == "write" else "--",
+                         marker="o", linewidth=2.2 if system == OURS else 1.4, label=label,
+                         alpha=1.0 if k == 1 else 0.6)  # fmt: skip
+            xs = [r.case.bytes for r in rs]
+            sizes.update(xs)
+            bw.plot(xs, [r.stats.gbps for r in rs], **style)
+            lat.plot(xs, [r.stats.median_s * 1e6 for r in rs], **style)
+        for ax in (bw, lat):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(sizes), [label_of(n).replace(" ", "") for n in sorted(sizes)],
+                          fontsize=8)  # fmt: skip
+            ax.minorticks_off()
+            ax.set_xlabel("transfer size (per receiver)")
+            ax.grid(True, which="major", alpha=0.3)
+        bw.set(ylabel="GB/s (median)", title="bandwidth")
+        lat.set(ylabel="time per transfer (us, median)", yscale="log", title="latency")
+        bw.legend(fontsize=8)
+        title = f"transport bench put: {env['cpu']['count']} CPUs, {_env.ucx_summary(env['ucx'])}"
+        _report.save(fig, path, title)
+
+
+def _sections(rows: list[Record]) -> list[list[list[str]]]:
+    """One section per size of a (op, receivers) block: its systems, each against raw-nixl and
+    ours (time ratio up to 64 KiB, bandwidth ratio above)."""
+    by_size: dict[tuple[str, str], list[Record]] = {}
+    for r in sorted(rows, key=lambda r: (r.case.bytes + (case_of(r).kind == "batch"), _report.rank(r.system))):  # fmt: skip
+        by_size.setdefault((case_of(r).kind, case_of(r).size), []).append(r)
+    out = []
+    for (kind, size), sel in by_size.items():
+        ref = next((r for r in sel if r.system == RAW), None)
+        ours = next((r for r in sel if r.system == OURS), None)
+        latency = kind == "single" and sel[0].case.bytes <= LATENCY_MAX
+
+        def rel(r: Record, o: Record | None, latency: bool = latency) -> str:
+            if o is None or o is r:
+                return "-"
+            x = r.stats.median_s / o.stats.median_s
+            return f"{x:.2f}x time" if latency else f"{1 / x:.2f}x bw"
+
+        out.append([[size, r.system, fmt_time(r.stats.median_s), f"{r.stats.gbps:.3f}",
+                     rel(r, ref), rel(r, ours), f"{fmt_time(r.stats.p10_s)}..{fmt_time(r.stats.p90_s)}",
+                     str(r.stats.iters), "yes" if r.verified else "NO"] for r in sel])  # fmt: skip
+    return out

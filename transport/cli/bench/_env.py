@@ -1,0 +1,171 @@
+"""Where a bench run ran: versions, CPU, GPU, which ``transport`` code, and what UCX picks on this
+host (a probe child process with UCX_PROTO_INFO=y, started at the beginning of a run)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from typing import Any
+
+_PREFIX = re.compile(r"^\[[^]]*\]\s*\[[^]]*\]\s*")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_info() -> dict[str, Any]:
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None
+            )
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "model": model or platform.processor() or None,
+        "count": os.cpu_count(),
+        "usable": usable,
+    }
+
+
+def gpu_info() -> list[dict[str, Any]] | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return [{"index": i, "name": torch.cuda.get_device_name(i),
+             "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+            for i in range(torch.cuda.device_count())]  # fmt: skip
+
+
+def start_ucx_probe() -> subprocess.Popen[str] | None:
+    """What UCX picks for a put and a get between two agents on this host: a child process with
+    UCX_PROTO_INFO=y (read back by :func:`finish_ucx_probe`)."""
+    env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
+    try:
+        return subprocess.Popen([sys.executable, "-m", "transport.cli.bench._raw"], env=env,
+                                text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    except OSError:
+        return None
+
+
+def parse_ucx_info(text: str) -> dict[str, Any]:
+    """The UCX version, the lanes of an intra-node endpoint and the protocol tables for remote
+    memory writes and reads, from UCX_PROTO_INFO=y output."""
+    out: dict[str, Any] = {}
+    title: list[str] = []
+    last = ""
+    tables: dict[str, list[str]] = {}
+    for raw in text.splitlines():
+        line = _PREFIX.sub("", raw).strip()
+        if m := re.search(r"UCX\s+INFO\s+Version (\S+)", line):
+            out["version"] = m.group(1)
+        if m := re.search(r"UCX\s+INFO\s+\S+ intra-node cfg#\d+ (.*)$", line):
+            out["lanes"] = " ".join(m.group(1).split())
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 1:
+            title = ([] if last != "title" else title) + [cells[0]]
+            last = "title"
+            continue
+        last = "row"
+        if len(cells) != 3 or cells[0] == "Range" or len(title) < 2:
+            continue
+        if "intra-node" in title[0] and title[1].startswith("remote memory"):
+            rows = tables.setdefault(title[1], [])
+            if (row := " ".join(cells)) not in rows:
+                rows.append(row)
+    out["protocols"] = tables
+    return out
+
+
+def finish_ucx_probe(proc: subprocess.Popen[str] | None) -> dict[str, Any]:
+    info: dict[str, Any] = {"UCX_TLS": os.environ.get("UCX_TLS", "default")}
+    info.update({k: v for k, v in os.environ.items() if k.startswith("UCX_") and k != "UCX_TLS"})
+    if proc is None:
+        return info
+    try:
+        text, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {**info, "probe": "timed out"}
+    info["probe"] = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    return {**info, **parse_ucx_info(text)}
+
+
+def ucx_summary(ucx: dict[str, Any]) -> str:
+    """``UCX 1.23.0, UCX_TLS=default (put: 0..inf zero-copy cma/memory; get: ...)``."""
+    chosen = []
+    tables = ucx.get("protocols", {})
+    for what, key in (("put", "remote memory write"), ("get", "remote memory read")):
+        names = sorted((n for n in tables if n.startswith(key)), key=lambda n: "*(" in n)
+        if names:
+            chosen.append(f"{what}: " + ", ".join(tables[names[0]]))
+    extra = f" ({'; '.join(chosen)})" if chosen else ""
+    return f"UCX {ucx.get('version', '?')}, UCX_TLS={ucx['UCX_TLS']}{extra}"
+
+
+def code_info() -> dict[str, Any]:
+    """Which ``transport`` was measured: its directories and, in a git checkout, the commit and
+    the files with uncommitted changes (others may be editing the tree being measured)."""
+    import transport
+    import transport.backends
+
+    where = os.path.dirname(os.path.abspath(transport.__file__))
+    info: dict[str, Any] = {
+        "transport": where,
+        "backends": os.path.dirname(os.path.abspath(transport.backends.__file__)),
+    }
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", os.path.dirname(where), *args], capture_output=True,
+                               text=True, timeout=10)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    if sha := git("rev-parse", "--short", "HEAD"):
+        info["commit"] = sha.strip()
+        dirty = git("status", "--porcelain", "--", "transport", "backends") or ""
+        info["uncommitted"] = [ln[3:] for ln in dirty.splitlines() if ln.strip()]
+    return info
+
+
+def describe_code(info: dict[str, Any]) -> str:
+    if "commit" not in info:
+        return f"transport from {info['transport']}"
+    dirty = info.get("uncommitted") or []
+    state = f"UNCOMMITTED changes in {', '.join(dirty)}" if dirty else "clean"
+    return f"transport from {info['transport']} (git {info['commit']}, {state})"
+
+
+def environment(ucx: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import transport
+
+    versions = {
+        "transport": getattr(transport, "__version__", None) or _version("transport"),
+        "torch": torch.__version__,
+        "nixl": {d: v for d in ("nixl-cu13", "nixl-cu12", "nixl") if (v := _version(d))},
+        "numpy": _version("numpy"),
+        "msgpack": _version("msgpack"),
+        "python": platform.python_version(),
+    }
+    return {"versions": versions, "ucx": ucx, "cpu": cpu_info(), "gpu": gpu_info(),
+            "host": socket.gethostname(), "platform": platform.platform(), "code": code_info()}  # fmt: skip

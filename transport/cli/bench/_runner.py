@@ -1,0 +1,298 @@
+"""The one runner of both bench commands: phases of configurations, each configuration's systems
+interleaved or timed alone, every system verified; CPU pinning and accounting, progress, the
+report, JSON and the plot. What is measured comes from a :class:`Workload`."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import torch
+
+from transport.cli import CliError
+from transport.cli.bench import _env, _report
+from transport.cli.bench._session import Buffers, Session, writer_session
+from transport.cli.bench._systems import System
+from transport.cli.bench._util import Stats, unpin
+
+
+class Case(ABC):
+    """One configuration's coordinates in records and ratios (a frozen dataclass whose fields,
+    ending with ``bytes``, are the record's JSON fields); the bytes go to :meth:`copies` peers."""
+
+    bytes: int
+
+    @abstractmethod
+    def copies(self) -> int: ...
+
+
+@dataclass
+class Record:
+    """One system's result in one configuration: the timing, whether its bytes were verified, and
+    the system's ``extra`` fields. Made by the runner; a workload may add ``extra`` fields and
+    paired ratios before the report."""
+
+    system: str
+    family: str
+    case: Case
+    stats: Stats
+    verified: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    paired_time_ratio: dict[str, float] = field(default_factory=dict)
+
+    def json(self) -> dict[str, Any]:
+        total = self.case.bytes * self.case.copies()
+        paired = {"paired_time_ratio": self.paired_time_ratio} if self.paired_time_ratio else {}
+        return {"system": self.system, "family": self.family, **asdict(self.case),  # type: ignore[call-overload]
+                "total_bytes": total, **asdict(self.stats), "verified": self.verified,
+                **self.extra, **paired}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Ours against another system (or the reverse, as ``name`` says), with the paired ratio
+    within cycles where both ran interleaved, and the target it is held to (``passed``)."""
+
+    vs: str
+    ratio: float
+    paired: float | None = None
+    target: float | None = None
+    passed: bool | None = None
+    name: str | None = None
+    case: Case | None = None
+    metric: str | None = None
+
+    def json(self) -> dict[str, Any]:
+        head = {"name": self.name} if self.name else {}
+        head.update(asdict(self.case) if self.case else {})  # type: ignore[call-overload]
+        head.update({"metric": self.metric} if self.metric else {})
+        return {**head, "vs": self.vs, "ratio": self.ratio, "paired": self.paired,
+                "target": self.target, "pass": self.passed}  # fmt: skip
+
+
+@dataclass
+class Results:
+    """What a run collects for its report and JSON: ``records`` (one per system and
+    configuration), ``notes``, the ``skipped`` baselines with the reason, and ``phases`` (the CPU
+    other processes used during each phase). Filled by the runner on the writer's main thread;
+    reported once the session has ended."""
+
+    records: list[Record] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How a turn's systems are timed. Interleaved (a schedule): ``warm`` untimed cycles, then at
+    least ``lo`` and at most ``hi`` cycles until ``budget_s`` has passed, each turn of a cycle
+    ``block`` transfers of one system. Alone: ``warm`` transfers estimate one's time, then
+    ``budget_s`` worth of transfers in one go, at least ``lo`` and at most ``hi``."""
+
+    budget_s: float
+    lo: int
+    hi: int
+    warm: int = 1
+    block: int = 1
+
+
+@dataclass
+class Turn:
+    """One configuration: its ``case``, its ``systems`` and their ``timing``. With a ``schedule``
+    (system names, repeats allowed) they run interleaved cycle by cycle, so that the machine's
+    drift hits them alike, and ``pairs`` (a, b) record a's paired ratio to b (median over cycles
+    of a/b within a cycle); without one each runs alone. ``cycles``: the records carry the block
+    and cycle count. The runner closes every system after the turn."""
+
+    label: str
+    case: Case
+    systems: list[System]
+    timing: Timing
+    schedule: list[str] | None = None
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    cycles: bool = True
+
+
+@dataclass
+class Phase:
+    """A group of turns, run in order: ``turns()`` yields them (it may hold a process group open
+    around them). ``watch``: its CPU use by others is recorded (under ``name``); ``pinned``: it
+    runs while the processes are pinned (after the first unpinned phase they no longer are).
+    ``skip``: why it does not run, noted under ``name``."""
+
+    name: str
+    turns: Callable[[], Iterator[Turn]]
+    watch: bool = True
+    pinned: bool = False
+    skip: str | None = None
+
+
+class Workload(ABC):
+    """What one bench command measures (a dataclass: its fields are the JSON's ``config``), made
+    alike from the command line in the writer and in every reader. The writer's side:
+    :meth:`setup` in a session, then :meth:`phases`, :meth:`close` in any case; the reader's:
+    :meth:`buffers`. Then the report: :meth:`ratios`, :meth:`report` and :meth:`plot`."""
+
+    command: str = ""
+
+    def reader_args(self) -> list[str]:
+        """The flags local readers need to build the same workload."""
+        return []
+
+    @abstractmethod
+    def reader_count(self) -> int: ...
+
+    @abstractmethod
+    def buffers(self, t: Any) -> Buffers: ...
+
+    @abstractmethod
+    def setup(self, s: Session, res: Results) -> None:
+        """The writer's side, once every reader is in the namespace (untimed)."""
+
+    @abstractmethod
+    def phases(self, s: Session, res: Results) -> list[Phase]: ...
+
+    @abstractmethod
+    def units(self) -> int:
+        """Progress steps: one per turn or phase."""
+
+    def close(self) -> None:  # noqa: B027 - a hook
+        """Release what :meth:`setup` took (also after a failure)."""
+
+    @abstractmethod
+    def ratios(self, records: list[Record]) -> list[Ratio]: ...
+
+    @abstractmethod
+    def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
+        """The headline and the tables."""
+
+    @abstractmethod
+    def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None: ...
+
+
+def interleave(t: Turn) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """Times per system and per-cycle medians per system, of cycles of ``t.schedule``."""
+    systems = {s.name: s for s in t.systems}
+    sched, tm = [systems[n] for n in t.schedule or []], t.timing
+    for _ in range(tm.warm):
+        for s in sched:
+            s.run(tm.block)
+    times: dict[str, list[int]] = {s.name: [] for s in sched}
+    per_cycle: dict[str, list[float]] = {s.name: [] for s in sched}
+    clock = time.perf_counter_ns
+    end, cycles = clock() + int(tm.budget_s * 1e9), 0
+    while cycles < tm.hi and (cycles < tm.lo or clock() < end):
+        cyc: dict[str, list[int]] = {s.name: [] for s in sched}
+        for s in sched:
+            cyc[s.name] += s.run(tm.block)
+        for name, ts in cyc.items():
+            times[name] += ts
+            per_cycle[name].append(statistics.median(ts))
+        cycles += 1
+    return times, per_cycle
+
+
+def alone(s: System, tm: Timing) -> list[int]:
+    per = max(statistics.median(s.run(tm.warm)), 1) / 1e9
+    return s.run(int(min(tm.hi, max(tm.lo, tm.budget_s / per))))
+
+
+def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
+    """Time, verify and record one turn's systems; CliError when a system's bytes did not land."""
+    try:
+        for s in t.systems:
+            s.setup()
+        if t.schedule:
+            times, per_cycle = interleave(t)
+        else:
+            times, per_cycle = {s.name: alone(s, t.timing) for s in t.systems}, {}
+        recs: dict[str, Record] = {}
+        for s in t.systems:
+            stats = Stats.of(times[s.name], t.case.bytes * t.case.copies())
+            rec = recs[s.name] = Record(s.name, s.family, t.case, stats)
+            if t.cycles and t.schedule:
+                rec.extra.update(block=t.timing.block, cycles=len(per_cycle[s.name]))
+            rec.verified = s.verify(next(seeds))
+            if not rec.verified:
+                raise CliError(f"{s.name}, {t.label}: the bytes did not land")
+            rec.extra.update(s.extra())
+        for a, b in t.pairs:
+            pairs = zip(per_cycle[a], per_cycle[b], strict=True)
+            recs[a].paired_time_ratio[b] = statistics.median(x / y for x, y in pairs)
+        res.records += recs.values()
+    finally:
+        for s in t.systems:
+            s.close()
+
+
+def note_phase(res: Results, name: str, other: float | None) -> None:
+    if other is None:
+        return
+    res.phases.append({"phase": name, "other_cpus": other})
+    if other > 0.15:
+        res.notes.append(
+            f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during {name}; "
+            "on a small machine that moves the ratios, rerun when it is quiet"
+        )
+
+
+def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -> int:
+    """A bench command as the writer: local readers, or the named peers of a store. Exit status
+    1 when a record is not verified."""
+    t_start = time.perf_counter()
+    probe = _env.start_ucx_probe()
+    # memcpy with one thread, like CMA; and no torch pool threads pinned along with the main thread
+    torch.set_num_threads(1)
+    res, seeds = Results(), itertools.count(1007, 7)
+    with _report.Progress(w.units() + 1, args.progress) as progress:
+        progress.step("starting readers")
+        command = [w.command, *w.reader_args()]
+        with writer_session(args, command, w.reader_count(), peers) as s:
+            res.notes += s.notes
+            try:
+                w.setup(s, res)
+                for phase in w.phases(s, res):
+                    if phase.skip:
+                        res.skipped[phase.name] = phase.skip
+                        continue
+                    if not phase.pinned:
+                        unpin(s.saved_affinity)
+                    watch = s.watch()
+                    for turn in phase.turns():
+                        progress.step(turn.label)
+                        measure(turn, res, seeds)
+                    if phase.watch:
+                        note_phase(res, phase.name, watch.busy_cpus())
+            finally:
+                w.close()
+    total = time.perf_counter() - t_start
+    env = _env.environment(_env.finish_ucx_probe(probe))
+    ratios = w.ratios(res.records)
+    out = sys.stdout
+    w.report(res, ratios, env, out)
+    res.notes.append(_env.describe_code(env["code"]))
+    lines = [f"  {k}: {v}" for k, v in res.skipped.items()]
+    _report.text(out, *(["\nskipped:", *lines] if lines else []))
+    _report.text(out, *(["\nnotes:", *(f"  {n}" for n in res.notes)] if res.notes else []))
+    _report.text(out, f"total {total:.1f} s")
+    if args.json:
+        doc = {"command": ["transport", *sys.argv[1:]], "config": asdict(w),  # type: ignore[call-overload]
+               "environment": env, "records": [r.json() for r in res.records],
+               "ratios": [x.json() for x in ratios], "skipped": res.skipped, "notes": res.notes,
+               "phases": res.phases, "total_s": total}  # fmt: skip
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+    if args.plot:
+        w.plot(res.records, args.plot, env)
+    return 0 if all(r.verified for r in res.records) else 1
