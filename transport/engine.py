@@ -92,7 +92,7 @@ class Engine:
     It owns the ops handed to it, to post (:meth:`submit`) or to track (posted by a caller), and
     the list in flight, which only its thread touches until :meth:`stop`. Its methods may be
     called from any thread; whichever thread polls an op first completes it (and runs its handle's
-    callbacks). It posts one queued part per loop, while fewer than ``max_posted_parts`` are in
+    callbacks). It posts one queued part per loop, to a peer with fewer than ``max_posted_parts`` in
     flight. It fails every op past its deadline with TransferTimeout, withdrawing it if posted (a
     handle's ``wait(timeout)`` cancels nothing). The callbacks it is given must not block. If its
     thread dies, ``error`` is set and every op fails with ClosedError, as at :meth:`stop`.
@@ -427,12 +427,17 @@ class Engine:
             self._wake.clear()
 
     def _post_queued(self) -> bool:
-        posted_parts = sum(1 for op in self._inflight if op.state == POSTED)
+        # the window is per peer: parts a frozen peer never completes hold back only its own
+        posted: dict[int, int] = {}
+        for op in self._inflight:
+            if op.state == POSTED:
+                key = id(op.plan.conn)
+                posted[key] = posted.get(key, 0) + 1
         for op in list(self._queue):
-            if posted_parts >= self.max_posted_parts:
-                break
             if op.state != QUEUED:
                 self._queue.remove(op)
+                continue
+            if posted.get(id(op.plan.conn), 0) >= self.max_posted_parts:
                 continue
             if op.after:
                 failed = next((a for a in op.after if a.state == FAILED), None)
@@ -451,7 +456,6 @@ class Engine:
                     self._post(op)
             if op.state == POSTED:
                 self._inflight.append(op)
-                posted_parts += 1
             self._last_activity = time.monotonic()
             return True  # one post per loop: polls and notifications run between parts
         return False

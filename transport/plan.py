@@ -124,6 +124,7 @@ class Plan:
         self.regions: frozenset[str] = frozenset()  # the remote regions it writes or reads
         self.inline = False  # small and in one part: posted from the caller's thread
         self.busy = 0  # transfers in flight (guarded by conn.lock)
+        self.claims = 0  # transfers made on it and not completed, posted or not (conn.lock)
         self.local = backend.prep(None, local, device)
         try:
             self.remote = backend.prep(conn.agent, remote, remote_device)
@@ -136,8 +137,8 @@ class Plan:
 
     @property
     def in_flight(self) -> int:
-        """Transfers in flight on this plan or on its shares over lanes."""
-        return self.busy + sum(s.busy for s in self.shares or ())
+        """Transfers in flight on this plan or on its shares over lanes, or still to be posted."""
+        return self.busy + self.claims + sum(s.busy for s in self.shares or ())
 
     def take(self, backend: Backend, part: Part, notif: bytes) -> Any:
         """A backend transfer for ``part``: an idle one from the pool, or a new one."""

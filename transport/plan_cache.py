@@ -26,7 +26,10 @@ class PlanCache:
     a plan is made (so two threads never make one plan twice); the fast paths read the map
     without it (:meth:`lookup`) and accept only a plan that is ``inline``, ``valid`` and on a live
     connection. Lock order: this lock, then the peer table's, then a connection's, then the local
-    memory's. Rules: a plan in flight is never released (eviction skips it until it is idle);
+    memory's. Rules: a plan in flight is never released (eviction skips it until it is idle): a
+    transfer *claims* its plans (``get(..., claim=True)``) before any of its parts is posted and
+    lets go (:meth:`unclaim`) once its handle completes, so a plan whose parts are still queued,
+    or one made for the first peers of a fan-out wider than the cache, stays;
     plans of dropped connections are let go at the next plan made or housekeeping round
     (:meth:`purge`); plans on a region its owner withdraws stop at once (:meth:`stop_region`);
     when implicit registrations are over their bounds, idle plans pinning them are shed.
@@ -54,11 +57,13 @@ class PlanCache:
         items: tuple[tuple[str, torch.Tensor], ...],
         sig: tuple[Any, ...],
         offset: int,
+        claim: bool = False,
     ) -> Plan:
-        """The usable plan of this transfer: the cached one, or a new one (every rule checked)."""
+        """The usable plan of this transfer: the cached one, or a new one (every rule checked).
+        With ``claim``, it is the caller's until :meth:`unclaim` (never evicted meanwhile)."""
         key = (op, peer, sig, offset)
         plan = self._plans.get(key)
-        if plan is not None and plan.valid and plan.conn.alive:
+        if plan is not None and plan.valid and plan.conn.alive and (not claim or self._claim(plan)):
             return plan
         ep, peers = self._ep, self._peers
         with self.lock:
@@ -71,15 +76,18 @@ class PlanCache:
                 # the peer may have exposed more since we read its record
                 plan = self._build(op, peers.connect(peer, refresh=True), items, offset)
             except PeerLostError:
-                if conn.alive:
+                if conn.alive and peers.restarted(conn) is None:
                     raise
                 # the connection was dropped while the plan was made (housekeeping saw a newer
-                # incarnation, or a transfer saw the peer go): plan on what the store holds
+                # incarnation, or a transfer saw the peer go), or the peer restarted and its old
+                # agent is gone: plan on what the store holds
                 plan = self._build(op, peers.connect(peer, refresh=True), items, offset)
             plan.inline = len(plan.parts) == 1 and plan.nbytes <= ep.settings.inline_bytes
             self._plans[key] = plan
             with plan.conn.lock:
                 plan.conn.plans.add(plan)
+                if claim:
+                    plan.claims += 1
             if ep.mem.over_limit():
                 self._shed(plan)
             for _ in range(len(self._plans) - ep.settings.max_plans):
@@ -87,6 +95,21 @@ class PlanCache:
                 if not self._forget(old_key, old):  # in flight: keep it, retry later
                     self._plans.move_to_end(old_key)
         return plan
+
+    @staticmethod
+    def _claim(plan: Plan) -> bool:
+        with plan.conn.lock:
+            if not plan.valid:
+                return False  # released or stopped since the lookup: the caller plans again
+            plan.claims += 1
+            return True
+
+    @staticmethod
+    def unclaim(plans: list[Plan]) -> None:
+        """The transfer that claimed ``plans`` has completed (or was never posted)."""
+        for plan in plans:
+            with plan.conn.lock:
+                plan.claims -= 1
 
     def _build(
         self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int

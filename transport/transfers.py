@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from time import monotonic_ns
 from typing import Any
 
@@ -252,8 +252,47 @@ class Transfers:
             if frame is not None
             else (frame_user_notification(notify) if notify is not None else b"")
         )
-        plans = [self._plans.get(op, p, items, sig, offset) for p in peers]
-        handle = Handle("put" if op == WRITE else "get", peers, sum(p.nbytes for p in plans), 0)
+        claimed: list[Plan] = []  # never evicted until the handle completes
+        try:
+            for p in peers:
+                claimed.append(self._plans.get(op, p, items, sig, offset, claim=True))
+            handle, ops, inline = self._ops(
+                op, claimed, items, sig, offset, notif, deadline, timeout
+            )
+        except BaseException:
+            self._plans.unclaim(claimed)
+            raise
+        handle.add_done_callback(lambda _: self._plans.unclaim(claimed))
+        if inline:
+            self._post_inline(handle, ops, items, sig, offset)
+        elif not self.lanes.lanes:
+            ep.engine.submit(ops)
+        else:
+            by_engine: dict[int, tuple[Engine, list[Op]]] = {}
+            for o in ops:
+                eng = o.engine or ep.engine
+                by_engine.setdefault(id(eng), (eng, []))[1].append(o)
+            for eng, group_ops in by_engine.values():
+                eng.submit(group_ops)
+        return handle
+
+    def _ops(
+        self,
+        op: str,
+        claimed: list[Plan],
+        items: Items,
+        sig: tuple[Any, ...],
+        offset: int,
+        notif: bytes,
+        deadline: float,
+        timeout: float,
+    ) -> tuple[Handle, list[Op], bool]:
+        """The handle and the ops of a transfer on ``claimed`` plans (one per peer; a plan made
+        again is claimed there too), and whether they are posted by the caller (small, one part
+        each)."""
+        ep = self._ep
+        peers = tuple(p.conn.name for p in claimed)
+        handle = Handle("put" if op == WRITE else "get", peers, sum(p.nbytes for p in claimed), 0)
         handle.recorder = ep.recorder
         # names only (the signature holds no tensor): the ring must not keep memory alive
         ep.recorder.record("post", handle.id, handle.op, peers, handle.nbytes,
@@ -261,7 +300,7 @@ class Transfers:
         ops: list[Op] = []
         inline = True
         settings = ep.settings
-        for plan in plans:
+        for plan in list(claimed):
             if settings.lanes > 1 and plan.nbytes >= settings.lane_bytes and plan.rows.host_only:
                 args = (items, sig, offset, notif, deadline, timeout)
                 try:
@@ -270,8 +309,9 @@ class Transfers:
                     if plan.conn.alive:
                         raise
                     # its connection was dropped while the plan was cut (a newer incarnation)
-                    plan = self._plans.get(op, plan.conn.name, items, sig, offset)
-                    ops.extend(self._lane_ops(handle, plan, *args))
+                    again = self._plans.get(op, plan.conn.name, items, sig, offset, claim=True)
+                    claimed.append(again)
+                    ops.extend(self._lane_ops(handle, again, *args))
                 inline = False
                 continue
             parts = plan.parts
@@ -295,18 +335,7 @@ class Transfers:
                     o.group = [o]
                     o.retry = (items, sig, offset)
         handle.set_parts(len(ops))
-        if inline:
-            self._post_inline(handle, ops, items, sig, offset)
-        elif not self.lanes.lanes:
-            ep.engine.submit(ops)
-        else:
-            by_engine: dict[int, tuple[Engine, list[Op]]] = {}
-            for o in ops:
-                eng = o.engine or ep.engine
-                by_engine.setdefault(id(eng), (eng, []))[1].append(o)
-            for eng, group_ops in by_engine.values():
-                eng.submit(group_ops)
-        return handle
+        return handle, ops, inline
 
     def _post_inline(
         self, handle: Handle, ops: list[Op], items: Items, sig: tuple[Any, ...], offset: int
@@ -469,11 +498,17 @@ class Transfers:
         rec = self._peers.restarted(old)
         if rec is None:
             return None
-        plan = self._plans.get(lost.plan.op, old.name, items, sig, offset)
+        plan = self._plans.get(lost.plan.op, old.name, items, sig, offset, claim=True)
         if len(plan.parts) != 1:
+            self._plans.unclaim([plan])
             return None
+        lost.handle.add_done_callback(self._unclaimer(plan))
         log.info("peer %s restarted (generation %d); retrying on it", old.name, rec.generation)
         return Op(lost.handle, plan, plan.parts[0], lost.notif, lost.deadline, lost.timeout)
+
+    def _unclaimer(self, plan: Plan) -> Callable[[Handle], None]:
+        """A done-callback that lets go of ``plan`` (claimed for a retry)."""
+        return lambda _: self._plans.unclaim([plan])
 
     def on_retry(self, group: list[Op], error: BaseException) -> None:
         """Engine thread: a transfer's first post found its peer gone. Housekeeping re-plans it."""
@@ -498,7 +533,8 @@ class Transfers:
                 rec = self._peers.restarted(old)
                 if rec is not None and ep.state is State.OPEN:
                     items, sig, offset = first.retry
-                    plan = self._plans.get(first.plan.op, old.name, items, sig, offset)
+                    plan = self._plans.get(first.plan.op, old.name, items, sig, offset, claim=True)
+                    first.handle.add_done_callback(self._unclaimer(plan))
                     notif = next((o.notif for o in group if o.notif), b"")
                     new_ops = [
                         Op(first.handle, plan, part, b"", first.deadline, first.timeout)

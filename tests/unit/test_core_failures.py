@@ -106,13 +106,6 @@ def test_small_puts_to_a_healthy_peer_go_on_while_another_is_frozen(loopback_net
     assert torch.equal(x_buf, pattern(256, 1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=transport.TransferTimeout,
-    reason="head-of-line blocking: the parts of a chunked put posted to a frozen peer fill the "
-    "engine's window of posted parts (4), so every later engine-posted transfer of the Transport, "
-    "to any peer, stays queued until the frozen one's deadline, and fails if its own comes first",
-)
 def test_a_chunked_put_to_a_frozen_peer_does_not_hold_back_one_to_a_healthy_peer(loopback_net):
     x_buf, r_buf = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
     x = loopback_net.receiver("x", {"b": x_buf})
@@ -219,14 +212,6 @@ def test_close_ends_the_notifications_iterator_and_wakes_wait_for_peer(loopback_
         r.wait_notification(0.01)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="close() wakes a thread blocked in wait_notification with the wrong error: "
-    "_await_notification returns False when the Transport closes and wait_notification reports "
-    "that as its own deadline, TransferTimeout('no notification arrived within 30 s') at once, "
-    "or, without a timeout, TypeError from formatting None with '.3g'; it should raise ClosedError",
-)
 @pytest.mark.parametrize("timeout", [None, 30.0], ids=["no-timeout", "timeout"])
 def test_close_wakes_a_thread_in_wait_notification_with_closed_error(
     loopback_net, monkeypatch, timeout
@@ -366,14 +351,6 @@ def test_a_bare_notify_to_a_restarted_peer_fails_once_then_reaches_it(loopback_n
     assert new.wait_notification(5).payload == b"v2"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=transport.PeerLostError,
-    reason="a put that must plan (a tensor not sent before) to a peer that restarted raises "
-    "PeerLostError from the call: the backend refuses to prepare descriptors of the old agent, "
-    "and Transport._plan re-raises it while the stale connection still looks alive instead of "
-    "reading the record again; only the heartbeat (heartbeat_interval later) drops it",
-)
 def test_a_new_tensor_to_a_restarted_peer_reaches_the_new_incarnation(loopback_net):
     peer = _Restart(loopback_net, 4096)
     w = loopback_net.make("w", **NO_HEARTBEAT)

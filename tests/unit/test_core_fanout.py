@@ -186,16 +186,7 @@ def test_a_new_tensor_to_a_list_with_a_gone_peer_is_refused_before_anything_move
         assert torch.equal(b["x"], pattern(1024, 1))
 
 
-HEAD_OF_LINE = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the frozen peer's posted parts fill the writer engine's window of posted parts (4), so "
-    "the parts of the healthy peers queued behind them are never posted and fail at the deadline "
-    "too, blamed on those peers ('could not be reached in time to post it')",
-)
-
-
-@pytest.mark.parametrize("kind", ["small", pytest.param("chunked", marks=HEAD_OF_LINE)])
+@pytest.mark.parametrize("kind", ["small", "chunked"])
 def test_a_frozen_peer_times_out_its_part_only(loopback_net, kind):
     peers, bufs = _peers(loopback_net, {"x": (1024, torch.uint8), "big": (1 << 16, torch.uint8)})
     names = [p.name for p in peers]

@@ -138,44 +138,30 @@ def test_eviction_skips_plans_in_flight(loopback_net):
         assert torch.equal(dst[i * size : (i + 1) * size], s), i
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=transport.PeerLostError,
-    reason="plan eviction counts only posted parts (Plan.in_flight is `busy`): a put whose parts "
-    "are still queued in the engine has its plan evicted and released by later puts of new "
-    "tensors, and when the engine posts it, it fails with PeerLostError ('peer was lost') and "
-    "drops the connection to a healthy peer",
-)
 def test_eviction_keeps_the_plan_of_a_queued_transfer(loopback_net):
-    # Sixteen small puts held by a frozen peer fill the writer engine's window of posted
-    # parts, so the chunked put to r waits in the engine's queue, unposted, while the small
-    # puts after it fill the plan cache.
-    x_buf = torch.zeros(64, dtype=torch.uint8)
-    r_big, r_small = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(512, dtype=torch.uint8)
-    x = loopback_net.receiver("x", {"b": x_buf})
+    # Sixteen small puts held by a frozen receiver fill the writer engine's window of posted
+    # parts to it, so a chunked put to the same receiver waits in the engine's queue, not one
+    # part posted, while puts of new tensors to another peer fill the plan cache past its size.
+    r_big, r_small = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    y_buf = torch.zeros(64 * 8, dtype=torch.uint8)
     r = loopback_net.receiver("r", {"b": r_big, "s": r_small})
+    y = loopback_net.receiver("y", {"s": y_buf})
     w = loopback_net.make("w", chunk_bytes=4096)
     w.max_plans = 8
     big, small = pattern(1 << 16, 7), pattern(64, 6)
-    with frozen(x):
-        held = [w.put(small, x.name, "b") for _ in range(16)]
+    w.put(small, r.name, "s").wait(5)  # planned: the puts below are posted by this thread
+    with frozen(r):
+        held = [w.put(small, r.name, "s") for _ in range(16)]
         hr = w.put(big, r.name, "b")  # 16 parts, queued behind the held ones
         for i in range(10):
-            w.put(pattern(64, 10 + i), r.name, "s", offset=64 * (i % 8)).wait(5)
+            w.put(pattern(64, 10 + i), y.name, "s", offset=64 * (i % 8)).wait(5)
         assert not hr.done()
     transport.wait_all(held, timeout=5)
-    assert torch.equal(x_buf, small)
     hr.wait(5)
-    assert torch.equal(r_big, big)
+    assert torch.equal(r_big, big) and torch.equal(r_small, small)
+    assert torch.equal(y_buf[64 * 1 : 64 * 2], pattern(64, 19))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=transport.PeerLostError,
-    reason="a fan-out to more peers than max_plans evicts (and releases) the plans it made for "
-    "its first peers before posting them; those peers' parts fail with PeerLostError and their "
-    "connections are dropped although they are alive",
-)
 def test_a_fan_out_wider_than_max_plans_reaches_every_peer(loopback_net):
     bufs = [torch.zeros(256, dtype=torch.uint8) for _ in range(5)]
     peers = [loopback_net.receiver(f"g{i}", {"x": b}) for i, b in enumerate(bufs)]
