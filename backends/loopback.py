@@ -50,12 +50,17 @@ def thaw(agent: str) -> None:
 
 @dataclass
 class _Prepped:
+    """Prepared descriptor rows: of our own memory (``agent`` None) or of a peer agent's."""
+
     agent: str | None  # None: local
     rows: np.ndarray
 
 
 @dataclass
 class _Xfer:
+    """One transfer made by ``make_xfer``: the rows at both ends, the target agent, the
+    notification it carries, and whether a post is waiting for a frozen target to thaw."""
+
     op: str
     local: np.ndarray
     remote: np.ndarray
