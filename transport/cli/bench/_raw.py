@@ -141,17 +141,6 @@ class RawPath:
             rp.release()
 
 
-def connect(agent: Any, rname: str, local: torch.Tensor, raddr: int) -> float:
-    """A first 64-byte WRITE: UCX connects lazily, here and not inside a timed size (the target
-    must be making progress calls). Returns its wall time in seconds."""
-    t0 = time.perf_counter()
-    first = local.view(-1).view(torch.uint8)[:64]
-    path = RawPath(agent, "WRITE", [(rname, descs([first]), remote_descs([raddr], [64]))])
-    path.repost()
-    path.close()
-    return time.perf_counter() - t0
-
-
 class RawLink:
     """The writer's raw NIXL agent: registered with its ``local`` tensors, its metadata published,
     every reader's agent added (with the addresses each reader published, ``blobs[i]``), and each
@@ -159,17 +148,26 @@ class RawLink:
     :meth:`close` removes the remote agents."""
 
     def __init__(self, t: Any, chan: Any, readers: list[str], local: list[torch.Tensor]) -> None:
-        from transport.cli.bench._control import get_blob, put_blob
+        from transport.cli.bench._session import get_blob, put_blob
 
         self.agent = new_agent(f"raw-{t.name}")
         self.agent.register_memory(local)
-        put_blob(t.store, t.namespace, t.name, "raw", {"md": self.agent.get_agent_metadata()})
-        self.blobs = [get_blob(t.store, t.namespace, r, "raw", 60) for r in readers]
+        put_blob(t, "raw", {"md": self.agent.get_agent_metadata()})
+        self.blobs = [get_blob(t, r, "raw") for r in readers]
         self.names = [remote_name(self.agent.add_remote_agent(b["md"])) for b in self.blobs]
         chan.ask(readers, "raw-md", writer=t.name)
 
     def connect(self, i: int, local: torch.Tensor, raddr: int) -> float:
-        return connect(self.agent, self.names[i], local, raddr)
+        """A first 64-byte WRITE to reader ``i``: UCX connects lazily, here and not inside a timed
+        size (the target must be making progress calls). Returns its wall time in seconds."""
+        t0 = time.perf_counter()
+        first = local.view(-1).view(torch.uint8)[:64]
+        path = RawPath(
+            self.agent, "WRITE", [(self.names[i], descs([first]), remote_descs([raddr], [64]))]
+        )
+        path.repost()
+        path.close()
+        return time.perf_counter() - t0
 
     def path(self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]],
              notif: bytes = b"") -> RawPath:  # fmt: skip

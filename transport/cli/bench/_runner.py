@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 
 from transport.cli import CliError
-from transport.cli.bench import _env, _report
+from transport.cli.bench import _report
 from transport.cli.bench._session import Buffers, Session, writer_session
 from transport.cli.bench._systems import System
 from transport.cli.bench._util import Stats, unpin
@@ -37,9 +37,8 @@ class Case(ABC):
 
 @dataclass
 class Record:
-    """One system's result in one configuration: the timing, whether its bytes were verified, and
-    the system's ``extra`` fields. Made by the runner; a workload may add ``extra`` fields and
-    paired ratios before the report."""
+    """One system's result in one configuration: the timing, whether its bytes were verified, the
+    system's ``extra`` fields and its paired time ratios. Made by the runner."""
 
     system: str
     family: str
@@ -83,8 +82,7 @@ class Ratio:
 class Results:
     """What a run collects for its report and JSON: ``records`` (one per system and
     configuration), ``notes``, the ``skipped`` baselines with the reason, and ``phases`` (the CPU
-    other processes used during each phase). Filled by the runner on the writer's main thread;
-    reported once the session has ended."""
+    other processes used during each phase). Filled on the writer's main thread."""
 
     records: list[Record] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -139,18 +137,16 @@ class Phase:
 
 class Workload(ABC):
     """What one bench command measures (a dataclass: its fields are the JSON's ``config``), made
-    alike from the command line in the writer and in every reader. The writer's side:
-    :meth:`setup` in a session, then :meth:`phases`, :meth:`close` in any case; the reader's:
-    :meth:`buffers`. Then the report: :meth:`ratios`, :meth:`report` and :meth:`plot`."""
+    alike from the command line in the writer and in every reader. The writer: :meth:`setup` in
+    a session, then :meth:`phases`, :meth:`close` in any case, then :meth:`ratios`,
+    :meth:`report` and :meth:`plot`; a reader: :meth:`buffers`."""
 
     command: str = ""
+    readers: int
 
     def reader_args(self) -> list[str]:
         """The flags local readers need to build the same workload."""
         return []
-
-    @abstractmethod
-    def reader_count(self) -> int: ...
 
     @abstractmethod
     def buffers(self, t: Any) -> Buffers: ...
@@ -164,7 +160,7 @@ class Workload(ABC):
 
     @abstractmethod
     def units(self) -> int:
-        """Progress steps: one per turn or phase."""
+        """Progress steps: one per turn."""
 
     def close(self) -> None:  # noqa: B027 - a hook
         """Release what :meth:`setup` took (also after a failure)."""
@@ -235,52 +231,50 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
             s.close()
 
 
-def note_phase(res: Results, name: str, other: float | None) -> None:
-    if other is None:
-        return
-    res.phases.append({"phase": name, "other_cpus": other})
-    if other > 0.15:
-        res.notes.append(
-            f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during {name}; "
-            "on a small machine that moves the ratios, rerun when it is quiet"
-        )
+def run_phases(w: Workload, s: Session, res: Results, step: Callable[[str], None]) -> None:
+    seeds = itertools.count(1007, 7)
+    for phase in w.phases(s, res):
+        if phase.skip:
+            res.skipped[phase.name] = phase.skip
+            continue
+        if not phase.pinned:
+            unpin(s.saved_affinity)
+        busy_cpus = s.watch()
+        for turn in phase.turns():
+            step(turn.label)
+            measure(turn, res, seeds)
+        if phase.watch and (other := busy_cpus()) is not None:
+            res.phases.append({"phase": phase.name, "other_cpus": other})
+            if other > 0.15:
+                res.notes.append(
+                    f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during "
+                    f"{phase.name}; on a small machine that moves the ratios, rerun when it is quiet"
+                )
 
 
 def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -> int:
     """A bench command as the writer: local readers, or the named peers of a store. Exit status
     1 when a record is not verified."""
     t_start = time.perf_counter()
-    probe = _env.start_ucx_probe()
+    probe = _report.start_ucx_probe()
     # memcpy with one thread, like CMA; and no torch pool threads pinned along with the main thread
     torch.set_num_threads(1)
-    res, seeds = Results(), itertools.count(1007, 7)
-    with _report.Progress(w.units() + 1, args.progress) as progress:
-        progress.step("starting readers")
-        command = [w.command, *w.reader_args()]
-        with writer_session(args, command, w.reader_count(), peers) as s:
+    res = Results()
+    with _report.progress(args.progress) as bar:
+        task = bar.add_task("starting readers", total=w.units() + 1)
+        step = lambda label: bar.update(task, advance=1, description=label)  # noqa: E731
+        with writer_session(args, [w.command, *w.reader_args()], w.readers, peers) as s:
             res.notes += s.notes
             try:
                 w.setup(s, res)
-                for phase in w.phases(s, res):
-                    if phase.skip:
-                        res.skipped[phase.name] = phase.skip
-                        continue
-                    if not phase.pinned:
-                        unpin(s.saved_affinity)
-                    watch = s.watch()
-                    for turn in phase.turns():
-                        progress.step(turn.label)
-                        measure(turn, res, seeds)
-                    if phase.watch:
-                        note_phase(res, phase.name, watch.busy_cpus())
+                run_phases(w, s, res, step)
             finally:
                 w.close()
     total = time.perf_counter() - t_start
-    env = _env.environment(_env.finish_ucx_probe(probe))
-    ratios = w.ratios(res.records)
-    out = sys.stdout
+    env = _report.environment(_report.finish_ucx_probe(probe))
+    ratios, out = w.ratios(res.records), sys.stdout
     w.report(res, ratios, env, out)
-    res.notes.append(_env.describe_code(env["code"]))
+    res.notes.append(_report.describe_code(env["code"]))
     lines = [f"  {k}: {v}" for k, v in res.skipped.items()]
     _report.text(out, *(["\nskipped:", *lines] if lines else []))
     _report.text(out, *(["\nnotes:", *(f"  {n}" for n in res.notes)] if res.notes else []))

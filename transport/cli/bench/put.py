@@ -25,11 +25,10 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _env, _raw, _report
-from transport.cli.bench._dist import close_group, open_group
+from transport.cli.bench import _raw, _report
 from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Buffers, Session
-from transport.cli.bench._systems import Dist, Memcpy, Ours, RawNixl, Route, System
+from transport.cli.bench._systems import Dist, Group, Memcpy, Ours, RawNixl, Route, System
 from transport.cli.bench._util import KiB, MiB, fmt_time, parse_batch, parse_size, parse_sizes
 from transport.cli.bench._util import size_label as label_of
 
@@ -59,15 +58,15 @@ def case_of(r: Record) -> PutCase:
     return r.case
 
 
+@dataclass
 class PutBuffers(Buffers):
     """A reader's ``buf`` (the largest size) and the batch ``b0``.. (exposed and touched at setup),
-    and their copies on the collectives' device."""
+    and their copies on the collectives' device (``dbuf``, ``dbatch``; None: the exposed ones)."""
 
-    def __init__(self) -> None:
-        self.buf = torch.zeros(0, dtype=torch.uint8)
-        self.batch: list[torch.Tensor] = []
-        self.dbuf: torch.Tensor | None = None
-        self.dbatch: list[torch.Tensor] = []
+    buf: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
+    batch: list[torch.Tensor] = field(default_factory=list)
+    dbuf: torch.Tensor | None = None
+    dbatch: list[torch.Tensor] = field(default_factory=list)
 
     def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         self.buf = torch.ones(m["max"], dtype=torch.uint8)  # touched: no page faults while timed
@@ -78,10 +77,9 @@ class PutBuffers(Buffers):
         return [self.buf, *self.batch], addrs
 
     def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        buf, batch = (
-            (self.dbuf, self.dbatch) if dist and self.dbuf is not None else (self.buf, self.batch)
-        )
-        return batch if spec["kind"] == "batch" else [buf[: spec["n"]]]
+        dist = dist and self.dbuf is not None
+        buf, batch = (self.dbuf, self.dbatch) if dist else (self.buf, self.batch)
+        return batch if spec["kind"] == "batch" else [buf[: spec["n"]]]  # type: ignore[index]
 
     def open_dist(self, device: str) -> None:
         if device != "cpu":
@@ -92,18 +90,20 @@ class PutBuffers(Buffers):
         self.dbuf, self.dbatch = None, []
 
 
+def receiver_counts(n: int) -> list[int]:
+    """1, 2, 4, .. below ``n``, then ``n``."""
+    return [*(1 << i for i in range(n.bit_length()) if 1 << i < n), n]
+
+
 @dataclass
 class PutWorkload(Workload):
-    """What one ``bench put`` run measures, from its command line (:meth:`from_args`): the
-    ``sizes``, an optional ``batch`` (count, bytes each), the ``ops``, the receiver counts ``ks``
-    (of ``readers``), the baselines, the lane counts to compare, and the budgets: each
-    configuration runs ``warm`` untimed cycles, then ``min_cycles`` to ``max_cycles`` cycles until
-    ``budget_s`` has passed (a turn is ``block`` iterations for a single transfer under 1 MiB);
-    gloo, NCCL and memcpy have their own budgets and ``min_iters``.
-
-    The fields do not change after :meth:`from_args`; the writer's tensors and raw NIXL agent
-    live from :meth:`setup` to :meth:`close`.
-    """
+    """What one ``bench put`` run measures (fixed by :meth:`from_args`): the ``sizes``, an
+    optional ``batch`` (count, bytes each), the ``ops``, the receiver counts ``ks`` (of
+    ``readers``), the baselines, the lane counts, and the budgets: ``warm`` untimed cycles, then
+    ``min_cycles`` to ``max_cycles`` until ``budget_s`` has passed (a turn is ``block``
+    iterations for a single transfer under 1 MiB); gloo, NCCL and memcpy have their own budgets
+    and ``min_iters``. The writer's tensors and raw NIXL agent live from :meth:`setup` to
+    :meth:`close`."""
 
     sizes: list[int]
     batch: tuple[int, int] | None
@@ -126,7 +126,7 @@ class PutWorkload(Workload):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> PutWorkload:
-        from transport.cli.bench import parse_baselines, positive, receiver_counts
+        from transport.cli.bench import at_least, count_of, names, parse_baselines, positive
 
         q = args.quick
         sizes = parse_sizes(args.sizes or (SIZES_QUICK if q else SIZES))
@@ -134,45 +134,31 @@ class PutWorkload(Workload):
             sizes = [n for n in sizes if n <= parse_size(args.max_size, "--max-size")]
             if not sizes:
                 raise CliError(f"--max-size {args.max_size} leaves no size to measure")
-        batch_text = args.batch or ("100x64K" if q else "1000x64K")
-        n = args.receivers
-        if n is not None and n < 1:
-            raise CliError(f"--receivers must be at least 1, got {n}")
-        if peers:
-            if n is not None and n != len(peers):
-                raise CliError(f"--receivers {n} does not match the {len(peers)} names of --peers")
-            n = len(peers)
+        batch = args.batch or ("100x64K" if q else "1000x64K")
+        n = count_of("--receivers", args.receivers, peers, 1)
         positive("--budget", args.budget)
-        positive("--timeout", args.timeout)
-        if args.block < 1:
-            raise CliError(f"--block must be at least 1, got {args.block}")
-        lanes = [x.strip() for x in (args.lanes or "").split(",") if x.strip()]
-        for x in lanes:
-            if not x.isdigit() or not 1 <= int(x) <= 16:
-                raise CliError(f"--lanes takes counts from 1 to 16, got {x!r}")
+        at_least("--block", args.block)
+        if bad := [x for x in names(args.lanes) if not x.isdigit() or not 1 <= int(x) <= 16]:
+            raise CliError(f"--lanes takes counts from 1 to 16, got {bad[0]!r}")
         return cls(
-            sizes=sizes, batch=None if batch_text.lower() == "none" else parse_batch(batch_text),
-            ops=["write", "read"] if args.op == "both" else [args.op], ks=receiver_counts(n or 1),
-            readers=n or 1, baselines=parse_baselines(args.baselines),
+            sizes=sizes, batch=None if batch.lower() == "none" else parse_batch(batch),
+            ops=["write", "read"] if args.op == "both" else [args.op], ks=receiver_counts(n),
+            readers=n, baselines=parse_baselines(args.baselines),
             budget_s=args.budget or (0.2 if q else 1.5), min_cycles=3 if q else 5,
             max_cycles=20 if q else 100, block=args.block, dist_budget_s=0.2 if q else 1.0,
             memcpy_budget_s=0.1 if q else 0.5, min_iters=3 if q else 5, timeout=args.timeout,
-            pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in lanes)),
+            pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in names(args.lanes))),
         )  # fmt: skip
 
     def shapes(self) -> list[tuple[str, int]]:
         """("single", n) for every size, then ("batch", total) if a batch is measured."""
-        return [("single", n) for n in self.sizes] + (
-            [("batch", self.batch[0] * self.batch[1])] if self.batch else []
-        )
+        batch = [("batch", self.batch[0] * self.batch[1])] if self.batch else []
+        return [("single", n) for n in self.sizes] + batch
 
     def label(self, kind: str, n: int) -> str:
         if kind == "batch" and self.batch:
             return f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}"
         return label_of(n)
-
-    def reader_count(self) -> int:
-        return self.readers
 
     def buffers(self, t: Any) -> Buffers:
         return PutBuffers()
@@ -216,15 +202,11 @@ class PutWorkload(Workload):
             raw.close()
 
     def phases(self, s: Session, res: Results) -> list[Phase]:
-        b = self.baselines
-        nccl = Phase("nccl", lambda: self.dist_turns("nccl"), watch=False,
-                     skip=s.nccl_unavailable() if "nccl" in b else None)  # fmt: skip
-        return [
-            Phase("raw+ours interleaved", self.nixl_turns, pinned=True),
-            *([Phase("gloo", lambda: self.dist_turns("gloo"))] if "gloo" in b else []),
-            *([nccl] if "nccl" in b else []),
-            *([Phase("memcpy", lambda: self.memcpy_turns(res))] if "memcpy" in b else []),
-        ]
+        return [Phase("raw+ours interleaved", self.nixl_turns, pinned=True)] + [p for p in (
+            Phase("gloo", lambda: self.dist_turns("gloo")),
+            Phase("nccl", lambda: self.dist_turns("nccl"), watch=False, skip=s.nccl_unavailable()),
+            Phase("memcpy", lambda: self.memcpy_turns(res)),
+        ) if p.name in self.baselines]  # fmt: skip
 
     def _local(self, i: int, op: str, kind: str, n: int) -> list[torch.Tensor]:
         idx = 0 if op == "write" else i
@@ -261,10 +243,8 @@ class PutWorkload(Workload):
         return run
 
     def nixl_turns(self) -> Iterator[Turn]:
-        for op in self.ops:
-            for k in self.ks:
-                for kind, n in self.shapes():
-                    yield self.nixl_turn(op, k, kind, n)
+        shapes = [(op, k, *x) for op in self.ops for k in self.ks for x in self.shapes()]
+        return (self.nixl_turn(*x) for x in shapes)
 
     def nixl_turn(self, op: str, k: int, kind: str, n: int) -> Turn:
         systems: list[System] = []
@@ -297,13 +277,11 @@ class PutWorkload(Workload):
     def dist_turns(self, backend: str) -> Iterator[Turn]:
         """gloo: send/recv, then broadcast; NCCL: broadcast; each with an ack per receiver."""
         s = self.s
-        store_url = getattr(s.t.store, "url", None)
-        group = open_group(s.chan, store_url, s.readers, backend, self.ks, s.device_of)
+        group = Group.open(s.chan, getattr(s.t.store, "url", None), s.readers, backend, self.ks,
+                           s.device_of)  # fmt: skip
         dev = group.device
-        dbuf = self.lbuf[0] if dev.type == "cpu" else torch.ones_like(self.lbuf[0], device=dev)
-        dbatch = [
-            x if dev.type == "cpu" else torch.ones_like(x, device=dev) for x in self.lbatch[0]
-        ]
+        on_dev = lambda x: x if dev.type == "cpu" else torch.ones_like(x, device=dev)  # noqa: E731
+        dbuf, dbatch = on_dev(self.lbuf[0]), [on_dev(x) for x in self.lbatch[0]]
         try:
             for mode in ("p2p", "bcast") if backend == "gloo" else ("bcast",):
                 name = f"{backend}-bcast" if mode == "bcast" else backend
@@ -319,7 +297,7 @@ class PutWorkload(Workload):
                         system = Dist(name, group, mode, xs, route)
                         yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
         finally:
-            close_group(s.chan, s.readers, group)
+            group.close(s.chan, s.readers)
 
     def memcpy_turns(self, res: Results) -> Iterator[Turn]:
         res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
@@ -366,7 +344,7 @@ class PutWorkload(Workload):
         cpu = env["cpu"]
         _report.text(out, f"transport bench put: {sizes}{batch}; ops {'+'.join(self.ops)}; "
                      f"receivers {','.join(map(str, self.ks))}; {cpu['count']} CPUs "
-                     f"({cpu['model']}); {_env.ucx_summary(env['ucx'])}")  # fmt: skip
+                     f"({cpu['model']}); {_report.ucx_summary(env['ucx'])}")  # fmt: skip
         blocks: dict[tuple[str, int], list[Record]] = {}
         for r in sorted(res.records, key=lambda r: r.family not in ("ours", "raw")):
             c = case_of(r)
@@ -374,10 +352,9 @@ class PutWorkload(Workload):
         for (op, k), rows in blocks.items():
             more = " (GB/s: bytes delivered to all receivers)" if k > 1 else ""
             _report.text(out, f"\n{op.upper()}, {k} receiver{'s' if k > 1 else ''}{more}")
-            _report.table(out, ["size", "<system", "median", "GB/s", "vs raw-nixl", "vs ours",
-                                "p10..p90", "iters", "ok"], _sections(rows))  # fmt: skip
-        targets = [x for x in ratios if x.target is not None]
-        if targets:
+            _report.table(out, "size|<system|median|GB/s|vs raw-nixl|vs ours|p10..p90|iters|ok",
+                          _sections(rows))  # fmt: skip
+        if targets := [x for x in ratios if x.target is not None]:
             _report.text(out, "\ntargets: ours against raw-nixl (make + post + poll + release per "
                          "transfer), one receiver; ratio of medians [paired within cycles]")  # fmt: skip
         for x in targets:
@@ -387,8 +364,7 @@ class PutWorkload(Workload):
             _report.text(out, f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
                          f"{x.ratio:.3f}{paired}  (target {rule})  {'PASS' if x.passed else 'MISS'}")  # fmt: skip
         dist = [x for x in ratios if x.vs in ("gloo", "gloo-bcast", "nccl-bcast")]
-        dist = [x for x in dist if isinstance(x.case, PutCase) and x.case.kind == "single"]
-        if dist:
+        if dist := [x for x in dist if isinstance(x.case, PutCase) and x.case.kind == "single"]:
             _report.text(out, "\nours against torch.distributed (send/recv or broadcast, each with a "
                          "1-byte ack):")  # fmt: skip
         for x in dist:
@@ -430,7 +406,9 @@ class PutWorkload(Workload):
         bw.set(ylabel="GB/s (median)", title="bandwidth")
         lat.set(ylabel="time per transfer (us, median)", yscale="log", title="latency")
         bw.legend(fontsize=8)
-        title = f"transport bench put: {env['cpu']['count']} CPUs, {_env.ucx_summary(env['ucx'])}"
+        title = (
+            f"transport bench put: {env['cpu']['count']} CPUs, {_report.ucx_summary(env['ucx'])}"
+        )
         _report.save(fig, path, title)
 
 

@@ -26,12 +26,18 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _env, _raw, _report
-from transport.cli.bench._dist import as_bytes, close_group, open_group
+from transport.cli.bench import _raw, _report
 from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Buffers, Session
-from transport.cli.bench._systems import Dist, Memcpy, RawNixl, Route, System, check_all, fill_all
-from transport.cli.bench._util import fmt_time, human_bytes, parse_size, zero_bytes
+from transport.cli.bench._systems import Dist, Group, Memcpy, RawNixl, Route, System, as_bytes
+from transport.cli.bench._util import (
+    check_all,
+    fill_all,
+    fmt_time,
+    human_bytes,
+    parse_size,
+    zero_all,
+)
 from transport.weights._messages import MAX_DEGREE
 from transport.weights.publisher import FANOUTS
 
@@ -92,8 +98,7 @@ class SyncBuffers(Buffers):
         self.live = make_tensors(w.layout)
         self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=w.mode)
         for slot in self.sub.staging if w.mode == "staging" else []:
-            for x in slot.values():  # touch them now, not inside a timed step
-                zero_bytes(x)
+            zero_all(list(slot.values()))  # touch them now, not inside a timed step
         self.dlive: list[torch.Tensor] = []
 
     def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
@@ -103,9 +108,8 @@ class SyncBuffers(Buffers):
         return self.dlive if dist and self.dlive else list(self.live.values())
 
     def open_dist(self, device: str) -> None:
-        xs = self.live.values()
         self.dlive = [as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device))
-                      for x in xs]  # fmt: skip
+                      for x in self.live.values()]  # fmt: skip
 
     def close_dist(self) -> None:
         self.dlive = []
@@ -192,36 +196,25 @@ class SyncWorkload(Workload):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> SyncWorkload:
-        from transport.cli.bench import parse_baselines, positive
+        from transport.cli.bench import at_least, count_of, names, parse_baselines
 
         q = args.quick
         params = parse_size(args.params or ("16M" if q else "256M"), "--params")
         tensors = args.tensors if args.tensors is not None else (50 if q else 300)
-        gens = args.generators
-        if peers:
-            if gens is not None and gens != len(peers):
-                raise CliError(
-                    f"--generators {gens} does not match the {len(peers)} names of --peers"
-                )
-            gens = len(peers)
-        gens = 2 if gens is None else gens
+        gens = count_of("--generators", args.generators, peers, 2)
         steps = args.steps if args.steps is not None else (3 if q else 10)
-        for name, v in (("--tensors", tensors), ("--generators", gens), ("--steps", steps)):
-            if v < 1:
-                raise CliError(f"{name} must be at least 1, got {v}")
-        positive("--timeout", args.timeout)
-        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-        if not dtypes:
+        at_least("--tensors", tensors)
+        at_least("--steps", steps)
+        if not (dtypes := names(args.dtypes)):
             raise CliError("--dtypes is empty; give e.g. float32 or bfloat16,float32")
         for d in dtypes:
             _dtype(d)
         if params < 64 * tensors:
             raise CliError(f"--params {args.params} is too small for {tensors} tensors; give at "
                            f"least {64 * tensors}")  # fmt: skip
-        fanouts = list(dict.fromkeys(f.strip() for f in args.fanout.split(",") if f.strip()))
-        for f in fanouts:
-            if f not in FANOUTS:
-                raise CliError(f"unknown --fanout {f!r}; use a comma list of {', '.join(FANOUTS)}")
+        fanouts = list(dict.fromkeys(names(args.fanout)))
+        if bad := [f for f in fanouts if f not in FANOUTS]:
+            raise CliError(f"unknown --fanout {bad[0]!r}; use a comma list of {', '.join(FANOUTS)}")
         if not fanouts:
             raise CliError(f"--fanout is empty; give e.g. direct,chain ({', '.join(FANOUTS)})")
         if args.mode == "inplace" and fanouts != ["direct"]:
@@ -246,7 +239,8 @@ class SyncWorkload(Workload):
         return ["--params", str(self.params), "--tensors", str(self.tensors), "--dtypes",
                 ",".join(self.dtypes), "--mode", self.mode]  # fmt: skip
 
-    def reader_count(self) -> int:
+    @property
+    def readers(self) -> int:  # type: ignore[override]
         return self.generators
 
     def buffers(self, t: Any) -> Buffers:
@@ -285,19 +279,11 @@ class SyncWorkload(Workload):
                 x.close()
 
     def phases(self, s: Session, res: Results) -> list[Phase]:
-        b = self.baselines
-        nccl = Phase("nccl", lambda: self.dist_turns("nccl"), watch=False,
-                     skip=s.nccl_unavailable() if "nccl" in b else None)  # fmt: skip
-        return [
-            Phase("ours + raw", lambda: self.main_turns(res), pinned=True),
-            *([Phase("gloo", lambda: self.dist_turns("gloo"))] if "gloo" in b else []),
-            *([nccl] if "nccl" in b else []),
-            *(
-                [Phase("memcpy", lambda: self.memcpy_turns(res), watch=False)]
-                if "memcpy" in b
-                else []
-            ),
-        ]
+        return [Phase("ours + raw", lambda: self.main_turns(res), pinned=True)] + [p for p in (
+            Phase("gloo", lambda: self.dist_turns("gloo")),
+            Phase("nccl", lambda: self.dist_turns("nccl"), watch=False, skip=s.nccl_unavailable()),
+            Phase("memcpy", lambda: self.memcpy_turns(res), watch=False),
+        ) if p.name in self.baselines]  # fmt: skip
 
     def case(self) -> SyncCase:
         return SyncCase(self.generators, self.tensors, self.nbytes)
@@ -326,8 +312,8 @@ class SyncWorkload(Workload):
 
     def dist_turns(self, backend: str) -> Iterator[Turn]:
         s = self.s
-        store_url = getattr(s.t.store, "url", None)
-        group = open_group(s.chan, store_url, s.readers, backend, [len(s.readers)], s.device_of)
+        group = Group.open(s.chan, getattr(s.t.store, "url", None), s.readers, backend,
+                           [len(s.readers)], s.device_of)  # fmt: skip
         try:
             xs = [as_bytes(x.to(group.device)) for x in self.tensors_]
             route = Route(s.chan, s.readers, {}, local=[xs], dist=True)
@@ -335,7 +321,7 @@ class SyncWorkload(Workload):
             timing = Timing(0.0, self.steps, self.steps)
             yield Turn(f"{backend} broadcast", self.case(), [system], timing)
         finally:
-            close_group(s.chan, s.readers, group)
+            group.close(s.chan, s.readers)
 
     def memcpy_turns(self, res: Results) -> Iterator[Turn]:
         timing = Timing(0.0, self.steps, self.steps)
@@ -375,7 +361,7 @@ class SyncWorkload(Workload):
         _report.text(
             out,
             f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
-            f"{_env.ucx_summary(env['ucx'])}",
+            f"{_report.ucx_summary(env['ucx'])}",
             f"\nweight sync: {self.params:,} parameters ({human_bytes(self.nbytes)} of "
             f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors to {gens}, "
             f"{self.mode} mode; median of {self.steps} syncs (GB/s: bytes delivered to all "
@@ -395,8 +381,7 @@ class SyncWorkload(Workload):
             rows.append([r.system, fmt_time(st.median_s), f"{st.gbps:.3f}", rel,
                          f"{fmt_time(st.p10_s)}..{fmt_time(st.p90_s)}", str(st.iters),
                          "yes" if r.verified else "NO"])  # fmt: skip
-        cols = ["<system", "per sync", "GB/s", "time/ours", "p10..p90", "steps", "ok"]
-        _report.table(out, cols, [rows])
+        _report.table(out, "<system|per sync|GB/s|time/ours|p10..p90|steps|ok", [rows])
         if ratios:
             _report.text(out, "\nratios (time per sync; [paired step by step]):")
         for x in ratios:
