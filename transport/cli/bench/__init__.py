@@ -174,5 +174,5 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.plot:
         _report.check_plot_support()
     if args.role == "reader":
-        return _session.run_reader(args, w.buffers)
+        return _session.run_reader(args, w)
     return _runner.run_writer(args, w, peers)

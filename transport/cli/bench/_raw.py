@@ -147,15 +147,15 @@ class RawLink:
     reader told to add the writer's. Paths made by :meth:`path` belong to the caller;
     :meth:`close` removes the remote agents."""
 
-    def __init__(self, t: Any, chan: Any, readers: list[str], local: list[torch.Tensor]) -> None:
+    def __init__(self, s: Any, local: list[torch.Tensor]) -> None:
         from transport.cli.bench._session import get_blob, put_blob
 
-        self.agent = new_agent(f"raw-{t.name}")
+        self.agent = new_agent(f"raw-{s.t.name}")
         self.agent.register_memory(local)
-        put_blob(t, "raw", {"md": self.agent.get_agent_metadata()})
-        self.blobs = [get_blob(t, r, "raw") for r in readers]
+        put_blob(s.t, "raw", {"md": self.agent.get_agent_metadata()})
+        self.blobs = [get_blob(s.t, r, "raw") for r in s.readers]
         self.names = [remote_name(self.agent.add_remote_agent(b["md"])) for b in self.blobs]
-        chan.ask(readers, "raw-md", writer=t.name)
+        s.ask(s.readers, "raw-md", writer=s.t.name)
 
     def connect(self, i: int, local: torch.Tensor, raddr: int) -> float:
         """A first 64-byte WRITE to reader ``i``: UCX connects lazily, here and not inside a timed

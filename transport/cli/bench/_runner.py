@@ -18,11 +18,12 @@ from typing import IO, Any
 
 import torch
 
+from transport import Transport
 from transport.cli import CliError
 from transport.cli.bench import _report
-from transport.cli.bench._session import Buffers, Session, writer_session
+from transport.cli.bench._session import Session, writer_session
 from transport.cli.bench._systems import System
-from transport.cli.bench._util import Stats, unpin
+from transport.cli.bench._util import Stats, check_all, unpin
 
 
 class Case(ABC):
@@ -138,8 +139,10 @@ class Phase:
 class Workload(ABC):
     """What one bench command measures (a dataclass: its fields are the JSON's ``config``), made
     alike from the command line in the writer and in every reader. The writer: :meth:`setup` in
-    a session, then :meth:`phases`, :meth:`close` in any case, then :meth:`ratios`,
-    :meth:`report` and :meth:`plot`; a reader: :meth:`buffers`."""
+    a session, then :meth:`phases` (:meth:`units` turns in all), :meth:`close` in any case, then
+    :meth:`ratios`, :meth:`report` and :meth:`plot`. A reader: :meth:`open_reader`, then at the
+    writer's "setup" :meth:`expose`; commands name tensors by a ``spec`` (:meth:`select`); then
+    :meth:`close`."""
 
     command: str = ""
     readers: int
@@ -148,30 +151,35 @@ class Workload(ABC):
         """The flags local readers need to build the same workload."""
         return []
 
-    @abstractmethod
-    def buffers(self, t: Any) -> Buffers: ...
+    def open_reader(self, t: Transport) -> None:  # noqa: B027 - a hook
+        """The reader's side, as soon as it has joined."""
 
     @abstractmethod
-    def setup(self, s: Session, res: Results) -> None:
-        """The writer's side, once every reader is in the namespace (untimed)."""
+    def expose(self, t: Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        """The reader's tensors (exposed; raw NIXL registers them) and their addresses for the
+        writer (``m``: the writer's "setup")."""
 
+    def select(self, spec: dict[str, Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of a reader's tensors ``xs`` (or of their copies) that ``spec`` names."""
+        return xs
+
+    def check(self, spec: dict[str, Any], seed: int, xs: list[torch.Tensor]) -> dict[str, Any]:
+        """The reader's reply to "check": whether ``xs`` hold the pattern of ``seed``."""
+        return {"ok": check_all(xs, seed)}
+
+    @abstractmethod
+    def setup(self, s: Session, res: Results) -> None: ...
     @abstractmethod
     def phases(self, s: Session, res: Results) -> list[Phase]: ...
-
     @abstractmethod
-    def units(self) -> int:
-        """Progress steps: one per turn."""
-
-    def close(self) -> None:  # noqa: B027 - a hook
-        """Release what :meth:`setup` took (also after a failure)."""
-
+    def units(self) -> int: ...
+    def close(self) -> None: ...  # noqa: B027 - what setup or open_reader took, also after a failure
     @abstractmethod
     def ratios(self, records: list[Record]) -> list[Ratio]: ...
-
     @abstractmethod
-    def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
-        """The headline and the tables."""
-
+    def report(
+        self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]
+    ) -> None: ...
     @abstractmethod
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None: ...
 

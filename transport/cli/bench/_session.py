@@ -1,15 +1,12 @@
 """Both sides of a bench run's processes and how they talk.
 
-Every run is one *writer* (it measures) and one or more *readers* (they expose memory and serve).
-They meet in a store and a namespace as ordinary Transport peers, and the writer drives the
-readers with small commands: msgpack notifications ``{"cmd": name, ...}`` over the Transport
-itself, each answered by one reply (``{"cmd": "error", "msg": ...}`` when the reader failed).
-Larger blobs (raw NIXL agent metadata, addresses of a thousand tensors) go through the store
-under ``transport-bench/<namespace>/<peer>/<what>``.
-
-By default the writer is the ``transport bench ...`` process itself: it hosts an embedded store
-on a free port and starts the readers as child processes (``--role reader``). With ``--store URL
---role writer|reader`` the same code runs on different hosts.
+One *writer* measures; *readers* expose memory and serve. They meet in a store and namespace as
+ordinary Transport peers; the writer drives the readers with msgpack notifications
+``{"cmd": name, ...}``, each answered by one reply (``{"cmd": "error", "msg": ...}`` when the
+reader failed). Larger blobs (raw NIXL metadata, addresses) go through the store under
+``transport-bench/<namespace>/<peer>/<what>``. A local run hosts an embedded store and starts
+the readers as child processes; ``--store URL --role writer|reader`` runs the same code across
+hosts.
 """
 
 from __future__ import annotations
@@ -22,22 +19,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
 
-import transport
 from transport import PeerWaitTimeout, TransferTimeout, Transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, _util
-from transport.cli.bench._systems import Group, device_for
+from transport.cli.bench._systems import Group, as_bytes, device_for
 from transport.errors import StoreError, StoreTimeout, WireFormatError
-from transport.store import Store
+
+if TYPE_CHECKING:
+    from transport.cli.bench._runner import Workload
 
 PREFIX = "transport-bench"
 MAX_MESSAGE = 60 << 10
@@ -72,53 +69,19 @@ def get_blob(t: Transport, peer: str, what: str, timeout: float = 60) -> Any:
     return msgpack.unpackb(data, raw=False)
 
 
-@dataclass
-class Channel:
-    """The writer's side of the commands: one reply per command, in order, per reader. Used from
-    the writer's main thread only; a reader that fails, or says nothing within ``timeout``, is a
-    CliError (``alive()`` is called while waiting, to notice dead local readers early). Keeps the
-    readers' CPU seconds and hosts from their latest replies, for the CPU accounting."""
-
-    t: Transport
-    timeout: float = 300.0
-    alive: Callable[[], None] | None = None
-    cpu_s: dict[str, float] = field(default_factory=dict)
-    hosts: dict[str, str] = field(default_factory=dict)
-
-    def send(self, peer: str, cmd: str, **fields: Any) -> None:
-        self.t.notify(peer, encode(cmd, **fields))
-
-    def recv(self, peer: str, timeout: float | None = None) -> dict[str, Any]:
-        limit = self.timeout if timeout is None else timeout
-        end = time.monotonic() + limit
-        while True:
-            try:
-                n = self.t.wait_notification(timeout=0.25, peer=peer)
-            except TransferTimeout:
-                if self.alive is not None:
-                    self.alive()
-                if time.monotonic() > end:
-                    raise CliError(f"reader {peer!r} did not answer within {limit:.0f} s") from None
-                continue
-            if (msg := decode(n.payload))["cmd"] == "error":
-                raise CliError(f"reader {peer!r} failed: {msg.get('msg', '?')}")
-            if isinstance(msg.get("cpu"), float):
-                self.cpu_s[peer] = msg["cpu"]
-            if isinstance(msg.get("host"), str):
-                self.hosts[peer] = msg["host"]
-            return msg
-
-    def cpu_here(self) -> float:
-        """CPU seconds used so far by the readers on this host, as their latest replies said."""
-        here = socket.gethostname()
-        return sum(v for p, v in self.cpu_s.items() if self.hosts.get(p) == here)
-
-    def ask(self, peers: Sequence[str], cmd: str, per_peer: Callable[[int], dict[str, Any]] | None = None,
-            **fields: Any) -> list[dict[str, Any]]:  # fmt: skip
-        """Send ``cmd`` to every peer (``per_peer(i)`` adds fields), then collect every reply."""
-        for i, p in enumerate(peers):
-            self.send(p, cmd, **fields, **(per_peer(i) if per_peer else {}))
-        return [self.recv(p) for p in peers]
+def _poll(
+    wait: Callable[[], Any], timeout: float, alive: Callable[[], None] | None, late: str
+) -> Any:
+    """``wait()`` again until it returns, calling ``alive()`` in between (it may raise): CliError
+    ``late`` after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(TransferTimeout, PeerWaitTimeout):
+            return wait()
+        if alive is not None:
+            alive()
+        if time.monotonic() > end:
+            raise CliError(late)
 
 
 # -- the writer -----------------------------------------------------------------------------------
@@ -135,11 +98,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 class LocalReaders:
-    """The reader child processes of a local run (``transport bench <cmd> --role reader``), one
-    per name, each optionally pinned to a CPU, running ``transport`` from the very directories
-    this process imported it from (the readers must measure the writer's code). Each one's stderr
-    goes to a temporary log, kept only when that reader failed. :meth:`close` waits for them to
-    exit (killing stragglers, at once with ``kill``)."""
+    """The reader child processes of a local run, one per name, each optionally pinned to a CPU
+    and running ``transport`` from the directories this process imported it from (readers must
+    measure the writer's code). Each one's stderr goes to a temporary log, kept only when that
+    reader failed. :meth:`close` waits for them (killing stragglers; at once with ``kill``)."""
 
     def __init__(self, command: Sequence[str], names: Sequence[str], store_url: str,
                  namespace: str, cpus: Sequence[int | None]) -> None:  # fmt: skip
@@ -151,9 +113,7 @@ class LocalReaders:
         code = _BOOTSTRAP.format(tree=os.path.abspath(_tree.__file__), dirs=dirs)
         self.names, self.procs, self.logs = list(names), [], []
         for name, cpu in zip(names, cpus, strict=True):
-            log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open until the reader is done
-                prefix=f"{PREFIX}-{name}-", suffix=".log", delete=False
-            )
+            log = tempfile.NamedTemporaryFile(prefix=f"{PREFIX}-{name}-", suffix=".log", delete=False)  # noqa: SIM115  # fmt: skip
             argv = [sys.executable, "-c", code, "bench", *command, "--role", "reader", "--store",
                     store_url, "--name", name, "--namespace", namespace]  # fmt: skip
             argv += ["--cpu", str(cpu)] if cpu is not None else []
@@ -177,9 +137,11 @@ class LocalReaders:
         """CPU time the readers have used so far (from /proc; 0 where it cannot be read)."""
         total = 0.0
         for p in self.procs:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{p.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+            with (
+                contextlib.suppress(OSError, IndexError, ValueError),
+                open(f"/proc/{p.pid}/stat") as f,
+            ):
+                fields = f.read().rsplit(")", 1)[1].split()
                 total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return total
 
@@ -203,25 +165,54 @@ class LocalReaders:
 
 @dataclass
 class Session:
-    """What :func:`writer_session` yields to the runner: the writer's Transport ``t``, the command
-    channel ``chan`` to the ``readers`` (already in the namespace), ``local`` (the reader child
-    processes; None for the named peers of an existing store), the CPU affinity from before
-    pinning (``saved_affinity``, restored for the baselines), placement ``notes``, how long to
-    ``wait`` for the other side, and the readers' replies to "setup" (``ready``). Valid only
-    inside the ``with``, on the writer's main thread."""
+    """The writer's side of a run, as :func:`writer_session` yields it: its Transport ``t``, the
+    ``readers`` (already in the namespace), ``local`` (the reader child processes; None for the
+    peers of an existing store), the CPU affinity from before pinning (``saved_affinity``,
+    restored for the baselines), placement ``notes``, how long to ``wait`` for the other side,
+    and the readers' replies to "setup" (``ready``). Commands: one reply per command, in order,
+    per reader; a reader that fails or says nothing within ``timeout`` is a CliError. Keeps the
+    readers' CPU seconds and hosts from their replies. Valid inside the ``with``, on the
+    writer's main thread."""
 
-    t: transport.Transport
-    chan: Channel
+    t: Transport
     readers: list[str]
     local: LocalReaders | None
     saved_affinity: set[int] | None
     notes: list[str]
     wait: float
+    timeout: float
     ready: list[dict[str, Any]] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    hosts: dict[str, str] = field(default_factory=dict)
+
+    def send(self, peer: str, cmd: str, **fields: Any) -> None:
+        self.t.notify(peer, encode(cmd, **fields))
+
+    def recv(self, peer: str, timeout: float | None = None) -> dict[str, Any]:
+        limit = self.timeout if timeout is None else timeout
+        n = _poll(lambda: self.t.wait_notification(timeout=0.25, peer=peer), limit,
+                  self.local.check if self.local else None,
+                  f"reader {peer!r} did not answer within {limit:.0f} s")  # fmt: skip
+        if (msg := decode(n.payload))["cmd"] == "error":
+            raise CliError(f"reader {peer!r} failed: {msg.get('msg', '?')}")
+        if isinstance(msg.get("cpu"), float):
+            self.cpu_s[peer] = msg["cpu"]
+        if isinstance(msg.get("host"), str):
+            self.hosts[peer] = msg["host"]
+        return msg
+
+    def ask(self, peers: Sequence[str], cmd: str, per_peer: Callable[[int], dict[str, Any]] | None = None,
+            **fields: Any) -> list[dict[str, Any]]:  # fmt: skip
+        """Send ``cmd`` to every peer (``per_peer(i)`` adds fields), then collect every reply."""
+        for i, p in enumerate(peers):
+            self.send(p, cmd, **fields, **(per_peer(i) if per_peer else {}))
+        return [self.recv(p) for p in peers]
 
     def watch(self) -> Callable[[], float | None]:
         """CPU use of other processes from now on (our readers on this host left out)."""
-        return _util.cpu_watch(self.local.cpu_seconds if self.local else self.chan.cpu_here)
+        here = socket.gethostname()
+        mine = lambda: sum(v for p, v in self.cpu_s.items() if self.hosts.get(p) == here)  # noqa: E731
+        return _util.cpu_watch(self.local.cpu_seconds if self.local else mine)
 
     def nccl_unavailable(self) -> str | None:
         if not torch.cuda.is_available():
@@ -239,28 +230,10 @@ class Session:
         return rank % torch.cuda.device_count() if local else 0
 
 
-def _wait_for_readers(t: Transport, names: Sequence[str], timeout: float, alive: Any) -> None:
-    end = time.monotonic() + timeout
-    for name in names:
-        while True:
-            try:
-                t.wait_for_peer(name, timeout=0.5)
-                break
-            except PeerWaitTimeout:
-                if alive is not None:
-                    alive()
-                if time.monotonic() > end:
-                    raise CliError(
-                        f"reader {name!r} did not join namespace {t.namespace!r} within "
-                        f"{timeout:.0f} s; start it with: transport bench ... --role reader "
-                        f"--name {name} --store URL"
-                    ) from None
-
-
 @contextmanager
 def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
                    peers: list[str] | None) -> Iterator[Session]:  # fmt: skip
-    """The writer's Transport, with its readers in the namespace: local child processes running
+    """The writer's Transport with its readers in the namespace: local child processes running
     ``transport bench *command`` (no --store) or the named peers of an existing store. Leaving
     tells every reader done (failed or not), then closes the Transport, the local readers
     (killed after a failure) and the store."""
@@ -273,9 +246,8 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
     local = None
     writer_cpus = max([int(x) for x in names(getattr(args, "lanes", None))] or [default_lanes()])
     pin, pin_note = _util.pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)
-    store: Store
     if peers is None:
-        store = TcpStore("127.0.0.1", 0, hosting="yes")
+        store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
         readers = [f"bench-reader-{i}" for i in range(n_readers)]
         ncpu = len(_util.affinity() or {0})
         cpus = [(writer_cpus + i) % ncpu if pin else None for i in range(n_readers)]
@@ -286,12 +258,19 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
     try:
         if pin:
             _util.pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
-        t = transport.Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
-                                timeout=args.timeout)  # fmt: skip
-        alive = local.check if local else None
-        _wait_for_readers(t, readers, args.wait, alive)
-        chan = Channel(t, timeout=args.timeout, alive=alive)
-        yield Session(t, chan, readers, local, saved, [pin_note] if pin_note else [], args.wait)
+        t = Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
+                      timeout=args.timeout)  # fmt: skip
+        end = time.monotonic() + args.wait
+        for name in readers:
+            late = (f"reader {name!r} did not join namespace {args.namespace!r} within "
+                    f"{args.wait:.0f} s; start it with: transport bench ... --role reader --name "
+                    f"{name} --store URL")  # fmt: skip
+            wait = lambda n=name: t.wait_for_peer(n, timeout=0.5)  # type: ignore[union-attr]  # noqa: E731
+            _poll(wait, end - time.monotonic(), local.check if local else None, late)
+        s = Session(
+            t, readers, local, saved, [pin_note] if pin_note else [], args.wait, args.timeout
+        )
+        yield s
         ok = True
     finally:
         if t is not None:
@@ -303,7 +282,7 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
             if ok and local is None:
                 for name in readers:
                     with contextlib.suppress(CliError):
-                        chan.recv(name, timeout=10)
+                        s.recv(name, timeout=10)
             t.close()
         if local is not None:
             local.close(kill=not ok)
@@ -313,42 +292,19 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
 # -- the reader -----------------------------------------------------------------------------------
 
 
-class Buffers(ABC):
-    """A reader's memory for one workload: what it exposes and registers, and which of its tensors
-    a command's ``spec`` names. Owned by the :class:`Reader`; lives until the writer said done."""
-
-    @abstractmethod
-    def setup(self, t: Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        """Allocate and expose (``m``: the writer's "setup"); returns the tensors raw NIXL
-        registers and their addresses for the writer."""
-
-    @abstractmethod
-    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        """The tensors ``spec`` names: the exposed ones, or (``dist``) the collectives' copies."""
-
-    def open_dist(self, device: str) -> None:  # noqa: B027 - a hook
-        """Make the collectives' copies on ``device`` (cpu: the exposed tensors serve)."""
-
-    def close_dist(self) -> None:  # noqa: B027 - a hook
-        """Drop the copies of :meth:`open_dist`."""
-
-    def check(self, spec: dict[str, Any], seed: int, dist: bool) -> dict[str, Any]:
-        return {"ok": _util.check_all(self.tensors(spec, dist), seed)}
-
-    def close(self) -> None:  # noqa: B027 - a hook
-        """Release what :meth:`setup` took."""
-
-
 @dataclass
 class Reader:
-    """A bench reader: serves the writer's commands (its ``on_<cmd>`` methods) over its
-    ``buffers``, with a raw NIXL agent beside our Transport when raw NIXL is measured and a
-    torch.distributed group while a baseline runs. Single-threaded: everything happens in
-    :meth:`serve`'s loop, which makes raw NIXL progress every 0.5 ms (raw targets need it)."""
+    """A bench reader: serves the writer's commands (its ``on_<cmd>`` methods) over the tensors
+    its workload exposes (``mine``; ``dist``: their byte views on the collectives' device), with
+    a raw NIXL agent beside our Transport when raw NIXL is measured and a torch.distributed group
+    while a baseline runs. Single-threaded: everything happens in :meth:`serve`'s loop, which
+    makes raw NIXL progress every 0.5 ms (raw targets need it)."""
 
     t: Transport
-    buffers: Buffers
+    w: Workload
     saved: set[int] | None
+    mine: list[torch.Tensor] = field(default_factory=list)
+    dist: list[torch.Tensor] = field(default_factory=list)
     agent: Any = None
     group: Group | None = None
 
@@ -366,9 +322,7 @@ class Reader:
                 if (now := time.monotonic()) - last_look > 2.0:
                     last_look = now
                     if writer is None and now - start > wait_s:
-                        raise CliError(
-                            f"no writer contacted reader {t.name!r} within {wait_s:.0f} s"
-                        ) from None
+                        raise CliError(f"no writer contacted reader {t.name!r} within {wait_s:.0f} s") from None  # fmt: skip
                     if writer is not None and writer not in {p.name for p in t.peers()}:
                         raise CliError(f"the writer {writer!r} went away") from None
                 continue
@@ -390,11 +344,14 @@ class Reader:
                 raise
             t.notify(writer, encode(reply.pop("cmd", "ok"), cpu=time.process_time(), **reply))
 
+    def tensors(self, m: dict[str, Any]) -> list[torch.Tensor]:
+        return self.w.select(m["spec"], self.dist if m["dist"] and self.dist else self.mine)
+
     def on_setup(self, m: dict[str, Any]) -> dict[str, Any]:
-        tensors, addrs = self.buffers.setup(self.t, m)
+        self.mine, addrs = self.w.expose(self.t, m)
         if m["raw"]:
             self.agent = _raw.new_agent(f"raw-{self.t.name}")
-            self.agent.register_memory(tensors)
+            self.agent.register_memory(self.mine)
             put_blob(self.t, "raw", {"md": self.agent.get_agent_metadata(), **addrs})
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return {"cmd": "ready", "cuda": cuda, "host": socket.gethostname()}
@@ -404,15 +361,15 @@ class Reader:
         return {}
 
     def on_zero(self, m: dict[str, Any]) -> dict[str, Any]:
-        _util.zero_all(self.buffers.tensors(m["spec"], m["dist"]))
+        _util.zero_all(self.tensors(m))
         return {}
 
     def on_fill(self, m: dict[str, Any]) -> dict[str, Any]:
-        _util.fill_all(self.buffers.tensors(m["spec"], m["dist"]), m["seed"])
+        _util.fill_all(self.tensors(m), m["seed"])
         return {}
 
     def on_check(self, m: dict[str, Any]) -> dict[str, Any]:
-        return self.buffers.check(m["spec"], m["seed"], m["dist"])
+        return self.w.check(m["spec"], m["seed"], self.tensors(m))
 
     def on_dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
         _util.unpin(self.saved)  # gloo's threads: placed by the scheduler, as users run it
@@ -420,40 +377,43 @@ class Reader:
         self.group = Group(
             m["backend"], m["addr"], m["port"], m["rank"], m["world"], m["ks"], device
         )
-        self.buffers.open_dist(device)
+        self.dist = [
+            as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device))
+            for x in self.mine
+        ]
         return {}
 
     def on_dist_run(self, m: dict[str, Any]) -> dict[str, Any]:
         assert self.group is not None
-        xs = self.buffers.tensors(m["spec"], True)
         for _ in range(m["count"]):
-            self.group.read(m["mode"], xs, m["recv"])
+            self.group.read(m["mode"], self.tensors({**m, "dist": True}), m["recv"])
         return {}
 
     def on_dist_end(self, m: dict[str, Any]) -> dict[str, Any]:
         if self.group is not None:
             self.group.close()
-            self.group = None
-        self.buffers.close_dist()
+        self.group, self.dist = None, []
         return {}
 
 
-def run_reader(args: argparse.Namespace, buffers: Callable[[Transport], Buffers]) -> int:
+def run_reader(args: argparse.Namespace, w: Workload) -> int:
     """A reader's main: join the namespace, serve one writer until it says done, then stay until
     the writer has left (this process may host the store it uses)."""
     saved = _util.affinity()
     torch.set_num_threads(1)  # helper ops need no pool; its threads would compete with the writer
     _util.pin_to(args.cpu)
-    with transport.Transport(args.name, store=args.store, namespace=args.namespace,
-                             timeout=args.timeout) as t:  # fmt: skip
-        reader = Reader(t, buffers(t), saved)
+    with Transport(
+        args.name, store=args.store, namespace=args.namespace, timeout=args.timeout
+    ) as t:
+        reader = Reader(t, w, saved)
+        w.open_reader(t)
         print(f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of "
               f"{args.store}; waiting for a writer", flush=True)  # fmt: skip
         try:
             writer, failed = reader.serve(args.wait)
         finally:
             reader.on_dist_end({})
-            reader.buffers.close()
+            w.close()
         end = time.monotonic() + 10.0
         with contextlib.suppress(StoreError):
             while time.monotonic() < end and writer in {p.name for p in t.peers()}:

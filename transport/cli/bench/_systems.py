@@ -24,7 +24,7 @@ from transport.cli.bench._util import check_all, fill_all, zero_all
 
 if TYPE_CHECKING:
     from transport.cli.bench._raw import RawPath
-    from transport.cli.bench._session import Channel
+    from transport.cli.bench._session import Session
 
 
 class System(ABC):
@@ -79,7 +79,7 @@ class Route:
     destination, fills the source with the pattern of ``seed`` (``seed + 1000 * i`` at peer
     ``i`` for a read), makes one transfer and checks every byte."""
 
-    chan: Channel
+    s: Session
     peers: list[str]
     spec: dict[str, Any]
     op: str = "write"
@@ -87,7 +87,7 @@ class Route:
     dist: bool = False
 
     def ask(self, cmd: str, **fields: Any) -> list[dict[str, Any]]:
-        return self.chan.ask(self.peers, cmd, spec=self.spec, dist=self.dist, **fields)
+        return self.s.ask(self.peers, cmd, spec=self.spec, dist=self.dist, **fields)
 
     def verify(self, step: Callable[[], object], seed: int) -> bool:
         local = self.local or [[]]
@@ -155,14 +155,14 @@ class Dist(System):
     def run(self, n: int) -> list[int]:
         r, k = self.route, len(self.route.peers)
         for p in r.peers:
-            r.chan.send(p, "dist-run", mode=self.mode, recv=k, spec=r.spec, count=n)
+            r.s.send(p, "dist-run", mode=self.mode, recv=k, spec=r.spec, count=n)
         clock, out = time.perf_counter_ns, []
         for _ in range(n):
             t0 = clock()
             self.group.write(self.mode, self.xs, k)
             out.append(clock() - t0)
         for p in r.peers:
-            r.chan.recv(p)
+            r.s.recv(p)
         return out
 
     def verify(self, seed: int) -> bool:
@@ -242,20 +242,19 @@ class Group:
         self.ack = torch.zeros(1, dtype=torch.uint8, device=self.device)
 
     @classmethod
-    def open(cls, chan: Channel, store_url: str | None, peers: Sequence[str], backend: str,
-             ks: Sequence[int], device_of: Callable[[int], int]) -> Group:  # fmt: skip
+    def open(cls, s: Session, backend: str, ks: Sequence[int]) -> Group:
         """The writer's side (rank 0): tells each reader to join (``dist-init``), joins, and
-        returns once every reader has. ``device_of(rank)``: each rank's CUDA device (NCCL)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        addr, world = my_address(store_url), len(peers) + 1
-        for i, r in enumerate(peers):
-            chan.send(r, "dist-init", backend=backend, addr=addr, port=port, rank=i + 1,
-                      world=world, ks=list(ks), device=device_of(i + 1))  # fmt: skip
-        group = cls(backend, addr, port, 0, world, ks, device_for(backend, device_of(0)))
-        for r in peers:
-            chan.recv(r)
+        returns once every reader has."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        addr, world = my_address(getattr(s.t.store, "url", None)), len(s.readers) + 1
+        for i, r in enumerate(s.readers):
+            s.send(r, "dist-init", backend=backend, addr=addr, port=port, rank=i + 1, world=world,
+                   ks=list(ks), device=s.device_of(i + 1))  # fmt: skip
+        group = cls(backend, addr, port, 0, world, ks, device_for(backend, s.device_of(0)))
+        for r in s.readers:
+            s.recv(r)
         return group
 
     def _sync(self) -> None:
@@ -287,10 +286,10 @@ class Group:
         self.dist.send(self.ack, 0)
         self._sync()
 
-    def close(self, chan: Channel | None = None, peers: Sequence[str] = ()) -> None:
-        """Leave the group; the writer passes ``chan`` and ``peers`` to have its readers leave."""
-        for r in peers:
-            chan.send(r, "dist-end")  # type: ignore[union-attr]
+    def close(self, s: Session | None = None) -> None:
+        """Leave the group; the writer passes its session to have its readers leave too."""
+        for r in s.readers if s else []:
+            s.send(r, "dist-end")  # type: ignore[union-attr]
         self.dist.destroy_process_group()
-        for r in peers:
-            chan.recv(r)  # type: ignore[union-attr]
+        for r in s.readers if s else []:
+            s.recv(r)  # type: ignore[union-attr]

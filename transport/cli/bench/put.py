@@ -27,7 +27,7 @@ import transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, _report
 from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
-from transport.cli.bench._session import Buffers, Session
+from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, Ours, RawNixl, Route, System
 from transport.cli.bench._util import KiB, MiB, fmt_time, parse_batch, parse_size, parse_sizes
 from transport.cli.bench._util import size_label as label_of
@@ -56,38 +56,6 @@ class PutCase(Case):
 def case_of(r: Record) -> PutCase:
     assert isinstance(r.case, PutCase)
     return r.case
-
-
-@dataclass
-class PutBuffers(Buffers):
-    """A reader's ``buf`` (the largest size) and the batch ``b0``.. (exposed and touched at setup),
-    and their copies on the collectives' device (``dbuf``, ``dbatch``; None: the exposed ones)."""
-
-    buf: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
-    batch: list[torch.Tensor] = field(default_factory=list)
-    dbuf: torch.Tensor | None = None
-    dbatch: list[torch.Tensor] = field(default_factory=list)
-
-    def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        self.buf = torch.ones(m["max"], dtype=torch.uint8)  # touched: no page faults while timed
-        count, size = m["batch"] or (0, 0)
-        self.batch = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
-        t.expose_all({"buf": self.buf, **{f"b{j}": b for j, b in enumerate(self.batch)}})
-        addrs = {"buf": self.buf.data_ptr(), "batch": [b.data_ptr() for b in self.batch]}
-        return [self.buf, *self.batch], addrs
-
-    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        dist = dist and self.dbuf is not None
-        buf, batch = (self.dbuf, self.dbatch) if dist else (self.buf, self.batch)
-        return batch if spec["kind"] == "batch" else [buf[: spec["n"]]]  # type: ignore[index]
-
-    def open_dist(self, device: str) -> None:
-        if device != "cpu":
-            self.dbuf = torch.zeros_like(self.buf, device=device)
-            self.dbatch = [torch.zeros_like(b, device=device) for b in self.batch]
-
-    def close_dist(self) -> None:
-        self.dbuf, self.dbatch = None, []
 
 
 def receiver_counts(n: int) -> list[int]:
@@ -160,8 +128,20 @@ class PutWorkload(Workload):
             return f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}"
         return label_of(n)
 
-    def buffers(self, t: Any) -> Buffers:
-        return PutBuffers()
+    def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        """A reader's ``buf`` (the largest size) and the batch ``b0``.. (touched: no page faults
+        while timed)."""
+        buf = torch.ones(m["max"], dtype=torch.uint8)
+        batch = (
+            [torch.ones(m["batch"][1], dtype=torch.uint8) for _ in range(m["batch"][0])]
+            if m["batch"]
+            else []
+        )
+        t.expose_all({"buf": buf, **{f"b{j}": b for j, b in enumerate(batch)}})
+        return [buf, *batch], {"buf": buf.data_ptr(), "batch": [b.data_ptr() for b in batch]}
+
+    def select(self, spec: dict[str, Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return xs[1:] if spec["kind"] == "batch" else [xs[0][: spec["n"]]]
 
     def units(self) -> int:
         per_k = len(self.ks) * len(self.shapes())
@@ -179,7 +159,7 @@ class PutWorkload(Workload):
         self.lbatch = [[torch.ones(size, dtype=torch.uint8) for _ in range(count)]
                        for _ in range(copies)]  # fmt: skip
         use_raw = "raw" in self.baselines
-        s.ready = s.chan.ask(s.readers, "setup", max=big, batch=list(self.batch or []) or None,
+        s.ready = s.ask(s.readers, "setup", max=big, batch=list(self.batch or []) or None,
                              raw=use_raw)  # fmt: skip
         for r in s.readers:
             s.t.wait_for_peer(r, timeout=60, regions=["buf", *(f"b{j}" for j in range(count))])
@@ -187,7 +167,7 @@ class PutWorkload(Workload):
         for x in local:
             s.t.register(x)
         if use_raw:
-            self.raw = _raw.RawLink(s.t, s.chan, s.readers, local)
+            self.raw = _raw.RawLink(s, local)
             for i, r in enumerate(s.readers):
                 dt = self.raw.connect(i, self.lbuf[0], self.raw.blobs[i]["buf"])
                 res.notes.append(f"raw NIXL: first transfer to {r} (connect) {1e3 * dt:.1f} ms")
@@ -214,7 +194,7 @@ class PutWorkload(Workload):
 
     def _route(self, op: str, k: int, kind: str, n: int) -> Route:
         local = [self._local(i, op, kind, n) for i in range(k if op == "read" else 1)]
-        return Route(self.s.chan, self.s.readers[:k], {"kind": kind, "n": n}, op, local)
+        return Route(self.s, self.s.readers[:k], {"kind": kind, "n": n}, op, local)
 
     def _ours(self, op: str, k: int, kind: str, n: int) -> Callable[[], object]:
         t, tmo, peers = self.s.t, self.timeout, self.s.readers[:k]
@@ -277,8 +257,7 @@ class PutWorkload(Workload):
     def dist_turns(self, backend: str) -> Iterator[Turn]:
         """gloo: send/recv, then broadcast; NCCL: broadcast; each with an ack per receiver."""
         s = self.s
-        group = Group.open(s.chan, getattr(s.t.store, "url", None), s.readers, backend, self.ks,
-                           s.device_of)  # fmt: skip
+        group = Group.open(s, backend, self.ks)
         dev = group.device
         on_dev = lambda x: x if dev.type == "cpu" else torch.ones_like(x, device=dev)  # noqa: E731
         dbuf, dbatch = on_dev(self.lbuf[0]), [on_dev(x) for x in self.lbatch[0]]
@@ -288,7 +267,7 @@ class PutWorkload(Workload):
                 for k in self.ks:
                     for kind, n in self.shapes():
                         xs = dbatch if kind == "batch" else [dbuf[:n]]
-                        route = Route(s.chan, s.readers[:k], {"kind": kind, "n": n}, local=[xs],
+                        route = Route(s, s.readers[:k], {"kind": kind, "n": n}, local=[xs],
                                       dist=True)  # fmt: skip
                         timing = Timing(
                             self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1
@@ -297,7 +276,7 @@ class PutWorkload(Workload):
                         system = Dist(name, group, mode, xs, route)
                         yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
         finally:
-            group.close(s.chan, s.readers)
+            group.close(s)
 
     def memcpy_turns(self, res: Results) -> Iterator[Turn]:
         res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "

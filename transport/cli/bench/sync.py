@@ -28,7 +28,7 @@ import transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, _report
 from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
-from transport.cli.bench._session import Buffers, Session
+from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawNixl, Route, System, as_bytes
 from transport.cli.bench._util import (
     check_all,
@@ -89,45 +89,6 @@ def system_of(fanout: str) -> str:
     return "ours" if fanout == "direct" else f"ours-{fanout}"
 
 
-class SyncBuffers(Buffers):
-    """A generator: its live tensors and a WeightSubscriber over them, subscribed at once (the
-    trainer's first contact must find its regions), with the layout of its own command line,
-    which must match the trainer's. A check of a ``version`` applies it first."""
-
-    def __init__(self, t: transport.Transport, w: SyncWorkload) -> None:
-        self.live = make_tensors(w.layout)
-        self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=w.mode)
-        for slot in self.sub.staging if w.mode == "staging" else []:
-            zero_all(list(slot.values()))  # touch them now, not inside a timed step
-        self.dlive: list[torch.Tensor] = []
-
-    def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        return list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
-
-    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        return self.dlive if dist and self.dlive else list(self.live.values())
-
-    def open_dist(self, device: str) -> None:
-        self.dlive = [as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device))
-                      for x in self.live.values()]  # fmt: skip
-
-    def close_dist(self) -> None:
-        self.dlive = []
-
-    def check(self, spec: dict[str, Any], seed: int, dist: bool) -> dict[str, Any]:
-        if "version" not in spec:
-            return super().check(spec, seed, dist)
-        self.sub.wait_for_version(spec["version"], timeout=60)
-        t0 = time.perf_counter()
-        applied = self.sub.apply()
-        dt = time.perf_counter() - t0
-        ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
-        return {"ok": ok, "apply_s": dt if self.sub.mode == "staging" else None}
-
-    def close(self) -> None:
-        self.sub.close()
-
-
 class Publish(System):
     """Ours in ``bench sync``: the trainer's WeightPublisher publishes the next version with one
     ``fanout`` and waits until every generator has it (a version that misses one is a CliError).
@@ -151,13 +112,11 @@ class Publish(System):
             )
 
     def verify(self, seed: int) -> bool:
-        chan, readers = self.w.s.chan, self.w.s.readers
-        chan.ask(readers, "zero", spec={}, dist=False)
+        s, readers = self.w.s, self.w.s.readers
+        s.ask(readers, "zero", spec={}, dist=False)
         fill_all(self.w.tensors_, seed)
         self.step()
-        replies = chan.ask(
-            readers, "check", spec={"version": self.w.version}, seed=seed, dist=False
-        )
+        replies = s.ask(readers, "check", spec={"version": self.w.version}, seed=seed, dist=False)
         self.applies = [m["apply_s"] for m in replies if m.get("apply_s") is not None]
         return all(m["ok"] for m in replies)
 
@@ -243,8 +202,27 @@ class SyncWorkload(Workload):
     def readers(self) -> int:  # type: ignore[override]
         return self.generators
 
-    def buffers(self, t: Any) -> Buffers:
-        return SyncBuffers(t, self)
+    # -- a generator: its live tensors and a WeightSubscriber over them, subscribed at once (the
+    # trainer's first contact must find its regions); a check of a ``version`` applies it first
+
+    def open_reader(self, t: transport.Transport) -> None:
+        self.live = make_tensors(self.layout)
+        self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=self.mode)
+        for slot in self.sub.staging if self.mode == "staging" else []:
+            zero_all(list(slot.values()))  # touch them now, not inside a timed step
+
+    def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        return list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
+
+    def check(self, spec: dict[str, Any], seed: int, xs: list[torch.Tensor]) -> dict[str, Any]:
+        if "version" not in spec:
+            return super().check(spec, seed, xs)
+        self.sub.wait_for_version(spec["version"], timeout=60)
+        t0 = time.perf_counter()
+        applied = self.sub.apply()
+        dt = time.perf_counter() - t0
+        ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
+        return {"ok": ok, "apply_s": dt if self.mode == "staging" else None}
 
     def units(self) -> int:
         return 1 + sum(b in self.baselines for b in ("gloo", "nccl", "memcpy"))
@@ -265,16 +243,16 @@ class SyncWorkload(Workload):
                 raise CliError(f"the generators did not join group {GROUP!r} within {s.wait:.0f} s "
                                f"(joined: {self.pub.subscribers()})")  # fmt: skip
             time.sleep(0.02)
-        s.ready = s.chan.ask(s.readers, "setup", raw="raw" in self.baselines)
+        s.ready = s.ask(s.readers, "setup", raw="raw" in self.baselines)
         if "raw" in self.baselines:
-            self.raw = _raw.RawLink(s.t, s.chan, s.readers, self.tensors_)
+            self.raw = _raw.RawLink(s, self.tensors_)
             for i, b in enumerate(self.raw.blobs):
                 self.raw.connect(i, self.tensors_[0], int(b["addrs"][0]))
             pairs = [(self.tensors_, b["addrs"]) for b in self.raw.blobs]
             self.path = self.raw.path("WRITE", pairs, notif=b"transport-bench-sync")
 
     def close(self) -> None:
-        for part in ("path", "raw", "pub"):  # as far as setup got
+        for part in ("path", "raw", "pub", "sub"):  # as far as setup (open_reader) got
             if (x := getattr(self, part, None)) is not None:
                 x.close()
 
@@ -293,7 +271,7 @@ class SyncWorkload(Workload):
         systems: list[System] = list(ours)
         pairs = [(o.name, "ours") for o in ours if o.name != "ours" and "direct" in self.fanouts]
         if self.path is not None:
-            route = Route(self.s.chan, self.s.readers, {}, local=[self.tensors_])
+            route = Route(self.s, self.s.readers, {}, local=[self.tensors_])
             systems.insert(0, RawNixl("raw-nixl", self.path, route, owns=False))
             pairs = [(o.name, "raw-nixl") for o in ours] + pairs
         timing = Timing(0.0, self.steps, self.steps, 2 if self.mode == "staging" else 1)
@@ -312,16 +290,15 @@ class SyncWorkload(Workload):
 
     def dist_turns(self, backend: str) -> Iterator[Turn]:
         s = self.s
-        group = Group.open(s.chan, getattr(s.t.store, "url", None), s.readers, backend,
-                           [len(s.readers)], s.device_of)  # fmt: skip
+        group = Group.open(s, backend, [len(s.readers)])
         try:
             xs = [as_bytes(x.to(group.device)) for x in self.tensors_]
-            route = Route(s.chan, s.readers, {}, local=[xs], dist=True)
+            route = Route(s, s.readers, {}, local=[xs], dist=True)
             system = Dist(f"{backend}-bcast", group, "bcast", xs, route)
             timing = Timing(0.0, self.steps, self.steps)
             yield Turn(f"{backend} broadcast", self.case(), [system], timing)
         finally:
-            group.close(s.chan, s.readers)
+            group.close(s)
 
     def memcpy_turns(self, res: Results) -> Iterator[Turn]:
         timing = Timing(0.0, self.steps, self.steps)
