@@ -1,19 +1,13 @@
-"""Raw NIXL: the same transfers as ours, written the way a direct NIXL user writes them.
+"""Raw NIXL: the same transfers as ours, written the way a direct NIXL user writes them: an agent
+without progress thread (sync mode STRICT), metadata exchanged through the store, descriptor
+lists prepared once per size on both sides, then per transfer ``make_prepped_xfer`` +
+``transfer`` + poll ``check_xfer_state`` to DONE + ``release`` ("raw-nixl", the reference of
+every ratio), or one prepared handle reposted ("raw-nixl-repost", the tightest baseline).
 
-* ``nixl_agent(name, nixl_agent_config(enable_prog_thread=False, sync_mode=STRICT))``
-* register the buffers, exchange metadata (here through the store), ``prep_xfer_dlist`` once
-  per size on both sides
-* per iteration ``make_prepped_xfer`` + ``transfer`` + poll ``check_xfer_state`` to "DONE" +
-  ``release()`` -> system "raw-nixl" (the reference of every ratio)
-* one prepared handle reposted with ``transfer(h)`` after each DONE -> "raw-nixl-repost" (the
-  tightest possible baseline)
-
-The target of a raw transfer must make NIXL progress calls (``get_new_notifs``) at least until
-the first transfer has connected (UCX wire-up), and all the time over transports other than CMA;
-the bench readers call it every 0.5 ms while they wait for commands.
-
-``python -m transport.cli.bench._raw`` (run with UCX_PROTO_INFO=y) makes one put and one get
-between two agents of one process, so that UCX prints the protocols it picks on this host.
+The target must make NIXL progress calls (``get_new_notifs``) at least until the first transfer
+has connected, and all the time over transports other than CMA; bench readers do every 0.5 ms.
+``python -m transport.cli.bench._raw`` (with UCX_PROTO_INFO=y) makes one put and one get between
+two agents of one process, so that UCX prints the protocols it picks on this host.
 """
 
 from __future__ import annotations
@@ -22,36 +16,30 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 XFER_TIMEOUT_S = float(os.environ.get("BENCH_XFER_TIMEOUT", "60"))
-Target = tuple[str, np.ndarray, np.ndarray]  # remote agent, local descriptors, remote descriptors
 
 
 def new_agent(name: str) -> Any:
     from transport.backends.nixl import _load
 
     api, _ = _load()
-    conf = api.nixl_agent_config(
-        enable_prog_thread=False, sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    )
-    return api.nixl_agent(name, conf)
+    sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, sync_mode=sync))
 
 
-def remote_name(x: object) -> str:
-    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
+def add_remote(agent: Any, md: bytes) -> str:
+    name = agent.add_remote_agent(md)
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
 
-def descs(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.array([(t.data_ptr(), t.nbytes, 0) for t in tensors], dtype=np.uint64)
-
-
-def remote_descs(addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-    return np.array([(a, n, 0) for a, n in zip(addrs, sizes, strict=True)], dtype=np.uint64)
+def descs(pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """NIXL descriptors of (address, bytes) pairs."""
+    return np.array([(a, n, 0) for a, n in pairs], dtype=np.uint64)
 
 
 def poll_done(agent: Any, h: Any, st: str) -> None:
@@ -65,31 +53,23 @@ def poll_done(agent: Any, h: Any, st: str) -> None:
         raise RuntimeError(f"raw NIXL transfer ended in state {st}")
 
 
-@dataclass(frozen=True)
-class Probe:
-    """Untimed figures of raw-nixl's calls: how often transfer() returned DONE at once, polls per
-    transfer, and the medians of make_prepped_xfer, transfer() and release()."""
-
-    post_returned_done: float
-    polls_per_xfer: float
-    make_median_s: float
-    transfer_call_median_s: float
-    release_median_s: float
-
-
 class RawPath:
-    """Prepared descriptor lists for one op (WRITE or READ) between local tensors and each of
-    ``len(targets)`` remote agents; ``make_post`` and ``repost`` each move the bytes once to (or
-    from) every target: all transfers posted first, then polled. Owns its descriptor lists and
-    the reposted handles until :meth:`close`."""
+    """Prepared descriptor lists for one op (WRITE or READ) between local tensors and remote
+    addresses, per target ``(agent name, local tensors, remote addresses)``. ``make_post`` and
+    ``repost`` each move the bytes once to (or from) every target: all posted, then polled.
+    Owns its descriptor lists and reposted handles until :meth:`close`."""
 
-    def __init__(self, agent: Any, op: str, targets: Sequence[Target], notif: bytes = b"") -> None:
-        self.agent, self.op, self.notif = agent, op, notif
-        self.sides = []
-        for rname, local, remote in targets:
-            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
-            rp = agent.prep_xfer_dlist(rname, remote, "DRAM")
-            self.sides.append((lp, rp, np.arange(len(local), dtype=np.int32)))
+    def __init__(self, agent: Any, op: str, targets: Sequence[tuple[str, list[torch.Tensor], Sequence[int]]],
+                 notif: bytes = b"") -> None:  # fmt: skip
+        self.agent, self.op, self.notif, self.sides = agent, op, notif, []
+        for rname, xs, addrs in targets:
+            lp = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", descs([(x.data_ptr(), x.nbytes) for x in xs]), "DRAM"
+            )
+            rp = agent.prep_xfer_dlist(
+                rname, descs([(a, x.nbytes) for a, x in zip(addrs, xs, strict=True)]), "DRAM"
+            )
+            self.sides.append((lp, rp, np.arange(len(xs), dtype=np.int32)))
         self.handles = [self._make(side) for side in self.sides]
 
     def _make(self, side: tuple[Any, Any, np.ndarray]) -> Any:
@@ -97,21 +77,21 @@ class RawPath:
         return self.agent.make_prepped_xfer(self.op, lp, idx, rp, idx, notif_msg=self.notif)
 
     def _post(self, handles: list[Any]) -> None:
-        sts = [self.agent.transfer(h) for h in handles]
-        for h, st in zip(handles, sts, strict=True):
+        for h, st in [(h, self.agent.transfer(h)) for h in handles]:
             poll_done(self.agent, h, st)
 
     def make_post(self) -> None:
-        hs = [self._make(side) for side in self.sides]
-        self._post(hs)
+        self._post(hs := [self._make(side) for side in self.sides])
         for h in hs:
             h.release()
 
     def repost(self) -> None:
         self._post(self.handles)
 
-    def probe(self, k: int) -> Probe:
-        """``k`` untimed transfers to the first target, each call timed on its own."""
+    def probe(self, k: int) -> dict[str, float]:
+        """``k`` untimed transfers to the first target, each NIXL call timed on its own: how often
+        transfer() returned DONE at once, polls per transfer, and the medians of
+        make_prepped_xfer, transfer() and release()."""
         immediate = polls = 0
         make, post, rel = [], [], []
         clock = time.perf_counter_ns
@@ -131,7 +111,9 @@ class RawPath:
             h.release()
             rel.append(clock() - t3)
         med = lambda xs: statistics.median(xs) / 1e9  # noqa: E731
-        return Probe(immediate / k, polls / k, med(make), med(post), med(rel))
+        return {"post_returned_done": immediate / k, "polls_per_xfer": polls / k,
+                "make_median_s": med(make), "transfer_call_median_s": med(post),
+                "release_median_s": med(rel)}  # fmt: skip
 
     def close(self) -> None:
         for h in self.handles:
@@ -142,10 +124,10 @@ class RawPath:
 
 
 class RawLink:
-    """The writer's raw NIXL agent: registered with its ``local`` tensors, its metadata published,
-    every reader's agent added (with the addresses each reader published, ``blobs[i]``), and each
-    reader told to add the writer's. Paths made by :meth:`path` belong to the caller;
-    :meth:`close` removes the remote agents."""
+    """The writer's raw NIXL agent in a session ``s``: registered with its ``local`` tensors, its
+    metadata published, every reader's agent added (with the addresses each published,
+    ``blobs[i]``), and each reader told to add the writer's. Paths made by :meth:`path` belong to
+    the caller; :meth:`close` removes the remote agents."""
 
     def __init__(self, s: Any, local: list[torch.Tensor]) -> None:
         from transport.cli.bench._session import get_blob, put_blob
@@ -154,26 +136,24 @@ class RawLink:
         self.agent.register_memory(local)
         put_blob(s.t, "raw", {"md": self.agent.get_agent_metadata()})
         self.blobs = [get_blob(s.t, r, "raw") for r in s.readers]
-        self.names = [remote_name(self.agent.add_remote_agent(b["md"])) for b in self.blobs]
+        self.names = [add_remote(self.agent, b["md"]) for b in self.blobs]
         s.ask(s.readers, "raw-md", writer=s.t.name)
 
     def connect(self, i: int, local: torch.Tensor, raddr: int) -> float:
         """A first 64-byte WRITE to reader ``i``: UCX connects lazily, here and not inside a timed
         size (the target must be making progress calls). Returns its wall time in seconds."""
         t0 = time.perf_counter()
-        first = local.view(-1).view(torch.uint8)[:64]
-        path = RawPath(
-            self.agent, "WRITE", [(self.names[i], descs([first]), remote_descs([raddr], [64]))]
-        )
+        path = self.path("WRITE", [([local.view(-1).view(torch.uint8)[:64]], [raddr])], i)
         path.repost()
         path.close()
         return time.perf_counter() - t0
 
-    def path(self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]],
+    def path(self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]], first: int = 0,
              notif: bytes = b"") -> RawPath:  # fmt: skip
-        """``pairs[i]``: (local tensors, the addresses they pair with at reader ``i``)."""
-        targets = [(name, descs(xs), remote_descs(addrs, [x.nbytes for x in xs]))
-                   for name, (xs, addrs) in zip(self.names, pairs, strict=False)]  # fmt: skip
+        """``pairs[i]``: (local tensors, the addresses they pair with at reader ``first + i``)."""
+        targets = [
+            (name, xs, addrs) for name, (xs, addrs) in zip(self.names[first:], pairs, strict=False)
+        ]
         return RawPath(self.agent, op, targets, notif)
 
     def close(self) -> None:
@@ -186,11 +166,10 @@ def main() -> None:
     x, y = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
     a.register_memory(x)
     b.register_memory(y)
-    name = remote_name(a.add_remote_agent(b.get_agent_metadata()))
+    name = add_remote(a, b.get_agent_metadata())
     for op in ("WRITE", "READ"):
-        path = RawPath(a, op, [(name, descs([x]), remote_descs([y.data_ptr()], [y.nbytes]))])
-        h = path.handles[0]
-        st = a.transfer(h)
+        path = RawPath(a, op, [(name, [x], [y.data_ptr()])])
+        st = a.transfer(h := path.handles[0])
         while st == "PROC":
             b.get_new_notifs()
             st = a.check_xfer_state(h)

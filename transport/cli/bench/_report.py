@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from transport.cli import CliError
+from transport.cli.bench._util import fmt_time
 
 SYSTEM_ORDER = ["memcpy", "gloo", "gloo-bcast", "nccl-bcast", "raw-nixl", "raw-nixl-repost",
                 "ours", "ours-single", "ours-chain", "ours-tree"]  # fmt: skip
@@ -62,6 +63,13 @@ def table(out: IO[str], columns: str, sections: Sequence[Sequence[Sequence[str]]
         for i, row in enumerate(rows):
             t.add_row(*map(Text, row), end_section=i == len(rows) - 1)
     Console(file=out, width=200, highlight=False, markup=False, emoji=False).print(t)
+
+
+def cells(r: Any, *rels: str) -> list[str]:
+    """A record's table cells: median, GB/s, the ``rels`` (its ratios), p10..p90, count, ok."""
+    st = r.stats
+    return [fmt_time(st.median_s), f"{st.gbps:.3f}", *rels,
+            f"{fmt_time(st.p10_s)}..{fmt_time(st.p90_s)}", str(st.iters), "yes" if r.verified else "NO"]  # fmt: skip
 
 
 def check_plot_support() -> None:

@@ -22,7 +22,7 @@ from transport import Transport
 from transport.cli import CliError
 from transport.cli.bench import _report
 from transport.cli.bench._session import Session, writer_session
-from transport.cli.bench._systems import System
+from transport.cli.bench._systems import Group, System
 from transport.cli.bench._util import Stats, check_all, unpin
 
 
@@ -145,7 +145,11 @@ class Workload(ABC):
     :meth:`close`."""
 
     command: str = ""
+    main_phase: str = ""
+    memcpy_watch: bool = True
     readers: int
+    ks: list[int]  # receiver counts, for the collectives' groups
+    baselines: list[str]
 
     def reader_args(self) -> list[str]:
         """The flags local readers need to build the same workload."""
@@ -170,10 +174,30 @@ class Workload(ABC):
     @abstractmethod
     def setup(self, s: Session, res: Results) -> None: ...
     @abstractmethod
-    def phases(self, s: Session, res: Results) -> list[Phase]: ...
-    @abstractmethod
     def units(self) -> int: ...
     def close(self) -> None: ...  # noqa: B027 - what setup or open_reader took, also after a failure
+    @abstractmethod
+    def main_turns(self) -> Iterator[Turn]: ...
+    @abstractmethod
+    def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]: ...
+    @abstractmethod
+    def memcpy_turns(self) -> Iterator[Turn]: ...
+
+    def phases(self, s: Session) -> list[Phase]:
+        """Ours (with raw NIXL) pinned, then the baselines asked for: gloo, NCCL, memcpy."""
+        return [Phase(self.main_phase, self.main_turns, pinned=True)] + [p for p in (
+            Phase("gloo", lambda: self._dist(s, "gloo")),
+            Phase("nccl", lambda: self._dist(s, "nccl"), watch=False, skip=s.nccl_unavailable()),
+            Phase("memcpy", self.memcpy_turns, watch=self.memcpy_watch),
+        ) if p.name in self.baselines]  # fmt: skip
+
+    def _dist(self, s: Session, backend: str) -> Iterator[Turn]:
+        group = Group.open(s, backend, self.ks)
+        try:
+            yield from self.dist_turns(group, backend)
+        finally:
+            group.close(s)
+
     @abstractmethod
     def ratios(self, records: list[Record]) -> list[Ratio]: ...
     @abstractmethod
@@ -241,7 +265,7 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
 
 def run_phases(w: Workload, s: Session, res: Results, step: Callable[[str], None]) -> None:
     seeds = itertools.count(1007, 7)
-    for phase in w.phases(s, res):
+    for phase in w.phases(s):
         if phase.skip:
             res.skipped[phase.name] = phase.skip
             continue

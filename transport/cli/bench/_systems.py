@@ -14,7 +14,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -131,7 +131,7 @@ class RawNixl(Ours):
         self.path, self.owns, self.probe = path, owns, probe
 
     def extra(self) -> dict[str, Any]:
-        return asdict(self.path.probe(self.probe)) if self.probe else {}
+        return self.path.probe(self.probe) if self.probe else {}
 
     def close(self) -> None:
         if self.owns:

@@ -26,7 +26,7 @@ import torch
 import transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, _report
-from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, Ours, RawNixl, Route, System
 from transport.cli.bench._util import KiB, MiB, fmt_time, parse_batch, parse_size, parse_sizes
@@ -56,6 +56,10 @@ class PutCase(Case):
 def case_of(r: Record) -> PutCase:
     assert isinstance(r.case, PutCase)
     return r.case
+
+
+def _ones(count: int, size: int) -> list[torch.Tensor]:
+    return [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
 
 
 def receiver_counts(n: int) -> list[int]:
@@ -91,6 +95,7 @@ class PutWorkload(Workload):
     pin: bool | None = None  # None: when the host has CPUs enough (bench._util.pin_layout)
     lanes: list[int] = field(default_factory=list)  # [ours, others...]; empty: the default
     command = "put"
+    main_phase = "raw+ours interleaved"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> PutWorkload:
@@ -131,12 +136,8 @@ class PutWorkload(Workload):
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         """A reader's ``buf`` (the largest size) and the batch ``b0``.. (touched: no page faults
         while timed)."""
-        buf = torch.ones(m["max"], dtype=torch.uint8)
-        batch = (
-            [torch.ones(m["batch"][1], dtype=torch.uint8) for _ in range(m["batch"][0])]
-            if m["batch"]
-            else []
-        )
+        count, size = m["batch"] or (0, 0)
+        buf, batch = torch.ones(m["max"], dtype=torch.uint8), _ones(count, size)
         t.expose_all({"buf": buf, **{f"b{j}": b for j, b in enumerate(batch)}})
         return [buf, *batch], {"buf": buf.data_ptr(), "batch": [b.data_ptr() for b in batch]}
 
@@ -152,12 +153,11 @@ class PutWorkload(Workload):
     # -- the writer ---------------------------------------------------------------------------
 
     def setup(self, s: Session, res: Results) -> None:
-        self.s, self.raw = s, None
+        self.s, self.res, self.raw = s, res, None
         big, count, size = max(self.sizes), *(self.batch or (0, 0))
         copies = max(self.ks) if "read" in self.ops and max(self.ks) > 1 else 1
         self.lbuf = [torch.ones(big, dtype=torch.uint8) for _ in range(copies)]
-        self.lbatch = [[torch.ones(size, dtype=torch.uint8) for _ in range(count)]
-                       for _ in range(copies)]  # fmt: skip
+        self.lbatch = [_ones(count, size) for _ in range(copies)]
         use_raw = "raw" in self.baselines
         s.ready = s.ask(s.readers, "setup", max=big, batch=list(self.batch or []) or None,
                              raw=use_raw)  # fmt: skip
@@ -180,13 +180,6 @@ class PutWorkload(Workload):
     def close(self) -> None:
         if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
             raw.close()
-
-    def phases(self, s: Session, res: Results) -> list[Phase]:
-        return [Phase("raw+ours interleaved", self.nixl_turns, pinned=True)] + [p for p in (
-            Phase("gloo", lambda: self.dist_turns("gloo")),
-            Phase("nccl", lambda: self.dist_turns("nccl"), watch=False, skip=s.nccl_unavailable()),
-            Phase("memcpy", lambda: self.memcpy_turns(res)),
-        ) if p.name in self.baselines]  # fmt: skip
 
     def _local(self, i: int, op: str, kind: str, n: int) -> list[torch.Tensor]:
         idx = 0 if op == "write" else i
@@ -222,7 +215,7 @@ class PutWorkload(Workload):
 
         return run
 
-    def nixl_turns(self) -> Iterator[Turn]:
+    def main_turns(self) -> Iterator[Turn]:
         shapes = [(op, k, *x) for op in self.ops for k in self.ks for x in self.shapes()]
         return (self.nixl_turn(*x) for x in shapes)
 
@@ -254,36 +247,25 @@ class PutWorkload(Workload):
         pairs = [(OURS, x.name) for x in systems if x.name != OURS]
         return Turn(f"raw+ours {op} {case.size} to {k}", case, systems, timing, sched, pairs)
 
-    def dist_turns(self, backend: str) -> Iterator[Turn]:
+    def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
         """gloo: send/recv, then broadcast; NCCL: broadcast; each with an ack per receiver."""
-        s = self.s
-        group = Group.open(s, backend, self.ks)
-        dev = group.device
+        dev, s = group.device, self.s
         on_dev = lambda x: x if dev.type == "cpu" else torch.ones_like(x, device=dev)  # noqa: E731
         dbuf, dbatch = on_dev(self.lbuf[0]), [on_dev(x) for x in self.lbatch[0]]
-        try:
-            for mode in ("p2p", "bcast") if backend == "gloo" else ("bcast",):
-                name = f"{backend}-bcast" if mode == "bcast" else backend
-                for k in self.ks:
-                    for kind, n in self.shapes():
-                        xs = dbatch if kind == "batch" else [dbuf[:n]]
-                        route = Route(s, s.readers[:k], {"kind": kind, "n": n}, local=[xs],
-                                      dist=True)  # fmt: skip
-                        timing = Timing(
-                            self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1
-                        )
-                        case = PutCase("write", k, kind, self.label(kind, n), n)
-                        system = Dist(name, group, mode, xs, route)
-                        yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
-        finally:
-            group.close(s)
+        for mode in ("p2p", "bcast") if backend == "gloo" else ("bcast",):
+            name = f"{backend}-bcast" if mode == "bcast" else backend
+            for k, (kind, n) in ((k, x) for k in self.ks for x in self.shapes()):
+                xs = dbatch if kind == "batch" else [dbuf[:n]]
+                route = Route(s, s.readers[:k], {"kind": kind, "n": n}, local=[xs], dist=True)
+                timing = Timing(self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1)
+                case = PutCase("write", k, kind, self.label(kind, n), n)
+                yield Turn(f"{name} {case.size} to {k}", case, [Dist(name, group, mode, xs, route)], timing)  # fmt: skip
 
-    def memcpy_turns(self, res: Results) -> Iterator[Turn]:
-        res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
-                         "thread(s) (CMA too is one copy by one thread)")  # fmt: skip
+    def memcpy_turns(self) -> Iterator[Turn]:
+        self.res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
+                              "thread(s) (CMA too is one copy by one thread)")  # fmt: skip
         for kind, n in self.shapes():
-            count, size = self.batch if kind == "batch" and self.batch else (1, n)
-            src = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
+            src = _ones(*self.batch) if kind == "batch" and self.batch else _ones(1, n)
             timing = Timing(self.memcpy_budget_s, self.min_iters, 5000, 2 if n < MiB else 1)
             case = PutCase("write", 1, kind, self.label(kind, n), n)
             yield Turn(f"memcpy {case.size}", case, [Memcpy(src)], timing)

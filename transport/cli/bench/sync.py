@@ -1,11 +1,10 @@
 """``transport bench sync``: one trainer publishes a synthetic model's weights to N generators.
 
 * ours: ``WeightPublisher.publish(v).wait()`` to every ``WeightSubscriber`` (staging or in place);
-  ``ours-chain`` and ``ours-tree`` are the same with the generators relaying (``--fanout``);
+  ``ours-chain`` and ``ours-tree``: the same with the generators relaying (``--fanout``);
 * raw-nixl: the same tensors (one descriptor each) written straight into every generator's live
-  tensors with raw NIXL, one transfer per generator with a notification, all posted then polled;
-* gloo-bcast / nccl-bcast: ``broadcast`` of every tensor from the trainer, then a 1-byte ack from
-  each generator;
+  tensors, one transfer per generator with a notification, all posted then polled;
+* gloo-bcast / nccl-bcast: ``broadcast`` of every tensor, then a 1-byte ack from each generator;
 * memcpy: the state dict copied once per generator inside the trainer (one thread).
 
 Raw NIXL and ours alternate step by step in the same processes (paired ratio per step); the
@@ -27,7 +26,7 @@ import torch
 import transport
 from transport.cli import CliError
 from transport.cli.bench import _raw, _report
-from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawNixl, Route, System, as_bytes
 from transport.cli.bench._util import (
@@ -45,13 +44,11 @@ GROUP = "bench"
 ROLES_IN_LAYER = ["q", "k", "v", "o", "up", "down", "norm1", "norm2"]
 WEIGHTS = [1.0, 1.0, 1.0, 1.0, 4.0, 4.0, 1 / 256, 1 / 256]
 TARGETS = {"ours/raw": 1.25, "gloo/ours": 1.5}
-ORDER = ["memcpy", "gloo-bcast", "nccl-bcast", "raw-nixl", "ours", "ours-chain", "ours-tree"]
 
 
 @dataclass(frozen=True)
 class SyncCase(Case):
-    """The one configuration of ``bench sync``: ``tensors`` of ``bytes`` in all to each of the
-    ``generators``."""
+    """The one configuration: ``tensors`` of ``bytes`` in all to each of the ``generators``."""
 
     generators: int
     tensors: int
@@ -62,11 +59,8 @@ class SyncCase(Case):
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CliError(
-            f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, float16, int8"
-        )
+    if not isinstance(dt := getattr(torch, name, None), torch.dtype):
+        raise CliError(f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, float16, int8")  # fmt: skip
     return dt
 
 
@@ -85,38 +79,30 @@ def make_tensors(layout: list[tuple[str, int, str]]) -> dict[str, torch.Tensor]:
     return {name: torch.ones(n, dtype=_dtype(d)) for name, n, d in layout}
 
 
-def system_of(fanout: str) -> str:
-    return "ours" if fanout == "direct" else f"ours-{fanout}"
-
-
 class Publish(System):
-    """Ours in ``bench sync``: the trainer's WeightPublisher publishes the next version with one
-    ``fanout`` and waits until every generator has it (a version that misses one is a CliError).
-    Verified after each generator's ``apply()``, whose time it records."""
+    """Ours: the trainer's WeightPublisher publishes the next version with one ``fanout`` and waits
+    until every generator has it (a version that misses one is a CliError). Verified after each
+    generator's ``apply()``, whose time it records."""
 
     family = "ours"
 
     def __init__(self, w: SyncWorkload, fanout: str) -> None:
-        super().__init__(system_of(fanout))
-        self.w, self.fanout = w, fanout
-        self.applies: list[float] = []
+        super().__init__("ours" if fanout == "direct" else f"ours-{fanout}")
+        self.w, self.fanout, self.applies = w, fanout, list[float]()
 
     def step(self) -> None:
         w = self.w
-        w.pub.fanout = self.fanout
-        w.version += 1
+        w.pub.fanout, w.version = self.fanout, w.version + 1
         r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
         if len(r.done) != w.generators:
-            raise CliError(
-                f"version {w.version} did not reach every generator: {r.status} {r.reasons}"
-            )
+            raise CliError(f"version {w.version} did not reach every generator: {r.status} {r.reasons}")  # fmt: skip
 
     def verify(self, seed: int) -> bool:
-        s, readers = self.w.s, self.w.s.readers
-        s.ask(readers, "zero", spec={}, dist=False)
-        fill_all(self.w.tensors_, seed)
+        s = self.w.s
+        s.ask(s.readers, "zero", spec={}, dist=False)
+        fill_all(self.w.sd_list, seed)
         self.step()
-        replies = s.ask(readers, "check", spec={"version": self.w.version}, seed=seed, dist=False)
+        replies = s.ask(s.readers, "check", spec={"version": self.w.version}, seed=seed, dist=False)
         self.applies = [m["apply_s"] for m in replies if m.get("apply_s") is not None]
         return all(m["ok"] for m in replies)
 
@@ -128,16 +114,12 @@ class Publish(System):
 
 @dataclass
 class SyncWorkload(Workload):
-    """What one ``bench sync`` run measures, from its command line: the synthetic state dict
-    (``params`` elements in ``tensors`` tensors of ``dtypes``, laid out by :func:`make_layout`),
-    the ``generators``, ``steps`` timed syncs per system, the subscribers' ``mode``, the
-    ``fanouts`` and tree ``degree``, and the baselines.
-
-    Made alike in the writer and in every reader (local readers get the layout flags from
-    :meth:`reader_args`, so both sides build the same tensors); the fields do not change
-    afterwards. The trainer's state dict, publisher, raw path and version counter live from
-    :meth:`setup` to :meth:`close`.
-    """
+    """What one ``bench sync`` run measures (fixed by :meth:`from_args`): the synthetic state dict
+    (``params`` elements in ``tensors`` tensors of ``dtypes``, see :func:`make_layout`), the
+    ``generators``, ``steps`` timed syncs per system, the subscribers' ``mode``, the ``fanouts``
+    and tree ``degree``, and the baselines. Local readers get the layout flags
+    (:meth:`reader_args`), so both sides build the same tensors. The trainer's state dict,
+    publisher, raw path and version counter live from :meth:`setup` to :meth:`close`."""
 
     params: int
     tensors: int
@@ -152,6 +134,8 @@ class SyncWorkload(Workload):
     degree: int = 2
     layout: list[tuple[str, int, str]] = field(default_factory=list)
     command = "sync"
+    main_phase = "ours + raw"
+    memcpy_watch = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> SyncWorkload:
@@ -171,11 +155,11 @@ class SyncWorkload(Workload):
         if params < 64 * tensors:
             raise CliError(f"--params {args.params} is too small for {tensors} tensors; give at "
                            f"least {64 * tensors}")  # fmt: skip
-        fanouts = list(dict.fromkeys(names(args.fanout)))
+        fanouts, known = list(dict.fromkeys(names(args.fanout))), ", ".join(FANOUTS)
         if bad := [f for f in fanouts if f not in FANOUTS]:
-            raise CliError(f"unknown --fanout {bad[0]!r}; use a comma list of {', '.join(FANOUTS)}")
+            raise CliError(f"unknown --fanout {bad[0]!r}; use a comma list of {known}")
         if not fanouts:
-            raise CliError(f"--fanout is empty; give e.g. direct,chain ({', '.join(FANOUTS)})")
+            raise CliError(f"--fanout is empty; give e.g. direct,chain ({known})")
         if args.mode == "inplace" and fanouts != ["direct"]:
             raise CliError("relays forward from their staging slots: --fanout chain or tree needs "
                            "--mode staging")  # fmt: skip
@@ -184,6 +168,14 @@ class SyncWorkload(Workload):
         return cls(params, tensors, dtypes, gens, steps, args.mode, parse_baselines(args.baselines),
                    timeout=args.timeout, pin=args.pin, fanouts=fanouts, degree=args.degree,
                    layout=make_layout(params, tensors, dtypes))  # fmt: skip
+
+    @property
+    def readers(self) -> int:  # type: ignore[override]
+        return self.generators
+
+    @property
+    def ks(self) -> list[int]:  # type: ignore[override]
+        return [self.generators]
 
     @property
     def nbytes(self) -> int:
@@ -198,9 +190,11 @@ class SyncWorkload(Workload):
         return ["--params", str(self.params), "--tensors", str(self.tensors), "--dtypes",
                 ",".join(self.dtypes), "--mode", self.mode]  # fmt: skip
 
-    @property
-    def readers(self) -> int:  # type: ignore[override]
-        return self.generators
+    def units(self) -> int:
+        return 1 + sum(b in self.baselines for b in ("gloo", "nccl", "memcpy"))
+
+    def case(self) -> SyncCase:
+        return SyncCase(self.generators, self.tensors, self.nbytes)
 
     # -- a generator: its live tensors and a WeightSubscriber over them, subscribed at once (the
     # trainer's first contact must find its regions); a check of a ``version`` applies it first
@@ -224,15 +218,12 @@ class SyncWorkload(Workload):
         ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
         return {"ok": ok, "apply_s": dt if self.mode == "staging" else None}
 
-    def units(self) -> int:
-        return 1 + sum(b in self.baselines for b in ("gloo", "nccl", "memcpy"))
-
     # -- the trainer ----------------------------------------------------------------------------
 
     def setup(self, s: Session, res: Results) -> None:
-        self.s, self.version, self.path = s, 0, None
+        self.s, self.res, self.version, self.path = s, res, 0, None
         self.sd = make_tensors(self.layout)
-        self.tensors_ = list(self.sd.values())
+        self.sd_list = list(self.sd.values())
         self.pub = transport.WeightPublisher(s.t, self.sd, group=GROUP)
         self.pub.degree = self.degree
         end = time.monotonic() + s.wait
@@ -245,10 +236,10 @@ class SyncWorkload(Workload):
             time.sleep(0.02)
         s.ready = s.ask(s.readers, "setup", raw="raw" in self.baselines)
         if "raw" in self.baselines:
-            self.raw = _raw.RawLink(s, self.tensors_)
+            self.raw = _raw.RawLink(s, self.sd_list)
             for i, b in enumerate(self.raw.blobs):
-                self.raw.connect(i, self.tensors_[0], int(b["addrs"][0]))
-            pairs = [(self.tensors_, b["addrs"]) for b in self.raw.blobs]
+                self.raw.connect(i, self.sd_list[0], int(b["addrs"][0]))
+            pairs = [(self.sd_list, b["addrs"]) for b in self.raw.blobs]
             self.path = self.raw.path("WRITE", pairs, notif=b"transport-bench-sync")
 
     def close(self) -> None:
@@ -256,69 +247,52 @@ class SyncWorkload(Workload):
             if (x := getattr(self, part, None)) is not None:
                 x.close()
 
-    def phases(self, s: Session, res: Results) -> list[Phase]:
-        return [Phase("ours + raw", lambda: self.main_turns(res), pinned=True)] + [p for p in (
-            Phase("gloo", lambda: self.dist_turns("gloo")),
-            Phase("nccl", lambda: self.dist_turns("nccl"), watch=False, skip=s.nccl_unavailable()),
-            Phase("memcpy", lambda: self.memcpy_turns(res), watch=False),
-        ) if p.name in self.baselines]  # fmt: skip
-
-    def case(self) -> SyncCase:
-        return SyncCase(self.generators, self.tensors, self.nbytes)
-
-    def main_turns(self, res: Results) -> Iterator[Turn]:
+    def main_turns(self) -> Iterator[Turn]:
         ours = [Publish(self, f) for f in self.fanouts]
         systems: list[System] = list(ours)
         pairs = [(o.name, "ours") for o in ours if o.name != "ours" and "direct" in self.fanouts]
         if self.path is not None:
-            route = Route(self.s, self.s.readers, {}, local=[self.tensors_])
+            route = Route(self.s, self.s.readers, {}, local=[self.sd_list])
             systems.insert(0, RawNixl("raw-nixl", self.path, route, owns=False))
             pairs = [(o.name, "raw-nixl") for o in ours] + pairs
         timing = Timing(0.0, self.steps, self.steps, 2 if self.mode == "staging" else 1)
-        raw = " + raw" if "raw" in self.baselines else ""
-        label = f"ours{raw}: {self.steps} syncs"
+        label = f"ours{' + raw' if 'raw' in self.baselines else ''}: {self.steps} syncs"
         yield Turn(label, self.case(), systems, timing, [x.name for x in systems], pairs, False)
         if self.fanouts != ["direct"]:
             sends = ", ".join(f"{f}: {self.trainer_sends(f)}x" for f in self.fanouts)
-            res.notes.append(f"relayed fan-out (ours-chain, ours-tree): the trainer sends each "
-                             f"version {sends} (tree degree {self.degree}); relays forward each "
-                             "32 MiB segment as it lands")  # fmt: skip
+            self.res.notes.append(f"relayed fan-out (ours-chain, ours-tree): the trainer sends "
+                                  f"each version {sends} (tree degree {self.degree}); relays "
+                                  "forward each 32 MiB segment as it lands")  # fmt: skip
         if ours[-1].applies:
             took = fmt_time(statistics.median(ours[-1].applies))
-            res.notes.append(f"ours: a generator's apply() (staging -> live copy, off the "
-                             f"trainer's path) took {took}")  # fmt: skip
+            self.res.notes.append(f"ours: a generator's apply() (staging -> live copy, off the "
+                                  f"trainer's path) took {took}")  # fmt: skip
 
-    def dist_turns(self, backend: str) -> Iterator[Turn]:
-        s = self.s
-        group = Group.open(s, backend, [len(s.readers)])
-        try:
-            xs = [as_bytes(x.to(group.device)) for x in self.tensors_]
-            route = Route(s, s.readers, {}, local=[xs], dist=True)
-            system = Dist(f"{backend}-bcast", group, "bcast", xs, route)
-            timing = Timing(0.0, self.steps, self.steps)
-            yield Turn(f"{backend} broadcast", self.case(), [system], timing)
-        finally:
-            group.close(s)
+    def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
+        xs = [as_bytes(x.to(group.device)) for x in self.sd_list]
+        system = Dist(f"{backend}-bcast", group, "bcast", xs, Route(self.s, self.s.readers, {}, local=[xs], dist=True))  # fmt: skip
+        yield Turn(
+            f"{backend} broadcast", self.case(), [system], Timing(0.0, self.steps, self.steps)
+        )
 
-    def memcpy_turns(self, res: Results) -> Iterator[Turn]:
+    def memcpy_turns(self) -> Iterator[Turn]:
         timing = Timing(0.0, self.steps, self.steps)
-        yield Turn("memcpy", self.case(), [Memcpy(self.tensors_, self.generators)], timing)
-        res.notes.append(f"memcpy: the state dict copied {self.generators} time(s) in the "
-                         "trainer, one thread")  # fmt: skip
+        yield Turn("memcpy", self.case(), [Memcpy(self.sd_list, self.generators)], timing)
+        self.res.notes.append(f"memcpy: the state dict copied {self.generators} time(s) in the "
+                              "trainer, one thread")  # fmt: skip
 
     # -- the report -----------------------------------------------------------------------------
 
     def ratios(self, records: list[Record]) -> list[Ratio]:
+        """Ours (direct, else the first fan-out) against each other system: time per sync."""
         named = [r for r in records if r.system == "ours"]
-        ours = next(iter(named or [r for r in records if r.family == "ours"]), None)
-        if ours is None:
+        if (ours := next(iter(named or [r for r in records if r.family == "ours"]), None)) is None:
             return []
         fanouts = [ours] + [r for r in records if r.family == "ours" and r is not ours]
         out = []
         for o in (o for o in records if o is not ours):
             if o.family == "ours":  # a relayed fan-out against direct
-                x = o.stats.median_s / ours.stats.median_s
-                paired = o.paired_time_ratio.get("ours")
+                x, paired = o.stats.median_s / ours.stats.median_s, o.paired_time_ratio.get("ours")
                 out.append(Ratio(ours.system, x, paired, name=f"{o.system}/{ours.system} time"))
             elif o.system == "raw-nixl":
                 x, most = ours.stats.median_s / o.stats.median_s, TARGETS["ours/raw"]
@@ -329,49 +303,31 @@ class SyncWorkload(Workload):
                 for r in fanouts:
                     x = o.stats.median_s / r.stats.median_s
                     ok = None if least is None else x >= least
-                    name = f"{o.system}/{r.system} time"
-                    out.append(Ratio(o.system, x, None, least, ok, name=name))
+                    out.append(Ratio(o.system, x, None, least, ok, name=f"{o.system}/{r.system} time"))  # fmt: skip
         return out
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
         cpu, gens = env["cpu"], f"{self.generators} generator{'s' if self.generators > 1 else ''}"
-        _report.text(
-            out,
-            f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
-            f"{_report.ucx_summary(env['ucx'])}",
-            f"\nweight sync: {self.params:,} parameters ({human_bytes(self.nbytes)} of "
-            f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors to {gens}, "
-            f"{self.mode} mode; median of {self.steps} syncs (GB/s: bytes delivered to all "
-            "generators)",
-        )
+        _report.text(out, f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
+                     f"{_report.ucx_summary(env['ucx'])}",
+                     f"\nweight sync: {self.params:,} parameters ({human_bytes(self.nbytes)} of "
+                     f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors to "
+                     f"{gens}, {self.mode} mode; median of {self.steps} syncs (GB/s: bytes "
+                     "delivered to all generators)")  # fmt: skip
         ours = next((r for r in res.records if r.system == "ours"), None)
-        rows = []
-        for r in sorted(
-            res.records, key=lambda r: ORDER.index(r.system) if r.system in ORDER else 9
-        ):
-            rel = (
-                "-"
-                if ours is None or r is ours
-                else f"{r.stats.median_s / ours.stats.median_s:.2f}x"
-            )
-            st = r.stats
-            rows.append([r.system, fmt_time(st.median_s), f"{st.gbps:.3f}", rel,
-                         f"{fmt_time(st.p10_s)}..{fmt_time(st.p90_s)}", str(st.iters),
-                         "yes" if r.verified else "NO"])  # fmt: skip
+        rel = lambda r: "-" if ours is None or r is ours else f"{r.stats.median_s / ours.stats.median_s:.2f}x"  # noqa: E731  # fmt: skip
+        rows = [[r.system, *_report.cells(r, rel(r))] for r in sorted(res.records, key=lambda r: _report.rank(r.system))]  # fmt: skip
         _report.table(out, "<system|per sync|GB/s|time/ours|p10..p90|steps|ok", [rows])
         if ratios:
             _report.text(out, "\nratios (time per sync; [paired step by step]):")
         for x in ratios:
-            tgt = ""
-            if x.target is not None:
-                rule = "<=" if x.vs == "raw-nixl" else ">="
-                tgt = f"  (target {rule} {x.target})  {'PASS' if x.passed else 'MISS'}"
+            rule = "<=" if x.vs == "raw-nixl" else ">="
+            tgt = "" if x.target is None else f"  (target {rule} {x.target})  {'PASS' if x.passed else 'MISS'}"  # fmt: skip
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
             _report.text(out, f"  {x.name:<22} = {x.ratio:.3f}{paired}{tgt}")
 
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None:
-        plt = _report.pyplot()
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = _report.pyplot().subplots(figsize=(8, 4.5))
         names, times = [r.system for r in records], [r.stats.median_s for r in records]
         ax.bar(names, times, color=[_report.COLORS.get(n, "tab:blue") for n in names])
         for i, r in enumerate(records):
@@ -379,6 +335,5 @@ class SyncWorkload(Workload):
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
         ax.set_ylim(0, 1.2 * max(times, default=1.0))
         ax.set_ylabel("time per weight sync (s, median)")
-        title = (f"transport bench sync: {human_bytes(self.nbytes)} in {self.tensors} tensors to "
-                 f"{self.generators} generators ({self.mode})")  # fmt: skip
-        _report.save(fig, path, title)
+        _report.save(fig, path, f"transport bench sync: {human_bytes(self.nbytes)} in "
+                     f"{self.tensors} tensors to {self.generators} generators ({self.mode})")  # fmt: skip
