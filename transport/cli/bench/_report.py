@@ -112,7 +112,7 @@ def start_ucx_probe() -> subprocess.Popen[str] | None:
     UCX_PROTO_INFO=y (read back by :func:`finish_ucx_probe`)."""
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
     try:
-        return subprocess.Popen([sys.executable, "-m", "transport.cli.bench._raw"], env=env,
+        return subprocess.Popen([sys.executable, "-m", "transport.cli.bench._systems"], env=env,
                                 text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)  # fmt: skip
     except OSError:

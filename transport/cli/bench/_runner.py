@@ -43,7 +43,7 @@ class Record:
 
     system: str
     family: str
-    case: Case
+    case: Any  # the workload's Case
     stats: Stats
     verified: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +68,7 @@ class Ratio:
     target: float | None = None
     passed: bool | None = None
     name: str | None = None
-    case: Case | None = None
+    case: Any = None  # the workload's Case
     metric: str | None = None
 
     def json(self) -> dict[str, Any]:
@@ -122,27 +122,13 @@ class Turn:
     cycles: bool = True
 
 
-@dataclass
-class Phase:
-    """A group of turns, run in order: ``turns()`` yields them (it may hold a process group open
-    around them). ``watch``: its CPU use by others is recorded (under ``name``); ``pinned``: it
-    runs while the processes are pinned (after the first unpinned phase they no longer are).
-    ``skip``: why it does not run, noted under ``name``."""
-
-    name: str
-    turns: Callable[[], Iterator[Turn]]
-    watch: bool = True
-    pinned: bool = False
-    skip: str | None = None
-
-
 class Workload(ABC):
     """What one bench command measures (a dataclass: its fields are the JSON's ``config``), made
     alike from the command line in the writer and in every reader. The writer: :meth:`setup` in
-    a session, then :meth:`phases` (:meth:`units` turns in all), :meth:`close` in any case, then
-    :meth:`ratios`, :meth:`report` and :meth:`plot`. A reader: :meth:`open_reader`, then at the
-    writer's "setup" :meth:`expose`; commands name tensors by a ``spec`` (:meth:`select`); then
-    :meth:`close`."""
+    a session, then the turns of :meth:`main_turns`, :meth:`dist_turns` (gloo, NCCL) and
+    :meth:`memcpy_turns` (:meth:`units` in all), :meth:`close` in any case, then :meth:`ratios`,
+    :meth:`report` and :meth:`plot`. A reader: :meth:`open_reader`, then at the writer's "setup"
+    :meth:`expose`; commands name tensors by a ``spec`` (:meth:`select`); then :meth:`close`."""
 
     command: str = ""
     main_phase: str = ""
@@ -182,21 +168,6 @@ class Workload(ABC):
     def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]: ...
     @abstractmethod
     def memcpy_turns(self) -> Iterator[Turn]: ...
-
-    def phases(self, s: Session) -> list[Phase]:
-        """Ours (with raw NIXL) pinned, then the baselines asked for: gloo, NCCL, memcpy."""
-        return [Phase(self.main_phase, self.main_turns, pinned=True)] + [p for p in (
-            Phase("gloo", lambda: self._dist(s, "gloo")),
-            Phase("nccl", lambda: self._dist(s, "nccl"), watch=False, skip=s.nccl_unavailable()),
-            Phase("memcpy", self.memcpy_turns, watch=self.memcpy_watch),
-        ) if p.name in self.baselines]  # fmt: skip
-
-    def _dist(self, s: Session, backend: str) -> Iterator[Turn]:
-        group = Group.open(s, backend, self.ks)
-        try:
-            yield from self.dist_turns(group, backend)
-        finally:
-            group.close(s)
 
     @abstractmethod
     def ratios(self, records: list[Record]) -> list[Ratio]: ...
@@ -264,24 +235,39 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
 
 
 def run_phases(w: Workload, s: Session, res: Results, step: Callable[[str], None]) -> None:
+    """Ours (with raw NIXL) while pinned, then the baselines asked for, unpinned: gloo and NCCL
+    (each in a process group), memcpy; with the CPU other processes used during each phase."""
+
+    def dist(backend: str) -> Iterator[Turn]:
+        group = Group.open(s, backend, w.ks)
+        try:
+            yield from w.dist_turns(group, backend)
+        finally:
+            group.close(s)
+
     seeds = itertools.count(1007, 7)
-    for phase in w.phases(s):
-        if phase.skip:
-            res.skipped[phase.name] = phase.skip
+    for i, (name, turns, watch, skip) in enumerate([
+        (w.main_phase, w.main_turns, True, None), ("gloo", lambda: dist("gloo"), True, None),
+        ("nccl", lambda: dist("nccl"), False, s.nccl_unavailable()),
+        ("memcpy", w.memcpy_turns, w.memcpy_watch, None),
+    ]):  # fmt: skip
+        if i and name not in w.baselines:
             continue
-        if not phase.pinned:
+        if skip:
+            res.skipped[name] = skip
+            continue
+        if i:
             unpin(s.saved_affinity)
         busy_cpus = s.watch()
-        for turn in phase.turns():
+        for turn in turns():
             step(turn.label)
             measure(turn, res, seeds)
-        if phase.watch and (other := busy_cpus()) is not None:
-            res.phases.append({"phase": phase.name, "other_cpus": other})
+        if watch and (other := busy_cpus()) is not None:
+            res.phases.append({"phase": name, "other_cpus": other})
             if other > 0.15:
-                res.notes.append(
-                    f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during "
-                    f"{phase.name}; on a small machine that moves the ratios, rerun when it is quiet"
-                )
+                res.notes.append(f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU "
+                                 f"during {name}; on a small machine that moves the ratios, rerun "
+                                 "when it is quiet")  # fmt: skip
 
 
 def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -> int:

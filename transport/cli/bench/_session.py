@@ -29,8 +29,8 @@ import torch
 
 from transport import PeerWaitTimeout, TransferTimeout, Transport
 from transport.cli import CliError
-from transport.cli.bench import _raw, _util
-from transport.cli.bench._systems import Group, as_bytes, device_for
+from transport.cli.bench import _util
+from transport.cli.bench._systems import Group, as_bytes, device_for, new_agent
 from transport.errors import StoreError, StoreTimeout, WireFormatError
 
 if TYPE_CHECKING:
@@ -350,7 +350,7 @@ class Reader:
     def on_setup(self, m: dict[str, Any]) -> dict[str, Any]:
         self.mine, addrs = self.w.expose(self.t, m)
         if m["raw"]:
-            self.agent = _raw.new_agent(f"raw-{self.t.name}")
+            self.agent = new_agent(f"raw-{self.t.name}")
             self.agent.register_memory(self.mine)
             put_blob(self.t, "raw", {"md": self.agent.get_agent_metadata(), **addrs})
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0

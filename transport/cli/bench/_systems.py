@@ -1,8 +1,16 @@
 """The System contract and the systems both bench commands share: ours (a transfer through our
-Transport), raw NIXL, gloo and NCCL (one class over torch.distributed) and memcpy.
+Transport), raw NIXL, gloo and NCCL (one class over torch.distributed) and memcpy. A workload
+builds a configuration's systems; the runner sets them up, times them, verifies each once and
+closes them. ``bench sync`` adds one system of its own (the publisher).
 
-A workload builds a configuration's systems; the runner (``_runner``) sets them up, times them,
-verifies each once and closes them. ``bench sync`` adds one system of its own (the publisher).
+Raw NIXL is written the way a direct NIXL user writes it: an agent without progress thread (sync
+mode STRICT), metadata exchanged through the store, descriptor lists prepared once per size on
+both sides, then per transfer ``make_prepped_xfer`` + ``transfer`` + poll ``check_xfer_state`` to
+DONE + ``release`` ("raw-nixl", the reference of every ratio), or one prepared handle reposted
+("raw-nixl-repost", the tightest baseline). Its target must make NIXL progress calls at least
+until the first transfer has connected, and all the time over transports other than CMA; bench
+readers do every 0.5 ms. ``python -m transport.cli.bench._systems`` (with UCX_PROTO_INFO=y)
+makes one put and one get between two agents, so that UCX prints the protocols it picks here.
 """
 
 from __future__ import annotations
@@ -11,63 +19,22 @@ import datetime
 import ipaddress
 import os
 import socket
+import statistics
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import torch
 
 from transport.cli.bench._util import check_all, fill_all, zero_all
 
 if TYPE_CHECKING:
-    from transport.cli.bench._raw import RawPath
     from transport.cli.bench._session import Session
 
-
-class System(ABC):
-    """One way of moving one configuration's bytes: the contract every measured system keeps.
-
-    Built by a workload for one configuration; :meth:`setup` (untimed) once, then :meth:`run` as
-    often as the runner likes (``n`` transfers, each timed on its own and delivered when it
-    returns), :meth:`verify` once after the timing, :meth:`close` in any case. Used from the
-    writer's main thread only. ``name`` is its name in the report; ``family`` groups names
-    (``raw-nixl`` and ``raw-nixl-repost`` are both ``raw``).
-    """
-
-    family = ""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def setup(self) -> None:  # noqa: B027 - a hook
-        """Untimed preparation before the first :meth:`run`."""
-
-    @abstractmethod
-    def step(self) -> None:
-        """One transfer, delivered when it returns."""
-
-    def run(self, n: int) -> list[int]:
-        """``n`` transfers; the wall time of each in nanoseconds."""
-        clock, out = time.perf_counter_ns, []
-        for _ in range(n):
-            t0 = clock()
-            self.step()
-            out.append(clock() - t0)
-        return out
-
-    @abstractmethod
-    def verify(self, seed: int) -> bool:
-        """One transfer of fresh bytes (the pattern of ``seed``), checked where they land."""
-
-    def extra(self) -> dict[str, Any]:
-        """Fields of this system's record besides the timing (after :meth:`verify`)."""
-        return {}
-
-    def close(self) -> None:  # noqa: B027 - a hook
-        """Release what :meth:`setup` or the constructor took."""
+XFER_TIMEOUT_S = float(os.environ.get("BENCH_XFER_TIMEOUT", "60"))
 
 
 @dataclass
@@ -102,23 +69,200 @@ class Route:
         return all(check_all(xs, seed + 1000 * i) for i, xs in enumerate(local))
 
 
-class Ours(System):
-    """A transfer through our Transport: ``fn`` makes one (put, get or several) and waits."""
+class System:
+    """One way of moving one configuration's bytes: the contract every measured system keeps.
+
+    Built by a workload for one configuration; :meth:`setup` (untimed) once, then :meth:`run` as
+    often as the runner likes (``n`` transfers, each timed on its own and delivered when it
+    returns), :meth:`verify` once after the timing, :meth:`close` in any case. Used from the
+    writer's main thread only. ``name`` is its name in the report; ``family`` groups names
+    (``raw-nixl`` and ``raw-nixl-repost`` are both ``raw``). This base class moves bytes with
+    ``fn`` (one transfer, delivered when it returns) and verifies them along its ``route``.
+    """
 
     family = "ours"
 
-    def __init__(self, name: str, fn: Callable[[], object], route: Route) -> None:
-        super().__init__(name)
-        self.fn, self.route = fn, route
+    def __init__(self, name: str, fn: Callable[[], object] | None = None, route: Route | None = None) -> None:  # fmt: skip
+        self.name, self.fn, self.route = name, fn, route
+
+    def setup(self) -> None:
+        """Untimed preparation before the first :meth:`run`."""
 
     def step(self) -> None:
-        self.fn()
+        self.fn()  # type: ignore[misc]
+
+    def run(self, n: int) -> list[int]:
+        """``n`` transfers; the wall time of each in nanoseconds."""
+        clock, out = time.perf_counter_ns, []
+        for _ in range(n):
+            t0 = clock()
+            self.step()
+            out.append(clock() - t0)
+        return out
 
     def verify(self, seed: int) -> bool:
-        return self.route.verify(self.step, seed)
+        """One transfer of fresh bytes (the pattern of ``seed``), checked where they land."""
+        return self.route.verify(self.step, seed)  # type: ignore[union-attr]
+
+    def extra(self) -> dict[str, Any]:
+        """Fields of this system's record besides the timing (after :meth:`verify`)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what :meth:`setup` or the constructor took."""
 
 
-class RawNixl(Ours):
+class Memcpy(System):
+    """``dst.copy_(src)`` of every tensor, ``repeat`` times, in the writer (its torch threads)."""
+
+    family = "memcpy"
+
+    def __init__(self, src: list[torch.Tensor], repeat: int = 1) -> None:
+        super().__init__("memcpy")
+        self.src, self.repeat, self.dst = src, repeat, [torch.zeros_like(x) for x in src]
+
+    def step(self) -> None:
+        for _ in range(self.repeat):
+            for d, s in zip(self.dst, self.src, strict=True):
+                d.copy_(s)
+
+    def verify(self, seed: int) -> bool:
+        fill_all(self.src, seed)
+        self.step()
+        return check_all(self.dst, seed)
+
+
+# -- raw NIXL -------------------------------------------------------------------------------------
+
+
+def new_agent(name: str) -> Any:
+    from transport.backends.nixl import _load
+
+    api, _ = _load()
+    sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, sync_mode=sync))
+
+
+def add_remote(agent: Any, md: bytes) -> str:
+    name = agent.add_remote_agent(md)
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+
+def poll_done(agent: Any, h: Any, st: str) -> None:
+    deadline, n = time.monotonic() + XFER_TIMEOUT_S, 0
+    while st == "PROC":
+        st = agent.check_xfer_state(h)
+        n += 1
+        if (n & 0x3FF) == 0 and time.monotonic() > deadline:
+            raise TimeoutError(f"raw NIXL transfer still PROC after {XFER_TIMEOUT_S} s")
+    if st != "DONE":
+        raise RuntimeError(f"raw NIXL transfer ended in state {st}")
+
+
+class RawPath:
+    """Prepared descriptor lists for one op (WRITE or READ) per target ``(agent name, local
+    tensors, remote addresses)``. ``make_post`` and ``repost`` each move the bytes once to (or
+    from) every target: all posted, then polled. Owns its descriptor lists and reposted handles
+    until :meth:`close`."""
+
+    def __init__(self, agent: Any, op: str, targets: Sequence[tuple[str, list[torch.Tensor], Sequence[int]]],
+                 notif: bytes = b"") -> None:  # fmt: skip
+        self.agent, self.op, self.notif, self.sides = agent, op, notif, []
+        descs = lambda pairs: np.array([(a, n, 0) for a, n in pairs], dtype=np.uint64)  # noqa: E731
+        for rname, xs, addrs in targets:
+            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs((x.data_ptr(), x.nbytes) for x in xs), "DRAM")  # fmt: skip
+            rp = agent.prep_xfer_dlist(rname, descs(zip(addrs, (x.nbytes for x in xs), strict=True)), "DRAM")  # fmt: skip
+            self.sides.append((lp, rp, np.arange(len(xs), dtype=np.int32)))
+        self.handles = [self._make(side) for side in self.sides]
+
+    def _make(self, side: tuple[Any, Any, np.ndarray]) -> Any:
+        lp, rp, idx = side
+        return self.agent.make_prepped_xfer(self.op, lp, idx, rp, idx, notif_msg=self.notif)
+
+    def _post(self, handles: list[Any]) -> None:
+        for h, st in [(h, self.agent.transfer(h)) for h in handles]:
+            poll_done(self.agent, h, st)
+
+    def make_post(self) -> None:
+        self._post(hs := [self._make(side) for side in self.sides])
+        for h in hs:
+            h.release()
+
+    def repost(self) -> None:
+        self._post(self.handles)
+
+    def probe(self, k: int) -> dict[str, float]:
+        """``k`` untimed transfers to the first target, each NIXL call timed on its own: how often
+        transfer() returned DONE at once, polls per transfer, and the medians of
+        make_prepped_xfer, transfer() and release()."""
+        immediate = polls = 0
+        make, post, rel = [], [], []
+        clock = time.perf_counter_ns
+        for _ in range(k):
+            t0 = clock()
+            h = self._make(self.sides[0])
+            t1 = clock()
+            st = self.agent.transfer(h)
+            make.append(t1 - t0)
+            post.append(clock() - t1)
+            immediate += st == "DONE"
+            while st == "PROC":
+                polls += 1
+                st = self.agent.check_xfer_state(h)
+            poll_done(self.agent, h, st)
+            t3 = clock()
+            h.release()
+            rel.append(clock() - t3)
+        med = lambda xs: statistics.median(xs) / 1e9  # noqa: E731
+        return {"post_returned_done": immediate / k, "polls_per_xfer": polls / k,
+                "make_median_s": med(make), "transfer_call_median_s": med(post),
+                "release_median_s": med(rel)}  # fmt: skip
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.release()
+        for lp, rp, _ in self.sides:
+            lp.release()
+            rp.release()
+
+
+class RawLink:
+    """The writer's raw NIXL agent in a session ``s``: registered with its ``local`` tensors, its
+    metadata published, every reader's agent added (with the addresses each published,
+    ``blobs[i]``), and each reader told to add the writer's. Paths made by :meth:`path` belong to
+    the caller; :meth:`close` removes the remote agents."""
+
+    def __init__(self, s: Session, local: list[torch.Tensor]) -> None:
+        from transport.cli.bench._session import get_blob, put_blob
+
+        self.agent = new_agent(f"raw-{s.t.name}")
+        self.agent.register_memory(local)
+        put_blob(s.t, "raw", {"md": self.agent.get_agent_metadata()})
+        self.blobs = [get_blob(s.t, r, "raw") for r in s.readers]
+        self.names = [add_remote(self.agent, b["md"]) for b in self.blobs]
+        s.ask(s.readers, "raw-md", writer=s.t.name)
+
+    def connect(self, i: int, local: torch.Tensor, raddr: int) -> float:
+        """A first 64-byte WRITE to reader ``i``: UCX connects lazily, here and not inside a timed
+        size (the target must be making progress calls). Returns its wall time in seconds."""
+        t0 = time.perf_counter()
+        path = RawPath(self.agent, "WRITE", [(self.names[i], [local.view(-1).view(torch.uint8)[:64]], [raddr])])  # fmt: skip
+        path.repost()
+        path.close()
+        return time.perf_counter() - t0
+
+    def path(self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]],
+             notif: bytes = b"") -> RawPath:  # fmt: skip
+        """``pairs[i]``: (local tensors, the addresses they pair with at reader ``i``)."""
+        targets = [(name, xs, addrs) for name, (xs, addrs) in zip(self.names, pairs, strict=False)]
+        return RawPath(self.agent, op, targets, notif)
+
+    def close(self) -> None:
+        for name in self.names:
+            self.agent.remove_remote_agent(name)
+
+
+class RawNixl(System):
     """Raw NIXL over a prepared :class:`RawPath`: ``raw-nixl`` makes, posts, polls and releases a
     handle per transfer; ``repost`` reposts one prepared handle. The system that ``owns`` the path
     closes it; ``probe`` untimed transfers add the cost of each NIXL call to the record."""
@@ -138,76 +282,7 @@ class RawNixl(Ours):
             self.path.close()
 
 
-class Dist(System):
-    """gloo or NCCL through an open :class:`Group`: ``mode`` "p2p" (send/recv) or "bcast", each
-    operation acked by the first ``len(route.peers)`` readers. :meth:`run` tells those readers
-    how many operations come, then times the writer's side of each."""
-
-    def __init__(self, name: str, group: Group, mode: str, xs: list[torch.Tensor],
-                 route: Route) -> None:  # fmt: skip
-        super().__init__(name)
-        self.family = name.split("-")[0]
-        self.group, self.mode, self.xs, self.route = group, mode, xs, route
-
-    def step(self) -> None:
-        self.run(1)
-
-    def run(self, n: int) -> list[int]:
-        r, k = self.route, len(self.route.peers)
-        for p in r.peers:
-            r.s.send(p, "dist-run", mode=self.mode, recv=k, spec=r.spec, count=n)
-        clock, out = time.perf_counter_ns, []
-        for _ in range(n):
-            t0 = clock()
-            self.group.write(self.mode, self.xs, k)
-            out.append(clock() - t0)
-        for p in r.peers:
-            r.s.recv(p)
-        return out
-
-    def verify(self, seed: int) -> bool:
-        return self.route.verify(self.step, seed)
-
-    def extra(self) -> dict[str, Any]:
-        return {"device": str(self.group.device)}
-
-
-class Memcpy(System):
-    """``dst.copy_(src)`` of every tensor, ``repeat`` times, in the writer (its torch threads)."""
-
-    family = "memcpy"
-
-    def __init__(self, src: list[torch.Tensor], repeat: int = 1) -> None:
-        super().__init__("memcpy")
-        self.src, self.repeat = src, repeat
-        self.dst = [torch.zeros_like(x) for x in src]
-
-    def step(self) -> None:
-        for _ in range(self.repeat):
-            for d, s in zip(self.dst, self.src, strict=True):
-                d.copy_(s)
-
-    def verify(self, seed: int) -> bool:
-        fill_all(self.src, seed)
-        self.step()
-        return check_all(self.dst, seed)
-
-
 # -- torch.distributed: rank 0 is the writer, rank i + 1 the reader i -----------------------------
-
-
-def my_address(store_url: str | None) -> str:
-    """The address peers should use to reach this host: the one that routes to the store's host
-    (loopback when the store is local or unknown)."""
-    host = urlsplit(store_url).hostname if store_url and "://" in store_url else None
-    try:
-        if not host or ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
-            return "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 def device_for(backend: str, index: int) -> str:
@@ -244,11 +319,21 @@ class Group:
     @classmethod
     def open(cls, s: Session, backend: str, ks: Sequence[int]) -> Group:
         """The writer's side (rank 0): tells each reader to join (``dist-init``), joins, and
-        returns once every reader has."""
+        returns once every reader has. Peers reach it at the address that routes to the store's
+        host (loopback when the store is local or unknown)."""
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = int(sock.getsockname()[1])
-        addr, world = my_address(getattr(s.t.store, "url", None)), len(s.readers) + 1
+        url, addr = getattr(s.t.store, "url", None), "127.0.0.1"
+        host = urlsplit(url).hostname if url and "://" in url else None
+        try:
+            if host and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                    sock.connect((host, 9))
+                    addr = str(sock.getsockname()[0])
+        except OSError:
+            pass
+        world = len(s.readers) + 1
         for i, r in enumerate(s.readers):
             s.send(r, "dist-init", backend=backend, addr=addr, port=port, rank=i + 1, world=world,
                    ks=list(ks), device=s.device_of(i + 1))  # fmt: skip
@@ -293,3 +378,53 @@ class Group:
         self.dist.destroy_process_group()
         for r in s.readers if s else []:
             s.recv(r)  # type: ignore[union-attr]
+
+
+class Dist(System):
+    """gloo or NCCL through an open :class:`Group`: ``mode`` "p2p" (send/recv) or "bcast", each
+    operation acked by the first ``len(route.peers)`` readers. :meth:`run` tells those readers
+    how many operations come, then times the writer's side of each."""
+
+    def __init__(self, name: str, group: Group, mode: str, xs: list[torch.Tensor], route: Route) -> None:  # fmt: skip
+        super().__init__(name, route=route)
+        self.family, self.group, self.mode, self.xs = name.split("-")[0], group, mode, xs
+
+    def step(self) -> None:
+        self.run(1)
+
+    def run(self, n: int) -> list[int]:
+        r: Route = self.route  # type: ignore[assignment]
+        k = len(r.peers)
+        for p in r.peers:
+            r.s.send(p, "dist-run", mode=self.mode, recv=k, spec=r.spec, count=n)
+        clock, out = time.perf_counter_ns, []
+        for _ in range(n):
+            t0 = clock()
+            self.group.write(self.mode, self.xs, k)
+            out.append(clock() - t0)
+        for p in r.peers:
+            r.s.recv(p)
+        return out
+
+    def extra(self) -> dict[str, Any]:
+        return {"device": str(self.group.device)}
+
+
+def main() -> None:
+    """One put and one get between two agents of this process (the UCX probe)."""
+    a, b = new_agent("bench-probe-a"), new_agent("bench-probe-b")
+    x, y = torch.ones(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+    a.register_memory(x)
+    b.register_memory(y)
+    name = add_remote(a, b.get_agent_metadata())
+    for op in ("WRITE", "READ"):
+        path = RawPath(a, op, [(name, [x], [y.data_ptr()])])
+        st = a.transfer(h := path.handles[0])
+        while st == "PROC":
+            b.get_new_notifs()
+            st = a.check_xfer_state(h)
+        path.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,16 +1,14 @@
 """``transport bench put``: our put and get against raw NIXL, gloo, NCCL and memcpy.
 
-Raw NIXL and ours run INTERLEAVED in the same writer and reader processes, on the same tensors
-(registered with both agents): for each (op, receivers, size) the writer runs cycles of raw-nixl,
-ours, raw-nixl-repost, ours (below 1 MiB each turn is a block of iterations), every iteration
-timed on its own, so the machine's drift hits every system alike. Besides the ratio of medians
-each "ours" record carries the paired ratio: the median over cycles of ours / other within one
-cycle. For this phase the writer is pinned to one CPU per lane and each reader to one of its own,
-when the host has that many CPUs (``--pin``/``--no-pin`` decide instead).
-
-gloo (and NCCL where every process has a GPU) then run in the same processes; memcpy last, in the
-writer alone. Every system is verified once per configuration: the destination is zeroed, the
-source filled with a fresh byte pattern, one transfer made and the pattern checked.
+Raw NIXL and ours run INTERLEAVED in the same processes on the same tensors (registered with
+both agents): per (op, receivers, size), cycles of raw-nixl, ours, raw-nixl-repost, ours (below
+1 MiB each turn a block of iterations), every iteration timed on its own, so the machine's drift
+hits every system alike; each "ours" record carries besides the ratio of medians the paired
+ratio (median over cycles of ours / other within a cycle). Meanwhile the writer is pinned to one
+CPU per lane and each reader to one of its own, where the host has CPUs enough (``--pin``).
+gloo (and NCCL where every process has a GPU) then run in the same processes; memcpy last, in
+the writer alone. Every system is verified once per configuration: destination zeroed, source
+filled with a fresh byte pattern, one transfer, the pattern checked.
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _raw, _report
+from transport.cli.bench import _report
 from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
-from transport.cli.bench._systems import Dist, Group, Memcpy, Ours, RawNixl, Route, System
-from transport.cli.bench._util import KiB, MiB, fmt_time, parse_batch, parse_size, parse_sizes
+from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
+from transport.cli.bench._util import KiB, MiB, parse_batch, parse_size, parse_sizes
 from transport.cli.bench._util import size_label as label_of
 
 OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
@@ -51,11 +49,6 @@ class PutCase(Case):
 
     def copies(self) -> int:
         return self.receivers
-
-
-def case_of(r: Record) -> PutCase:
-    assert isinstance(r.case, PutCase)
-    return r.case
 
 
 def _ones(count: int, size: int) -> list[torch.Tensor]:
@@ -128,10 +121,9 @@ class PutWorkload(Workload):
         batch = [("batch", self.batch[0] * self.batch[1])] if self.batch else []
         return [("single", n) for n in self.sizes] + batch
 
-    def label(self, kind: str, n: int) -> str:
-        if kind == "batch" and self.batch:
-            return f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}"
-        return label_of(n)
+    def case(self, op: str, k: int, kind: str, n: int) -> PutCase:
+        batch = f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}" if self.batch else ""
+        return PutCase(op, k, kind, batch if kind == "batch" else label_of(n), n)
 
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         """A reader's ``buf`` (the largest size) and the batch ``b0``.. (touched: no page faults
@@ -159,23 +151,24 @@ class PutWorkload(Workload):
         self.lbuf = [torch.ones(big, dtype=torch.uint8) for _ in range(copies)]
         self.lbatch = [_ones(count, size) for _ in range(copies)]
         use_raw = "raw" in self.baselines
-        s.ready = s.ask(s.readers, "setup", max=big, batch=list(self.batch or []) or None,
-                             raw=use_raw)  # fmt: skip
+        s.ready = s.ask(
+            s.readers, "setup", max=big, batch=list(self.batch or []) or None, raw=use_raw
+        )
         for r in s.readers:
             s.t.wait_for_peer(r, timeout=60, regions=["buf", *(f"b{j}" for j in range(count))])
         local = [*self.lbuf, *(x for b in self.lbatch for x in b)]
         for x in local:
             s.t.register(x)
         if use_raw:
-            self.raw = _raw.RawLink(s, local)
+            self.raw = RawLink(s, local)
             for i, r in enumerate(s.readers):
                 dt = self.raw.connect(i, self.lbuf[0], self.raw.blobs[i]["buf"])
                 res.notes.append(f"raw NIXL: first transfer to {r} (connect) {1e3 * dt:.1f} ms")
         for r in s.readers:
             t0 = time.perf_counter()
             s.t.put(self.lbuf[0][:64], r, "buf").wait(timeout=self.timeout)
-            dt = time.perf_counter() - t0
-            res.notes.append(f"ours: first put to {r} (resolve + connect) {1e3 * dt:.1f} ms")
+            dt = 1e3 * (time.perf_counter() - t0)
+            res.notes.append(f"ours: first put to {r} (resolve + connect) {dt:.1f} ms")
 
     def close(self) -> None:
         if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
@@ -199,9 +192,7 @@ class PutWorkload(Workload):
             return lambda: t.put(srcs[0], to, key).wait(tmo)
         if k == 1:
             return lambda: t.get(srcs[0], peers[0], key).wait(tmo)
-        return lambda: transport.wait_all(
-            [t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo
-        )
+        return lambda: transport.wait_all([t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo)  # fmt: skip
 
     def _with_lanes(self, lanes: int, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
@@ -231,20 +222,19 @@ class PutWorkload(Workload):
         ours = self._ours(op, k, kind, n)
         if self.lanes:
             self.s.t.lanes = self.lanes[0]
-        systems.append(Ours(OURS, ours, route))
+        systems.append(System(OURS, ours, route))
         if self.raw is not None:
             systems.append(RawNixl(REPOST, path, route, repost=True, owns=False))
         if kind == "batch" and n <= max(self.sizes) and (op == "write" or k == 1):
-            systems.append(Ours(SINGLE, self._ours(op, k, "single", n),
+            systems.append(System(SINGLE, self._ours(op, k, "single", n),
                                 self._route(op, k, "single", n)))  # fmt: skip
         for lanes in self.lanes[1:]:
-            systems.append(Ours(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
+            systems.append(System(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
         sched = [RAW, OURS, REPOST, OURS] if self.raw is not None else [OURS]
         sched += [x.name for x in systems if x.name not in sched]
         timing = Timing(self.budget_s, self.min_cycles, self.max_cycles, self.warm,
                         self.block if kind == "single" and n < MiB else 1)  # fmt: skip
-        case = PutCase(op, k, kind, self.label(kind, n), n)
-        pairs = [(OURS, x.name) for x in systems if x.name != OURS]
+        case, pairs = self.case(op, k, kind, n), [(OURS, x.name) for x in systems if x.name != OURS]
         return Turn(f"raw+ours {op} {case.size} to {k}", case, systems, timing, sched, pairs)
 
     def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
@@ -258,7 +248,7 @@ class PutWorkload(Workload):
                 xs = dbatch if kind == "batch" else [dbuf[:n]]
                 route = Route(s, s.readers[:k], {"kind": kind, "n": n}, local=[xs], dist=True)
                 timing = Timing(self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1)
-                case = PutCase("write", k, kind, self.label(kind, n), n)
+                case = self.case("write", k, kind, n)
                 yield Turn(f"{name} {case.size} to {k}", case, [Dist(name, group, mode, xs, route)], timing)  # fmt: skip
 
     def memcpy_turns(self) -> Iterator[Turn]:
@@ -267,7 +257,7 @@ class PutWorkload(Workload):
         for kind, n in self.shapes():
             src = _ones(*self.batch) if kind == "batch" and self.batch else _ones(1, n)
             timing = Timing(self.memcpy_budget_s, self.min_iters, 5000, 2 if n < MiB else 1)
-            case = PutCase("write", 1, kind, self.label(kind, n), n)
+            case = self.case("write", 1, kind, n)
             yield Turn(f"memcpy {case.size}", case, [Memcpy(src)], timing)
 
     # -- the report ---------------------------------------------------------------------------
@@ -277,10 +267,10 @@ class PutWorkload(Workload):
         time (latency, <= 1 is better) or other/ours time = ours/other bandwidth (>= 1 is better)."""
         out = []
         for r in (r for r in records if r.system == OURS):
-            c = case_of(r)
+            c = r.case
             latency = c.bytes <= LATENCY_MAX and c.kind == "single"
             for o in records:
-                oc = case_of(o)
+                oc = o.case
                 same = (oc.receivers, oc.kind, oc.size) == (c.receivers, c.kind, c.size)
                 if not same or o.system in (OURS, SINGLE):
                     continue
@@ -301,15 +291,14 @@ class PutWorkload(Workload):
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
         sizes = ", ".join(label_of(n) for n in self.sizes)
-        batch = f"; batch {self.label('batch', 0)}" if self.batch else ""
+        batch = f"; batch {self.case('write', 1, 'batch', 0).size}" if self.batch else ""
         cpu = env["cpu"]
         _report.text(out, f"transport bench put: {sizes}{batch}; ops {'+'.join(self.ops)}; "
                      f"receivers {','.join(map(str, self.ks))}; {cpu['count']} CPUs "
                      f"({cpu['model']}); {_report.ucx_summary(env['ucx'])}")  # fmt: skip
         blocks: dict[tuple[str, int], list[Record]] = {}
         for r in sorted(res.records, key=lambda r: r.family not in ("ours", "raw")):
-            c = case_of(r)
-            blocks.setdefault((c.op, c.receivers), []).append(r)
+            blocks.setdefault((r.case.op, r.case.receivers), []).append(r)
         for (op, k), rows in blocks.items():
             more = " (GB/s: bytes delivered to all receivers)" if k > 1 else ""
             _report.text(out, f"\n{op.upper()}, {k} receiver{'s' if k > 1 else ''}{more}")
@@ -319,35 +308,26 @@ class PutWorkload(Workload):
             _report.text(out, "\ntargets: ours against raw-nixl (make + post + poll + release per "
                          "transfer), one receiver; ratio of medians [paired within cycles]")  # fmt: skip
         for x in targets:
-            assert isinstance(x.case, PutCase)
             rule = ("<=" if x.metric == "latency" else ">=") + f" {x.target}"
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
             _report.text(out, f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
                          f"{x.ratio:.3f}{paired}  (target {rule})  {'PASS' if x.passed else 'MISS'}")  # fmt: skip
         dist = [x for x in ratios if x.vs in ("gloo", "gloo-bcast", "nccl-bcast")]
-        if dist := [x for x in dist if isinstance(x.case, PutCase) and x.case.kind == "single"]:
+        if dist := [x for x in dist if x.case.kind == "single"]:
             _report.text(out, "\nours against torch.distributed (send/recv or broadcast, each with a "
                          "1-byte ack):")  # fmt: skip
         for x in dist:
-            assert isinstance(x.case, PutCase)
             what = (f"{x.vs}/ours latency = {1 / x.ratio:.1f}x" if x.metric == "latency"
                     else f"ours/{x.vs} bandwidth = {x.ratio:.2f}x")  # fmt: skip
-            _report.text(
-                out, f"  {x.case.op.upper():<5} {x.case.receivers} recv {x.case.size:>8}  {what}"
-            )
+            _report.text(out, f"  {x.case.op.upper():<5} {x.case.receivers} recv {x.case.size:>8}  {what}")  # fmt: skip
 
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None:
-        plt = _report.pyplot()
-        fig, (bw, lat) = plt.subplots(1, 2, figsize=(13, 5.2))
+        fig, (bw, lat) = _report.pyplot().subplots(1, 2, figsize=(13, 5.2))
         lines: dict[tuple[str, str, int], list[Record]] = {}
-        for r in records:
-            c = r.case
-            if isinstance(c, PutCase) and c.kind == "single" and r.system != SINGLE:
-                lines.setdefault((r.system, c.op, c.receivers), []).append(r)
+        for r in (r for r in records if r.case.kind == "single" and r.system != SINGLE):
+            lines.setdefault((r.system, r.case.op, r.case.receivers), []).append(r)
         sizes: set[int] = set()
-        for system, op, k in sorted(
-            lines, key=lambda x: (x[1] != "write", x[2], _report.rank(x[0]))
-        ):
+        for system, op, k in sorted(lines, key=lambda x: (x[1] != "write", x[2], _report.rank(x[0]))):  # fmt: skip
             rs = sorted(lines[system, op, k], key=lambda r: r.case.bytes)
             label = system + ("" if op == "write" else f" ({op})") + ("" if k == 1 else f" x{k}")
             style = dict(color=_report.COLORS.get(system), linestyle="-" if op == "write" else "--",
@@ -367,31 +347,24 @@ class PutWorkload(Workload):
         bw.set(ylabel="GB/s (median)", title="bandwidth")
         lat.set(ylabel="time per transfer (us, median)", yscale="log", title="latency")
         bw.legend(fontsize=8)
-        title = (
-            f"transport bench put: {env['cpu']['count']} CPUs, {_report.ucx_summary(env['ucx'])}"
-        )
-        _report.save(fig, path, title)
+        _report.save(fig, path, f"transport bench put: {env['cpu']['count']} CPUs, "
+                     f"{_report.ucx_summary(env['ucx'])}")  # fmt: skip
 
 
 def _sections(rows: list[Record]) -> list[list[list[str]]]:
     """One section per size of a (op, receivers) block: its systems, each against raw-nixl and
     ours (time ratio up to 64 KiB, bandwidth ratio above)."""
     by_size: dict[tuple[str, str], list[Record]] = {}
-    for r in sorted(rows, key=lambda r: (r.case.bytes + (case_of(r).kind == "batch"), _report.rank(r.system))):  # fmt: skip
-        by_size.setdefault((case_of(r).kind, case_of(r).size), []).append(r)
+    for r in sorted(rows, key=lambda r: (r.case.bytes + (r.case.kind == "batch"), _report.rank(r.system))):  # fmt: skip
+        by_size.setdefault((r.case.kind, r.case.size), []).append(r)
     out = []
     for (kind, size), sel in by_size.items():
-        ref = next((r for r in sel if r.system == RAW), None)
-        ours = next((r for r in sel if r.system == OURS), None)
+        refs = [next((r for r in sel if r.system == x), None) for x in (RAW, OURS)]
         latency = kind == "single" and sel[0].case.bytes <= LATENCY_MAX
 
         def rel(r: Record, o: Record | None, latency: bool = latency) -> str:
-            if o is None or o is r:
-                return "-"
-            x = r.stats.median_s / o.stats.median_s
-            return f"{x:.2f}x time" if latency else f"{1 / x:.2f}x bw"
+            x = r.stats.median_s / o.stats.median_s if o is not None and o is not r else None
+            return "-" if x is None else f"{x:.2f}x time" if latency else f"{1 / x:.2f}x bw"
 
-        out.append([[size, r.system, fmt_time(r.stats.median_s), f"{r.stats.gbps:.3f}",
-                     rel(r, ref), rel(r, ours), f"{fmt_time(r.stats.p10_s)}..{fmt_time(r.stats.p90_s)}",
-                     str(r.stats.iters), "yes" if r.verified else "NO"] for r in sel])  # fmt: skip
+        out.append([[size, r.system, *_report.cells(r, *(rel(r, o) for o in refs))] for r in sel])
     return out

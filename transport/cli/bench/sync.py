@@ -25,10 +25,19 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _raw, _report
+from transport.cli.bench import _report
 from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
-from transport.cli.bench._systems import Dist, Group, Memcpy, RawNixl, Route, System, as_bytes
+from transport.cli.bench._systems import (
+    Dist,
+    Group,
+    Memcpy,
+    RawLink,
+    RawNixl,
+    Route,
+    System,
+    as_bytes,
+)
 from transport.cli.bench._util import (
     check_all,
     fill_all,
@@ -236,7 +245,7 @@ class SyncWorkload(Workload):
             time.sleep(0.02)
         s.ready = s.ask(s.readers, "setup", raw="raw" in self.baselines)
         if "raw" in self.baselines:
-            self.raw = _raw.RawLink(s, self.sd_list)
+            self.raw = RawLink(s, self.sd_list)
             for i, b in enumerate(self.raw.blobs):
                 self.raw.connect(i, self.sd_list[0], int(b["addrs"][0]))
             pairs = [(self.sd_list, b["addrs"]) for b in self.raw.blobs]
