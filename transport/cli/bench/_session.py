@@ -30,7 +30,7 @@ import torch
 from transport import PeerWaitTimeout, TransferTimeout, Transport
 from transport.cli import CliError
 from transport.cli.bench import _util
-from transport.cli.bench._systems import Group, as_bytes, device_for, new_agent
+from transport.cli.bench._systems import Group, device_for, new_agent
 from transport.errors import StoreError, StoreTimeout, WireFormatError
 
 if TYPE_CHECKING:
@@ -243,18 +243,16 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
     from transport.store import store_from_url
     from transport.store.tcp import TcpStore
 
-    local = None
     writer_cpus = max([int(x) for x in names(getattr(args, "lanes", None))] or [default_lanes()])
     pin, pin_note = _util.pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)
+    local, saved, t, ok = None, _util.affinity(), None, False
     if peers is None:
         store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
         readers = [f"bench-reader-{i}" for i in range(n_readers)]
-        ncpu = len(_util.affinity() or {0})
-        cpus = [(writer_cpus + i) % ncpu if pin else None for i in range(n_readers)]
+        cpus = [(writer_cpus + i) % len(saved or {0}) if pin else None for i in range(n_readers)]
         local = LocalReaders(command, readers, client_url(store.url), args.namespace, cpus)
     else:
         store, readers = store_from_url(client_url(args.store)), peers
-    saved, t, ok = _util.affinity(), None, False
     try:
         if pin:
             _util.pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
@@ -273,12 +271,12 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
         yield s
         ok = True
     finally:
+        # best effort: readers on other hosts exit now, not at their timeout; one that is gone
+        # needs no goodbye
+        for name in readers if t is not None else []:
+            with contextlib.suppress(Exception):
+                t.notify(name, encode("done", failed=not ok))  # type: ignore[union-attr]
         if t is not None:
-            for (
-                name
-            ) in readers:  # best effort: readers on other hosts exit now, not at their timeout
-                with contextlib.suppress(Exception):  # a reader that is gone needs no goodbye
-                    t.notify(name, encode("done", failed=not ok))
             if ok and local is None:
                 for name in readers:
                     with contextlib.suppress(CliError):
@@ -374,13 +372,8 @@ class Reader:
     def on_dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
         _util.unpin(self.saved)  # gloo's threads: placed by the scheduler, as users run it
         device = device_for(m["backend"], m["device"])
-        self.group = Group(
-            m["backend"], m["addr"], m["port"], m["rank"], m["world"], m["ks"], device
-        )
-        self.dist = [
-            as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device))
-            for x in self.mine
-        ]
+        self.group = Group(m, device)
+        self.dist = [_util.as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device)) for x in self.mine]  # fmt: skip
         return {}
 
     def on_dist_run(self, m: dict[str, Any]) -> dict[str, Any]:

@@ -289,11 +289,6 @@ def device_for(backend: str, index: int) -> str:
     return "cpu" if backend != "nccl" else f"cuda:{index % torch.cuda.device_count()}"
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view: collectives move bytes whatever the dtype."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 class Group:
     """One process's membership of the benchmark's process group (gloo over TCP, NCCL), and the
     sub-groups of ranks 0..k for every receiver count k, made by every rank in the same order.
@@ -301,19 +296,19 @@ class Group:
     delivery: ``p2p`` sends to each of the first ``k`` receivers; ``bcast`` broadcasts in the
     group of ranks 0..k. :meth:`close` destroys the group (one per process at a time)."""
 
-    def __init__(self, backend: str, addr: str, port: int, rank: int, world: int,
-                 ks: Sequence[int], device: str) -> None:  # fmt: skip
+    def __init__(self, m: dict[str, Any], device: str) -> None:
+        """Join as rank ``m["rank"]`` (``m``: the fields of ``dist-init``), on ``device``."""
         import torch.distributed as dist
 
-        if addr.startswith("127."):
+        if m["addr"].startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        self.dist, self.rank, self.device = dist, rank, torch.device(device)
+        self.dist, self.rank, self.device, world = dist, m["rank"], torch.device(device), m["world"]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+        dist.init_process_group(m["backend"], init_method=f"tcp://{m['addr']}:{m['port']}", rank=self.rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
         self.groups = {k: dist.new_group(list(range(k + 1))) if k + 1 < world else None
-                       for k in sorted(set(ks))}  # fmt: skip
+                       for k in sorted(set(m["ks"]))}  # fmt: skip
         self.ack = torch.zeros(1, dtype=torch.uint8, device=self.device)
 
     @classmethod
@@ -333,11 +328,10 @@ class Group:
                     addr = str(sock.getsockname()[0])
         except OSError:
             pass
-        world = len(s.readers) + 1
+        m = {"backend": backend, "addr": addr, "port": port, "world": len(s.readers) + 1, "ks": list(ks)}  # fmt: skip
         for i, r in enumerate(s.readers):
-            s.send(r, "dist-init", backend=backend, addr=addr, port=port, rank=i + 1, world=world,
-                   ks=list(ks), device=s.device_of(i + 1))  # fmt: skip
-        group = cls(backend, addr, port, 0, world, ks, device_for(backend, s.device_of(0)))
+            s.send(r, "dist-init", **m, rank=i + 1, device=s.device_of(i + 1))
+        group = cls({**m, "rank": 0}, device_for(backend, s.device_of(0)))
         for r in s.readers:
             s.recv(r)
         return group

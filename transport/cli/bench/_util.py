@@ -32,6 +32,7 @@ def parse_size(text: str, what: str = "size") -> int:
 
 
 def parse_sizes(text: str, what: str = "size") -> list[int]:
+    """A comma list of sizes, sorted, without repeats."""
     if not (sizes := [parse_size(s, what) for s in text.split(",") if s.strip()]):
         raise ValueError(f"no {what} given; use a comma list of {SIZE_FORMS}")
     return sorted(set(sizes))
@@ -65,8 +66,8 @@ def fmt_time(s: float) -> str:
 
 @dataclass(frozen=True)
 class Stats:
-    """Per-iteration wall times of one system in one configuration: median, p10, p90, min
-    (seconds) and GB/s (1e9 B/s of ``nbytes``, from the median)."""
+    """Per-iteration wall times of one system in one configuration and what a report reads from
+    them: median, p10, p90, min (seconds) and GB/s (1e9 B/s of ``nbytes``, at the median)."""
 
     iters: int
     median_s: float
@@ -94,11 +95,10 @@ _EXT = (torch.arange(_BLOCK + _PERIOD, dtype=torch.int32) % _PERIOD).to(torch.ui
 
 def _parts(t: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The bytes of ``t`` as rows of whole pattern blocks and the tail, each with its pattern."""
-    flat = t.reshape(-1).view(torch.uint8)
+    flat = as_bytes(t)
     whole, off = flat.numel() // _BLOCK * _BLOCK, seed % _PERIOD
-    parts = ([flat[:whole].view(-1, _BLOCK)] if whole else []) + [flat[whole:]] * (
-        whole < flat.numel()
-    )
+    parts = [flat[:whole].view(-1, _BLOCK)] if whole else []
+    parts += [flat[whole:]] if whole < flat.numel() else []
     return [(p, _EXT[off : off + min(p.shape[-1], _BLOCK)].expand_as(p)) for p in parts]
 
 
@@ -114,9 +114,14 @@ def check_all(tensors: Sequence[torch.Tensor], seed: int) -> bool:
     return all(torch.equal(p, q) for j, x in enumerate(tensors) for p, q in _parts(x, seed + j))
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view: patterns and collectives move bytes whatever the dtype."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def zero_all(tensors: Sequence[torch.Tensor]) -> None:
     for x in tensors:
-        x.reshape(-1).view(torch.uint8).zero_()
+        as_bytes(x).zero_()
 
 
 # -- CPUs -----------------------------------------------------------------------------------------
@@ -159,18 +164,14 @@ def _cpu_snapshot() -> tuple[float, float, float] | None:
             vals = [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
-    me, kids = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    mine = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    mine = sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))  # fmt: skip
     return time.perf_counter(), (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK"), mine
 
 
 def cpu_watch(helpers: Callable[[], float]) -> Callable[[], float | None]:
-    """From now on: a function giving the CPUs' worth of time that processes other than this
-    one, its children and its helpers (``helpers()``: CPU seconds our readers on this host have
-    used so far) used since. It gives None where /proc cannot be read."""
+    """A function giving the CPUs' worth of time that processes other than this one, its children
+    and its helpers (``helpers()``: CPU seconds our readers here have used so far) have used
+    since this call; None where /proc cannot be read."""
     h0, start = helpers(), _cpu_snapshot()
 
     def busy_cpus() -> float | None:

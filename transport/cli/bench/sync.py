@@ -25,27 +25,11 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _report
+from transport.cli.bench import _report, _util
 from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
-from transport.cli.bench._systems import (
-    Dist,
-    Group,
-    Memcpy,
-    RawLink,
-    RawNixl,
-    Route,
-    System,
-    as_bytes,
-)
-from transport.cli.bench._util import (
-    check_all,
-    fill_all,
-    fmt_time,
-    human_bytes,
-    parse_size,
-    zero_all,
-)
+from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
+from transport.cli.bench._util import as_bytes, check_all, fill_all, fmt_time, human_bytes
 from transport.weights._messages import MAX_DEGREE
 from transport.weights.publisher import FANOUTS
 
@@ -151,7 +135,7 @@ class SyncWorkload(Workload):
         from transport.cli.bench import at_least, count_of, names, parse_baselines
 
         q = args.quick
-        params = parse_size(args.params or ("16M" if q else "256M"), "--params")
+        params = _util.parse_size(args.params or ("16M" if q else "256M"), "--params")
         tensors = args.tensors if args.tensors is not None else (50 if q else 300)
         gens = count_of("--generators", args.generators, peers, 2)
         steps = args.steps if args.steps is not None else (3 if q else 10)
@@ -212,7 +196,7 @@ class SyncWorkload(Workload):
         self.live = make_tensors(self.layout)
         self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=self.mode)
         for slot in self.sub.staging if self.mode == "staging" else []:
-            zero_all(list(slot.values()))  # touch them now, not inside a timed step
+            _util.zero_all(list(slot.values()))  # touch them now, not inside a timed step
 
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         return list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
