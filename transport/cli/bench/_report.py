@@ -1,7 +1,6 @@
-"""How a bench run shows itself and where it ran: the progress bar on stderr and the tables on
-stdout (rich), matplotlib for ``--plot`` (optional), and the environment (versions, CPU, GPU,
-which ``transport`` code, and what UCX picks on this host: a probe child process with
-UCX_PROTO_INFO=y, started at the beginning of a run)."""
+"""How a run shows itself and where it ran: progress on stderr and tables on stdout (rich), the
+plot (matplotlib, optional), and the environment (versions, CPU, GPU, which ``transport``, what
+UCX picks here: a probe process with UCX_PROTO_INFO=y)."""
 
 from __future__ import annotations
 

@@ -81,9 +81,8 @@ class Ratio:
 
 @dataclass
 class Results:
-    """What a run collects for its report and JSON: ``records`` (one per system and
-    configuration), ``notes``, the ``skipped`` baselines with the reason, and ``phases`` (the CPU
-    other processes used during each phase). Filled on the writer's main thread."""
+    """What a run collects for its report and JSON: records, notes, the skipped baselines (with
+    why) and per phase the CPU that other processes used."""
 
     records: list[Record] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -93,10 +92,9 @@ class Results:
 
 @dataclass(frozen=True)
 class Timing:
-    """How a turn's systems are timed. Interleaved (a schedule): ``warm`` untimed cycles, then at
-    least ``lo`` and at most ``hi`` cycles until ``budget_s`` has passed, each turn of a cycle
-    ``block`` transfers of one system. Alone: ``warm`` transfers estimate one's time, then
-    ``budget_s`` worth of transfers in one go, at least ``lo`` and at most ``hi``."""
+    """Interleaved: ``warm`` untimed cycles, then ``lo`` to ``hi`` cycles until ``budget_s`` has
+    passed, a cycle giving each system ``block`` transfers. Alone: ``warm`` transfers estimate
+    one's time, then ``budget_s`` worth of transfers (``lo`` to ``hi``)."""
 
     budget_s: float
     lo: int
@@ -107,11 +105,9 @@ class Timing:
 
 @dataclass
 class Turn:
-    """One configuration: its ``case``, its ``systems`` and their ``timing``. With a ``schedule``
-    (system names, repeats allowed) they run interleaved cycle by cycle, so that the machine's
-    drift hits them alike, and ``pairs`` (a, b) record a's paired ratio to b (median over cycles
-    of a/b within a cycle); without one each runs alone. ``cycles``: the records carry the block
-    and cycle count. The runner closes every system after the turn."""
+    """One configuration's systems, run alone or, with a ``schedule`` (names, repeats allowed),
+    interleaved cycle by cycle so that drift hits them alike; ``pairs`` (a, b) give a's paired
+    ratio to b (median over cycles). The runner closes every system after the turn."""
 
     label: str
     case: Case

@@ -1,12 +1,8 @@
-"""Both sides of a bench run's processes and how they talk.
-
-One *writer* measures; *readers* expose memory and serve. They meet in a store and namespace as
-ordinary Transport peers; the writer drives the readers with msgpack notifications
-``{"cmd": name, ...}``, each answered by one reply (``{"cmd": "error", "msg": ...}`` when the
-reader failed). Larger blobs (raw NIXL metadata, addresses) go through the store under
-``transport-bench/<namespace>/<peer>/<what>``. A local run hosts an embedded store and starts
-the readers as child processes; ``--store URL --role writer|reader`` runs the same code across
-hosts.
+"""Both sides of a run and how they talk: one writer measures, readers expose memory and serve.
+They meet in a store as Transport peers; the writer sends msgpack notifications ``{"cmd": ...}``,
+each answered by one reply (``"error"`` when the reader failed); larger blobs go through the store
+under ``transport-bench/<namespace>/<peer>/<what>``. A local run hosts an embedded store and
+starts the readers as child processes; ``--store URL --role ...`` runs the same across hosts.
 """
 
 from __future__ import annotations
@@ -98,10 +94,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 class LocalReaders:
-    """The reader child processes of a local run, one per name, each optionally pinned to a CPU
-    and running ``transport`` from the directories this process imported it from (readers must
-    measure the writer's code). Each one's stderr goes to a temporary log, kept only when that
-    reader failed. :meth:`close` waits for them (killing stragglers; at once with ``kill``)."""
+    """A local run's reader processes, optionally pinned, running the very ``transport`` this
+    process imported; each one's stderr goes to a log that is kept only when it failed."""
 
     def __init__(self, command: Sequence[str], names: Sequence[str], store_url: str,
                  namespace: str, cpus: Sequence[int | None]) -> None:  # fmt: skip
@@ -165,14 +159,10 @@ class LocalReaders:
 
 @dataclass
 class Session:
-    """The writer's side of a run, as :func:`writer_session` yields it: its Transport ``t``, the
-    ``readers`` (already in the namespace), ``local`` (the reader child processes; None for the
-    peers of an existing store), the CPU affinity from before pinning (``saved_affinity``,
-    restored for the baselines), placement ``notes``, how long to ``wait`` for the other side,
-    and the readers' replies to "setup" (``ready``). Commands: one reply per command, in order,
-    per reader; a reader that fails or says nothing within ``timeout`` is a CliError. Keeps the
-    readers' CPU seconds and hosts from their replies. Valid inside the ``with``, on the
-    writer's main thread."""
+    """The writer's side of a run (:func:`writer_session`): its Transport, the ``readers`` in the
+    namespace (``local`` processes or peers of a store), the affinity before pinning, placement
+    ``notes`` and the replies to "setup" (``ready``). Commands get one reply each, in order; a
+    reader that fails or is silent for ``timeout`` is a CliError. Writer's main thread only."""
 
     t: Transport
     readers: list[str]
@@ -233,10 +223,8 @@ class Session:
 @contextmanager
 def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
                    peers: list[str] | None) -> Iterator[Session]:  # fmt: skip
-    """The writer's Transport with its readers in the namespace: local child processes running
-    ``transport bench *command`` (no --store) or the named peers of an existing store. Leaving
-    tells every reader done (failed or not), then closes the Transport, the local readers
-    (killed after a failure) and the store."""
+    """The writer's session with local readers (``transport bench *command``) or the ``peers`` of
+    a store. Leaving tells every reader done, then closes all (local readers killed on failure)."""
     from transport.cli.bench import names
     from transport.cli.peers import client_url
     from transport.lanes import default_lanes
@@ -292,11 +280,9 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
 
 @dataclass
 class Reader:
-    """A bench reader: serves the writer's commands (its ``on_<cmd>`` methods) over the tensors
-    its workload exposes (``mine``; ``dist``: their byte views on the collectives' device), with
-    a raw NIXL agent beside our Transport when raw NIXL is measured and a torch.distributed group
-    while a baseline runs. Single-threaded: everything happens in :meth:`serve`'s loop, which
-    makes raw NIXL progress every 0.5 ms (raw targets need it)."""
+    """A reader: serves the writer's commands (``on_<cmd>``) over what its workload exposes
+    (``mine``; ``dist``: copies for the collectives), with a raw NIXL agent and a process group
+    when those run. Single-threaded: :meth:`serve` makes raw NIXL progress every 0.5 ms."""
 
     t: Transport
     w: Workload

@@ -1,16 +1,12 @@
-"""The System contract and the systems both bench commands share: ours (a transfer through our
-Transport), raw NIXL, gloo and NCCL (one class over torch.distributed) and memcpy. A workload
-builds a configuration's systems; the runner sets them up, times them, verifies each once and
-closes them. ``bench sync`` adds one system of its own (the publisher).
+"""The System contract and the systems both commands share: ours, raw NIXL, gloo and NCCL (over
+torch.distributed) and memcpy; ``bench sync`` adds its publisher.
 
-Raw NIXL is written the way a direct NIXL user writes it: an agent without progress thread (sync
-mode STRICT), metadata exchanged through the store, descriptor lists prepared once per size on
-both sides, then per transfer ``make_prepped_xfer`` + ``transfer`` + poll ``check_xfer_state`` to
-DONE + ``release`` ("raw-nixl", the reference of every ratio), or one prepared handle reposted
-("raw-nixl-repost", the tightest baseline). Its target must make NIXL progress calls at least
-until the first transfer has connected, and all the time over transports other than CMA; bench
-readers do every 0.5 ms. ``python -m transport.cli.bench._systems`` (with UCX_PROTO_INFO=y)
-makes one put and one get between two agents, so that UCX prints the protocols it picks here.
+Raw NIXL is written as a direct NIXL user writes it: an agent without progress thread, metadata
+through the store, descriptor lists prepared once per size, then per transfer make + post + poll
+to DONE + release ("raw-nixl", the reference of every ratio), or one prepared handle reposted
+("raw-nixl-repost"). Its target must make progress calls (bench readers do every 0.5 ms).
+``python -m transport.cli.bench._systems`` (with UCX_PROTO_INFO=y) makes one put and one get
+between two agents, so that UCX prints the protocols it picks on this host.
 """
 
 from __future__ import annotations
@@ -39,12 +35,10 @@ XFER_TIMEOUT_S = float(os.environ.get("BENCH_XFER_TIMEOUT", "60"))
 
 @dataclass
 class Route:
-    """Where one configuration's bytes come from and land, so that a system can be verified:
-    ``op`` "write": the writer's ``local[0]`` tensors to the tensors ``spec`` names on every
-    peer; "read": each peer ``i``'s into the writer's ``local[i]``. ``dist``: the peers' copies
-    for torch.distributed instead of the tensors they expose. :meth:`verify` zeroes the
-    destination, fills the source with the pattern of ``seed`` (``seed + 1000 * i`` at peer
-    ``i`` for a read), makes one transfer and checks every byte."""
+    """Where a configuration's bytes come from and land: "write" from the writer's ``local[0]``
+    to what ``spec`` names on every peer (``dist``: their collectives' copies), "read" from peer
+    ``i`` into ``local[i]``. :meth:`verify` zeroes the destination, fills the source with the
+    pattern of ``seed`` (``+ 1000 * i`` at peer ``i``), makes one transfer, checks every byte."""
 
     s: Session
     peers: list[str]
@@ -70,15 +64,11 @@ class Route:
 
 
 class System:
-    """One way of moving one configuration's bytes: the contract every measured system keeps.
-
-    Built by a workload for one configuration; :meth:`setup` (untimed) once, then :meth:`run` as
-    often as the runner likes (``n`` transfers, each timed on its own and delivered when it
-    returns), :meth:`verify` once after the timing, :meth:`close` in any case. Used from the
-    writer's main thread only. ``name`` is its name in the report; ``family`` groups names
-    (``raw-nixl`` and ``raw-nixl-repost`` are both ``raw``). This base class moves bytes with
-    ``fn`` (one transfer, delivered when it returns) and verifies them along its ``route``.
-    """
+    """One way of moving one configuration's bytes, the contract every measured system keeps:
+    :meth:`setup` (untimed) once, :meth:`run` as often as the runner likes, :meth:`verify` once
+    after the timing, :meth:`close` in any case; writer's main thread only. ``family`` groups
+    names (raw-nixl, raw-nixl-repost: raw). This base moves bytes with ``fn`` (one transfer,
+    delivered when it returns; "ours") and verifies them along its ``route``."""
 
     family = "ours"
 
@@ -160,10 +150,9 @@ def poll_done(agent: Any, h: Any, st: str) -> None:
 
 
 class RawPath:
-    """Prepared descriptor lists for one op (WRITE or READ) per target ``(agent name, local
-    tensors, remote addresses)``. ``make_post`` and ``repost`` each move the bytes once to (or
-    from) every target: all posted, then polled. Owns its descriptor lists and reposted handles
-    until :meth:`close`."""
+    """Descriptor lists for one op (WRITE or READ) per target (agent, local tensors, remote
+    addresses), prepared once; ``make_post`` and ``repost`` move the bytes once to (or from)
+    every target, all posted then polled. Owns the lists and reposted handles until closed."""
 
     def __init__(self, agent: Any, op: str, targets: Sequence[tuple[str, list[torch.Tensor], Sequence[int]]],
                  notif: bytes = b"") -> None:  # fmt: skip
@@ -192,9 +181,7 @@ class RawPath:
         self._post(self.handles)
 
     def probe(self, k: int) -> dict[str, float]:
-        """``k`` untimed transfers to the first target, each NIXL call timed on its own: how often
-        transfer() returned DONE at once, polls per transfer, and the medians of
-        make_prepped_xfer, transfer() and release()."""
+        """``k`` untimed transfers to the first target, each NIXL call timed on its own."""
         immediate = polls = 0
         make, post, rel = [], [], []
         clock = time.perf_counter_ns
@@ -227,10 +214,8 @@ class RawPath:
 
 
 class RawLink:
-    """The writer's raw NIXL agent in a session ``s``: registered with its ``local`` tensors, its
-    metadata published, every reader's agent added (with the addresses each published,
-    ``blobs[i]``), and each reader told to add the writer's. Paths made by :meth:`path` belong to
-    the caller; :meth:`close` removes the remote agents."""
+    """The writer's raw NIXL agent: ``local`` registered, metadata exchanged with every reader
+    (``blobs[i]``: what reader ``i`` published). Paths from :meth:`path` belong to the caller."""
 
     def __init__(self, s: Session, local: list[torch.Tensor]) -> None:
         from transport.cli.bench._session import get_blob, put_blob
@@ -290,11 +275,9 @@ def device_for(backend: str, index: int) -> str:
 
 
 class Group:
-    """One process's membership of the benchmark's process group (gloo over TCP, NCCL), and the
-    sub-groups of ranks 0..k for every receiver count k, made by every rank in the same order.
-    Every operation ends with a 1-byte ack from each receiver, so the writer's time covers
-    delivery: ``p2p`` sends to each of the first ``k`` receivers; ``bcast`` broadcasts in the
-    group of ranks 0..k. :meth:`close` destroys the group (one per process at a time)."""
+    """One process's membership of the run's process group (gloo, NCCL) and its sub-groups of
+    ranks 0..k per receiver count k. Each operation (``p2p``: send to ranks 1..k; ``bcast``: in
+    the sub-group) ends with a 1-byte ack per receiver, so it covers delivery. One per process."""
 
     def __init__(self, m: dict[str, Any], device: str) -> None:
         """Join as rank ``m["rank"]`` (``m``: the fields of ``dist-init``), on ``device``."""
@@ -313,9 +296,7 @@ class Group:
 
     @classmethod
     def open(cls, s: Session, backend: str, ks: Sequence[int]) -> Group:
-        """The writer's side (rank 0): tells each reader to join (``dist-init``), joins, and
-        returns once every reader has. Peers reach it at the address that routes to the store's
-        host (loopback when the store is local or unknown)."""
+        """Rank 0, at the address that routes to the store's host: every reader joins too."""
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = int(sock.getsockname()[1])

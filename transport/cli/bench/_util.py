@@ -145,9 +145,8 @@ def unpin(saved: set[int] | None) -> None:
 
 
 def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, str | None]:
-    """Whether to pin the writer (one CPU per lane) and each local reader (one each), and a note
-    on why not. ``pin`` None: only when there are CPUs enough for all of them, since lanes
-    pinned onto fewer CPUs than lanes could not copy in parallel."""
+    """Whether to pin the writer (a CPU per lane) and local readers (one each), and why not: by
+    default only with CPUs enough, as lanes sharing a CPU could not copy in parallel."""
     ncpu, want = len(affinity() or {0}), writer_cpus + readers
     if pin is not None or ncpu >= want:
         return pin is not False, None
@@ -169,9 +168,8 @@ def _cpu_snapshot() -> tuple[float, float, float] | None:
 
 
 def cpu_watch(helpers: Callable[[], float]) -> Callable[[], float | None]:
-    """A function giving the CPUs' worth of time that processes other than this one, its children
-    and its helpers (``helpers()``: CPU seconds our readers here have used so far) have used
-    since this call; None where /proc cannot be read."""
+    """A function giving the CPUs others used since now: not this process, its children nor its
+    helpers (``helpers()``: our readers' CPU seconds so far); None where /proc is unreadable."""
     h0, start = helpers(), _cpu_snapshot()
 
     def busy_cpus() -> float | None:

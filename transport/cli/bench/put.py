@@ -1,14 +1,11 @@
 """``transport bench put``: our put and get against raw NIXL, gloo, NCCL and memcpy.
 
-Raw NIXL and ours run INTERLEAVED in the same processes on the same tensors (registered with
-both agents): per (op, receivers, size), cycles of raw-nixl, ours, raw-nixl-repost, ours (below
-1 MiB each turn a block of iterations), every iteration timed on its own, so the machine's drift
-hits every system alike; each "ours" record carries besides the ratio of medians the paired
-ratio (median over cycles of ours / other within a cycle). Meanwhile the writer is pinned to one
-CPU per lane and each reader to one of its own, where the host has CPUs enough (``--pin``).
-gloo (and NCCL where every process has a GPU) then run in the same processes; memcpy last, in
-the writer alone. Every system is verified once per configuration: destination zeroed, source
-filled with a fresh byte pattern, one transfer, the pattern checked.
+Raw NIXL and ours run INTERLEAVED on the same tensors: per (op, receivers, size), cycles of
+raw-nixl, ours, raw-nixl-repost, ours (below 1 MiB a block of iterations each), every iteration
+timed, so drift hits all alike; "ours" records also carry the paired ratio (median over cycles
+of ours / other). The processes are pinned meanwhile where CPUs suffice (``--pin``). gloo and
+NCCL follow in the same processes, memcpy in the writer alone. Every system is verified once
+per configuration: destination zeroed, source filled with a fresh pattern, checked after.
 """
 
 from __future__ import annotations
@@ -62,13 +59,10 @@ def receiver_counts(n: int) -> list[int]:
 
 @dataclass
 class PutWorkload(Workload):
-    """What one ``bench put`` run measures (fixed by :meth:`from_args`): the ``sizes``, an
-    optional ``batch`` (count, bytes each), the ``ops``, the receiver counts ``ks`` (of
-    ``readers``), the baselines, the lane counts, and the budgets: ``warm`` untimed cycles, then
-    ``min_cycles`` to ``max_cycles`` until ``budget_s`` has passed (a turn is ``block``
-    iterations for a single transfer under 1 MiB); gloo, NCCL and memcpy have their own budgets
-    and ``min_iters``. The writer's tensors and raw NIXL agent live from :meth:`setup` to
-    :meth:`close`."""
+    """What one ``bench put`` run measures, fixed by :meth:`from_args`: sizes, an optional batch
+    (count, bytes each), ops, receiver counts ``ks`` of ``readers``, baselines, lane counts and
+    the budgets (see :class:`Timing`; ``block`` only below 1 MiB). The writer's tensors and raw
+    NIXL agent live from :meth:`setup` to :meth:`close`."""
 
     sizes: list[int]
     batch: tuple[int, int] | None
@@ -126,8 +120,7 @@ class PutWorkload(Workload):
         return PutCase(op, k, kind, batch if kind == "batch" else label_of(n), n)
 
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        """A reader's ``buf`` (the largest size) and the batch ``b0``.. (touched: no page faults
-        while timed)."""
+        """``buf`` (the largest size) and the batch ``b0``..; touched, so no page faults later."""
         count, size = m["batch"] or (0, 0)
         buf, batch = torch.ones(m["max"], dtype=torch.uint8), _ones(count, size)
         t.expose_all({"buf": buf, **{f"b{j}": b for j, b in enumerate(batch)}})
@@ -263,8 +256,8 @@ class PutWorkload(Workload):
     # -- the report ---------------------------------------------------------------------------
 
     def ratios(self, records: list[Record]) -> list[Ratio]:
-        """Ours against every other system measured in the same configuration. ``ratio``: ours/other
-        time (latency, <= 1 is better) or other/ours time = ours/other bandwidth (>= 1 is better)."""
+        """Ours against each other system of its configuration: time (latency, <= 1 is better)
+        or bandwidth (>= 1 is better)."""
         out = []
         for r in (r for r in records if r.system == OURS):
             c = r.case
@@ -352,8 +345,7 @@ class PutWorkload(Workload):
 
 
 def _sections(rows: list[Record]) -> list[list[list[str]]]:
-    """One section per size of a (op, receivers) block: its systems, each against raw-nixl and
-    ours (time ratio up to 64 KiB, bandwidth ratio above)."""
+    """A section per size: each system against raw-nixl and ours (time up to 64 KiB, then bw)."""
     by_size: dict[tuple[str, str], list[Record]] = {}
     for r in sorted(rows, key=lambda r: (r.case.bytes + (r.case.kind == "batch"), _report.rank(r.system))):  # fmt: skip
         by_size.setdefault((r.case.kind, r.case.size), []).append(r)

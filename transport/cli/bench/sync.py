@@ -1,15 +1,10 @@
 """``transport bench sync``: one trainer publishes a synthetic model's weights to N generators.
 
-* ours: ``WeightPublisher.publish(v).wait()`` to every ``WeightSubscriber`` (staging or in place);
-  ``ours-chain`` and ``ours-tree``: the same with the generators relaying (``--fanout``);
-* raw-nixl: the same tensors (one descriptor each) written straight into every generator's live
-  tensors, one transfer per generator with a notification, all posted then polled;
-* gloo-bcast / nccl-bcast: ``broadcast`` of every tensor, then a 1-byte ack from each generator;
-* memcpy: the state dict copied once per generator inside the trainer (one thread).
-
-Raw NIXL and ours alternate step by step in the same processes (paired ratio per step); the
-others run after them. Every system is verified once: fresh bytes in every tensor, one sync, and
-each generator checks every tensor it holds (ours: after ``apply()``).
+ours: ``WeightPublisher.publish(v).wait()`` to every ``WeightSubscriber`` (ours-chain, ours-tree:
+generators relay); raw-nixl: the same tensors written into every generator's live tensors, one
+transfer each, all posted then polled; gloo-bcast / nccl-bcast: a broadcast per tensor and an
+ack; memcpy: the state dict copied once per generator. Raw NIXL and ours alternate step by step;
+every system is verified once (each generator checks every tensor; ours after ``apply()``).
 """
 
 from __future__ import annotations
@@ -107,12 +102,10 @@ class Publish(System):
 
 @dataclass
 class SyncWorkload(Workload):
-    """What one ``bench sync`` run measures (fixed by :meth:`from_args`): the synthetic state dict
-    (``params`` elements in ``tensors`` tensors of ``dtypes``, see :func:`make_layout`), the
-    ``generators``, ``steps`` timed syncs per system, the subscribers' ``mode``, the ``fanouts``
-    and tree ``degree``, and the baselines. Local readers get the layout flags
-    (:meth:`reader_args`), so both sides build the same tensors. The trainer's state dict,
-    publisher, raw path and version counter live from :meth:`setup` to :meth:`close`."""
+    """What one ``bench sync`` run measures, fixed by :meth:`from_args`: the state dict (see
+    :func:`make_layout`; local readers get its flags), generators, steps, subscriber mode,
+    fan-outs, tree degree and baselines. The trainer's state dict, publisher, raw path and
+    version counter live from :meth:`setup` to :meth:`close`."""
 
     params: int
     tensors: int
