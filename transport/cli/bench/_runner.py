@@ -26,24 +26,16 @@ from transport.cli.bench._systems import Group, System
 from transport.cli.bench._util import Stats, check_all, unpin
 
 
-class Case(ABC):
-    """One configuration's coordinates in records and ratios (a frozen dataclass whose fields,
-    ending with ``bytes``, are the record's JSON fields); the bytes go to :meth:`copies` peers."""
-
-    bytes: int
-
-    @abstractmethod
-    def copies(self) -> int: ...
-
-
 @dataclass
 class Record:
     """One system's result in one configuration: the timing, whether its bytes were verified, the
-    system's ``extra`` fields and its paired time ratios. Made by the runner."""
+    system's ``extra`` fields and its paired time ratios. ``case``: the configuration's
+    coordinates (a frozen dataclass whose fields, ending with ``bytes``, go into the JSON; its
+    bytes go to ``case.copies()`` peers)."""
 
     system: str
     family: str
-    case: Any  # the workload's Case
+    case: Any
     stats: Stats
     verified: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -110,7 +102,7 @@ class Turn:
     ratio to b (median over cycles). The runner closes every system after the turn."""
 
     label: str
-    case: Case
+    case: Any  # as in Record
     systems: list[System]
     timing: Timing
     schedule: list[str] | None = None
@@ -197,11 +189,6 @@ def interleave(t: Turn) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
     return times, per_cycle
 
 
-def alone(s: System, tm: Timing) -> list[int]:
-    per = max(statistics.median(s.run(tm.warm)), 1) / 1e9
-    return s.run(int(min(tm.hi, max(tm.lo, tm.budget_s / per))))
-
-
 def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
     """Time, verify and record one turn's systems; CliError when a system's bytes did not land."""
     try:
@@ -210,7 +197,10 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
         if t.schedule:
             times, per_cycle = interleave(t)
         else:
-            times, per_cycle = {s.name: alone(s, t.timing) for s in t.systems}, {}
+            tm, times, per_cycle = t.timing, {}, {}
+            for s in t.systems:  # alone: the first transfers estimate how many fit the budget
+                per = max(statistics.median(s.run(tm.warm)), 1) / 1e9
+                times[s.name] = s.run(int(min(tm.hi, max(tm.lo, tm.budget_s / per))))
         recs: dict[str, Record] = {}
         for s in t.systems:
             stats = Stats.of(times[s.name], t.case.bytes * t.case.copies())

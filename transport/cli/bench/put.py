@@ -21,7 +21,7 @@ import torch
 import transport
 from transport.cli import CliError
 from transport.cli.bench import _report
-from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import KiB, MiB, parse_batch, parse_size, parse_sizes
@@ -34,7 +34,7 @@ SIZES, SIZES_QUICK = "4K,64K,1M,16M,64M,256M,1G", "4K,1M,64M"
 
 
 @dataclass(frozen=True)
-class PutCase(Case):
+class PutCase:
     """One configuration of ``bench put``: ``op`` to (or from) ``receivers`` readers, a single
     tensor or a batch (``kind``) of ``bytes`` per receiver, ``size`` its label."""
 

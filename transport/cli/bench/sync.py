@@ -21,7 +21,7 @@ import torch
 import transport
 from transport.cli import CliError
 from transport.cli.bench import _report, _util
-from transport.cli.bench._runner import Case, Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import as_bytes, check_all, fill_all, fmt_time, human_bytes
@@ -35,7 +35,7 @@ TARGETS = {"ours/raw": 1.25, "gloo/ours": 1.5}
 
 
 @dataclass(frozen=True)
-class SyncCase(Case):
+class SyncCase:
     """The one configuration: ``tensors`` of ``bytes`` in all to each of the ``generators``."""
 
     generators: int
