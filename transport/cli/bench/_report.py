@@ -4,6 +4,7 @@ UCX picks here: a probe process with UCX_PROTO_INFO=y)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -11,7 +12,7 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from rich import box
@@ -42,7 +43,8 @@ def progress(enabled: bool | None) -> Progress:
     removed from the screen when the run ends."""
     on = sys.stderr.isatty() if enabled is None else enabled
     console = Console(file=sys.stderr, force_terminal=on or None)
-    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))  # fmt: skip
+    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))  # fmt: skip
     return Progress(*columns, console=console, transient=True, disable=not on)
 
 
@@ -67,8 +69,9 @@ def table(out: IO[str], columns: str, sections: Sequence[Sequence[Sequence[str]]
 def cells(r: Any, *rels: str) -> list[str]:
     """A record's table cells: median, GB/s, the ``rels`` (its ratios), p10..p90, count, ok."""
     st = r.stats
-    return [fmt_time(st.median_s), f"{st.gbps:.3f}", *rels,
-            f"{fmt_time(st.p10_s)}..{fmt_time(st.p90_s)}", str(st.iters), "yes" if r.verified else "NO"]  # fmt: skip
+    spread = f"{fmt_time(st.p10_s)}..{fmt_time(st.p90_s)}"
+    ok = "yes" if r.verified else "NO"
+    return [fmt_time(st.median_s), f"{st.gbps:.3f}", *rels, spread, str(st.iters), ok]
 
 
 def check_plot_support() -> None:
@@ -100,22 +103,39 @@ def save(fig: Any, path: str, title: str) -> None:
 
 
 def _version(dist: str) -> str | None:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
-def start_ucx_probe() -> subprocess.Popen[str] | None:
-    """What UCX picks for a put and a get between two agents on this host: a child process with
-    UCX_PROTO_INFO=y (read back by :func:`finish_ucx_probe`)."""
+def ucx_probe() -> Callable[[], dict[str, Any]]:
+    """Start a child process that makes a put and a get with UCX_PROTO_INFO=y; the function
+    returned waits for it and gives the UCX settings and what UCX picked on this host."""
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
     try:
-        return subprocess.Popen([sys.executable, "-m", "transport.cli.bench._systems"], env=env,
-                                text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc: subprocess.Popen[str] | None = subprocess.Popen(
+            [sys.executable, "-m", "transport.cli.bench._systems"], env=env, text=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     except OSError:
-        return None
+        proc = None
+
+    def finish() -> dict[str, Any]:
+        info = {"UCX_TLS": os.environ.get("UCX_TLS", "default")}
+        info.update(
+            {k: v for k, v in os.environ.items() if k.startswith("UCX_") and k != "UCX_TLS"}
+        )
+        if proc is None:
+            return info
+        try:
+            text, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return {**info, "probe": "timed out"}
+        info["probe"] = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        return {**info, **parse_ucx_info(text)}
+
+    return finish
 
 
 def parse_ucx_info(text: str) -> dict[str, Any]:
@@ -146,21 +166,6 @@ def parse_ucx_info(text: str) -> dict[str, Any]:
     return {**out, "protocols": tables}
 
 
-def finish_ucx_probe(proc: subprocess.Popen[str] | None) -> dict[str, Any]:
-    info: dict[str, Any] = {"UCX_TLS": os.environ.get("UCX_TLS", "default")}
-    info.update({k: v for k, v in os.environ.items() if k.startswith("UCX_") and k != "UCX_TLS"})
-    if proc is None:
-        return info
-    try:
-        text, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {**info, "probe": "timed out"}
-    info["probe"] = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-    return {**info, **parse_ucx_info(text)}
-
-
 def ucx_summary(ucx: dict[str, Any]) -> str:
     """``UCX 1.23.0, UCX_TLS=default (put: 0..inf zero-copy cma/memory; get: ...)``."""
     chosen, tables = [], ucx.get("protocols", {})
@@ -177,11 +182,9 @@ def code_info() -> dict[str, Any]:
     import transport
     import transport.backends
 
-    where = os.path.dirname(os.path.abspath(transport.__file__))
-    info: dict[str, Any] = {
-        "transport": where,
-        "backends": os.path.dirname(os.path.abspath(transport.backends.__file__)),
-    }
+    where, backends = (os.path.dirname(os.path.abspath(m.__file__ or ""))
+                       for m in (transport, transport.backends))  # fmt: skip
+    info: dict[str, Any] = {"transport": where, "backends": backends}
 
     def git(*args: str) -> str | None:
         try:
@@ -193,9 +196,8 @@ def code_info() -> dict[str, Any]:
 
     if sha := git("rev-parse", "--short", "HEAD"):
         dirty = git("status", "--porcelain", "--", "transport", "backends") or ""
-        info.update(
-            commit=sha.strip(), uncommitted=[ln[3:] for ln in dirty.splitlines() if ln.strip()]
-        )
+        dirty_files = [ln[3:] for ln in dirty.splitlines() if ln.strip()]
+        info.update(commit=sha.strip(), uncommitted=dirty_files)
     return info
 
 
@@ -221,19 +223,12 @@ def environment(ucx: dict[str, Any]) -> dict[str, Any]:
         "python": platform.python_version(),
     }
     model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None
-            )
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        names = (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+        model = next(names, None)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpu = {
-        "model": model or platform.processor() or None,
-        "count": os.cpu_count(),
-        "usable": usable,
-    }
+    cpu = {"model": model or platform.processor() or None, "count": os.cpu_count(),
+           "usable": usable}  # fmt: skip
     gpu = [{"index": i, "name": torch.cuda.get_device_name(i),
             "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
            for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else None  # fmt: skip

@@ -260,7 +260,7 @@ def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -
     """A bench command as the writer: local readers, or the named peers of a store. Exit status
     1 when a record is not verified."""
     t_start = time.perf_counter()
-    probe = _report.start_ucx_probe()
+    ucx = _report.ucx_probe()
     # memcpy with one thread, like CMA; and no torch pool threads pinned along with the main thread
     torch.set_num_threads(1)
     res = Results()
@@ -275,7 +275,7 @@ def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -
             finally:
                 w.close()
     total = time.perf_counter() - t_start
-    env = _report.environment(_report.finish_ucx_probe(probe))
+    env = _report.environment(ucx())
     ratios, out = w.ratios(res.records), sys.stdout
     w.report(res, ratios, env, out)
     res.notes.append(_report.describe_code(env["code"]))

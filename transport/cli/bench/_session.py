@@ -102,35 +102,36 @@ class LocalReaders:
         import transport.backends
         from transport.cli.bench import _tree
 
-        dirs = {m.__name__: os.path.dirname(os.path.abspath(m.__file__ or ""))
-                for m in (transport, transport.backends)}  # fmt: skip
+        here = lambda m: os.path.dirname(os.path.abspath(m.__file__ or ""))  # noqa: E731
+        dirs = {m.__name__: here(m) for m in (transport, transport.backends)}
         code = _BOOTSTRAP.format(tree=os.path.abspath(_tree.__file__), dirs=dirs)
-        self.names, self.procs, self.logs = list(names), [], []
+        self.procs: list[tuple[str, subprocess.Popen[bytes], str]] = []
         for name, cpu in zip(names, cpus, strict=True):
-            log = tempfile.NamedTemporaryFile(prefix=f"{PREFIX}-{name}-", suffix=".log", delete=False)  # noqa: SIM115  # fmt: skip
+            fd, log = tempfile.mkstemp(prefix=f"{PREFIX}-{name}-", suffix=".log")
             argv = [sys.executable, "-c", code, "bench", *command, "--role", "reader", "--store",
                     store_url, "--name", name, "--namespace", namespace]  # fmt: skip
             argv += ["--cpu", str(cpu)] if cpu is not None else []
-            self.logs.append(log)
-            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                               stdout=subprocess.DEVNULL, stderr=log))  # fmt: skip
+            with os.fdopen(fd, "wb") as f:
+                p = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f
+                )
+            self.procs.append((name, p, log))
 
     def check(self) -> None:
         """CliError, with the last line of its log, when a reader has exited with an error."""
-        for p, name, log in zip(self.procs, self.names, self.logs, strict=True):
+        for name, p, log in self.procs:
             if p.poll() not in (None, 0):
-                try:
-                    with open(log.name, errors="replace") as f:
-                        last = ([ln.strip() for ln in f if ln.strip()] or ["(no output)"])[-1]
-                except OSError:
-                    last = "?"
-                raise CliError(f"reader {name!r} exited with status {p.returncode}: {last} "
-                               f"(log: {log.name})")  # fmt: skip
+                last = "?"
+                with contextlib.suppress(OSError), open(log, errors="replace") as f:
+                    last = ([ln.strip() for ln in f if ln.strip()] or ["(no output)"])[-1]
+                raise CliError(
+                    f"reader {name!r} exited with status {p.returncode}: {last} (log: {log})"
+                )
 
     def cpu_seconds(self) -> float:
         """CPU time the readers have used so far (from /proc; 0 where it cannot be read)."""
         total = 0.0
-        for p in self.procs:
+        for _, p, _ in self.procs:
             with (
                 contextlib.suppress(OSError, IndexError, ValueError),
                 open(f"/proc/{p.pid}/stat") as f,
@@ -141,20 +142,17 @@ class LocalReaders:
 
     def close(self, kill: bool = False) -> None:
         end = time.monotonic() + (5.0 if kill else 15.0)
-        for p in self.procs:
+        for _, p, log in self.procs:
             if kill and p.poll() is None:
                 p.kill()
-        for p in self.procs:
             try:
                 p.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-        for p, log in zip(self.procs, self.logs, strict=True):
-            log.close()
             if p.returncode in (0, -9):
                 with contextlib.suppress(OSError):
-                    os.unlink(log.name)
+                    os.unlink(log)
 
 
 @dataclass
@@ -306,7 +304,8 @@ class Reader:
                 if (now := time.monotonic()) - last_look > 2.0:
                     last_look = now
                     if writer is None and now - start > wait_s:
-                        raise CliError(f"no writer contacted reader {t.name!r} within {wait_s:.0f} s") from None  # fmt: skip
+                        late = f"no writer contacted reader {t.name!r} within {wait_s:.0f} s"
+                        raise CliError(late) from None
                     if writer is not None and writer not in {p.name for p in t.peers()}:
                         raise CliError(f"the writer {writer!r} went away") from None
                 continue
@@ -359,7 +358,8 @@ class Reader:
         _util.unpin(self.saved)  # gloo's threads: placed by the scheduler, as users run it
         device = device_for(m["backend"], m["device"])
         self.group = Group(m, device)
-        self.dist = [_util.as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device)) for x in self.mine]  # fmt: skip
+        copy = (lambda x: x) if device == "cpu" else (lambda x: torch.zeros_like(x, device=device))
+        self.dist = [_util.as_bytes(copy(x)) for x in self.mine]
         return {}
 
     def on_dist_run(self, m: dict[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,8 @@ class System:
 
     family = "ours"
 
-    def __init__(self, name: str, fn: Callable[[], object] | None = None, route: Route | None = None) -> None:  # fmt: skip
+    def __init__(self, name: str, fn: Callable[[], object] | None = None,
+                 route: Route | None = None) -> None:  # fmt: skip
         self.name, self.fn, self.route = name, fn, route
 
     def setup(self) -> None:
@@ -159,8 +160,10 @@ class RawPath:
         self.agent, self.op, self.notif, self.sides = agent, op, notif, []
         descs = lambda pairs: np.array([(a, n, 0) for a, n in pairs], dtype=np.uint64)  # noqa: E731
         for rname, xs, addrs in targets:
-            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs((x.data_ptr(), x.nbytes) for x in xs), "DRAM")  # fmt: skip
-            rp = agent.prep_xfer_dlist(rname, descs(zip(addrs, (x.nbytes for x in xs), strict=True)), "DRAM")  # fmt: skip
+            mine = [(x.data_ptr(), x.nbytes) for x in xs]
+            theirs = [(a, x.nbytes) for a, x in zip(addrs, xs, strict=True)]
+            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs(mine), "DRAM")
+            rp = agent.prep_xfer_dlist(rname, descs(theirs), "DRAM")
             self.sides.append((lp, rp, np.arange(len(xs), dtype=np.int32)))
         self.handles = [self._make(side) for side in self.sides]
 
@@ -231,7 +234,8 @@ class RawLink:
         """A first 64-byte WRITE to reader ``i``: UCX connects lazily, here and not inside a timed
         size (the target must be making progress calls). Returns its wall time in seconds."""
         t0 = time.perf_counter()
-        path = RawPath(self.agent, "WRITE", [(self.names[i], [local.view(-1).view(torch.uint8)[:64]], [raddr])])  # fmt: skip
+        first = local.view(-1).view(torch.uint8)[:64]
+        path = RawPath(self.agent, "WRITE", [(self.names[i], [first], [raddr])])
         path.repost()
         path.close()
         return time.perf_counter() - t0
@@ -309,7 +313,8 @@ class Group:
                     addr = str(sock.getsockname()[0])
         except OSError:
             pass
-        m = {"backend": backend, "addr": addr, "port": port, "world": len(s.readers) + 1, "ks": list(ks)}  # fmt: skip
+        m = {"backend": backend, "addr": addr, "port": port, "world": len(s.readers) + 1,
+             "ks": list(ks)}  # fmt: skip
         for i, r in enumerate(s.readers):
             s.send(r, "dist-init", **m, rank=i + 1, device=s.device_of(i + 1))
         group = cls({**m, "rank": 0}, device_for(backend, s.device_of(0)))
@@ -360,7 +365,8 @@ class Dist(System):
     operation acked by the first ``len(route.peers)`` readers. :meth:`run` tells those readers
     how many operations come, then times the writer's side of each."""
 
-    def __init__(self, name: str, group: Group, mode: str, xs: list[torch.Tensor], route: Route) -> None:  # fmt: skip
+    def __init__(self, name: str, group: Group, mode: str, xs: list[torch.Tensor],
+                 route: Route) -> None:  # fmt: skip
         super().__init__(name, route=route)
         self.family, self.group, self.mode, self.xs = name.split("-")[0], group, mode, xs
 

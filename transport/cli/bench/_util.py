@@ -163,7 +163,8 @@ def _cpu_snapshot() -> tuple[float, float, float] | None:
             vals = [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
-    mine = sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))  # fmt: skip
+    usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    mine = sum(r.ru_utime + r.ru_stime for r in usage)
     return time.perf_counter(), (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK"), mine
 
 

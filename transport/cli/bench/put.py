@@ -185,7 +185,8 @@ class PutWorkload(Workload):
             return lambda: t.put(srcs[0], to, key).wait(tmo)
         if k == 1:
             return lambda: t.get(srcs[0], peers[0], key).wait(tmo)
-        return lambda: transport.wait_all([t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo)  # fmt: skip
+        pairs = list(zip(srcs, peers, strict=True))
+        return lambda: transport.wait_all([t.get(x, r, key) for x, r in pairs], tmo)
 
     def _with_lanes(self, lanes: int, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
@@ -242,7 +243,8 @@ class PutWorkload(Workload):
                 route = Route(s, s.readers[:k], {"kind": kind, "n": n}, local=[xs], dist=True)
                 timing = Timing(self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1)
                 case = self.case("write", k, kind, n)
-                yield Turn(f"{name} {case.size} to {k}", case, [Dist(name, group, mode, xs, route)], timing)  # fmt: skip
+                system = Dist(name, group, mode, xs, route)
+                yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
 
     def memcpy_turns(self) -> Iterator[Turn]:
         self.res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
@@ -303,8 +305,9 @@ class PutWorkload(Workload):
         for x in targets:
             rule = ("<=" if x.metric == "latency" else ">=") + f" {x.target}"
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
+            verdict = "PASS" if x.passed else "MISS"
             _report.text(out, f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
-                         f"{x.ratio:.3f}{paired}  (target {rule})  {'PASS' if x.passed else 'MISS'}")  # fmt: skip
+                         f"{x.ratio:.3f}{paired}  (target {rule})  {verdict}")  # fmt: skip
         dist = [x for x in ratios if x.vs in ("gloo", "gloo-bcast", "nccl-bcast")]
         if dist := [x for x in dist if x.case.kind == "single"]:
             _report.text(out, "\nours against torch.distributed (send/recv or broadcast, each with a "
@@ -312,7 +315,8 @@ class PutWorkload(Workload):
         for x in dist:
             what = (f"{x.vs}/ours latency = {1 / x.ratio:.1f}x" if x.metric == "latency"
                     else f"ours/{x.vs} bandwidth = {x.ratio:.2f}x")  # fmt: skip
-            _report.text(out, f"  {x.case.op.upper():<5} {x.case.receivers} recv {x.case.size:>8}  {what}")  # fmt: skip
+            c = x.case
+            _report.text(out, f"  {c.op.upper():<5} {c.receivers} recv {c.size:>8}  {what}")
 
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None:
         fig, (bw, lat) = _report.pyplot().subplots(1, 2, figsize=(13, 5.2))
@@ -320,7 +324,8 @@ class PutWorkload(Workload):
         for r in (r for r in records if r.case.kind == "single" and r.system != SINGLE):
             lines.setdefault((r.system, r.case.op, r.case.receivers), []).append(r)
         sizes: set[int] = set()
-        for system, op, k in sorted(lines, key=lambda x: (x[1] != "write", x[2], _report.rank(x[0]))):  # fmt: skip
+        order = lambda x: (x[1] != "write", x[2], _report.rank(x[0]))  # noqa: E731
+        for system, op, k in sorted(lines, key=order):
             rs = sorted(lines[system, op, k], key=lambda r: r.case.bytes)
             label = system + ("" if op == "write" else f" ({op})") + ("" if k == 1 else f" x{k}")
             style = dict(color=_report.COLORS.get(system), linestyle="-" if op == "write" else "--",
@@ -347,7 +352,8 @@ class PutWorkload(Workload):
 def _sections(rows: list[Record]) -> list[list[list[str]]]:
     """A section per size: each system against raw-nixl and ours (time up to 64 KiB, then bw)."""
     by_size: dict[tuple[str, str], list[Record]] = {}
-    for r in sorted(rows, key=lambda r: (r.case.bytes + (r.case.kind == "batch"), _report.rank(r.system))):  # fmt: skip
+    order = lambda r: (r.case.bytes + (r.case.kind == "batch"), _report.rank(r.system))  # noqa: E731
+    for r in sorted(rows, key=order):
         by_size.setdefault((r.case.kind, r.case.size), []).append(r)
     out = []
     for (kind, size), sel in by_size.items():

@@ -48,7 +48,8 @@ class SyncCase:
 
 def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt := getattr(torch, name, None), torch.dtype):
-        raise CliError(f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, float16, int8")  # fmt: skip
+        raise CliError(f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, "
+                       "float16, int8")  # fmt: skip
     return dt
 
 
@@ -83,7 +84,8 @@ class Publish(System):
         w.pub.fanout, w.version = self.fanout, w.version + 1
         r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
         if len(r.done) != w.generators:
-            raise CliError(f"version {w.version} did not reach every generator: {r.status} {r.reasons}")  # fmt: skip
+            raise CliError(f"version {w.version} did not reach every generator: {r.status} "
+                           f"{r.reasons}")  # fmt: skip
 
     def verify(self, seed: int) -> bool:
         s = self.w.s
@@ -256,7 +258,8 @@ class SyncWorkload(Workload):
 
     def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
         xs = [as_bytes(x.to(group.device)) for x in self.sd_list]
-        system = Dist(f"{backend}-bcast", group, "bcast", xs, Route(self.s, self.s.readers, {}, local=[xs], dist=True))  # fmt: skip
+        route = Route(self.s, self.s.readers, {}, local=[xs], dist=True)
+        system = Dist(f"{backend}-bcast", group, "bcast", xs, route)
         yield Turn(
             f"{backend} broadcast", self.case(), [system], Timing(0.0, self.steps, self.steps)
         )
@@ -289,7 +292,8 @@ class SyncWorkload(Workload):
                 for r in fanouts:
                     x = o.stats.median_s / r.stats.median_s
                     ok = None if least is None else x >= least
-                    out.append(Ratio(o.system, x, None, least, ok, name=f"{o.system}/{r.system} time"))  # fmt: skip
+                    name = f"{o.system}/{r.system} time"
+                    out.append(Ratio(o.system, x, None, least, ok, name=name))
         return out
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
@@ -301,14 +305,21 @@ class SyncWorkload(Workload):
                      f"{gens}, {self.mode} mode; median of {self.steps} syncs (GB/s: bytes "
                      "delivered to all generators)")  # fmt: skip
         ours = next((r for r in res.records if r.system == "ours"), None)
-        rel = lambda r: "-" if ours is None or r is ours else f"{r.stats.median_s / ours.stats.median_s:.2f}x"  # noqa: E731  # fmt: skip
-        rows = [[r.system, *_report.cells(r, rel(r))] for r in sorted(res.records, key=lambda r: _report.rank(r.system))]  # fmt: skip
+        rows = []
+        for r in sorted(res.records, key=lambda r: _report.rank(r.system)):
+            rel = (
+                "-"
+                if ours is None or r is ours
+                else f"{r.stats.median_s / ours.stats.median_s:.2f}x"
+            )
+            rows.append([r.system, *_report.cells(r, rel)])
         _report.table(out, "<system|per sync|GB/s|time/ours|p10..p90|steps|ok", [rows])
         if ratios:
             _report.text(out, "\nratios (time per sync; [paired step by step]):")
         for x in ratios:
             rule = "<=" if x.vs == "raw-nixl" else ">="
-            tgt = "" if x.target is None else f"  (target {rule} {x.target})  {'PASS' if x.passed else 'MISS'}"  # fmt: skip
+            verdict = "PASS" if x.passed else "MISS"
+            tgt = "" if x.target is None else f"  (target {rule} {x.target})  {verdict}"
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
             _report.text(out, f"  {x.name:<22} = {x.ratio:.3f}{paired}{tgt}")
 
