@@ -18,32 +18,24 @@ from typing import IO, Any
 
 import torch
 
+from transport import Transport
 from transport.cli import CliError
-from transport.cli.bench import _env, _report
-from transport.cli.bench._session import Buffers, Session, writer_session
-from transport.cli.bench._systems import System
-from transport.cli.bench._util import Stats, unpin
-
-
-class Case(ABC):
-    """One configuration's coordinates in records and ratios (a frozen dataclass whose fields,
-    ending with ``bytes``, are the record's JSON fields); the bytes go to :meth:`copies` peers."""
-
-    bytes: int
-
-    @abstractmethod
-    def copies(self) -> int: ...
+from transport.cli.bench import _report
+from transport.cli.bench._session import Session, writer_session
+from transport.cli.bench._systems import Group, System
+from transport.cli.bench._util import Stats, check_all, unpin
 
 
 @dataclass
 class Record:
-    """One system's result in one configuration: the timing, whether its bytes were verified, and
-    the system's ``extra`` fields. Made by the runner; a workload may add ``extra`` fields and
-    paired ratios before the report."""
+    """One system's result in one configuration: the timing, whether its bytes were verified, the
+    system's ``extra`` fields and its paired time ratios. ``case``: the configuration's
+    coordinates (a frozen dataclass whose fields, ending with ``bytes``, go into the JSON; its
+    bytes go to ``case.copies()`` peers)."""
 
     system: str
     family: str
-    case: Case
+    case: Any
     stats: Stats
     verified: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +60,7 @@ class Ratio:
     target: float | None = None
     passed: bool | None = None
     name: str | None = None
-    case: Case | None = None
+    case: Any = None  # the workload's Case
     metric: str | None = None
 
     def json(self) -> dict[str, Any]:
@@ -81,10 +73,8 @@ class Ratio:
 
 @dataclass
 class Results:
-    """What a run collects for its report and JSON: ``records`` (one per system and
-    configuration), ``notes``, the ``skipped`` baselines with the reason, and ``phases`` (the CPU
-    other processes used during each phase). Filled by the runner on the writer's main thread;
-    reported once the session has ended."""
+    """What a run collects for its report and JSON: records, notes, the skipped baselines (with
+    why) and per phase the CPU that other processes used."""
 
     records: list[Record] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -94,10 +84,9 @@ class Results:
 
 @dataclass(frozen=True)
 class Timing:
-    """How a turn's systems are timed. Interleaved (a schedule): ``warm`` untimed cycles, then at
-    least ``lo`` and at most ``hi`` cycles until ``budget_s`` has passed, each turn of a cycle
-    ``block`` transfers of one system. Alone: ``warm`` transfers estimate one's time, then
-    ``budget_s`` worth of transfers in one go, at least ``lo`` and at most ``hi``."""
+    """Interleaved: ``warm`` untimed cycles, then ``lo`` to ``hi`` cycles until ``budget_s`` has
+    passed, a cycle giving each system ``block`` transfers. Alone: ``warm`` transfers estimate
+    one's time, then ``budget_s`` worth of transfers (``lo`` to ``hi``)."""
 
     budget_s: float
     lo: int
@@ -108,14 +97,12 @@ class Timing:
 
 @dataclass
 class Turn:
-    """One configuration: its ``case``, its ``systems`` and their ``timing``. With a ``schedule``
-    (system names, repeats allowed) they run interleaved cycle by cycle, so that the machine's
-    drift hits them alike, and ``pairs`` (a, b) record a's paired ratio to b (median over cycles
-    of a/b within a cycle); without one each runs alone. ``cycles``: the records carry the block
-    and cycle count. The runner closes every system after the turn."""
+    """One configuration's systems, run alone or, with a ``schedule`` (names, repeats allowed),
+    interleaved cycle by cycle so that drift hits them alike; ``pairs`` (a, b) give a's paired
+    ratio to b (median over cycles). The runner closes every system after the turn."""
 
     label: str
-    case: Case
+    case: Any  # as in Record
     systems: list[System]
     timing: Timing
     schedule: list[str] | None = None
@@ -123,59 +110,59 @@ class Turn:
     cycles: bool = True
 
 
-@dataclass
-class Phase:
-    """A group of turns, run in order: ``turns()`` yields them (it may hold a process group open
-    around them). ``watch``: its CPU use by others is recorded (under ``name``); ``pinned``: it
-    runs while the processes are pinned (after the first unpinned phase they no longer are).
-    ``skip``: why it does not run, noted under ``name``."""
-
-    name: str
-    turns: Callable[[], Iterator[Turn]]
-    watch: bool = True
-    pinned: bool = False
-    skip: str | None = None
-
-
 class Workload(ABC):
     """What one bench command measures (a dataclass: its fields are the JSON's ``config``), made
-    alike from the command line in the writer and in every reader. The writer's side:
-    :meth:`setup` in a session, then :meth:`phases`, :meth:`close` in any case; the reader's:
-    :meth:`buffers`. Then the report: :meth:`ratios`, :meth:`report` and :meth:`plot`."""
+    alike from the command line in the writer and in every reader. The writer: :meth:`setup` in
+    a session, then the turns of :meth:`main_turns`, :meth:`dist_turns` (gloo, NCCL) and
+    :meth:`memcpy_turns` (:meth:`units` in all), :meth:`close` in any case, then :meth:`ratios`,
+    :meth:`report` and :meth:`plot`. A reader: :meth:`open_reader`, then at the writer's "setup"
+    :meth:`expose`; commands name tensors by a ``spec`` (:meth:`select`); then :meth:`close`."""
 
     command: str = ""
+    main_phase: str = ""
+    memcpy_watch: bool = True
+    readers: int
+    ks: list[int]  # receiver counts, for the collectives' groups
+    baselines: list[str]
 
     def reader_args(self) -> list[str]:
         """The flags local readers need to build the same workload."""
         return []
 
-    @abstractmethod
-    def reader_count(self) -> int: ...
+    def open_reader(self, t: Transport) -> None:  # noqa: B027 - a hook
+        """The reader's side, as soon as it has joined."""
 
     @abstractmethod
-    def buffers(self, t: Any) -> Buffers: ...
+    def expose(self, t: Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        """The reader's tensors (exposed; raw NIXL registers them) and their addresses for the
+        writer (``m``: the writer's "setup")."""
+
+    def select(self, spec: dict[str, Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of a reader's tensors ``xs`` (or of their copies) that ``spec`` names."""
+        return xs
+
+    def check(self, spec: dict[str, Any], seed: int, xs: list[torch.Tensor]) -> dict[str, Any]:
+        """The reader's reply to "check": whether ``xs`` hold the pattern of ``seed``."""
+        return {"ok": check_all(xs, seed)}
 
     @abstractmethod
-    def setup(self, s: Session, res: Results) -> None:
-        """The writer's side, once every reader is in the namespace (untimed)."""
-
+    def setup(self, s: Session, res: Results) -> None: ...
     @abstractmethod
-    def phases(self, s: Session, res: Results) -> list[Phase]: ...
-
+    def units(self) -> int: ...
+    def close(self) -> None: ...  # noqa: B027 - what setup or open_reader took, also after a failure
     @abstractmethod
-    def units(self) -> int:
-        """Progress steps: one per turn or phase."""
-
-    def close(self) -> None:  # noqa: B027 - a hook
-        """Release what :meth:`setup` took (also after a failure)."""
+    def main_turns(self) -> Iterator[Turn]: ...
+    @abstractmethod
+    def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]: ...
+    @abstractmethod
+    def memcpy_turns(self) -> Iterator[Turn]: ...
 
     @abstractmethod
     def ratios(self, records: list[Record]) -> list[Ratio]: ...
-
     @abstractmethod
-    def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
-        """The headline and the tables."""
-
+    def report(
+        self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]
+    ) -> None: ...
     @abstractmethod
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None: ...
 
@@ -202,11 +189,6 @@ def interleave(t: Turn) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
     return times, per_cycle
 
 
-def alone(s: System, tm: Timing) -> list[int]:
-    per = max(statistics.median(s.run(tm.warm)), 1) / 1e9
-    return s.run(int(min(tm.hi, max(tm.lo, tm.budget_s / per))))
-
-
 def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
     """Time, verify and record one turn's systems; CliError when a system's bytes did not land."""
     try:
@@ -215,7 +197,10 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
         if t.schedule:
             times, per_cycle = interleave(t)
         else:
-            times, per_cycle = {s.name: alone(s, t.timing) for s in t.systems}, {}
+            tm, times, per_cycle = t.timing, {}, {}
+            for s in t.systems:  # alone: the first transfers estimate how many fit the budget
+                per = max(statistics.median(s.run(tm.warm)), 1) / 1e9
+                times[s.name] = s.run(int(min(tm.hi, max(tm.lo, tm.budget_s / per))))
         recs: dict[str, Record] = {}
         for s in t.systems:
             stats = Stats.of(times[s.name], t.case.bytes * t.case.copies())
@@ -235,52 +220,65 @@ def measure(t: Turn, res: Results, seeds: Iterator[int]) -> None:
             s.close()
 
 
-def note_phase(res: Results, name: str, other: float | None) -> None:
-    if other is None:
-        return
-    res.phases.append({"phase": name, "other_cpus": other})
-    if other > 0.15:
-        res.notes.append(
-            f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU during {name}; "
-            "on a small machine that moves the ratios, rerun when it is quiet"
-        )
+def run_phases(w: Workload, s: Session, res: Results, step: Callable[[str], None]) -> None:
+    """Ours (with raw NIXL) while pinned, then the baselines asked for, unpinned: gloo and NCCL
+    (each in a process group), memcpy; with the CPU other processes used during each phase."""
+
+    def dist(backend: str) -> Iterator[Turn]:
+        group = Group.open(s, backend, w.ks)
+        try:
+            yield from w.dist_turns(group, backend)
+        finally:
+            group.close(s)
+
+    seeds = itertools.count(1007, 7)
+    for i, (name, turns, watch, skip) in enumerate([
+        (w.main_phase, w.main_turns, True, None), ("gloo", lambda: dist("gloo"), True, None),
+        ("nccl", lambda: dist("nccl"), False, s.nccl_unavailable()),
+        ("memcpy", w.memcpy_turns, w.memcpy_watch, None),
+    ]):  # fmt: skip
+        if i and name not in w.baselines:
+            continue
+        if skip:
+            res.skipped[name] = skip
+            continue
+        if i:
+            unpin(s.saved_affinity)
+        busy_cpus = s.watch()
+        for turn in turns():
+            step(turn.label)
+            measure(turn, res, seeds)
+        if watch and (other := busy_cpus()) is not None:
+            res.phases.append({"phase": name, "other_cpus": other})
+            if other > 0.15:
+                res.notes.append(f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU "
+                                 f"during {name}; on a small machine that moves the ratios, rerun "
+                                 "when it is quiet")  # fmt: skip
 
 
 def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -> int:
     """A bench command as the writer: local readers, or the named peers of a store. Exit status
     1 when a record is not verified."""
     t_start = time.perf_counter()
-    probe = _env.start_ucx_probe()
+    ucx = _report.ucx_probe()
     # memcpy with one thread, like CMA; and no torch pool threads pinned along with the main thread
     torch.set_num_threads(1)
-    res, seeds = Results(), itertools.count(1007, 7)
-    with _report.Progress(w.units() + 1, args.progress) as progress:
-        progress.step("starting readers")
-        command = [w.command, *w.reader_args()]
-        with writer_session(args, command, w.reader_count(), peers) as s:
+    res = Results()
+    with _report.progress(args.progress) as bar:
+        task = bar.add_task("starting readers", total=w.units() + 1)
+        step = lambda label: bar.update(task, advance=1, description=label)  # noqa: E731
+        with writer_session(args, [w.command, *w.reader_args()], w.readers, peers) as s:
             res.notes += s.notes
             try:
                 w.setup(s, res)
-                for phase in w.phases(s, res):
-                    if phase.skip:
-                        res.skipped[phase.name] = phase.skip
-                        continue
-                    if not phase.pinned:
-                        unpin(s.saved_affinity)
-                    watch = s.watch()
-                    for turn in phase.turns():
-                        progress.step(turn.label)
-                        measure(turn, res, seeds)
-                    if phase.watch:
-                        note_phase(res, phase.name, watch.busy_cpus())
+                run_phases(w, s, res, step)
             finally:
                 w.close()
     total = time.perf_counter() - t_start
-    env = _env.environment(_env.finish_ucx_probe(probe))
-    ratios = w.ratios(res.records)
-    out = sys.stdout
+    env = _report.environment(ucx())
+    ratios, out = w.ratios(res.records), sys.stdout
     w.report(res, ratios, env, out)
-    res.notes.append(_env.describe_code(env["code"]))
+    res.notes.append(_report.describe_code(env["code"]))
     lines = [f"  {k}: {v}" for k, v in res.skipped.items()]
     _report.text(out, *(["\nskipped:", *lines] if lines else []))
     _report.text(out, *(["\nnotes:", *(f"  {n}" for n in res.notes)] if res.notes else []))

@@ -1,54 +1,206 @@
-"""Both sides of a bench run's processes: the writer's session (its Transport, its readers in the
-namespace, pinning) and the reader's main (one command table for every workload; see _control
-for the protocol)."""
+"""Both sides of a run and how they talk: one writer measures, readers expose memory and serve.
+They meet in a store as Transport peers; the writer sends msgpack notifications ``{"cmd": ...}``,
+each answered by one reply (``"error"`` when the reader failed); larger blobs go through the store
+under ``transport-bench/<namespace>/<peer>/<what>``. A local run hosts an embedded store and
+starts the readers as child processes; ``--store URL --role ...`` runs the same across hosts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
-from abc import ABC, abstractmethod
-from collections.abc import Iterator
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 
-import transport
+from transport import PeerWaitTimeout, TransferTimeout, Transport
 from transport.cli import CliError
-from transport.cli.bench import _control, _raw, _util
-from transport.cli.bench._control import Channel, LocalReaders, encode, serve
-from transport.cli.bench._dist import Group, device_for
-from transport.cli.bench._util import CpuWatch, affinity, pin_layout, pin_to, unpin
+from transport.cli.bench import _util
+from transport.cli.bench._systems import Group, device_for, new_agent
+from transport.errors import StoreError, StoreTimeout, WireFormatError
+
+if TYPE_CHECKING:
+    from transport.cli.bench._runner import Workload
+
+PREFIX = "transport-bench"
+MAX_MESSAGE = 60 << 10
+
+
+def encode(cmd: str, **fields: Any) -> bytes:
+    data: bytes = msgpack.packb({"cmd": cmd, **fields}, use_bin_type=True)
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"bench command {cmd!r} is {len(data)} bytes; put large data in the store")
+    return data
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(data, raw=False, max_bin_len=MAX_MESSAGE, max_str_len=MAX_MESSAGE)
+    except Exception as e:
+        raise WireFormatError(f"a bench message could not be decoded: {e}") from e
+    if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
+        raise WireFormatError(f"a bench message is not a map with a command: {data[:80]!r}")
+    return msg
+
+
+def put_blob(t: Transport, what: str, obj: Any) -> None:
+    t.store.set(f"{PREFIX}/{t.namespace}/{t.name}/{what}", msgpack.packb(obj, use_bin_type=True))
+
+
+def get_blob(t: Transport, peer: str, what: str, timeout: float = 60) -> Any:
+    try:
+        data = t.store.get(f"{PREFIX}/{t.namespace}/{peer}/{what}", timeout=timeout)
+    except StoreTimeout as e:
+        raise CliError(f"peer {peer!r} did not publish its {what} within {timeout:.0f} s") from e
+    return msgpack.unpackb(data, raw=False)
+
+
+def _poll(
+    wait: Callable[[], Any], timeout: float, alive: Callable[[], None] | None, late: str
+) -> Any:
+    """``wait()`` again until it returns, calling ``alive()`` in between (it may raise): CliError
+    ``late`` after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(TransferTimeout, PeerWaitTimeout):
+            return wait()
+        if alive is not None:
+            alive()
+        if time.monotonic() > end:
+            raise CliError(late)
+
+
+# -- the writer -----------------------------------------------------------------------------------
+
+_BOOTSTRAP = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_transport_tree", {tree!r})
+tree = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tree)
+tree.use_tree({dirs!r})
+from transport.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class LocalReaders:
+    """A local run's reader processes, optionally pinned, running the very ``transport`` this
+    process imported; each one's stderr goes to a log that is kept only when it failed."""
+
+    def __init__(self, command: Sequence[str], names: Sequence[str], store_url: str,
+                 namespace: str, cpus: Sequence[int | None]) -> None:  # fmt: skip
+        import transport.backends
+        from transport.cli.bench import _tree
+
+        here = lambda m: os.path.dirname(os.path.abspath(m.__file__ or ""))  # noqa: E731
+        dirs = {m.__name__: here(m) for m in (transport, transport.backends)}
+        code = _BOOTSTRAP.format(tree=os.path.abspath(_tree.__file__), dirs=dirs)
+        self.procs: list[tuple[str, subprocess.Popen[bytes], str]] = []
+        for name, cpu in zip(names, cpus, strict=True):
+            fd, log = tempfile.mkstemp(prefix=f"{PREFIX}-{name}-", suffix=".log")
+            argv = [sys.executable, "-c", code, "bench", *command, "--role", "reader", "--store",
+                    store_url, "--name", name, "--namespace", namespace]  # fmt: skip
+            argv += ["--cpu", str(cpu)] if cpu is not None else []
+            with os.fdopen(fd, "wb") as f:
+                p = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f
+                )
+            self.procs.append((name, p, log))
+
+    def check(self) -> None:
+        """CliError, with the last line of its log, when a reader has exited with an error."""
+        for name, p, log in self.procs:
+            if p.poll() not in (None, 0):
+                last = "?"
+                with contextlib.suppress(OSError), open(log, errors="replace") as f:
+                    last = ([ln.strip() for ln in f if ln.strip()] or ["(no output)"])[-1]
+                raise CliError(
+                    f"reader {name!r} exited with status {p.returncode}: {last} (log: {log})"
+                )
+
+    def cpu_seconds(self) -> float:
+        """CPU time the readers have used so far (from /proc; 0 where it cannot be read)."""
+        total = 0.0
+        for _, p, _ in self.procs:
+            with (
+                contextlib.suppress(OSError, IndexError, ValueError),
+                open(f"/proc/{p.pid}/stat") as f,
+            ):
+                fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    def close(self, kill: bool = False) -> None:
+        end = time.monotonic() + (5.0 if kill else 15.0)
+        for _, p, log in self.procs:
+            if kill and p.poll() is None:
+                p.kill()
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            if p.returncode in (0, -9):
+                with contextlib.suppress(OSError):
+                    os.unlink(log)
 
 
 @dataclass
 class Session:
-    """What :func:`writer_session` yields to the runner: the writer's Transport ``t``, the command
-    channel ``chan`` to the ``readers`` (already in the namespace), ``local`` (the reader child
-    processes; None for the named peers of an existing store), the CPU affinity from before
-    pinning (``saved_affinity``, restored for the baselines), placement ``notes``, how long to
-    ``wait`` for the other side, and the
-    readers' replies to "setup" (``ready``: their CUDA devices).
+    """The writer's side of a run (:func:`writer_session`): its Transport, the ``readers`` in the
+    namespace (``local`` processes or peers of a store), the affinity before pinning, placement
+    ``notes`` and the replies to "setup" (``ready``). Commands get one reply each, in order; a
+    reader that fails or is silent for ``timeout`` is a CliError. Writer's main thread only."""
 
-    Valid only inside the ``with`` and used from the writer's main thread. Leaving it tells every
-    reader done (failed or not), then closes the Transport, the local readers (killed after a
-    failure) and the store.
-    """
-
-    t: transport.Transport
-    chan: Channel
+    t: Transport
     readers: list[str]
     local: LocalReaders | None
     saved_affinity: set[int] | None
     notes: list[str]
     wait: float
+    timeout: float
     ready: list[dict[str, Any]] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    hosts: dict[str, str] = field(default_factory=dict)
 
-    def watch(self) -> CpuWatch:
+    def send(self, peer: str, cmd: str, **fields: Any) -> None:
+        self.t.notify(peer, encode(cmd, **fields))
+
+    def recv(self, peer: str, timeout: float | None = None) -> dict[str, Any]:
+        limit = self.timeout if timeout is None else timeout
+        n = _poll(lambda: self.t.wait_notification(timeout=0.25, peer=peer), limit,
+                  self.local.check if self.local else None,
+                  f"reader {peer!r} did not answer within {limit:.0f} s")  # fmt: skip
+        if (msg := decode(n.payload))["cmd"] == "error":
+            raise CliError(f"reader {peer!r} failed: {msg.get('msg', '?')}")
+        if isinstance(msg.get("cpu"), float):
+            self.cpu_s[peer] = msg["cpu"]
+        if isinstance(msg.get("host"), str):
+            self.hosts[peer] = msg["host"]
+        return msg
+
+    def ask(self, peers: Sequence[str], cmd: str, per_peer: Callable[[int], dict[str, Any]] | None = None,
+            **fields: Any) -> list[dict[str, Any]]:  # fmt: skip
+        """Send ``cmd`` to every peer (``per_peer(i)`` adds fields), then collect every reply."""
+        for i, p in enumerate(peers):
+            self.send(p, cmd, **fields, **(per_peer(i) if per_peer else {}))
+        return [self.recv(p) for p in peers]
+
+    def watch(self) -> Callable[[], float | None]:
         """CPU use of other processes from now on (our readers on this host left out)."""
-        return CpuWatch(self.local.cpu_seconds if self.local else self.chan.cpu_here)
+        here = socket.gethostname()
+        mine = lambda: sum(v for p, v in self.cpu_s.items() if self.hosts.get(p) == here)  # noqa: E731
+        return _util.cpu_watch(self.local.cpu_seconds if self.local else mine)
 
     def nccl_unavailable(self) -> str | None:
         if not torch.cuda.is_available():
@@ -69,174 +221,182 @@ class Session:
 @contextmanager
 def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
                    peers: list[str] | None) -> Iterator[Session]:  # fmt: skip
-    """The writer's Transport, with its readers in the namespace: local child processes running
-    ``transport bench *command`` (no --store) or the named peers of an existing store."""
+    """The writer's session with local readers (``transport bench *command``) or the ``peers`` of
+    a store. Leaving tells every reader done, then closes all (local readers killed on failure)."""
+    from transport.cli.bench import names
     from transport.cli.peers import client_url
     from transport.lanes import default_lanes
     from transport.store import store_from_url
     from transport.store.tcp import TcpStore
 
-    local = None
-    lanes = [int(x) for x in (getattr(args, "lanes", None) or "").split(",") if x.strip()]
-    writer_cpus = max(lanes or [default_lanes()])
-    pin, pin_note = pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)
+    writer_cpus = max([int(x) for x in names(getattr(args, "lanes", None))] or [default_lanes()])
+    pin, pin_note = _util.pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)
+    local, saved, t, ok = None, _util.affinity(), None, False
     if peers is None:
         store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
-        names = [f"bench-reader-{i}" for i in range(n_readers)]
-        ncpu = len(affinity() or {0})
-        cpus = [(writer_cpus + i) % ncpu if pin else None for i in range(n_readers)]
-        local = LocalReaders(command, names, client_url(store.url), args.namespace, cpus)
+        readers = [f"bench-reader-{i}" for i in range(n_readers)]
+        cpus = [(writer_cpus + i) % len(saved or {0}) if pin else None for i in range(n_readers)]
+        local = LocalReaders(command, readers, client_url(store.url), args.namespace, cpus)
     else:
-        store = store_from_url(client_url(args.store))
-        names = peers
-    saved = affinity()
-    t = None
-    ok = False
+        store, readers = store_from_url(client_url(args.store)), peers
     try:
         if pin:
-            pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
-        t = transport.Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
-                                timeout=args.timeout)  # fmt: skip
-        alive = local.check if local else None
-        _control.wait_for_readers(t, names, args.wait, alive)
-        chan = Channel(t, timeout=args.timeout, alive=alive)
-        yield Session(t, chan, names, local, saved, [pin_note] if pin_note else [], args.wait)
+            _util.pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
+        t = Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
+                      timeout=args.timeout)  # fmt: skip
+        end = time.monotonic() + args.wait
+        for name in readers:
+            late = (f"reader {name!r} did not join namespace {args.namespace!r} within "
+                    f"{args.wait:.0f} s; start it with: transport bench ... --role reader --name "
+                    f"{name} --store URL")  # fmt: skip
+            wait = lambda n=name: t.wait_for_peer(n, timeout=0.5)  # type: ignore[union-attr]  # noqa: E731
+            _poll(wait, end - time.monotonic(), local.check if local else None, late)
+        s = Session(
+            t, readers, local, saved, [pin_note] if pin_note else [], args.wait, args.timeout
+        )
+        yield s
         ok = True
     finally:
+        # best effort: readers on other hosts exit now, not at their timeout; one that is gone
+        # needs no goodbye
+        for name in readers if t is not None else []:
+            with contextlib.suppress(Exception):
+                t.notify(name, encode("done", failed=not ok))  # type: ignore[union-attr]
         if t is not None:
-            for name in names:  # best effort: readers on other hosts exit now, not at their timeout
-                with contextlib.suppress(Exception):  # a reader that is gone needs no goodbye
-                    t.notify(name, encode("done", failed=not ok))
             if ok and local is None:
-                for name in names:
+                for name in readers:
                     with contextlib.suppress(CliError):
-                        chan.recv(name, timeout=10)
+                        s.recv(name, timeout=10)
             t.close()
         if local is not None:
-            local.close() if ok else local.kill()
+            local.close(kill=not ok)
         store.close()
 
 
-class Buffers(ABC):
-    """A reader's memory for one workload: what it exposes and registers, and which of its tensors
-    a command's ``spec`` names. Owned by the :class:`Reader` that serves the writer; lives until
-    the reader closes it, after the writer said done."""
-
-    @abstractmethod
-    def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        """Allocate and expose (``m``: the writer's "setup"); returns the tensors raw NIXL
-        registers and their addresses for the writer."""
-
-    @abstractmethod
-    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        """The tensors ``spec`` names: the exposed ones, or (``dist``) the collectives' copies."""
-
-    def open_dist(self, device: str) -> None:  # noqa: B027 - a hook
-        """Make the collectives' copies on ``device`` (cpu: the exposed tensors serve)."""
-
-    def close_dist(self) -> None:  # noqa: B027 - a hook
-        """Drop the copies of :meth:`open_dist`."""
-
-    def check(self, spec: dict[str, Any], seed: int, dist: bool) -> dict[str, Any]:
-        xs = self.tensors(spec, dist)
-        return {"ok": all(_util.check_pattern(x, seed + j) for j, x in enumerate(xs))}
-
-    def close(self) -> None:  # noqa: B027 - a hook
-        """Release what :meth:`setup` took."""
+# -- the reader -----------------------------------------------------------------------------------
 
 
+@dataclass
 class Reader:
-    """A bench reader: serves the writer's commands over its ``buffers`` (setup, raw-md, zero,
-    fill, check, dist-init, dist-run, dist-end), with a raw NIXL agent beside our Transport when
-    raw NIXL is measured (made progress on every 0.5 ms) and a torch.distributed group while a
-    baseline runs. Single-threaded: everything happens in :func:`serve`'s loop."""
+    """A reader: serves the writer's commands (``on_<cmd>``) over what its workload exposes
+    (``mine``; ``dist``: copies for the collectives), with a raw NIXL agent and a process group
+    when those run. Single-threaded: :meth:`serve` makes raw NIXL progress every 0.5 ms."""
 
-    def __init__(self, t: transport.Transport, buffers: Buffers, saved: set[int] | None) -> None:
-        self.t, self.buffers, self.saved = t, buffers, saved
-        self.agent: Any = None
-        self.group: Group | None = None
+    t: Transport
+    w: Workload
+    saved: set[int] | None
+    mine: list[torch.Tensor] = field(default_factory=list)
+    dist: list[torch.Tensor] = field(default_factory=list)
+    agent: Any = None
+    group: Group | None = None
 
-    def handlers(self) -> dict[str, Any]:
-        return {"setup": self.setup, "raw-md": self.raw_md, "zero": self.zero, "fill": self.fill,
-                "check": self.check, "dist-init": self.dist_init, "dist-run": self.dist_run,
-                "dist-end": self.dist_end}  # fmt: skip
+    def serve(self, wait_s: float) -> tuple[str, bool]:
+        """Run the writer's commands until "done"; the writer's name and whether it failed.
+        CliError when no writer turns up within ``wait_s`` or the writer goes away."""
+        t, writer = self.t, None
+        start = last_look = time.monotonic()
+        while True:
+            if self.agent is not None:
+                self.agent.get_new_notifs()
+            try:
+                n = t.wait_notification(timeout=0.0005)
+            except TransferTimeout:
+                if (now := time.monotonic()) - last_look > 2.0:
+                    last_look = now
+                    if writer is None and now - start > wait_s:
+                        late = f"no writer contacted reader {t.name!r} within {wait_s:.0f} s"
+                        raise CliError(late) from None
+                    if writer is not None and writer not in {p.name for p in t.peers()}:
+                        raise CliError(f"the writer {writer!r} went away") from None
+                continue
+            if writer is not None and n.peer != writer:
+                continue
+            msg, writer = decode(n.payload), n.peer
+            if msg["cmd"] == "done":
+                t.notify(writer, encode("bye", cpu=time.process_time()))
+                return writer, bool(msg.get("failed"))
+            try:
+                if (handler := getattr(self, "on_" + msg["cmd"].replace("-", "_"), None)) is None:
+                    raise CliError(f"unknown bench command {msg['cmd']!r} (writer and reader of "
+                                   "different versions?)")  # fmt: skip
+                reply = handler(msg)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    why = f"{type(e).__name__}: {e}".splitlines()[0][:2000]
+                    t.notify(writer, encode("error", msg=why))
+                raise
+            t.notify(writer, encode(reply.pop("cmd", "ok"), cpu=time.process_time(), **reply))
 
-    def progress(self) -> None:
-        if self.agent is not None:
-            self.agent.get_new_notifs()
+    def tensors(self, m: dict[str, Any]) -> list[torch.Tensor]:
+        return self.w.select(m["spec"], self.dist if m["dist"] and self.dist else self.mine)
 
-    def setup(self, m: dict[str, Any]) -> dict[str, Any]:
-        tensors, addrs = self.buffers.setup(self.t, m)
+    def on_setup(self, m: dict[str, Any]) -> dict[str, Any]:
+        self.mine, addrs = self.w.expose(self.t, m)
         if m["raw"]:
-            self.agent = _raw.new_agent(f"raw-{self.t.name}")
-            self.agent.register_memory(tensors)
-            blob = {"md": self.agent.get_agent_metadata(), **addrs}
-            _control.put_blob(self.t.store, self.t.namespace, self.t.name, "raw", blob)
+            self.agent = new_agent(f"raw-{self.t.name}")
+            self.agent.register_memory(self.mine)
+            put_blob(self.t, "raw", {"md": self.agent.get_agent_metadata(), **addrs})
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return {"cmd": "ready", "cuda": cuda, "host": socket.gethostname()}
 
-    def raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
-        blob = _control.get_blob(self.t.store, self.t.namespace, m["writer"], "raw", 60)
-        self.agent.add_remote_agent(blob["md"])
+    def on_raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
+        self.agent.add_remote_agent(get_blob(self.t, m["writer"], "raw")["md"])
         return {}
 
-    def zero(self, m: dict[str, Any]) -> dict[str, Any]:
-        for x in self.buffers.tensors(m["spec"], m["dist"]):
-            _util.zero_bytes(x)
+    def on_zero(self, m: dict[str, Any]) -> dict[str, Any]:
+        _util.zero_all(self.tensors(m))
         return {}
 
-    def fill(self, m: dict[str, Any]) -> dict[str, Any]:
-        for j, x in enumerate(self.buffers.tensors(m["spec"], m["dist"])):
-            _util.fill_pattern(x, m["seed"] + j)
+    def on_fill(self, m: dict[str, Any]) -> dict[str, Any]:
+        _util.fill_all(self.tensors(m), m["seed"])
         return {}
 
-    def check(self, m: dict[str, Any]) -> dict[str, Any]:
-        return self.buffers.check(m["spec"], m["seed"], m["dist"])
+    def on_check(self, m: dict[str, Any]) -> dict[str, Any]:
+        return self.w.check(m["spec"], m["seed"], self.tensors(m))
 
-    def dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
-        unpin(self.saved)  # gloo's threads: placed by the scheduler, as users run it
+    def on_dist_init(self, m: dict[str, Any]) -> dict[str, Any]:
+        _util.unpin(self.saved)  # gloo's threads: placed by the scheduler, as users run it
         device = device_for(m["backend"], m["device"])
-        self.group = Group(m["backend"], m["addr"], m["port"], m["rank"], m["world"], m["ks"],
-                           device)  # fmt: skip
-        self.buffers.open_dist(device)
+        self.group = Group(m, device)
+        copy = (lambda x: x) if device == "cpu" else (lambda x: torch.zeros_like(x, device=device))
+        self.dist = [_util.as_bytes(copy(x)) for x in self.mine]
         return {}
 
-    def dist_run(self, m: dict[str, Any]) -> dict[str, Any]:
+    def on_dist_run(self, m: dict[str, Any]) -> dict[str, Any]:
         assert self.group is not None
-        xs = self.buffers.tensors(m["spec"], True)
         for _ in range(m["count"]):
-            self.group.read(m["mode"], xs, m["recv"])
+            self.group.read(m["mode"], self.tensors({**m, "dist": True}), m["recv"])
         return {}
 
-    def dist_end(self, m: dict[str, Any]) -> dict[str, Any]:
+    def on_dist_end(self, m: dict[str, Any]) -> dict[str, Any]:
         if self.group is not None:
             self.group.close()
-            self.group = None
-        self.buffers.close_dist()
+        self.group, self.dist = None, []
         return {}
 
-    def close(self) -> None:
-        self.dist_end({})
-        self.buffers.close()
 
-
-def run_reader(args: argparse.Namespace, buffers: Any) -> int:
-    """A reader's main: join the namespace, serve one writer until it says done, linger until it
-    has left. ``buffers(t)`` makes the workload's :class:`Buffers`."""
-    saved = affinity()
+def run_reader(args: argparse.Namespace, w: Workload) -> int:
+    """A reader's main: join the namespace, serve one writer until it says done, then stay until
+    the writer has left (this process may host the store it uses)."""
+    saved = _util.affinity()
     torch.set_num_threads(1)  # helper ops need no pool; its threads would compete with the writer
-    if args.cpu is not None:
-        pin_to(args.cpu)
-    with transport.Transport(args.name, store=args.store, namespace=args.namespace,
-                             timeout=args.timeout) as t:  # fmt: skip
-        reader = Reader(t, buffers(t), saved)
+    _util.pin_to(args.cpu)
+    with Transport(
+        args.name, store=args.store, namespace=args.namespace, timeout=args.timeout
+    ) as t:
+        reader = Reader(t, w, saved)
+        w.open_reader(t)
         print(f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of "
               f"{args.store}; waiting for a writer", flush=True)  # fmt: skip
         try:
-            writer, failed = serve(t, reader.handlers(), reader.progress, args.wait)
+            writer, failed = reader.serve(args.wait)
         finally:
-            reader.close()
-        _control.linger(t, writer)
+            reader.on_dist_end({})
+            w.close()
+        end = time.monotonic() + 10.0
+        with contextlib.suppress(StoreError):
+            while time.monotonic() < end and writer in {p.name for p in t.peers()}:
+                time.sleep(0.05)
     if failed:
         raise CliError(f"the writer {writer!r} failed; see its output")
     return 0

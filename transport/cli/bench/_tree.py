@@ -1,10 +1,6 @@
-"""Import ``transport`` from given directories, ahead of whatever is installed.
-
-The one import finder of the project. Benchmark readers must run the very code the writer
-imported (an editable install, a worktree of another commit); ``benchmarks/bench_core.py`` runs
-the checkout it lives in. This module imports nothing from ``transport``, so it can be loaded by
-its path before ``transport`` is importable.
-"""
+"""Import ``transport`` from given directories, ahead of whatever is installed: benchmark
+readers run the very code the writer imported. Imports nothing from ``transport``, so it can be
+loaded by its path before ``transport`` is importable."""
 
 from __future__ import annotations
 

@@ -14,29 +14,26 @@ import torch
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _UNITS = ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB"))
-
 SIZE_FORMS = (
     "a whole number with an optional suffix K, M or G (also KB/KiB, MB/MiB, GB/GiB; all powers "
     "of 1024), e.g. 4096, 4K, 64KiB, 1M, 1G"
 )
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
-_UNIT = {"": 1, "K": KiB, "M": MiB, "G": GiB}
 
 
 def parse_size(text: str, what: str = "size") -> int:
     """``4K``, ``64KiB``, ``1M``, ``1G``, ``4096`` -> bytes (K/M/G are powers of 1024)."""
-    m = _SIZE.fullmatch(text.strip())
-    if m is None:
+    if (m := _SIZE.fullmatch(text.strip())) is None:
         raise ValueError(f"{what} {text!r} is not understood; use {SIZE_FORMS}")
-    n = float(m.group(1)) * _UNIT[m.group(2).upper()]
+    n = float(m.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[m.group(2).upper()]
     if n < 1 or n != int(n):
         raise ValueError(f"{what} {text!r} is not a whole number of at least 1")
     return int(n)
 
 
 def parse_sizes(text: str, what: str = "size") -> list[int]:
-    sizes = [parse_size(s, what) for s in text.split(",") if s.strip()]
-    if not sizes:
+    """A comma list of sizes, sorted, without repeats."""
+    if not (sizes := [parse_size(s, what) for s in text.split(",") if s.strip()]):
         raise ValueError(f"no {what} given; use a comma list of {SIZE_FORMS}")
     return sorted(set(sizes))
 
@@ -56,8 +53,7 @@ def size_label(n: int) -> str:
 
 def human_bytes(n: int) -> str:
     """``size_label`` where it is exact, else one decimal: ``1 GiB``, ``48.0 MiB``."""
-    exact = size_label(n)
-    if not exact.endswith(" B") or n < KiB:
+    if not (exact := size_label(n)).endswith(" B") or n < KiB:
         return exact
     return next(f"{n / u:.1f} {name}" for u, name in _UNITS if n >= u)
 
@@ -70,8 +66,8 @@ def fmt_time(s: float) -> str:
 
 @dataclass(frozen=True)
 class Stats:
-    """Per-iteration wall times of one system in one configuration, and what a report reads from
-    them: median, p10, p90, min (seconds) and GB/s (1e9 B/s of ``nbytes``, from the median)."""
+    """Per-iteration wall times of one system in one configuration and what a report reads from
+    them: median, p10, p90, min (seconds) and GB/s (1e9 B/s of ``nbytes``, at the median)."""
 
     iters: int
     median_s: float
@@ -97,31 +93,35 @@ _BLOCK = 64 * KiB
 _EXT = (torch.arange(_BLOCK + _PERIOD, dtype=torch.int32) % _PERIOD).to(torch.uint8)
 
 
-def _pattern(nbytes: int, seed: int) -> torch.Tensor:
-    off = seed % _PERIOD
-    return _EXT[off : off + min(nbytes, _BLOCK)]
+def _parts(t: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The bytes of ``t`` as rows of whole pattern blocks and the tail, each with its pattern."""
+    flat = as_bytes(t)
+    whole, off = flat.numel() // _BLOCK * _BLOCK, seed % _PERIOD
+    parts = [flat[:whole].view(-1, _BLOCK)] if whole else []
+    parts += [flat[whole:]] if whole < flat.numel() else []
+    return [(p, _EXT[off : off + min(p.shape[-1], _BLOCK)].expand_as(p)) for p in parts]
 
 
-def _parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The bytes of ``t`` as rows of whole pattern blocks, and the tail."""
-    flat = t.reshape(-1).view(torch.uint8)
-    whole = flat.numel() // _BLOCK * _BLOCK
-    out = [flat[:whole].view(-1, _BLOCK)] if whole else []
-    return out + ([flat[whole:]] if whole < flat.numel() else [])
+def fill_all(tensors: Sequence[torch.Tensor], seed: int) -> None:
+    """Fill contiguous tensors (any dtype) with the byte patterns of ``seed``, ``seed + 1``, .."""
+    for j, x in enumerate(tensors):
+        for part, pattern in _parts(x, seed + j):
+            part.copy_(pattern)
 
 
-def fill_pattern(t: torch.Tensor, seed: int) -> None:
-    """Fill a contiguous tensor (any dtype) with the byte pattern of ``seed``."""
-    for part in _parts(t):
-        part.copy_(_pattern(part.shape[-1], seed).expand_as(part))
+def check_all(tensors: Sequence[torch.Tensor], seed: int) -> bool:
+    """Whether every byte is the one :func:`fill_all` wrote."""
+    return all(torch.equal(p, q) for j, x in enumerate(tensors) for p, q in _parts(x, seed + j))
 
 
-def check_pattern(t: torch.Tensor, seed: int) -> bool:
-    return all(torch.equal(p, _pattern(p.shape[-1], seed).expand_as(p)) for p in _parts(t))
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view: patterns and collectives move bytes whatever the dtype."""
+    return t.reshape(-1).view(torch.uint8)
 
 
-def zero_bytes(t: torch.Tensor) -> None:
-    t.reshape(-1).view(torch.uint8).zero_()
+def zero_all(tensors: Sequence[torch.Tensor]) -> None:
+    for x in tensors:
+        as_bytes(x).zero_()
 
 
 # -- CPUs -----------------------------------------------------------------------------------------
@@ -131,15 +131,12 @@ def affinity() -> set[int] | None:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
-def pin_to(cpu_index: int | None, count: int = 1) -> int | None:
+def pin_to(cpu_index: int | None, count: int = 1) -> None:
     """Pin the calling thread (and every thread it starts from now on) to ``count`` CPUs of this
-    process's set from ``cpu_index`` on (modulo its size); returns the first CPU, or None when not
-    pinned."""
-    if cpu_index is None or not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[(cpu_index + i) % len(cpus)] for i in range(count)})
-    return cpus[cpu_index % len(cpus)]
+    process's set from ``cpu_index`` on (modulo its size)."""
+    if cpu_index is not None and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[(cpu_index + i) % len(cpus)] for i in range(count)})
 
 
 def unpin(saved: set[int] | None) -> None:
@@ -148,12 +145,9 @@ def unpin(saved: set[int] | None) -> None:
 
 
 def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, str | None]:
-    """Whether to pin the writer (to ``writer_cpus`` CPUs: one per lane, as its lanes copy in
-    parallel) and each local reader (to one CPU each), and a note on why not. ``pin`` None: only
-    when there are CPUs enough for all of them, since pinning lanes onto fewer CPUs than lanes
-    would measure a writer that cannot use them."""
-    ncpu = len(affinity() or {0})
-    want = writer_cpus + readers
+    """Whether to pin the writer (a CPU per lane) and local readers (one each), and why not: by
+    default only with CPUs enough, as lanes sharing a CPU could not copy in parallel."""
+    ncpu, want = len(affinity() or {0}), writer_cpus + readers
     if pin is not None or ncpu >= want:
         return pin is not False, None
     return False, (
@@ -162,31 +156,28 @@ def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, 
     )
 
 
-class CpuWatch:
-    """How much CPU processes other than this one, its waited-for children and its helpers
-    (``helpers()``: CPU seconds our readers on this host have used so far) used from its creation
-    to :meth:`busy_cpus`. None where /proc cannot be read."""
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(now, busy CPU seconds of the host, CPU seconds of this process and its waited children)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    mine = sum(r.ru_utime + r.ru_stime for r in usage)
+    return time.perf_counter(), (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK"), mine
 
-    def __init__(self, helpers: Callable[[], float]) -> None:
-        self.helpers, self.helpers0 = helpers, helpers()
-        self.start = self._snapshot()
 
-    @staticmethod
-    def _snapshot() -> tuple[float, float, float] | None:
-        try:
-            with open("/proc/stat") as f:
-                vals = [int(x) for x in f.readline().split()[1:9]]
-        except (OSError, ValueError):
+def cpu_watch(helpers: Callable[[], float]) -> Callable[[], float | None]:
+    """A function giving the CPUs others used since now: not this process, its children nor its
+    helpers (``helpers()``: our readers' CPU seconds so far); None where /proc is unreadable."""
+    h0, start = helpers(), _cpu_snapshot()
+
+    def busy_cpus() -> float | None:
+        end = _cpu_snapshot()
+        if start is None or end is None or end[0] <= start[0]:
             return None
-        busy = (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
-        me = resource.getrusage(resource.RUSAGE_SELF)
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return time.perf_counter(), busy, me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        other = (end[1] - start[1]) - (end[2] - start[2]) - (helpers() - h0)
+        return max(0.0, other) / (end[0] - start[0])
 
-    def busy_cpus(self) -> float | None:
-        """CPUs' worth of time others used since this watch began."""
-        end = self._snapshot()
-        if self.start is None or end is None or end[0] <= self.start[0]:
-            return None
-        other = (end[1] - self.start[1]) - (end[2] - self.start[2])
-        return max(0.0, other - (self.helpers() - self.helpers0)) / (end[0] - self.start[0])
+    return busy_cpus

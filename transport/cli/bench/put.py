@@ -1,16 +1,11 @@
 """``transport bench put``: our put and get against raw NIXL, gloo, NCCL and memcpy.
 
-Raw NIXL and ours run INTERLEAVED in the same writer and reader processes, on the same tensors
-(registered with both agents): for each (op, receivers, size) the writer runs cycles of raw-nixl,
-ours, raw-nixl-repost, ours (below 1 MiB each turn is a block of iterations), every iteration
-timed on its own, so the machine's drift hits every system alike. Besides the ratio of medians
-each "ours" record carries the paired ratio: the median over cycles of ours / other within one
-cycle. For this phase the writer is pinned to one CPU per lane and each reader to one of its own,
-when the host has that many CPUs (``--pin``/``--no-pin`` decide instead).
-
-gloo (and NCCL where every process has a GPU) then run in the same processes; memcpy last, in the
-writer alone. Every system is verified once per configuration: the destination is zeroed, the
-source filled with a fresh byte pattern, one transfer made and the pattern checked.
+Raw NIXL and ours run INTERLEAVED on the same tensors: per (op, receivers, size), cycles of
+raw-nixl, ours, raw-nixl-repost, ours (below 1 MiB a block of iterations each), every iteration
+timed, so drift hits all alike; "ours" records also carry the paired ratio (median over cycles
+of ours / other). The processes are pinned meanwhile where CPUs suffice (``--pin``). gloo and
+NCCL follow in the same processes, memcpy in the writer alone. Every system is verified once
+per configuration: destination zeroed, source filled with a fresh pattern, checked after.
 """
 
 from __future__ import annotations
@@ -25,12 +20,11 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _env, _raw, _report
-from transport.cli.bench._dist import close_group, open_group
-from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
-from transport.cli.bench._session import Buffers, Session
-from transport.cli.bench._systems import Dist, Memcpy, Ours, RawNixl, Route, System
-from transport.cli.bench._util import KiB, MiB, fmt_time, parse_batch, parse_size, parse_sizes
+from transport.cli.bench import _report
+from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._session import Session
+from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
+from transport.cli.bench._util import KiB, MiB, parse_batch, parse_size, parse_sizes
 from transport.cli.bench._util import size_label as label_of
 
 OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
@@ -40,7 +34,7 @@ SIZES, SIZES_QUICK = "4K,64K,1M,16M,64M,256M,1G", "4K,1M,64M"
 
 
 @dataclass(frozen=True)
-class PutCase(Case):
+class PutCase:
     """One configuration of ``bench put``: ``op`` to (or from) ``receivers`` readers, a single
     tensor or a batch (``kind``) of ``bytes`` per receiver, ``size`` its label."""
 
@@ -54,56 +48,21 @@ class PutCase(Case):
         return self.receivers
 
 
-def case_of(r: Record) -> PutCase:
-    assert isinstance(r.case, PutCase)
-    return r.case
+def _ones(count: int, size: int) -> list[torch.Tensor]:
+    return [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
 
 
-class PutBuffers(Buffers):
-    """A reader's ``buf`` (the largest size) and the batch ``b0``.. (exposed and touched at setup),
-    and their copies on the collectives' device."""
-
-    def __init__(self) -> None:
-        self.buf = torch.zeros(0, dtype=torch.uint8)
-        self.batch: list[torch.Tensor] = []
-        self.dbuf: torch.Tensor | None = None
-        self.dbatch: list[torch.Tensor] = []
-
-    def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        self.buf = torch.ones(m["max"], dtype=torch.uint8)  # touched: no page faults while timed
-        count, size = m["batch"] or (0, 0)
-        self.batch = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
-        t.expose_all({"buf": self.buf, **{f"b{j}": b for j, b in enumerate(self.batch)}})
-        addrs = {"buf": self.buf.data_ptr(), "batch": [b.data_ptr() for b in self.batch]}
-        return [self.buf, *self.batch], addrs
-
-    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        buf, batch = (
-            (self.dbuf, self.dbatch) if dist and self.dbuf is not None else (self.buf, self.batch)
-        )
-        return batch if spec["kind"] == "batch" else [buf[: spec["n"]]]
-
-    def open_dist(self, device: str) -> None:
-        if device != "cpu":
-            self.dbuf = torch.zeros_like(self.buf, device=device)
-            self.dbatch = [torch.zeros_like(b, device=device) for b in self.batch]
-
-    def close_dist(self) -> None:
-        self.dbuf, self.dbatch = None, []
+def receiver_counts(n: int) -> list[int]:
+    """1, 2, 4, .. below ``n``, then ``n``."""
+    return [*(1 << i for i in range(n.bit_length()) if 1 << i < n), n]
 
 
 @dataclass
 class PutWorkload(Workload):
-    """What one ``bench put`` run measures, from its command line (:meth:`from_args`): the
-    ``sizes``, an optional ``batch`` (count, bytes each), the ``ops``, the receiver counts ``ks``
-    (of ``readers``), the baselines, the lane counts to compare, and the budgets: each
-    configuration runs ``warm`` untimed cycles, then ``min_cycles`` to ``max_cycles`` cycles until
-    ``budget_s`` has passed (a turn is ``block`` iterations for a single transfer under 1 MiB);
-    gloo, NCCL and memcpy have their own budgets and ``min_iters``.
-
-    The fields do not change after :meth:`from_args`; the writer's tensors and raw NIXL agent
-    live from :meth:`setup` to :meth:`close`.
-    """
+    """What one ``bench put`` run measures, fixed by :meth:`from_args`: sizes, an optional batch
+    (count, bytes each), ops, receiver counts ``ks`` of ``readers``, baselines, lane counts and
+    the budgets (see :class:`Timing`; ``block`` only below 1 MiB). The writer's tensors and raw
+    NIXL agent live from :meth:`setup` to :meth:`close`."""
 
     sizes: list[int]
     batch: tuple[int, int] | None
@@ -123,10 +82,11 @@ class PutWorkload(Workload):
     pin: bool | None = None  # None: when the host has CPUs enough (bench._util.pin_layout)
     lanes: list[int] = field(default_factory=list)  # [ours, others...]; empty: the default
     command = "put"
+    main_phase = "raw+ours interleaved"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> PutWorkload:
-        from transport.cli.bench import parse_baselines, positive, receiver_counts
+        from transport.cli.bench import at_least, count_of, names, parse_baselines, positive
 
         q = args.quick
         sizes = parse_sizes(args.sizes or (SIZES_QUICK if q else SIZES))
@@ -134,48 +94,40 @@ class PutWorkload(Workload):
             sizes = [n for n in sizes if n <= parse_size(args.max_size, "--max-size")]
             if not sizes:
                 raise CliError(f"--max-size {args.max_size} leaves no size to measure")
-        batch_text = args.batch or ("100x64K" if q else "1000x64K")
-        n = args.receivers
-        if n is not None and n < 1:
-            raise CliError(f"--receivers must be at least 1, got {n}")
-        if peers:
-            if n is not None and n != len(peers):
-                raise CliError(f"--receivers {n} does not match the {len(peers)} names of --peers")
-            n = len(peers)
+        batch = args.batch or ("100x64K" if q else "1000x64K")
+        n = count_of("--receivers", args.receivers, peers, 1)
         positive("--budget", args.budget)
-        positive("--timeout", args.timeout)
-        if args.block < 1:
-            raise CliError(f"--block must be at least 1, got {args.block}")
-        lanes = [x.strip() for x in (args.lanes or "").split(",") if x.strip()]
-        for x in lanes:
-            if not x.isdigit() or not 1 <= int(x) <= 16:
-                raise CliError(f"--lanes takes counts from 1 to 16, got {x!r}")
+        at_least("--block", args.block)
+        if bad := [x for x in names(args.lanes) if not x.isdigit() or not 1 <= int(x) <= 16]:
+            raise CliError(f"--lanes takes counts from 1 to 16, got {bad[0]!r}")
         return cls(
-            sizes=sizes, batch=None if batch_text.lower() == "none" else parse_batch(batch_text),
-            ops=["write", "read"] if args.op == "both" else [args.op], ks=receiver_counts(n or 1),
-            readers=n or 1, baselines=parse_baselines(args.baselines),
+            sizes=sizes, batch=None if batch.lower() == "none" else parse_batch(batch),
+            ops=["write", "read"] if args.op == "both" else [args.op], ks=receiver_counts(n),
+            readers=n, baselines=parse_baselines(args.baselines),
             budget_s=args.budget or (0.2 if q else 1.5), min_cycles=3 if q else 5,
             max_cycles=20 if q else 100, block=args.block, dist_budget_s=0.2 if q else 1.0,
             memcpy_budget_s=0.1 if q else 0.5, min_iters=3 if q else 5, timeout=args.timeout,
-            pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in lanes)),
+            pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in names(args.lanes))),
         )  # fmt: skip
 
     def shapes(self) -> list[tuple[str, int]]:
         """("single", n) for every size, then ("batch", total) if a batch is measured."""
-        return [("single", n) for n in self.sizes] + (
-            [("batch", self.batch[0] * self.batch[1])] if self.batch else []
-        )
+        batch = [("batch", self.batch[0] * self.batch[1])] if self.batch else []
+        return [("single", n) for n in self.sizes] + batch
 
-    def label(self, kind: str, n: int) -> str:
-        if kind == "batch" and self.batch:
-            return f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}"
-        return label_of(n)
+    def case(self, op: str, k: int, kind: str, n: int) -> PutCase:
+        batch = f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}" if self.batch else ""
+        return PutCase(op, k, kind, batch if kind == "batch" else label_of(n), n)
 
-    def reader_count(self) -> int:
-        return self.readers
+    def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        """``buf`` (the largest size) and the batch ``b0``..; touched, so no page faults later."""
+        count, size = m["batch"] or (0, 0)
+        buf, batch = torch.ones(m["max"], dtype=torch.uint8), _ones(count, size)
+        t.expose_all({"buf": buf, **{f"b{j}": b for j, b in enumerate(batch)}})
+        return [buf, *batch], {"buf": buf.data_ptr(), "batch": [b.data_ptr() for b in batch]}
 
-    def buffers(self, t: Any) -> Buffers:
-        return PutBuffers()
+    def select(self, spec: dict[str, Any], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return xs[1:] if spec["kind"] == "batch" else [xs[0][: spec["n"]]]
 
     def units(self) -> int:
         per_k = len(self.ks) * len(self.shapes())
@@ -186,45 +138,34 @@ class PutWorkload(Workload):
     # -- the writer ---------------------------------------------------------------------------
 
     def setup(self, s: Session, res: Results) -> None:
-        self.s, self.raw = s, None
+        self.s, self.res, self.raw = s, res, None
         big, count, size = max(self.sizes), *(self.batch or (0, 0))
         copies = max(self.ks) if "read" in self.ops and max(self.ks) > 1 else 1
         self.lbuf = [torch.ones(big, dtype=torch.uint8) for _ in range(copies)]
-        self.lbatch = [[torch.ones(size, dtype=torch.uint8) for _ in range(count)]
-                       for _ in range(copies)]  # fmt: skip
+        self.lbatch = [_ones(count, size) for _ in range(copies)]
         use_raw = "raw" in self.baselines
-        s.ready = s.chan.ask(s.readers, "setup", max=big, batch=list(self.batch or []) or None,
-                             raw=use_raw)  # fmt: skip
+        s.ready = s.ask(
+            s.readers, "setup", max=big, batch=list(self.batch or []) or None, raw=use_raw
+        )
         for r in s.readers:
             s.t.wait_for_peer(r, timeout=60, regions=["buf", *(f"b{j}" for j in range(count))])
         local = [*self.lbuf, *(x for b in self.lbatch for x in b)]
         for x in local:
             s.t.register(x)
         if use_raw:
-            self.raw = _raw.RawLink(s.t, s.chan, s.readers, local)
+            self.raw = RawLink(s, local)
             for i, r in enumerate(s.readers):
                 dt = self.raw.connect(i, self.lbuf[0], self.raw.blobs[i]["buf"])
                 res.notes.append(f"raw NIXL: first transfer to {r} (connect) {1e3 * dt:.1f} ms")
         for r in s.readers:
             t0 = time.perf_counter()
             s.t.put(self.lbuf[0][:64], r, "buf").wait(timeout=self.timeout)
-            dt = time.perf_counter() - t0
-            res.notes.append(f"ours: first put to {r} (resolve + connect) {1e3 * dt:.1f} ms")
+            dt = 1e3 * (time.perf_counter() - t0)
+            res.notes.append(f"ours: first put to {r} (resolve + connect) {dt:.1f} ms")
 
     def close(self) -> None:
         if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
             raw.close()
-
-    def phases(self, s: Session, res: Results) -> list[Phase]:
-        b = self.baselines
-        nccl = Phase("nccl", lambda: self.dist_turns("nccl"), watch=False,
-                     skip=s.nccl_unavailable() if "nccl" in b else None)  # fmt: skip
-        return [
-            Phase("raw+ours interleaved", self.nixl_turns, pinned=True),
-            *([Phase("gloo", lambda: self.dist_turns("gloo"))] if "gloo" in b else []),
-            *([nccl] if "nccl" in b else []),
-            *([Phase("memcpy", lambda: self.memcpy_turns(res))] if "memcpy" in b else []),
-        ]
 
     def _local(self, i: int, op: str, kind: str, n: int) -> list[torch.Tensor]:
         idx = 0 if op == "write" else i
@@ -232,7 +173,7 @@ class PutWorkload(Workload):
 
     def _route(self, op: str, k: int, kind: str, n: int) -> Route:
         local = [self._local(i, op, kind, n) for i in range(k if op == "read" else 1)]
-        return Route(self.s.chan, self.s.readers[:k], {"kind": kind, "n": n}, op, local)
+        return Route(self.s, self.s.readers[:k], {"kind": kind, "n": n}, op, local)
 
     def _ours(self, op: str, k: int, kind: str, n: int) -> Callable[[], object]:
         t, tmo, peers = self.s.t, self.timeout, self.s.readers[:k]
@@ -244,9 +185,8 @@ class PutWorkload(Workload):
             return lambda: t.put(srcs[0], to, key).wait(tmo)
         if k == 1:
             return lambda: t.get(srcs[0], peers[0], key).wait(tmo)
-        return lambda: transport.wait_all(
-            [t.get(x, r, key) for x, r in zip(srcs, peers, strict=True)], tmo
-        )
+        pairs = list(zip(srcs, peers, strict=True))
+        return lambda: transport.wait_all([t.get(x, r, key) for x, r in pairs], tmo)
 
     def _with_lanes(self, lanes: int, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the Transport set to ``lanes`` lanes (a setting read at each transfer)."""
@@ -260,11 +200,9 @@ class PutWorkload(Workload):
 
         return run
 
-    def nixl_turns(self) -> Iterator[Turn]:
-        for op in self.ops:
-            for k in self.ks:
-                for kind, n in self.shapes():
-                    yield self.nixl_turn(op, k, kind, n)
+    def main_turns(self) -> Iterator[Turn]:
+        shapes = [(op, k, *x) for op in self.ops for k in self.ks for x in self.shapes()]
+        return (self.nixl_turn(*x) for x in shapes)
 
     def nixl_turn(self, op: str, k: int, kind: str, n: int) -> Turn:
         systems: list[System] = []
@@ -278,70 +216,56 @@ class PutWorkload(Workload):
         ours = self._ours(op, k, kind, n)
         if self.lanes:
             self.s.t.lanes = self.lanes[0]
-        systems.append(Ours(OURS, ours, route))
+        systems.append(System(OURS, ours, route))
         if self.raw is not None:
             systems.append(RawNixl(REPOST, path, route, repost=True, owns=False))
         if kind == "batch" and n <= max(self.sizes) and (op == "write" or k == 1):
-            systems.append(Ours(SINGLE, self._ours(op, k, "single", n),
+            systems.append(System(SINGLE, self._ours(op, k, "single", n),
                                 self._route(op, k, "single", n)))  # fmt: skip
         for lanes in self.lanes[1:]:
-            systems.append(Ours(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
+            systems.append(System(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
         sched = [RAW, OURS, REPOST, OURS] if self.raw is not None else [OURS]
         sched += [x.name for x in systems if x.name not in sched]
         timing = Timing(self.budget_s, self.min_cycles, self.max_cycles, self.warm,
                         self.block if kind == "single" and n < MiB else 1)  # fmt: skip
-        case = PutCase(op, k, kind, self.label(kind, n), n)
-        pairs = [(OURS, x.name) for x in systems if x.name != OURS]
+        case, pairs = self.case(op, k, kind, n), [(OURS, x.name) for x in systems if x.name != OURS]
         return Turn(f"raw+ours {op} {case.size} to {k}", case, systems, timing, sched, pairs)
 
-    def dist_turns(self, backend: str) -> Iterator[Turn]:
+    def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
         """gloo: send/recv, then broadcast; NCCL: broadcast; each with an ack per receiver."""
-        s = self.s
-        store_url = getattr(s.t.store, "url", None)
-        group = open_group(s.chan, store_url, s.readers, backend, self.ks, s.device_of)
-        dev = group.device
-        dbuf = self.lbuf[0] if dev.type == "cpu" else torch.ones_like(self.lbuf[0], device=dev)
-        dbatch = [
-            x if dev.type == "cpu" else torch.ones_like(x, device=dev) for x in self.lbatch[0]
-        ]
-        try:
-            for mode in ("p2p", "bcast") if backend == "gloo" else ("bcast",):
-                name = f"{backend}-bcast" if mode == "bcast" else backend
-                for k in self.ks:
-                    for kind, n in self.shapes():
-                        xs = dbatch if kind == "batch" else [dbuf[:n]]
-                        route = Route(s.chan, s.readers[:k], {"kind": kind, "n": n}, local=[xs],
-                                      dist=True)  # fmt: skip
-                        timing = Timing(
-                            self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1
-                        )
-                        case = PutCase("write", k, kind, self.label(kind, n), n)
-                        system = Dist(name, group, mode, xs, route)
-                        yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
-        finally:
-            close_group(s.chan, s.readers, group)
+        dev, s = group.device, self.s
+        on_dev = lambda x: x if dev.type == "cpu" else torch.ones_like(x, device=dev)  # noqa: E731
+        dbuf, dbatch = on_dev(self.lbuf[0]), [on_dev(x) for x in self.lbatch[0]]
+        for mode in ("p2p", "bcast") if backend == "gloo" else ("bcast",):
+            name = f"{backend}-bcast" if mode == "bcast" else backend
+            for k, (kind, n) in ((k, x) for k in self.ks for x in self.shapes()):
+                xs = dbatch if kind == "batch" else [dbuf[:n]]
+                route = Route(s, s.readers[:k], {"kind": kind, "n": n}, local=[xs], dist=True)
+                timing = Timing(self.dist_budget_s, self.min_iters, 2000, 10 if n < MiB else 1)
+                case = self.case("write", k, kind, n)
+                system = Dist(name, group, mode, xs, route)
+                yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
 
-    def memcpy_turns(self, res: Results) -> Iterator[Turn]:
-        res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
-                         "thread(s) (CMA too is one copy by one thread)")  # fmt: skip
+    def memcpy_turns(self) -> Iterator[Turn]:
+        self.res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
+                              "thread(s) (CMA too is one copy by one thread)")  # fmt: skip
         for kind, n in self.shapes():
-            count, size = self.batch if kind == "batch" and self.batch else (1, n)
-            src = [torch.ones(size, dtype=torch.uint8) for _ in range(count)]
+            src = _ones(*self.batch) if kind == "batch" and self.batch else _ones(1, n)
             timing = Timing(self.memcpy_budget_s, self.min_iters, 5000, 2 if n < MiB else 1)
-            case = PutCase("write", 1, kind, self.label(kind, n), n)
+            case = self.case("write", 1, kind, n)
             yield Turn(f"memcpy {case.size}", case, [Memcpy(src)], timing)
 
     # -- the report ---------------------------------------------------------------------------
 
     def ratios(self, records: list[Record]) -> list[Ratio]:
-        """Ours against every other system measured in the same configuration. ``ratio``: ours/other
-        time (latency, <= 1 is better) or other/ours time = ours/other bandwidth (>= 1 is better)."""
+        """Ours against each other system of its configuration: time (latency, <= 1 is better)
+        or bandwidth (>= 1 is better)."""
         out = []
         for r in (r for r in records if r.system == OURS):
-            c = case_of(r)
+            c = r.case
             latency = c.bytes <= LATENCY_MAX and c.kind == "single"
             for o in records:
-                oc = case_of(o)
+                oc = o.case
                 same = (oc.receivers, oc.kind, oc.size) == (c.receivers, c.kind, c.size)
                 if not same or o.system in (OURS, SINGLE):
                     continue
@@ -362,55 +286,46 @@ class PutWorkload(Workload):
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
         sizes = ", ".join(label_of(n) for n in self.sizes)
-        batch = f"; batch {self.label('batch', 0)}" if self.batch else ""
+        batch = f"; batch {self.case('write', 1, 'batch', 0).size}" if self.batch else ""
         cpu = env["cpu"]
         _report.text(out, f"transport bench put: {sizes}{batch}; ops {'+'.join(self.ops)}; "
                      f"receivers {','.join(map(str, self.ks))}; {cpu['count']} CPUs "
-                     f"({cpu['model']}); {_env.ucx_summary(env['ucx'])}")  # fmt: skip
+                     f"({cpu['model']}); {_report.ucx_summary(env['ucx'])}")  # fmt: skip
         blocks: dict[tuple[str, int], list[Record]] = {}
         for r in sorted(res.records, key=lambda r: r.family not in ("ours", "raw")):
-            c = case_of(r)
-            blocks.setdefault((c.op, c.receivers), []).append(r)
+            blocks.setdefault((r.case.op, r.case.receivers), []).append(r)
         for (op, k), rows in blocks.items():
             more = " (GB/s: bytes delivered to all receivers)" if k > 1 else ""
             _report.text(out, f"\n{op.upper()}, {k} receiver{'s' if k > 1 else ''}{more}")
-            _report.table(out, ["size", "<system", "median", "GB/s", "vs raw-nixl", "vs ours",
-                                "p10..p90", "iters", "ok"], _sections(rows))  # fmt: skip
-        targets = [x for x in ratios if x.target is not None]
-        if targets:
+            _report.table(out, "size|<system|median|GB/s|vs raw-nixl|vs ours|p10..p90|iters|ok",
+                          _sections(rows))  # fmt: skip
+        if targets := [x for x in ratios if x.target is not None]:
             _report.text(out, "\ntargets: ours against raw-nixl (make + post + poll + release per "
                          "transfer), one receiver; ratio of medians [paired within cycles]")  # fmt: skip
         for x in targets:
-            assert isinstance(x.case, PutCase)
             rule = ("<=" if x.metric == "latency" else ">=") + f" {x.target}"
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
+            verdict = "PASS" if x.passed else "MISS"
             _report.text(out, f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
-                         f"{x.ratio:.3f}{paired}  (target {rule})  {'PASS' if x.passed else 'MISS'}")  # fmt: skip
+                         f"{x.ratio:.3f}{paired}  (target {rule})  {verdict}")  # fmt: skip
         dist = [x for x in ratios if x.vs in ("gloo", "gloo-bcast", "nccl-bcast")]
-        dist = [x for x in dist if isinstance(x.case, PutCase) and x.case.kind == "single"]
-        if dist:
+        if dist := [x for x in dist if x.case.kind == "single"]:
             _report.text(out, "\nours against torch.distributed (send/recv or broadcast, each with a "
                          "1-byte ack):")  # fmt: skip
         for x in dist:
-            assert isinstance(x.case, PutCase)
             what = (f"{x.vs}/ours latency = {1 / x.ratio:.1f}x" if x.metric == "latency"
                     else f"ours/{x.vs} bandwidth = {x.ratio:.2f}x")  # fmt: skip
-            _report.text(
-                out, f"  {x.case.op.upper():<5} {x.case.receivers} recv {x.case.size:>8}  {what}"
-            )
+            c = x.case
+            _report.text(out, f"  {c.op.upper():<5} {c.receivers} recv {c.size:>8}  {what}")
 
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None:
-        plt = _report.pyplot()
-        fig, (bw, lat) = plt.subplots(1, 2, figsize=(13, 5.2))
+        fig, (bw, lat) = _report.pyplot().subplots(1, 2, figsize=(13, 5.2))
         lines: dict[tuple[str, str, int], list[Record]] = {}
-        for r in records:
-            c = r.case
-            if isinstance(c, PutCase) and c.kind == "single" and r.system != SINGLE:
-                lines.setdefault((r.system, c.op, c.receivers), []).append(r)
+        for r in (r for r in records if r.case.kind == "single" and r.system != SINGLE):
+            lines.setdefault((r.system, r.case.op, r.case.receivers), []).append(r)
         sizes: set[int] = set()
-        for system, op, k in sorted(
-            lines, key=lambda x: (x[1] != "write", x[2], _report.rank(x[0]))
-        ):
+        order = lambda x: (x[1] != "write", x[2], _report.rank(x[0]))  # noqa: E731
+        for system, op, k in sorted(lines, key=order):
             rs = sorted(lines[system, op, k], key=lambda r: r.case.bytes)
             label = system + ("" if op == "write" else f" ({op})") + ("" if k == 1 else f" x{k}")
             style = dict(color=_report.COLORS.get(system), linestyle="-" if op == "write" else "--",
@@ -430,29 +345,24 @@ class PutWorkload(Workload):
         bw.set(ylabel="GB/s (median)", title="bandwidth")
         lat.set(ylabel="time per transfer (us, median)", yscale="log", title="latency")
         bw.legend(fontsize=8)
-        title = f"transport bench put: {env['cpu']['count']} CPUs, {_env.ucx_summary(env['ucx'])}"
-        _report.save(fig, path, title)
+        _report.save(fig, path, f"transport bench put: {env['cpu']['count']} CPUs, "
+                     f"{_report.ucx_summary(env['ucx'])}")  # fmt: skip
 
 
 def _sections(rows: list[Record]) -> list[list[list[str]]]:
-    """One section per size of a (op, receivers) block: its systems, each against raw-nixl and
-    ours (time ratio up to 64 KiB, bandwidth ratio above)."""
+    """A section per size: each system against raw-nixl and ours (time up to 64 KiB, then bw)."""
     by_size: dict[tuple[str, str], list[Record]] = {}
-    for r in sorted(rows, key=lambda r: (r.case.bytes + (case_of(r).kind == "batch"), _report.rank(r.system))):  # fmt: skip
-        by_size.setdefault((case_of(r).kind, case_of(r).size), []).append(r)
+    order = lambda r: (r.case.bytes + (r.case.kind == "batch"), _report.rank(r.system))  # noqa: E731
+    for r in sorted(rows, key=order):
+        by_size.setdefault((r.case.kind, r.case.size), []).append(r)
     out = []
     for (kind, size), sel in by_size.items():
-        ref = next((r for r in sel if r.system == RAW), None)
-        ours = next((r for r in sel if r.system == OURS), None)
+        refs = [next((r for r in sel if r.system == x), None) for x in (RAW, OURS)]
         latency = kind == "single" and sel[0].case.bytes <= LATENCY_MAX
 
         def rel(r: Record, o: Record | None, latency: bool = latency) -> str:
-            if o is None or o is r:
-                return "-"
-            x = r.stats.median_s / o.stats.median_s
-            return f"{x:.2f}x time" if latency else f"{1 / x:.2f}x bw"
+            x = r.stats.median_s / o.stats.median_s if o is not None and o is not r else None
+            return "-" if x is None else f"{x:.2f}x time" if latency else f"{1 / x:.2f}x bw"
 
-        out.append([[size, r.system, fmt_time(r.stats.median_s), f"{r.stats.gbps:.3f}",
-                     rel(r, ref), rel(r, ours), f"{fmt_time(r.stats.p10_s)}..{fmt_time(r.stats.p90_s)}",
-                     str(r.stats.iters), "yes" if r.verified else "NO"] for r in sel])  # fmt: skip
+        out.append([[size, r.system, *_report.cells(r, *(rel(r, o) for o in refs))] for r in sel])
     return out

@@ -1,16 +1,10 @@
 """``transport bench sync``: one trainer publishes a synthetic model's weights to N generators.
 
-* ours: ``WeightPublisher.publish(v).wait()`` to every ``WeightSubscriber`` (staging or in place);
-  ``ours-chain`` and ``ours-tree`` are the same with the generators relaying (``--fanout``);
-* raw-nixl: the same tensors (one descriptor each) written straight into every generator's live
-  tensors with raw NIXL, one transfer per generator with a notification, all posted then polled;
-* gloo-bcast / nccl-bcast: ``broadcast`` of every tensor from the trainer, then a 1-byte ack from
-  each generator;
-* memcpy: the state dict copied once per generator inside the trainer (one thread).
-
-Raw NIXL and ours alternate step by step in the same processes (paired ratio per step); the
-others run after them. Every system is verified once: fresh bytes in every tensor, one sync, and
-each generator checks every tensor it holds (ours: after ``apply()``).
+ours: ``WeightPublisher.publish(v).wait()`` to every ``WeightSubscriber`` (ours-chain, ours-tree:
+generators relay); raw-nixl: the same tensors written into every generator's live tensors, one
+transfer each, all posted then polled; gloo-bcast / nccl-bcast: a broadcast per tensor and an
+ack; memcpy: the state dict copied once per generator. Raw NIXL and ours alternate step by step;
+every system is verified once (each generator checks every tensor; ours after ``apply()``).
 """
 
 from __future__ import annotations
@@ -26,12 +20,11 @@ import torch
 
 import transport
 from transport.cli import CliError
-from transport.cli.bench import _env, _raw, _report
-from transport.cli.bench._dist import as_bytes, close_group, open_group
-from transport.cli.bench._runner import Case, Phase, Ratio, Record, Results, Timing, Turn, Workload
-from transport.cli.bench._session import Buffers, Session
-from transport.cli.bench._systems import Dist, Memcpy, RawNixl, Route, System, check_all, fill_all
-from transport.cli.bench._util import fmt_time, human_bytes, parse_size, zero_bytes
+from transport.cli.bench import _report, _util
+from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
+from transport.cli.bench._session import Session
+from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
+from transport.cli.bench._util import as_bytes, check_all, fill_all, fmt_time, human_bytes
 from transport.weights._messages import MAX_DEGREE
 from transport.weights.publisher import FANOUTS
 
@@ -39,13 +32,11 @@ GROUP = "bench"
 ROLES_IN_LAYER = ["q", "k", "v", "o", "up", "down", "norm1", "norm2"]
 WEIGHTS = [1.0, 1.0, 1.0, 1.0, 4.0, 4.0, 1 / 256, 1 / 256]
 TARGETS = {"ours/raw": 1.25, "gloo/ours": 1.5}
-ORDER = ["memcpy", "gloo-bcast", "nccl-bcast", "raw-nixl", "ours", "ours-chain", "ours-tree"]
 
 
 @dataclass(frozen=True)
-class SyncCase(Case):
-    """The one configuration of ``bench sync``: ``tensors`` of ``bytes`` in all to each of the
-    ``generators``."""
+class SyncCase:
+    """The one configuration: ``tensors`` of ``bytes`` in all to each of the ``generators``."""
 
     generators: int
     tensors: int
@@ -56,11 +47,9 @@ class SyncCase(Case):
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CliError(
-            f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, float16, int8"
-        )
+    if not isinstance(dt := getattr(torch, name, None), torch.dtype):
+        raise CliError(f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, "
+                       "float16, int8")  # fmt: skip
     return dt
 
 
@@ -79,81 +68,31 @@ def make_tensors(layout: list[tuple[str, int, str]]) -> dict[str, torch.Tensor]:
     return {name: torch.ones(n, dtype=_dtype(d)) for name, n, d in layout}
 
 
-def system_of(fanout: str) -> str:
-    return "ours" if fanout == "direct" else f"ours-{fanout}"
-
-
-class SyncBuffers(Buffers):
-    """A generator: its live tensors and a WeightSubscriber over them, subscribed at once (the
-    trainer's first contact must find its regions), with the layout of its own command line,
-    which must match the trainer's. A check of a ``version`` applies it first."""
-
-    def __init__(self, t: transport.Transport, w: SyncWorkload) -> None:
-        self.live = make_tensors(w.layout)
-        self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=w.mode)
-        for slot in self.sub.staging if w.mode == "staging" else []:
-            for x in slot.values():  # touch them now, not inside a timed step
-                zero_bytes(x)
-        self.dlive: list[torch.Tensor] = []
-
-    def setup(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
-        return list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
-
-    def tensors(self, spec: dict[str, Any], dist: bool) -> list[torch.Tensor]:
-        return self.dlive if dist and self.dlive else list(self.live.values())
-
-    def open_dist(self, device: str) -> None:
-        xs = self.live.values()
-        self.dlive = [as_bytes(x if device == "cpu" else torch.zeros_like(x, device=device))
-                      for x in xs]  # fmt: skip
-
-    def close_dist(self) -> None:
-        self.dlive = []
-
-    def check(self, spec: dict[str, Any], seed: int, dist: bool) -> dict[str, Any]:
-        if "version" not in spec:
-            return super().check(spec, seed, dist)
-        self.sub.wait_for_version(spec["version"], timeout=60)
-        t0 = time.perf_counter()
-        applied = self.sub.apply()
-        dt = time.perf_counter() - t0
-        ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
-        return {"ok": ok, "apply_s": dt if self.sub.mode == "staging" else None}
-
-    def close(self) -> None:
-        self.sub.close()
-
-
 class Publish(System):
-    """Ours in ``bench sync``: the trainer's WeightPublisher publishes the next version with one
-    ``fanout`` and waits until every generator has it (a version that misses one is a CliError).
-    Verified after each generator's ``apply()``, whose time it records."""
+    """Ours: the trainer's WeightPublisher publishes the next version with one ``fanout`` and waits
+    until every generator has it (a version that misses one is a CliError). Verified after each
+    generator's ``apply()``, whose time it records."""
 
     family = "ours"
 
     def __init__(self, w: SyncWorkload, fanout: str) -> None:
-        super().__init__(system_of(fanout))
-        self.w, self.fanout = w, fanout
-        self.applies: list[float] = []
+        super().__init__("ours" if fanout == "direct" else f"ours-{fanout}")
+        self.w, self.fanout, self.applies = w, fanout, list[float]()
 
     def step(self) -> None:
         w = self.w
-        w.pub.fanout = self.fanout
-        w.version += 1
+        w.pub.fanout, w.version = self.fanout, w.version + 1
         r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
         if len(r.done) != w.generators:
-            raise CliError(
-                f"version {w.version} did not reach every generator: {r.status} {r.reasons}"
-            )
+            raise CliError(f"version {w.version} did not reach every generator: {r.status} "
+                           f"{r.reasons}")  # fmt: skip
 
     def verify(self, seed: int) -> bool:
-        chan, readers = self.w.s.chan, self.w.s.readers
-        chan.ask(readers, "zero", spec={}, dist=False)
-        fill_all(self.w.tensors_, seed)
+        s = self.w.s
+        s.ask(s.readers, "zero", spec={}, dist=False)
+        fill_all(self.w.sd_list, seed)
         self.step()
-        replies = chan.ask(
-            readers, "check", spec={"version": self.w.version}, seed=seed, dist=False
-        )
+        replies = s.ask(s.readers, "check", spec={"version": self.w.version}, seed=seed, dist=False)
         self.applies = [m["apply_s"] for m in replies if m.get("apply_s") is not None]
         return all(m["ok"] for m in replies)
 
@@ -165,16 +104,10 @@ class Publish(System):
 
 @dataclass
 class SyncWorkload(Workload):
-    """What one ``bench sync`` run measures, from its command line: the synthetic state dict
-    (``params`` elements in ``tensors`` tensors of ``dtypes``, laid out by :func:`make_layout`),
-    the ``generators``, ``steps`` timed syncs per system, the subscribers' ``mode``, the
-    ``fanouts`` and tree ``degree``, and the baselines.
-
-    Made alike in the writer and in every reader (local readers get the layout flags from
-    :meth:`reader_args`, so both sides build the same tensors); the fields do not change
-    afterwards. The trainer's state dict, publisher, raw path and version counter live from
-    :meth:`setup` to :meth:`close`.
-    """
+    """What one ``bench sync`` run measures, fixed by :meth:`from_args`: the state dict (see
+    :func:`make_layout`; local readers get its flags), generators, steps, subscriber mode,
+    fan-outs, tree degree and baselines. The trainer's state dict, publisher, raw path and
+    version counter live from :meth:`setup` to :meth:`close`."""
 
     params: int
     tensors: int
@@ -189,41 +122,32 @@ class SyncWorkload(Workload):
     degree: int = 2
     layout: list[tuple[str, int, str]] = field(default_factory=list)
     command = "sync"
+    main_phase = "ours + raw"
+    memcpy_watch = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, peers: list[str] | None) -> SyncWorkload:
-        from transport.cli.bench import parse_baselines, positive
+        from transport.cli.bench import at_least, count_of, names, parse_baselines
 
         q = args.quick
-        params = parse_size(args.params or ("16M" if q else "256M"), "--params")
+        params = _util.parse_size(args.params or ("16M" if q else "256M"), "--params")
         tensors = args.tensors if args.tensors is not None else (50 if q else 300)
-        gens = args.generators
-        if peers:
-            if gens is not None and gens != len(peers):
-                raise CliError(
-                    f"--generators {gens} does not match the {len(peers)} names of --peers"
-                )
-            gens = len(peers)
-        gens = 2 if gens is None else gens
+        gens = count_of("--generators", args.generators, peers, 2)
         steps = args.steps if args.steps is not None else (3 if q else 10)
-        for name, v in (("--tensors", tensors), ("--generators", gens), ("--steps", steps)):
-            if v < 1:
-                raise CliError(f"{name} must be at least 1, got {v}")
-        positive("--timeout", args.timeout)
-        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-        if not dtypes:
+        at_least("--tensors", tensors)
+        at_least("--steps", steps)
+        if not (dtypes := names(args.dtypes)):
             raise CliError("--dtypes is empty; give e.g. float32 or bfloat16,float32")
         for d in dtypes:
             _dtype(d)
         if params < 64 * tensors:
             raise CliError(f"--params {args.params} is too small for {tensors} tensors; give at "
                            f"least {64 * tensors}")  # fmt: skip
-        fanouts = list(dict.fromkeys(f.strip() for f in args.fanout.split(",") if f.strip()))
-        for f in fanouts:
-            if f not in FANOUTS:
-                raise CliError(f"unknown --fanout {f!r}; use a comma list of {', '.join(FANOUTS)}")
+        fanouts, known = list(dict.fromkeys(names(args.fanout))), ", ".join(FANOUTS)
+        if bad := [f for f in fanouts if f not in FANOUTS]:
+            raise CliError(f"unknown --fanout {bad[0]!r}; use a comma list of {known}")
         if not fanouts:
-            raise CliError(f"--fanout is empty; give e.g. direct,chain ({', '.join(FANOUTS)})")
+            raise CliError(f"--fanout is empty; give e.g. direct,chain ({known})")
         if args.mode == "inplace" and fanouts != ["direct"]:
             raise CliError("relays forward from their staging slots: --fanout chain or tree needs "
                            "--mode staging")  # fmt: skip
@@ -232,6 +156,14 @@ class SyncWorkload(Workload):
         return cls(params, tensors, dtypes, gens, steps, args.mode, parse_baselines(args.baselines),
                    timeout=args.timeout, pin=args.pin, fanouts=fanouts, degree=args.degree,
                    layout=make_layout(params, tensors, dtypes))  # fmt: skip
+
+    @property
+    def readers(self) -> int:  # type: ignore[override]
+        return self.generators
+
+    @property
+    def ks(self) -> list[int]:  # type: ignore[override]
+        return [self.generators]
 
     @property
     def nbytes(self) -> int:
@@ -246,21 +178,40 @@ class SyncWorkload(Workload):
         return ["--params", str(self.params), "--tensors", str(self.tensors), "--dtypes",
                 ",".join(self.dtypes), "--mode", self.mode]  # fmt: skip
 
-    def reader_count(self) -> int:
-        return self.generators
-
-    def buffers(self, t: Any) -> Buffers:
-        return SyncBuffers(t, self)
-
     def units(self) -> int:
         return 1 + sum(b in self.baselines for b in ("gloo", "nccl", "memcpy"))
+
+    def case(self) -> SyncCase:
+        return SyncCase(self.generators, self.tensors, self.nbytes)
+
+    # -- a generator: its live tensors and a WeightSubscriber over them, subscribed at once (the
+    # trainer's first contact must find its regions); a check of a ``version`` applies it first
+
+    def open_reader(self, t: transport.Transport) -> None:
+        self.live = make_tensors(self.layout)
+        self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=self.mode)
+        for slot in self.sub.staging if self.mode == "staging" else []:
+            _util.zero_all(list(slot.values()))  # touch them now, not inside a timed step
+
+    def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
+        return list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
+
+    def check(self, spec: dict[str, Any], seed: int, xs: list[torch.Tensor]) -> dict[str, Any]:
+        if "version" not in spec:
+            return super().check(spec, seed, xs)
+        self.sub.wait_for_version(spec["version"], timeout=60)
+        t0 = time.perf_counter()
+        applied = self.sub.apply()
+        dt = time.perf_counter() - t0
+        ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
+        return {"ok": ok, "apply_s": dt if self.mode == "staging" else None}
 
     # -- the trainer ----------------------------------------------------------------------------
 
     def setup(self, s: Session, res: Results) -> None:
-        self.s, self.version, self.path = s, 0, None
+        self.s, self.res, self.version, self.path = s, res, 0, None
         self.sd = make_tensors(self.layout)
-        self.tensors_ = list(self.sd.values())
+        self.sd_list = list(self.sd.values())
         self.pub = transport.WeightPublisher(s.t, self.sd, group=GROUP)
         self.pub.degree = self.degree
         end = time.monotonic() + s.wait
@@ -271,91 +222,66 @@ class SyncWorkload(Workload):
                 raise CliError(f"the generators did not join group {GROUP!r} within {s.wait:.0f} s "
                                f"(joined: {self.pub.subscribers()})")  # fmt: skip
             time.sleep(0.02)
-        s.ready = s.chan.ask(s.readers, "setup", raw="raw" in self.baselines)
+        s.ready = s.ask(s.readers, "setup", raw="raw" in self.baselines)
         if "raw" in self.baselines:
-            self.raw = _raw.RawLink(s.t, s.chan, s.readers, self.tensors_)
+            self.raw = RawLink(s, self.sd_list)
             for i, b in enumerate(self.raw.blobs):
-                self.raw.connect(i, self.tensors_[0], int(b["addrs"][0]))
-            pairs = [(self.tensors_, b["addrs"]) for b in self.raw.blobs]
+                self.raw.connect(i, self.sd_list[0], int(b["addrs"][0]))
+            pairs = [(self.sd_list, b["addrs"]) for b in self.raw.blobs]
             self.path = self.raw.path("WRITE", pairs, notif=b"transport-bench-sync")
 
     def close(self) -> None:
-        for part in ("path", "raw", "pub"):  # as far as setup got
+        for part in ("path", "raw", "pub", "sub"):  # as far as setup (open_reader) got
             if (x := getattr(self, part, None)) is not None:
                 x.close()
 
-    def phases(self, s: Session, res: Results) -> list[Phase]:
-        b = self.baselines
-        nccl = Phase("nccl", lambda: self.dist_turns("nccl"), watch=False,
-                     skip=s.nccl_unavailable() if "nccl" in b else None)  # fmt: skip
-        return [
-            Phase("ours + raw", lambda: self.main_turns(res), pinned=True),
-            *([Phase("gloo", lambda: self.dist_turns("gloo"))] if "gloo" in b else []),
-            *([nccl] if "nccl" in b else []),
-            *(
-                [Phase("memcpy", lambda: self.memcpy_turns(res), watch=False)]
-                if "memcpy" in b
-                else []
-            ),
-        ]
-
-    def case(self) -> SyncCase:
-        return SyncCase(self.generators, self.tensors, self.nbytes)
-
-    def main_turns(self, res: Results) -> Iterator[Turn]:
+    def main_turns(self) -> Iterator[Turn]:
         ours = [Publish(self, f) for f in self.fanouts]
         systems: list[System] = list(ours)
         pairs = [(o.name, "ours") for o in ours if o.name != "ours" and "direct" in self.fanouts]
         if self.path is not None:
-            route = Route(self.s.chan, self.s.readers, {}, local=[self.tensors_])
+            route = Route(self.s, self.s.readers, {}, local=[self.sd_list])
             systems.insert(0, RawNixl("raw-nixl", self.path, route, owns=False))
             pairs = [(o.name, "raw-nixl") for o in ours] + pairs
         timing = Timing(0.0, self.steps, self.steps, 2 if self.mode == "staging" else 1)
-        raw = " + raw" if "raw" in self.baselines else ""
-        label = f"ours{raw}: {self.steps} syncs"
+        label = f"ours{' + raw' if 'raw' in self.baselines else ''}: {self.steps} syncs"
         yield Turn(label, self.case(), systems, timing, [x.name for x in systems], pairs, False)
         if self.fanouts != ["direct"]:
             sends = ", ".join(f"{f}: {self.trainer_sends(f)}x" for f in self.fanouts)
-            res.notes.append(f"relayed fan-out (ours-chain, ours-tree): the trainer sends each "
-                             f"version {sends} (tree degree {self.degree}); relays forward each "
-                             "32 MiB segment as it lands")  # fmt: skip
+            self.res.notes.append(f"relayed fan-out (ours-chain, ours-tree): the trainer sends "
+                                  f"each version {sends} (tree degree {self.degree}); relays "
+                                  "forward each 32 MiB segment as it lands")  # fmt: skip
         if ours[-1].applies:
             took = fmt_time(statistics.median(ours[-1].applies))
-            res.notes.append(f"ours: a generator's apply() (staging -> live copy, off the "
-                             f"trainer's path) took {took}")  # fmt: skip
+            self.res.notes.append(f"ours: a generator's apply() (staging -> live copy, off the "
+                                  f"trainer's path) took {took}")  # fmt: skip
 
-    def dist_turns(self, backend: str) -> Iterator[Turn]:
-        s = self.s
-        store_url = getattr(s.t.store, "url", None)
-        group = open_group(s.chan, store_url, s.readers, backend, [len(s.readers)], s.device_of)
-        try:
-            xs = [as_bytes(x.to(group.device)) for x in self.tensors_]
-            route = Route(s.chan, s.readers, {}, local=[xs], dist=True)
-            system = Dist(f"{backend}-bcast", group, "bcast", xs, route)
-            timing = Timing(0.0, self.steps, self.steps)
-            yield Turn(f"{backend} broadcast", self.case(), [system], timing)
-        finally:
-            close_group(s.chan, s.readers, group)
+    def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
+        xs = [as_bytes(x.to(group.device)) for x in self.sd_list]
+        route = Route(self.s, self.s.readers, {}, local=[xs], dist=True)
+        system = Dist(f"{backend}-bcast", group, "bcast", xs, route)
+        yield Turn(
+            f"{backend} broadcast", self.case(), [system], Timing(0.0, self.steps, self.steps)
+        )
 
-    def memcpy_turns(self, res: Results) -> Iterator[Turn]:
+    def memcpy_turns(self) -> Iterator[Turn]:
         timing = Timing(0.0, self.steps, self.steps)
-        yield Turn("memcpy", self.case(), [Memcpy(self.tensors_, self.generators)], timing)
-        res.notes.append(f"memcpy: the state dict copied {self.generators} time(s) in the "
-                         "trainer, one thread")  # fmt: skip
+        yield Turn("memcpy", self.case(), [Memcpy(self.sd_list, self.generators)], timing)
+        self.res.notes.append(f"memcpy: the state dict copied {self.generators} time(s) in the "
+                              "trainer, one thread")  # fmt: skip
 
     # -- the report -----------------------------------------------------------------------------
 
     def ratios(self, records: list[Record]) -> list[Ratio]:
+        """Ours (direct, else the first fan-out) against each other system: time per sync."""
         named = [r for r in records if r.system == "ours"]
-        ours = next(iter(named or [r for r in records if r.family == "ours"]), None)
-        if ours is None:
+        if (ours := next(iter(named or [r for r in records if r.family == "ours"]), None)) is None:
             return []
         fanouts = [ours] + [r for r in records if r.family == "ours" and r is not ours]
         out = []
         for o in (o for o in records if o is not ours):
             if o.family == "ours":  # a relayed fan-out against direct
-                x = o.stats.median_s / ours.stats.median_s
-                paired = o.paired_time_ratio.get("ours")
+                x, paired = o.stats.median_s / ours.stats.median_s, o.paired_time_ratio.get("ours")
                 out.append(Ratio(ours.system, x, paired, name=f"{o.system}/{ours.system} time"))
             elif o.system == "raw-nixl":
                 x, most = ours.stats.median_s / o.stats.median_s, TARGETS["ours/raw"]
@@ -372,44 +298,33 @@ class SyncWorkload(Workload):
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
         cpu, gens = env["cpu"], f"{self.generators} generator{'s' if self.generators > 1 else ''}"
-        _report.text(
-            out,
-            f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
-            f"{_env.ucx_summary(env['ucx'])}",
-            f"\nweight sync: {self.params:,} parameters ({human_bytes(self.nbytes)} of "
-            f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors to {gens}, "
-            f"{self.mode} mode; median of {self.steps} syncs (GB/s: bytes delivered to all "
-            "generators)",
-        )
+        _report.text(out, f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
+                     f"{_report.ucx_summary(env['ucx'])}",
+                     f"\nweight sync: {self.params:,} parameters ({human_bytes(self.nbytes)} of "
+                     f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors to "
+                     f"{gens}, {self.mode} mode; median of {self.steps} syncs (GB/s: bytes "
+                     "delivered to all generators)")  # fmt: skip
         ours = next((r for r in res.records if r.system == "ours"), None)
         rows = []
-        for r in sorted(
-            res.records, key=lambda r: ORDER.index(r.system) if r.system in ORDER else 9
-        ):
+        for r in sorted(res.records, key=lambda r: _report.rank(r.system)):
             rel = (
                 "-"
                 if ours is None or r is ours
                 else f"{r.stats.median_s / ours.stats.median_s:.2f}x"
             )
-            st = r.stats
-            rows.append([r.system, fmt_time(st.median_s), f"{st.gbps:.3f}", rel,
-                         f"{fmt_time(st.p10_s)}..{fmt_time(st.p90_s)}", str(st.iters),
-                         "yes" if r.verified else "NO"])  # fmt: skip
-        cols = ["<system", "per sync", "GB/s", "time/ours", "p10..p90", "steps", "ok"]
-        _report.table(out, cols, [rows])
+            rows.append([r.system, *_report.cells(r, rel)])
+        _report.table(out, "<system|per sync|GB/s|time/ours|p10..p90|steps|ok", [rows])
         if ratios:
             _report.text(out, "\nratios (time per sync; [paired step by step]):")
         for x in ratios:
-            tgt = ""
-            if x.target is not None:
-                rule = "<=" if x.vs == "raw-nixl" else ">="
-                tgt = f"  (target {rule} {x.target})  {'PASS' if x.passed else 'MISS'}"
+            rule = "<=" if x.vs == "raw-nixl" else ">="
+            verdict = "PASS" if x.passed else "MISS"
+            tgt = "" if x.target is None else f"  (target {rule} {x.target})  {verdict}"
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
             _report.text(out, f"  {x.name:<22} = {x.ratio:.3f}{paired}{tgt}")
 
     def plot(self, records: list[Record], path: str, env: dict[str, Any]) -> None:
-        plt = _report.pyplot()
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = _report.pyplot().subplots(figsize=(8, 4.5))
         names, times = [r.system for r in records], [r.stats.median_s for r in records]
         ax.bar(names, times, color=[_report.COLORS.get(n, "tab:blue") for n in names])
         for i, r in enumerate(records):
@@ -417,6 +332,5 @@ class SyncWorkload(Workload):
                     ha="center", va="bottom", fontsize=8)  # fmt: skip
         ax.set_ylim(0, 1.2 * max(times, default=1.0))
         ax.set_ylabel("time per weight sync (s, median)")
-        title = (f"transport bench sync: {human_bytes(self.nbytes)} in {self.tensors} tensors to "
-                 f"{self.generators} generators ({self.mode})")  # fmt: skip
-        _report.save(fig, path, title)
+        _report.save(fig, path, f"transport bench sync: {human_bytes(self.nbytes)} in "
+                     f"{self.tensors} tensors to {self.generators} generators ({self.mode})")  # fmt: skip
