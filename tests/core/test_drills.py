@@ -181,7 +181,8 @@ def test_a_connection_dropped_while_a_put_plans_on_it_goes_to_the_new_incarnatio
                 if agent == stale.agent:
                     seen.append(agent)
                     if len(seen) == drop_at:
-                        internals.drop_connection(w, stale)  # what the heartbeat does on a newer generation
+                        # what the heartbeat does on a newer generation
+                        internals.drop_connection(w, stale)
                 return prep(agent, descs, device)
 
             internals.backend(w).prep = prep_while_dropped

@@ -58,7 +58,8 @@ def test_a_large_put_and_get_are_cut_over_lanes(tcp_store):
         # share 0 starts with a small part posted alone and ends with a small notifying one
         edges = plan.shares[0].parts[0].nbytes, plan.shares[0].parts[-1].nbytes
         assert edges == (EDGE_BYTES, EDGE_BYTES)
-        assert {s.backend for s in plan.shares} == {internals.backend(w), *(ln.backend for ln in internals.lanes(w))}
+        agents = {internals.backend(w), *(ln.backend for ln in internals.lanes(w))}
+        assert {s.backend for s in plan.shares} == agents
         peer, payload, shas = p.call("notif_then_sha", 30, ["buf"])
         assert (peer, payload) == ("writer", b"all") and shas["buf"] == sha(src)
         assert p.call("notifications", 0) == []  # one notification for the three shares

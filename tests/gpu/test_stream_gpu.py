@@ -22,7 +22,8 @@ def spin(ms: float) -> None:
     """Keep the current stream busy for about ``ms`` milliseconds (so a put that ignored the
     stream's order would read the source before the kernel below wrote it)."""
     cycles = int(ms * 1e6)  # about 1 cycle per ns
-    internals.gpu_sleep(cycles)  # sync-ok: a busy GPU kernel that orders the stream, not a host wait
+    # sync-ok: a busy GPU kernel that orders the stream, not a host wait
+    internals.gpu_sleep(cycles)
 
 
 def test_a_put_follows_the_kernel_before_it_and_later_kernels_wait(tcp_store, writer):
@@ -127,7 +128,8 @@ def test_vram_and_pinned_memory_as_sources_and_destinations(tcp_store, writer, w
         writer.get(back, "recv", "buf").wait(30)
         assert sha(back) == sha(data)
         if where == "cuda":
-            assert not internals.lanes(writer)  # GPU transfers stay on one agent (64 MiB = lane_bytes)
+            # GPU transfers stay on one agent (64 MiB = lane_bytes)
+            assert not internals.lanes(writer)
 
 
 def test_a_captured_publish_sends_the_next_version_every_replay(tcp_store, writer):

@@ -65,6 +65,11 @@ def engine_ops(e: Engine) -> list[Op]:
     return [*e._inflight, *e._queue]
 
 
+def control_channel(t: transport.Transport) -> Any:
+    """The notifications' channel (its bound on queued notifications)."""
+    return t._control
+
+
 def transfers(t: transport.Transport) -> Any:
     """The transfer paths (to spy on one of them with monkeypatch)."""
     return t._transfers

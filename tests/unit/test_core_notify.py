@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.loopback_net import frozen, pattern
 
 pytestmark = pytest.mark.timeout(10)
@@ -175,3 +176,21 @@ def test_bad_notifications_are_refused_before_anything_moves(loopback_net):
         w.notify(loopback_net.name("nobody"), b"x")
     assert torch.equal(dst, pattern(128, 1))
     assert list(r.notifications(timeout=0)) == []
+
+
+def test_a_flood_of_notifications_is_bounded_and_the_queue_keeps_the_oldest(loopback_net, caplog):
+    """A peer that sends faster than the receiver reads cannot grow its memory without bound:
+    past the bound the newest are dropped (and logged), what was queued stays, in order, and
+    once read there is room again."""
+    r = loopback_net.make("r")
+    internals.control_channel(r).max_queued = 8
+    w = loopback_net.make("w")
+    with frozen(r):  # held: they reach r's queue together, in one batch, after the thaw
+        for i in range(20):
+            w.notify(r.name, b"n%d" % i)
+    got = [r.wait_notification(5).payload for _ in range(8)]
+    assert got == [b"n%d" % i for i in range(8)]
+    assert list(r.notifications(timeout=0)) == []  # the 12 newest were dropped
+    assert "dropped 12 notifications" in caplog.text
+    w.notify(r.name, b"after")  # read, there is room again
+    assert r.wait_notification(5).payload == b"after"

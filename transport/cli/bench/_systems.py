@@ -172,12 +172,16 @@ class RawPath:
         return self.agent.make_prepped_xfer(self.op, lp, idx, rp, idx, notif_msg=self.notif)
 
     def _post(self, handles: list[Any]) -> None:
-        for h, st in [(h, self.agent.transfer(h)) for h in handles]:
+        # written out plainly, as a NIXL user would: this loop is the reference of every ratio,
+        # and its 4 KiB figure moved by several percent when it was written more tersely
+        states = [self.agent.transfer(h) for h in handles]
+        for h, st in zip(handles, states, strict=True):
             poll_done(self.agent, h, st)
 
     def make_post(self) -> None:
-        self._post(hs := [self._make(side) for side in self.sides])
-        for h in hs:
+        handles = [self._make(side) for side in self.sides]
+        self._post(handles)
+        for h in handles:
             h.release()
 
     def repost(self) -> None:
