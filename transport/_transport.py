@@ -383,6 +383,12 @@ class Transport(Closing):
         those already here; ``None``: until the Transport closes)."""
         return self._control.iterate(timeout)
 
+    @property
+    def dropped_notifications(self) -> int:
+        """Notifications dropped because too many were queued unread (65,536, or 64 MiB of
+        payload): read them sooner, or they are lost (each drop is logged)."""
+        return self._control.dropped
+
     def wait_notification(
         self, timeout: float | None = None, peer: str | None = None
     ) -> Notification:

@@ -24,8 +24,10 @@ from transport.wire import (
 
 log = logging.getLogger("transport")
 
-#: user notifications held until read; a peer flooding us beyond this loses the newest
+#: user notifications held until read, in count and in payload bytes; past either, the newest
+#: are dropped (and counted, and logged), so a peer flooding us cannot grow our memory unbounded
 MAX_QUEUED_NOTIFICATIONS = 1 << 16
+MAX_QUEUED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class ControlChannel:
 
     It owns the handler registry (one handler per channel: a second is refused with ValueError;
     :meth:`on_control` returns the call that unregisters it) and the queue of user notifications,
-    bounded by ``max_queued`` (beyond it the newest are dropped and logged, so a peer cannot grow
-    our memory without bound). Threads: :meth:`route` runs on the engine thread, calls handlers
+    bounded by ``max_queued`` notifications and ``max_queued_bytes`` of payload (beyond either
+    the newest are dropped, counted in ``dropped`` and logged, so a peer cannot grow our memory
+    without bound; frames over the size limit are dropped on receipt). Threads: :meth:`route` runs on the engine thread, calls handlers
     there (a handler's exception is logged, never kills the engine) and never blocks; the waits
     (:meth:`wait`, :meth:`iterate`) are bounded by their deadline and end when the Transport
     closes (:meth:`close` wakes them). A notification is sent after every transfer completed to
@@ -51,16 +54,22 @@ class ControlChannel:
     """
 
     def __init__(
-        self, ep: Endpoint, peers: PeerTable, max_queued: int = MAX_QUEUED_NOTIFICATIONS
+        self,
+        ep: Endpoint,
+        peers: PeerTable,
+        max_queued: int = MAX_QUEUED_NOTIFICATIONS,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
     ) -> None:
         self._ep = ep
         self._peers = peers
         self.max_queued = max_queued
+        self.max_queued_bytes = max_queued_bytes
+        self.dropped = 0  # notifications dropped because the queue was full
+        self._queued_bytes = 0
         self._handlers: dict[str, ControlHandler] = {}
         self._handlers_lock = threading.Lock()
         self._queue: deque[Notification] = deque()
         self._cond = threading.Condition()
-        self._dropped = 0
 
     # -- the library's own messages ----------------------------------------------------------
 
@@ -151,20 +160,27 @@ class ControlChannel:
 
     def _enqueue(self, out: list[Notification]) -> None:
         with self._cond:
-            room = self.max_queued - len(self._queue)
-            if room < len(out):
-                lost = len(out) - max(room, 0)
-                self._dropped += lost
-                out = out[: max(room, 0)]
-                log.warning(
-                    "dropped %d notifications (%d in all): %d are queued unread, the most this "
-                    "Transport holds; read them with notifications() or wait_notification()",
-                    lost,
-                    self._dropped,
-                    self.max_queued,
-                )
-            self._queue.extend(out)
-            self._cond.notify_all()
+            kept = 0
+            for n in out:
+                if (
+                    len(self._queue) >= self.max_queued
+                    or self._queued_bytes + len(n.payload) > self.max_queued_bytes
+                ):
+                    break
+                self._queue.append(n)
+                self._queued_bytes += len(n.payload)
+                kept += 1
+            if kept:
+                self._cond.notify_all()
+            lost = len(out) - kept
+            if lost:
+                self.dropped += lost
+        if lost:
+            log.warning(
+                "dropped %d notifications (%d in all): %d of %d bytes are queued unread, the "
+                "most this Transport holds; read them with notifications() or wait_notification()",
+                lost, self.dropped, len(self._queue), self._queued_bytes,
+            )  # fmt: skip
 
     # -- reading (user threads) --------------------------------------------------------------
 
@@ -175,6 +191,7 @@ class ControlChannel:
                 if not self._queue and not self._await(deadline):
                     return
                 n = self._queue.popleft()
+                self._queued_bytes -= len(n.payload)
             yield n
 
     def wait(self, timeout: float | None, peer: str | None) -> Notification:
@@ -184,6 +201,7 @@ class ControlChannel:
                 for i, n in enumerate(self._queue):
                     if peer is None or n.peer == peer:
                         del self._queue[i]
+                        self._queued_bytes -= len(n.payload)
                         return n
                 self._ep.check_open()
                 if not self._await(deadline, after=len(self._queue)):

@@ -392,6 +392,10 @@ _TAG_USER_BYTES = bytes([TAG_USER])
 MAX_CHANNEL = 32
 
 
+#: the largest frame a notification may be: tag, channel length, channel, payload
+MAX_FRAME_BYTES = 2 + MAX_CHANNEL + MAX_NOTIFY_BYTES
+
+
 def frame_user_notification(payload: object) -> bytes:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"notify must be bytes, got {type(payload).__name__}")
@@ -414,11 +418,16 @@ def frame_control(channel: str, payload: bytes) -> bytes:
 
 def parse_notification(frame: bytes) -> tuple[int, str, bytes]:
     """Split a received frame into (tag, channel, payload); the channel is "" for users'
-    notifications. WireFormatError for an empty, unknown or truncated frame."""
+    notifications. WireFormatError for an empty, unknown, truncated or oversized frame (the limit
+    is checked on receipt too: a sender need not be this library)."""
     if not frame:
         raise WireFormatError("empty notification frame")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireFormatError(_oversized(len(frame)))
     tag = frame[0]
     if tag == TAG_USER:
+        if len(frame) - 1 > MAX_NOTIFY_BYTES:
+            raise WireFormatError(_oversized(len(frame) - 1))
         return tag, "", frame[1:]
     if tag == TAG_CONTROL:
         if len(frame) < 2 or not 0 < frame[1] <= MAX_CHANNEL or len(frame) < 2 + frame[1]:
@@ -427,8 +436,15 @@ def parse_notification(frame: bytes) -> tuple[int, str, bytes]:
             channel = frame[2 : 2 + frame[1]].decode("ascii")
         except UnicodeDecodeError:
             raise WireFormatError("control notification channel is not ASCII") from None
-        return tag, channel, frame[2 + frame[1] :]
+        payload = frame[2 + frame[1] :]
+        if len(payload) > MAX_NOTIFY_BYTES:
+            raise WireFormatError(_oversized(len(payload)))
+        return tag, channel, payload
     raise WireFormatError(f"notification frame has unknown tag 0x{tag:02x}")
+
+
+def _oversized(n: int) -> str:
+    return f"a notification of {n} bytes; the most a peer may send is {MAX_NOTIFY_BYTES}"
 
 
 def agent_name(peer: str, generation: int) -> str:

@@ -15,7 +15,8 @@ import torch
 
 import transport
 from helpers import internals
-from helpers.loopback_net import frozen, pattern
+from helpers.loopback_net import agent_of, frozen, pattern
+from transport.wire import MAX_NOTIFY_BYTES, frame_user_notification
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -191,6 +192,34 @@ def test_a_flood_of_notifications_is_bounded_and_the_queue_keeps_the_oldest(loop
     got = [r.wait_notification(5).payload for _ in range(8)]
     assert got == [b"n%d" % i for i in range(8)]
     assert list(r.notifications(timeout=0)) == []  # the 12 newest were dropped
-    assert "dropped 12 notifications" in caplog.text
+    assert "dropped 12 notifications" in caplog.text and r.dropped_notifications == 12
     w.notify(r.name, b"after")  # read, there is room again
     assert r.wait_notification(5).payload == b"after"
+
+
+def test_a_frame_over_the_size_limit_is_dropped_on_receipt(loopback_net, caplog):
+    """The 64 KiB limit holds for whoever sends: a sender that is not this library (here our
+    own agent, used raw) cannot queue a larger payload at the receiver."""
+    r = loopback_net.make("r")
+    w = loopback_net.make("w")
+    w.notify(r.name, b"hello")  # connected
+    assert r.wait_notification(5).payload == b"hello"
+    huge = frame_user_notification(b"")[:1] + bytes(MAX_NOTIFY_BYTES + 1)  # one byte too many
+    internals.backend(w).send_notif(agent_of(r), huge, r.name)
+    w.notify(r.name, b"after")  # sent after the huge one: once it is here, that one was seen
+    assert r.wait_notification(5).payload == b"after"
+    assert list(r.notifications(timeout=0)) == []
+    assert "the most a peer may send" in caplog.text
+
+
+def test_the_queue_is_bounded_in_bytes_too(loopback_net):
+    r = loopback_net.make("r")
+    internals.control_channel(r).max_queued_bytes = 4 * MAX_NOTIFY_BYTES
+    w = loopback_net.make("w")
+    payloads = [bytes([i]) * MAX_NOTIFY_BYTES for i in range(10)]
+    with frozen(r):
+        for p in payloads:
+            w.notify(r.name, p)
+    assert r.wait_notification(5).payload == payloads[0]
+    assert [n.payload for n in r.notifications(timeout=0)] == payloads[1:4]
+    assert r.dropped_notifications == 6
