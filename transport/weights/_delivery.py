@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transport.errors import TransferTimeout
+from transport.errors import ClosedError, TransferTimeout
 
 DONE, EXCLUDED, LOST = "done", "excluded", "lost"
 
@@ -53,6 +53,7 @@ class Delivery:
         self.pending = set(names)
         self.cond = threading.Condition()
         self.callbacks: list[Callable[[PublishHandle], Any]] = []
+        self.error: ClosedError | None = None  # set when the publisher closed before the end
         self.handle = PublishHandle(self)
 
     def settle(self, name: str, status: str, reason: str = "") -> None:
@@ -70,13 +71,29 @@ class Delivery:
         for fn in callbacks:
             fn(self.handle)
 
+    def close(self, error: ClosedError) -> None:
+        """The publisher closed: whoever has no outcome yet never gets one; the handle completes
+        now, failed with ``error`` (unless every subscriber already had an outcome)."""
+        with self.cond:
+            if not self.pending:
+                return
+            self.error = error
+            for name in self.pending:
+                self.result.reasons.setdefault(name, str(error))
+            self.pending = set()
+            self.cond.notify_all()
+            callbacks, self.callbacks = self.callbacks, []
+        for fn in callbacks:
+            fn(self.handle)
+
     def done(self) -> bool:
         return not self.pending
 
 
 class PublishHandle:
     """The result of :meth:`WeightPublisher.publish`; completes when every subscriber has an outcome
-    (at the latest at the publish deadline)."""
+    (at the latest at the publish deadline), or when the publisher closes first: then
+    :meth:`wait` raises ClosedError and :meth:`exception` returns it."""
 
     def __init__(self, delivery: Delivery) -> None:
         self._delivery = delivery
@@ -102,7 +119,12 @@ class PublishHandle:
         fn(self)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """None: a publish does not fail as a whole; :attr:`result` tells each subscriber's outcome."""
+        """ClosedError if the publisher closed before every subscriber had an outcome; else None
+        (a publish does not fail as a whole: :attr:`result` tells each subscriber's outcome)."""
+        try:
+            self.wait(timeout)
+        except ClosedError as e:
+            return e
         return None
 
     def done(self) -> bool:
@@ -120,4 +142,6 @@ class PublishHandle:
                         f"version {d.result.version} is still in flight to {sorted(d.pending)}"
                     )
                 d.cond.wait(0.05 if left is None else min(left, 0.05))
+            if d.error is not None:
+                raise d.error
         return d.result

@@ -14,6 +14,7 @@ import torch
 
 from transport._transport import Transport
 from transport.errors import (
+    ClosedError,
     PeerLostError,
     PeerNotFoundError,
     TransferTimeout,
@@ -575,8 +576,15 @@ class WeightPublisher:
         _, self._degree = check_fanout("tree", value)
 
     def close(self) -> None:
+        """Stop publishing. A publish still in flight completes now: its handle fails with
+        ClosedError (the versions the subscribers completed stay theirs). Idempotent."""
         self._stop_control()
         self._worker.stop()
+        with self._lock:
+            handles, self._handles = self._handles, []
+        closed = ClosedError(f"the weight publisher of group {self.group!r} was closed")
+        for d in handles:
+            d.close(closed)
 
     def __enter__(self) -> WeightPublisher:
         return self
