@@ -64,3 +64,42 @@ def test_close_after_a_completed_publish_changes_nothing(loopback_net):
     pub.close()
     assert handle.exception(0) is None and handle.wait(0).done == [gen.name]
     sub.close()
+
+
+def test_a_second_subscriber_of_a_group_on_one_transport_is_refused_and_changes_nothing(
+    loopback_net,
+):
+    """Refused before it changes any state: the first subscriber keeps receiving versions, and
+    the refused one leaves no thread behind."""
+    gen, sub, trainer, pub, weights, live = _pair(loopback_net)
+    before = {t.name for t in threading.enumerate()}
+    exposed = set(gen.regions())
+    with pytest.raises(ValueError, match="already has a handler"):
+        transport.WeightSubscriber(gen, {"w": torch.zeros(4096, dtype=torch.uint8)}, group="policy")
+    assert {t.name for t in threading.enumerate()} <= before
+    assert set(gen.regions()) == exposed  # nothing more exposed
+    weights["w"].copy_(pattern(4096, 5))
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    sub.wait_for_version(1, timeout=10)
+    assert sub.apply() == 1 and torch.equal(live["w"], pattern(4096, 5))
+    sub.close()
+
+
+def test_a_publisher_of_a_group_this_transport_subscribes_to_is_refused_and_changes_nothing(
+    loopback_net,
+):
+    gen, sub, trainer, pub, weights, live = _pair(loopback_net)
+    before = {t.name for t in threading.enumerate()}
+    exposed = set(gen.regions())
+    with pytest.raises(ValueError, match="already has a handler"):
+        transport.WeightPublisher(gen, {"w": pattern(4096, 9)}, group="policy")
+    assert {t.name for t in threading.enumerate()} <= before
+    assert set(gen.regions()) == exposed
+    with pytest.raises(ValueError, match="already has a handler"):  # a second publisher
+        transport.WeightPublisher(trainer, {"w": pattern(4096, 9)}, group="policy")
+    assert {t.name for t in threading.enumerate()} <= before
+    weights["w"].copy_(pattern(4096, 6))
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]  # the first one still works
+    sub.wait_for_version(1, timeout=10)
+    assert sub.apply() == 1 and torch.equal(live["w"], pattern(4096, 6))
+    sub.close()

@@ -7,7 +7,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 import torch
@@ -136,9 +136,6 @@ class WeightPublisher:
         # [seq, version] that is odd while the trainer changes them.
         self._seq = torch.tensor([0, -1], dtype=torch.int64)  # no version until the first publish
         self._updating = False
-        exposed = {region(self.group, PUB_SLOT, n): t for n, t in self.tensors.items()}
-        exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
-        transport.expose_all(exposed, access="r")
         self.version = -1
         self._subs: dict[str, _Sub] = {}
         self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
@@ -148,7 +145,18 @@ class WeightPublisher:
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
-        self._stop_control = transport.core.on_control(channel(group), self._on_message)
+        self._stop_control: Callable[[], None] = lambda: None
+        try:
+            # the group's channel before anything is exposed: a second publisher or subscriber
+            # of the group on this Transport is refused there, and leaves nothing behind
+            self._stop_control = transport.core.on_control(channel(group), self._on_message)
+            exposed = {region(self.group, PUB_SLOT, n): t for n, t in self.tensors.items()}
+            exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
+            transport.expose_all(exposed, access="r")
+        except BaseException:
+            self._stop_control()
+            self._worker.stop()
+            raise
 
     # -- membership ------------------------------------------------------------------------------
 
