@@ -86,7 +86,18 @@ class PeerTable:
         conn = self._conns.get(peer)
         if conn is not None and conn.alive and not refresh:
             return conn
-        rec = ep.directory.fetch(peer)
+        try:
+            rec = ep.directory.fetch(peer)
+        except StoreError as e:
+            if conn is None:
+                raise
+            # we reached this peer and lost it: that is what the caller must hear, not that the
+            # store (which would show a restart) is gone too, as when the peer hosted it
+            raise PeerLostError(
+                f"peer {peer!r} (generation {conn.generation}) was lost, and the store that would "
+                f"show a restart cannot be reached [{e}]",
+                peer,
+            ) from e
         if rec is None:
             if conn is not None:
                 self.drop(conn)

@@ -106,7 +106,18 @@ def test_the_death_of_the_process_hosting_the_embedded_store():
         with transport.Transport("writer", store=url, timeout=30) as w:
             w.wait_for_peer("other", 30)
             w.put(pattern(MiB, 1), "other", "buf").wait(30)
+            small = pattern(4096, 1)
+            w.put(small, "host", "buf").wait(30)
             host.kill()
+            # a put to the dead host fails with PeerLostError, for a cached plan and a new one,
+            # never with the store's error (which would send the caller after the store)
+            t0 = time.monotonic()
+            for src in (small, pattern(4096, 2), small):
+                with pytest.raises(transport.PeerLostError, match="host"):
+                    w.put(src, "host", "buf").wait(30)
+            print(
+                f"\nputs to the dead store host: PeerLostError after {time.monotonic() - t0:.3f} s"
+            )
             # established transfers keep working without the store
             w.put(pattern(MiB, 2), "other", "buf").wait(30)
             assert other.call("sha", "buf") == sha(pattern(MiB, 2))
