@@ -80,7 +80,7 @@ class Housekeeping:
         ep.directory.heartbeat(ep.name, ep.generation)
         if self._regions.restore():
             log.warning(
-                "transport %s: the store had lost its record (restarted?); published it again",
+                "transport %s: the store had lost or replaced its record; published it again",
                 ep.name,
             )
             ep.recorder.record("join", peers=ep.name, info="record restored in the store")

@@ -17,6 +17,7 @@ import time
 from transport.errors import StoreError, WireFormatError
 from transport.store.base import Store
 from transport.wire import (
+    NAME_RE,
     PeerRecord,
     decode_heartbeat,
     decode_peer_record,
@@ -90,20 +91,42 @@ class Directory:
         out: list[str] = []
         for i in range(1, count + 1):
             raw = self.store.try_get(self.key("members", str(i)))
-            if raw is not None:
-                name = raw.decode(errors="replace")
-                if name not in out:
-                    out.append(name)
+            if raw is None:
+                continue
+            name = raw.decode(errors="replace")
+            if not NAME_RE.match(name):
+                log.warning(
+                    "skipping member %d of namespace %s: %r is not a peer name (key %s)",
+                    i, self.namespace, name[:80], self.key("members", str(i)),
+                )  # fmt: skip
+                continue
+            if name not in out:
+                out.append(name)
         return out
 
     def generation(self, name: str) -> int:
         return self.store.add(self.key("gen", name), 0)
 
     def restore(self, record: PeerRecord) -> bool:
-        """Put our record back if the store lost it (a Redis restarted without persistence):
-        the generation counter, the membership index and the record. True if it was missing."""
-        if self.store.try_get(self.key("peers", record.name)) is not None:
-            return False
+        """Put our record back if the store lost it (a Redis restarted without persistence), or
+        holds one we did not write (garbage, a forgery, a record of another incarnation that
+        is not newer): the generation counter, the membership index and the record. True if it
+        was put back."""
+        raw = self.store.try_get(self.key("peers", record.name))
+        if raw is not None:
+            try:
+                stored = decode_peer_record(raw, self.secret, self.namespace)
+            except WireFormatError as e:
+                log.warning("the record of %s in the store is not valid (%s); writing ours again",
+                            record.name, e)  # fmt: skip
+                self.publish(record)
+                return True
+            if stored == record or stored.generation > record.generation:
+                return False  # ours, or a newer incarnation of the name: not ours to replace
+            log.warning("the record of %s in the store is not the one it wrote; writing it again",
+                        record.name)  # fmt: skip
+            self.publish(record)
+            return True
         current = self.store.add(self.key("gen", record.name), 0)
         if current < record.generation:
             self.store.add(self.key("gen", record.name), record.generation - current)

@@ -185,8 +185,10 @@ class Regions:
             self.record = rec
 
     def restore(self) -> bool:
-        """Housekeeping: publish the record again if the store lost it (True then)."""
-        return self.record is not None and self._ep.directory.restore(self.record)
+        """Housekeeping: publish the record again if the store lost it or holds one we did not
+        write (True then). Under the lock: an expose meanwhile must not be undone."""
+        with self.lock:
+            return self.record is not None and self._ep.directory.restore(self.record)
 
     def _exposed_registrations(self) -> tuple[tuple[int, int, str], ...]:
         """The registered memory under the exposed regions (each tensor's whole storage, which is

@@ -1,0 +1,68 @@
+"""Garbage in the store costs a warning, never the namespace: a member name that is not a peer
+name is skipped by ``peers()``, and a record under a live peer's name that its owner did not
+write (garbage, or a forged record that hides its regions) is replaced by the owner's own at its
+next heartbeat, so writers find its regions again."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers.loopback_net import pattern
+from transport.wire import decode_peer_record, encode_peer_record
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _record_key(t) -> str:
+    return f"transport/{t.namespace}/peers/{t.name}"
+
+
+def _until(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` passes (housekeeping runs on its own thread)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        threading.Event().wait(0.01)  # sync-ok: the poll interval of a deadline-bounded wait
+    return True
+
+
+def _valid_with(store, key: str, region: str) -> bool:
+    raw = store.try_get(key)
+    try:
+        return raw is not None and region in decode_peer_record(raw).region_map()
+    except Exception:  # noqa: BLE001 - garbage until the owner repairs it
+        return False
+
+
+@pytest.mark.parametrize("damage", ["garbage", "forged-without-regions"])
+def test_an_owner_repairs_a_record_it_did_not_write(loopback_net, damage):
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    r = loopback_net.receiver("r", {"dst": dst}, heartbeat_interval=0.05)
+    w = loopback_net.make("w")
+    store, key = loopback_net.store, _record_key(r)
+    if damage == "garbage":
+        store.set(key, b"\x93not a record")
+    else:
+        rec = decode_peer_record(store.try_get(key))
+        store.set(key, encode_peer_record(dataclasses.replace(rec, regions=())))
+    assert _until(lambda: _valid_with(store, key, "dst")), "the owner never wrote its record back"
+    src = pattern(4096, 3)
+    w.put(src, r.name, "dst").wait(5)
+    assert torch.equal(dst, src)
+
+
+def test_a_member_that_is_not_a_peer_name_is_skipped(loopback_net, caplog):
+    r = loopback_net.receiver("r", {"dst": torch.zeros(64, dtype=torch.uint8)})
+    w = loopback_net.make("w")
+    store = loopback_net.store
+    idx = store.add(f"transport/{w.namespace}/members/count", 1)
+    store.set(f"transport/{w.namespace}/members/{idx}", b"bad\x00name")
+    assert {p.name for p in w.peers()} == {r.name, w.name}
+    assert "is not a peer name" in caplog.text
+    w.put(pattern(64, 1), r.name, "dst").wait(5)
