@@ -173,9 +173,9 @@ class ControlChannel:
             if kept:
                 self._cond.notify_all()
             lost = len(out) - kept
-            if lost:
-                self.dropped += lost
-        if lost:
+            before, self.dropped = self.dropped, self.dropped + lost
+        # logged at the first drop, then each time the count doubles: a flood costs a few lines
+        if lost and (before == 0 or before.bit_length() < self.dropped.bit_length()):
             log.warning(
                 "dropped %d notifications (%d in all): %d of %d bytes are queued unread, the "
                 "most this Transport holds; read them with notifications() or wait_notification()",

@@ -29,8 +29,8 @@ needs_own_redis = pytest.mark.skipif(
 )
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -276,3 +276,27 @@ def test_fresh_tensors_are_registered_then_let_go(tcp_store, writer):
             if i % 50 == 49:
                 assert p.call("sha", "buf") == sha(src), f"put {i}"
                 assert not mem.over_limit() and len(mem) <= 17
+
+
+def test_a_flood_of_unread_notifications_costs_bounded_memory(tcp_store, writer):
+    """A receiver that never reads its notifications holds at most 64 MiB of them (the oldest);
+    the rest are dropped and counted, so 250 MiB sent costs it about 64 MiB, not 250."""
+    n, size = 4000, 64 << 10
+    with Peer("recv", tcp_store.url, {"x": ("uint8", 64, "w")}) as p:
+        writer.wait_for_peer("recv", 30)
+        p.call("sha", "x")  # started
+        before = rss_bytes(p.pid)
+        for i in range(n):
+            writer.notify("recv", bytes([i % 251]) * size)
+        kept = (64 << 20) // size
+        end = time.monotonic() + 60
+        while p.call("dropped_notifications") < n - kept:  # until every one was seen
+            assert time.monotonic() < end, p.call("dropped_notifications")
+            threading.Event().wait(0.05)  # sync-ok: the poll interval of a deadline-bounded wait
+        assert p.call("dropped_notifications") == n - kept
+        after = rss_bytes(p.pid)
+        print(f"\n{n} unread notifications of 64 KiB: receiver RSS "
+              f"{before / MiB:.0f} -> {after / MiB:.0f} MiB")  # fmt: skip
+        assert after - before < 160 * MiB, (before, after)
+        got = p.call("notifications", 0)
+        assert [payload[0] for _, payload in got] == [i % 251 for i in range(kept)]  # the oldest

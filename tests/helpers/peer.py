@@ -105,6 +105,7 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         "zero": lambda r: bufs[r].zero_() is not None,
         "notif_then_sha": notif_then_sha,
         "notifications": lambda timeout: [(n.peer, n.payload) for n in t.notifications(timeout)],
+        "dropped_notifications": lambda: t.dropped_notifications,
         "put_pattern": put_pattern,
         "wait_for_peer": lambda peer, timeout: t.wait_for_peer(peer, timeout).generation,
     }
