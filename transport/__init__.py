@@ -16,6 +16,7 @@ from transport._transport import Notification, PeerInfo, Transport, __version__
 from transport.errors import (
     BackendError,
     ClosedError,
+    GroupBusyError,
     PeerLostError,
     PeerNotFoundError,
     PeerWaitTimeout,
@@ -35,6 +36,7 @@ from transport.wire import RegionInfo
 __all__ = [
     "BackendError",
     "ClosedError",
+    "GroupBusyError",
     "Handle",
     "Notification",
     "PeerInfo",

@@ -73,6 +73,10 @@ class SignatureError(WireFormatError):
     """A record's HMAC signature is missing or wrong for the configured shared secret."""
 
 
+class GroupBusyError(TransportError):
+    """A weight group already has a live publisher (the error names it); one publishes at a time."""
+
+
 class BackendError(TransportError):
     """The transfer backend failed in a way not covered by a more specific error."""
 
@@ -80,6 +84,7 @@ class BackendError(TransportError):
 __all__ = [
     "BackendError",
     "ClosedError",
+    "GroupBusyError",
     "PeerLostError",
     "PeerNotFoundError",
     "PeerWaitTimeout",

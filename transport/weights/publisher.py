@@ -29,8 +29,9 @@ from transport.weights._delivery import (
     Delivery,
     PublishHandle,
 )
+from transport.weights._lease import PublisherLease
+from transport.weights._members import Member, check_fanout
 from transport.weights._messages import (
-    MAX_DEGREE,
     Abort,
     Begin,
     Credit,
@@ -63,42 +64,6 @@ log = logging.getLogger("transport.weights")
 HELLO_AGAIN = 0.5
 
 
-class _Sub:
-    """The publisher's view of one subscriber incarnation."""
-
-    def __init__(self, name: str, generation: int, mode: str, slots: int, relay: bool) -> None:
-        self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
-        self.can_relay = relay and mode == "staging"
-        self.names: frozenset[str] = frozenset()
-        self.batches: list[dict[str, torch.Tensor]] = []
-        self.error = ""
-        self.transient = False  # the error may pass (connecting failed): planned again next time
-        self.asked = time.monotonic()  # when we last said hello (asked for free slots)
-        self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
-        self.completed = -1  # the newest version that landed there
-        self.busy: int | None = None  # slot being written
-        self.writing = -1  # the version being written into it
-        # a version waiting for a credit, and the relay to write it (None: the publisher)
-        self.waiting: tuple[int, Delivery, str | None] | None = None
-        self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
-        self.relay_handle: Delivery | None = None
-        self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
-
-
-FANOUTS = ("direct", "chain", "tree")
-
-
-def check_fanout(fanout: object, degree: object) -> tuple[str, int]:
-    if fanout not in FANOUTS:
-        raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
-    if not isinstance(degree, int) or isinstance(degree, bool) or not 1 <= degree <= MAX_DEGREE:
-        raise ValueError(
-            f"degree (subscribers each writer serves in a tree) must be an int from 1 to "
-            f"{MAX_DEGREE}, got {degree!r}"
-        )
-    return str(fanout), degree
-
-
 class WeightPublisher:
     """Publishes ``named_tensors`` to every subscriber of ``group``.
 
@@ -116,6 +81,10 @@ class WeightPublisher:
     relay only if the relay holds every tensor it takes). The trainer then sends each version
     ``degree`` times (chain: once) instead of once per subscriber. It can be changed between
     publishes (:attr:`fanout`, :attr:`degree`).
+
+    A group has one publisher at a time, in whichever process: it holds the group's lease in the
+    store (weights/_lease.py) from construction to :meth:`close`; a second one fails with
+    GroupBusyError naming the holder, and takes over once the holder is gone.
     """
 
     def __init__(
@@ -137,7 +106,7 @@ class WeightPublisher:
         self._seq = torch.tensor([0, -1], dtype=torch.int64)  # no version until the first publish
         self._updating = False
         self.version = -1
-        self._subs: dict[str, _Sub] = {}
+        self._subs: dict[str, Member] = {}
         self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self._epoch = -1
         self._lock = threading.RLock()
@@ -146,14 +115,17 @@ class WeightPublisher:
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
         self._stop_control: Callable[[], None] = lambda: None
+        self._lease = PublisherLease(transport, group)
         try:
             # the group's channel before anything is exposed: a second publisher or subscriber
             # of the group on this Transport is refused there, and leaves nothing behind
             self._stop_control = transport.core.on_control(channel(group), self._on_message)
+            self._lease.acquire()  # one publisher per group, whichever process it is in
             exposed = {region(self.group, PUB_SLOT, n): t for n, t in self.tensors.items()}
             exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
             transport.expose_all(exposed, access="r")
         except BaseException:
+            self._lease.release()
             self._stop_control()
             self._worker.stop()
             raise
@@ -188,8 +160,8 @@ class WeightPublisher:
         with self._lock:
             return sorted(self._subs)
 
-    def _plan(self, name: str, entry: dict) -> _Sub:
-        sub = _Sub(name, entry["gen"], entry["mode"], entry["slots"], entry["relay"])
+    def _plan(self, name: str, entry: dict) -> Member:
+        sub = Member(name, entry["gen"], entry["mode"], entry["slots"], entry["relay"])
         try:
             # Read its record afresh: a connection made before it subscribed lacks the group's
             # regions, and one to an older incarnation is stale.
@@ -313,7 +285,7 @@ class WeightPublisher:
                 self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
 
-    def _tree(self, subs: list[_Sub]) -> dict[str, str]:
+    def _tree(self, subs: list[Member]) -> dict[str, str]:
         """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
         publisher writes). Relays come first, by name, so that every publish to the same members
         builds the same tree (and the relays reuse their prepared transfers). A subscriber goes
@@ -328,7 +300,7 @@ class WeightPublisher:
         return via
 
     @staticmethod
-    def _free_slot(sub: _Sub) -> int | None:
+    def _free_slot(sub: Member) -> int | None:
         free = sorted(sub.credits - ({sub.busy} if sub.busy is not None else set()))
         return free[0] if free else None
 
@@ -340,7 +312,7 @@ class WeightPublisher:
                 err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
                 self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
 
-    def _start(self, sub: _Sub, version: int, handle: Delivery, via: str | None = None) -> None:
+    def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
         ``via`` write it), or wait for a free slot."""
         slot = self._free_slot(sub)
@@ -393,7 +365,7 @@ class WeightPublisher:
             lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
         )
 
-    def _write_segments(self, sub: _Sub, slot: int, version: int, handle: Delivery) -> None:
+    def _write_segments(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
         """With the lock held: write a relay in segments, each announced as it lands, so that it
         forwards while the rest is still on its way (see ``_protocol``)."""
         segs = sub.segments.get(slot)
@@ -436,17 +408,17 @@ class WeightPublisher:
                     write.end(batch)
 
     def _on_written(
-        self, sub: _Sub, slot: int, version: int, handle: Delivery, err: BaseException | None
+        self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
     ) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, err)
 
-    def _on_done(self, sub: _Sub, slot: int, version: int, handle: Delivery, h: Handle) -> None:
+    def _on_done(self, sub: Member, slot: int, version: int, handle: Delivery, h: Handle) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, h.exception(0))
 
     def _finished(
-        self, sub: _Sub, slot: int, version: int, handle: Delivery, err: BaseException | None
+        self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
     ) -> None:
         sub.busy, sub.relay, sub.relay_handle = None, None, None
         if err is None:
@@ -472,7 +444,7 @@ class WeightPublisher:
             sub.waiting = None
             self._start(sub, v, hnd, via)
 
-    def _ask_credits(self, sub: _Sub, given_up: tuple[int, int] | None = None) -> None:
+    def _ask_credits(self, sub: Member, given_up: tuple[int, int] | None = None) -> None:
         """Ask ``sub`` which slots are free (``hello``), telling it first, when ``given_up`` is
         (slot, version), that we gave that write up (``abort``)."""
         sub.asked = time.monotonic()
@@ -593,6 +565,7 @@ class WeightPublisher:
         closed = ClosedError(f"the weight publisher of group {self.group!r} was closed")
         for d in handles:
             d.close(closed)
+        self._lease.release()
 
     def __enter__(self) -> WeightPublisher:
         return self
