@@ -300,6 +300,11 @@ def decode_peer_record(
             )
         if not hmac.compare_digest(sig, _sign(secret, body)):
             raise SignatureError("peer record signature does not match the shared secret")
+    elif sig is not None:
+        raise SignatureError(
+            "peer record is signed: its peer uses the namespace's shared secret and this "
+            "Transport has none; pass the same secret= to every peer of the namespace"
+        )
     m = _check_fields(
         unpack(body, "peer record body", MAX_RECORD_BYTES), _PEER_FIELDS, "peer record body"
     )

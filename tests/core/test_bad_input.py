@@ -189,6 +189,12 @@ def test_record_with_a_wrong_signature_is_rejected(store):
             # a Transport without the secret publishes unsigned records; a's side rejects them
             with pytest.raises(transport.SignatureError, match="not signed"):
                 a.put(torch.ones(16), "c", "x")
+            # and it is refused by the peer with the secret before any byte moves
+            with pytest.raises(transport.SignatureError, match="this Transport has none"):
+                c.put(torch.ones(16), "a", "x")
+            with pytest.raises(transport.SignatureError, match="this Transport has none"):
+                c.notify("a", b"hello")
+            assert torch.equal(x, torch.zeros(16))
         with transport.Transport("d", store=store, namespace=ns, secret=b"right-secret") as d:
             d.put(torch.arange(16, dtype=torch.float32), "a", "x").wait(10)
             assert torch.equal(x, torch.arange(16, dtype=torch.float32))
