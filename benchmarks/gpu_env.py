@@ -165,7 +165,7 @@ def check_nixl(r: Report) -> None:
 
 
 def check_modules(r: Report) -> None:
-    for module, dist in {**PRESENT, "redis": "redis"}.items():
+    for module, dist in {**PRESENT, "redis": "redis", "rich": "rich"}.items():
         try:
             importlib.import_module(module)
         except ImportError as e:

@@ -4,13 +4,15 @@
 #   bash benchmarks/gpu_wheels.sh                      # for the lent machine's Python 3.12
 #   bash benchmarks/gpu_wheels.sh --python-version 3.11 --dest /tmp/wheels   # a dry run elsewhere
 # The lent machine has torch, CuPy, numpy, msgpack, pytest, pytest-timeout and hypothesis; it lacks
-# NIXL and the redis client. benchmarks/gpu_check.sh installs these wheels there with --no-index.
+# NIXL, the redis client and rich (the bench's tables and progress, with its three dependencies).
+# benchmarks/gpu_check.sh installs these wheels there with --no-index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Exactly what the lent machine lacks, pinned to what the tests here use; and, in build/, what
 # pip needs to install this tree in editable mode there (whatever setuptools that machine has).
-WHEELS=("nixl-cu13==1.5.1" "redis==8.1.0")
+WHEELS=("nixl-cu13==1.5.1" "redis==8.1.0" "rich==15.0.0" "pygments==2.21.0" "markdown-it-py==4.3.0"
+        "mdurl==0.1.2")
 BUILD=("setuptools==84.2.1")
 LIMIT_MIB=64
 PYVER=3.12
@@ -19,7 +21,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --python-version) PYVER=$2; shift 2 ;;
         --dest) DEST=$2; shift 2 ;;
-        -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
         *) echo "gpu_wheels: unknown argument '$1' (known: --python-version X.Y, --dest DIR)" >&2; exit 2 ;;
     esac
 done
