@@ -66,3 +66,38 @@ def test_a_member_that_is_not_a_peer_name_is_skipped(loopback_net, caplog):
     assert {p.name for p in w.peers()} == {r.name, w.name}
     assert "is not a peer name" in caplog.text
     w.put(pattern(64, 1), r.name, "dst").wait(5)
+
+
+def test_garbage_in_a_weight_group_never_stops_its_publishes(loopback_net, caplog):
+    """A malformed group entry and a member name that is not a peer name are skipped, with a
+    warning naming the key; the real subscribers get every version, and a subscriber whose own
+    entry was overwritten writes it back."""
+    import transport
+
+    gen = loopback_net.make("gen", heartbeat_interval=0.05)
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    trainer = loopback_net.make("trainer")
+    weights = {"w": pattern(4096, 1)}
+    pub = transport.WeightPublisher(trainer, weights, group="policy")
+    store, prefix = loopback_net.store, f"transport/{gen.namespace}/groups/policy/"
+    # a member with a malformed entry, one whose name is not a name, and our own entry garbled
+    for name in ("mallory", "bad\x00name"):  # the second cannot even have an entry (a key)
+        idx = store.add(prefix + "members/count", 1)
+        store.set(prefix + f"members/{idx}", name.encode())
+    store.set(prefix + "sub/mallory", b"\xc1garbage")
+    store.add(prefix + "epoch", 1)
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    sub.wait_for_version(1, timeout=10)
+    assert sub.apply() == 1 and torch.equal(live["w"], pattern(4096, 1))
+    assert "mallory" in caplog.text and "is not a peer name" in caplog.text
+    own = prefix + f"sub/{gen.name}"
+    store.set(own, b"\xc1garbage")
+    store.add(prefix + "epoch", 1)
+    assert _until(lambda: store.try_get(own) != b"\xc1garbage"), "the entry was not written back"
+    weights["w"].copy_(pattern(4096, 2))
+    assert pub.publish(2, timeout=10).wait(10).done == [gen.name]
+    sub.wait_for_version(2, timeout=10)
+    assert sub.apply() == 2 and torch.equal(live["w"], pattern(4096, 2))
+    pub.close()
+    sub.close()

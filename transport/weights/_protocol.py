@@ -61,7 +61,7 @@ from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.store.base import Store
 from transport.weights._messages import Begin, Piece, Segment, Ver, encode
-from transport.wire import unpack
+from transport.wire import NAME_RE, unpack
 
 log = logging.getLogger("transport.weights")
 
@@ -165,12 +165,34 @@ class GroupDirectory:
         return m
 
     def names(self) -> list[str]:
+        """The members that ever joined, in joining order; a name that is not a peer name (the
+        store's garbage) is skipped with a warning naming its key."""
         count = self.store.add(self.prefix + "members/count", 0)
         out = []
         for i in range(1, count + 1):
-            raw = self.store.try_get(self.prefix + f"members/{i}")
-            if raw is not None and raw.decode(errors="replace") not in out:
-                out.append(raw.decode(errors="replace"))
+            key = self.prefix + f"members/{i}"
+            raw = self.store.try_get(key)
+            if raw is None:
+                continue
+            name = raw.decode(errors="replace")
+            if not NAME_RE.match(name):
+                log.warning("skipping %s: %r is not a peer name", key, name[:80])
+            elif name not in out:
+                out.append(name)
+        return out
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """Every member's entry (those that left have none); a malformed entry is skipped with a
+        warning naming its key, so one bad entry never stops the group."""
+        out = {}
+        for name in self.names():
+            try:
+                entry = self.entry(name)
+            except WireFormatError as e:
+                log.warning("skipping %s: %s", self.prefix + f"sub/{name}", e)
+                continue
+            if entry is not None:
+                out[name] = entry
         return out
 
 

@@ -141,10 +141,9 @@ class WeightPublisher:
             if epoch != self._epoch:
                 self._epoch = epoch
                 seen = set()
-                for name in self._dir.names():
-                    entry = self._dir.entry(name)
-                    if entry is None or self._lost.get(name) == entry["gen"]:
-                        continue  # not in the group, or died without leaving it
+                for name, entry in self._dir.entries().items():
+                    if self._lost.get(name) == entry["gen"]:
+                        continue  # died without leaving the group
                     seen.add(name)
                     sub = self._subs.get(name)
                     if sub is None or sub.generation != entry["gen"]:

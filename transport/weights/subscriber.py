@@ -216,7 +216,12 @@ class WeightSubscriber:
         if now >= self._next_entry_check and not self._closed:
             self._next_entry_check = now + 1.0
             try:
-                if self._dir.entry(self.transport.name) is None:
+                try:
+                    lost = self._dir.entry(self.transport.name) is None
+                except WireFormatError as e:
+                    log.warning("group %s: our entry in the store is not ours (%s)", self.group, e)
+                    lost = True
+                if lost:
                     log.warning("group %s: the store lost our entry; joining again", self.group)
                     self._dir.join(
                         self.transport.name, self.transport.generation, self.mode, self.slots,
