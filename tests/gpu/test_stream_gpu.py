@@ -22,8 +22,7 @@ def spin(ms: float) -> None:
     """Keep the current stream busy for about ``ms`` milliseconds (so a put that ignored the
     stream's order would read the source before the kernel below wrote it)."""
     cycles = int(ms * 1e6)  # about 1 cycle per ns
-    # sync-ok: a busy GPU kernel that orders the stream, not a host wait
-    internals.gpu_sleep(cycles)
+    internals.busy_gpu(cycles)  # sync-ok: a busy GPU kernel that orders the stream
 
 
 def test_a_put_follows_the_kernel_before_it_and_later_kernels_wait(tcp_store, writer):

@@ -126,6 +126,6 @@ def spy_on_messages(
     sub._stop_control = t.core.on_control(channel, lambda p, m: spy(original, p, m))
 
 
-def gpu_sleep(cycles: int) -> None:
+def busy_gpu(cycles: int) -> None:
     """A GPU kernel that keeps the current stream busy for about ``cycles`` clock cycles."""
-    torch.cuda._sleep(cycles)
+    torch.cuda._sleep(cycles)  # sync-ok: a GPU kernel that orders the stream, no host wait
