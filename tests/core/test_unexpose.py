@@ -11,16 +11,9 @@ import torch
 
 import transport
 from helpers.peer import Peer, sha
+from helpers.polling import wait_until
 
 MiB = 1 << 20
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.01)  # sync-ok: the poll interval of a deadline-bounded wait on a condition
 
 
 def test_no_writer_writes_into_withdrawn_memory(tcp_store):

@@ -6,13 +6,12 @@ next heartbeat, so writers find its regions again."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import pytest
 import torch
 
 from helpers.loopback_net import pattern
+from helpers.polling import wait_until
 from transport.wire import decode_peer_record, encode_peer_record
 
 pytestmark = pytest.mark.timeout(30)
@@ -20,16 +19,6 @@ pytestmark = pytest.mark.timeout(30)
 
 def _record_key(t) -> str:
     return f"transport/{t.namespace}/peers/{t.name}"
-
-
-def _until(cond, timeout: float = 10.0) -> bool:
-    """Poll ``cond`` until it holds or ``timeout`` passes (housekeeping runs on its own thread)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        threading.Event().wait(0.01)  # sync-ok: the poll interval of a deadline-bounded wait
-    return True
 
 
 def _valid_with(store, key: str, region: str) -> bool:
@@ -51,7 +40,7 @@ def test_an_owner_repairs_a_record_it_did_not_write(loopback_net, damage):
     else:
         rec = decode_peer_record(store.try_get(key))
         store.set(key, encode_peer_record(dataclasses.replace(rec, regions=())))
-    assert _until(lambda: _valid_with(store, key, "dst")), "the owner never wrote its record back"
+    wait_until(lambda: _valid_with(store, key, "dst"), 10, "the owner writing its record back")
     src = pattern(4096, 3)
     w.put(src, r.name, "dst").wait(5)
     assert torch.equal(dst, src)
@@ -94,7 +83,7 @@ def test_garbage_in_a_weight_group_never_stops_its_publishes(loopback_net, caplo
     own = prefix + f"sub/{gen.name}"
     store.set(own, b"\xc1garbage")
     store.add(prefix + "epoch", 1)
-    assert _until(lambda: store.try_get(own) != b"\xc1garbage"), "the entry was not written back"
+    wait_until(lambda: store.try_get(own) != b"\xc1garbage", 10, "the entry written back")
     weights["w"].copy_(pattern(4096, 2))
     assert pub.publish(2, timeout=10).wait(10).done == [gen.name]
     sub.wait_for_version(2, timeout=10)
