@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_wheels.sh --python-version 3.11 --dest /tmp/wheels   # a dry run elsewhere
 # The lent machine has torch, CuPy, numpy, msgpack, pytest, pytest-timeout and hypothesis; it lacks
 # NIXL, the redis client and rich (the bench's tables and progress, with its three dependencies).
+# Not cryptography (4.8 MiB with cffi, past the 64 MiB a call carries): it is imported only for a
+# secret=, which no GPU test or benchmark uses, and gpu_check.sh installs this tree with --no-deps.
 # benchmarks/gpu_check.sh installs these wheels there with --no-index.
 set -euo pipefail
 cd "$(dirname "$0")/.."

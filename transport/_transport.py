@@ -153,7 +153,13 @@ class Transport(Closing):
         self._transfers = Transfers(ep, self._peers, self._plans, self._regions.local_names)
         self._dumps = Dumps(ep, trace_dir, lambda: self._transfers.inline_count)
         self._housekeeping = Housekeeping(
-            ep, self._peers, self._plans, self._regions, self._transfers, self._dumps
+            ep,
+            self._peers,
+            self._plans,
+            self._regions,
+            self._transfers,
+            self._dumps,
+            self._control,
         )
         ep.engine = self._engine = Engine(
             be, self.name, self._control.route, self._peers.on_lost, self._transfers.on_retry,
@@ -388,6 +394,13 @@ class Transport(Closing):
         """Notifications dropped because too many were queued unread (65,536, or 64 MiB of
         payload): read them sooner, or they are lost (each drop is logged)."""
         return self._control.dropped
+
+    @property
+    def refused_notifications(self) -> int:
+        """Notifications and control messages refused on receipt because their sender was not
+        proven: a bad or missing MAC or a replay (with a secret), or an agent that is not the
+        peer it names (without one). Each kind is logged."""
+        return self._control.refused
 
     def wait_notification(
         self, timeout: float | None = None, peer: str | None = None

@@ -11,8 +11,16 @@ from dataclasses import dataclass
 
 from transport.contract import ControlHandler
 from transport.endpoint import Endpoint, State
-from transport.errors import PeerLostError, TransferTimeout, WireFormatError
+from transport.errors import (
+    PeerLostError,
+    SignatureError,
+    StoreError,
+    TransferTimeout,
+    WireFormatError,
+)
 from transport.peer_table import PeerTable
+from transport.sealing import FrameOpener
+from transport.senders import Senders
 from transport.wire import (
     TAG_CONTROL,
     check_name,
@@ -70,6 +78,10 @@ class ControlChannel:
         self._handlers_lock = threading.Lock()
         self._queue: deque[Notification] = deque()
         self._cond = threading.Condition()
+        self.refused = 0  # frames refused: unknown or unproven sender, bad MAC, replay
+        keys = ep.keys
+        self._opener = FrameOpener(keys, ep.agent) if keys is not None else None
+        self._senders = Senders()
 
     # -- the library's own messages ----------------------------------------------------------
 
@@ -111,7 +123,7 @@ class ControlChannel:
                     f"peer {peer!r} was lost; the next call reconnects if it has restarted", peer
                 )
             try:
-                backend.send_notif(conn.agent, frame, peer)
+                backend.send_notif(conn.agent, conn.seal(frame), peer)
             except PeerLostError:
                 lost = True
             else:
@@ -123,30 +135,95 @@ class ControlChannel:
     # -- incoming (engine thread) ------------------------------------------------------------
 
     def route(self, notifs: dict[str, list[bytes]]) -> None:
-        """The engine's notifications: control messages to their handlers, the rest queued."""
-        out = []
-        rec = self._ep.recorder
+        """The engine's notifications: control messages to their handlers, the rest queued.
+
+        Who sent a frame is never taken from the frame: with a secret, its MAC proves the sender
+        agent (name and generation) and the frame is refused otherwise; without one, the agent
+        must be the one a live connection of ours reaches, or the one the sender's record in the
+        store names, checked off this thread by :meth:`check_senders` (its frames wait, in order).
+        """
+        out: list[Notification] = []
         for agent, frames in notifs.items():
             who = peer_of_agent(agent)
             if who is None:
-                log.warning(
-                    "dropping %d notifications from unknown agent %r", len(frames), agent[:80]
-                )
+                self._refuse(len(frames), f"from unknown agent {agent[:80]!r}")
                 continue
             peer = who[0]
-            for frame in frames:
-                try:
-                    tag, channel, payload = parse_notification(frame)
-                except WireFormatError as e:
-                    log.warning("dropping a notification from %s: %s", peer, e)
-                    continue
-                rec.record("notif", 0, channel or "", peer, len(payload))
-                if tag == TAG_CONTROL:
-                    self._dispatch(peer, channel or "", payload)
-                else:
-                    out.append(Notification(peer, payload))
+            if self._opener is not None:
+                frames = self._open(agent, peer, frames)
+            elif self._senders.holding(agent) or not self._trusted(agent, peer):
+                refused = self._senders.hold(agent, frames)
+                if refused:
+                    self._refuse(refused, f"from {agent[:80]!r}: too many wait to be checked")
+                self._ep.wake.set()
+                continue
+            self._deliver(peer, frames, out)
         if out:
             self._enqueue(out)
+
+    def _open(self, agent: str, peer: str, frames: list[bytes]) -> list[bytes]:
+        assert self._opener is not None
+        opened = []
+        for frame in frames:
+            try:
+                opened.append(self._opener.open(agent, frame))
+            except SignatureError as e:
+                self._refuse(1, f"from {peer}: {e}")
+        return opened
+
+    def _trusted(self, agent: str, peer: str) -> bool:
+        conn = self._peers.get(peer)
+        if conn is not None and conn.alive and conn.agent == agent:
+            return True
+        return self._senders.known(agent)
+
+    def _deliver(self, peer: str, frames: list[bytes], out: list[Notification]) -> None:
+        rec = self._ep.recorder
+        for frame in frames:
+            try:
+                tag, channel, payload = parse_notification(frame)
+            except WireFormatError as e:
+                log.warning("dropping a notification from %s: %s", peer, e)
+                continue
+            rec.record("notif", 0, channel or "", peer, len(payload))
+            if tag == TAG_CONTROL:
+                self._dispatch(peer, channel or "", payload)
+            else:
+                out.append(Notification(peer, payload))
+
+    def check_senders(self) -> None:
+        """Housekeeping (without a secret): look up each agent whose frames wait, and deliver
+        them (on this thread, in order) if its peer's record in the store names that agent, or
+        drop them saying why."""
+        for agent, frames in self._senders.waiting():
+            who = peer_of_agent(agent)
+            assert who is not None  # route held only parseable agents
+            peer = who[0]
+            try:
+                rec = self._ep.directory.fetch(peer)
+            except (StoreError, WireFormatError) as e:
+                verdict = f"whose record cannot be read ({e})"
+            else:
+                verdict = (
+                    "" if rec is not None and rec.agent == agent
+                    else f"that is not peer {peer!r} as the store knows it"
+                )  # fmt: skip
+            if verdict:
+                dropped = len(frames) + self._senders.forget(agent)
+                self._refuse(dropped, f"from agent {agent[:80]!r} {verdict}")
+                continue
+            out: list[Notification] = []
+            while frames:
+                self._deliver(peer, frames, out)
+                frames = self._senders.trust(agent)  # any that came in meanwhile, in order
+            if out:
+                self._enqueue(out)
+
+    def _refuse(self, count: int, why: str) -> None:
+        self.refused += count
+        before = self.refused - count
+        if before == 0 or before.bit_length() < self.refused.bit_length():
+            log.warning("refused %d notifications (%d in all) %s", count, self.refused, why)
 
     def _dispatch(self, peer: str, channel: str, payload: bytes) -> None:
         handler = self._handlers.get(channel)

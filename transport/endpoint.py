@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transport.errors import ClosedError
+from transport.sealing import Keys, keys_for
+from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
@@ -57,6 +59,16 @@ class Endpoint:
     lock: threading.RLock = field(default_factory=threading.RLock)
     wake: threading.Event = field(default_factory=threading.Event)
     stopping: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def agent(self) -> str:
+        """Our backend agent's name (what peers see as the sender of our notifications)."""
+        return agent_name(self.name, self.generation)
+
+    @property
+    def keys(self) -> Keys | None:
+        """The keys of the namespace's secret (None without one)."""
+        return keys_for(self.secret, self.namespace) if self.secret else None
 
     @property
     def open(self) -> bool:

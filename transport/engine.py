@@ -179,7 +179,7 @@ class Engine:
             except TransportError:
                 return None
             try:
-                st = self._backend.post(xfer, notif, conn.name)
+                st = self._backend.post(xfer, conn.seal(notif), conn.name)
             except TransportError:
                 self._backend.release_xfer(xfer)
                 return None
@@ -269,7 +269,7 @@ class Engine:
                 op.xfer = xfer
                 op.state = POSTED
                 plan.busy += 1
-                st = self._backend.post(xfer, op.notif, conn.name)
+                st = self._backend.post(xfer, conn.seal(op.notif), conn.name)
         except BaseException as e:
             group = op.group or [op]
             retry = (

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+from transport.control import ControlChannel
 from transport.dumps import Dumps
 from transport.endpoint import Endpoint
 from transport.peer_table import PeerTable
@@ -21,7 +22,8 @@ class Housekeeping:
     Transport closes (``ep.stopping``).
 
     It owns no state of its own; it runs the other parts' slow work off the hot paths: at once
-    when woken (``ep.wake``: retries of transfers to a restarted peer, dumps, withdrawals), and
+    when woken (``ep.wake``: retries of transfers to a restarted peer, senders of notifications
+    to check, dumps, withdrawals), and
     every ``heartbeat_interval``: the heartbeat, restoring our record if the store lost it, the
     namespace's dump requests, dropping connections to peers that restarted, letting go of the
     plans of dropped connections. Rules: it never holds a lock across parts; a store that is down
@@ -36,6 +38,7 @@ class Housekeeping:
         regions: Regions,
         transfers: Transfers,
         dumps: Dumps,
+        control: ControlChannel,
     ) -> None:
         self._ep = ep
         self._peers = peers
@@ -43,6 +46,7 @@ class Housekeeping:
         self._regions = regions
         self._transfers = transfers
         self._dumps = dumps
+        self._control = control
         self._thread = threading.Thread(
             target=self._loop, name=f"transport-control-{ep.name}", daemon=True
         )
@@ -64,6 +68,7 @@ class Housekeeping:
                 break
             if self._transfers.retries_waiting:
                 self._transfers.run_retries()
+            self._control.check_senders()
             self._dumps.run()
             self._regions.run()
             if time.monotonic() < next_beat:

@@ -126,7 +126,8 @@ class PeerTable:
             raise WireFormatError(
                 f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}"
             )
-        conn = PeerConn(rec, loaded)
+        keys = ep.keys
+        conn = PeerConn(rec, loaded, keys.sealer(ep.agent, loaded) if keys else None)
         self._conns[peer] = conn
         ep.recorder.record("join", peers=peer, info=f"generation {rec.generation}")
         return conn

@@ -30,13 +30,18 @@ from transport.wire import PeerRecord, RegionInfo
 if TYPE_CHECKING:
     import torch
 
+    from transport.sealing import FrameSealer
+
 log = logging.getLogger("transport.plan")
 
 
 class PeerConn:
-    """Connection state for one incarnation of a peer. ``lock`` guards posting against teardown."""
+    """Connection state for one incarnation of a peer. ``lock`` guards posting against teardown;
+    every notification to the peer leaves through :meth:`seal` under it (with a secret, the
+    ``sealer`` numbers and authenticates it for this incarnation)."""
 
-    def __init__(self, record: PeerRecord, agent: str) -> None:
+    def __init__(self, record: PeerRecord, agent: str, sealer: FrameSealer | None = None) -> None:
+        self.sealer = sealer
         self.name = record.name
         self.record = record
         self.generation = record.generation
@@ -46,6 +51,10 @@ class PeerConn:
         self.alive = True
         self.suspect = False
         self.plans: set[Plan] = set()
+
+    def seal(self, frame: bytes) -> bytes:
+        """``frame`` as it goes to this peer: with its sequence number and MAC under a secret."""
+        return self.sealer.seal(frame) if self.sealer is not None and frame else frame
 
     def close(self, backend: Backend) -> None:
         with self.lock:

@@ -2,22 +2,20 @@
 
 Everything a peer or the store hands us passes through here before it is used.
 Records are msgpack maps with a format version ``v`` and an exact set of
-fields; every field is type-checked and size-limited, and a record may be
-signed with HMAC-SHA256 under a shared secret. Nothing is ever unpickled.
+fields; every field is type-checked and size-limited. Nothing is ever unpickled.
 
 A stored peer record is an *envelope*::
 
-    {"v": 1, "kind": "peer", "body": <msgpack bytes>, "sig": <32 bytes> | None}
+    {"v": 3, "kind": "peer", "body": <bytes>, "sealed": <bool>}
 
-The signature covers the body bytes exactly as stored, so no canonical
-re-encoding is needed to verify it.
+Without a secret the body is the record's msgpack map; with one it is that map sealed with
+AES-256-GCM under a key derived from the secret and namespace (``sealing.py``): nobody without
+the secret learns the connection metadata or the memory map, and nobody can alter it unnoticed.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
-import hmac
 import math
 import re
 from dataclasses import dataclass
@@ -26,8 +24,9 @@ from typing import Any
 import msgpack
 
 from transport.errors import SignatureError, WireFormatError
+from transport.sealing import keys_for
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
 MAX_RECORD_BYTES = 6 << 20
@@ -52,8 +51,6 @@ DTYPE_SIZES: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
 }  # fmt: skip
-
-_SIG_DOMAIN = b"transport/peer-record/v1\x00"
 
 
 def check_name(kind: str, name: object) -> str:
@@ -146,7 +143,7 @@ _PEER_FIELDS = {
     "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
     "host": str, "pid": int, "version": str, "created": float, "regions": list, "regs": list,
 }  # fmt: skip
-_ENVELOPE_FIELDS = {"v", "kind", "body", "sig"}
+_ENVELOPE_FIELDS = {"v": int, "kind": str, "body": bytes, "sealed": bool}
 
 
 def unpack(
@@ -239,11 +236,8 @@ def _device_ok(device: object) -> bool:
     )
 
 
-def _sign(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, _SIG_DOMAIN + body, hashlib.sha256).digest()
-
-
 def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
+    """The stored form of ``rec``: sealed (see the module docstring) when ``secret`` is given."""
     if len(rec.regions) > MAX_REGIONS:
         raise ValueError(
             f"{len(rec.regions)} regions are over the limit of {MAX_REGIONS} per peer; expose fewer, larger "
@@ -259,9 +253,11 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
         },
         use_bin_type=True,
     )  # fmt: skip
-    sig = _sign(secret, body) if secret else None
+    if secret:
+        body = keys_for(secret, rec.namespace).seal_record(body)
     out: bytes = msgpack.packb(
-        {"v": FORMAT_VERSION, "kind": "peer", "body": body, "sig": sig}, use_bin_type=True
+        {"v": FORMAT_VERSION, "kind": "peer", "body": body, "sealed": bool(secret)},
+        use_bin_type=True,
     )
     if len(out) > MAX_RECORD_BYTES:
         raise ValueError(
@@ -275,34 +271,32 @@ def decode_peer_record(
 ) -> PeerRecord:
     """Decode and validate a stored peer record.
 
-    With ``secret``, a record without a valid signature raises SignatureError.
-    With ``namespace``, a record of another namespace is rejected.
+    With ``secret``, a record that is not sealed with it (and ``namespace``) raises
+    SignatureError; without one, a sealed record does. With ``namespace``, a record of another
+    namespace is rejected.
     """
-    env = _check_fields(
-        unpack(data, "peer record", MAX_RECORD_BYTES), _ENVELOPE_FIELDS, "peer record"
-    )
-    if env["v"] != FORMAT_VERSION:
+    env = unpack(data, "peer record", MAX_RECORD_BYTES)
+    if isinstance(env, dict) and env.get("v") != FORMAT_VERSION:
         raise WireFormatError(
-            f"peer record has format version {env['v']!r}; this library reads version {FORMAT_VERSION} "
-            "(upgrade the older side)"
+            f"peer record has format version {str(env.get('v'))[:20]}; this library reads version "
+            f"{FORMAT_VERSION} (upgrade the older side)"
         )
+    env = _check_fields(env, _ENVELOPE_FIELDS, "peer record")
     if env["kind"] != "peer":
         raise WireFormatError(f"record kind {str(env['kind'])[:20]!r} is not a peer record")
-    body, sig = env["body"], env["sig"]
-    if not isinstance(body, bytes):
-        raise WireFormatError("peer record body must be bytes")
-    if sig is not None and (not isinstance(sig, bytes) or len(sig) != 32):
-        raise WireFormatError("peer record signature must be 32 bytes or nil")
+    body = env["body"]
     if secret:
-        if sig is None:
+        if not env["sealed"]:
             raise SignatureError(
-                "peer record is not signed, but this Transport requires a shared secret"
+                "peer record is not sealed, but this Transport requires the namespace's secret: "
+                "its peer runs without one; pass the same secret= to every peer of the namespace"
             )
-        if not hmac.compare_digest(sig, _sign(secret, body)):
-            raise SignatureError("peer record signature does not match the shared secret")
-    elif sig is not None:
+        if namespace is None:
+            raise ValueError("opening a sealed peer record needs its namespace")
+        body = keys_for(secret, namespace).open_record(body)
+    elif env["sealed"]:
         raise SignatureError(
-            "peer record is signed: its peer uses the namespace's shared secret and this "
+            "peer record is sealed: its peer uses the namespace's shared secret and this "
             "Transport has none; pass the same secret= to every peer of the namespace"
         )
     m = _check_fields(

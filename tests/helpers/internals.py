@@ -120,8 +120,9 @@ def spy_on_messages(
     sub: transport.WeightSubscriber, t: transport.Transport, channel: str,
     spy: Callable[[Callable[[str, bytes], None], str, bytes], None],
 ) -> None:  # fmt: skip
-    """Put ``spy(original, peer, payload)`` in the subscriber's place on its control channel."""
-    original = sub._on_message
+    """Put ``spy(original, peer, payload)`` in the subscriber's place on its control channel
+    (``original`` checks the sender first, as the subscriber does)."""
+    original = sub._admit
     sub._stop_control()
     sub._stop_control = t.core.on_control(channel, lambda p, m: spy(original, p, m))
 

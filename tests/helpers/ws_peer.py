@@ -241,6 +241,7 @@ def _sub_child(
         "wait_message": wait_message,
         "wait_updates": wait_updates,
         "violations": lambda: list(watch.violations),
+        "refused": lambda: sub.refused_messages,
         "writers": lambda kind: sorted(
             {p for (k, _, _), p in zip(watch.messages, watch.senders, strict=True) if k == kind}
         ),

@@ -42,7 +42,7 @@ def body_of(raw: bytes) -> dict:
 
 
 def rewrap(body: dict, **env) -> bytes:
-    e = {"v": 2, "kind": "peer", "body": msgpack.packb(body, use_bin_type=True), "sig": None}
+    e = {"v": 3, "kind": "peer", "body": msgpack.packb(body, use_bin_type=True), "sealed": False}
     e.update(env)
     return msgpack.packb(e, use_bin_type=True)
 
@@ -53,19 +53,33 @@ def test_round_trip_with_and_without_secret():
     assert decode_peer_record(encode_peer_record(rec, b"k" * 16), b"k" * 16, "run-7") == rec
 
 
-def test_signature_rules():
-    signed = encode_peer_record(record(), b"secret-1")
-    with pytest.raises(SignatureError, match="does not match"):
-        decode_peer_record(signed, b"secret-2")
-    with pytest.raises(SignatureError, match="not signed"):
-        decode_peer_record(encode_peer_record(record()), b"secret-1")
-    # a signed body that was altered no longer verifies
-    env = msgpack.unpackb(signed)
-    body = msgpack.unpackb(env["body"])
-    body["pid"] = 43
-    env["body"] = msgpack.packb(body, use_bin_type=True)
-    with pytest.raises(SignatureError):
-        decode_peer_record(msgpack.packb(env, use_bin_type=True), b"secret-1")
+def test_sealing_rules():
+    sealed = encode_peer_record(record(), b"secret-1")
+    with pytest.raises(SignatureError, match="does not open with the shared secret"):
+        decode_peer_record(sealed, b"secret-2", "run-7")
+    with pytest.raises(SignatureError, match="does not open"):  # the key is the namespace's too
+        decode_peer_record(sealed, b"secret-1", "run-8")
+    with pytest.raises(SignatureError, match="not sealed"):
+        decode_peer_record(encode_peer_record(record()), b"secret-1", "run-7")
+    with pytest.raises(SignatureError, match="Transport has none"):
+        decode_peer_record(sealed)
+    # one bit changed anywhere in the sealed body and it no longer opens
+    env = msgpack.unpackb(sealed)
+    for i in (0, 20, len(env["body"]) - 1):
+        body = bytearray(env["body"])
+        body[i] ^= 1
+        env2 = dict(env, body=bytes(body))
+        with pytest.raises(SignatureError):
+            decode_peer_record(msgpack.packb(env2, use_bin_type=True), b"secret-1", "run-7")
+
+
+def test_a_sealed_record_shows_nothing_of_its_connection_metadata_or_memory():
+    md = bytes(range(256)) * 4
+    rec = record(metadata=md)
+    sealed = encode_peer_record(rec, b"secret-1")
+    assert md[:64] not in sealed and b"layers.0.w" not in sealed and b"gen-0#3" not in sealed
+    assert md[:64] in encode_peer_record(rec)  # the same record without a secret: in the clear
+    assert decode_peer_record(sealed, b"secret-1", "run-7").metadata == md
 
 
 def test_namespace_is_checked():
@@ -135,8 +149,8 @@ def test_envelope_rules():
         decode_peer_record(rewrap(body, v=1))
     with pytest.raises(WireFormatError, match="not a peer record"):
         decode_peer_record(rewrap(body, kind="other"))
-    with pytest.raises(WireFormatError, match="signature must be 32 bytes"):
-        decode_peer_record(rewrap(body, sig=b"short"))
+    with pytest.raises(WireFormatError, match="'sealed' must be bool"):
+        decode_peer_record(rewrap(body, sealed=b"short"))
     with pytest.raises(WireFormatError, match="must be bytes"):
         decode_peer_record("text")  # type: ignore[arg-type]
 
@@ -175,7 +189,7 @@ def test_garbage_only_raises_wire_format_error(data):
 )
 def test_well_formed_msgpack_of_the_wrong_shape_only_raises_wire_format_error(obj):
     raw = msgpack.packb(
-        {"v": 2, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sig": None}
+        {"v": 3, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sealed": False}
     )
     with pytest.raises(WireFormatError):
         decode_peer_record(raw)

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 import transport
+from helpers.polling import wait_until
 from helpers.ws_peer import MiB, make_tensors, spec_of
+from transport.weights._messages import Abort, Hello, Ver, encode
+from transport.weights._protocol import channel
 
 # Tensors of several dtypes and shapes; the inplace subscriber takes a subset of them.
 SPEC = {
@@ -219,3 +222,29 @@ def test_a_subscriber_in_the_test_process_needs_no_children(tcp_store, trainer):
         assert sub.apply() == 5
         assert torch.equal(live["w"], src["w"])
         sub.close()
+
+
+def test_a_subscriber_acts_only_on_its_groups_publisher(tcp_store, trainer, spawn):
+    """A peer of the namespace that is not the group's publisher (nor a relay) forges a version
+    announcement, an abort and a hello: the subscriber ignores all three, and the next real
+    version arrives whole."""
+    sub = spawn("sub", "gen-0", SPEC, mode="staging")
+    tensors = make_tensors(SPEC)
+    with (
+        transport.WeightPublisher(trainer, tensors, group="policy") as pub,
+        transport.Transport("mallory", store=tcp_store) as mallory,
+    ):
+        fill(tensors, 1)
+        assert pub.publish(1, timeout=20).wait(30).status == {"gen-0": "done"}
+        assert sub.call("wait_for_version", 1, 10) == 1
+        for forged in (Ver(777, 0), Ver(778, 1), Abort(2, 0), Hello()):
+            mallory.core.send_control("gen-0", channel("policy"), encode(forged))
+        wait_until(lambda: sub.call("refused") >= 4, 30, "the subscriber refusing 4 messages")
+        assert sub.call("state") == {"version": 1, "applied": -1, "incomplete": None}
+        for v in (2, 3):
+            fill(tensors, v)
+            assert pub.publish(v, timeout=20).wait(30).status == {"gen-0": "done"}
+            assert sub.call("wait_for_version", v, 10) == v
+            assert sub.call("apply") == v
+            assert sub.call("live") == everywhere(SPEC, v)
+    assert sub.call("refused") == 4

@@ -23,6 +23,7 @@ from transport.wire import unpack
 
 if TYPE_CHECKING:
     from transport import Transport
+    from transport.store import Store
 
 log = logging.getLogger("transport.weights")
 
@@ -78,7 +79,7 @@ class PublisherLease:
     def __init__(self, transport: Transport, group: str) -> None:
         self.transport = transport
         self.group = group
-        self.key = f"transport/{transport.namespace}/groups/{group}/lease"
+        self.key = lease_key(transport.namespace, group)
         self.mine = Lease(transport.name, transport.generation, (transport.name,))
         self.held = False
 
@@ -138,3 +139,18 @@ class PublisherLease:
             self.transport.store.compare_set(self.key, self.mine.encode(), FREE)
         except StoreError as e:  # the next publisher finds us gone by our record or heartbeat
             log.warning("group %s: could not give back the publisher lease: %s", self.group, e)
+
+
+def lease_key(namespace: str, group: str) -> str:
+    return f"transport/{namespace}/groups/{group}/lease"
+
+
+def current_lease(store: Store, namespace: str, group: str) -> Lease | None:
+    """The lease of ``group`` as the store has it now (None: free, absent or malformed)."""
+    raw = store.try_get(lease_key(namespace, group))
+    if raw is None or raw == FREE:
+        return None
+    try:
+        return Lease.decode(raw)
+    except WireFormatError:
+        return None

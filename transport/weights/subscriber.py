@@ -40,6 +40,7 @@ from transport.weights._protocol import (
     region,
 )
 from transport.weights._relay import Relay, RelayHost
+from transport.weights._upstream import Upstream
 
 log = logging.getLogger("transport.weights")
 
@@ -118,10 +119,14 @@ class WeightSubscriber:
             ),
         )
         self._next_entry_check = time.monotonic() + 1.0
+        self._dir = GroupDirectory(transport.store, transport.namespace, group)
+        self._upstream = Upstream(
+            transport.store, transport.namespace, group, self._dir, self._submit
+        )
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
         self._stop_control: Callable[[], None] = lambda: None
         try:
-            self._stop_control = transport.core.on_control(channel(group), self._on_message)
+            self._stop_control = transport.core.on_control(channel(group), self._admit)
             exposed = {
                 region(group, k, n): t
                 for k, slot in enumerate(self.staging)
@@ -131,7 +136,6 @@ class WeightSubscriber:
             # A publish completes only once this side has read its notification: poll at least
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
-            self._dir = GroupDirectory(transport.store, transport.namespace, group)
             self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
         except BaseException:
             self._stop_control()
@@ -139,6 +143,10 @@ class WeightSubscriber:
             raise
 
     # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
+
+    def _admit(self, peer: str, payload: bytes) -> None:
+        """Only the group's publisher and relays are heard (see ``Upstream``)."""
+        self._upstream.admit(peer, payload, self._on_message)
 
     def _on_message(self, peer: str, payload: bytes) -> None:
         try:
@@ -211,7 +219,7 @@ class WeightSubscriber:
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
         (a Redis restarted without persistence: publishers would drop us on their next read)."""
-        wait = self._relay.expire()
+        wait = min(self._relay.expire(), self._upstream.refresh())
         now = time.monotonic()
         if now >= self._next_entry_check and not self._closed:
             self._next_entry_check = now + 1.0
@@ -387,6 +395,12 @@ class WeightSubscriber:
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
             self._worker.submit(functools.partial(self._send_credit, p))
         return version
+
+    @property
+    def refused_messages(self) -> int:
+        """Weight-sync messages ignored because their sender is neither the group's publisher
+        nor one of its relays (each kind is logged)."""
+        return self._upstream.refused
 
     def close(self) -> None:
         """Leave the group (publishers drop this subscriber on their next publish)."""

@@ -1,0 +1,62 @@
+"""Notification MACs and the replay window, frame by frame."""
+
+from __future__ import annotations
+
+import pytest
+
+from transport.errors import SignatureError
+from transport.sealing import REPLAY_WINDOW, TRAILER_BYTES, FrameOpener, keys_for
+
+KEYS = keys_for(b"secret-123", "ns")
+A, B = "a#1", "b#1"
+
+
+def test_a_sealed_frame_opens_once_at_its_receiver_only():
+    sealer = KEYS.sealer(A, B)
+    sealed = sealer.seal(b"frame")
+    assert len(sealed) == len(b"frame") + TRAILER_BYTES
+    assert FrameOpener(KEYS, B).open(A, sealed) == b"frame"
+    with pytest.raises(SignatureError, match="MAC does not match"):
+        FrameOpener(KEYS, "b#2").open(A, sealed)  # another incarnation of the receiver
+    with pytest.raises(SignatureError, match="MAC does not match"):
+        FrameOpener(KEYS, B).open("c#1", sealed)  # claimed by another sender
+    with pytest.raises(SignatureError, match="MAC does not match"):
+        FrameOpener(keys_for(b"secret-123", "other-ns"), B).open(A, sealed)
+    opener = FrameOpener(KEYS, B)
+    opener.open(A, sealed)
+    with pytest.raises(SignatureError, match="already received once"):
+        opener.open(A, sealed)
+
+
+def test_every_changed_byte_is_refused():
+    sealed = KEYS.sealer(A, B).seal(b"payload-bytes")
+    for i in range(len(sealed)):
+        bad = bytearray(sealed)
+        bad[i] ^= 0x40
+        with pytest.raises(SignatureError):
+            FrameOpener(KEYS, B).open(A, bytes(bad))
+    with pytest.raises(SignatureError, match="carries no MAC"):
+        FrameOpener(KEYS, B).open(A, b"short")
+
+
+def test_reordered_frames_within_the_window_are_accepted_once_and_old_ones_refused():
+    sealer = KEYS.sealer(A, B)
+    frames = [sealer.seal(b"%d" % i) for i in range(REPLAY_WINDOW + 10)]
+    opener = FrameOpener(KEYS, B)
+    opener.open(A, frames[5])
+    for i in (3, 0, 4, 1, 2):  # overtaken frames arrive late: each once
+        assert opener.open(A, frames[i]) == b"%d" % i
+    with pytest.raises(SignatureError, match="already received"):
+        opener.open(A, frames[3])
+    opener.open(A, frames[-1])  # the newest jumps ahead by more than the window
+    with pytest.raises(SignatureError, match="older than"):
+        opener.open(A, frames[6])
+    assert opener.open(A, frames[-2]) == b"%d" % (REPLAY_WINDOW + 8)
+
+
+def test_senders_are_numbered_apart():
+    to_b, to_c = KEYS.sealer(A, B), KEYS.sealer(A, "c#1")
+    opener = FrameOpener(KEYS, B)
+    to_c.seal(b"x")
+    assert opener.open(A, to_b.seal(b"1")) == b"1"
+    assert opener.open("d#1", KEYS.sealer("d#1", B).seal(b"2")) == b"2"

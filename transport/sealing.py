@@ -1,0 +1,206 @@
+"""What a namespace's shared secret does: sealed peer records and authenticated notifications.
+
+With ``secret=``, two keys are derived from the secret and the namespace (HKDF-SHA256, from
+``cryptography``): one seals peer records with AES-256-GCM, so the NIXL connection metadata and
+the memory map in them are useless to a process without the secret (it can neither load the
+agent, nor write or read its memory, nor send it a notification); the other authenticates every
+notification frame (HMAC-SHA256, truncated to 16 bytes) over the sender's agent (name and
+generation), the receiver's agent, a per-connection sequence number and the frame, so a frame
+is acted on only if a holder of the secret sent it to this very incarnation, and only once.
+
+``cryptography`` is imported on the first secret only: a Transport without one never needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import os
+import struct
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from transport.errors import SignatureError
+
+_RECORD_AAD = b"transport/peer-record/v3\x00"
+_FRAME_DOMAIN = b"transport/frame/v1\x00"
+NONCE_BYTES = 12
+MAC_BYTES = 16
+SEQ_BYTES = 8
+#: what sealing adds to a notification frame: the sequence number and the MAC
+TRAILER_BYTES = SEQ_BYTES + MAC_BYTES
+#: how far behind the newest sequence number a frame may arrive and still be accepted once
+#: (frames of one connection can overtake each other on a multi-worker backend)
+REPLAY_WINDOW = 4096
+#: senders whose replay windows are remembered; the least recently heard is forgotten first
+MAX_SENDERS = 1 << 14
+_SEQ = struct.Struct(">Q")
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
+
+
+def _crypto() -> Any:
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise ImportError(
+            "secret= needs the 'cryptography' package (a dependency of transport): "
+            "pip install cryptography"
+        ) from e
+    return hashes, AESGCM, HKDF
+
+
+class Keys:
+    """The keys one namespace's secret gives (see the module docstring). Immutable; one per
+    (secret, namespace), shared by every Transport of the process that uses them."""
+
+    def __init__(self, secret: bytes, namespace: str) -> None:
+        hashes, aesgcm, hkdf = _crypto()
+
+        def derive(label: bytes) -> bytes:
+            out: bytes = hkdf(
+                algorithm=hashes.SHA256(),
+                length=32,
+                salt=b"transport/v1",
+                info=label + b"\x00" + namespace.encode(),
+            ).derive(secret)
+            return out
+
+        self.namespace = namespace
+        self._aead = aesgcm(derive(b"peer-record"))
+        self._mac_key = derive(b"frame-mac")
+
+    # -- peer records ------------------------------------------------------------------------
+
+    def seal_record(self, body: bytes) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        out: bytes = nonce + self._aead.encrypt(nonce, body, self._aad())
+        return out
+
+    def open_record(self, sealed: bytes) -> bytes:
+        """The record body; SignatureError if it was not sealed with this secret and namespace."""
+        if len(sealed) < NONCE_BYTES + 16:
+            raise SignatureError("peer record is sealed but too short to open")
+        try:
+            body: bytes = self._aead.decrypt(
+                sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], self._aad()
+            )
+        except Exception:  # cryptography's InvalidTag: wrong key, or bytes changed on the way
+            raise SignatureError(
+                "peer record does not open with the shared secret (another secret, or altered "
+                "in the store); every peer of the namespace must use the same secret="
+            ) from None
+        return body
+
+    def _aad(self) -> bytes:
+        return _RECORD_AAD + self.namespace.encode()
+
+    # -- notification frames -----------------------------------------------------------------
+
+    def frame_mac(self, sender: str, receiver: str, seq: bytes, frame: bytes) -> bytes:
+        msg = b"".join(
+            (_FRAME_DOMAIN, _len16(sender), sender.encode(), _len16(receiver), receiver.encode(),
+             seq, frame)
+        )  # fmt: skip
+        return hmac.digest(self._mac_key, msg, "sha256")[:MAC_BYTES]
+
+    def sealer(self, sender: str, receiver: str) -> FrameSealer:
+        return FrameSealer(self, sender, receiver)
+
+
+def _len16(s: str) -> bytes:
+    return len(s.encode()).to_bytes(2, "big")
+
+
+@functools.lru_cache(maxsize=64)
+def keys_for(secret: bytes, namespace: str) -> Keys:
+    """The keys of ``secret`` in ``namespace`` (derived once per process)."""
+    return Keys(secret, namespace)
+
+
+class FrameSealer:
+    """Seals the frames one agent sends to one peer incarnation: each gets the next sequence
+    number of this connection and a MAC. Callers seal under the connection's lock, so frames
+    leave in sequence order (the receiver tolerates reordering within its window anyway)."""
+
+    def __init__(self, keys: Keys, sender: str, receiver: str) -> None:
+        self._keys = keys
+        self._sender = sender
+        self._receiver = receiver
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def seal(self, frame: bytes) -> bytes:
+        with self._lock:
+            self._seq += 1
+            seq = _SEQ.pack(self._seq)
+        return frame + seq + self._keys.frame_mac(self._sender, self._receiver, seq, frame)
+
+
+class FrameOpener:
+    """Checks the frames that reach one agent (``receiver``): the MAC over sender, receiver,
+    sequence number and frame, then the sender's replay window (each sequence number once; one
+    more than :data:`REPLAY_WINDOW` behind the newest is refused). It owns one window per sender
+    agent, at most :data:`MAX_SENDERS` (the least recently heard is forgotten first). Called on
+    the engine thread only."""
+
+    def __init__(self, keys: Keys, receiver: str) -> None:
+        self._keys = keys
+        self._receiver = receiver
+        self._windows: OrderedDict[str, _Window] = OrderedDict()
+
+    def open(self, sender: str, sealed: bytes) -> bytes:
+        """The frame without its trailer; SignatureError naming the rule it broke."""
+        if len(sealed) < TRAILER_BYTES + 1:
+            raise SignatureError(
+                "notification carries no MAC, but this Transport requires the namespace's secret"
+            )
+        frame = sealed[:-TRAILER_BYTES]
+        seq = sealed[-TRAILER_BYTES:-MAC_BYTES]
+        mac = sealed[-MAC_BYTES:]
+        want = self._keys.frame_mac(sender, self._receiver, seq, frame)
+        if not hmac.compare_digest(mac, want):
+            raise SignatureError(
+                "notification MAC does not match (its sender lacks the shared secret, or it "
+                "was meant for another peer or incarnation)"
+            )
+        window = self._windows.get(sender)
+        if window is None:
+            window = self._windows[sender] = _Window()
+            if len(self._windows) > MAX_SENDERS:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(sender)
+        window.accept(_SEQ.unpack(seq)[0])
+        return frame
+
+
+class _Window:
+    """The sequence numbers seen from one sender: the newest, and which of the
+    :data:`REPLAY_WINDOW` before it arrived."""
+
+    __slots__ = ("newest", "seen")
+
+    def __init__(self) -> None:
+        self.newest = 0
+        self.seen = 0  # bit i: newest - i arrived
+
+    def accept(self, seq: int) -> None:
+        if seq == 0:
+            raise SignatureError("notification has sequence number 0, which no sender uses")
+        if seq > self.newest:
+            shift = seq - self.newest
+            self.seen = 1 if shift >= REPLAY_WINDOW else ((self.seen << shift) | 1) & _WINDOW_MASK
+            self.newest = seq
+            return
+        age = self.newest - seq
+        if age >= REPLAY_WINDOW:
+            raise SignatureError(
+                f"notification is {age} frames older than its sender's newest; refused as a "
+                "possible replay"
+            )
+        if self.seen >> age & 1:
+            raise SignatureError("notification was already received once; refused as a replay")
+        self.seen |= 1 << age

@@ -1,0 +1,130 @@
+"""Whom a subscriber takes weight-sync messages from: its group's publisher and relays."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from transport.errors import TransportError, WireFormatError
+from transport.store import Store
+from transport.weights._lease import current_lease
+from transport.weights._protocol import GroupDirectory
+
+log = logging.getLogger("transport.weights")
+
+Handler = Callable[[str, bytes], None]
+
+#: how often the set of senders believed without a store read is rebuilt (a publisher that lost
+#: the lease, or a relay that left, stops being believed within this)
+REFRESH_S = 2.0
+
+
+class Upstream:
+    """The senders one subscriber acts on: the holder of its group's publisher lease and the
+    group's relays, as the store names them.
+
+    It owns the set of senders believed without a store read (rebuilt every :data:`REFRESH_S`;
+    a store that names nobody leaves it as it was)
+    and, per other sender, the count of its messages waiting for a check. Rules: a message from
+    a believed sender is handled at once (engine thread); any other waits for a check on the
+    worker (``submit``), and while one of a sender's messages waits, the later ones wait behind
+    it, so a sender's messages are handled in order; a sender the store does not name as the
+    publisher or a relay is refused (counted in ``refused``, logged), whatever name it gave.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        namespace: str,
+        group: str,
+        directory: GroupDirectory,
+        submit: Callable[[Callable[[], object]], None],
+    ) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._group = group
+        self._dir = directory
+        self._submit = submit
+        self._lock = threading.Lock()
+        self._believed: frozenset[str] = frozenset()
+        self._publishers: frozenset[str] = frozenset()
+        self._relays: frozenset[str] = frozenset()
+        self._waiting: dict[str, int] = {}
+        self._next_refresh = 0.0
+        self.refused = 0
+
+    def admit(self, peer: str, payload: bytes, handle: Handler) -> None:
+        """Engine thread: ``handle(peer, payload)`` now, or after a check on the worker."""
+        with self._lock:
+            now = peer in self._believed and not self._waiting.get(peer)
+            if not now:
+                self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        if now:
+            handle(peer, payload)
+        else:
+            self._submit(lambda: self._check_then(peer, payload, handle))
+
+    def _check_then(self, peer: str, payload: bytes, handle: Handler) -> None:
+        try:
+            ok = peer in self._believed or self._is_upstream(peer)
+        finally:
+            with self._lock:
+                left = self._waiting[peer] - 1
+                if left:
+                    self._waiting[peer] = left
+                else:
+                    del self._waiting[peer]
+        if ok:
+            handle(peer, payload)
+            return
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ... : a flood logs little
+            log.warning(
+                "group %s: ignored a weight-sync message from %s (%d so far): it is neither the "
+                "group's publisher nor one of its relays", self._group, peer, self.refused,
+            )  # fmt: skip
+
+    def _is_upstream(self, peer: str) -> bool:
+        """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is
+        believed from now on)."""
+        try:
+            lease = current_lease(self._store, self._namespace, self._group)
+            ok = lease is not None and peer in (lease.name, *lease.ranks)
+            if not ok:
+                entry = self._dir.entry(peer)
+                ok = entry is not None and bool(entry["relay"])
+        except (TransportError, WireFormatError) as e:
+            log.info("group %s: cannot check sender %s: %s", self._group, peer, e)
+            return False
+        if ok:
+            with self._lock:
+                if lease is not None and peer in (lease.name, *lease.ranks):
+                    self._publishers = frozenset({lease.name, *lease.ranks})
+                else:
+                    self._relays = self._relays | {peer}
+                self._believed = self._publishers | self._relays
+        return ok
+
+    def refresh(self) -> float:
+        """Worker tick: rebuild the believed set when it is due; seconds until the next."""
+        now = time.monotonic()
+        if now < self._next_refresh:
+            return self._next_refresh - now
+        self._next_refresh = now + REFRESH_S
+        try:
+            lease = current_lease(self._store, self._namespace, self._group)
+            relays = {n for n, e in self._dir.entries().items() if e["relay"]}
+        except (TransportError, WireFormatError) as e:
+            log.info("group %s: cannot read the group's publisher and relays: %s", self._group, e)
+            return REFRESH_S
+        with self._lock:
+            # a store that lost the group (a Redis restarted empty) names nobody: until the
+            # publisher and relays write themselves back, those we knew stay believed
+            if lease is not None:
+                self._publishers = frozenset({lease.name, *lease.ranks})
+            if relays or lease is not None:
+                self._relays = frozenset(relays)
+            self._believed = self._publishers | self._relays
+        return REFRESH_S
