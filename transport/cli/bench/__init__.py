@@ -31,6 +31,8 @@ PUT = [
     ("--block", int, 50, "iterations per turn below 1 MiB when systems are interleaved (default 50)"),
     ("--lanes", str, None, "comma list of lane counts to compare, interleaved: the first is 'ours', "
      "each other one 'ours-lanesN' (default: the Transport's default only)"),
+    ("--notify", "store_true", False, "each of our writes carries an 8-byte notification, which "
+     "the readers drain (with --secret: numbered and MACed)"),
 ]
 SYNC = [
     ("--params", str, None, "parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
@@ -55,6 +57,8 @@ COMMON = [
     ("--pin", ON_OFF, None, "pin the writer to one CPU per lane and each reader to a CPU of its "
      "own while NIXL is measured (default: when the host has CPUs enough for all of them)"),
     ("--timeout", float, 120.0, "seconds one transfer or reply may take"),
+    ("--secret", "store_true", False, "join with a shared secret (sealed records, MACs on "
+     "notifications): $TRANSPORT_SECRET, or a random one that a local run hands its readers"),
 ]
 HOSTS = [
     ("--store URL", str, None, "join this existing store (tcp://, redis://) instead of spawning "

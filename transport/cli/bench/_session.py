@@ -218,6 +218,22 @@ class Session:
         return rank % torch.cuda.device_count() if local else 0
 
 
+def bench_secret(args: argparse.Namespace, local: bool) -> str | None:
+    """The secret of a ``--secret`` run: $TRANSPORT_SECRET, or for a local run a random one that
+    its readers inherit through the environment (never on a command line)."""
+    if not args.secret:
+        return None
+    secret = os.environ.get("TRANSPORT_SECRET", "")
+    if not secret and local:
+        secret = os.environ["TRANSPORT_SECRET"] = os.urandom(16).hex()
+    if len(secret) < 8:
+        raise CliError(
+            "--secret reads the secret from $TRANSPORT_SECRET (at least 8 characters, the same "
+            "on every host of the run); set it, or run all on one host"
+        )
+    return secret
+
+
 @contextmanager
 def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
                    peers: list[str] | None) -> Iterator[Session]:  # fmt: skip
@@ -232,6 +248,8 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
     writer_cpus = max([int(x) for x in names(getattr(args, "lanes", None))] or [default_lanes()])
     pin, pin_note = _util.pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)
     local, saved, t, ok = None, _util.affinity(), None, False
+    secret = bench_secret(args, local=peers is None)
+    command = [*command, "--secret"] if secret else command
     if peers is None:
         store: Any = TcpStore("127.0.0.1", 0, hosting="yes")
         readers = [f"bench-reader-{i}" for i in range(n_readers)]
@@ -243,7 +261,7 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
         if pin:
             _util.pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
         t = Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
-                      timeout=args.timeout)  # fmt: skip
+                      timeout=args.timeout, secret=secret)  # fmt: skip
         end = time.monotonic() + args.wait
         for name in readers:
             late = (f"reader {name!r} did not join namespace {args.namespace!r} within "
@@ -382,7 +400,11 @@ def run_reader(args: argparse.Namespace, w: Workload) -> int:
     torch.set_num_threads(1)  # helper ops need no pool; its threads would compete with the writer
     _util.pin_to(args.cpu)
     with Transport(
-        args.name, store=args.store, namespace=args.namespace, timeout=args.timeout
+        args.name,
+        store=args.store,
+        namespace=args.namespace,
+        timeout=args.timeout,
+        secret=bench_secret(args, local=False),
     ) as t:
         reader = Reader(t, w, saved)
         w.open_reader(t)

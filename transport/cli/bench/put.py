@@ -11,6 +11,8 @@ per configuration: destination zeroed, source filled with a fresh pattern, check
 from __future__ import annotations
 
 import argparse
+import collections
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
 LATENCY_MAX = 64 * KiB  # at and below: compare latency; above: bandwidth
 TARGETS = {"latency": 1.3, "bandwidth": 0.95}  # ours against raw-nixl, one receiver
 SIZES, SIZES_QUICK = "4K,64K,1M,16M,64M,256M,1G", "4K,1M,64M"
+NOTE = b"bench-nt"  # what --notify sends with each of our writes
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class PutWorkload(Workload):
     timeout: float = 60.0
     pin: bool | None = None  # None: when the host has CPUs enough (bench._util.pin_layout)
     lanes: list[int] = field(default_factory=list)  # [ours, others...]; empty: the default
+    notify: bool = False  # our writes carry a notification
     command = "put"
     main_phase = "raw+ours interleaved"
 
@@ -108,6 +112,7 @@ class PutWorkload(Workload):
             max_cycles=20 if q else 100, block=args.block, dist_budget_s=0.2 if q else 1.0,
             memcpy_budget_s=0.1 if q else 0.5, min_iters=3 if q else 5, timeout=args.timeout,
             pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in names(args.lanes))),
+            notify=args.notify,
         )  # fmt: skip
 
     def shapes(self) -> list[tuple[str, int]]:
@@ -118,6 +123,16 @@ class PutWorkload(Workload):
     def case(self, op: str, k: int, kind: str, n: int) -> PutCase:
         batch = f"{self.batch[0]}x{label_of(self.batch[1]).replace(' ', '')}" if self.batch else ""
         return PutCase(op, k, kind, batch if kind == "batch" else label_of(n), n)
+
+    def reader_args(self) -> list[str]:
+        return ["--notify"] if self.notify else []
+
+    def open_reader(self, t: transport.Transport) -> None:
+        """With ``--notify``: drain the notifications as they come, until the Transport closes
+        (unread, they would fill its queue; reading them is part of what a receiver pays)."""
+        if self.notify:
+            drain = lambda: collections.deque(t.notifications(None), maxlen=0)  # noqa: E731
+            threading.Thread(target=drain, name="bench-drain", daemon=True).start()
 
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         """``buf`` (the largest size) and the batch ``b0``..; touched, so no page faults later."""
@@ -182,7 +197,8 @@ class PutWorkload(Workload):
         srcs = [{f"b{j}": x for j, x in enumerate(xs)} if key is None else xs[0] for xs in srcs]
         if op == "write":
             to = peers[0] if k == 1 else peers
-            return lambda: t.put(srcs[0], to, key).wait(tmo)
+            note = NOTE if self.notify else None
+            return lambda: t.put(srcs[0], to, key, notify=note).wait(tmo)
         if k == 1:
             return lambda: t.get(srcs[0], peers[0], key).wait(tmo)
         pairs = list(zip(srcs, peers, strict=True))
