@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from transport.endpoint import Endpoint
+from transport.store.counters import Counter
 from transport.trace import ENV_DIR as TRACE_ENV_DIR
 
 log = logging.getLogger("transport")
@@ -33,7 +34,10 @@ class Dumps:
     housekeeping thread, which writes (:meth:`run`), so they are safe from a signal handler or the
     engine thread; after a transfer error it writes at most once per ``DUMP_MIN_INTERVAL`` and
     asks every peer of the namespace to write too (a counter in the store that each peer's
-    housekeeping reads, :meth:`check_requests`).
+    housekeeping reads, :meth:`check_requests`). Garbage in that counter is only ignored by
+    readers (a reader that repaired it would make every peer dump); a Transport that asks for
+    dumps repairs it to the clock in milliseconds, which is above every count seen before, so
+    every peer answers that request.
     """
 
     def __init__(self, ep: Endpoint, trace_dir: str | os.PathLike[str] | None, inline: Any) -> None:
@@ -44,13 +48,15 @@ class Dumps:
         self._reason: str | None = None
         self._seen = 0
         self._last = 0.0
-        self._key = f"transport/{ep.namespace}/trace/requests"
+        self._requests = Counter(
+            ep.store, f"transport/{ep.namespace}/trace/requests", "the namespace's dump requests"
+        )
         ep.recorder.on_error = self.on_transfer_error
 
     def start(self) -> None:
         """Answer only newer requests of the namespace; watch SIGUSR1 (with a directory)."""
         if self.trace_dir is not None:
-            self._seen = self._ep.store.add(self._key, 0)
+            self._seen = self._requests.read() or 0  # None: garbage, answered once repaired
             _watch_sigusr1(self)
 
     def dump(self, directory: str | os.PathLike[str] | None, reason: str) -> Path:
@@ -90,7 +96,7 @@ class Dumps:
             if time.monotonic() - self._last < DUMP_MIN_INTERVAL:
                 return  # one error storm, one round of dumps
             try:
-                self._seen = self._ep.store.add(self._key, 1)
+                self._seen = self._requests.add(1)
             except Exception as e:
                 log.warning(
                     "transport %s: could not ask the namespace to dump: %s", self._ep.name, e
@@ -101,8 +107,8 @@ class Dumps:
         """Housekeeping: write a dump if a peer of the namespace asked since we last looked."""
         if self.trace_dir is None:
             return
-        requested = self._ep.store.add(self._key, 0)
-        if requested > self._seen:
+        requested = self._requests.read()
+        if requested is not None and requested > self._seen:
             self._seen = requested
             self._to_dir("a peer of the namespace asked (it saw an error)")
 

@@ -161,7 +161,8 @@ class PeerTable:
     def drop_restarted(self) -> None:
         """Housekeeping: drop every connection whose peer has a newer generation in the store."""
         for conn in self.live():
-            if self._ep.directory.generation(conn.name) > conn.generation:
+            newest = self._ep.directory.generation(conn.name)  # None: garbage, ignored
+            if newest is not None and newest > conn.generation:
                 log.info("peer %s restarted; dropping generation %d", conn.name, conn.generation)
                 self.drop(conn)
 

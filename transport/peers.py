@@ -16,6 +16,7 @@ import time
 
 from transport.errors import StoreError, WireFormatError
 from transport.store.base import Store
+from transport.store.counters import Counter, clock_floor, index_counter
 from transport.wire import (
     NAME_RE,
     PeerRecord,
@@ -33,11 +34,13 @@ class Directory:
     there is one; ``fetch`` checks the signature, the namespace and the name), generation
     counters, the membership index and heartbeats.
 
-    It keeps nothing but the store, the namespace and the secret: every call is one or more store
-    round trips, as thread-safe as the store, and off the hot path (the Transport resolves peers
-    and heartbeats with it, never on the engine thread). Generations and the membership index only
-    grow (``names`` lists every name that ever joined, live or not); ``leave`` deletes a record
-    only if no newer incarnation has replaced it.
+    It keeps the store, the namespace and the secret, and the counters it used (which remember
+    the garbage they warned about): every call is one or more store round trips, as thread-safe as
+    the store, and off the hot path (the Transport resolves peers and heartbeats with it, never on
+    the engine thread). Generations and the membership index only grow (``names`` lists every name
+    that ever joined, live or not); ``leave`` deletes a record only if no newer incarnation has
+    replaced it. A counter holding garbage never stops a join or a listing: see
+    :meth:`generation_counter` and :meth:`members_counter` for how each is repaired.
     """
 
     def __init__(self, store: Store, namespace: str, secret: bytes | None) -> None:
@@ -45,15 +48,67 @@ class Directory:
         self.namespace = namespace
         self.secret = secret
         self.prefix = f"transport/{namespace}/"
+        self._counters: dict[str, Counter] = {}
 
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
 
+    def generation_counter(self, name: str) -> Counter:
+        """The counter of ``name``'s generations; garbage there is repaired by a joiner only
+        (``_generation_floor`` says to what, and why that is safe). Readers (``generation``) only
+        ignore it: a reader that raised the counter past the live owner's generation would make
+        every peer take that owner for restarted."""
+        key = self.key("gen", name)
+        counter = self._counters.get(key)
+        if counter is None:
+            what = f"the generations of peer {name!r}"
+            counter = self._counters.setdefault(
+                key, Counter(self.store, key, what, lambda: self._generation_floor(name))
+            )
+        return counter
+
+    def members_counter(self) -> Counter:
+        """The count of the membership index; garbage there is repaired by a reader or a joiner
+        (``index_counter`` says to what, and why that is safe)."""
+        key = self.key("members", "count")
+        counter = self._counters.get(key)
+        if counter is None:
+            what = f"the members of namespace {self.namespace!r}"
+            counter = self._counters.setdefault(
+                key, index_counter(self.store, self.key("members", ""), what)
+            )
+        return counter
+
+    def _generation_floor(self, name: str) -> int:
+        """What a generation counter holding garbage is repaired to: the largest of the clock in
+        milliseconds and the generations of ``name`` its record and heartbeat show.
+
+        Why that is safe: a new incarnation must get a generation larger than every one handed
+        out before, or its records (peer record, group entries, the publisher's list of dead
+        incarnations, a lease) would be taken for an older incarnation's. Generations counted up
+        by one from 1 never reach the clock in milliseconds (``clock_floor``); a live peer's
+        generation that an earlier repair took past this host's clock is in the record and the
+        heartbeat it rewrites every interval. A shown generation over twice the clock cannot
+        have been handed out that way: it is garbage too, and ignored (else it could push the
+        counter to its limit)."""
+        clock = clock_floor()
+        shown = [clock]
+        try:
+            rec = self.fetch(name)
+            if rec is not None:
+                shown.append(rec.generation)
+        except WireFormatError:
+            pass
+        beat = self.last_heartbeat(name)
+        if beat is not None:
+            shown.append(beat[0])
+        return max(g for g in shown if g <= 2 * clock)
+
     def join(self, name: str) -> int:
         """Take the next generation of ``name`` and make sure the name is in the membership index."""
-        gen = self.store.add(self.key("gen", name), 1)
+        gen = self.generation_counter(name).add(1)
         if self.store.try_get(self.key("members", "by-name", name)) is None:
-            idx = self.store.add(self.key("members", "count"), 1)
+            idx = self.members_counter().add(1)
             self.store.set(self.key("members", str(idx)), name.encode())
             self.store.set(self.key("members", "by-name", name), str(idx).encode())
         return gen
@@ -87,7 +142,7 @@ class Directory:
 
     def names(self) -> list[str]:
         """Every name that ever joined the namespace (live or not), in joining order."""
-        count = self.store.add(self.key("members", "count"), 0)
+        count = self.members_counter().value()
         out: list[str] = []
         for i in range(1, count + 1):
             raw = self.store.try_get(self.key("members", str(i)))
@@ -104,8 +159,9 @@ class Directory:
                 out.append(name)
         return out
 
-    def generation(self, name: str) -> int:
-        return self.store.add(self.key("gen", name), 0)
+    def generation(self, name: str) -> int | None:
+        """The newest generation of ``name`` handed out; None while its counter holds garbage."""
+        return self.generation_counter(name).read()
 
     def restore(self, record: PeerRecord) -> bool:
         """Put our record back if the store lost it (a Redis restarted without persistence), or
@@ -127,11 +183,11 @@ class Directory:
                         record.name)  # fmt: skip
             self.publish(record)
             return True
-        current = self.store.add(self.key("gen", record.name), 0)
-        if current < record.generation:
-            self.store.add(self.key("gen", record.name), record.generation - current)
+        # Garbage in the counter is set to our own generation: our record is missing, so ours is
+        # the newest incarnation the store shows, and a joiner takes the next one after it.
+        self.generation_counter(record.name).raise_to(record.generation)
         if self.store.try_get(self.key("members", "by-name", record.name)) is None:
-            idx = self.store.add(self.key("members", "count"), 1)
+            idx = self.members_counter().add(1)
             self.store.set(self.key("members", str(idx)), record.name.encode())
             self.store.set(self.key("members", "by-name", record.name), str(idx).encode())
         self.publish(record)

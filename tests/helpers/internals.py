@@ -5,6 +5,8 @@ public call (nor ``transport.core``) shows. Each helper says what it is for; ruf
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +80,30 @@ def transfers(t: transport.Transport) -> Any:
 def install_stream_ops(t: transport.Transport, ops: Any) -> None:
     """Stream machinery of a test's own (a host-memory stand-in of the GPU's words)."""
     t._transfers.stream = ops
+
+
+def count_engine_polls(t: transport.Transport, n: int, timeout: float) -> tuple[int, float, float]:
+    """Count the turns of ``t``'s engine loop (each reads notifications once) until there are
+    ``n`` or ``timeout`` passes; returns the count, the seconds it took and the engine's idle
+    interval. Idle, the engine waits at least that interval between turns: a busy machine makes
+    the turns slower, never faster."""
+    e = t._engine
+    backend, reached, count = e._backend, threading.Event(), [0]
+    read = backend.get_notifs
+
+    def counted() -> dict[str, list[bytes]]:
+        count[0] += 1
+        if count[0] >= n:
+            reached.set()
+        return read()
+
+    start = time.monotonic()
+    backend.get_notifs = counted  # type: ignore[method-assign]
+    try:
+        reached.wait(timeout)
+    finally:
+        backend.get_notifs = read  # type: ignore[method-assign]
+    return count[0], time.monotonic() - start, e.idle_interval
 
 
 def hold_engine_posts(t: transport.Transport, hold: Callable[[Op], None]) -> None:

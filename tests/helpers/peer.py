@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from helpers import internals
 from helpers.child import ChildError, ChildProcess, serve
 
 # name -> (dtype, numel, access) or (dtype, numel, access, device), e.g. device "cuda:0"
@@ -113,6 +114,7 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         ),
         "put_pattern": put_pattern,
         "wait_for_peer": lambda peer, timeout: t.wait_for_peer(peer, timeout).generation,
+        "count_engine_polls": lambda n, timeout: internals.count_engine_polls(t, n, timeout),
     }
     serve(conn, handlers, t.close)
 

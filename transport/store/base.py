@@ -49,7 +49,12 @@ class Store(Closing, abc.ABC):
 
     @abc.abstractmethod
     def add(self, key: str, amount: int = 1) -> int:
-        """Atomically add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value."""
+        """Atomically add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value.
+
+        What a value that is not a decimal integer does differs from store to store (StoreError,
+        or a leading number taken): counters that others can write go through
+        :class:`transport.store.counters.Counter`, which reads them strictly and repairs them.
+        """
 
     @abc.abstractmethod
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
@@ -111,7 +116,9 @@ def check_amount(amount: object) -> int:
 
 def parse_integer(value: bytes) -> int | None:
     """The integer a counter value holds (decimal ASCII, as ``add`` writes it), or None."""
-    return int(value) if _INTEGER.fullmatch(value) else None
+    if not _INTEGER.fullmatch(value) or len(value) > 64:  # int() refuses over 4,300 digits
+        return None
+    return int(value)
 
 
 def check_timeout(timeout: object) -> float | None:

@@ -60,6 +60,7 @@ import torch
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.store.base import Store
+from transport.store.counters import Counter, clock_floor, index_counter
 from transport.weights._messages import Begin, Piece, Segment, Ver, encode
 from transport.wire import NAME_RE, unpack
 
@@ -117,18 +118,28 @@ class GroupDirectory:
     """The store side of a group: the subscribers' entries, the membership index and the epoch,
     under ``transport/<namespace>/groups/<group>/``.
 
-    It keeps nothing but the key prefix: every call is one or more store round trips, as
-    thread-safe as the store, and never made on the engine thread. Join and leave bump the epoch;
-    the membership index only grows (``names`` drops duplicates); ``leave`` deletes the entry only
-    while it is still that generation's; ``entry`` raises WireFormatError for a malformed one.
+    It keeps the key prefix and the group's two counters: every call is one or more store round
+    trips, as thread-safe as the store, and never made on the engine thread. Join and leave bump
+    the epoch; the membership index only grows (``names`` drops duplicates); ``leave`` deletes
+    the entry only while it is still that generation's; ``entry`` raises WireFormatError for a
+    malformed one. Garbage in a counter is repaired by whoever meets it, reader or writer: the
+    epoch to the clock in milliseconds, the member count as ``index_counter`` says.
     """
 
     def __init__(self, store: Store, namespace: str, group: str) -> None:
         self.store = store
         self.prefix = f"transport/{namespace}/groups/{group}/"
+        # The epoch only has to differ from every value a publisher saw before a change: the
+        # clock in milliseconds does, since join and leave count it up by one from 0
+        # (clock_floor), and the publisher that repairs it reads the entries after the repair.
+        what = f"the changes of group {group!r}"
+        self._epoch = Counter(store, self.prefix + "epoch", what, clock_floor)
+        self._members = index_counter(
+            store, self.prefix + "members/", f"the members of group {group!r}"
+        )
 
     def epoch(self) -> int:
-        return self.store.add(self.prefix + "epoch", 0)
+        return self._epoch.value()
 
     def join(self, name: str, generation: int, mode: str, slots: int, relay: bool) -> None:
         entry = msgpack.packb(
@@ -136,16 +147,16 @@ class GroupDirectory:
         )
         self.store.set(self.prefix + f"sub/{name}", entry)
         if self.store.try_get(self.prefix + f"members/by-name/{name}") is None:
-            idx = self.store.add(self.prefix + "members/count", 1)
+            idx = self._members.add(1)
             self.store.set(self.prefix + f"members/{idx}", name.encode())
             self.store.set(self.prefix + f"members/by-name/{name}", str(idx).encode())
-        self.store.add(self.prefix + "epoch", 1)
+        self._epoch.add(1)
 
     def leave(self, name: str, generation: int) -> None:
         entry = self.entry(name)
         if entry is not None and entry["gen"] == generation:
             self.store.delete(self.prefix + f"sub/{name}")
-            self.store.add(self.prefix + "epoch", 1)
+            self._epoch.add(1)
 
     def entry(self, name: str) -> dict[str, Any] | None:
         raw = self.store.try_get(self.prefix + f"sub/{name}")
@@ -167,7 +178,7 @@ class GroupDirectory:
     def names(self) -> list[str]:
         """The members that ever joined, in joining order; a name that is not a peer name (the
         store's garbage) is skipped with a warning naming its key."""
-        count = self.store.add(self.prefix + "members/count", 0)
+        count = self._members.value()
         out = []
         for i in range(1, count + 1):
             key = self.prefix + f"members/{i}"
