@@ -6,19 +6,21 @@ lets a declared set of trainer ranks publish one version together). A publisher 
 construction, with compare-and-set, and gives it back at close. A second publisher of the group
 fails with GroupBusyError naming the holder, unless the holder is gone: its name has no record
 any more, or a newer incarnation's, or its heartbeat stopped (a killed process keeps its record
-until it restarts). Garbage in the lease's place is overwritten, with a warning.
+until it restarts): silent past the *gone* bar of transport/liveness.py (10 heartbeat
+intervals, at least 10 s), higher than the bar at which a peer is merely suspect, since a
+takeover cannot be undone. Garbage in the lease's place is overwritten, with a warning.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from transport.errors import GroupBusyError, PeerNotFoundError, StoreError, WireFormatError
+from transport.liveness import GONE_BEATS, GONE_MIN_S, staleness
 from transport.wire import unpack
 
 if TYPE_CHECKING:
@@ -26,10 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transport.weights")
 
-#: a holder whose heartbeat is older than this many of our heartbeat intervals (and at least
-#: STALE_MIN_S) is gone; wall-clock times of two hosts, so generous
-STALE_BEATS = 10
-STALE_MIN_S = 10.0
 FREE = b""  # a lease given back
 
 
@@ -125,8 +123,12 @@ class PublisherLease:
             return ""  # its record is garbage: nobody can reach it
         if info.generation != holder.generation:
             return ""  # restarted (a newer incarnation), or the record is of another
-        stale = max(STALE_MIN_S, STALE_BEATS * self.transport.heartbeat_interval)
-        if info.last_heartbeat is None or time.time() - info.last_heartbeat > stale:
+        if info.last_heartbeat is None or staleness(
+            info.last_heartbeat,
+            self.transport.heartbeat_interval,
+            beats=GONE_BEATS,
+            floor=GONE_MIN_S,
+        ):
             return ""
         return f"alive on {info.host} (pid {info.pid})"
 
