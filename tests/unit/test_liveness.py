@@ -1,5 +1,7 @@
 """Heartbeats acted on (transport/liveness.py), on the loopback backend: a peer whose heartbeat
-stopped is suspect in peers(), and not once it beats again.
+stopped is suspect in peers(), a weight publisher excludes a suspect subscriber at once and
+serves it again once it beats; a subscriber planned while the store had lost its record is
+planned again, and one whose group entry the store lost is served until it joins again.
 
 A stopped heartbeat is written into the store as a stopped process leaves it (an old time of
 the peer's generation): the real thing, SIGSTOP, is in tests/core/test_faults.py and
@@ -10,8 +12,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import transport
+from helpers import internals
+from helpers.loopback_net import pattern
+from helpers.polling import wait_until
 from transport import liveness
 from transport.wire import encode_heartbeat
 
@@ -67,3 +73,82 @@ def test_a_peer_whose_heartbeat_stopped_is_suspect_until_it_beats_again(loopback
     beat(quiet, 0)
     assert info(quiet.name).suspect is None
     assert obs.core.suspect(quiet.name, quiet.generation) is None
+
+
+def test_a_suspect_subscriber_is_excluded_at_once_and_served_once_it_beats(loopback_net):
+    gen = loopback_net.make("gen", heartbeat_interval=3600)
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    trainer = loopback_net.make("trainer")
+    src = {"w": pattern(4096, 1)}
+    pub = transport.WeightPublisher(trainer, src, group="policy")
+    try:
+        assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+        beat(gen, too_old(trainer))
+        src["w"].copy_(pattern(4096, 2))
+        h = pub.publish(2, timeout=600)
+        # settled by publish() itself: nothing waits for the deadline ten minutes away
+        assert h.result.status == {gen.name: "excluded"}
+        why = h.wait(10).reasons[gen.name]
+        assert why.startswith("suspect:") and "heartbeat" in why and "next publish" in why, why
+        beat(gen, 0)  # it beats again: a member again
+        src["w"].copy_(pattern(4096, 3))
+        assert pub.publish(3, timeout=10).wait(10).done == [gen.name]
+        assert sub.wait_for_version(3, timeout=10) == 3
+        assert sub.apply() == 3 and torch.equal(live["w"], pattern(4096, 3))
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_a_subscriber_planned_while_the_store_lost_its_record_is_planned_again(loopback_net):
+    gen = loopback_net.make("gen")
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    trainer = loopback_net.make("trainer")
+    release = internals.hold_record_restore(gen)
+    internals.empty_memory_store(loopback_net.store)  # a Redis without persistence restarted
+    # the subscriber joins the group again (its entry check) before its record is back
+    wait_until(lambda: internals.group_entry(trainer, "policy", gen.name), 10, "the entry back")
+    assert gen.name not in {i.name for i in trainer.peers()}
+    src = {"w": pattern(4096, 4)}
+    pub = transport.WeightPublisher(trainer, src, group="policy")  # planned now: no record
+    try:
+        r = pub.publish(1, timeout=10).wait(10)
+        assert r.status == {gen.name: "excluded"}, r.reasons
+        assert f"no peer named {gen.name!r}" in r.reasons[gen.name], r.reasons
+        assert "tried again at the next publish" in r.reasons[gen.name], r.reasons
+        release()
+        wait_until(lambda: gen.name in {i.name for i in trainer.peers()}, 10, "the record back")
+        assert pub.publish(2, timeout=10).wait(10).done == [gen.name]
+        assert sub.wait_for_version(2, timeout=10) == 2
+        assert sub.apply() == 2 and torch.equal(live["w"], pattern(4096, 4))
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_subscribers_whose_entries_the_store_lost_are_served_until_they_join_again(loopback_net):
+    gen = loopback_net.make("gen")
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    trainer = loopback_net.make("trainer")
+    src = {"w": pattern(4096, 5)}
+    pub = transport.WeightPublisher(trainer, src, group="policy")
+    try:
+        assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+        internals.empty_memory_store(loopback_net.store)
+        # right after the loss, before anyone put anything back: served over its connection
+        src["w"].copy_(pattern(4096, 6))
+        r = pub.publish(2, timeout=10).wait(10)
+        assert r.status == {gen.name: "done"}, r.reasons
+        assert sub.wait_for_version(2, timeout=10) == 2
+        assert sub.apply() == 2 and torch.equal(live["w"], pattern(4096, 6))
+        wait_until(lambda: internals.group_entry(trainer, "policy", gen.name), 10, "the entry back")
+        src["w"].copy_(pattern(4096, 7))
+        assert pub.publish(3, timeout=10).wait(10).done == [gen.name]
+        assert sub.wait_for_version(3, timeout=10) == 3
+        assert sub.apply() == 3 and torch.equal(live["w"], pattern(4096, 7))
+    finally:
+        pub.close()
+        sub.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -117,7 +118,7 @@ class WeightSubscriber:
                 credit=self._credit_if_open,
             ),
         )
-        self._next_entry_check = time.monotonic() + 1.0
+        self._next_entry_check = math.inf  # checked once we joined (below)
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
         self._stop_control: Callable[[], None] = lambda: None
         try:
@@ -133,6 +134,7 @@ class WeightSubscriber:
             transport.core.poll_at_least(poll_interval)
             self._dir = GroupDirectory(transport.store, transport.namespace, group)
             self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
+            self._next_entry_check = time.monotonic() + 1.0
         except BaseException:
             self._stop_control()
             self._worker.stop()
