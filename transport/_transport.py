@@ -35,6 +35,7 @@ from transport.errors import ClosedError, PeerWaitTimeout, WireFormatError
 from transport.handle import Handle
 from transport.housekeeping import Housekeeping
 from transport.lanes import default_lanes
+from transport.liveness import suspicion
 from transport.memory import LocalMemory
 from transport.peer_table import PeerInfo, PeerTable, peer_info
 from transport.peers import Directory
@@ -174,6 +175,7 @@ class Transport(Closing):
             send_control=self._control.send_control,
             put_control=self._put_control,
             put_control_at=self._put_control_at,
+            suspect=self._suspect,
             poll_at_least=self._engine.poll_at_least,
             waiting=self._engine.waiting,
             stream_ops=self._transfers.stream_ops,
@@ -412,8 +414,11 @@ class Transport(Closing):
     # -- peers --------------------------------------------------------------------------------
 
     def peers(self) -> list[PeerInfo]:
-        """The live peers of the namespace (those with a record), this one included."""
+        """The peers of the namespace that have a record, this one included. A peer whose
+        heartbeat stopped is still listed (its record stays until it leaves or restarts), with
+        ``suspect`` saying why it may be gone (see :class:`PeerInfo`)."""
         directory = self._ep.directory
+        interval = self._ep.settings.heartbeat_interval
         out = []
         for name in directory.names():
             try:
@@ -422,8 +427,13 @@ class Transport(Closing):
                 log.warning("skipping peer %s: %s", name, e)
                 continue
             if rec is not None:
-                out.append(peer_info(rec, directory.last_heartbeat(name)))
+                out.append(peer_info(rec, directory.last_heartbeat(name), interval))
         return out
+
+    def _suspect(self, name: str, generation: int) -> str | None:
+        """transport.core.suspect: one heartbeat read, judged as peers() judges it."""
+        hb = self._ep.directory.last_heartbeat(name)
+        return suspicion(hb, generation, self._ep.settings.heartbeat_interval)
 
     def wait_for_peer(
         self, name: str, timeout: float | None = 30.0, regions: Iterable[str] = ()
@@ -438,7 +448,9 @@ class Transport(Closing):
             self._ep.check_open()
             rec = directory.fetch(name)
             if rec is not None and want <= {r.name for r in rec.regions}:
-                return peer_info(rec, directory.last_heartbeat(name))
+                return peer_info(
+                    rec, directory.last_heartbeat(name), self._ep.settings.heartbeat_interval
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 missing = (
                     ""

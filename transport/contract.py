@@ -2,7 +2,7 @@
 
 Those layers use a Transport's public API plus this: :class:`CoreLink`, reached as
 ``transport.core``, the handful of calls they need that users do not (control messages, a put
-that carries one, a fresh view of a peer, polling hints, the stream machinery). Nothing else of
+that carries one, a fresh view of a peer, a peer's liveness, polling hints, the stream machinery). Nothing else of
 the core is theirs to touch, and ruff's SLF001 (private member access) keeps it so. Users should
 not need it; it may change with the library.
 
@@ -55,6 +55,10 @@ class CoreLink:
       keys) whose notification is a control message: it arrives after all of the data.
     * ``put_control_at(tensor, key, offset, peer, channel, payload, timeout)``: the same for one
       tensor at ``offset`` elements of region ``key``.
+    * ``suspect(name, generation)``: why that incarnation of peer ``name`` is suspect, or None
+      (transport/liveness.py, judged with this Transport's heartbeat interval): one store read,
+      its heartbeat, so a layer may ask it before every round of work; StoreError if the store
+      cannot be reached.
     * ``poll_at_least(interval)``: keep the engine's idle polling at or below ``interval``
       seconds (None: back to its default), for a layer that expects control messages any time.
     * ``waiting(delta)``: a thread starts (+1) or stops (-1) waiting for a control message, so
@@ -69,6 +73,7 @@ class CoreLink:
     send_control: Callable[[str, str, bytes], None]
     put_control: Callable[[Mapping[str, torch.Tensor], str, str, bytes, float | None], Handle]
     put_control_at: Callable[[torch.Tensor, str, int, str, str, bytes, float | None], Handle]
+    suspect: Callable[[str, int], str | None]
     poll_at_least: Callable[[float | None], None]
     waiting: Callable[[int], None]
     stream_ops: Callable[[], Any]

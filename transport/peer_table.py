@@ -15,6 +15,7 @@ from transport.errors import (
     StoreError,
     WireFormatError,
 )
+from transport.liveness import suspicion
 from transport.plan import PeerConn
 from transport.wire import PeerRecord
 
@@ -23,7 +24,13 @@ log = logging.getLogger("transport")
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """A live peer of the namespace, as its record and heartbeat describe it."""
+    """A peer of the namespace that has a record, as its record and heartbeat describe it.
+
+    ``suspect`` says why it may be gone: its last heartbeat is older than a few heartbeat
+    intervals of the Transport that asks (transport/liveness.py: 3 intervals, at least 5 s), or a
+    newer incarnation beats in its place; None while it beats in time (or has not beaten yet).
+    A suspect peer that beats again is no longer suspect.
+    """
 
     name: str
     generation: int
@@ -33,12 +40,15 @@ class PeerInfo:
     regions: int
     region_bytes: int
     last_heartbeat: float | None  # wall-clock time, None if it never sent one
+    suspect: str | None = None
 
 
-def peer_info(rec: PeerRecord, hb: tuple[int, float] | None) -> PeerInfo:
+def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) -> PeerInfo:
+    """``rec`` and the heartbeat stored under its name, judged with ``interval`` (the reader's)."""
     return PeerInfo(
         rec.name, rec.generation, rec.host, rec.pid, rec.version, len(rec.regions),
         sum(r.nbytes for r in rec.regions), hb[1] if hb and hb[0] == rec.generation else None,
+        suspicion(hb, rec.generation, interval),
     )  # fmt: skip
 
 

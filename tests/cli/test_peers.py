@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 
 import torch
 
 import transport
 from helpers.processes import REPO, free_port
 from transport.store.tcp import TcpStore
+from transport.wire import encode_heartbeat
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -48,6 +51,31 @@ def test_lists_peers_with_regions_and_heartbeats():
             # another namespace is empty
             other = cli("peers", "--store", store.url, "--namespace", "other")
             assert other.returncode == 0 and "no peers" in other.stdout
+
+
+def test_a_peer_whose_heartbeat_stopped_is_listed_as_suspect():
+    """The command judges heartbeats as peers() does (transport/liveness.py), with the peers'
+    interval it is given. The stopped heartbeat is written as a stopped process leaves it."""
+    with TcpStore("127.0.0.1", 0, hosting="yes") as store:
+        with (
+            transport.Transport("quiet", store=store, namespace="job", heartbeat_interval=3600),
+            transport.Transport("alive", store=store, namespace="job"),
+        ):
+            store.set("transport/job/hb/quiet", encode_heartbeat(1, time.time() - 120))
+            out = cli("peers", "--store", store.url, "--namespace", "job", "--json")
+            assert out.returncode == 0, out.stderr
+            peers = {p["name"]: p for p in json.loads(out.stdout)["peers"]}
+            assert peers["alive"]["suspect"] is None
+            assert re.search(r"last heartbeat is 1\d\d\.\d s old", peers["quiet"]["suspect"])
+            table = cli("peers", "--store", store.url, "--namespace", "job").stdout.splitlines()
+            assert any(line.startswith("quiet") and "(suspect)" in line for line in table), table
+            assert not any(line.startswith("alive") and "suspect" in line for line in table)
+            # peers said to beat every minute are not suspect two minutes after their last beat
+            slow = cli("peers", "--store", store.url, "--namespace", "job", "--json",
+                       "--heartbeat-interval", "60")  # fmt: skip
+            assert {p["name"]: p for p in json.loads(slow.stdout)["peers"]}["quiet"][
+                "suspect"
+            ] is None
 
 
 def test_unreachable_store_is_one_line_and_non_zero():

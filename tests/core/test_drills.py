@@ -21,6 +21,7 @@ from helpers.processes import free_port
 from helpers.redis_server import RedisServer
 from helpers.ws_peer import SubscriberProcess
 from transport.errors import StoreError
+from transport.weights._lease import current_lease
 
 MiB = 1 << 20
 
@@ -67,6 +68,9 @@ def test_a_redis_restart_keeps_transfers_going_and_discovery_recovers():
 
 @needs_own_redis
 def test_weight_sync_goes_on_across_a_redis_restart():
+    """Publishes right after the restart, before anyone put anything back, reach the subscriber
+    the publisher knew (over its connection, which needs no store) instead of finding an empty
+    group; the subscriber joins again and stays served."""
     spec = {"w": ((MiB,), "float32")}
     with RedisServer() as redis:
         url = redis.url(0)
@@ -78,25 +82,70 @@ def test_weight_sync_goes_on_across_a_redis_restart():
                 tensors["w"].fill_(1)
                 assert pub.publish(1, timeout=20).wait(30).done == ["gen-0"]
                 redis.restart()
-                restarted = time.monotonic()
-                # publishes go on; the subscriber is back in the group within a few seconds
-                version, done_at = 1, None
-                while done_at is None and time.monotonic() - restarted < 20:
-                    version += 1
+                for version in (2, 3):
                     tensors["w"].fill_(version)
                     r = pub.publish(version, timeout=20).wait(30)
-                    if r.done == ["gen-0"] and version > 2:
-                        done_at = time.monotonic() - restarted
-                    else:
-                        threading.Event().wait(0.2)  # a training step's worth; not synchronization
-                assert done_at is not None, "the subscriber never came back"
-                assert sub.call("wait_for_version", version, 10) == version
-                assert sub.call("apply") == version
-                assert sub.call("live") == {"w": (float(version), float(version))}
+                    assert r.status == {"gen-0": "done"}, r.reasons
+                assert sub.call("wait_for_version", 3, 10) == 3
+                assert sub.call("apply") == 3
+                assert sub.call("live") == {"w": (3.0, 3.0)}
+                # it joins again and its record is back: a member as before
+                wait_until(lambda: internals.group_entry(t, "policy", "gen-0"), 20, "its entry")
+                wait_until(lambda: "gen-0" in {i.name for i in t.peers()}, 20, "its record")
+                tensors["w"].fill_(4)
+                r = pub.publish(4, timeout=20).wait(30)
+                assert r.status == {"gen-0": "done"}, r.reasons
+                assert sub.call("wait_for_version", 4, 10) == 4
+                assert sub.call("apply") == 4
+                assert sub.call("live") == {"w": (4.0, 4.0)}
+                # the publisher has put its lease back: a newcomer takes its messages
+                lease = current_lease(t.store, t.namespace, "policy")
+                assert lease is not None and lease.name == "trainer"
+                with SubscriberProcess("gen-1", url, spec) as newcomer:
+                    tensors["w"].fill_(5)
+                    r = pub.publish(5, timeout=20).wait(30)
+                    assert r.status == {"gen-0": "done", "gen-1": "done"}, r.reasons
+                    assert newcomer.call("wait_for_version", 5, 10) == 5
+                    assert newcomer.call("apply") == 5
+                    assert newcomer.call("live") == {"w": (5.0, 5.0)}
                 pub.close()
         finally:
             sub.stop()
-    print(f"\nweight sync back {done_at:.2f} s after the Redis restart")
+
+
+@needs_own_redis
+def test_a_subscriber_that_rejoins_before_its_record_is_back_is_planned_again():
+    """After a restart a subscriber joins its group again (its entry check) before its record is
+    back (its owner's next housekeeping round). A publisher that plans it then cannot connect:
+    it says so, and plans it again at the next publish, which reaches it once the record is
+    back. (The record is held back in the child so that this order is certain.)"""
+    spec = {"w": ((MiB,), "float32")}
+    with RedisServer() as redis:
+        url = redis.url(0)
+        sub = SubscriberProcess("gen-0", url, spec)
+        try:
+            with transport.Transport("trainer", store=url, timeout=30) as t:
+                sub.call("hold_record")
+                redis.restart()
+                wait_until(lambda: internals.group_entry(t, "policy", "gen-0"), 20, "its entry")
+                assert "gen-0" not in {i.name for i in t.peers()}
+                tensors = {"w": torch.full((MiB,), 1.0)}
+                pub = transport.WeightPublisher(t, tensors)  # the trainer starts publishing now
+                r = pub.publish(1, timeout=20).wait(30)
+                assert r.status == {"gen-0": "excluded"}, r.reasons
+                assert "no peer named 'gen-0'" in r.reasons["gen-0"], r.reasons
+                assert "tried again at the next publish" in r.reasons["gen-0"], r.reasons
+                sub.call("release_record")
+                wait_until(lambda: "gen-0" in {i.name for i in t.peers()}, 20, "its record")
+                tensors["w"].fill_(2)
+                r = pub.publish(2, timeout=20).wait(30)
+                assert r.status == {"gen-0": "done"}, r.reasons
+                assert sub.call("wait_for_version", 2, 10) == 2
+                assert sub.call("apply") == 2
+                assert sub.call("live") == {"w": (2.0, 2.0)}
+                pub.close()
+        finally:
+            sub.stop()
 
 
 def test_the_death_of_the_process_hosting_the_embedded_store():

@@ -11,6 +11,7 @@ import torch
 import transport
 from helpers import internals
 from helpers.peer import Peer, pattern, sha
+from helpers.polling import wait_until
 
 MiB = 1 << 20
 
@@ -84,6 +85,32 @@ def test_sigstop_gives_transfer_timeout_then_recovers(tcp_store, writer):
             ("writer", b"back")
         )
         assert r.call("sha", "x") == sha(src2)
+
+
+def test_a_frozen_peer_is_suspect_in_peers_until_it_beats_again(tcp_store, writer):
+    """Heartbeats are read: a stopped peer (its record stays) is listed as suspect, with the age
+    of its last heartbeat, once that is older than the bar of transport/liveness.py; running
+    again, it beats and is not. Nothing is timed: the test waits, bounded, for each state."""
+
+    def suspect() -> str | None:
+        return {i.name: i for i in writer.peers()}["frozen"].suspect
+
+    with Peer("frozen", tcp_store.url, {"x": ("uint8", MiB, "rw")}) as r:
+        writer.wait_for_peer("frozen", 30)
+        assert suspect() is None
+        r.signal(signal.SIGSTOP)
+        try:
+            wait_until(suspect, 60, "peers() reporting the stopped peer suspect")
+            why = suspect()
+            assert why is not None and "heartbeat" in why and "s old" in why, why
+            assert writer.wait_for_peer("frozen", timeout=0).suspect  # the same judgement
+            assert {i.name: i for i in writer.peers()}["writer"].suspect is None
+        finally:
+            r.signal(signal.SIGCONT)
+        wait_until(lambda: suspect() is None, 30, "the peer beating again")
+        src = pattern(MiB, 9)
+        writer.put(src, "frozen", "x", timeout=10).wait(10)
+        assert r.call("sha", "x") == sha(src)
 
 
 def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):

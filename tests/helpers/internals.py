@@ -18,6 +18,8 @@ from transport.engine import Engine, Op
 from transport.lanes import Lane
 from transport.memory import LocalMemory
 from transport.plan import PeerConn, Plan
+from transport.store import MemoryStore
+from transport.weights._protocol import GroupDirectory
 
 # -- a Transport's parts --------------------------------------------------------------------------
 
@@ -106,6 +108,17 @@ def count_engine_polls(t: transport.Transport, n: int, timeout: float) -> tuple[
     return count[0], time.monotonic() - start, e.idle_interval
 
 
+def hold_record_restore(t: transport.Transport) -> Callable[[], None]:
+    """Keep ``t``'s housekeeping from putting its record back in the store (it goes on beating)
+    until the returned call: a store that restarted empty, seen before the owner's next round."""
+    regions = t._regions
+    restore = regions.restore
+    held = threading.Event()
+    held.set()
+    regions.restore = lambda: False if held.is_set() else restore()  # type: ignore[method-assign]
+    return held.clear
+
+
 def hold_engine_posts(t: transport.Transport, hold: Callable[[Op], None]) -> None:
     """Call ``hold(op)`` before the engine posts each op it posts itself (not the caller's)."""
     e = t._engine
@@ -116,6 +129,20 @@ def hold_engine_posts(t: transport.Transport, hold: Callable[[Op], None]) -> Non
         post(op, lost_raises)
 
     e._post = held  # type: ignore[method-assign]
+
+
+# -- stores and weight groups --------------------------------------------------------------------
+
+
+def empty_memory_store(store: MemoryStore) -> None:
+    """Every key of ``store`` gone at once, as a Redis without persistence restarts."""
+    with store._data.changed:
+        store._data.values.clear()
+
+
+def group_entry(t: transport.Transport, group: str, name: str) -> dict[str, Any] | None:
+    """Subscriber ``name``'s entry in ``group`` as the store holds it (None: it has none)."""
+    return GroupDirectory(t.store, t.namespace, group).entry(name)
 
 
 # -- a weight subscriber --------------------------------------------------------------------------

@@ -232,7 +232,16 @@ def _sub_child(
             raise RuntimeError(loop.pop("error"))
         return loop.pop("result")  # type: ignore[no-any-return]
 
+    held_record: list[Any] = []
+
+    def hold_record() -> None:
+        """From now on its housekeeping beats but does not put its record back in the store
+        (for a test that restarts the store and must see the group entry back first)."""
+        held_record.append(internals.hold_record_restore(t))
+
     handlers = {
+        "hold_record": hold_record,
+        "release_record": lambda: held_record.pop()(),
         "state": state,
         "wait_for_version": lambda n, timeout: sub.wait_for_version(n, timeout),
         "apply": sub.apply,
@@ -321,7 +330,8 @@ class SubscriberProcess(ChildProcess):
     ``violations`` (of the staging rule), ``writers(kind)`` (who sent messages of a kind),
     ``snapshot_start`` / ``wait_snapshots`` /
     ``snapshot_result`` (a loop of apply() and checks on a thread of the child), ``close``
-    (leave the group, keep the Transport)."""
+    (leave the group, keep the Transport), ``hold_record`` / ``release_record`` (its record is
+    not put back in a store that lost it until released; it goes on beating)."""
 
     def __init__(
         self,

@@ -5,12 +5,15 @@ publishers handing out the same slots tore versions; with the lease they cannot 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import transport
-import transport.weights._lease as lease
 from helpers.loopback_net import pattern
+from transport import liveness
+from transport.wire import encode_heartbeat
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -59,15 +62,24 @@ def test_a_publisher_whose_transport_left_or_restarted_is_taken_over(loopback_ne
     sub.close()
 
 
-def test_a_holder_whose_heartbeat_stopped_is_taken_over(loopback_net, monkeypatch):
+def test_a_holder_whose_heartbeat_stopped_is_taken_over(loopback_net):
+    """Past the *gone* bar of transport/liveness.py, not merely past the suspect one: a takeover
+    cannot be undone. The stopped heartbeat is written as a stopped holder leaves it."""
     gen, sub, live = _gen(loopback_net)
     a = loopback_net.make("trainer-a", heartbeat_interval=3600)  # one beat, at its start
     transport.WeightPublisher(a, {"w": pattern(4096, 1)}, group="policy")
     b = loopback_net.make("trainer-b")
     with pytest.raises(transport.GroupBusyError, match="alive"):
         transport.WeightPublisher(b, {"w": pattern(4096, 2)}, group="policy")
-    monkeypatch.setattr(lease, "STALE_MIN_S", -1.0)  # every heartbeat is too old now
-    monkeypatch.setattr(lease, "STALE_BEATS", 0)
+    hb = f"transport/{a.namespace}/hb/{a.name}"
+    suspect = liveness.stale_after(b.heartbeat_interval) + 1
+    gone = liveness.stale_after(b.heartbeat_interval, liveness.GONE_BEATS, liveness.GONE_MIN_S)
+    assert suspect < gone
+    loopback_net.store.set(hb, encode_heartbeat(a.generation, time.time() - suspect))
+    assert {i.name: i for i in b.peers()}[a.name].suspect  # suspect, but not gone yet
+    with pytest.raises(transport.GroupBusyError, match="alive"):
+        transport.WeightPublisher(b, {"w": pattern(4096, 2)}, group="policy")
+    loopback_net.store.set(hb, encode_heartbeat(a.generation, time.time() - gone - 1))
     _publishes(b, sub, live, seed=6, version=1)
     sub.close()
 

@@ -12,6 +12,7 @@ import pytest
 
 import transport
 from helpers import internals
+from helpers.polling import wait_until
 from helpers.ws_peer import MiB, WsPeerError, make_tensors, spec_of
 
 
@@ -22,6 +23,12 @@ def everywhere(names, value):
 def fill(tensors, value):
     for t in tensors.values():
         t.fill_(value)
+
+
+def suspect(t, name):
+    """Why ``t``'s peers() says ``name`` is suspect (None: it is not, or has no record)."""
+    info = {i.name: i for i in t.peers()}.get(name)
+    return None if info is None else info.suspect
 
 
 def publish(pub, tensors, version, timeout=20.0):
@@ -171,12 +178,58 @@ def test_a_stopped_subscriber_is_excluded_at_the_deadline_without_delaying_other
         assert other.call("apply") == 2
         assert other.call("live") == everywhere(spec, 2)
 
+        # stopped longer than the suspect bar, it is served again once it has beaten again
+        wait_until(lambda: not suspect(trainer, "gen-frozen"), 30, "gen-frozen beating again")
         r = publish(pub, tensors, 3)
         assert r.status == {"gen-other": "done", "gen-frozen": "done"}, r.reasons
     assert frozen.call("wait_for_version", 3, 10) == 3
     assert frozen.call("apply") == 3
     assert frozen.call("live") == everywhere(spec, 3)
     assert frozen.call("violations") == []
+
+
+@pytest.mark.parametrize("mode", ["staging", "inplace"])
+def test_a_suspect_subscriber_is_excluded_at_once_and_served_again_once_it_beats(
+    trainer, spawn, mode
+):
+    """A subscriber stopped while idle is found by its heartbeat, not by a transfer's deadline:
+    once peers() reports it suspect, a publish excludes it at once with that reason (the
+    deadline is minutes away); running again, it beats and the next publish serves it."""
+    spec = spec_of(2, MiB)
+    other = spawn("sub", "gen-other", spec, wait=False)
+    frozen = spawn("sub", "gen-frozen", spec, mode=mode, wait=False)
+    other.started()
+    frozen.started()
+    tensors = make_tensors(spec)
+    with transport.WeightPublisher(trainer, tensors) as pub:
+        assert publish(pub, tensors, 1).status == {"gen-other": "done", "gen-frozen": "done"}
+        assert frozen.call("wait_for_version", 1, 10) == 1
+        frozen.signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: suspect(trainer, "gen-frozen"), 60, "gen-frozen suspect")
+            fill(tensors, 2)
+            h = pub.publish(2, timeout=300.0)
+            # settled by publish() itself, before any transfer to it was posted
+            assert h.result.status.get("gen-frozen") == "excluded", h.result.reasons
+            r = h.wait(60)
+            assert other.call("wait_for_version", 2, 10) == 2
+        finally:
+            frozen.signal(signal.SIGCONT)
+        assert r.status == {"gen-other": "done", "gen-frozen": "excluded"}, r.reasons
+        why = r.reasons["gen-frozen"]
+        assert why.startswith("suspect:") and "heartbeat" in why, why
+        assert other.call("apply") == 2
+        assert other.call("live") == everywhere(spec, 2)
+        assert frozen.call("state")["version"] == 1  # nothing of version 2 was sent to it
+
+        wait_until(lambda: not suspect(trainer, "gen-frozen"), 30, "gen-frozen beating again")
+        r = publish(pub, tensors, 3)
+        assert r.status == {"gen-other": "done", "gen-frozen": "done"}, r.reasons
+    for sub in (other, frozen):
+        assert sub.call("wait_for_version", 3, 10) == 3
+        assert sub.call("apply") == 3
+        assert sub.call("live") == everywhere(spec, 3)
+        assert sub.call("violations") == []
 
 
 def test_a_version_given_up_by_its_publisher_is_never_completed_late(tcp_store, trainer):

@@ -11,6 +11,7 @@ import signal
 import pytest
 
 import transport
+from helpers.polling import wait_until
 from helpers.ws_peer import MiB, make_tensors, spec_of
 
 SPEC = spec_of(3, MiB)  # 12 MiB in 3 tensors
@@ -172,7 +173,13 @@ def test_a_frozen_relay_excludes_its_children_until_it_runs_again(trainer, spawn
             assert r.status["gen-a"] == "done" and r.status["gen-c"] == "excluded", r.reasons
         finally:
             b.signal(signal.SIGCONT)
-        # running again, gen-b reports that it could not forward; then all of them are served
+        # running again, gen-b reports that it could not forward, and beats (if it was stopped
+        # long enough to be suspect, it is left out until then); then all of them are served
+        wait_until(
+            lambda: {i.name: i for i in trainer.peers()}["gen-b"].suspect is None,
+            30,
+            "gen-b beating again",
+        )
         r = publish(pub, tensors, 4)
         assert r.done == ["gen-a", "gen-b", "gen-c"], r.reasons
     for s in (a, b, c):

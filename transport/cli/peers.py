@@ -1,4 +1,5 @@
-"""``transport peers``: who is in a namespace, what they expose, and when they were last heard from."""
+"""``transport peers``: who is in a namespace, what they expose, when they were last heard from,
+and which are suspect (their heartbeat stopped: transport/liveness.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from transport.errors import WireFormatError
+from transport.liveness import suspicion
 from transport.peers import Directory
 from transport.store import DEFAULT_STORE_URL, store_from_url
 from transport.wire import check_name
@@ -25,6 +27,12 @@ def add_parser(sub: Any) -> None:
         "--secret",
         default=os.environ.get("TRANSPORT_SECRET"),
         help="verify records with this shared secret",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="the peers' heartbeat_interval in seconds, to judge which are suspect (default 1)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
@@ -45,7 +53,9 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def collect(store_url: str, namespace: str, secret: str | None) -> list[dict[str, Any]]:
+def collect(
+    store_url: str, namespace: str, secret: str | None, heartbeat_interval: float = 1.0
+) -> list[dict[str, Any]]:
     check_name("namespace", namespace)
     store = store_from_url(client_url(store_url))
     try:
@@ -67,6 +77,7 @@ def collect(store_url: str, namespace: str, secret: str | None) -> list[dict[str
                 "regions": len(rec.regions), "bytes": sum(r.nbytes for r in rec.regions),
                 "last_heartbeat": beat, "heartbeat_age_s": None if beat is None else round(now - beat, 3),
                 "version": rec.version,
+                "suspect": suspicion(hb, rec.generation, heartbeat_interval, now),
             })  # fmt: skip
         return rows
     finally:
@@ -74,7 +85,7 @@ def collect(store_url: str, namespace: str, secret: str | None) -> list[dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = collect(args.store, args.namespace, args.secret)
+    rows = collect(args.store, args.namespace, args.secret, args.heartbeat_interval)
     if args.json:
         print(
             json.dumps({"store": args.store, "namespace": args.namespace, "peers": rows}, indent=2)
@@ -92,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
             )
             continue
         age = "never" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f} s ago"
+        if r["suspect"]:
+            age += " (suspect)"
         table.append((r["name"], str(r["generation"]), r["host"], str(r["pid"]), str(r["regions"]),
                       _human(r["bytes"]), age, r["version"]))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]

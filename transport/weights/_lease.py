@@ -6,19 +6,21 @@ lets a declared set of trainer ranks publish one version together). A publisher 
 construction, with compare-and-set, and gives it back at close. A second publisher of the group
 fails with GroupBusyError naming the holder, unless the holder is gone: its name has no record
 any more, or a newer incarnation's, or its heartbeat stopped (a killed process keeps its record
-until it restarts). Garbage in the lease's place is overwritten, with a warning.
+until it restarts): silent past the *gone* bar of transport/liveness.py (10 heartbeat
+intervals, at least 10 s), higher than the bar at which a peer is merely suspect, since a
+takeover cannot be undone. Garbage in the lease's place is overwritten, with a warning.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from transport.errors import GroupBusyError, PeerNotFoundError, StoreError, WireFormatError
+from transport.liveness import GONE_BEATS, GONE_MIN_S, staleness
 from transport.wire import unpack
 
 if TYPE_CHECKING:
@@ -27,10 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transport.weights")
 
-#: a holder whose heartbeat is older than this many of our heartbeat intervals (and at least
-#: STALE_MIN_S) is gone; wall-clock times of two hosts, so generous
-STALE_BEATS = 10
-STALE_MIN_S = 10.0
 FREE = b""  # a lease given back
 
 
@@ -126,10 +124,42 @@ class PublisherLease:
             return ""  # its record is garbage: nobody can reach it
         if info.generation != holder.generation:
             return ""  # restarted (a newer incarnation), or the record is of another
-        stale = max(STALE_MIN_S, STALE_BEATS * self.transport.heartbeat_interval)
-        if info.last_heartbeat is None or time.time() - info.last_heartbeat > stale:
+        if info.last_heartbeat is None or staleness(
+            info.last_heartbeat,
+            self.transport.heartbeat_interval,
+            beats=GONE_BEATS,
+            floor=GONE_MIN_S,
+        ):
             return ""
         return f"alive on {info.host} (pid {info.pid})"
+
+    def ensure(self) -> None:
+        """At each publish: write our lease back if the store lost it (a Redis restarted empty;
+        subscribers take messages only from the holder); GroupBusyError if another publisher
+        holds it now (it took over while this one was silent past the bar)."""
+        if not self.held:
+            return
+        store, ours = self.transport.store, self.mine.encode()
+        for _ in range(8):
+            raw = store.try_get(self.key)
+            if raw == ours:
+                return
+            if raw is not None and raw != FREE:
+                try:
+                    holder = Lease.decode(raw)
+                except WireFormatError:
+                    holder = None  # garbage in its place: ours goes back
+                if holder is not None and holder != self.mine:
+                    self.held = False
+                    raise GroupBusyError(
+                        f"group {self.group!r}: this publisher lost its lease to {holder}, which "
+                        "took over while this one was silent; close this publisher"
+                    )
+            if store.compare_set(self.key, raw, ours):
+                log.warning("group %s: the store had lost the publisher lease; wrote it back",
+                            self.group)  # fmt: skip
+                return
+        raise GroupBusyError(f"group {self.group!r}: the publisher lease kept changing; try again")
 
     def release(self) -> None:
         if not self.held:

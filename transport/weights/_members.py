@@ -1,19 +1,32 @@
-"""The publisher's side of a group's membership: its view of each subscriber, and the fan-outs."""
+"""The publisher's side of a group's membership: its view of each subscriber, the roster of them
+it reads from the store, and the fan-outs."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from transport.errors import TransportError, WireFormatError
+from transport.liveness import stale_after
 from transport.weights._delivery import Delivery
-from transport.weights._messages import MAX_DEGREE
+from transport.weights._messages import MAX_DEGREE, Hello, encode
+from transport.weights._protocol import GroupDirectory, channel, match_regions, region
+
+if TYPE_CHECKING:
+    from transport import Transport
+
+log = logging.getLogger("transport.weights")
 
 
 class Member:
     """The publisher's view of one subscriber incarnation: what it takes (``names``, the
-    ``batches`` per slot), what went wrong with it (``error``; ``transient`` if planning it again
-    may help), its free slots (``credits``), the slot being written and by whom, the version
+    ``batches`` per slot), what went wrong when it was planned (``error``: it is planned again at
+    the next publish), since when its group entry is missing from a store that lost the group
+    (``vanished``), its free slots (``credits``), the slot being written and by whom, the version
     waiting for a slot, and the segments of a version in flight. The publisher changes it under
     its own lock only."""
 
@@ -23,7 +36,7 @@ class Member:
         self.names: frozenset[str] = frozenset()
         self.batches: list[dict[str, torch.Tensor]] = []
         self.error = ""
-        self.transient = False  # the error may pass (connecting failed): planned again next time
+        self.vanished: float | None = None  # monotonic time its entry was found missing
         self.asked = time.monotonic()  # when we last said hello (asked for free slots)
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
@@ -48,3 +61,156 @@ def check_fanout(fanout: object, degree: object) -> tuple[str, int]:
             f"{MAX_DEGREE}, got {degree!r}"
         )
     return str(fanout), degree
+
+
+class Roster:
+    """The subscribers of one group as the publisher serves them: one :class:`Member` per
+    subscriber incarnation, planned (connected afresh, its tensors matched) when it joins.
+
+    It owns ``members`` (name -> Member), the incarnations that were lost (skipped until a newer
+    one joins), the group epoch it read last and whether it must read the whole group again. The
+    publisher calls it under its own lock; a refresh is a few store round trips, plus a connect
+    per member it plans. Rules:
+
+    * an entry of a new name or generation is planned; a member whose entry was deleted (the
+      epoch moved forward) left, and is dropped at once;
+    * a member that could not be planned (``error``: no record, no connection, a record of
+      another generation, tensors that do not match) is planned again at every refresh while its
+      entry is there: a record the store lost comes back, a connect that failed may succeed;
+    * when the epoch goes back, the store lost the group (it restarted empty): the members whose
+      entries vanished are kept, and served over their connections (which need no store), until
+      they join again (the same incarnation: nothing to plan) or for at most
+      ``liveness.stale_after(heartbeat_interval)`` seconds; after that they count as left;
+    * :meth:`suspects` reads each member's heartbeat: a suspect one (transport/liveness.py) is
+      left out of that publish at once, and tried again at the next.
+    """
+
+    def __init__(
+        self, transport: Transport, group: str, tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        self.transport = transport
+        self.group = group
+        self.tensors = tensors
+        self.dir = GroupDirectory(transport.store, transport.namespace, group)
+        self.members: dict[str, Member] = {}
+        self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
+        self.epoch = -1  # the group's epoch when it was last read
+        self.reread = False  # read every entry at the next refresh, whatever the epoch
+
+    def refresh(self) -> list[str]:
+        """Read what changed (see the rules); returns the members that left, whose children
+        the publisher hands back."""
+        epoch, last = self.dir.epoch(), self.epoch
+        full = epoch != last or self.reread
+        went_back = 0 <= epoch < last  # it only grows, unless the store lost the group
+        # nothing joined or left: only the members waiting to be planned again, or to come back
+        check = (
+            list(self.members)
+            if full
+            else [n for n, s in self.members.items() if s.error or s.vanished is not None]
+        )
+        if not full and not check:
+            return []
+        self.epoch, self.reread = epoch, False
+        entries = self.dir.entries() if full else self._entries(check)
+        now, seen, left = time.monotonic(), set(), []
+        for name, entry in entries.items():
+            if self.lost.get(name) == entry["gen"]:
+                continue  # died without leaving the group
+            seen.add(name)
+            sub = self.members.get(name)
+            if sub is None or sub.generation != entry["gen"] or sub.error:
+                self.members[name] = self.plan(name, entry, sub)
+            else:
+                sub.vanished = None  # back in the group
+        for name in check:
+            sub = self.members.get(name)
+            if name in seen or sub is None:
+                continue
+            if went_back and sub.vanished is None:
+                log.warning(
+                    "group %s: the store lost the group (its epoch went back from %d to %d: a "
+                    "store that restarted empty?); serving %s until it joins again",
+                    self.group, last, epoch, name,
+                )  # fmt: skip
+                sub.vanished = now
+            elif sub.vanished is None or now - sub.vanished > self.grace():
+                log.info("subscriber %s left group %s", name, self.group)
+                del self.members[name]
+                left.append(name)
+        return left
+
+    def grace(self) -> float:
+        """How long a member whose entry the store lost is served before it counts as left."""
+        return stale_after(self.transport.heartbeat_interval)
+
+    def _entries(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name in names:
+            try:
+                entry = self.dir.entry(name)
+            except WireFormatError as e:
+                log.warning("group %s: skipping the entry of %s: %s", self.group, name, e)
+                continue
+            if entry is not None:
+                out[name] = entry
+        return out
+
+    def lose(self, sub: Member) -> bool:
+        """``sub`` went away (its peer was lost): dropped until a newer incarnation joins. False
+        if it was no longer a member."""
+        if self.members.get(sub.name) is not sub:
+            return False
+        del self.members[sub.name]
+        self.lost[sub.name] = sub.generation
+        self.reread = True
+        return True
+
+    def plan(self, name: str, entry: dict[str, Any], before: Member | None) -> Member:
+        """A new Member for ``entry``: connected afresh, its tensors matched (``error`` says why
+        it cannot be served; ``before``, the member it replaces, keeps a repeated error from
+        being logged at every publish)."""
+        sub = Member(name, entry["gen"], entry["mode"], entry["slots"], entry["relay"])
+        try:
+            # Read its record afresh: a connection made before it subscribed lacks the group's
+            # regions, and one to an older incarnation is stale.
+            conn = self.transport.core.peer(name, refresh=True)
+        except TransportError as e:
+            sub.error = f"cannot connect (tried again at the next publish): {e}"
+            return sub
+        if conn.generation != entry["gen"]:
+            sub.error = (
+                f"its record is of generation {conn.generation}, its group entry of "
+                f"{entry['gen']} (tried again at the next publish)"
+            )
+            return sub
+        names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")
+        if not names and not problems:
+            problems.append("it exposes none of the publisher's tensors")
+        if problems:
+            sub.error = (
+                f"subscriber {name!r} does not match ({len(problems)} problems): "
+                + "; ".join(problems)
+            )
+            if before is None or before.error != sub.error:
+                log.error("group %s: %s", self.group, sub.error)
+            return sub
+        sub.names = frozenset(names)
+        sub.batches = [
+            {region(self.group, k, n): self.tensors[n] for n in names} for k in range(sub.slots)
+        ]
+        if sub.mode == "staging":
+            try:
+                self.transport.core.send_control(name, channel(self.group), encode(Hello()))
+            except TransportError as e:
+                sub.error = f"cannot reach it (tried again at the next publish): {e}"
+        return sub
+
+    def suspects(self, members: Iterable[Member]) -> dict[str, str]:
+        """Why each of ``members`` is suspect now, by its heartbeat (one store read each)."""
+        out = {}
+        for sub in members:
+            why = self.transport.core.suspect(sub.name, sub.generation)
+            if why:
+                out[sub.name] = why
+        return out

@@ -209,7 +209,8 @@ class GroupDirectory:
 
 class Worker:
     """One thread that runs the layer's work off the engine thread (sends, callbacks), and a
-    periodic ``tick`` for deadlines."""
+    periodic ``tick`` for deadlines: the first right away, the next when the tick says (or after
+    the next piece of work), so a layer that never gets work still ticks."""
 
     def __init__(self, name: str, tick: Callable[[], float | None] | None = None) -> None:
         self._q: queue.Queue[Callable[[], Any] | None] = queue.Queue()
@@ -221,7 +222,7 @@ class Worker:
         self._q.put(fn)
 
     def _run(self) -> None:
-        wait: float | None = None
+        wait: float | None = None if self._tick is None else 0.0
         while True:
             try:
                 fn = self._q.get(timeout=wait)

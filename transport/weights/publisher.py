@@ -30,7 +30,7 @@ from transport.weights._delivery import (
     PublishHandle,
 )
 from transport.weights._lease import PublisherLease
-from transport.weights._members import Member, check_fanout
+from transport.weights._members import Member, Roster, check_fanout
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -47,12 +47,10 @@ from transport.weights._protocol import (
     PUB_SLOT,
     SEGMENT_BYTES,
     SEQ_NAME,
-    GroupDirectory,
     SegmentedWrite,
     Worker,
     channel,
     check_named_tensors,
-    match_regions,
     pieces,
     region,
     segments,
@@ -72,6 +70,13 @@ class WeightPublisher:
     subset of the names) and prepares one batched transfer per staging slot, which every publish
     replays. :meth:`publish` sends to all subscribers at once and returns a :class:`PublishHandle`
     whose result tells, per subscriber, done, excluded or lost.
+
+    Membership (weights/_members.py): a subscriber whose heartbeat stopped is suspect
+    (transport/liveness.py) and excluded from a publish at once, with that reason, instead of at
+    the deadline; one that could not be planned (no record yet, tensors that do not match) is
+    planned again at every publish; both are served again once the cause is gone. When the store
+    loses the group (it restarted empty), the subscribers the publisher knew are served over their
+    connections until they join again.
 
     ``fanout`` chooses who writes each subscriber: ``"direct"`` (the publisher writes every one),
     ``"chain"`` (the publisher writes the first, each subscriber forwards to the next) or
@@ -106,13 +111,11 @@ class WeightPublisher:
         self._seq = torch.tensor([0, -1], dtype=torch.int64)  # no version until the first publish
         self._updating = False
         self.version = -1
-        self._subs: dict[str, Member] = {}
-        self._lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
-        self._epoch = -1
+        self._roster = Roster(transport, group, tensors)
+        self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []
         self._relays: set[str] = set()  # the subscribers that forward the current version
-        self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
         self._stop_control: Callable[[], None] = lambda: None
         self._lease = PublisherLease(transport, group)
@@ -133,66 +136,18 @@ class WeightPublisher:
     # -- membership ------------------------------------------------------------------------------
 
     def refresh(self) -> dict[str, str]:
-        """Re-read the group if it changed; returns the subscribers that cannot be served and why."""
-        epoch = self._dir.epoch()
+        """Read what changed in the group (weights/_members.py says what is read when); returns
+        the subscribers that cannot be served and why (suspects are judged at each publish)."""
+        self._lease.ensure()
         with self._lock:
-            if any(s.transient for s in self._subs.values()):
-                self._epoch = -1  # try those again
-            if epoch != self._epoch:
-                self._epoch = epoch
-                seen = set()
-                for name, entry in self._dir.entries().items():
-                    if self._lost.get(name) == entry["gen"]:
-                        continue  # died without leaving the group
-                    seen.add(name)
-                    sub = self._subs.get(name)
-                    if sub is None or sub.generation != entry["gen"]:
-                        self._subs[name] = self._plan(name, entry)
-                for name in set(self._subs) - seen:
-                    log.info("subscriber %s left group %s", name, self.group)
-                    del self._subs[name]
-                    # A relay leaves only after its forwards ended (WeightSubscriber.close).
-                    self._release_children(name, "it left the group")
+            for name in self._roster.refresh():
+                # A relay leaves only after its forwards ended (WeightSubscriber.close).
+                self._release_children(name, "it left the group")
             return {n: s.error for n, s in self._subs.items() if s.error}
 
     def subscribers(self) -> list[str]:
         with self._lock:
             return sorted(self._subs)
-
-    def _plan(self, name: str, entry: dict) -> Member:
-        sub = Member(name, entry["gen"], entry["mode"], entry["slots"], entry["relay"])
-        try:
-            # Read its record afresh: a connection made before it subscribed lacks the group's
-            # regions, and one to an older incarnation is stale.
-            conn = self.transport.core.peer(name, refresh=True)
-        except TransportError as e:
-            sub.error, sub.transient = f"cannot connect: {e}", True
-            return sub
-        if conn.generation != entry["gen"]:
-            sub.error = (
-                f"its record is of generation {conn.generation}, its group entry of {entry['gen']}"
-            )
-            return sub
-        names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")
-        if not names and not problems:
-            problems.append("it exposes none of the publisher's tensors")
-        if problems:
-            sub.error = (
-                f"subscriber {name!r} does not match ({len(problems)} problems): "
-                + "; ".join(problems)
-            )
-            log.error("group %s: %s", self.group, sub.error)
-            return sub
-        sub.names = frozenset(names)
-        sub.batches = [
-            {region(self.group, k, n): self.tensors[n] for n in names} for k in range(sub.slots)
-        ]
-        if sub.mode == "staging":
-            try:
-                self.transport.core.send_control(name, channel(self.group), encode(Hello()))
-            except TransportError as e:
-                sub.error, sub.transient = f"cannot reach it: {e}", True
-        return sub
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -260,10 +215,12 @@ class WeightPublisher:
         timeout = self.transport.timeout if timeout is None else timeout
         self.refresh()
         with self._lock:
+            subs = list(self._subs.values())
+            # their heartbeats (a store that fails raises here, before anything changed)
+            suspects = self._roster.suspects(s for s in subs if not s.error)
             self.version = version
             if not self._updating and int(self._seq[0]) % 2 == 0:
                 self._seq[1] = version  # what the stable state is, for pull()
-            subs = list(self._subs.values())
             handle = Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
             self._handles.append(handle)
             direct = []
@@ -277,6 +234,10 @@ class WeightPublisher:
                         sub.name, EXCLUDED, f"no free slot before version {version} replaced it"
                     )
                     sub.waiting = None
+                if sub.name in suspects:  # at once, not at the deadline; tried again next time
+                    why = f"suspect: {suspects[sub.name]} (tried again at the next publish)"
+                    handle.settle(sub.name, EXCLUDED, why)
+                    continue
                 direct.append(sub)
             via = self._tree(direct) if self.fanout != "direct" else {}
             self._relays = set(via.values())
@@ -425,10 +386,7 @@ class WeightPublisher:
             handle.settle(sub.name, DONE)
         elif isinstance(err, (PeerLostError, PeerNotFoundError)):
             handle.settle(sub.name, LOST, str(err))
-            if self._subs.get(sub.name) is sub:
-                del self._subs[sub.name]  # dropped until it joins again
-                self._lost[sub.name] = sub.generation
-                self._epoch = -1
+            if self._roster.lose(sub):  # dropped until it joins again
                 self._release_children(sub.name, "was lost")
         else:
             if sub.mode == "staging":

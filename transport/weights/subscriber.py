@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -118,7 +119,7 @@ class WeightSubscriber:
                 credit=self._credit_if_open,
             ),
         )
-        self._next_entry_check = time.monotonic() + 1.0
+        self._next_entry_check = math.inf  # checked once we joined (below)
         self._dir = GroupDirectory(transport.store, transport.namespace, group)
         self._upstream = Upstream(
             transport.store, transport.namespace, group, self._dir, self._submit
@@ -137,6 +138,7 @@ class WeightSubscriber:
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
             self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
+            self._next_entry_check = time.monotonic() + 1.0
         except BaseException:
             self._stop_control()
             self._worker.stop()
