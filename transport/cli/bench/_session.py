@@ -36,6 +36,10 @@ PREFIX = "transport-bench"
 MAX_MESSAGE = 60 << 10
 
 
+#: the notification of each write of ``bench put --notify``; readers pass over it
+NOTE = b"bench-nt"
+
+
 def encode(cmd: str, **fields: Any) -> bytes:
     data: bytes = msgpack.packb({"cmd": cmd, **fields}, use_bin_type=True)
     if len(data) > MAX_MESSAGE:
@@ -327,8 +331,8 @@ class Reader:
                     if writer is not None and writer not in {p.name for p in t.peers()}:
                         raise CliError(f"the writer {writer!r} went away") from None
                 continue
-            if writer is not None and n.peer != writer:
-                continue
+            if (writer is not None and n.peer != writer) or n.payload == NOTE:
+                continue  # not a command: another writer's, or one that came with data
             msg, writer = decode(n.payload), n.peer
             if msg["cmd"] == "done":
                 t.notify(writer, encode("bye", cpu=time.process_time()))

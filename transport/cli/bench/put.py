@@ -11,8 +11,6 @@ per configuration: destination zeroed, source filled with a fresh pattern, check
 from __future__ import annotations
 
 import argparse
-import collections
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ import transport
 from transport.cli import CliError
 from transport.cli.bench import _report
 from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
-from transport.cli.bench._session import Session
+from transport.cli.bench._session import NOTE, Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import KiB, MiB, parse_batch, parse_size, parse_sizes
 from transport.cli.bench._util import size_label as label_of
@@ -33,7 +31,6 @@ OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
 LATENCY_MAX = 64 * KiB  # at and below: compare latency; above: bandwidth
 TARGETS = {"latency": 1.3, "bandwidth": 0.95}  # ours against raw-nixl, one receiver
 SIZES, SIZES_QUICK = "4K,64K,1M,16M,64M,256M,1G", "4K,1M,64M"
-NOTE = b"bench-nt"  # what --notify sends with each of our writes
 
 
 @dataclass(frozen=True)
@@ -126,13 +123,6 @@ class PutWorkload(Workload):
 
     def reader_args(self) -> list[str]:
         return ["--notify"] if self.notify else []
-
-    def open_reader(self, t: transport.Transport) -> None:
-        """With ``--notify``: drain the notifications as they come, until the Transport closes
-        (unread, they would fill its queue; reading them is part of what a receiver pays)."""
-        if self.notify:
-            drain = lambda: collections.deque(t.notifications(None), maxlen=0)  # noqa: E731
-            threading.Thread(target=drain, name="bench-drain", daemon=True).start()
 
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         """``buf`` (the largest size) and the batch ``b0``..; touched, so no page faults later."""
