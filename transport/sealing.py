@@ -4,7 +4,8 @@ With ``secret=``, two keys are derived from the secret and the namespace (HKDF-S
 ``cryptography``): one seals peer records with AES-256-GCM, so the NIXL connection metadata and
 the memory map in them are useless to a process without the secret (it can neither load the
 agent, nor write or read its memory, nor send it a notification); the other authenticates every
-notification frame (HMAC-SHA256, truncated to 16 bytes) over the sender's agent (name and
+notification frame (keyed BLAKE2b, a MAC by design (RFC 7693), 16 bytes; a fraction of a
+microsecond a frame, where HMAC-SHA256 took several) over the sender's agent (name and
 generation), the receiver's agent, a per-connection sequence number and the frame, so a frame
 is acted on only if a holder of the secret sent it to this very incarnation, and only once.
 
@@ -14,10 +15,11 @@ is acted on only if a holder of the secret sent it to this very incarnation, and
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
+import itertools
 import os
 import struct
-import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -99,12 +101,13 @@ class Keys:
 
     # -- notification frames -----------------------------------------------------------------
 
-    def frame_mac(self, sender: str, receiver: str, seq: bytes, frame: bytes) -> bytes:
-        msg = b"".join(
-            (_FRAME_DOMAIN, _len16(sender), sender.encode(), _len16(receiver), receiver.encode(),
-             seq, frame)
-        )  # fmt: skip
-        return hmac.digest(self._mac_key, msg, "sha256")[:MAC_BYTES]
+    def frame_mac(self, sender: str, receiver: str) -> Any:
+        """The keyed BLAKE2b state of frames from ``sender`` to ``receiver``: copy it, add the
+        sequence number and the frame, and its digest is their MAC."""
+        prefix = b"".join(
+            (_FRAME_DOMAIN, _len16(sender), sender.encode(), _len16(receiver), receiver.encode())
+        )
+        return hashlib.blake2b(prefix, key=self._mac_key, digest_size=MAC_BYTES)
 
     def sealer(self, sender: str, receiver: str) -> FrameSealer:
         return FrameSealer(self, sender, receiver)
@@ -126,17 +129,15 @@ class FrameSealer:
     leave in sequence order (the receiver tolerates reordering within its window anyway)."""
 
     def __init__(self, keys: Keys, sender: str, receiver: str) -> None:
-        self._keys = keys
-        self._sender = sender
-        self._receiver = receiver
-        self._seq = 0
-        self._lock = threading.Lock()
+        self._mac = keys.frame_mac(sender, receiver)
+        self._seq = itertools.count(1)
 
     def seal(self, frame: bytes) -> bytes:
-        with self._lock:
-            self._seq += 1
-            seq = _SEQ.pack(self._seq)
-        return frame + seq + self._keys.frame_mac(self._sender, self._receiver, seq, frame)
+        seq = _SEQ.pack(next(self._seq))
+        h = self._mac.copy()
+        h.update(seq)
+        h.update(frame)
+        return frame + seq + h.digest()
 
 
 class FrameOpener:
@@ -159,16 +160,19 @@ class FrameOpener:
             )
         frame = sealed[:-TRAILER_BYTES]
         seq = sealed[-TRAILER_BYTES:-MAC_BYTES]
-        mac = sealed[-MAC_BYTES:]
-        want = self._keys.frame_mac(sender, self._receiver, seq, frame)
-        if not hmac.compare_digest(mac, want):
+        window = self._windows.get(sender)
+        if window is None:
+            window = _Window(self._keys.frame_mac(sender, self._receiver))
+        h = window.mac.copy()
+        h.update(seq)
+        h.update(frame)
+        if not hmac.compare_digest(sealed[-MAC_BYTES:], h.digest()):
             raise SignatureError(
                 "notification MAC does not match (its sender lacks the shared secret, or it "
                 "was meant for another peer or incarnation)"
             )
-        window = self._windows.get(sender)
-        if window is None:
-            window = self._windows[sender] = _Window()
+        if sender not in self._windows:  # only a proven sender gets a window
+            self._windows[sender] = window
             if len(self._windows) > MAX_SENDERS:
                 self._windows.popitem(last=False)
         else:
@@ -181,9 +185,10 @@ class _Window:
     """The sequence numbers seen from one sender: the newest, and which of the
     :data:`REPLAY_WINDOW` before it arrived."""
 
-    __slots__ = ("newest", "seen")
+    __slots__ = ("mac", "newest", "seen")
 
-    def __init__(self) -> None:
+    def __init__(self, mac: Any) -> None:
+        self.mac = mac  # the sender's MAC state (Keys.frame_mac)
         self.newest = 0
         self.seen = 0  # bit i: newest - i arrived
 
