@@ -66,6 +66,18 @@ def test_a_redis_restart_keeps_transfers_going_and_discovery_recovers():
     print(f"\ndiscovery recovered {recovered:.2f} s after the Redis restart")
 
 
+def _served(pub, tensors, version, *subs) -> None:
+    """Publish ``version`` (every element of it) and check that every one of ``subs`` has it
+    applied, whole."""
+    tensors["w"].fill_(version)
+    r = pub.publish(version, timeout=20).wait(30)
+    assert r.status == {s.name: "done" for s in subs}, r.reasons
+    for s in subs:
+        assert s.call("wait_for_version", version, 10) == version
+        assert s.call("apply") == version
+        assert s.call("live") == {"w": (float(version), float(version))}
+
+
 @needs_own_redis
 def test_weight_sync_goes_on_across_a_redis_restart():
     """Publishes right after the restart, before anyone put anything back, reach the subscriber
@@ -92,22 +104,12 @@ def test_weight_sync_goes_on_across_a_redis_restart():
                 # it joins again and its record is back: a member as before
                 wait_until(lambda: internals.group_entry(t, "policy", "gen-0"), 20, "its entry")
                 wait_until(lambda: "gen-0" in {i.name for i in t.peers()}, 20, "its record")
-                tensors["w"].fill_(4)
-                r = pub.publish(4, timeout=20).wait(30)
-                assert r.status == {"gen-0": "done"}, r.reasons
-                assert sub.call("wait_for_version", 4, 10) == 4
-                assert sub.call("apply") == 4
-                assert sub.call("live") == {"w": (4.0, 4.0)}
+                _served(pub, tensors, 4, sub)
                 # the publisher has put its lease back: a newcomer takes its messages
                 lease = current_lease(t.store, t.namespace, "policy")
                 assert lease is not None and lease.name == "trainer"
                 with SubscriberProcess("gen-1", url, spec) as newcomer:
-                    tensors["w"].fill_(5)
-                    r = pub.publish(5, timeout=20).wait(30)
-                    assert r.status == {"gen-0": "done", "gen-1": "done"}, r.reasons
-                    assert newcomer.call("wait_for_version", 5, 10) == 5
-                    assert newcomer.call("apply") == 5
-                    assert newcomer.call("live") == {"w": (5.0, 5.0)}
+                    _served(pub, tensors, 5, sub, newcomer)
                 pub.close()
         finally:
             sub.stop()
@@ -137,12 +139,7 @@ def test_a_subscriber_that_rejoins_before_its_record_is_back_is_planned_again():
                 assert "tried again at the next publish" in r.reasons["gen-0"], r.reasons
                 sub.call("release_record")
                 wait_until(lambda: "gen-0" in {i.name for i in t.peers()}, 20, "its record")
-                tensors["w"].fill_(2)
-                r = pub.publish(2, timeout=20).wait(30)
-                assert r.status == {"gen-0": "done"}, r.reasons
-                assert sub.call("wait_for_version", 2, 10) == 2
-                assert sub.call("apply") == 2
-                assert sub.call("live") == {"w": (2.0, 2.0)}
+                _served(pub, tensors, 2, sub)
                 pub.close()
         finally:
             sub.stop()
