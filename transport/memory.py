@@ -96,9 +96,12 @@ class LocalMemory:
     ``lock`` guards the registrations (regions, the plan cache and a lane cutting a transfer use it
     from their own threads); :meth:`close` runs once every engine has stopped. A storage is
     registered once, and again only if it grew. :meth:`acquire` counts a plan as a user of the
-    registration in the same step, so no eviction or withdrawal can drop it in between. Implicit entries are evicted oldest first but never while a plan holds
-    one, so the cache can stay over its bounds until plans let go (the Transport sheds idle ones
-    for that); explicit ones stay until ``release_explicit`` or :meth:`close`, which deregisters
+    registration in the same step, so no eviction or withdrawal can drop it in between. Implicit
+    entries are evicted oldest first but never while a plan holds one, so the cache can stay over
+    its bounds until plans let go (the Transport sheds idle ones for that, and :meth:`evict`
+    looks again); a registration scans the cache only when the cache is over a bound, and after
+    a scan that freed nothing, only once the cache has grown by a quarter (so a plan of 100,000
+    tensors costs no quadratic time); explicit ones stay until ``release_explicit`` or :meth:`close`, which deregisters
     everything.
     """
 
@@ -109,6 +112,8 @@ class LocalMemory:
         self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
         self.max_implicit = max_implicit
         self.max_implicit_bytes = max_implicit_bytes
+        self._total_bytes = 0  # of every registration, explicit or not
+        self._next_scan: int | None = None  # after a fruitless scan: scan at this many again
         self.lock = threading.RLock()
 
     def acquire(self, t: torch.Tensor) -> Registration:
@@ -136,6 +141,7 @@ class LocalMemory:
         token = self._backend.register(base, max(nbytes, 1), device)
         reg = Registration(base, nbytes, device, token, storage, explicit)
         self._regs[key] = reg
+        self._total_bytes += nbytes
         if not explicit:
             self._evict(reg)
         return reg
@@ -153,9 +159,14 @@ class LocalMemory:
         (never ``keep``, the one being used right now). Each holds its memory alive, so this is
         what lets the memory of tensors put once and dropped be freed."""
         with self.lock:
+            self._next_scan = None  # plans may have let go since: look now
             self._evict(keep)
 
     def _evict(self, keep: Registration | None) -> None:
+        if len(self._regs) <= self.max_implicit and not self._over_bytes():
+            return  # under both limits whatever is explicit: no scan (a model has 100,000 tensors)
+        if self._next_scan is not None and len(self._regs) < self._next_scan:
+            return  # the last scan found nothing to evict: scan again after a quarter more
         implicit = [(k, r) for k, r in self._regs.items() if not r.explicit and r is not keep]
         count = len(implicit) + (keep is not None and not keep.explicit)
         total = sum(r.nbytes for _, r in implicit) + (keep.nbytes if keep is not None else 0)
@@ -166,6 +177,13 @@ class LocalMemory:
                 self._drop(key, reg)
                 count -= 1
                 total -= reg.nbytes
+        over = count > self.max_implicit or total > self.max_implicit_bytes
+        self._next_scan = len(self._regs) + max(64, len(self._regs) // 4) if over else None
+
+    def _over_bytes(self) -> bool:
+        """Whether every registration together (explicit too) passes the bytes limit: a bound
+        above the implicit ones' bytes, kept up to date without a scan."""
+        return self._total_bytes > self.max_implicit_bytes
 
     def release_explicit(self, t: torch.Tensor, still_used: list[torch.Tensor]) -> None:
         """``t`` is no longer exposed: its registration becomes an ordinary cached one (dropped
@@ -188,6 +206,7 @@ class LocalMemory:
 
     def _drop(self, key: tuple[int, str], reg: Registration) -> None:
         del self._regs[key]
+        self._total_bytes -= reg.nbytes
         try:
             self._backend.deregister(reg.token)
         except Exception as e:

@@ -12,7 +12,9 @@ Keys live under ``transport/<namespace>/``:
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 
 from transport.errors import StoreError, WireFormatError
 from transport.store.base import Store
@@ -28,14 +30,18 @@ from transport.wire import (
 
 log = logging.getLogger("transport.peers")
 
+#: decoded records kept (by their stored bytes) for the peers fetched most recently
+DECODED_RECORDS = 64
+
 
 class Directory:
     """One namespace of a store, seen by one peer: peer records (signed with ``secret`` when
     there is one; ``fetch`` checks the signature, the namespace and the name), generation
     counters, the membership index and heartbeats.
 
-    It keeps the store, the namespace and the secret, and the counters it used (which remember
-    the garbage they warned about): every call is one or more store round trips, as thread-safe as
+    It keeps the store, the namespace and the secret, the counters it used (which remember the
+    garbage they warned about), the bytes of the records it wrote and the last records it decoded
+    (so an unchanged record of megabytes is not decoded again): every call is one or more store round trips, as thread-safe as
     the store, and off the hot path (the Transport resolves peers and heartbeats with it, never on
     the engine thread). Generations and the membership index only grow (``names`` lists every name
     that ever joined, live or not); ``leave`` deletes a record only if no newer incarnation has
@@ -49,6 +55,11 @@ class Directory:
         self.secret = secret
         self.prefix = f"transport/{namespace}/"
         self._counters: dict[str, Counter] = {}
+        # the bytes we last wrote for each of our records, and the last records decoded (by
+        # their stored bytes): a model's record is megabytes, decoded once, not every heartbeat
+        self._written: dict[str, bytes] = {}
+        self._decoded: OrderedDict[str, tuple[bytes, PeerRecord]] = OrderedDict()
+        self._cache_lock = threading.Lock()
 
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
@@ -114,7 +125,24 @@ class Directory:
         return gen
 
     def publish(self, record: PeerRecord) -> None:
-        self.store.set(self.key("peers", record.name), encode_peer_record(record, self.secret))
+        raw = encode_peer_record(record, self.secret)
+        self.store.set(self.key("peers", record.name), raw)
+        self._written[record.name] = raw
+
+    def _decode(self, name: str, raw: bytes) -> PeerRecord:
+        """``raw`` (the stored record of ``name``) decoded, from the cache when it is the same
+        bytes as last time (a record only changes when its peer exposes more or restarts)."""
+        with self._cache_lock:
+            hit = self._decoded.get(name)
+            if hit is not None and hit[0] == raw:
+                self._decoded.move_to_end(name)
+                return hit[1]
+        rec = decode_peer_record(raw, self.secret, self.namespace)
+        with self._cache_lock:
+            self._decoded[name] = (raw, rec)
+            if len(self._decoded) > DECODED_RECORDS:
+                self._decoded.popitem(last=False)
+        return rec
 
     def leave(self, name: str, generation: int) -> None:
         """Remove our record, unless a newer incarnation of the name has replaced it."""
@@ -135,7 +163,7 @@ class Directory:
         raw = self.store.try_get(self.key("peers", name))
         if raw is None:
             return None
-        rec = decode_peer_record(raw, self.secret, self.namespace)
+        rec = self._decode(name, raw)
         if rec.name != name:
             raise WireFormatError(f"the record stored for peer {name!r} names peer {rec.name!r}")
         return rec
@@ -169,6 +197,8 @@ class Directory:
         is not newer): the generation counter, the membership index and the record. True if it
         was put back."""
         raw = self.store.try_get(self.key("peers", record.name))
+        if raw is not None and raw == self._written.get(record.name):
+            return False  # what we wrote: nothing to decode
         if raw is not None:
             try:
                 stored = decode_peer_record(raw, self.secret, self.namespace)

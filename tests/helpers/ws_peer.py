@@ -246,6 +246,7 @@ def _sub_child(
         "wait_for_version": lambda n, timeout: sub.wait_for_version(n, timeout),
         "apply": sub.apply,
         "live": lambda: extremes(sub.live),
+        "registrations": lambda: len(internals.local_memory(t)),
         "staging": staging,
         "wait_message": wait_message,
         "wait_updates": wait_updates,
@@ -330,7 +331,7 @@ class SubscriberProcess(ChildProcess):
     ``violations`` (of the staging rule), ``writers(kind)`` (who sent messages of a kind),
     ``snapshot_start`` / ``wait_snapshots`` /
     ``snapshot_result`` (a loop of apply() and checks on a thread of the child), ``close``
-    (leave the group, keep the Transport), ``hold_record`` / ``release_record`` (its record is
+    (leave the group, keep the Transport), ``registrations`` (its NIXL registrations), ``hold_record`` / ``release_record`` (its record is
     not put back in a store that lost it until released; it goes on beating)."""
 
     def __init__(

@@ -18,6 +18,7 @@ from transport.errors import (
     TransportError,
     WireFormatError,
 )
+from transport.weights._flat import flat_like
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -88,9 +89,8 @@ class WeightSubscriber:
         self.live = live
         self.slots = 2 if mode == "staging" else 1
         if mode == "staging":
-            self.staging = [
-                {n: torch.empty_like(t) for n, t in self.live.items()} for _ in range(self.slots)
-            ]
+            # each slot one flat buffer per device (views for the tensors): registered once
+            self.staging = [flat_like(self.live) for _ in range(self.slots)]
         else:
             self.staging = [self.live]
         self._lock = threading.Condition()
