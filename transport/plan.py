@@ -124,6 +124,10 @@ class Plan:
         self.op = op
         self.backend = backend
         self.keep = keep  # registrations (and tensors) that must outlive the plan
+        local, remote = coalesce(
+            local, remote, [r.base for r in keep if isinstance(r, Registration)],
+            [addr for addr, _, _ in conn.record.registrations],
+        )  # fmt: skip
         self.rows = Descriptors(local, remote, device, remote_device, chunk_bytes)
         self.shares: list[Plan] | None = None  # the same transfer cut over lanes (lanes.py)
         local, remote, bounds = split_descs(local, remote, chunk_bytes, head, tail)
@@ -188,6 +192,37 @@ class Plan:
         backend.release_prepped(self.remote)
         for reg in self.keep:
             reg.users -= 1
+
+
+def coalesce(
+    local: np.ndarray, remote: np.ndarray, local_regs: list[int], remote_regs: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Paired descriptor rows with every run of rows that are adjacent at both ends, on the same
+    devices and inside one registration at each end (``*_regs``: the start addresses of the
+    registered memory) merged into one: tensors laid out in the same order in flat buffers on
+    both sides (a model's parameters, a subscriber's staging slots) become a handful of
+    descriptors. Nothing is merged when a side's registrations are unknown; no byte outside a
+    row is added."""
+    if len(local) < 2 or not local_regs or not remote_regs:
+        return local, remote
+    ends_l, ends_r = local[:-1, 0] + local[:-1, 1], remote[:-1, 0] + remote[:-1, 1]
+    joins = (
+        (ends_l == local[1:, 0])
+        & (ends_r == remote[1:, 0])
+        & (local[:-1, 2] == local[1:, 2])
+        & (remote[:-1, 2] == remote[1:, 2])
+    )
+    if not joins.any():
+        return local, remote
+    for rows, regs in ((local, local_regs), (remote, remote_regs)):
+        starts = np.array(sorted(regs), dtype=np.uint64)
+        span = np.searchsorted(starts, rows[:, 0], side="right")
+        joins &= span[:-1] == span[1:]  # adjacent memory of two registrations stays two rows
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lens = np.add.reduceat(local[:, 1], first).astype(np.uint64)
+    merged_l = np.stack([local[first, 0], lens, local[first, 2]], axis=1).astype(np.uint64)
+    merged_r = np.stack([remote[first, 0], lens, remote[first, 2]], axis=1).astype(np.uint64)
+    return merged_l, merged_r
 
 
 def split_descs(

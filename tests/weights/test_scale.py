@@ -9,7 +9,7 @@ import torch
 
 import transport
 from helpers.ws_peer import SubscriberProcess, extremes
-from transport.weights._flat import ALIGN, flat_like
+from transport.weights._flat import flat_like
 
 N = 20_000
 DTYPES = ("float32", "bfloat16", "int32", "float64")
@@ -44,7 +44,7 @@ def test_flat_like_places_each_tensor_in_one_buffer_per_device():
     ends = []
     for n, t in flat.items():
         assert t.shape == named[n].shape and t.dtype == named[n].dtype and t.is_contiguous()
-        assert (t.data_ptr() - flat[next(iter(flat))].data_ptr()) % ALIGN == 0
+        assert t.data_ptr() % t.element_size() == 0
         ends.append((t.data_ptr(), t.data_ptr() + t.nbytes))
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))  # in order, apart
 

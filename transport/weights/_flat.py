@@ -6,25 +6,24 @@ from collections.abc import Mapping
 
 import torch
 
-#: where each tensor starts in its buffer: a multiple of this (every dtype's size divides it, and
-#: CUDA copies of aligned spans are fastest)
-ALIGN = 256
-
 
 def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Uninitialised tensors shaped and typed like ``named``, each a view into one flat buffer
-    per device, in ``named``'s order: the backend registers each buffer once, however many
-    tensors a model has (a mixture of experts has tens of thousands), and adjacent tensors are
-    adjacent in memory. A tensor without elements gets a buffer of its own (nothing to register)."""
+    per device, in ``named``'s order, packed (each starts at the next multiple of its element
+    size): the backend registers each buffer once, however many tensors a model has (a mixture
+    of experts has tens of thousands), and a transfer between two such layouts of the same
+    tensors is a handful of descriptors (plan.coalesce merges what is adjacent at both ends). A
+    tensor without elements gets a buffer of its own (nothing to register)."""
     sizes: dict[torch.device, int] = {}
     place: dict[str, tuple[torch.device, int]] = {}
     for name, t in named.items():
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
             continue
-        at = sizes.get(t.device, 0)
+        size = t.element_size()
+        at = -(-sizes.get(t.device, 0) // size) * size
         place[name] = (t.device, at)
-        sizes[t.device] = at + -(-nbytes // ALIGN) * ALIGN
+        sizes[t.device] = at + nbytes
     buffers = {dev: torch.empty(n, dtype=torch.uint8, device=dev) for dev, n in sizes.items()}
     out = {}
     for name, t in named.items():
