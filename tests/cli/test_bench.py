@@ -337,3 +337,30 @@ def test_runner_records_interleaved_systems_with_paired_ratios_and_refuses_lost_
     lossy = Turn("lossy", case, [Lossy(_tensors())], Timing(0.0, 2, 2))
     with pytest.raises(CliError, match="did not land"):
         measure(lossy, Results(), seeds)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sync_with_flat_layouts_verifies_thousands_of_tensors(tmp_path):
+    out = cli(
+        "bench", "sync", "--quick", "--tensors", "3000", "--layout", "flat", "--baselines", "raw",
+        "--json", str(tmp_path / "s.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    systems = {r["system"]: r for r in doc["records"]}
+    assert systems["ours"]["tensors"] == 3000 and {"ours", "raw-nixl"} <= set(systems)
+    assert all(r["verified"] for r in doc["records"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_put_with_a_secret_and_notifications_verifies_its_bytes(tmp_path):
+    out = cli(
+        "bench", "put", "--quick", "--sizes", "4K,1M", "--op", "write", "--batch", "none",
+        "--baselines", "raw", "--secret", "--notify", "--json", str(tmp_path / "p.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert {r["system"] for r in doc["records"]} >= {"ours", "raw-nixl"}
+    assert all(r["verified"] for r in doc["records"])

@@ -1,7 +1,8 @@
 """Weight sync for RL: a publisher (the trainer) and subscribers (generators) of a named group."""
 
 from transport.weights._delivery import PublishHandle, PublishResult
+from transport.weights._flat import flat_like
 from transport.weights.publisher import WeightPublisher
 from transport.weights.subscriber import WeightSubscriber
 
-__all__ = ["PublishHandle", "PublishResult", "WeightPublisher", "WeightSubscriber"]
+__all__ = ["PublishHandle", "PublishResult", "WeightPublisher", "WeightSubscriber", "flat_like"]

@@ -42,6 +42,9 @@ SYNC = [
     ("--generators N", int, None, "receiving processes (default 2)"),
     ("--steps", int, None, "timed syncs per system (default 10; --quick 3)"),
     ("--mode", ("staging", "inplace"), "staging", "WeightSubscriber mode (default staging)"),
+    ("--layout", ("separate", "flat"), "separate", "the trainer's and generators' tensors: "
+     "separately allocated (default), or views into one flat buffer per process, as Megatron "
+     "and FSDP2 keep parameters"),
     ("--fanout", str, "direct", "comma list of WeightPublisher fan-outs to compare, interleaved "
      "step by step: direct (the trainer writes every generator), chain, tree (generators relay; "
      "staging mode) (default direct)"),

@@ -25,6 +25,7 @@ from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Wo
 from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import as_bytes, check_all, fill_all, fmt_time, human_bytes
+from transport.weights import flat_like
 from transport.weights._members import FANOUTS
 from transport.weights._messages import MAX_DEGREE
 
@@ -64,8 +65,15 @@ def make_layout(params: int, tensors: int, dtypes: list[str]) -> list[tuple[str,
             for i, n in enumerate(sizes)]  # fmt: skip
 
 
-def make_tensors(layout: list[tuple[str, int, str]]) -> dict[str, torch.Tensor]:
-    return {name: torch.ones(n, dtype=_dtype(d)) for name, n, d in layout}
+def make_tensors(layout: list[tuple[str, int, str]], flat: bool = False) -> dict[str, torch.Tensor]:
+    """Ones of the ``layout``: separately allocated, or (``flat``) views into one buffer."""
+    out = {name: torch.ones(n, dtype=_dtype(d)) for name, n, d in layout}
+    if flat:
+        views = flat_like(out)
+        for t in views.values():
+            t.fill_(1)
+        out = views
+    return out
 
 
 class Publish(System):
@@ -121,6 +129,7 @@ class SyncWorkload(Workload):
     fanouts: list[str] = field(default_factory=lambda: ["direct"])
     degree: int = 2
     layout: list[tuple[str, int, str]] = field(default_factory=list)
+    flat: bool = False  # tensors as views into one flat buffer per process (--layout flat)
     command = "sync"
     main_phase = "ours + raw"
     memcpy_watch = False
@@ -155,7 +164,8 @@ class SyncWorkload(Workload):
             raise CliError(f"--degree must be from 1 to {MAX_DEGREE}, got {args.degree}")
         return cls(params, tensors, dtypes, gens, steps, args.mode, parse_baselines(args.baselines),
                    timeout=args.timeout, pin=args.pin, fanouts=fanouts, degree=args.degree,
-                   layout=make_layout(params, tensors, dtypes))  # fmt: skip
+                   layout=make_layout(params, tensors, dtypes),
+                   flat=args.layout == "flat")  # fmt: skip
 
     @property
     def readers(self) -> int:  # type: ignore[override]
@@ -176,7 +186,8 @@ class SyncWorkload(Workload):
 
     def reader_args(self) -> list[str]:
         return ["--params", str(self.params), "--tensors", str(self.tensors), "--dtypes",
-                ",".join(self.dtypes), "--mode", self.mode]  # fmt: skip
+                ",".join(self.dtypes), "--mode", self.mode, "--layout",
+                "flat" if self.flat else "separate"]  # fmt: skip
 
     def units(self) -> int:
         return 1 + sum(b in self.baselines for b in ("gloo", "nccl", "memcpy"))
@@ -188,7 +199,7 @@ class SyncWorkload(Workload):
     # trainer's first contact must find its regions); a check of a ``version`` applies it first
 
     def open_reader(self, t: transport.Transport) -> None:
-        self.live = make_tensors(self.layout)
+        self.live = make_tensors(self.layout, self.flat)
         self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=self.mode)
         for slot in self.sub.staging if self.mode == "staging" else []:
             _util.zero_all(list(slot.values()))  # touch them now, not inside a timed step
@@ -210,7 +221,7 @@ class SyncWorkload(Workload):
 
     def setup(self, s: Session, res: Results) -> None:
         self.s, self.res, self.version, self.path = s, res, 0, None
-        self.sd = make_tensors(self.layout)
+        self.sd = make_tensors(self.layout, self.flat)
         self.sd_list = list(self.sd.values())
         self.pub = transport.WeightPublisher(s.t, self.sd, group=GROUP)
         self.pub.degree = self.degree
