@@ -124,13 +124,20 @@ def test_a_subscriber_that_joins_late_gets_the_next_version_and_one_that_leaves_
     assert early.call("live") == everywhere(spec, 5)
 
 
+def two_subscribers(spawn, spec, first: str, second: str, mode: str):
+    """Two subscriber children started together: ``first`` in staging mode, ``second`` in
+    ``mode``."""
+    a = spawn("sub", first, spec, wait=False)
+    b = spawn("sub", second, spec, mode=mode, wait=False)
+    a.started()
+    b.started()
+    return a, b
+
+
 @pytest.mark.parametrize("mode", ["staging", "inplace"])
 def test_a_killed_subscriber_is_lost_once_then_absent(trainer, spawn, mode):
     spec = spec_of(2, 1024 * 1024)  # 8 MiB
-    alive = spawn("sub", "gen-alive", spec, wait=False)
-    victim = spawn("sub", "gen-victim", spec, mode=mode, wait=False)
-    alive.started()
-    victim.started()
+    alive, victim = two_subscribers(spawn, spec, "gen-alive", "gen-victim", mode)
     tensors = make_tensors(spec)
     with transport.WeightPublisher(trainer, tensors) as pub:
         assert publish(pub, tensors, 1).status == {"gen-alive": "done", "gen-victim": "done"}
@@ -152,10 +159,7 @@ def test_a_stopped_subscriber_is_excluded_at_the_deadline_without_delaying_other
     trainer, spawn, mode
 ):
     spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
-    other = spawn("sub", "gen-other", spec, wait=False)
-    frozen = spawn("sub", "gen-frozen", spec, mode=mode, wait=False)
-    other.started()
-    frozen.started()
+    other, frozen = two_subscribers(spawn, spec, "gen-other", "gen-frozen", mode)
     tensors = make_tensors(spec)
     with transport.WeightPublisher(trainer, tensors) as pub:
         assert publish(pub, tensors, 1).status == {"gen-other": "done", "gen-frozen": "done"}
@@ -196,10 +200,7 @@ def test_a_suspect_subscriber_is_excluded_at_once_and_served_again_once_it_beats
     once peers() reports it suspect, a publish excludes it at once with that reason (the
     deadline is minutes away); running again, it beats and the next publish serves it."""
     spec = spec_of(2, MiB)
-    other = spawn("sub", "gen-other", spec, wait=False)
-    frozen = spawn("sub", "gen-frozen", spec, mode=mode, wait=False)
-    other.started()
-    frozen.started()
+    other, frozen = two_subscribers(spawn, spec, "gen-other", "gen-frozen", mode)
     tensors = make_tensors(spec)
     with transport.WeightPublisher(trainer, tensors) as pub:
         assert publish(pub, tensors, 1).status == {"gen-other": "done", "gen-frozen": "done"}
