@@ -13,6 +13,7 @@ straight into a peer's exposed tensor and returns a handle at once.
 
 from transport._default import default, get, init, is_initialized, put, shutdown
 from transport._transport import Notification, PeerInfo, Transport, __version__
+from transport.batch import Batch
 from transport.errors import (
     BackendError,
     ClosedError,
@@ -35,6 +36,7 @@ from transport.wire import RegionInfo
 
 __all__ = [
     "BackendError",
+    "Batch",
     "ClosedError",
     "GroupBusyError",
     "Handle",

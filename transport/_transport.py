@@ -26,6 +26,7 @@ import transport.backends as _backends
 from transport._closing import Closing
 from transport._version import __version__
 from transport.backends.base import READ, WRITE
+from transport.batch import Batch, make_batch
 from transport.contract import CoreLink
 from transport.control import ControlChannel, Notification
 from transport.dumps import Dumps
@@ -309,6 +310,13 @@ class Transport(Closing):
 
     # -- transfers ----------------------------------------------------------------------------
 
+    @staticmethod
+    def batch(tensors: Mapping[str, torch.Tensor]) -> Batch:
+        """``tensors`` (region name -> tensor) checked once, for puts and gets repeated every
+        step: ``t.put(batch, peer)`` then costs no per-tensor work (a model of 100,000 tensors).
+        The tensors must keep their memory: update them in place."""
+        return make_batch(tensors)
+
     def put(
         self,
         src: torch.Tensor | Mapping[str, torch.Tensor],
@@ -361,7 +369,7 @@ class Transport(Closing):
         return tr.transfer(READ, dst, peer, key, offset, None, timeout, stream)
 
     def _put_control(
-        self, src: Mapping[str, torch.Tensor], peer: str, channel: str, payload: bytes,
+        self, src: Mapping[str, torch.Tensor] | Batch, peer: str, channel: str, payload: bytes,
         timeout: float | None,
     ) -> Handle:  # fmt: skip
         return self._transfers.control(src, None, 0, peer, channel, payload, timeout)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from transport.batch import Batch
     from transport.handle import Handle
     from transport.wire import RegionInfo
 
@@ -52,7 +53,7 @@ class CoreLink:
     * ``send_control(peer, channel, payload)``: a control message, after every transfer this
       Transport completed to ``peer`` before the call.
     * ``put_control(tensors, peer, channel, payload, timeout)``: a batched put (region names as
-      keys) whose notification is a control message: it arrives after all of the data.
+      keys, or a ``Transport.batch``) whose notification is a control message: it arrives after all of the data.
     * ``put_control_at(tensor, key, offset, peer, channel, payload, timeout)``: the same for one
       tensor at ``offset`` elements of region ``key``.
     * ``suspect(name, generation)``: why that incarnation of peer ``name`` is suspect, or None
@@ -71,7 +72,9 @@ class CoreLink:
     peer: Callable[..., PeerView]
     on_control: Callable[[str, ControlHandler], Callable[[], None]]
     send_control: Callable[[str, str, bytes], None]
-    put_control: Callable[[Mapping[str, torch.Tensor], str, str, bytes, float | None], Handle]
+    put_control: Callable[
+        [Mapping[str, torch.Tensor] | Batch, str, str, bytes, float | None], Handle
+    ]
     put_control_at: Callable[[torch.Tensor, str, int, str, str, bytes, float | None], Handle]
     suspect: Callable[[str, int], str | None]
     poll_at_least: Callable[[float | None], None]

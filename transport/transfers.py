@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from transport.backends.base import WRITE
+from transport.batch import Batch, Items, mapping_items
 from transport.endpoint import Endpoint, State
 from transport.engine import QUEUED, Engine, Op
 from transport.errors import PeerLostError
@@ -36,8 +37,6 @@ from transport.settings import positive
 from transport.wire import frame_control, frame_user_notification
 
 log = logging.getLogger("transport")
-
-Items = tuple[tuple[str, torch.Tensor], ...]
 
 
 class Transfers:
@@ -208,7 +207,7 @@ class Transfers:
 
     def control(
         self,
-        src: torch.Tensor | Mapping[str, torch.Tensor],
+        src: torch.Tensor | Mapping[str, torch.Tensor] | Batch,
         key: str | None,
         offset: int,
         peer: str,
@@ -417,7 +416,7 @@ class Transfers:
                     )
             items: Items = ((key, obj),)
             sig: tuple[Any, ...] = (key, obj.data_ptr(), obj.nbytes, obj.dtype)
-        elif isinstance(obj, Mapping):
+        elif isinstance(obj, (Mapping, Batch)):
             if key is not None:
                 raise ValueError(
                     "key= cannot be combined with a dict; the dict's keys name the regions"
@@ -426,23 +425,11 @@ class Transfers:
                 raise ValueError(
                     "offset= cannot be combined with a dict; put each tensor separately"
                 )
-            if not obj:
-                raise ValueError("the dict of tensors is empty")
-            items = tuple(obj.items())
-            # The signature is all a cached plan needs; full checks run when a plan is built. A
-            # tensor matching a cached plan's (pointer, size, dtype) is that same memory, so only
-            # its layout can have changed.
-            try:
-                sig = tuple([(k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items])
-                contiguous = all([t.is_contiguous() for _, t in items])
-            except (AttributeError, TypeError, RuntimeError):
-                contiguous = False
-            if not contiguous:
-                for k, t in items:
-                    check_tensor(t, f"tensor {k!r}")
+            items, sig = (obj.items, obj.sig) if isinstance(obj, Batch) else mapping_items(obj)
         else:
             raise TypeError(
-                f"expected a torch.Tensor or a dict of name -> torch.Tensor, got {type(obj).__name__}"
+                "expected a torch.Tensor, a dict of name -> torch.Tensor or a Transport.batch(), "
+                f"got {type(obj).__name__}"
             )
         return items, sig
 

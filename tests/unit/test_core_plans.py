@@ -276,7 +276,7 @@ def test_unexpose_with_no_writer_connected_and_a_new_region_under_the_old_name(l
             r"no peer named '.*-r-nobody' in namespace 'default' \(known peers: .*-r",
         ),
         (lambda w, p: w.put(torch.ones(8, dtype=torch.uint8), 7, "u8"), TypeError, "peer"),
-        (lambda w, p: w.put([1, 2], p, "u8"), TypeError, "expected a torch.Tensor or a dict"),
+        (lambda w, p: w.put([1, 2], p, "u8"), TypeError, "expected a torch.Tensor, a dict"),
     ],
     ids=[
         "dtype",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from transport.batch import Batch
 from transport.errors import TransportError, WireFormatError
 from transport.liveness import stale_after
 from transport.weights._delivery import Delivery
@@ -34,7 +35,7 @@ class Member:
         self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
         self.can_relay = relay and mode == "staging"
         self.names: frozenset[str] = frozenset()
-        self.batches: list[dict[str, torch.Tensor]] = []
+        self.batches: list[Batch] = []
         self.error = ""
         self.vanished: float | None = None  # monotonic time its entry was found missing
         self.asked = time.monotonic()  # when we last said hello (asked for free slots)
@@ -196,8 +197,9 @@ class Roster:
                 log.error("group %s: %s", self.group, sub.error)
             return sub
         sub.names = frozenset(names)
-        sub.batches = [
-            {region(self.group, k, n): self.tensors[n] for n in names} for k in range(sub.slots)
+        sub.batches = [  # checked and signed once: a publish does no per-tensor work
+            self.transport.batch({region(self.group, k, n): self.tensors[n] for n in names})
+            for k in range(sub.slots)
         ]
         if sub.mode == "staging":
             try:
