@@ -101,8 +101,8 @@ class LocalMemory:
     its bounds until plans let go (the Transport sheds idle ones for that, and :meth:`evict`
     looks again); a registration scans the cache only when the cache is over a bound, and after
     a scan that freed nothing, only once the cache has grown by a quarter (so a plan of 100,000
-    tensors costs no quadratic time); explicit ones stay until ``release_explicit`` or :meth:`close`, which deregisters
-    everything.
+    tensors costs no quadratic time); explicit ones stay until ``release_explicit`` or
+    :meth:`close`, which deregisters everything.
     """
 
     def __init__(

@@ -41,9 +41,9 @@ class Directory:
 
     It keeps the store, the namespace and the secret, the counters it used (which remember the
     garbage they warned about), the bytes of the records it wrote and the last records it decoded
-    (so an unchanged record of megabytes is not decoded again): every call is one or more store round trips, as thread-safe as
-    the store, and off the hot path (the Transport resolves peers and heartbeats with it, never on
-    the engine thread). Generations and the membership index only grow (``names`` lists every name
+    (so an unchanged record of megabytes is not decoded again): every call is one or more store
+    round trips, as thread-safe as the store, and off the hot path (the Transport resolves peers
+    and heartbeats with it, never on the engine thread). Generations and the membership index only grow (``names`` lists every name
     that ever joined, live or not); ``leave`` deletes a record only if no newer incarnation has
     replaced it. A counter holding garbage never stops a join or a listing: see
     :meth:`generation_counter` and :meth:`members_counter` for how each is repaired.
@@ -151,7 +151,7 @@ class Directory:
         if raw is None:
             return
         try:
-            current = decode_peer_record(raw, self.secret, self.namespace).generation
+            current = self._decode(name, raw).generation
         except WireFormatError:
             current = generation
         if current == generation:
@@ -201,7 +201,7 @@ class Directory:
             return False  # what we wrote: nothing to decode
         if raw is not None:
             try:
-                stored = decode_peer_record(raw, self.secret, self.namespace)
+                stored = self._decode(record.name, raw)
             except WireFormatError as e:
                 log.warning("the record of %s in the store is not valid (%s); writing ours again",
                             record.name, e)  # fmt: skip

@@ -82,34 +82,46 @@ class PublisherLease:
         self.held = False
 
     def acquire(self) -> None:
+        """Take the lease (construction): GroupBusyError while a live publisher holds it."""
+        self._claim(first=True)
+
+    def _claim(self, first: bool) -> None:
+        """Write our lease where the store has none, a free one, garbage or (``first`` only) the
+        lease of a holder that is gone; GroupBusyError otherwise."""
         store, ours = self.transport.store, self.mine.encode()
         for _ in range(8):  # each turn loses only to another publisher's write
             raw = store.try_get(self.key)
-            if raw is None or raw == FREE:
-                expected = raw
-            else:
+            holder = None
+            if raw is not None and raw != FREE:
                 try:
                     holder = Lease.decode(raw)
                 except WireFormatError as e:
                     log.warning(
                         "group %s: replacing a malformed publisher lease (%s)", self.group, e
                     )
-                    holder = None
-                if holder == self.mine:
-                    self.held = True
-                    return
-                if holder is not None:
-                    why = self._alive(holder)
-                    if why:
-                        raise GroupBusyError(
-                            f"group {self.group!r} already has a publisher: {holder}, {why}; one "
-                            "publisher per group: close it (or let it end) first, or publish to "
-                            "another group"
-                        )
-                    log.warning("group %s: taking over the lease of %s, which is gone",
-                                self.group, holder)  # fmt: skip
-                expected = raw
-            if store.compare_set(self.key, expected, ours):
+            if holder == self.mine:
+                self.held = True
+                return
+            if holder is not None and not first:
+                self.held = False
+                raise GroupBusyError(
+                    f"group {self.group!r}: this publisher lost its lease to {holder}, which "
+                    "took over while this one was silent; close this publisher"
+                )
+            if holder is not None:
+                why = self._alive(holder)
+                if why:
+                    raise GroupBusyError(
+                        f"group {self.group!r} already has a publisher: {holder}, {why}; one "
+                        "publisher per group: close it (or let it end) first, or publish to "
+                        "another group"
+                    )
+                log.warning("group %s: taking over the lease of %s, which is gone",
+                            self.group, holder)  # fmt: skip
+            if store.compare_set(self.key, raw, ours):
+                if not first:
+                    log.warning("group %s: the store had lost the publisher lease; wrote it back",
+                                self.group)  # fmt: skip
                 self.held = True
                 return
         raise GroupBusyError(f"group {self.group!r}: the publisher lease kept changing; try again")
@@ -137,29 +149,8 @@ class PublisherLease:
         """At each publish: write our lease back if the store lost it (a Redis restarted empty;
         subscribers take messages only from the holder); GroupBusyError if another publisher
         holds it now (it took over while this one was silent past the bar)."""
-        if not self.held:
-            return
-        store, ours = self.transport.store, self.mine.encode()
-        for _ in range(8):
-            raw = store.try_get(self.key)
-            if raw == ours:
-                return
-            if raw is not None and raw != FREE:
-                try:
-                    holder = Lease.decode(raw)
-                except WireFormatError:
-                    holder = None  # garbage in its place: ours goes back
-                if holder is not None and holder != self.mine:
-                    self.held = False
-                    raise GroupBusyError(
-                        f"group {self.group!r}: this publisher lost its lease to {holder}, which "
-                        "took over while this one was silent; close this publisher"
-                    )
-            if store.compare_set(self.key, raw, ours):
-                log.warning("group %s: the store had lost the publisher lease; wrote it back",
-                            self.group)  # fmt: skip
-                return
-        raise GroupBusyError(f"group {self.group!r}: the publisher lease kept changing; try again")
+        if self.held:
+            self._claim(first=False)
 
     def release(self) -> None:
         if not self.held:

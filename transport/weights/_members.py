@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from transport.batch import Batch
-from transport.errors import TransportError, WireFormatError
+from transport.errors import TransportError
 from transport.liveness import stale_after
 from transport.weights._delivery import Delivery
 from transport.weights._messages import MAX_DEGREE, Hello, encode
@@ -113,7 +113,7 @@ class Roster:
         if not full and not check:
             return []
         self.epoch, self.reread = epoch, False
-        entries = self.dir.entries() if full else self._entries(check)
+        entries = self.dir.entries(None if full else check)
         now, seen, left = time.monotonic(), set(), []
         for name, entry in entries.items():
             if self.lost.get(name) == entry["gen"]:
@@ -144,18 +144,6 @@ class Roster:
     def grace(self) -> float:
         """How long a member whose entry the store lost is served before it counts as left."""
         return stale_after(self.transport.heartbeat_interval)
-
-    def _entries(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-        out = {}
-        for name in names:
-            try:
-                entry = self.dir.entry(name)
-            except WireFormatError as e:
-                log.warning("group %s: skipping the entry of %s: %s", self.group, name, e)
-                continue
-            if entry is not None:
-                out[name] = entry
-        return out
 
     def lose(self, sub: Member) -> bool:
         """``sub`` went away (its peer was lost): dropped until a newer incarnation joins. False

@@ -51,7 +51,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgpack
@@ -192,11 +192,11 @@ class GroupDirectory:
                 out.append(name)
         return out
 
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """Every member's entry (those that left have none); a malformed entry is skipped with a
-        warning naming its key, so one bad entry never stops the group."""
+    def entries(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        """The entry of every member, or of ``names`` (those that left have none); a malformed
+        entry is skipped with a warning naming its key, so one bad entry never stops the group."""
         out = {}
-        for name in self.names():
+        for name in self.names() if names is None else names:
             try:
                 entry = self.entry(name)
             except WireFormatError as e:

@@ -25,8 +25,9 @@ class Upstream:
     """The senders one subscriber acts on: the holder of its group's publisher lease and the
     group's relays, as the store names them.
 
-    It owns the set of senders believed without a store read (rebuilt every :data:`REFRESH_S`;
-    a store that names nobody leaves it as it was)
+    It owns the set of senders believed without a store read (checked every :data:`REFRESH_S`:
+    the lease, and the entry of each believed relay; a store that names nobody leaves it as it
+    was)
     and, per other sender, the count of its messages waiting for a check. Rules: a message from
     a believed sender is handled at once (engine thread); any other waits for a check on the
     worker (``submit``), and while one of a sender's messages waits, the later ones wait behind
@@ -91,21 +92,28 @@ class Upstream:
         believed from now on)."""
         try:
             lease = current_lease(self._store, self._namespace, self._group)
-            ok = lease is not None and peer in (lease.name, *lease.ranks)
-            if not ok:
-                entry = self._dir.entry(peer)
-                ok = entry is not None and bool(entry["relay"])
-        except (TransportError, WireFormatError) as e:
+            publishers = frozenset({lease.name, *lease.ranks}) if lease is not None else frozenset()
+            relay = peer not in publishers and self._is_relay(peer)
+        except TransportError as e:
             log.info("group %s: cannot check sender %s: %s", self._group, peer, e)
             return False
-        if ok:
-            with self._lock:
-                if lease is not None and peer in (lease.name, *lease.ranks):
-                    self._publishers = frozenset({lease.name, *lease.ranks})
-                else:
-                    self._relays = self._relays | {peer}
-                self._believed = self._publishers | self._relays
-        return ok
+        if peer not in publishers and not relay:
+            return False
+        with self._lock:
+            if peer in publishers:
+                self._publishers = publishers
+            else:
+                self._relays = self._relays | {peer}
+            self._believed = self._publishers | self._relays
+        return True
+
+    def _is_relay(self, peer: str) -> bool:
+        """Whether the group's entry of ``peer`` says it relays (a malformed one does not)."""
+        try:
+            entry = self._dir.entry(peer)
+        except WireFormatError:
+            return False
+        return entry is not None and bool(entry["relay"])
 
     def refresh(self) -> float:
         """Worker tick: rebuild the believed set when it is due; seconds until the next."""
@@ -115,8 +123,9 @@ class Upstream:
         self._next_refresh = now + REFRESH_S
         try:
             lease = current_lease(self._store, self._namespace, self._group)
-            relays = {n for n, e in self._dir.entries().items() if e["relay"]}
-        except (TransportError, WireFormatError) as e:
+            # only the relays that wrote to us: one read each, not the whole group's entries
+            relays = {n for n in self._relays if self._is_relay(n)}
+        except TransportError as e:
             log.info("group %s: cannot read the group's publisher and relays: %s", self._group, e)
             return REFRESH_S
         with self._lock:
