@@ -12,6 +12,7 @@ one row ``(address, length, device_id)`` per contiguous piece.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,10 @@ class Backend(Closing, abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def metadata(self) -> bytes:
-        """Connection metadata that peers pass to add_peer()."""
+    def metadata(self, memory: Sequence[tuple[int, int, str]] = ()) -> bytes:
+        """Connection metadata that peers pass to add_peer(), describing the registered
+        ``memory`` ((address, bytes, device) of whole registrations) peers may access; a
+        backend may describe more, never less."""
 
     @abc.abstractmethod
     def register(self, addr: int, nbytes: int, device: str) -> Any:

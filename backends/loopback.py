@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,7 @@ class LoopbackBackend(Backend):
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def metadata(self) -> bytes:
+    def metadata(self, memory: Sequence[tuple[int, int, str]] = ()) -> bytes:
         return _PREFIX + f"{self.agent_name}\n{self.incarnation}".encode()
 
     def register(self, addr: int, nbytes: int, device: str) -> Any:

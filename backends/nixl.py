@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -136,6 +137,7 @@ class NixlBackend(Backend):
         if "UCX" not in self._agent.backends:
             raise BackendError("NIXL has no UCX plugin; reinstall nixl-cu13 (or nixl-cu12)")
         self._raw = self._agent.agent  # the C++ agent: the hot path skips NIXL's Python wrapper
+        self._ucx = self._agent.backends["UCX"]
         self._mem = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
         self._ops = {"READ": b.NIXL_READ, "WRITE": b.NIXL_WRITE}
         self._success = b.NIXL_SUCCESS
@@ -144,8 +146,24 @@ class NixlBackend(Backend):
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def metadata(self) -> bytes:
-        md: bytes = self._raw.getLocalMD()
+    def metadata(self, memory: Sequence[tuple[int, int, str]] = ()) -> bytes:
+        """NIXL's partial metadata: the connection and only ``memory``'s descriptors. Full
+        metadata grows by about 44 bytes with every registration, so a trainer that registers
+        100,000 separately allocated parameters to send them would publish megabytes that no
+        peer uses. Exposed memory on host and GPU at once takes the full metadata (NIXL's partial
+        metadata takes one memory kind)."""
+        kinds = {device_parts(dev)[0] for _, _, dev in memory}
+        if len(kinds) > 1:
+            md: bytes = self._raw.getLocalMD()
+            return md
+        mem = kinds.pop() if kinds else "DRAM"
+        descs = self._b.nixlRegDList(
+            self._mem[mem], [(addr, n, device_parts(dev)[1], "") for addr, n, dev in memory]
+        )
+        try:
+            md = self._raw.getLocalPartialMD(descs, True, [self._ucx])
+        except Exception as e:
+            raise map_nixl_error(e, action="describing this agent's exposed memory") from e
         return md
 
     def register(self, addr: int, nbytes: int, device: str) -> Any:

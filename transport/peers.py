@@ -30,8 +30,10 @@ from transport.wire import (
 
 log = logging.getLogger("transport.peers")
 
-#: decoded records kept (by their stored bytes) for the peers fetched most recently
+#: decoded records kept (by their stored bytes) for the peers fetched most recently, and the
+#: regions they may hold together (a decoded region takes about 200 bytes of memory)
 DECODED_RECORDS = 64
+DECODED_REGIONS = 1 << 20
 
 
 class Directory:
@@ -140,8 +142,13 @@ class Directory:
         rec = decode_peer_record(raw, self.secret, self.namespace)
         with self._cache_lock:
             self._decoded[name] = (raw, rec)
-            if len(self._decoded) > DECODED_RECORDS:
-                self._decoded.popitem(last=False)
+            self._decoded.move_to_end(name)
+            held = sum(len(r.regions) for _, r in self._decoded.values())
+            while len(self._decoded) > 1 and (
+                len(self._decoded) > DECODED_RECORDS or held > DECODED_REGIONS
+            ):
+                _, (_, old) = self._decoded.popitem(last=False)
+                held -= len(old.regions)
         return rec
 
     def leave(self, name: str, generation: int) -> None:

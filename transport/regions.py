@@ -173,13 +173,14 @@ class Regions:
         """Write this Transport's record (its agent, metadata and regions) to the store."""
         ep = self._ep
         with self.lock:
+            regs = self._exposed_registrations()
             rec = PeerRecord(
                 name=ep.name, namespace=ep.namespace, generation=ep.generation,
                 agent=agent_name(ep.name, ep.generation), backend=ep.backend.name,
-                metadata=ep.backend.metadata(), host=socket.gethostname()[:255] or "?",
+                metadata=ep.backend.metadata(regs), host=socket.gethostname()[:255] or "?",
                 pid=os.getpid(), version=__version__, created=ep.created,
                 regions=tuple(info for _, info in self._regions.values()),
-                registrations=self._exposed_registrations(),
+                registrations=regs,
             )  # fmt: skip
             ep.directory.publish(rec)
             self.record = rec

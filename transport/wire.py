@@ -6,17 +6,16 @@ fields; every field is type-checked and size-limited. Nothing is ever unpickled.
 
 A stored peer record is an *envelope*::
 
-    {"v": 3, "kind": "peer", "body": <bytes>, "sealed": <bool>}
+    {"v": 4, "kind": "peer", "body": <bytes>, "sealed": <bool>}
 
 Without a secret the body is the record's msgpack map; with one it is that map sealed with
 AES-256-GCM under a key derived from the secret and namespace (``sealing.py``): nobody without
 the secret learns the connection metadata or the memory map, and nobody can alter it unnoticed.
+The registrations and regions travel as one compressed table by column (``region_table.py``).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -24,19 +23,17 @@ from typing import Any
 import msgpack
 
 from transport.errors import SignatureError, WireFormatError
+from transport.region_table import MAX_REGIONS, decode_memory_map, encode_memory_map
 from transport.sealing import keys_for
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 # torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
 MAX_RECORD_BYTES = 6 << 20
 MAX_METADATA_BYTES = 1 << 20
-MAX_REGIONS = 65_536
 MAX_REGION_NAME = 1024
 MAX_DIMS = 16
 MAX_NOTIFY_BYTES = 64 << 10
-_MAX_U64 = (1 << 64) - 1
-_MAX_EXTENT = 1 << 56
 
 #: peer names and namespaces: they become store keys and agent names
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -51,6 +48,7 @@ DTYPE_SIZES: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
 }  # fmt: skip
+_DTYPES = tuple(DTYPE_SIZES)
 
 
 def check_name(kind: str, name: object) -> str:
@@ -75,7 +73,7 @@ def check_region_name(name: object) -> str:
     return name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RegionInfo:
     """One exposed memory region of a peer, as its record describes it."""
 
@@ -103,18 +101,6 @@ class RegionInfo:
     def readable(self) -> bool:
         return "r" in self.access
 
-    def wire_form(self) -> list[Any]:
-        """This region as it travels in a peer record."""
-        return [
-            self.name,
-            self.addr,
-            self.nbytes,
-            self.dtype,
-            list(self.shape),
-            self.access,
-            self.device,
-        ]
-
 
 @dataclass(frozen=True)
 class PeerRecord:
@@ -131,8 +117,8 @@ class PeerRecord:
     version: str
     created: float
     regions: tuple[RegionInfo, ...]
-    #: the registered memory the regions lie in: (address, bytes, device); a decoded record whose
-    #: region reaches outside it is refused
+    #: the registered memory the regions lie in: (address, bytes, device); on the wire a region is
+    #: an offset into one of them, so no decoded region reaches outside
     registrations: tuple[tuple[int, int, str], ...] = ()
 
     def region_map(self) -> dict[str, RegionInfo]:
@@ -141,7 +127,7 @@ class PeerRecord:
 
 _PEER_FIELDS = {
     "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
-    "host": str, "pid": int, "version": str, "created": float, "regions": list, "regs": list,
+    "host": str, "pid": int, "version": str, "created": float, "memory": bytes,
 }  # fmt: skip
 _ENVELOPE_FIELDS = {"v": int, "kind": str, "body": bytes, "sealed": bool}
 
@@ -200,56 +186,14 @@ def _check_fields(obj: object, fields: dict[str, type] | set[str], what: str) ->
     return obj
 
 
-def _decode_region(item: object, idx: int) -> RegionInfo:
-    what = f"region #{idx}"
-    if not isinstance(item, list) or len(item) != 7:
-        raise WireFormatError(f"{what} must be a list of 7 fields")
-    name, addr, nbytes, dtype, shape, access, device = item
-    if not isinstance(name, str) or not name or len(name) > MAX_REGION_NAME:
-        raise WireFormatError(f"{what} has a bad name")
-    what = f"region {name[:80]!r}"
-    for label, v, hi in (("addr", addr, _MAX_U64), ("nbytes", nbytes, _MAX_EXTENT)):
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
-            raise WireFormatError(f"{what} has a bad {label}")
-    if addr == 0 or addr + nbytes > _MAX_U64:
-        raise WireFormatError(f"{what} has an address range outside memory")
-    if dtype not in DTYPE_SIZES:
-        raise WireFormatError(f"{what} has unknown dtype {str(dtype)[:40]!r}")
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-        raise WireFormatError(f"{what} has a bad shape")
-    for d in shape:
-        if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < _MAX_EXTENT:
-            raise WireFormatError(f"{what} has a bad shape dimension")
-    if math.prod(shape) * DTYPE_SIZES[dtype] != nbytes:
-        raise WireFormatError(f"{what}: shape {shape} of {dtype} does not match nbytes={nbytes}")
-    if access not in ACCESS_MODES:
-        raise WireFormatError(f"{what} has unknown access {str(access)[:10]!r}")
-    if not _device_ok(device):
-        raise WireFormatError(f"{what} has unknown device {str(device)[:20]!r}")
-    return RegionInfo(name, addr, nbytes, dtype, tuple(shape), access, device)
-
-
-def _device_ok(device: object) -> bool:
-    return isinstance(device, str) and (
-        device == "cpu"
-        or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
-    )
-
-
 def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
     """The stored form of ``rec``: sealed (see the module docstring) when ``secret`` is given."""
-    if len(rec.regions) > MAX_REGIONS:
-        raise ValueError(
-            f"{len(rec.regions)} regions are over the limit of {MAX_REGIONS} per peer; expose fewer, larger "
-            "regions (for example one flat buffer with views)"
-        )
     body = msgpack.packb(
         {
             "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,
             "backend": rec.backend, "md": bytes(rec.metadata), "host": rec.host, "pid": rec.pid,
             "version": rec.version, "created": float(rec.created),
-            "regions": [r.wire_form() for r in rec.regions],
-            "regs": [list(r) for r in rec.registrations],
+            "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
         },
         use_bin_type=True,
     )  # fmt: skip
@@ -314,55 +258,15 @@ def decode_peer_record(
     for key in ("agent", "backend", "host", "version"):
         if not m[key] or len(m[key]) > 256:
             raise WireFormatError(f"peer record field {key!r} is empty or too long")
-    if len(m["regions"]) > MAX_REGIONS:
-        raise WireFormatError(f"peer record has more than {MAX_REGIONS} regions")
-    regions = tuple(_decode_region(r, i) for i, r in enumerate(m["regions"]))
-    if len({r.name for r in regions}) != len(regions):
-        raise WireFormatError("peer record lists a region name twice")
-    regs = _decode_registrations(m["regs"])
-    _check_within(regions, regs)
+    regs, table = decode_memory_map(
+        m["memory"], _DTYPES, DTYPE_SIZES, ACCESS_MODES, MAX_REGION_NAME, MAX_DIMS, RegionInfo
+    )
+    regions = tuple(table)
     return PeerRecord(
         name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
         metadata=m["md"], host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
         regions=regions, registrations=regs,
     )  # fmt: skip
-
-
-def _decode_registrations(items: list[Any]) -> tuple[tuple[int, int, str], ...]:
-    if len(items) > MAX_REGIONS:
-        raise WireFormatError(f"peer record has more than {MAX_REGIONS} registrations")
-    out = []
-    for item in items:
-        if (
-            not isinstance(item, list)
-            or len(item) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item[:2])
-            or not 0 < item[0] < _MAX_U64
-            or not 0 < item[1] <= _MAX_EXTENT
-            or item[0] + item[1] > _MAX_U64
-            or not _device_ok(item[2])
-        ):
-            raise WireFormatError(f"peer record has a malformed registration {str(item)[:60]}")
-        out.append((item[0], item[1], item[2]))
-    return tuple(out)
-
-
-def _check_within(regions: tuple[RegionInfo, ...], regs: tuple[tuple[int, int, str], ...]) -> None:
-    """Every region lies inside memory its peer registered (on the same device): a record that
-    says otherwise would have writers aim at memory nobody offered."""
-    by_dev: dict[str, list[tuple[int, int]]] = {}
-    for addr, n, dev in regs:
-        by_dev.setdefault(dev, []).append((addr, addr + n))
-    for spans in by_dev.values():
-        spans.sort()
-    for r in regions:
-        spans = by_dev.get(r.device, [])
-        i = bisect.bisect_right(spans, (r.addr, _MAX_U64)) - 1
-        if i < 0 or r.addr + r.nbytes > spans[i][1]:
-            raise WireFormatError(
-                f"region {r.name[:80]!r} ({r.nbytes} bytes at {r.addr:#x} on {r.device}) lies "
-                "outside the memory its peer registered; the record is refused"
-            )
 
 
 # --- heartbeats -------------------------------------------------------------------------------

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import zlib
+
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transport.errors import SignatureError, WireFormatError
+from transport.region_table import MAX_MAP_BYTES
 from transport.wire import (
+    FORMAT_VERSION,
+    MAX_RECORD_BYTES,
     MAX_REGIONS,
     PeerRecord,
     RegionInfo,
@@ -41,8 +46,25 @@ def body_of(raw: bytes) -> dict:
     return msgpack.unpackb(msgpack.unpackb(raw)["body"])
 
 
+def memory_of(body: dict) -> dict:
+    """The columns of a record body's memory map."""
+    return msgpack.unpackb(zlib.decompress(body["memory"]))
+
+
+def with_memory(body: dict, mutate) -> dict:
+    """``body`` with its memory map changed by ``mutate`` (of the columns)."""
+    m = memory_of(body)
+    mutate(m)
+    return dict(body, memory=zlib.compress(msgpack.packb(m, use_bin_type=True)))
+
+
 def rewrap(body: dict, **env) -> bytes:
-    e = {"v": 3, "kind": "peer", "body": msgpack.packb(body, use_bin_type=True), "sealed": False}
+    e = {
+        "v": FORMAT_VERSION,
+        "kind": "peer",
+        "body": msgpack.packb(body, use_bin_type=True),
+        "sealed": False,
+    }
     e.update(env)
     return msgpack.packb(e, use_bin_type=True)
 
@@ -97,43 +119,11 @@ def test_namespace_is_checked():
         (lambda b: b.update(gen=0), "out-of-range"),
         (lambda b: b.update(name="a/b"), "invalid name"),
         (lambda b: b.update(md=b""), "metadata"),
-        (
-            lambda b: b.update(regions=[["x", 4096, 12, "float32", [4], "rw", "cpu"]]),
-            "does not match nbytes",
-        ),
-        (lambda b: b.update(regions=[["x", 0, 4, "float32", [1], "rw", "cpu"]]), "outside memory"),
-        (
-            lambda b: b.update(regions=[["x", 2**64 - 2, 4, "float32", [1], "rw", "cpu"]]),
-            "outside memory",
-        ),
-        (
-            lambda b: b.update(regions=[["x", 4096, 4, "float31", [1], "rw", "cpu"]]),
-            "unknown dtype",
-        ),
-        (
-            lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "x", "cpu"]]),
-            "unknown access",
-        ),
-        (
-            lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw", "tpu:0"]]),
-            "unknown device",
-        ),
-        (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw"]]), "7 fields"),
-        (lambda b: b.update(regions=[["x", 4096, 4, "float32", [1], "rw", "cpu"]] * 2), "twice"),
-        (lambda b: b.update(regions=[["x", 4096, -4, "float32", [-1], "rw", "cpu"]]), "bad nbytes"),
-        # regions must lie in registered memory of their device
-        (
-            lambda b: b["regions"][0].__setitem__(1, 0x7F0000001000 + 4096 - 32),
-            "outside the memory its peer registered",
-        ),
-        (lambda b: b["regions"][0].__setitem__(1, 0x7F0000000FF0), "outside the memory"),
-        (lambda b: b["regions"][1].__setitem__(6, "cuda:0"), "outside the memory"),
-        (lambda b: b.update(regs=[]), "outside the memory"),
-        (lambda b: b.update(regs=[[0x1000, 0, "cpu"]]), "malformed registration"),
-        (lambda b: b.update(regs=[[0x1000, 8, "tpu"]]), "malformed registration"),
-        (lambda b: b.update(regs=[[0x1000, True, "cpu"]]), "malformed registration"),
-        (lambda b: b.update(regs=[["a", 8, "cpu"]]), "malformed registration"),
-        (lambda b: b.pop("regs"), "missing \\['regs'\\]"),
+        (lambda b: b.pop("memory"), "missing \\['memory'\\]"),
+        (lambda b: b.update(memory=b"not zlib"), "not valid zlib"),
+        (lambda b: b.update(memory=zlib.compress(b"\xc1")), "not valid msgpack"),
+        (lambda b: b.update(memory=zlib.compress(msgpack.packb({"ra": []}))), "must be a map of"),
+        (lambda b: b.update(memory=b["memory"][:-3]), "truncated|zlib"),
     ],
 )
 def test_malformed_bodies_are_rejected(mutate, match):
@@ -141,6 +131,63 @@ def test_malformed_bodies_are_rejected(mutate, match):
     mutate(body)
     with pytest.raises(WireFormatError, match=match):
         decode_peer_record(rewrap(body))
+
+
+def _set(col, i, v):
+    return lambda m: m[col].__setitem__(i, v)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        # a region's place: an offset into a registration of its peer, inside it
+        (_set("off", 0, 4096 - 32), "outside the memory its peer registered"),
+        (_set("off", 0, -1), "bad offset"),
+        (_set("off", 0, 1.5), "non-integer"),
+        (_set("reg", 0, 2), "names no registration"),
+        (_set("dims", 0, 2**40), "outside the memory|too large"),
+        (_set("dims", 0, -4), "bad shape dimension"),
+        (lambda m: m.update(dims=m["dims"][:-1]), "wrong number of dimensions"),
+        (lambda m: m.update(nd=bytes([17, 1])), "bad shape|wrong number"),
+        (lambda m: m.update(dt=bytes([250, 0])), "unknown dtype"),
+        (lambda m: m.update(acc=bytes([9, 0])), "unknown access"),
+        (lambda m: m.update(off=m["off"][:1]), "unequal length"),
+        (lambda m: m.update(names=["x", "x"]), "twice"),
+        (lambda m: m.update(names=["", "x"]), "bad name"),
+        (lambda m: m.update(names=["x" * 1025, "y"]), "bad name"),
+        (lambda m: m.update(names=[7, "y"]), "bad name"),
+        # registrations
+        (lambda m: m.update(ra=[], rn=[], rd=[]), "names no registration"),
+        (_set("rn", 0, 0), "malformed registration"),
+        (_set("ra", 0, 0), "malformed registration"),
+        (_set("rd", 0, "tpu"), "malformed registration"),
+        (_set("rn", 0, True), "malformed registration"),
+        (_set("ra", 0, "a"), "malformed registration"),
+        (_set("ra", 0, 2**64 - 8), "malformed registration"),
+        (lambda m: m.update(rd=["cpu"]), "unequal length"),
+    ],
+)
+def test_malformed_memory_maps_are_rejected(mutate, match):
+    body = with_memory(body_of(encode_peer_record(record())), mutate)
+    with pytest.raises(WireFormatError, match=match):
+        decode_peer_record(rewrap(body))
+
+
+def test_a_map_that_inflates_past_its_bound_is_refused_unread():
+    bomb = zlib.compress(b"\x00" * (MAX_MAP_BYTES + 1), 9)
+    assert len(bomb) < 1 << 20  # small on the wire
+    body = dict(body_of(encode_peer_record(record())), memory=bomb)
+    with pytest.raises(WireFormatError, match="inflates past"):
+        decode_peer_record(rewrap(body))
+
+
+def test_a_region_is_placed_by_its_registration_whatever_the_writer_claims():
+    """A region of cuda:1 whose registration index is changed to the cpu one takes that
+    registration's address and device: no decoded region lies outside registered memory."""
+    body = with_memory(body_of(encode_peer_record(record())), _set("reg", 1, 0))
+    rec = decode_peer_record(rewrap(body))
+    emb = rec.region_map()["emb"]
+    assert emb.device == "cpu" and emb.addr == 0x7F0000001000
 
 
 def test_envelope_rules():
@@ -162,10 +209,30 @@ def test_too_many_regions_is_refused_when_encoding_and_decoding():
     )
     with pytest.raises(ValueError, match="over the .* limit|expose fewer"):
         encode_peer_record(record(regions=many))
-    body = body_of(encode_peer_record(record()))
-    body["regions"] = [["x", 4096, 4, "float32", [1], "rw", "cpu"]] * (MAX_REGIONS + 1)
-    with pytest.raises(WireFormatError):
+    body = with_memory(
+        body_of(encode_peer_record(record())),
+        lambda m: m.update(
+            names=[f"r{i}" for i in range(MAX_REGIONS + 1)], reg=[0] * (MAX_REGIONS + 1),
+            off=[0] * (MAX_REGIONS + 1), dt=bytes(MAX_REGIONS + 1), acc=bytes(MAX_REGIONS + 1),
+            nd=bytes(MAX_REGIONS + 1), dims=[],
+        ),
+    )  # fmt: skip
+    with pytest.raises(WireFormatError, match="more than"):
         decode_peer_record(rewrap(body))
+
+
+def test_a_record_of_200000_regions_fits_the_store_and_round_trips():
+    """A mixture-of-experts subscriber: 100,000 names in two staging slots of one buffer each."""
+    names = [f"model.layers.{i // 384}.mlp.experts.{i // 3 % 128}.w{i % 3}" for i in range(100_000)]
+    base, regions = 0x7F0000000000, []
+    for slot in range(2):
+        for i, n in enumerate(names):
+            addr = base + (slot * 100_000 + i) * 640
+            regions.append(RegionInfo(f"s{slot}/{n}", addr, 640, "bfloat16", (16, 20), "w", "cpu"))
+    rec = record(regions=tuple(regions), registrations=((base, 200_000 * 640, "cpu"),))
+    raw = encode_peer_record(rec, b"k" * 16)
+    assert len(raw) < MAX_RECORD_BYTES // 4
+    assert decode_peer_record(raw, b"k" * 16, "run-7") == rec
 
 
 @settings(max_examples=300, deadline=None)
@@ -189,7 +256,12 @@ def test_garbage_only_raises_wire_format_error(data):
 )
 def test_well_formed_msgpack_of_the_wrong_shape_only_raises_wire_format_error(obj):
     raw = msgpack.packb(
-        {"v": 3, "kind": "peer", "body": msgpack.packb(obj, use_bin_type=True), "sealed": False}
+        {
+            "v": FORMAT_VERSION,
+            "kind": "peer",
+            "body": msgpack.packb(obj, use_bin_type=True),
+            "sealed": False,
+        }
     )
     with pytest.raises(WireFormatError):
         decode_peer_record(raw)
