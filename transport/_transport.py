@@ -37,7 +37,7 @@ from transport.handle import Handle
 from transport.housekeeping import Housekeeping
 from transport.lanes import default_lanes
 from transport.liveness import suspicion
-from transport.memory import LocalMemory
+from transport.memory import LocalMemory, default_budget
 from transport.peer_table import PeerInfo, PeerTable, peer_info
 from transport.peers import Directory
 from transport.plan_cache import PlanCache
@@ -91,7 +91,11 @@ class Transport(Closing):
     ``heartbeat_interval`` is how often the store hears from this peer;
     transfers between host memory of at least ``lane_bytes`` are cut over
     ``lanes`` agents, each posting from its own thread (lanes.py; default from
-    the CPU count, ``$TRANSPORT_LANES``; 1 turns them off).
+    the CPU count, ``$TRANSPORT_LANES``; 1 turns them off);
+    ``max_registered_bytes`` bounds the host memory this peer registers (exposed, registered and
+    cached for transfers; default three quarters of physical memory or
+    ``$TRANSPORT_MAX_REGISTERED_BYTES``): past it a call fails with RegistrationBudgetError and
+    registers nothing.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class Transport(Closing):
         trace_capacity: int = DEFAULT_CAPACITY,
         lanes: int | None = None,
         lane_bytes: int = 64 << 20,
+        max_registered_bytes: int | None = None,
     ) -> None:
         self.name = check_name("peer name", name)
         self.namespace = check_name("namespace", namespace)
@@ -120,6 +125,13 @@ class Transport(Closing):
             raise ValueError(
                 "secret must be at least 8 bytes (or a str); every peer of the namespace must share it"
             )
+        if max_registered_bytes is not None and (
+            not isinstance(max_registered_bytes, int) or max_registered_bytes <= 0
+        ):
+            raise ValueError(
+                f"max_registered_bytes must be a positive int, got {max_registered_bytes!r}"
+            )
+        budget = default_budget() if max_registered_bytes is None else max_registered_bytes
         settings = Settings(
             timeout, chunk_bytes, inline_bytes, idle_interval, heartbeat_interval,
             default_lanes() if lanes is None else check_lanes(lanes), lane_bytes,
@@ -145,7 +157,8 @@ class Transport(Closing):
             raise
         self._owns_store = owns_store
         ep = self._ep = Endpoint(
-            self.name, self.namespace, self.generation, secret, be, backend, LocalMemory(be),
+            self.name, self.namespace, self.generation, secret, be, backend,
+            LocalMemory(be, budget=budget),
             directory, self.store, self.recorder, settings, time.time(),
         )  # fmt: skip
         self._peers = PeerTable(ep)

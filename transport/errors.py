@@ -81,6 +81,11 @@ class BackendError(TransportError):
     """The transfer backend failed in a way not covered by a more specific error."""
 
 
+class RegistrationBudgetError(TransportError):
+    """Registering more host memory would pass the Transport's budget (``max_registered_bytes``);
+    nothing of the call that asked was registered."""
+
+
 __all__ = [
     "BackendError",
     "ClosedError",
@@ -89,6 +94,7 @@ __all__ = [
     "PeerNotFoundError",
     "PeerWaitTimeout",
     "RegionError",
+    "RegistrationBudgetError",
     "SignatureError",
     "StoreError",
     "StoreTimeout",

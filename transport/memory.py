@@ -1,29 +1,57 @@
 """Local memory: registrations with the backend, cached per tensor storage.
 
 A tensor's whole storage is registered once, so every view of it can be a
-source or destination. Exposed and explicitly registered tensors stay
-registered until the Transport closes. Storages registered implicitly (an
-unregistered tensor passed to put or get) are kept in an LRU cache bounded by
-count and bytes; the cache holds a reference to each storage, so registered
-memory can never be freed and reused behind the backend's back, and an entry is
-evicted only when no prepared plan uses it.
+source or destination: tensors that share a storage (a flat buffer and the
+parameters viewing it) cost one registration. Exposed and explicitly registered
+tensors stay registered until the Transport closes. Storages registered
+implicitly (an unregistered tensor passed to put or get) are kept in an LRU
+cache bounded by count and bytes; the cache holds a reference to each storage,
+so registered memory can never be freed and reused behind the backend's back,
+and an entry is evicted only when no prepared plan uses it.
+
+Registered host memory has a budget (``max_registered_bytes``; RDMA pins what
+is registered, so it cannot be swapped): by default three quarters of the
+host's physical memory, or ``$TRANSPORT_MAX_REGISTERED_BYTES``. A registration
+that would pass it first evicts idle cached ones, then fails with
+RegistrationBudgetError, and a call registering many tensors registers all of
+them or none.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from transport.backends.base import Backend
+from transport.errors import RegistrationBudgetError
 from transport.wire import DTYPE_SIZES
 
 log = logging.getLogger("transport.memory")
 
 _DTYPE_NAMES = {getattr(torch, n): n for n in DTYPE_SIZES if hasattr(torch, n)}
+
+
+def default_budget() -> int:
+    """Host memory a Transport may register: ``$TRANSPORT_MAX_REGISTERED_BYTES``, else three
+    quarters of the host's physical memory."""
+    env = os.environ.get("TRANSPORT_MAX_REGISTERED_BYTES")
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(
+                f"TRANSPORT_MAX_REGISTERED_BYTES={env!r} is not a whole number of bytes"
+            ) from None
+        if value <= 0:
+            raise ValueError("TRANSPORT_MAX_REGISTERED_BYTES must be positive")
+        return value
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,6 +121,7 @@ class LocalMemory:
     """The registrations of one agent (a Transport's or a lane's), one per (storage address,
     device), with an LRU bound on the implicit ones (``max_implicit``, ``max_implicit_bytes``).
 
+    Host memory registered in all stays within ``budget`` (see the module docstring).
     ``lock`` guards the registrations (regions, the plan cache and a lane cutting a transfer use it
     from their own threads); :meth:`close` runs once every engine has stopped. A storage is
     registered once, and again only if it grew. :meth:`acquire` counts a plan as a user of the
@@ -106,13 +135,19 @@ class LocalMemory:
     """
 
     def __init__(
-        self, backend: Backend, max_implicit: int = 1024, max_implicit_bytes: int = 4 << 30
+        self,
+        backend: Backend,
+        max_implicit: int = 1024,
+        max_implicit_bytes: int = 4 << 30,
+        budget: int | None = None,
     ) -> None:
         self._backend = backend
         self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
         self.max_implicit = max_implicit
         self.max_implicit_bytes = max_implicit_bytes
+        self.budget = default_budget() if budget is None else budget
         self._total_bytes = 0  # of every registration, explicit or not
+        self._host_bytes = 0  # of the registrations of host memory (what the budget bounds)
         self._next_scan: int | None = None  # after a fruitless scan: scan at this many again
         self.lock = threading.RLock()
 
@@ -136,15 +171,82 @@ class LocalMemory:
             self._regs.move_to_end(key)
             reg.explicit = reg.explicit or explicit
             return reg
+        self._make_room({key: (nbytes, device)}, "a tensor")
         if reg is not None:  # the storage grew in place: register it again
             self._drop(key, reg)
         token = self._backend.register(base, max(nbytes, 1), device)
         reg = Registration(base, nbytes, device, token, storage, explicit)
-        self._regs[key] = reg
-        self._total_bytes += nbytes
+        self._add(key, reg)
         if not explicit:
             self._evict(reg)
         return reg
+
+    def ensure_all(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Register every storage under ``named`` (explicitly: exposed or registered by the user),
+        all or none: past the budget nothing is registered (RegistrationBudgetError), and a
+        backend error drops what this call registered before it is raised."""
+        with self.lock:
+            new: dict[tuple[int, str], tuple[int, str]] = {}
+            storages: dict[tuple[int, str], Any] = {}
+            first = ""
+            for name, t in named:
+                st = t.untyped_storage()
+                key, nbytes = (st.data_ptr(), device_of(t)), st.nbytes()
+                reg = self._regs.get(key)
+                if (reg is None or reg.nbytes < nbytes) and nbytes > new.get(key, (0, ""))[0]:
+                    new[key] = (nbytes, key[1])
+                    storages[key] = st
+                    first = first or name
+            self._make_room(new, f"{len(named)} tensors (the first new one {first!r})")
+            made: list[tuple[int, str]] = []
+            try:
+                for key, (nbytes, device) in new.items():
+                    old = self._regs.get(key)
+                    if old is not None:
+                        self._drop(key, old)
+                    token = self._backend.register(key[0], max(nbytes, 1), device)
+                    self._add(key, Registration(key[0], nbytes, device, token, storages[key], True))
+                    made.append(key)
+            except BaseException:
+                for key in made:
+                    self._drop(key, self._regs[key])
+                raise
+            for _, t in named:
+                st = t.untyped_storage()
+                reg = self._regs[(st.data_ptr(), device_of(t))]
+                reg.explicit = True
+                self._regs.move_to_end((reg.base, reg.device))
+
+    def _add(self, key: tuple[int, str], reg: Registration) -> None:
+        self._regs[key] = reg
+        self._total_bytes += reg.nbytes
+        if reg.device == "cpu":
+            self._host_bytes += reg.nbytes
+
+    def _make_room(self, new: dict[tuple[int, str], tuple[int, str]], what: str) -> None:
+        """Raise RegistrationBudgetError unless registering ``new`` (key -> (bytes, device)) keeps
+        host memory within the budget, after evicting idle cached registrations if needed."""
+        extra = 0
+        for key, (nbytes, device) in new.items():
+            if device == "cpu":
+                old = self._regs.get(key)
+                extra += nbytes - (old.nbytes if old is not None else 0)
+        if self._host_bytes + extra <= self.budget:
+            return
+        for key, reg in list(self._regs.items()):  # oldest first
+            if self._host_bytes + extra <= self.budget:
+                return
+            if not reg.explicit and reg.users == 0 and reg.device == "cpu" and key not in new:
+                self._drop(key, reg)
+        if self._host_bytes + extra > self.budget:
+            raise RegistrationBudgetError(
+                f"registering {what} needs {extra} more bytes of host memory; with the "
+                f"{self._host_bytes} bytes this agent has registered that passes its budget of "
+                f"{self.budget} bytes (registered host memory is pinned by RDMA). Register fewer "
+                "or smaller buffers (views into one buffer share one registration), unexpose what "
+                "is no longer used, or raise the budget: Transport(max_registered_bytes=...) or "
+                "$TRANSPORT_MAX_REGISTERED_BYTES. Nothing of this call was registered"
+            )
 
     def over_limit(self) -> bool:
         with self.lock:
@@ -207,6 +309,8 @@ class LocalMemory:
     def _drop(self, key: tuple[int, str], reg: Registration) -> None:
         del self._regs[key]
         self._total_bytes -= reg.nbytes
+        if reg.device == "cpu":
+            self._host_bytes -= reg.nbytes
         try:
             self._backend.deregister(reg.token)
         except Exception as e:

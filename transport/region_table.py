@@ -192,16 +192,21 @@ def _refuse(bad: np.ndarray, names: list[str] | None, rule: str) -> None:
         raise WireFormatError(f"region {names[i][:80]!r} {rule}; the record is refused")
 
 
-def _inflate(data: bytes, max_dims: int) -> dict[str, Any]:
+def inflate(data: bytes, limit: int, what: str) -> bytes:
+    """``data`` decompressed (zlib), if it inflates to at most ``limit`` bytes: a peer's few
+    compressed bytes cannot make us allocate more. WireFormatError naming ``what`` otherwise."""
     try:
         inflater = zlib.decompressobj()
-        raw = inflater.decompress(data, MAX_MAP_BYTES)
+        raw = inflater.decompress(data, limit)
     except zlib.error as e:
-        raise WireFormatError(f"peer record's memory map is not valid zlib ({e})") from e
+        raise WireFormatError(f"{what} is not valid zlib ({e})") from e
     if inflater.unconsumed_tail or not inflater.eof:
-        raise WireFormatError(
-            f"peer record's memory map is truncated or inflates past {MAX_MAP_BYTES} bytes"
-        )
+        raise WireFormatError(f"{what} is truncated or inflates past {limit} bytes")
+    return raw
+
+
+def _inflate(data: bytes, max_dims: int) -> dict[str, Any]:
+    raw = inflate(data, MAX_MAP_BYTES, "peer record's memory map")
     try:
         m = msgpack.unpackb(
             raw, raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_MAP_BYTES,

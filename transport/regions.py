@@ -145,8 +145,7 @@ class Regions:
             checked.append((name, t))
         out = {}
         with self.lock:
-            for _name, t in checked:
-                ep.mem.ensure(t, explicit=True)
+            ep.mem.ensure_all(checked)
             for name, t in checked:
                 info = RegionInfo(name, t.data_ptr(), t.nbytes, dtype_name(t.dtype),
                                   tuple(t.shape), access, device_of(t))  # fmt: skip

@@ -9,7 +9,7 @@ import torch
 import transport
 from helpers.peer import Peer, sha
 from transport.store.tcp import TcpStore
-from transport.wire import MAX_RECORD_BYTES
+from transport.wire import FORMAT_VERSION, MAX_RECORD_BYTES
 
 ZEROS = sha(torch.zeros(4096, dtype=torch.float32))
 
@@ -160,7 +160,8 @@ def test_bad_names(store):
     [
         (b"\xc1\xc1garbage", "not valid msgpack"),
         (msgpack.packb({"v": 99, "kind": "peer", "body": b"", "sig": None}), "format version 99"),
-        (msgpack.packb({"v": 3, "kind": "peer", "body": b"x"}), "wrong fields"),
+        (msgpack.packb({"v": FORMAT_VERSION, "kind": "peer", "body": b"x"}), "wrong fields"),
+        (msgpack.packb({"v": 3, "kind": "peer", "body": b"x"}), "format version 3.*upgrade"),
         (msgpack.packb([1, 2, 3]), "must be a map"),
         (b"\x00" * (MAX_RECORD_BYTES + 1), "limit"),
     ],
