@@ -2,7 +2,9 @@
 
 A tensor's whole storage is registered once, so every view of it can be a
 source or destination: tensors that share a storage (a flat buffer and the
-parameters viewing it) cost one registration. Exposed and explicitly registered
+parameters viewing it) cost one registration. Where the allocator says which
+allocation holds a storage (CUDA's caching allocator: its segments), the
+whole allocation is registered once for every tensor in it. Exposed and explicitly registered
 tensors stay registered until the Transport closes. Storages registered
 implicitly (an unregistered tensor passed to put or get) are kept in an LRU
 cache bounded by count and bytes; the cache holds a reference to each storage,
@@ -19,11 +21,12 @@ them or none.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +55,35 @@ def default_budget() -> int:
             raise ValueError("TRANSPORT_MAX_REGISTERED_BYTES must be positive")
         return value
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4
+
+
+#: where a device's allocations lie: sorted (address, bytes), or None to register each storage
+Allocations = Callable[[str], "list[tuple[int, int]] | None"]
+_MAX_ADDR = 1 << 64
+
+
+def allocator_segments(device: str) -> list[tuple[int, int]] | None:
+    """The CUDA caching allocator's segments on ``device`` (None for host memory, and where the
+    allocator may unmap freed parts of a segment: expandable segments). A segment stays mapped
+    while any tensor in it is alive, and the registration holds one, so registering the segment
+    is safe and serves every tensor in it: a model's parameters cost a few registrations, not
+    one each. (Not yet run on a GPU.)"""
+    if device == "cpu":
+        return None
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        return None
+    index = int(device.partition(":")[2])
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception as e:  # an allocator without snapshots: register storage by storage
+        log.debug("no allocator snapshot on %s: %s", device, e)
+        return None
+    return sorted(
+        (int(s["address"]), int(s["total_size"]))
+        for s in segments
+        if s.get("device") == index and s.get("total_size")
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -118,8 +150,9 @@ class Registration:
 
 
 class LocalMemory:
-    """The registrations of one agent (a Transport's or a lane's), one per (storage address,
-    device), with an LRU bound on the implicit ones (``max_implicit``, ``max_implicit_bytes``).
+    """The registrations of one agent (a Transport's or a lane's), one per storage or per
+    allocation holding storages (``allocations``; keyed by start address and device), with an LRU
+    bound on the implicit ones (``max_implicit``, ``max_implicit_bytes``).
 
     Host memory registered in all stays within ``budget`` (see the module docstring).
     ``lock`` guards the registrations (regions, the plan cache and a lane cutting a transfer use it
@@ -140,6 +173,7 @@ class LocalMemory:
         max_implicit: int = 1024,
         max_implicit_bytes: int = 4 << 30,
         budget: int | None = None,
+        allocations: Allocations | None = None,
     ) -> None:
         self._backend = backend
         self._regs: OrderedDict[tuple[int, str], Registration] = OrderedDict()
@@ -149,6 +183,9 @@ class LocalMemory:
         self._total_bytes = 0  # of every registration, explicit or not
         self._host_bytes = 0  # of the registrations of host memory (what the budget bounds)
         self._next_scan: int | None = None  # after a fruitless scan: scan at this many again
+        self._allocations = allocations or (lambda device: allocator_segments(device))
+        # per device, the (start, end) of registrations made for an allocation holding storages
+        self._spanned: dict[str, list[tuple[int, int]]] = {}
         self.lock = threading.RLock()
 
     def acquire(self, t: torch.Tensor) -> Registration:
@@ -165,63 +202,106 @@ class LocalMemory:
     def _ensure(self, t: torch.Tensor, explicit: bool) -> Registration:
         storage = t.untyped_storage()
         base, nbytes, device = storage.data_ptr(), storage.nbytes(), device_of(t)
-        key = (base, device)
-        reg = self._regs.get(key)
-        if reg is not None and reg.nbytes >= nbytes:
-            self._regs.move_to_end(key)
+        reg = self._find(base, nbytes, device)
+        if reg is not None:
+            self._regs.move_to_end((reg.base, device))
             reg.explicit = reg.explicit or explicit
             return reg
-        self._make_room({key: (nbytes, device)}, "a tensor")
-        if reg is not None:  # the storage grew in place: register it again
-            self._drop(key, reg)
-        token = self._backend.register(base, max(nbytes, 1), device)
-        reg = Registration(base, nbytes, device, token, storage, explicit)
-        self._add(key, reg)
+        start, size = self._span(base, nbytes, device, {})
+        key = (start, device)
+        self._make_room({key: (size, device)}, "a tensor")
+        old = self._regs.get(key)
+        if old is not None:  # the storage grew in place: register it again
+            self._drop(key, old)
+        token = self._backend.register(start, max(size, 1), device)
+        reg = Registration(start, size, device, token, storage, explicit)
+        self._add(key, reg, spanned=(start, size) != (base, nbytes))
         if not explicit:
             self._evict(reg)
         return reg
 
     def ensure_all(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Register every storage under ``named`` (explicitly: exposed or registered by the user),
+        """Register the memory under ``named`` (explicitly: exposed or registered by the user),
         all or none: past the budget nothing is registered (RegistrationBudgetError), and a
         backend error drops what this call registered before it is raised."""
         with self.lock:
             new: dict[tuple[int, str], tuple[int, str]] = {}
-            storages: dict[tuple[int, str], Any] = {}
+            storages: dict[tuple[int, str], tuple[Any, bool]] = {}
+            spans: dict[str, list[tuple[int, int]] | None] = {}  # one look per device and call
             first = ""
             for name, t in named:
                 st = t.untyped_storage()
-                key, nbytes = (st.data_ptr(), device_of(t)), st.nbytes()
-                reg = self._regs.get(key)
-                if (reg is None or reg.nbytes < nbytes) and nbytes > new.get(key, (0, ""))[0]:
-                    new[key] = (nbytes, key[1])
-                    storages[key] = st
+                base, nbytes, device = st.data_ptr(), st.nbytes(), device_of(t)
+                if self._find(base, nbytes, device) is not None:
+                    continue
+                start, size = self._span(base, nbytes, device, spans)
+                key = (start, device)
+                if size > new.get(key, (0, ""))[0]:
+                    new[key] = (size, device)
+                    storages[key] = (st, (start, size) != (base, nbytes))
                     first = first or name
             self._make_room(new, f"{len(named)} tensors (the first new one {first!r})")
             made: list[tuple[int, str]] = []
             try:
-                for key, (nbytes, device) in new.items():
+                for key, (size, device) in new.items():
                     old = self._regs.get(key)
                     if old is not None:
                         self._drop(key, old)
-                    token = self._backend.register(key[0], max(nbytes, 1), device)
-                    self._add(key, Registration(key[0], nbytes, device, token, storages[key], True))
+                    token = self._backend.register(key[0], max(size, 1), device)
+                    st, spanned = storages[key]
+                    self._add(key, Registration(key[0], size, device, token, st, True), spanned)
                     made.append(key)
             except BaseException:
                 for key in made:
                     self._drop(key, self._regs[key])
                 raise
             for _, t in named:
-                st = t.untyped_storage()
-                reg = self._regs[(st.data_ptr(), device_of(t))]
+                reg = self.registration_of(t)
+                assert reg is not None  # registered above
                 reg.explicit = True
                 self._regs.move_to_end((reg.base, reg.device))
 
-    def _add(self, key: tuple[int, str], reg: Registration) -> None:
+    def registration_of(self, t: torch.Tensor) -> Registration | None:
+        """The registration whose memory holds all of ``t``'s storage, if there is one."""
+        st = t.untyped_storage()
+        with self.lock:
+            return self._find(st.data_ptr(), st.nbytes(), device_of(t))
+
+    def _find(self, base: int, nbytes: int, device: str) -> Registration | None:
+        """The registration of this storage, or of an allocation that holds it."""
+        reg = self._regs.get((base, device))
+        if reg is not None and reg.nbytes >= nbytes:
+            return reg
+        spans = self._spanned.get(device)
+        if spans:
+            i = bisect.bisect_right(spans, (base, _MAX_ADDR)) - 1
+            if i >= 0 and base + nbytes <= spans[i][1]:
+                return self._regs[(spans[i][0], device)]
+        return None
+
+    def _span(
+        self, base: int, nbytes: int, device: str, looked: dict[str, list[tuple[int, int]] | None]
+    ) -> tuple[int, int]:
+        """What to register for a storage: the allocation that holds it, where the allocator
+        says (``allocations``; looked up once per device in ``looked``), else the storage."""
+        if device not in looked:
+            looked[device] = self._allocations(device)
+        spans = looked[device]
+        if spans:
+            i = bisect.bisect_right(spans, (base, _MAX_ADDR)) - 1
+            if i >= 0 and base + nbytes <= spans[i][0] + spans[i][1]:
+                return spans[i]
+        return base, nbytes
+
+    def _add(self, key: tuple[int, str], reg: Registration, spanned: bool = False) -> None:
         self._regs[key] = reg
         self._total_bytes += reg.nbytes
         if reg.device == "cpu":
             self._host_bytes += reg.nbytes
+        if spanned:
+            bisect.insort(
+                self._spanned.setdefault(reg.device, []), (reg.base, reg.base + reg.nbytes)
+            )
 
     def _make_room(self, new: dict[tuple[int, str], tuple[int, str]], what: str) -> None:
         """Raise RegistrationBudgetError unless registering ``new`` (key -> (bytes, device)) keeps
@@ -294,20 +374,21 @@ class LocalMemory:
             self._release_explicit(t, still_used)
 
     def _release_explicit(self, t: torch.Tensor, still_used: list[torch.Tensor]) -> None:
-        st = t.untyped_storage()
-        key = (st.data_ptr(), device_of(t))
-        reg = self._regs.get(key)
+        reg = self.registration_of(t)
         if reg is None:
             return
         for x in still_used:
-            if x.untyped_storage().data_ptr() == key[0] and device_of(x) == key[1]:
+            if self.registration_of(x) is reg:
                 return
         reg.explicit = False
         if reg.users == 0:
-            self._drop(key, reg)
+            self._drop((reg.base, reg.device), reg)
 
     def _drop(self, key: tuple[int, str], reg: Registration) -> None:
         del self._regs[key]
+        spans = self._spanned.get(reg.device)
+        if spans and (reg.base, reg.base + reg.nbytes) in spans:
+            spans.remove((reg.base, reg.base + reg.nbytes))
         self._total_bytes -= reg.nbytes
         if reg.device == "cpu":
             self._host_bytes -= reg.nbytes

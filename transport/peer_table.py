@@ -41,6 +41,8 @@ class PeerInfo:
     region_bytes: int
     last_heartbeat: float | None  # wall-clock time, None if it never sent one
     suspect: str | None = None
+    registrations: int = 0  # the registered memory its regions lie in (buffers, not tensors)
+    record_bytes: int = 0  # its record as stored
 
 
 def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) -> PeerInfo:
@@ -48,7 +50,7 @@ def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) ->
     return PeerInfo(
         rec.name, rec.generation, rec.host, rec.pid, rec.version, len(rec.regions),
         sum(r.nbytes for r in rec.regions), hb[1] if hb and hb[0] == rec.generation else None,
-        suspicion(hb, rec.generation, interval),
+        suspicion(hb, rec.generation, interval), len(rec.registrations), rec.stored_bytes,
     )  # fmt: skip
 
 

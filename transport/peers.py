@@ -34,6 +34,10 @@ log = logging.getLogger("transport.peers")
 #: regions they may hold together (a decoded region takes about 200 bytes of memory)
 DECODED_RECORDS = 64
 DECODED_REGIONS = 1 << 20
+#: our own records larger than this are read back whole only every FULL_CHECK_EVERY checks (and
+#: checked to exist at every one): a model's record is a megabyte, a heartbeat a second
+SMALL_RECORD = 64 << 10
+FULL_CHECK_EVERY = 16
 
 
 class Directory:
@@ -62,6 +66,7 @@ class Directory:
         self._written: dict[str, bytes] = {}
         self._decoded: OrderedDict[str, tuple[bytes, PeerRecord]] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._checks: dict[str, int] = {}  # restore() calls per record name
 
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
@@ -202,9 +207,15 @@ class Directory:
         """Put our record back if the store lost it (a Redis restarted without persistence), or
         holds one we did not write (garbage, a forgery, a record of another incarnation that
         is not newer): the generation counter, the membership index and the record. True if it
-        was put back."""
-        raw = self.store.try_get(self.key("peers", record.name))
-        if raw is not None and raw == self._written.get(record.name):
+        was put back. A record over SMALL_RECORD is read back whole at every FULL_CHECK_EVERY-th
+        call only; the others check that it exists."""
+        key, written = self.key("peers", record.name), self._written.get(record.name)
+        n = self._checks[record.name] = self._checks.get(record.name, 0) + 1
+        if written is not None and len(written) > SMALL_RECORD and n % FULL_CHECK_EVERY:
+            raw = written if self.store.exists(key) else None
+        else:
+            raw = self.store.try_get(key)
+        if raw is not None and raw == written:
             return False  # what we wrote: nothing to decode
         if raw is not None:
             try:

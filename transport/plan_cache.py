@@ -7,7 +7,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from transport.endpoint import Endpoint
-from transport.errors import PeerLostError, RegionError
+from transport.errors import PeerLostError, RegionError, RegistrationBudgetError
 from transport.peer_table import PeerTable
 from transport.plan import PeerConn, Plan, build_plan
 
@@ -72,6 +72,10 @@ class PlanCache:
             conn = peers.connect(peer)
             try:
                 plan = self._build(op, conn, items, offset)
+            except RegistrationBudgetError:
+                # idle plans may pin cached registrations: let them go and try once more
+                self._shed(None, everything=True)
+                plan = self._build(op, conn, items, offset)
             except RegionError:
                 # the peer may have exposed more since we read its record
                 plan = self._build(op, peers.connect(peer, refresh=True), items, offset)
@@ -128,13 +132,14 @@ class PlanCache:
             plan.release(self._ep.backend)
         return True
 
-    def _shed(self, current: Plan) -> None:
-        """With the lock held: implicit registrations are over their limits, and plans pin them.
-        Release the least recently made idle plans on implicit memory (a later put of the same
-        tensors plans again) until registrations can be dropped."""
+    def _shed(self, current: Plan | None, everything: bool = False) -> None:
+        """With the lock held: implicit registrations are over their limits (or, ``everything``,
+        a registration would pass the budget), and plans pin them. Release the least recently made
+        idle plans on implicit memory (a later put of the same tensors plans again) until
+        registrations can be dropped."""
         mem = self._ep.mem
         for key, old in list(self._plans.items()):
-            if not mem.over_limit():
+            if not everything and not mem.over_limit():
                 break
             if old is current or not any(not r.explicit for r in old.keep):
                 continue

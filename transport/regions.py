@@ -191,13 +191,18 @@ class Regions:
             return self.record is not None and self._ep.directory.restore(self.record)
 
     def _exposed_registrations(self) -> tuple[tuple[int, int, str], ...]:
-        """The registered memory under the exposed regions (each tensor's whole storage, which is
-        what the registration cache registers)."""
+        """The registered memory under the exposed regions: each tensor's whole storage, or the
+        allocation holding it (what the registration cache registered)."""
         seen: dict[tuple[int, str], int] = {}
+        mem = self._ep.mem
         for t, info in self._regions.values():
-            st = t.untyped_storage()
-            key = (st.data_ptr(), info.device)
-            seen[key] = max(seen.get(key, 0), st.nbytes())
+            reg = mem.registration_of(t)
+            if reg is None:  # not possible while exposed; describe the storage then
+                st = t.untyped_storage()
+                addr, n = st.data_ptr(), st.nbytes()
+            else:
+                addr, n = reg.base, reg.nbytes
+            seen[(addr, info.device)] = max(seen.get((addr, info.device), 0), n)
         return tuple((addr, n, dev) for (addr, dev), n in sorted(seen.items()))
 
     # -- withdrawing our own -----------------------------------------------------------------

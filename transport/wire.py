@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -124,6 +124,8 @@ class PeerRecord:
     #: the registered memory the regions lie in: (address, bytes, device); on the wire a region is
     #: an offset into one of them, so no decoded region reaches outside
     registrations: tuple[tuple[int, int, str], ...] = ()
+    #: the size of the record as stored (0 for one not read from the store)
+    stored_bytes: int = field(default=0, compare=False)
 
     def region_map(self) -> dict[str, RegionInfo]:
         return {r.name: r for r in self.regions}
@@ -270,7 +272,7 @@ def decode_peer_record(
     return PeerRecord(
         name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
         metadata=metadata, host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
-        regions=regions, registrations=regs,
+        regions=regions, registrations=regs, stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
     )  # fmt: skip
 
 

@@ -27,6 +27,16 @@ def test_set_get_and_try_get(store: Store) -> None:
     assert store.try_get("other") is None
 
 
+def test_exists_tells_without_reading(store: Store) -> None:
+    assert not store.exists("e")
+    store.set("e", b"x" * 100_000)
+    assert store.exists("e")
+    store.set("e", b"")
+    assert store.exists("e")  # an empty value is a value
+    store.delete("e")
+    assert not store.exists("e")
+
+
 def test_get_waits_for_a_key_another_thread_sets(store: Store) -> None:
     about_to_get = threading.Event()
     got: list[bytes] = []

@@ -12,6 +12,7 @@ import torch
 
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
+from transport import peers
 from transport.wire import decode_peer_record, encode_peer_record
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,14 +30,21 @@ def _valid_with(store, key: str, region: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("damage", ["garbage", "forged-without-regions"])
-def test_an_owner_repairs_a_record_it_did_not_write(loopback_net, damage):
+@pytest.mark.parametrize("large", [False, True])
+@pytest.mark.parametrize("damage", ["garbage", "forged-without-regions", "deleted"])
+def test_an_owner_repairs_a_record_it_did_not_write(loopback_net, monkeypatch, damage, large):
+    """``large``: as a record of megabytes, which its owner reads back whole only at every
+    FULL_CHECK_EVERY-th heartbeat (and checks to exist at the others)."""
+    if large:
+        monkeypatch.setattr(peers, "SMALL_RECORD", 0)
     dst = torch.zeros(4096, dtype=torch.uint8)
     r = loopback_net.receiver("r", {"dst": dst}, heartbeat_interval=0.05)
     w = loopback_net.make("w")
     store, key = loopback_net.store, _record_key(r)
     if damage == "garbage":
         store.set(key, b"\x93not a record")
+    elif damage == "deleted":
+        store.delete(key)
     else:
         rec = decode_peer_record(store.try_get(key))
         store.set(key, encode_peer_record(dataclasses.replace(rec, regions=())))

@@ -114,7 +114,7 @@ def test_a_hundred_thousand_tensors_reach_staging_inplace_and_subset_subscribers
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["flat", "separate"])
 def test_a_trainer_of_either_layout_publishes_and_a_flat_one_registers_one_span(tcp_store, layout):
-    sp = spec(20_000)
+    sp = spec(5_000)
     sub = SubscriberProcess("gen-0", tcp_store.url, sp, start_timeout=300)
     try:
         tensors = flat_like(zeros(sp)) if layout == "flat" else zeros(sp)

@@ -47,6 +47,10 @@ class Store(Closing, abc.ABC):
     def try_get(self, key: str) -> bytes | None:
         """Return the value of ``key`` or ``None`` when it is missing; never waits for the key."""
 
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` has a value, without reading it (a record may be megabytes)."""
+        return self.try_get(key) is not None
+
     @abc.abstractmethod
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value.

@@ -176,6 +176,11 @@ class RedisStore(Store):
             value = self._redis.get(key)
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
+    def exists(self, key: str) -> bool:
+        key = check_key(key)
+        with self._redis_errors("exists"):
+            return bool(self._redis.exists(key))
+
     def add(self, key: str, amount: int = 1) -> int:
         key, amount = check_key(key), check_amount(amount)
         with self._redis_errors(f"add({key!r})"):

@@ -346,6 +346,11 @@ class TcpStore(Store):
             raw = self._raw_try_get(self._client(), key)
         return None if raw is None else _decode(raw)
 
+    def exists(self, key: str) -> bool:
+        key = check_key(key)
+        with self._torch_errors("exists"):
+            return bool(self._client().check([key]))
+
     def add(self, key: str, amount: int = 1) -> int:
         key, amount = check_key(key), check_amount(amount)
         try:

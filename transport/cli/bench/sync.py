@@ -223,7 +223,9 @@ class SyncWorkload(Workload):
         self.s, self.res, self.version, self.path = s, res, 0, None
         self.sd = make_tensors(self.layout, self.flat)
         self.sd_list = list(self.sd.values())
+        t0 = time.perf_counter()
         self.pub = transport.WeightPublisher(s.t, self.sd, group=GROUP)
+        made = time.perf_counter()
         self.pub.degree = self.degree
         end = time.monotonic() + s.wait
         while len(self.pub.subscribers()) < len(s.readers):
@@ -233,6 +235,9 @@ class SyncWorkload(Workload):
                 raise CliError(f"the generators did not join group {GROUP!r} within {s.wait:.0f} s "
                                f"(joined: {self.pub.subscribers()})")  # fmt: skip
             time.sleep(0.02)
+        joined = time.perf_counter()
+        Publish(self, "direct").step()  # the first: plans for every generator are made here
+        self.setup_note(made - t0, joined - made, time.perf_counter() - joined)
         s.ready = s.ask(s.readers, "setup", raw="raw" in self.baselines)
         if "raw" in self.baselines:
             self.raw = RawLink(s, self.sd_list)
@@ -240,6 +245,19 @@ class SyncWorkload(Workload):
                 self.raw.connect(i, self.sd_list[0], int(b["addrs"][0]))
             pairs = [(self.sd_list, b["addrs"]) for b in self.raw.blobs]
             self.path = self.raw.path("WRITE", pairs, notif=b"transport-bench-sync")
+
+    def setup_note(self, made: float, joined: float, first: float) -> None:
+        """What the setup of this many tensors took, and what it registered and stored."""
+        peers = {p.name: p for p in self.s.t.peers()}
+        me, gen = peers.get(self.s.t.name), peers.get(self.s.readers[0]) if self.s.readers else None
+        sides = [f"{who}: {p.regions} regions in {p.registrations} registrations, a record of "
+                 f"{human_bytes(p.record_bytes)}"
+                 for who, p in (("trainer", me), ("a generator", gen)) if p is not None]  # fmt: skip
+        self.res.notes.append(
+            f"setup of {self.tensors} tensors: the publisher {fmt_time(made)}, the generators "
+            f"joining {fmt_time(joined)}, the first publish (its plans made) {fmt_time(first)}; "
+            + "; ".join(sides)
+        )
 
     def close(self) -> None:
         for part in ("path", "raw", "pub", "sub"):  # as far as setup (open_reader) got
