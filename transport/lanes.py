@@ -199,7 +199,7 @@ def split(
                 out.append((p, None))
                 continue
             lane = lanes[i - 1]
-            keep = tuple(lane.mem.acquire(t) for t in tensors)
+            keep = lane.mem.acquire_all(tensors)
             conn = lane.conn(plan.conn)
             p = Plan(lane.backend, conn, plan.op, lo, re, device, rdevice, chunk, keep)
             with conn.lock:

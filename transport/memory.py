@@ -195,6 +195,17 @@ class LocalMemory:
             reg.users += 1
             return reg
 
+    def acquire_all(self, tensors: Sequence[torch.Tensor]) -> tuple[Registration, ...]:
+        """:meth:`acquire` for the registration under each distinct storage of ``tensors``
+        (the views of one flat buffer: one)."""
+        out: dict[int, Registration] = {}
+        with self.lock:
+            for t in tensors:
+                st = t.untyped_storage().data_ptr()
+                if st not in out:
+                    out[st] = self.acquire(t)
+        return tuple(out.values())
+
     def ensure(self, t: torch.Tensor, explicit: bool = False) -> Registration:
         with self.lock:
             return self._ensure(t, explicit)
@@ -220,26 +231,37 @@ class LocalMemory:
             self._evict(reg)
         return reg
 
-    def ensure_all(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def ensure_all(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[Registration]:
         """Register the memory under ``named`` (explicitly: exposed or registered by the user),
         all or none: past the budget nothing is registered (RegistrationBudgetError), and a
-        backend error drops what this call registered before it is raised."""
+        backend error drops what this call registered before it is raised. Returns the
+        registration under each tensor, in order."""
         with self.lock:
             new: dict[tuple[int, str], tuple[int, str]] = {}
             storages: dict[tuple[int, str], tuple[Any, bool]] = {}
             spans: dict[str, list[tuple[int, int]] | None] = {}  # one look per device and call
+            under: dict[tuple[int, str], tuple[int, str]] = {}  # storage -> registration key
+            keys: list[tuple[int, str]] = []
             first = ""
             for name, t in named:
                 st = t.untyped_storage()
-                base, nbytes, device = st.data_ptr(), st.nbytes(), device_of(t)
-                if self._find(base, nbytes, device) is not None:
-                    continue
-                start, size = self._span(base, nbytes, device, spans)
-                key = (start, device)
-                if size > new.get(key, (0, ""))[0]:
-                    new[key] = (size, device)
-                    storages[key] = (st, (start, size) != (base, nbytes))
-                    first = first or name
+                base, device = st.data_ptr(), device_of(t)
+                skey = (base, device)
+                key = under.get(skey)
+                if key is None:
+                    nbytes = st.nbytes()
+                    reg = self._find(base, nbytes, device)
+                    if reg is not None:
+                        key = (reg.base, device)
+                    else:
+                        start, size = self._span(base, nbytes, device, spans)
+                        key = (start, device)
+                        if size > new.get(key, (0, ""))[0]:
+                            new[key] = (size, device)
+                            storages[key] = (st, (start, size) != (base, nbytes))
+                            first = first or name
+                    under[skey] = key
+                keys.append(key)
             self._make_room(new, f"{len(named)} tensors (the first new one {first!r})")
             made: list[tuple[int, str]] = []
             try:
@@ -255,11 +277,10 @@ class LocalMemory:
                 for key in made:
                     self._drop(key, self._regs[key])
                 raise
-            for _, t in named:
-                reg = self.registration_of(t)
-                assert reg is not None  # registered above
-                reg.explicit = True
-                self._regs.move_to_end((reg.base, reg.device))
+            for key in set(keys):
+                self._regs[key].explicit = True
+                self._regs.move_to_end(key)
+            return [self._regs[k] for k in keys]
 
     def registration_of(self, t: torch.Tensor) -> Registration | None:
         """The registration whose memory holds all of ``t``'s storage, if there is one."""

@@ -308,18 +308,19 @@ def build_plan(
 ) -> Plan:
     """Check a put or get of ``items`` (region name, tensor) at ``offset`` elements against
     ``conn``'s regions and make its plan; every rule is checked here, before any byte moves."""
-    n = len(items)
-    local = np.empty((n, 3), dtype=np.uint64)
-    remote = np.empty((n, 3), dtype=np.uint64)
+    lrows: list[tuple[int, int, int]] = []
+    rrows: list[tuple[int, int, int]] = []
     keep: list[Registration] = []
+    # per storage: its registration (acquired once however many tensors view it) and device
+    seen: dict[int, tuple[Registration, tuple[str, int]]] = {}
     devices, rdevices = set(), set()
-    rows = 0
+    regions = conn.regions
     try:
         for key, t in items:
             if not isinstance(key, str):
                 raise TypeError(f"dict keys must be region names (str), got {type(key).__name__}")
             check_tensor(t, f"tensor {key!r}")
-            region = conn.regions.get(key)
+            region = regions.get(key)
             if region is None:
                 raise RegionError(_missing_region(conn, key))
             _check_access(op, conn, key, region)
@@ -330,22 +331,27 @@ def build_plan(
                     f"is {region.dtype}; convert with .to(torch.{region.dtype}) or view the bytes with .view()"
                 )
             start = offset * region.itemsize
-            if start + t.nbytes > region.nbytes:
+            nbytes = t.nbytes
+            if start + nbytes > region.nbytes:
                 raise RegionError(
                     f"{t.numel()} elements at offset {offset} do not fit region {key!r} of peer {conn.name!r} "
                     f"({region.numel} elements of {region.dtype}, shape {list(region.shape)}); "
                     "send a smaller slice or a smaller offset"
                 )
-            if t.nbytes == 0:
+            if nbytes == 0:
                 continue
-            keep.append(mem.acquire(t))
-            dev, rdev = device_parts(device_of(t)), device_parts(region.device)
+            st = t.untyped_storage().data_ptr()
+            hit = seen.get(st)
+            if hit is None:
+                reg = mem.acquire(t)
+                keep.append(reg)
+                hit = seen[st] = (reg, device_parts(device_of(t)))
+            dev, rdev = hit[1], device_parts(region.device)
             devices.add(dev[0])
             rdevices.add(rdev[0])
-            local[rows] = (t.data_ptr(), t.nbytes, dev[1])
-            remote[rows] = (region.addr + start, t.nbytes, rdev[1])
-            rows += 1
-        if rows == 0:
+            lrows.append((t.data_ptr(), nbytes, dev[1]))
+            rrows.append((region.addr + start, nbytes, rdev[1]))
+        if not lrows:
             raise ValueError("every tensor is empty; there is nothing to transfer")
         if len(devices) > 1 or len(rdevices) > 1:
             raise ValueError(
@@ -353,8 +359,9 @@ def build_plan(
             )
         device = "cpu" if "DRAM" in devices else "cuda:0"
         rdevice = "cpu" if "DRAM" in rdevices else "cuda:0"
-        plan = Plan(backend, conn, op, local[:rows], remote[:rows], device, rdevice, chunk_bytes,
-                    tuple(keep))  # fmt: skip
+        local = np.array(lrows, dtype=np.uint64).reshape(-1, 3)
+        remote = np.array(rrows, dtype=np.uint64).reshape(-1, 3)
+        plan = Plan(backend, conn, op, local, remote, device, rdevice, chunk_bytes, tuple(keep))
     except BaseException:
         for reg in keep:
             reg.users -= 1

@@ -26,7 +26,7 @@ import torch
 from transport._version import __version__
 from transport.endpoint import Endpoint
 from transport.errors import TransportError, WireFormatError
-from transport.memory import check_tensor, device_of, dtype_name
+from transport.memory import check_tensor, dtype_name
 from transport.wire import (
     ACCESS_MODES,
     PeerRecord,
@@ -112,6 +112,8 @@ class Regions:
         self._plans = plans
         self.lock = threading.RLock()
         self._regions: dict[str, tuple[torch.Tensor, RegionInfo]] = {}
+        # the registered memory (address, bytes, device) under each exposed region
+        self._under: dict[str, tuple[int, int, str]] = {}
         self.local_names: dict[tuple[int, int], str] = {}
         self.record: PeerRecord | None = None
         self._cond = threading.Condition()
@@ -145,11 +147,12 @@ class Regions:
             checked.append((name, t))
         out = {}
         with self.lock:
-            ep.mem.ensure_all(checked)
-            for name, t in checked:
+            regs = ep.mem.ensure_all(checked)
+            for (name, t), reg in zip(checked, regs, strict=True):
                 info = RegionInfo(name, t.data_ptr(), t.nbytes, dtype_name(t.dtype),
-                                  tuple(t.shape), access, device_of(t))  # fmt: skip
+                                  tuple(t.shape), access, reg.device)  # fmt: skip
                 self._regions[name] = (t, info)
+                self._under[name] = (reg.base, reg.nbytes, reg.device)
                 self.local_names[(t.data_ptr(), t.nbytes)] = name
                 out[name] = info
             self.publish()
@@ -194,15 +197,8 @@ class Regions:
         """The registered memory under the exposed regions: each tensor's whole storage, or the
         allocation holding it (what the registration cache registered)."""
         seen: dict[tuple[int, str], int] = {}
-        mem = self._ep.mem
-        for t, info in self._regions.values():
-            reg = mem.registration_of(t)
-            if reg is None:  # not possible while exposed; describe the storage then
-                st = t.untyped_storage()
-                addr, n = st.data_ptr(), st.nbytes()
-            else:
-                addr, n = reg.base, reg.nbytes
-            seen[(addr, info.device)] = max(seen.get((addr, info.device), 0), n)
+        for addr, n, dev in set(self._under.values()):
+            seen[(addr, dev)] = max(seen.get((addr, dev), 0), n)
         return tuple((addr, n, dev) for (addr, dev), n in sorted(seen.items()))
 
     # -- withdrawing our own -----------------------------------------------------------------
@@ -218,6 +214,7 @@ class Regions:
                 )
             tensor, info = entry
             del self._regions[name]
+            del self._under[name]
             self.local_names.pop((info.addr, info.nbytes), None)
             with self._cond:
                 self._acks[name] = set()

@@ -24,13 +24,26 @@ def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         at = -(-sizes.get(t.device, 0) // size) * size
         place[name] = (t.device, at)
         sizes[t.device] = at + nbytes
-    buffers = {dev: torch.empty(n, dtype=torch.uint8, device=dev) for dev, n in sizes.items()}
+    buffers = {dev: torch.empty(-(-n // 16) * 16, dtype=torch.uint8, device=dev)
+               for dev, n in sizes.items()}  # fmt: skip
+    typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
     out = {}
     for name, t in named.items():
         if name not in place:
             out[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
             continue
         dev, at = place[name]
-        nbytes = t.numel() * t.element_size()
-        out[name] = buffers[dev][at : at + nbytes].view(t.dtype).view(t.shape)
+        view = typed.get((dev, t.dtype))
+        if view is None:
+            view = typed[(dev, t.dtype)] = buffers[dev].view(t.dtype)
+        # one view per tensor (slicing and viewing twice took four times as long)
+        out[name] = view.as_strided(t.shape, _contiguous(t.shape), at // t.element_size())
     return out
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))

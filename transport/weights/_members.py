@@ -97,6 +97,9 @@ class Roster:
         self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self.epoch = -1  # the group's epoch when it was last read
         self.reread = False  # read every entry at the next refresh, whatever the epoch
+        # the batches of the name sets members asked for, per slot: made (checked, signed) once
+        # for every member taking the same names (usually all of them take every name)
+        self._batches: dict[frozenset[str], list[Batch]] = {}
 
     def refresh(self) -> list[str]:
         """Read what changed (see the rules); returns the members that left, whose children
@@ -185,16 +188,27 @@ class Roster:
                 log.error("group %s: %s", self.group, sub.error)
             return sub
         sub.names = frozenset(names)
-        sub.batches = [  # checked and signed once: a publish does no per-tensor work
-            self.transport.batch({region(self.group, k, n): self.tensors[n] for n in names})
-            for k in range(sub.slots)
-        ]
+        sub.batches = self.batches(sub.names, names, sub.slots)
         if sub.mode == "staging":
             try:
                 self.transport.core.send_control(name, channel(self.group), encode(Hello()))
             except TransportError as e:
                 sub.error = f"cannot reach it (tried again at the next publish): {e}"
         return sub
+
+    def batches(self, key: frozenset[str], names: list[str], slots: int) -> list[Batch]:
+        """The batches of ``names`` for slots 0 to ``slots - 1`` (checked and signed once: a
+        publish does no per-tensor work), shared by members of the same names. At most 8 name
+        sets are kept: members that each take other names are not a cache's case."""
+        made = self._batches.get(key, [])
+        for k in range(len(made), slots):
+            made.append(
+                self.transport.batch({region(self.group, k, n): self.tensors[n] for n in names})
+            )
+        self._batches[key] = made
+        while len(self._batches) > 8:
+            del self._batches[next(iter(self._batches))]
+        return made[:slots]
 
     def suspects(self, members: Iterable[Member]) -> dict[str, str]:
         """Why each of ``members`` is suspect now, by its heartbeat (one store read each)."""
