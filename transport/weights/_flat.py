@@ -6,6 +6,9 @@ from collections.abc import Mapping
 
 import torch
 
+#: a copy plan: the destination and source byte runs, to copy pairwise
+Runs = tuple[list[torch.Tensor], list[torch.Tensor]]
+
 
 def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Uninitialised tensors shaped and typed like ``named``, each a view into one flat buffer
@@ -47,3 +50,60 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def copy_runs(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> Runs:
+    """The byte runs that copy every tensor of ``src`` into the tensor of the same name in
+    ``dst`` (same shapes and dtypes, contiguous): tensors adjacent in both memories (in the same
+    storages, with nothing between them), in ``dst``'s order, merge into one run, so between two
+    flat layouts of one model the copy is one run per buffer, not one per tensor."""
+    runs: list[list[torch.Tensor]] = []  # the (dst, src) tensors of each run
+    end: tuple[int, ...] = ()  # of the open run: dst storage, dst end, src storage, src end
+    for name, d in dst.items():
+        s = src[name]
+        n = int(d.numel()) * d.element_size()
+        if n == 0:
+            continue
+        da, sa = d.data_ptr(), s.data_ptr()
+        # a storage is known by its start: where the tensor starts less its offset
+        dst_st, src_st = (
+            da - int(d.storage_offset()) * d.element_size(),
+            sa - int(s.storage_offset()) * s.element_size(),
+        )
+        if runs and end == (dst_st, da, src_st, sa):
+            runs[-1].extend((d, s))
+        else:
+            runs.append([d, s])
+        end = (dst_st, da + n, src_st, sa + n)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for run in runs:
+        if len(run) == 2:
+            dsts.append(run[0])
+            srcs.append(run[1])
+            continue
+        first_d, first_s, last_d = run[0], run[1], run[-2]
+        n = last_d.data_ptr() + last_d.numel() * last_d.element_size() - first_d.data_ptr()
+        dsts.append(_bytes(first_d, n))
+        srcs.append(_bytes(first_s, n))
+    return dsts, srcs
+
+
+def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` bytes of ``t``'s storage from where ``t`` starts, as a uint8 tensor."""
+    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    at = t.storage_offset() * t.element_size()
+    return whole[at : at + n]
+
+
+def copy_all(runs: Runs) -> None:
+    """Copy every run (one call into torch for all of them where torch has it)."""
+    dsts, srcs = runs
+    if not dsts:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dsts, srcs)
+        return
+    for d, s in zip(dsts, srcs, strict=True):  # pragma: no cover - torch before 2.1
+        d.copy_(s)

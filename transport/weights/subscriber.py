@@ -18,7 +18,7 @@ from transport.errors import (
     TransportError,
     WireFormatError,
 )
-from transport.weights._flat import flat_like
+from transport.weights._flat import copy_all, copy_runs, flat_like
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -91,6 +91,8 @@ class WeightSubscriber:
         if mode == "staging":
             # each slot one flat buffer per device (views for the tensors): registered once
             self.staging = [flat_like(self.live) for _ in range(self.slots)]
+            # apply() copies by byte runs: one per buffer when the live tensors are flat too
+            self._runs = [copy_runs(self.live, slot) for slot in self.staging]
         else:
             self.staging = [self.live]
         self._lock = threading.Condition()
@@ -386,9 +388,7 @@ class WeightSubscriber:
                 return self.applied_version
             self._held, version = slot, self._slot_version[slot]
         try:
-            src = self.staging[slot]
-            for name, t in self.live.items():
-                t.copy_(src[name])
+            copy_all(self._runs[slot])
         finally:
             with self._lock:
                 self._held = None

@@ -58,7 +58,8 @@ def make_layout(params: int, tensors: int, dtypes: list[str]) -> list[tuple[str,
     """A transformer-like state dict: per layer q, k, v, o (1 unit each), up, down (4 each) and two
     small norms; ``params`` elements in ``tensors`` tensors, each a multiple of 64 elements."""
     w = [WEIGHTS[i % len(WEIGHTS)] for i in range(tensors)]
-    sizes = [max(64, int(params * x / sum(w)) // 64 * 64) for x in w]
+    total = sum(w)
+    sizes = [max(64, int(params * x / total) // 64 * 64) for x in w]
     sizes[max(range(tensors), key=lambda i: w[i])] += params - sum(sizes)
     roles = len(ROLES_IN_LAYER)
     return [(f"layers.{i // roles}.{ROLES_IN_LAYER[i % roles]}", n, dtypes[i % len(dtypes)])
