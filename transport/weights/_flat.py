@@ -30,6 +30,7 @@ def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     buffers = {dev: torch.empty(-(-n // 16) * 16, dtype=torch.uint8, device=dev)
                for dev, n in sizes.items()}  # fmt: skip
     typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    strides: dict[torch.Size, tuple[int, ...]] = {}  # a model has few distinct shapes
     out = {}
     for name, t in named.items():
         if name not in place:
@@ -40,7 +41,11 @@ def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if view is None:
             view = typed[(dev, t.dtype)] = buffers[dev].view(t.dtype)
         # one view per tensor (slicing and viewing twice took four times as long)
-        out[name] = view.as_strided(t.shape, _contiguous(t.shape), at // t.element_size())
+        shape = t.shape
+        stride = strides.get(shape)
+        if stride is None:
+            stride = strides[shape] = _contiguous(shape)
+        out[name] = view.as_strided(shape, stride, at // t.element_size())
     return out
 
 
