@@ -45,6 +45,12 @@ class Backend(Closing, abc.ABC):
     @abc.abstractmethod
     def deregister(self, token: Any) -> None: ...
 
+    def deregister_many(self, registrations: Sequence[tuple[Any, int, int, str]]) -> None:
+        """Deregister many at once: (token, address, bytes, device) of each. A backend whose
+        one-by-one deregistration costs more the more is registered overrides it."""
+        for token, _, _, _ in registrations:
+            self.deregister(token)
+
     @abc.abstractmethod
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns the peer's agent name."""

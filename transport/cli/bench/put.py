@@ -184,7 +184,10 @@ class PutWorkload(Workload):
         t, tmo, peers = self.s.t, self.timeout, self.s.readers[:k]
         key = None if kind == "batch" else "buf"
         srcs: list[Any] = [self._local(i, op, kind, n) for i in range(k)]
-        srcs = [{f"b{j}": x for j, x in enumerate(xs)} if key is None else xs[0] for xs in srcs]
+        # a batch is made once (Transport.batch), as a loop sending the same tensors every step
+        # does: checked and signed once, a put of it does no per-tensor work
+        srcs = [t.batch({f"b{j}": x for j, x in enumerate(xs)}) if key is None else xs[0]
+                for xs in srcs]  # fmt: skip
         if op == "write":
             to = peers[0] if k == 1 else peers
             note = NOTE if self.notify else None
