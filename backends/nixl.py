@@ -148,7 +148,7 @@ class NixlBackend(Backend):
 
     def metadata(self, memory: Sequence[tuple[int, int, str]] = ()) -> bytes:
         """NIXL's partial metadata: the connection and only ``memory``'s descriptors. Full
-        metadata grows by about 44 bytes with every registration, so a trainer that registers
+        metadata grows with every registration, so a trainer that registers
         100,000 separately allocated parameters to send them would publish megabytes that no
         peer uses. Exposed memory on host and GPU at once takes the full metadata (NIXL's partial
         metadata takes one memory kind)."""
@@ -183,7 +183,7 @@ class NixlBackend(Backend):
 
     def deregister_many(self, registrations: Sequence[tuple[Any, int, int, str]]) -> None:
         """One call per memory kind: NIXL looks each registration up in a list, so deregistering
-        100,000 one by one took minutes, and at once takes a fraction of a second."""
+        them one by one costs time quadratic in their number (benchmarks/README.md)."""
         kinds: dict[str, list[tuple[int, int, int, str]]] = {}
         for _, addr, n, device in registrations:
             mem, dev = device_parts(device)

@@ -107,8 +107,8 @@ def decode_memory_map(
 ) -> tuple[tuple[Registration, ...], list[T]]:
     """The registrations and regions (each ``make(name, addr, nbytes, dtype, shape, access,
     device)``) of a map, checked; WireFormatError naming the registration
-    or region for anything a well-behaved peer would not write. The checks run by column (numpy):
-    a map of 200,000 regions decodes in a fraction of a second."""
+    or region for anything a well-behaved peer would not write. The checks run by column (numpy),
+    not region by region."""
     m = _inflate(data, max_dims)
     regs = _registrations(m["ra"], m["rn"], m["rd"])
     names, reg, off, dt, acc, nd, dims = (m[c] for c in _COLUMNS[3:])

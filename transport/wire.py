@@ -32,8 +32,8 @@ FORMAT_VERSION = 4
 
 # torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
 MAX_RECORD_BYTES = 6 << 20
-#: a backend's connection metadata, inflated (NIXL's grows by about 44 bytes per exposed
-#: registration, and compresses about 17 to 1)
+#: a backend's connection metadata, inflated (NIXL's grows with every exposed registration, and
+#: compresses well: it travels compressed)
 MAX_METADATA_BYTES = 64 << 20
 MAX_REGION_NAME = 1024
 MAX_DIMS = 16
