@@ -12,7 +12,11 @@ from helpers import internals
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this process"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="this process has no CUDA device (torch.cuda.is_available() is False); registration "
+        "by allocation segment runs on a GPU only",
+    ),
 ]
 
 
