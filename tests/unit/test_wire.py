@@ -296,3 +296,31 @@ def test_names():
             check_name("peer name", bad)
     with pytest.raises(TypeError):
         check_name("peer name", 3)
+
+
+_LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.binary(max_size=6)
+    | st.text(max_size=6)
+)
+_COLUMNS = ("ra", "rn", "rd", "names", "reg", "off", "dt", "acc", "nd", "dims")
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(
+    st.dictionaries(st.sampled_from(_COLUMNS), st.lists(_LEAF, max_size=4) | _LEAF), st.booleans()
+)
+def test_any_memory_map_columns_decode_or_raise_wire_format_error(columns, on_a_valid_map):
+    """A peer's memory map with any column replaced by anything msgpack carries: decoded, or
+    refused with WireFormatError (never another exception from the column checks)."""
+    body = body_of(encode_peer_record(record()))
+    m = memory_of(body) if on_a_valid_map else {}
+    m.update(columns)
+    body["memory"] = zlib.compress(msgpack.packb(m, use_bin_type=True))
+    try:
+        decode_peer_record(rewrap(body))
+    except WireFormatError:
+        pass
