@@ -28,11 +28,18 @@ from transport.errors import (
     StoreTimeout,
     TransferTimeout,
     TransportError,
+    VersionGoneError,
     WireFormatError,
 )
 from transport.handle import Handle, wait_all
 from transport.store import Store, store_from_url
-from transport.weights import PublishHandle, PublishResult, WeightPublisher, WeightSubscriber
+from transport.weights import (
+    PublishHandle,
+    PublishResult,
+    Snapshot,
+    WeightPublisher,
+    WeightSubscriber,
+)
 from transport.wire import RegionInfo
 
 __all__ = [
@@ -52,12 +59,14 @@ __all__ = [
     "RegistrationBudgetError",
     "RegionInfo",
     "SignatureError",
+    "Snapshot",
     "Store",
     "StoreError",
     "StoreTimeout",
     "TransferTimeout",
     "Transport",
     "TransportError",
+    "VersionGoneError",
     "WeightPublisher",
     "WeightSubscriber",
     "WireFormatError",

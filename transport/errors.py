@@ -86,6 +86,10 @@ class RegistrationBudgetError(TransportError):
     nothing of the call that asked was registered."""
 
 
+class VersionGoneError(TransportError):
+    """A weight version asked for by number is no longer held: a newer one replaced it."""
+
+
 __all__ = [
     "BackendError",
     "ClosedError",
@@ -100,5 +104,6 @@ __all__ = [
     "StoreTimeout",
     "TransferTimeout",
     "TransportError",
+    "VersionGoneError",
     "WireFormatError",
 ]

@@ -3,6 +3,13 @@
 from transport.weights._delivery import PublishHandle, PublishResult
 from transport.weights._flat import flat_like
 from transport.weights.publisher import WeightPublisher
-from transport.weights.subscriber import WeightSubscriber
+from transport.weights.subscriber import Snapshot, WeightSubscriber
 
-__all__ = ["PublishHandle", "PublishResult", "WeightPublisher", "WeightSubscriber", "flat_like"]
+__all__ = [
+    "PublishHandle",
+    "PublishResult",
+    "Snapshot",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "flat_like",
+]

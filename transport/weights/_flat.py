@@ -10,13 +10,17 @@ import torch
 Runs = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
-def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Uninitialised tensors shaped and typed like ``named``, each a view into one flat buffer
-    per device, in ``named``'s order, packed (each starts at the next multiple of its element
-    size): the backend registers each buffer once, however many tensors a model has (a mixture
-    of experts has tens of thousands), and a transfer between two such layouts of the same
-    tensors is a handful of descriptors (plan.coalesce merges what is adjacent at both ends). A
-    tensor without elements gets a buffer of its own (nothing to register)."""
+def flat_like(
+    named: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors shaped and typed like ``named`` (on ``device`` when given, else each
+    on its own), each a view into one flat buffer per device, in ``named``'s order, packed (each
+    starts at the next multiple of its element size): the backend registers each buffer once,
+    however many tensors a model has (a mixture of experts has tens of thousands), and a transfer
+    between two such layouts of the same tensors is a handful of descriptors (plan.coalesce merges
+    what is adjacent at both ends). A tensor without elements gets a buffer of its own (nothing to
+    register)."""
+    to = None if device is None else torch.device(device)
     sizes: dict[torch.device, int] = {}
     place: dict[str, tuple[torch.device, int]] = {}
     for name, t in named.items():
@@ -24,9 +28,10 @@ def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if nbytes == 0:
             continue
         size = t.element_size()
-        at = -(-sizes.get(t.device, 0) // size) * size
-        place[name] = (t.device, at)
-        sizes[t.device] = at + nbytes
+        dev = t.device if to is None else to
+        at = -(-sizes.get(dev, 0) // size) * size
+        place[name] = (dev, at)
+        sizes[dev] = at + nbytes
     buffers = {dev: torch.empty(-(-n // 16) * 16, dtype=torch.uint8, device=dev)
                for dev, n in sizes.items()}  # fmt: skip
     typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -34,7 +39,7 @@ def flat_like(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in named.items():
         if name not in place:
-            out[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            out[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device if to is None else to)
             continue
         dev, at = place[name]
         view = typed.get((dev, t.dtype))

@@ -75,10 +75,14 @@ SEQ_NAME = "__seq"
 
 
 def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
-    """The tensors of a publisher or subscriber, checked before anything is registered."""
+    """The tensors of a publisher or subscriber, checked before anything is registered (a
+    subscriber's may be meta tensors: shapes and dtypes, whose staging lives elsewhere)."""
     if not named:
         raise ValueError(f"a {role} needs at least one tensor")
     for name, t in named.items():
+        if role == "subscriber" and isinstance(t, torch.Tensor) and t.is_meta:
+            check_tensor(torch.empty(0, dtype=t.dtype), f"tensor {name!r}")
+            continue
         check_tensor(t, f"tensor {name!r}")
     return dict(named)
 

@@ -7,7 +7,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,7 @@ from transport.errors import (
     ClosedError,
     TransferTimeout,
     TransportError,
+    VersionGoneError,
     WireFormatError,
 )
 from transport.weights._flat import copy_all, copy_runs, flat_like
@@ -47,6 +50,15 @@ from transport.weights._upstream import Upstream
 log = logging.getLogger("transport.weights")
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A complete version held for reading (:meth:`WeightSubscriber.read`): ``tensors`` are views
+    of the staging slot that holds ``version``; no writer touches them until the read ends."""
+
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+
+
 class WeightSubscriber:
     """Receives the versions a WeightPublisher of ``group`` sends into ``named_tensors``.
 
@@ -65,6 +77,12 @@ class WeightSubscriber:
     A staging subscriber with ``relay=True`` (the default) forwards the versions it receives to
     other subscribers when the publisher's fan-out is a chain or a tree; it forwards from the
     staging slot of that version, which it keeps untouched until the forward is done.
+
+    ``named_tensors`` may be meta tensors (shapes and dtypes only) in staging mode, with
+    ``staging_device`` naming where the slots live: such a subscriber has no live tensors, and
+    the engine reads each version where it landed with :meth:`read` (an inference engine whose
+    own loader takes checkpoint tensors does this). ``staging_device`` otherwise defaults to each
+    tensor's own device.
     """
 
     def __init__(
@@ -76,12 +94,22 @@ class WeightSubscriber:
         on_update: Callable[[int], object] | None = None,
         poll_interval: float = 1e-3,
         relay: bool = True,
+        staging_device: torch.device | str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(relay, bool):
             raise TypeError(f"relay must be a bool, got {type(relay).__name__}")
         live = check_named_tensors(named_tensors, "subscriber")
+        #: only shapes and dtypes were given (meta tensors): versions are read with read()
+        self.spec_only = any(t.is_meta for t in live.values())
+        if self.spec_only and (mode != "staging" or staging_device is None):
+            raise ValueError(
+                "meta tensors (shapes and dtypes only) need mode='staging' and a staging_device "
+                "where the versions land; give real tensors for mode='inplace'"
+            )
+        if self.spec_only and not all(t.is_meta for t in live.values()):
+            raise ValueError("named_tensors mixes meta tensors with real ones: give one kind")
         self.transport = transport
         self.group = group
         self.mode = mode
@@ -90,9 +118,11 @@ class WeightSubscriber:
         self.slots = 2 if mode == "staging" else 1
         if mode == "staging":
             # each slot one flat buffer per device (views for the tensors): registered once
-            self.staging = [flat_like(self.live) for _ in range(self.slots)]
+            self.staging = [flat_like(self.live, staging_device) for _ in range(self.slots)]
             # apply() copies by byte runs: one per buffer when the live tensors are flat too
-            self._runs = [copy_runs(self.live, slot) for slot in self.staging]
+            self._runs = (
+                [] if self.spec_only else [copy_runs(self.live, slot) for slot in self.staging]
+            )
         else:
             self.staging = [self.live]
         self._lock = threading.Condition()
@@ -342,6 +372,8 @@ class WeightSubscriber:
         trainer does not pause) and return its version: for a generator that joins mid-run and should
         not wait for the next publish. The publisher must wrap its updates in ``updating()``; a read
         that overlapped an update is retried until ``timeout`` (TransferTimeout then)."""
+        if self.spec_only:
+            raise ValueError("this subscriber has no live tensors (it was given meta tensors)")
         deadline = None if timeout is None else time.monotonic() + timeout
         seq = torch.zeros(2, dtype=torch.int64)
         seq_region = region(self.group, PUB_SLOT, SEQ_NAME)
@@ -382,21 +414,74 @@ class WeightSubscriber:
         the live tensors now hold. In inplace mode there is nothing to copy."""
         if self.mode == "inplace":
             return self.version
+        if self.spec_only:
+            raise ValueError(
+                "this subscriber has no live tensors (it was given meta tensors): read the "
+                "versions where they land with read()"
+            )
         with self._lock:
             slot = self._newest_slot
             if slot is None or self._slot_version[slot] <= self.applied_version:
                 return self.applied_version
-            self._held, version = slot, self._slot_version[slot]
+            self._hold(slot)
+            version = self._slot_version[slot]
         try:
             copy_all(self._runs[slot])
         finally:
-            with self._lock:
-                self._held = None
-                self.applied_version = version
-                publishers = list(self._publishers)
+            self._release(version)
+        return version
+
+    @contextmanager
+    def read(self, version: int | None = None, timeout: float | None = None) -> Iterator[Snapshot]:
+        """Hold a complete version where it landed (staging mode) and yield it as a
+        :class:`Snapshot`; no publisher or relay writes that slot until the ``with`` block ends.
+        ``version=None`` holds the newest complete version (waiting up to ``timeout`` for a
+        first one); a number holds exactly that version, waiting for it up to ``timeout``
+        (TransferTimeout, which names the newest complete and any incomplete version), and
+        raises VersionGoneError if a newer version already replaced it. For a subscriber without
+        live tensors (meta ones), reading a version counts as applying it
+        (:attr:`applied_version`). One read or apply at a time."""
+        if self.mode != "staging":
+            raise ValueError("read() holds a staging slot: this subscriber is in place (read the live tensors)")
+        self.wait_for_version(0 if version is None else version, timeout)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the subscriber was closed")
+            if version is None:
+                slot = self._newest_slot
+            else:
+                held = [k for k in range(self.slots) if self._slot_version[k] == version]
+                if not held:
+                    raise VersionGoneError(
+                        f"version {version} of group {self.group!r} is no longer held here: "
+                        f"version {self.version} replaced it; read version {self.version} "
+                        "(or version=None for the newest)"
+                    )
+                slot = held[0]
+            assert slot is not None  # a version is complete
+            self._hold(slot)
+            got = self._slot_version[slot]
+        try:
+            yield Snapshot(got, self.staging[slot])
+        finally:
+            self._release(got if self.spec_only else None)
+
+    def _hold(self, slot: int) -> None:
+        """Keep ``slot`` from every writer (under the lock): no slot is held twice."""
+        if self._held is not None:
+            raise RuntimeError(
+                "a read() or apply() of this subscriber is in progress: one at a time"
+            )
+        self._held = slot
+
+    def _release(self, applied: int | None) -> None:
+        with self._lock:
+            self._held = None
+            if applied is not None:
+                self.applied_version = max(self.applied_version, applied)
+            publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
             self._worker.submit(functools.partial(self._send_credit, p))
-        return version
 
     @property
     def refused_messages(self) -> int:
