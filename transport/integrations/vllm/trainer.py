@@ -1,0 +1,226 @@
+"""The trainer side: publishes with a WeightPublisher and drives vLLM's four update phases."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from transport import PublishResult, Transport, TransportError, WeightPublisher
+from transport.integrations.vllm.plugin import BACKEND
+from transport.integrations.vllm.worker import SECRET_ENV
+
+log = logging.getLogger("transport.vllm")
+
+
+@dataclass
+class TransportTrainerInitInfo(TrainerInitInfo):
+    """The trainer's side of the ``transport`` backend: its store, namespace, weight group and
+    peer name; ``timeout`` bounds a publish and each worker's wait for the version;
+    ``fanout``/``degree`` as for :class:`~transport.WeightPublisher`. The workers get the
+    store, namespace and group (and ``dtype``, the dtype this trainer publishes, when it is not
+    the model's) through ``init_weight_transfer_engine``. The secret, if any, comes from
+    ``$TRANSPORT_SECRET`` on both sides."""
+
+    backend: ClassVar[str] = BACKEND
+
+    store: str
+    namespace: str = "default"
+    group: str = "policy"
+    name: str = "trainer"
+    timeout: float = 60.0
+    dtype: str | None = None
+    fanout: str = "direct"
+    degree: int = 2
+
+    def worker_info(self) -> dict[str, Any]:
+        """What each vLLM worker is told (small JSON)."""
+        info: dict[str, Any] = {
+            "store": self.store,
+            "namespace": self.namespace,
+            "group": self.group,
+            "timeout": self.timeout,
+        }
+        if self.dtype is not None:
+            info["dtype"] = self.dtype
+        return info
+
+
+class UpdateError(TransportError):
+    """vLLM did not take a version (the message says which, and what the publish reported);
+    vLLM keeps serving the weights it had."""
+
+
+class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
+    """Publishes the trainer's weights into vLLM's workers and drives the update.
+
+    It owns a Transport and a WeightPublisher over the source's tensors (the module's own
+    parameters: registered once, read at each publish; a source that yields other tensors each
+    time, such as gathered shards, is copied into buffers of this engine). Rank 0 sends; other
+    ranks do nothing (each trainer rank publishing its own shards is not this class's job).
+
+    :meth:`send_weights` of version ``v``: tell the workers where to listen (a no-op for workers
+    that already do, a rejoin for a restarted server), publish ``v`` and wait until it landed,
+    then ``start_weight_update``, ``update_weights({"version": v})`` and
+    ``finish_weight_update(str(v))`` through the client, and reset vLLM's prefix cache when the
+    client can. vLLM's workers change nothing before ``v`` is complete in their staging memory;
+    if it never is, ``UpdateError`` says why and vLLM serves its old weights.
+    """
+
+    init_info_cls = TransportTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: Any = None,
+        is_sender: bool = True,
+        info: TransportTrainerInitInfo | None = None,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info = info
+        self.transport: Transport | None = None
+        self.publisher: WeightPublisher | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version = 0
+        self.last_result: PublishResult | None = None
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: TransportTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> TransportTrainer:
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if not engine.is_sender:
+            return engine
+        if source is None:
+            raise ValueError(
+                "the transport trainer publishes a source of weights: pass source=ModuleSource(model) "
+                "(or a mapping of checkpoint names to tensors)"
+            )
+        engine.tensors = {n: _own(t) for n, t in _items(source)}
+        t = Transport(
+            init_info.name,
+            store=init_info.store,
+            namespace=init_info.namespace,
+            secret=os.environ.get(SECRET_ENV) or None,
+            timeout=init_info.timeout,
+        )
+        try:
+            engine.publisher = WeightPublisher(
+                t,
+                engine.tensors,
+                group=init_info.group,
+                fanout=init_info.fanout,
+                degree=init_info.degree,
+            )
+            engine.transport = t
+            client.init_weight_transfer_engine(init_info.worker_info())
+        except BaseException:
+            if engine.publisher is not None:
+                engine.publisher.close()
+            t.close()
+            raise
+        return engine
+
+    def send_weights(self, version: int | None = None) -> PublishResult | None:
+        """Publish the source's current values as ``version`` (default: the last one + 1) and
+        have vLLM load it; returns the publish result (None on a rank that does not send)."""
+        if not self.is_sender:
+            return None
+        pub, info = self.publisher, self.info
+        if pub is None or info is None:
+            raise RuntimeError("this trainer engine was shut down (or never initialized)")
+        v = self.version + 1 if version is None else version
+        self._refresh_sources()
+        # workers that listen already ignore this; a restarted server joins the group now
+        self.client.init_weight_transfer_engine(info.worker_info())
+        result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
+        self.last_result = result
+        self.client.start_weight_update()
+        try:
+            self.client.update_weights({"version": v, "timeout": info.timeout})
+        except Exception as e:
+            raise UpdateError(
+                f"vLLM did not load version {v} ({e}); the publish reported: "
+                f"done {result.done}, excluded {result.excluded}, lost {result.lost}, reasons "
+                f"{dict(result.reasons)}; vLLM keeps serving the weights it had"
+            ) from e
+        self.client.finish_weight_update(weight_version=str(v))
+        reset = getattr(self.client, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+        else:
+            log.warning(
+                "the client cannot reset vLLM's prefix cache: cached prompts keep KV values of the "
+                "old weights (use transport.integrations.vllm.trainer.HTTPClient or OfflineClient)"
+            )
+        self.version = v
+        return result
+
+    def _refresh_sources(self) -> None:
+        """A source that yields new tensors each time (gathered shards) is copied in; the
+        module's own parameters are the published tensors already."""
+        if self.source is None or isinstance(self.source, Mapping):
+            return
+        for name, t in self.source:
+            mine = self.tensors.get(name)
+            if mine is not None and mine.data_ptr() != t.data_ptr():
+                mine.copy_(t)
+
+    def shutdown(self) -> None:
+        pub, t = self.publisher, self.transport
+        self.publisher = self.transport = None
+        if pub is not None:
+            pub.close()
+        if t is not None:
+            t.close()
+
+
+def _items(source: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    return source.items() if isinstance(source, Mapping) else iter(source)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to publish: the parameter's own memory when it is contiguous."""
+    t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class OfflineClient:
+    """vLLM's weight-sync client protocol over an in-process ``vllm.LLM`` (whose methods take
+    ``{"init_info": ...}`` and ``{"update_info": ...}``), plus ``reset_prefix_cache``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+class HTTPClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP weight-sync client plus ``reset_prefix_cache`` (the server runs with
+    ``VLLM_SERVER_DEV_MODE=1``, as the weight-update routes need)."""
+
+    def reset_prefix_cache(self) -> None:
+        import requests
+
+        response = requests.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout)
+        response.raise_for_status()
