@@ -90,7 +90,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
       finishes, all inside ``update_weights``, so no engine step runs on half-loaded weights.
       ``start_weight_update`` touches nothing; ``finish_weight_update`` records the version.
     * ``init_transfer_engine`` with the same info again is a no-op; with another, the engine
-      leaves the old group first. ``shutdown`` leaves the group and closes the Transport.
+      leaves the old group first (if joining the new one fails, it is in none: updates say so
+      until an init succeeds). ``shutdown`` leaves the group and closes the Transport.
     """
 
     init_info_cls = TransportInitInfo

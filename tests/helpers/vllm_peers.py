@@ -1,0 +1,160 @@
+"""Processes of the vLLM tests: a vLLM engine (offline ``LLM``, its worker in the same process)
+with the ``transport`` weight-transfer backend, and a trainer publishing the small Llama's
+versions with a plain WeightPublisher. Both are children driven over a pipe (helpers.child)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from helpers import internals
+from helpers.child import ChildProcess, serve
+from helpers.llama import NEW_TOKENS, PROMPTS, set_version
+
+#: what vLLM's CPU build needs here: a small KV cache, everything in the engine's process
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def llm_kwargs(model_dir: Path | str) -> dict[str, Any]:
+    return {
+        "model": str(model_dir), "dtype": "float32", "enforce_eager": True, "max_model_len": 128,
+        "block_size": 32, "seed": 0, "skip_tokenizer_init": True,
+        "weight_transfer_config": {"backend": "transport"},
+    }  # fmt: skip
+
+
+def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
+    os.environ.update(VLLM_ENV)
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(**llm_kwargs(model_dir))
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (0, os.getpid())))
+
+    def generate() -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def init(info: dict[str, Any]) -> None:
+        llm.init_weight_transfer_engine({"init_info": info})
+
+    def update(update_info: dict[str, Any]) -> str:
+        """The four phases as a framework drives them; the weight version vLLM reports after."""
+        llm.start_weight_update()
+        llm.update_weights({"update_info": update_info})  # raises: vLLM ends the update itself
+        version = update_info.get("version")
+        llm.finish_weight_update(None if version is None else str(version))
+        llm.reset_prefix_cache()
+        return llm.get_weight_version()
+
+    def engine_state() -> list[dict[str, Any]]:
+        """Each worker's engine: the version its model holds, its subscriber's newest complete
+        and incomplete version, its peer name."""
+        return llm.collective_rpc(_engine_state)
+
+    handlers = {
+        "generate": generate,
+        "engine_state": engine_state,
+        "init": init,
+        "update": update,
+        "weight_version": llm.get_weight_version,
+        "shutdown_engine": llm.shutdown_weight_transfer_engine,
+    }
+    serve(conn, handlers, llm.shutdown_weight_transfer_engine)
+
+
+def _engine_state(worker: Any) -> dict[str, Any]:
+    engine = getattr(worker, "worker", worker).weight_transfer_engine
+    sub = engine.subscriber
+    return {
+        "loaded": engine.version,
+        "complete": None if sub is None else sub.version,
+        "incomplete": None if sub is None else sub.incomplete,
+        "name": None if engine.transport is None else engine.transport.name,
+    }
+
+
+class VllmProcess(ChildProcess):
+    """vLLM serving the model in ``model_dir``. Commands: ``generate`` (greedy tokens of every
+    prompt of helpers.llama.PROMPTS), ``init(init_info)``, ``update(update_info)`` (start,
+    update, finish with the version's name, prefix cache reset; returns the weight version),
+    ``weight_version``, ``engine_state``, ``shutdown_engine``."""
+
+    def __init__(self, name: str, model_dir: Path, start_timeout: float = 180) -> None:
+        super().__init__(name, _vllm_child, (str(model_dir),), start_timeout)
+
+
+def _pub_child(
+    conn: Any, name: str, store: str, group: str, mangle: str | None, kwargs: dict[str, Any]
+) -> None:
+    import transport
+    from helpers.llama import hf_model
+
+    try:
+        t = transport.Transport(name, store=store, **kwargs)
+        state = hf_model(0).state_dict()  # type: ignore[attr-defined]
+        if mangle == "shape":  # a trainer of another model: one tensor of another shape
+            state["model.norm.weight"] = state["model.norm.weight"].new_zeros(65)
+        elif mangle == "names":  # a checkpoint renamed: the model's name is missing
+            state["model.final_norm.weight"] = state.pop("model.norm.weight")
+        pub = transport.WeightPublisher(t, state, group=group)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    def publish(version: int, timeout: float) -> tuple[dict[str, str], dict[str, str]]:
+        set_version(state, version)
+        r = pub.publish(version, timeout=timeout).wait(timeout + 30)
+        return dict(r.status), dict(r.reasons)
+
+    def publish_nowait(version: int, timeout: float) -> None:
+        set_version(state, version)
+        pub.publish(version, timeout=timeout)
+
+    def hold_notified_parts() -> None:
+        """Data goes, the version's completion never does (the test kills this process)."""
+        import threading
+
+        held = threading.Event()  # never set
+
+        def hold(op: Any) -> None:
+            if op.notif:
+                held.wait()
+
+        internals.hold_engine_posts(t, hold)
+
+    handlers = {
+        "publish": publish,
+        "publish_nowait": publish_nowait,
+        "hold_notified_parts": hold_notified_parts,
+        "subscribers": pub.subscribers,
+    }
+    serve(conn, handlers, lambda: (pub.close(), t.close()))
+
+
+class LlamaPublisher(ChildProcess):
+    """A trainer publishing the small Llama's versions (helpers.llama.set_version) to ``group``
+    with a WeightPublisher. ``mangle``: "shape" or "names" publishes a state dict that does not
+    match the model. Commands: ``publish(version, timeout)`` -> (status, reasons),
+    ``publish_nowait``, ``hold_notified_parts``, ``subscribers``."""
+
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        group: str = "policy",
+        mangle: str | None = None,
+        start_timeout: float = 60,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name, _pub_child, (store_url, group, mangle, kwargs), start_timeout)

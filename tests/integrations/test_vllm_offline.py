@@ -1,0 +1,159 @@
+"""vLLM (the real engine, CPU build, offline ``LLM``) receives weights through the ``transport``
+backend from a trainer in another process that publishes with a plain WeightPublisher. After
+each update vLLM's greedy tokens equal transformers' on the same weights (float32): every
+tensor arrived, was fused and loaded. The faults: a trainer killed mid-publish, a version that
+never comes, a store nobody hosts, a trainer of another model; in each, vLLM keeps serving the
+weights it had."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers.child import ChildError
+from helpers.polling import wait_until
+from helpers.processes import free_port
+from helpers.vllm_peers import LlamaPublisher, VllmProcess
+from transport.store.tcp import TcpStore
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[TcpStore]:
+    s = TcpStore("127.0.0.1", 0, hosting="yes")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def vllm(model_dir: Path) -> Iterator[VllmProcess]:
+    with VllmProcess("vllm", model_dir) as child:
+        yield child
+
+
+def _info(store: TcpStore, group: str) -> dict[str, object]:
+    return {"store": store.url, "group": group, "timeout": 30}
+
+
+def _worker(vllm: VllmProcess) -> str:
+    (state,) = vllm.call("engine_state")
+    return state["name"]
+
+
+def test_each_update_serves_exactly_the_version_published(vllm, store, reference):
+    assert vllm.call("generate") == reference(0)  # the checkpoint it started from
+    vllm.call("init", _info(store, "exact"))
+    with LlamaPublisher("trainer", store.url, group="exact") as trainer:
+        for version in (1, 2, 3):
+            status, reasons = trainer.call("publish", version, 30.0)
+            assert status == {_worker(vllm): "done"}, reasons
+            assert vllm.call("update", {"version": version}) == str(version)
+            assert vllm.call("generate") == reference(version), f"version {version}"
+        # a version published but not loaded changes nothing vLLM serves (it was read from a
+        # staging slot, which the publisher writes again now)
+        status, _ = trainer.call("publish", 4, 30.0)
+        assert status == {_worker(vllm): "done"}
+        assert vllm.call("generate") == reference(3)
+        assert vllm.call("engine_state")[0]["loaded"] == 3
+        # no version named: the newest complete one
+        vllm.call("update", {})
+        assert vllm.call("generate") == reference(4)
+        assert vllm.call("engine_state")[0]["loaded"] == 4
+        # a version asked for by number that a newer one replaced in both slots
+        for version in (5, 6):
+            trainer.call("publish", version, 30.0)
+        with pytest.raises(ChildError, match="VersionGoneError: version 4 .* no longer held"):
+            vllm.call("update", {"version": 4})
+        assert vllm.call("generate") == reference(4)
+
+
+def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_loads(
+    vllm, store, reference
+):
+    vllm.call("init", _info(store, "killed"))
+    # every transfer posted by its engine thread (none inline), which the test holds below
+    first = LlamaPublisher("trainer", store.url, group="killed", inline_bytes=0)
+    try:
+        status, reasons = first.call("publish", 1, 30.0)
+        assert status == {_worker(vllm): "done"}, reasons
+        assert vllm.call("update", {"version": 1}) == "1"
+        # version 2's bytes go, its completion never does; the trainer dies then
+        first.call("hold_notified_parts")
+        first.call("publish_nowait", 2, 30.0)
+        wait_until(
+            lambda: vllm.call("engine_state")[0]["incomplete"] == 2, 30, "version 2 began"
+        )
+        first.kill()
+        assert first.proc.exitcode == -signal.SIGKILL
+    finally:
+        first.stop()
+    with pytest.raises(ChildError, match="version 2 .* began but did not complete"):
+        vllm.call("update", {"version": 2, "timeout": 1})
+    assert vllm.call("weight_version") == "1"
+    assert vllm.call("generate") == reference(1)
+    # the trainer restarts (a new incarnation of the same name) and goes on
+    with LlamaPublisher("trainer", store.url, group="killed") as second:
+        status, reasons = second.call("publish", 3, 30.0)
+        assert status == {_worker(vllm): "done"}, reasons
+        assert vllm.call("update", {"version": 3}) == "3"
+        assert vllm.call("generate") == reference(3)
+
+
+def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_serving(
+    vllm, store, reference
+):
+    before = vllm.call("generate")
+    version = vllm.call("weight_version")
+    vllm.call("init", _info(store, "nobody"))  # a group no trainer publishes to
+    with pytest.raises(ChildError, match=r"TransferTimeout: version 1 .* within 0.5 s"):
+        vllm.call("update", {"version": 1, "timeout": 0.5})
+    with pytest.raises(ChildError, match=r"TransferTimeout: version 0 .* within 0.5 s"):
+        vllm.call("update", {"timeout": 0.5})
+    assert vllm.call("generate") == before and vllm.call("weight_version") == version
+    # and the next update of a live trainer succeeds
+    with LlamaPublisher("trainer", store.url, group="nobody") as trainer:
+        status, reasons = trainer.call("publish", 7, 30.0)
+        assert status == {_worker(vllm): "done"}, reasons
+        assert vllm.call("update", {"version": 7}) == "7"
+        assert vllm.call("generate") == reference(7)
+
+
+@pytest.mark.parametrize("mangle", ["shape", "names"])
+def test_a_trainer_of_another_model_is_refused_before_a_byte_moves(vllm, store, mangle):
+    before = vllm.call("generate")
+    group = f"bad-{mangle}"
+    vllm.call("init", _info(store, group))
+    with LlamaPublisher("trainer", store.url, group=group, mangle=mangle) as trainer:
+        status, reasons = trainer.call("publish", 1, 30.0)
+        worker = _worker(vllm)
+        assert status == {worker: "excluded"}
+        # the publisher names the rule and the tensor
+        assert "model.norm.weight" in reasons[worker], reasons
+        with pytest.raises(ChildError, match="TransferTimeout: version 1"):
+            vllm.call("update", {"version": 1, "timeout": 0.5})
+    assert vllm.call("generate") == before
+
+
+def test_bad_init_and_update_infos_are_refused_with_the_rule(vllm, store):
+    before = vllm.call("generate")
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"  # a store nobody runs
+    with pytest.raises(ChildError, match="StoreError: cannot reach store .* start the Redis"):
+        vllm.call("init", {"store": unreachable, "group": "x", "timeout": 2})
+    # it left the group it had: an update says what to do
+    with pytest.raises(ChildError, match="was not initialized: call init_weight_transfer_engine"):
+        vllm.call("update", {"timeout": 1})
+    with pytest.raises(ChildError, match=r"unknown fields \['stroe'\]"):
+        vllm.call("init", {"stroe": store.url})
+    with pytest.raises(ChildError, match="dtype 'float33' is not a torch dtype"):
+        vllm.call("init", {"store": store.url, "dtype": "float33"})
+    vllm.call("init", _info(store, "infos"))
+    assert vllm.call("engine_state")[0]["name"] is not None  # the failed inits left it as it was
+    with pytest.raises(ChildError, match="version must be an int >= 0"):
+        vllm.call("update", {"version": "latest"})
+    with pytest.raises(ChildError, match="timeout must be > 0"):
+        vllm.call("update", {"timeout": -1})
+    assert vllm.call("generate") == before
