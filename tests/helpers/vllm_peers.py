@@ -158,3 +158,46 @@ class LlamaPublisher(ChildProcess):
         **kwargs: Any,
     ) -> None:
         super().__init__(name, _pub_child, (store_url, group, mangle, kwargs), start_timeout)
+
+
+def _trainer_child(
+    conn: Any, name: str, url: str, store: str, namespace: str, kwargs: dict[str, Any]
+) -> None:
+    try:
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+        from helpers.llama import hf_model
+        from transport.integrations.vllm import register
+        from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
+
+        register()  # a trainer runs no vLLM engine, so vLLM's plugins are not loaded here
+        model = hf_model(0)
+        info = TransportTrainerInitInfo(store, namespace=namespace, name=name, rank=0, **kwargs)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=HTTPClient(url), source=ModuleSource(model)
+        )
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (engine.transport.generation, os.getpid())))
+
+    def send(version: int) -> tuple[dict[str, str], dict[str, str]]:
+        set_version(model.state_dict(), version)  # the module's parameters, in place
+        r = engine.send_weights(version)
+        return dict(r.status), dict(r.reasons)
+
+    serve(conn, {"send": send}, engine.shutdown)
+
+
+class HttpTrainer(ChildProcess):
+    """A trainer driving a vLLM server with the ``transport`` trainer engine, found by name in
+    vLLM's WeightTransferTrainerFactory, over vLLM's HTTP client. ``send(version)`` sets the
+    model's parameters to that version and sends them; returns the publish's (status, reasons)."""
+
+    def __init__(
+        self, name: str, url: str, store_url: str, namespace: str, start_timeout: float = 120,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(
+            name, _trainer_child, (url, store_url, namespace, kwargs), start_timeout
+        )
