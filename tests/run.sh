@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up what the tests need on a fresh machine and runs them.
 #   - a virtualenv in .venv with the CPU build of torch and this package with its dev extras
+#   - vLLM's CPU build for the integration tests (examples/setup_vllm.sh)
 #   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
 # Arguments are passed to pytest (for example: bash tests/run.sh -k faults -x).
@@ -18,6 +19,8 @@ fi
     echo "tests/run.sh: the environment did not install cleanly (see above)" >&2
     exit 2
 }
+bash examples/setup_vllm.sh
+export TRANSPORT_TEST_VLLM=1  # the vLLM tests fail, not skip, without it
 
 if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
     if ! command -v redis-server >/dev/null 2>&1; then

