@@ -1,0 +1,201 @@
+"""One full weight update of a vLLM server (start to finish, measured at the trainer) through the
+``transport`` backend, against what a user without it does on one machine and against the
+floor, interleaved round by round in one run:
+
+* ``transport``: the trainer publishes the version into the worker's staging memory, then
+  vLLM's start / update / finish (``TransportTrainer.send_weights``);
+* ``shm``: the trainer saves a safetensors checkpoint to shared memory (/dev/shm) and vLLM
+  reloads it (``reload_weights`` through ``/collective_rpc``);
+* ``floor``: vLLM's own loader from tensors already in its memory: an update of a version that
+  already landed (start / update / finish with no transfer).
+
+Also the host memory the update path adds: the vLLM worker's resident set before and after it
+joined and took a first version (its two staging slots), and the trainer's.
+
+    bash examples/setup_vllm.sh
+    .venv/bin/python benchmarks/vllm_update.py --json benchmarks/results-vllm.json
+
+The server runs vLLM's CPU build here, one worker (a separate process), float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def group_rss(pgid: int) -> dict[int, int]:
+    """Resident set of every process of a process group (the server and its workers)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                out[int(d)] = rss(int(d))
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return out
+
+
+def post(url: str, route: str, body: dict | None = None) -> None:
+    r = requests.post(f"{url}/{route}", json=body, timeout=600)
+    if not r.ok:
+        raise RuntimeError(f"{route}: {r.status_code} {r.text[:500]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from transport.integrations.vllm import register
+    from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
+
+    register()
+    work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    shm = Path(tempfile.mkdtemp(prefix="transport-bench-", dir="/dev/shm"))
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64, max_position_embeddings=256,
+        tie_word_embeddings=False, dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    model.save_pretrained(work / "model", safe_serialization=True)
+    shutil.copy(work / "model" / "config.json", shm / "config.json")
+    print(f"model: {len(state)} tensors, {nbytes / MiB:.0f} MiB float32", flush=True)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(work / "model"),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--block-size", "32",
+        "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+        "--weight-transfer-config", '{"backend": "transport"}',
+    ]  # fmt: skip
+    log = work / "vllm.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+    try:
+        end = time.monotonic() + 600
+        while True:
+            if server.poll() is not None or time.monotonic() > end:
+                sys.exit(f"vLLM did not start:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=5).ok:
+                    break
+            except requests.RequestException:
+                pass
+            threading.Event().wait(1.0)
+        trainer_before = rss(os.getpid())
+        workers_before = group_rss(server.pid)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            TransportTrainerInitInfo(f"tcp://127.0.0.1:{free_port()}", rank=0, timeout=300),
+            client=HTTPClient(url),
+            source=ModuleSource(model),
+        )
+        # the worker's pid is in its peer name (vllm-HOST-PID-rRANK)
+        first = engine.send_weights(1)
+        (worker,) = first.done
+        worker_pid = int(worker.rsplit("-", 2)[1])
+        worker_after = rss(worker_pid)
+        trainer_after = rss(os.getpid())
+        times: dict[str, list[float]] = {"transport": [], "shm": [], "floor": []}
+        for r in range(args.rounds):
+            v = 2 + r
+            with torch.no_grad():
+                for t in state.values():
+                    t.add_(1e-3)
+            t0 = time.perf_counter()
+            engine.send_weights(v)
+            times["transport"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()  # the same version again: already in the worker's memory
+            post(url, "start_weight_update")
+            post(url, "update_weights", {"update_info": {"version": v}})
+            post(url, "finish_weight_update", {"weight_version": str(v)})
+            times["floor"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            save_file(state, str(shm / "model.safetensors"))
+            post(url, "collective_rpc",
+                 {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
+            times["shm"].append(time.perf_counter() - t0)
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
+                  flush=True)  # fmt: skip
+        median = {k: statistics.median(v) for k, v in times.items()}
+        result = {
+            "model_mib": round(nbytes / MiB, 1),
+            "tensors": len(state),
+            "rounds": args.rounds,
+            "median_s": median,
+            "all_s": times,
+            "transport_vs_shm": median["shm"] / median["transport"],
+            "transport_vs_floor": median["transport"] / median["floor"],
+            "worker_rss_growth_mib": round((worker_after - workers_before[worker_pid]) / MiB, 1),
+            "worker_staging_mib": round(2 * nbytes / MiB, 1),
+            "trainer_rss_growth_mib": round((trainer_after - trainer_before) / MiB, 1),
+        }
+        print(json.dumps(result, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        engine.shutdown()
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
