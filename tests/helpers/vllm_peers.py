@@ -161,8 +161,10 @@ class LlamaPublisher(ChildProcess):
 
 
 def _trainer_child(
-    conn: Any, name: str, url: str, store: str, namespace: str, kwargs: dict[str, Any]
-) -> None:
+    conn: Any, name: str, url: str, store: str, namespace: str, env: dict[str, str],
+    kwargs: dict[str, Any],
+) -> None:  # fmt: skip
+    os.environ.update(env)
     try:
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
@@ -196,8 +198,8 @@ class HttpTrainer(ChildProcess):
 
     def __init__(
         self, name: str, url: str, store_url: str, namespace: str, start_timeout: float = 120,
-        **kwargs: Any,
+        env: dict[str, str] | None = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         super().__init__(
-            name, _trainer_child, (url, store_url, namespace, kwargs), start_timeout
+            name, _trainer_child, (url, store_url, namespace, env or {}, kwargs), start_timeout
         )

@@ -25,7 +25,7 @@ class VllmServer:
 
     def __init__(
         self, model_dir: Path, log: Path, tp: int = 1, port: int | None = None,
-        start_timeout: float = 240,
+        start_timeout: float = 240, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.model = str(model_dir)
         self.port = port or free_port()
@@ -37,6 +37,7 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % (os.cpu_count() or 1)) for k in range(tp)),
             "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
         }
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
