@@ -128,7 +128,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             raise
         return engine
 
-    def send_weights(self, version: int | None = None) -> PublishResult | None:
+    # vLLM's signature takes nothing and returns nothing: this one accepts a version and returns
+    # the publish result too, and is called as vLLM calls it
+    def send_weights(self, version: int | None = None) -> PublishResult | None:  # type: ignore[override]
         """Publish the source's current values as ``version`` (default: the last one + 1) and
         have vLLM load it; returns the publish result (None on a rank that does not send)."""
         if not self.is_sender:

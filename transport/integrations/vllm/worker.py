@@ -119,9 +119,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             if self.info == init_info and self.subscriber is not None:
                 return
             self._close()
-            dtype = (
-                getattr(torch, init_info.dtype) if init_info.dtype else self.model_config.dtype
-            )
+            dtype = getattr(torch, init_info.dtype) if init_info.dtype else self.model_config.dtype
+            if not isinstance(dtype, torch.dtype):  # vLLM resolves "auto" before workers start
+                raise ValueError(f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype")
             spec = checkpoint_spec(self.model_config.hf_config, dtype)
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
@@ -168,12 +168,13 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
 
         with sub.read(update_info.version, timeout=update_info.timeout) as snap:
             # the version is complete and held: only now does the model change
-            initialize_layerwise_reload(self.model)
+            model: Any = self.model  # a vLLM model: it has load_weights
+            initialize_layerwise_reload(model)
             try:
-                self.model.load_weights(snap.tensors.items())
+                model.load_weights(snap.tensors.items())
             finally:
                 # also after a failed load: the reload puts every layer back on its device
-                finalize_layerwise_reload(self.model, self.model_config)
+                finalize_layerwise_reload(model, self.model_config)
         self._loaded = snap.version
         log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
 
