@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -24,8 +24,9 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     """The trainer's side of the ``transport`` backend: its store, namespace, weight group and
     peer name; ``timeout`` bounds a publish and each worker's wait for the version;
     ``fanout``/``degree`` as for :class:`~transport.WeightPublisher`. The workers get the
-    store, namespace and group (and ``dtype``, the dtype this trainer publishes, when it is not
-    the model's) through ``init_weight_transfer_engine``. The secret, if any, comes from
+    store, namespace and group through ``init_weight_transfer_engine``, and ``dtype``, the
+    dtype this trainer publishes (default: its tensors' dtype when they share one; vLLM's loader
+    converts to the model's). The secret, if any, comes from
     ``$TRANSPORT_SECRET`` on both sides."""
 
     backend: ClassVar[str] = BACKEND
@@ -104,6 +105,11 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 "(or a mapping of checkpoint names to tensors)"
             )
         engine.tensors = {n: _own(t) for n, t in _items(source)}
+        if init_info.dtype is None:
+            dtypes = {t.dtype for t in engine.tensors.values()}
+            if len(dtypes) == 1:
+                init_info = replace(init_info, dtype=str(dtypes.pop()).removeprefix("torch."))
+                engine.info = init_info
         t = Transport(
             init_info.name,
             store=init_info.store,
