@@ -94,14 +94,17 @@ class VllmProcess(ChildProcess):
 
 
 def _pub_child(
-    conn: Any, name: str, store: str, group: str, mangle: str | None, kwargs: dict[str, Any]
-) -> None:
+    conn: Any, name: str, store: str, model_dir: str, group: str, mangle: str | None,
+    kwargs: dict[str, Any],
+) -> None:  # fmt: skip
+    from safetensors.torch import load_file
+
     import transport
-    from helpers.llama import hf_model
 
     try:
         t = transport.Transport(name, store=store, **kwargs)
-        state = hf_model(0).state_dict()  # type: ignore[attr-defined]
+        # the checkpoint's tensors (names, shapes, dtypes), read without importing transformers
+        state = load_file(str(Path(model_dir) / "model.safetensors"))
         if mangle == "shape":  # a trainer of another model: one tensor of another shape
             state["model.norm.weight"] = state["model.norm.weight"].new_zeros(65)
         elif mangle == "names":  # a checkpoint renamed: the model's name is missing
@@ -143,8 +146,8 @@ def _pub_child(
 
 
 class LlamaPublisher(ChildProcess):
-    """A trainer publishing the small Llama's versions (helpers.llama.set_version) to ``group``
-    with a WeightPublisher. ``mangle``: "shape" or "names" publishes a state dict that does not
+    """A trainer publishing versions (helpers.llama.set_version) of the small Llama saved in
+    ``model_dir`` to ``group`` with a WeightPublisher. ``mangle``: "shape" or "names" publishes a state dict that does not
     match the model. Commands: ``publish(version, timeout)`` -> (status, reasons),
     ``publish_nowait``, ``hold_notified_parts``, ``subscribers``."""
 
@@ -152,20 +155,20 @@ class LlamaPublisher(ChildProcess):
         self,
         name: str,
         store_url: str,
+        model_dir: Path,
         group: str = "policy",
         mangle: str | None = None,
         start_timeout: float = 60,
         **kwargs: Any,
     ) -> None:
-        super().__init__(name, _pub_child, (store_url, group, mangle, kwargs), start_timeout)
+        super().__init__(
+            name, _pub_child, (store_url, str(model_dir), group, mangle, kwargs), start_timeout
+        )
 
 
-def _trainer_child(
-    conn: Any, name: str, url: str, store: str, namespace: str, env: dict[str, str],
-    kwargs: dict[str, Any],
-) -> None:  # fmt: skip
+def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
     os.environ.update(env)
-    try:
+    try:  # the imports first (seconds): the test starts this child while the server starts
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
         from helpers.llama import hf_model
@@ -174,32 +177,37 @@ def _trainer_child(
 
         register()  # a trainer runs no vLLM engine, so vLLM's plugins are not loaded here
         model = hf_model(0)
-        info = TransportTrainerInitInfo(store, namespace=namespace, name=name, rank=0, **kwargs)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            info, client=HTTPClient(url), source=ModuleSource(model)
-        )
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ok", (engine.transport.generation, os.getpid())))
+    conn.send(("ok", (0, os.getpid())))
+    engines: list[Any] = []
+
+    def connect(url: str, store: str, namespace: str, kwargs: dict[str, Any]) -> None:
+        info = TransportTrainerInitInfo(store, namespace=namespace, name=name, rank=0, **kwargs)
+        engines.append(
+            WeightTransferTrainerFactory.trainer_init(
+                info, client=HTTPClient(url), source=ModuleSource(model)
+            )
+        )
 
     def send(version: int) -> tuple[dict[str, str], dict[str, str]]:
         set_version(model.state_dict(), version)  # the module's parameters, in place
-        r = engine.send_weights(version)
+        r = engines[0].send_weights(version)
         return dict(r.status), dict(r.reasons)
 
-    serve(conn, {"send": send}, engine.shutdown)
+    serve(conn, {"connect": connect, "send": send}, lambda: [e.shutdown() for e in engines])
 
 
 class HttpTrainer(ChildProcess):
     """A trainer driving a vLLM server with the ``transport`` trainer engine, found by name in
-    vLLM's WeightTransferTrainerFactory, over vLLM's HTTP client. ``send(version)`` sets the
-    model's parameters to that version and sends them; returns the publish's (status, reasons)."""
+    vLLM's WeightTransferTrainerFactory, over vLLM's HTTP client. ``env`` is set in the child
+    first. Commands: ``connect(url, store_url, namespace, init_kwargs)`` (trainer_init),
+    ``send(version)`` (sets the model's parameters to that version and sends them; returns the
+    publish's (status, reasons))."""
 
     def __init__(
-        self, name: str, url: str, store_url: str, namespace: str, start_timeout: float = 120,
-        env: dict[str, str] | None = None, **kwargs: Any,
+        self, name: str, env: dict[str, str] | None = None, start_timeout: float = 120,
+        wait: bool = True,
     ) -> None:  # fmt: skip
-        super().__init__(
-            name, _trainer_child, (url, store_url, namespace, env or {}, kwargs), start_timeout
-        )
+        super().__init__(name, _trainer_child, (env or {},), start_timeout, wait)

@@ -44,10 +44,10 @@ def _worker(vllm: VllmProcess) -> str:
     return state["name"]
 
 
-def test_each_update_serves_exactly_the_version_published(vllm, store, reference):
+def test_each_update_serves_exactly_the_version_published(vllm, store, reference, model_dir):
     assert vllm.call("generate") == reference(0)  # the checkpoint it started from
     vllm.call("init", _info(store, "exact"))
-    with LlamaPublisher("trainer", store.url, group="exact") as trainer:
+    with LlamaPublisher("trainer", store.url, model_dir, group="exact") as trainer:
         for version in (1, 2, 3):
             status, reasons = trainer.call("publish", version, 30.0)
             assert status == {_worker(vllm): "done"}, reasons
@@ -72,11 +72,11 @@ def test_each_update_serves_exactly_the_version_published(vllm, store, reference
 
 
 def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_loads(
-    vllm, store, reference
+    vllm, store, reference, model_dir
 ):
     vllm.call("init", _info(store, "killed"))
     # every transfer posted by its engine thread (none inline), which the test holds below
-    first = LlamaPublisher("trainer", store.url, group="killed", inline_bytes=0)
+    first = LlamaPublisher("trainer", store.url, model_dir, group="killed", inline_bytes=0)
     try:
         status, reasons = first.call("publish", 1, 30.0)
         assert status == {_worker(vllm): "done"}, reasons
@@ -96,7 +96,7 @@ def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_l
     assert vllm.call("weight_version") == "1"
     assert vllm.call("generate") == reference(1)
     # the trainer restarts (a new incarnation of the same name) and goes on
-    with LlamaPublisher("trainer", store.url, group="killed") as second:
+    with LlamaPublisher("trainer", store.url, model_dir, group="killed") as second:
         status, reasons = second.call("publish", 3, 30.0)
         assert status == {_worker(vllm): "done"}, reasons
         assert vllm.call("update", {"version": 3}) == "3"
@@ -104,7 +104,7 @@ def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_l
 
 
 def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_serving(
-    vllm, store, reference
+    vllm, store, reference, model_dir
 ):
     before = vllm.call("generate")
     version = vllm.call("weight_version")
@@ -115,7 +115,7 @@ def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_servi
         vllm.call("update", {"timeout": 0.5})
     assert vllm.call("generate") == before and vllm.call("weight_version") == version
     # and the next update of a live trainer succeeds
-    with LlamaPublisher("trainer", store.url, group="nobody") as trainer:
+    with LlamaPublisher("trainer", store.url, model_dir, group="nobody") as trainer:
         status, reasons = trainer.call("publish", 7, 30.0)
         assert status == {_worker(vllm): "done"}, reasons
         assert vllm.call("update", {"version": 7}) == "7"
@@ -123,11 +123,11 @@ def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_servi
 
 
 @pytest.mark.parametrize("mangle", ["shape", "names"])
-def test_a_trainer_of_another_model_is_refused_before_a_byte_moves(vllm, store, mangle):
+def test_a_trainer_of_another_model_is_refused_before_a_byte_moves(vllm, store, mangle, model_dir):
     before = vllm.call("generate")
     group = f"bad-{mangle}"
     vllm.call("init", _info(store, group))
-    with LlamaPublisher("trainer", store.url, group=group, mangle=mangle) as trainer:
+    with LlamaPublisher("trainer", store.url, model_dir, group=group, mangle=mangle) as trainer:
         status, reasons = trainer.call("publish", 1, 30.0)
         worker = _worker(vllm)
         assert status == {worker: "excluded"}
