@@ -45,11 +45,18 @@ def set_version(state: dict[str, torch.Tensor], version: int) -> None:
             t.copy_(noise * 0.2 if t.dim() >= 2 else 1.0 + 0.1 * noise)
 
 
-def hf_model(version: int) -> object:
+def hf_model(version: int, through: torch.dtype | None = None) -> object:
+    """The float32 model of ``version``; ``through``: its weights rounded to that dtype first
+    (what a float32 model holds after loading a trainer's bfloat16 weights)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(config()).to(torch.float32).eval()
-    set_version(model.state_dict(), version)
+    state = model.state_dict()
+    set_version(state, version)
+    if through is not None:
+        with torch.no_grad():
+            for t in state.values():
+                t.copy_(t.to(through))
     return model
 
 

@@ -61,9 +61,14 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
         and incomplete version, its peer name."""
         return llm.collective_rpc(_engine_state)
 
+    def param(name: str) -> list[float]:
+        """The values of one parameter of vLLM's model (vLLM's name), as it holds them."""
+        return llm.collective_rpc(_param, args=(name,))[0]
+
     handlers = {
         "generate": generate,
         "engine_state": engine_state,
+        "param": param,
         "init": init,
         "update": update,
         "weight_version": llm.get_weight_version,
@@ -83,11 +88,16 @@ def _engine_state(worker: Any) -> dict[str, Any]:
     }
 
 
+def _param(worker: Any, name: str) -> list[float]:
+    model = getattr(worker, "worker", worker).model_runner.get_model()
+    return model.get_parameter(name).detach().flatten().tolist()
+
+
 class VllmProcess(ChildProcess):
     """vLLM serving the model in ``model_dir``. Commands: ``generate`` (greedy tokens of every
     prompt of helpers.llama.PROMPTS), ``init(init_info)``, ``update(update_info)`` (start,
     update, finish with the version's name, prefix cache reset; returns the weight version),
-    ``weight_version``, ``engine_state``, ``shutdown_engine``."""
+    ``weight_version``, ``engine_state``, ``param(name)``, ``shutdown_engine``."""
 
     def __init__(self, name: str, model_dir: Path, start_timeout: float = 180) -> None:
         super().__init__(name, _vllm_child, (str(model_dir),), start_timeout)
@@ -97,6 +107,7 @@ def _pub_child(
     conn: Any, name: str, store: str, model_dir: str, group: str, mangle: str | None,
     kwargs: dict[str, Any],
 ) -> None:  # fmt: skip
+    import torch
     from safetensors.torch import load_file
 
     import transport
@@ -109,6 +120,8 @@ def _pub_child(
             state["model.norm.weight"] = state["model.norm.weight"].new_zeros(65)
         elif mangle == "names":  # a checkpoint renamed: the model's name is missing
             state["model.final_norm.weight"] = state.pop("model.norm.weight")
+        elif mangle == "bfloat16":  # a trainer that publishes in another dtype than vLLM's
+            state = {n: t.to(torch.bfloat16) for n, t in state.items()}
         pub = transport.WeightPublisher(t, state, group=group)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
@@ -148,7 +161,7 @@ def _pub_child(
 class LlamaPublisher(ChildProcess):
     """A trainer publishing versions (helpers.llama.set_version) of the small Llama saved in
     ``model_dir`` to ``group`` with a WeightPublisher. ``mangle``: "shape" or "names" publishes a state dict that does not
-    match the model. Commands: ``publish(version, timeout)`` -> (status, reasons),
+    match the model; "bfloat16" publishes the same tensors in bfloat16. Commands: ``publish(version, timeout)`` -> (status, reasons),
     ``publish_nowait``, ``hold_notified_parts``, ``subscribers``."""
 
     def __init__(

@@ -30,13 +30,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference() -> Callable[[int], list[list[int]]]:
-    """``reference(v)``: transformers' greedy tokens for every prompt on version ``v``'s weights."""
-    cache: dict[int, list[list[int]]] = {}
+def reference() -> Callable[..., list[list[int]]]:
+    """``reference(v)``: transformers' greedy tokens for every prompt on version ``v``'s weights
+    (``reference(v, through=torch.bfloat16)``: on those weights rounded to bfloat16)."""
+    cache: dict[tuple[int, object], list[list[int]]] = {}
 
-    def tokens(version: int) -> list[list[int]]:
-        if version not in cache:
-            cache[version] = greedy(hf_model(version))
-        return cache[version]
+    def tokens(version: int, through: object = None) -> list[list[int]]:
+        if (version, through) not in cache:
+            cache[(version, through)] = greedy(hf_model(version, through))  # type: ignore[arg-type]
+        return cache[(version, through)]
 
     return tokens

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.child import ChildError
+from helpers.llama import hf_model
 from helpers.polling import wait_until
 from helpers.processes import free_port
 from helpers.vllm_peers import LlamaPublisher, VllmProcess
@@ -120,6 +122,20 @@ def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_servi
         assert status == {_worker(vllm): "done"}, reasons
         assert vllm.call("update", {"version": 7}) == "7"
         assert vllm.call("generate") == reference(7)
+
+
+def test_a_trainer_publishing_bfloat16_feeds_a_float32_model(vllm, store, reference, model_dir):
+    vllm.call("init", {**_info(store, "bf16"), "dtype": "bfloat16"})  # what the trainer sends
+    with LlamaPublisher("trainer", store.url, model_dir, group="bf16", mangle="bfloat16") as trainer:
+        status, reasons = trainer.call("publish", 8, 30.0)
+        assert status == {_worker(vllm): "done"}, reasons
+        assert vllm.call("update", {"version": 8}) == "8"
+    # vLLM's loader converted on load: the float32 model holds the bfloat16-rounded weights
+    norm = hf_model(8).state_dict()["model.norm.weight"]  # type: ignore[attr-defined]
+    held = torch.tensor(vllm.call("param", "model.norm.weight"))
+    assert held.dtype == torch.float32 and torch.equal(held, norm.to(torch.bfloat16).float())
+    assert not torch.equal(held, norm)  # the rounding shows
+    assert vllm.call("generate") == reference(8, through=torch.bfloat16)
 
 
 @pytest.mark.parametrize("mangle", ["shape", "names"])
