@@ -147,6 +147,8 @@ def main() -> None:
         worker_after = rss(worker_pid)
         trainer_after = rss(os.getpid())
         times: dict[str, list[float]] = {"transport": [], "shm": [], "floor": []}
+        # of transport's: the part in which vLLM loads (it serves while the version is written)
+        loading: list[float] = []
         for r in range(args.rounds):
             v = 2 + r
             with torch.no_grad():
@@ -155,6 +157,7 @@ def main() -> None:
             t0 = time.perf_counter()
             engine.send_weights(v)
             times["transport"].append(time.perf_counter() - t0)
+            loading.append(engine.last_times.update_s)
 
             t0 = time.perf_counter()  # the same version again: already in the worker's memory
             post(url, "start_weight_update")
@@ -178,6 +181,7 @@ def main() -> None:
             "all_s": times,
             "transport_vs_shm": median["shm"] / median["transport"],
             "transport_vs_floor": median["transport"] / median["floor"],
+            "transport_loading_median_s": statistics.median(loading),
             "worker_rss_growth_mib": round((worker_after - workers_before[worker_pid]) / MiB, 1),
             "worker_staging_mib": round(2 * nbytes / MiB, 1),
             "trainer_rss_growth_mib": round((trainer_after - trainer_before) / MiB, 1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -53,6 +54,16 @@ class TransportTrainerInitInfo(TrainerInitInfo):
         return info
 
 
+@dataclass(frozen=True)
+class SendTimes:
+    """Where one ``send_weights`` spent its time (seconds): publishing the version into the
+    workers' staging memory (vLLM serves meanwhile), then vLLM's start / update / finish and the
+    prefix-cache reset (vLLM is busy loading)."""
+
+    publish_s: float
+    update_s: float
+
+
 class UpdateError(TransportError):
     """vLLM did not take a version (the message says which, and what the publish reported);
     vLLM keeps serving the weights it had."""
@@ -91,6 +102,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         self.tensors: dict[str, torch.Tensor] = {}
         self.version = 0
         self.last_result: PublishResult | None = None
+        self.last_times: SendTimes | None = None
 
     @classmethod
     def trainer_init(
@@ -148,8 +160,10 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         self._refresh_sources()
         # workers that listen already ignore this; a restarted server joins the group now
         self.client.init_weight_transfer_engine(info.worker_info())
+        t0 = time.perf_counter()
         result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
         self.last_result = result
+        t1 = time.perf_counter()
         self.client.start_weight_update()
         try:
             self.client.update_weights({"version": v, "timeout": info.timeout})
@@ -169,6 +183,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 "old weights (use transport.integrations.vllm.trainer.HTTPClient or OfflineClient)"
             )
         self.version = v
+        self.last_times = SendTimes(t1 - t0, time.perf_counter() - t1)
         return result
 
     def _refresh_sources(self) -> None:
