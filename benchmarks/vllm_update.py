@@ -24,26 +24,14 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import requests
 import torch
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss(pid: int) -> int:
@@ -70,12 +58,6 @@ def group_rss(pgid: int) -> dict[int, int]:
     return out
 
 
-def post(url: str, route: str, body: dict | None = None) -> None:
-    r = requests.post(f"{url}/{route}", json=body, timeout=600)
-    if not r.ok:
-        raise RuntimeError(f"{route}: {r.status_code} {r.text[:500]}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -90,6 +72,7 @@ def main() -> None:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from transport.integrations.vllm import register
+    from transport.integrations.vllm.server import VllmServer, free_port
     from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
 
     register()
@@ -109,32 +92,13 @@ def main() -> None:
     shutil.copy(work / "model" / "config.json", shm / "config.json")
     print(f"model: {len(state)} tensors, {nbytes / MiB:.0f} MiB float32", flush=True)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(work / "model"),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--block-size", "32",
-        "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-        "--weight-transfer-config", '{"backend": "transport"}',
-    ]  # fmt: skip
-    log = work / "vllm.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+    server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+                   "--block-size", "32", "--skip-tokenizer-init")  # fmt: skip
+    server = VllmServer(work / "model", work / "vllm.log", args=server_args, start_timeout=600)
+    url = server.url
     try:
-        end = time.monotonic() + 600
-        while True:
-            if server.poll() is not None or time.monotonic() > end:
-                sys.exit(f"vLLM did not start:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=5).ok:
-                    break
-            except requests.RequestException:
-                pass
-            threading.Event().wait(1.0)
         trainer_before = rss(os.getpid())
-        workers_before = group_rss(server.pid)
+        workers_before = group_rss(server.proc.pid)
         engine = WeightTransferTrainerFactory.trainer_init(
             TransportTrainerInitInfo(f"tcp://127.0.0.1:{free_port()}", rank=0, timeout=300),
             client=HTTPClient(url),
@@ -160,15 +124,15 @@ def main() -> None:
             loading.append(engine.last_times.update_s)
 
             t0 = time.perf_counter()  # the same version again: already in the worker's memory
-            post(url, "start_weight_update")
-            post(url, "update_weights", {"update_info": {"version": v}})
-            post(url, "finish_weight_update", {"weight_version": str(v)})
+            server.post("start_weight_update")
+            server.post("update_weights", {"update_info": {"version": v}})
+            server.post("finish_weight_update", {"weight_version": str(v)})
             times["floor"].append(time.perf_counter() - t0)
 
             t0 = time.perf_counter()
             save_file(state, str(shm / "model.safetensors"))
-            post(url, "collective_rpc",
-                 {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
+            server.post("collective_rpc",
+                        {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
             times["shm"].append(time.perf_counter() - t0)
             print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
                   flush=True)  # fmt: skip
@@ -191,12 +155,7 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         engine.shutdown()
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        server.stop()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 

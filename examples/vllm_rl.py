@@ -5,8 +5,8 @@ noise to counting.
     bash examples/setup_vllm.sh && .venv/bin/python examples/vllm_rl.py
 
 What happens: a Llama is built from a config with random weights and saved locally (no hub);
-vLLM's OpenAI server (CPU build here, ``--weight-transfer-config '{"backend": "transport"}'``)
-starts on it. The trainer (this process) hosts the embedded store, and vLLM's worker joins the
+vLLM's OpenAI server (CPU build here, ``--weight-transfer-config '{"backend": "transport"}'``,
+started by ``transport.integrations.vllm.server.VllmServer``) starts on it. The trainer (this process) hosts the embedded store, and vLLM's worker joins the
 trainer's weight group through it. Each step: one optimizer step on sequences of consecutive
 tokens, then ``engine.send_weights()`` (publish into the worker's staging memory, then vLLM's
 start / update / finish, prefix cache reset), then a greedy completion from vLLM. At the end
@@ -16,17 +16,11 @@ vLLM's tokens must equal transformers' greedy tokens on the trainer's final weig
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import requests
 import torch
 
 VOCAB, FIRST = 256, 4  # token ids FIRST..VOCAB-1 are the words "w4".."w255"
@@ -54,50 +48,6 @@ def batch(size: int, length: int, g: torch.Generator) -> torch.Tensor:
     return starts + torch.arange(length)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--block-size", "32",
-        "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-        "--weight-transfer-config", '{"backend": "transport"}',
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            sys.exit(f"vLLM exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=5).ok:
-                return
-        except requests.RequestException:
-            pass
-        threading.Event().wait(0.5)
-    sys.exit(f"vLLM was not up within {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def complete(url: str, model: str) -> list[list[int]]:
-    """vLLM's greedy continuation of every prompt (one request)."""
-    r = requests.post(f"{url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": PROMPTS, "max_tokens": NEW_TOKENS, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True,
-    })  # fmt: skip
-    r.raise_for_status()
-    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-    return [list(c["token_ids"]) for c in choices]
-
-
 def right(got: list[list[int]]) -> int:
     """How many continued tokens are the counting ones."""
     return sum(
@@ -118,19 +68,18 @@ def main() -> None:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from transport.integrations.vllm import register
+    from transport.integrations.vllm.server import VllmServer, free_port
     from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
 
     register()  # the trainer runs no vLLM engine: register the backend's trainer side here
     work = Path(tempfile.mkdtemp(prefix="vllm-rl-"))
     model = make_model(work / "model")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = work / "vllm.log"
     t0 = time.monotonic()
-    server = start_server(work / "model", port, log)
-    try:
-        wait_healthy(server, url, log, timeout=300)
-        print(f"vLLM up in {time.monotonic() - t0:.0f} s (log: {log})", flush=True)
+    server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
+             "--block-size", "32", "--skip-tokenizer-init")  # fmt: skip
+    with VllmServer(work / "model", work / "vllm.log", args=server_args) as server:
+        url = server.url
+        print(f"vLLM up in {time.monotonic() - t0:.0f} s (log: {server.log})", flush=True)
         store = f"tcp://127.0.0.1:{free_port()}"  # the embedded store, hosted by this trainer
         engine = WeightTransferTrainerFactory.trainer_init(
             TransportTrainerInitInfo(store, rank=0, timeout=60),
@@ -143,7 +92,7 @@ def main() -> None:
         print(f"{len(PROMPTS)} prompts, the first {words(first)}: counting continues it with "
               f"{words(list(range(first[-1] + 1, first[-1] + 1 + NEW_TOKENS)))}")  # fmt: skip
         total = len(PROMPTS) * NEW_TOKENS
-        got = complete(url, str(work / "model"))
+        got = server.complete(PROMPTS, NEW_TOKENS)
         print(f"step   0 (random init)             vLLM: {words(got[0])}  ({right(got)}/{total} right)")
         syncs = []
         for step in range(1, args.steps + 1):
@@ -156,7 +105,7 @@ def main() -> None:
             t = time.perf_counter()
             engine.send_weights(step)
             syncs.append(time.perf_counter() - t)
-            got = complete(url, str(work / "model"))
+            got = server.complete(PROMPTS, NEW_TOKENS)
             print(f"step {step:3d} loss {loss.item():5.2f} sync {syncs[-1] * 1e3:6.1f} ms "
                   f"vLLM: {words(got[0])}  ({right(got)}/{total} right)", flush=True)  # fmt: skip
         # the check: vLLM serves exactly the trainer's last weights
@@ -165,7 +114,7 @@ def main() -> None:
             ref = model.generate(torch.tensor(PROMPTS), max_new_tokens=NEW_TOKENS,
                                  do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
         ref_ids = ref[:, len(PROMPTS[0]) :].tolist()
-        served = requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+        served = server.get("weight_info")["weight_version"]
         syncs.sort()
         print(f"sync per step: median {syncs[len(syncs) // 2] * 1e3:.1f} ms, "
               f"max {syncs[-1] * 1e3:.1f} ms over {len(syncs)} steps; vLLM serves version {served}")  # fmt: skip
@@ -173,13 +122,6 @@ def main() -> None:
         if got != ref_ids or served != str(args.steps):
             sys.exit(f"vllm_rl: FAILED: vLLM served {got} (version {served}), transformers {ref_ids}")
         print("vllm_rl: OK")
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,19 @@ def hold_engine_posts(t: transport.Transport, hold: Callable[[Op], None]) -> Non
     e._post = held  # type: ignore[method-assign]
 
 
+def hold_notified_posts(t: transport.Transport) -> None:
+    """From now on the engine never posts an op that carries a notification: every byte of a
+    version lands, its completion never goes (for a test that kills the process then, without
+    racing the transfer). Only for transfers the engine thread posts (not small inline ones)."""
+    held = threading.Event()  # never set: the process is killed while its engine waits
+
+    def hold(op: Op) -> None:
+        if op.notif:
+            held.wait()
+
+    hold_engine_posts(t, hold)
+
+
 # -- stores and weight groups --------------------------------------------------------------------
 
 

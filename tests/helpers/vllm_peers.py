@@ -137,22 +137,11 @@ def _pub_child(
         set_version(state, version)
         pub.publish(version, timeout=timeout)
 
-    def hold_notified_parts() -> None:
-        """Data goes, the version's completion never does (the test kills this process)."""
-        import threading
-
-        held = threading.Event()  # never set
-
-        def hold(op: Any) -> None:
-            if op.notif:
-                held.wait()
-
-        internals.hold_engine_posts(t, hold)
-
     handlers = {
         "publish": publish,
         "publish_nowait": publish_nowait,
-        "hold_notified_parts": hold_notified_parts,
+        # data goes, a version's completion never does (the test kills this process)
+        "hold_notified_parts": lambda: internals.hold_notified_posts(t),
         "subscribers": pub.subscribers,
     }
     serve(conn, handlers, lambda: (pub.close(), t.close()))

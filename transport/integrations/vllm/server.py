@@ -1,0 +1,136 @@
+"""vLLM's OpenAI-compatible server with the ``transport`` backend, as a child process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: environment the server needs: the weight-update routes (dev mode) and, on vLLM's CPU build, a
+#: KV cache size (without one it asks for most of the host's memory); the caller's win
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def free_port() -> int:
+    """A TCP port of this host nobody listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmServer:
+    """Starts ``python -m vllm.entrypoints.openai.api_server`` (the module form works with every
+    vLLM build; the CPU build has no ``vllm`` command) for ``model`` with
+    ``--weight-transfer-config '{"backend": "transport"}'``, in its own process group, its output
+    in ``log``, and waits until ``/health`` answers.
+
+    It owns the server's processes (the API server, the engine core, each worker): :meth:`kill`
+    ends them all at once, :meth:`stop` asks first (``graceful`` seconds) and then kills. ``args``
+    are more server arguments; ``env`` more environment (``tp`` > 1 on the CPU build needs
+    ``VLLM_CPU_OMP_THREADS_BIND``, for example ``"0|1"``). A server that exits or is not healthy
+    within ``start_timeout`` is killed and the error quotes the end of its log."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        log: str | Path,
+        *,
+        port: int | None = None,
+        tp: int = 1,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        start_timeout: float = 300.0,
+    ) -> None:
+        self.model = str(model)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
+            "--weight-transfer-config", '{"backend": "transport"}', *args,
+        ]  # fmt: skip
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                env={**os.environ, **SERVER_ENV, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(start_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import requests
+
+        end = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > end:
+                raise TimeoutError(f"vLLM was not healthy within {timeout} s:\n{self.tail()}")
+            threading.Event().wait(0.5)
+
+    def tail(self, lines: int = 40) -> str:
+        """The end of the server's log."""
+        return "".join(self.log.read_text(errors="replace").splitlines(True)[-lines:])
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy token ids continuing each prompt (token ids), in one request."""
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+        }  # fmt: skip
+        choices = sorted(self.post("v1/completions", body)["choices"], key=lambda c: c["index"])
+        return [list(c["token_ids"]) for c in choices]
+
+    def get(self, route: str) -> Any:
+        import requests
+
+        r = requests.get(f"{self.url}/{route}", timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, route: str, body: dict[str, Any] | None = None, timeout: float = 600) -> Any:
+        import requests
+
+        r = requests.post(f"{self.url}/{route}", json=body, timeout=timeout)
+        if not r.ok:
+            raise RuntimeError(f"vLLM {route}: {r.status_code} {r.text[:500]}")
+        return r.json()
+
+    def kill(self) -> None:
+        """kill -9 of every process of the server."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+
+    def stop(self, graceful: float = 30.0) -> None:
+        if self.proc.poll() is None and graceful > 0:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=graceful)
+        self.kill()  # and workers left behind in the group
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
