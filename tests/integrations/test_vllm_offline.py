@@ -166,7 +166,9 @@ def test_bad_init_and_update_infos_are_refused_with_the_rule(vllm, store):
         vllm.call("init", {"stroe": store.url})
     with pytest.raises(ChildError, match="dtype 'float33' is not a torch dtype"):
         vllm.call("init", {"store": store.url, "dtype": "float33"})
-    vllm.call("init", _info(store, "infos"))
+    with pytest.raises(ChildError, match="staging_device 'gpu9' is not a device"):
+        vllm.call("init", {"store": store.url, "staging_device": "gpu9"})
+    vllm.call("init", {**_info(store, "infos"), "staging_device": "cpu"})
     assert vllm.call("engine_state")[0]["name"] is not None  # the failed inits left it as it was
     with pytest.raises(ChildError, match="version must be an int >= 0"):
         vllm.call("update", {"version": "latest"})

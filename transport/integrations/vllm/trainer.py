@@ -27,7 +27,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     ``fanout``/``degree`` as for :class:`~transport.WeightPublisher`. The workers get the
     store, namespace and group through ``init_weight_transfer_engine``, and ``dtype``, the
     dtype this trainer publishes (default: its tensors' dtype when they share one; vLLM's loader
-    converts to the model's). The secret, if any, comes from
+    converts to the model's), and ``staging_device`` when given (see TransportInitInfo). The secret, if any, comes from
     ``$TRANSPORT_SECRET`` on both sides."""
 
     backend: ClassVar[str] = BACKEND
@@ -38,6 +38,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     name: str = "trainer"
     timeout: float = 60.0
     dtype: str | None = None
+    staging_device: str | None = None
     fanout: str = "direct"
     degree: int = 2
 
@@ -51,6 +52,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
         }
         if self.dtype is not None:
             info["dtype"] = self.dtype
+        if self.staging_device is not None:
+            info["staging_device"] = self.staging_device
         return info
 
 

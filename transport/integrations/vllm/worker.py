@@ -31,8 +31,10 @@ class TransportInitInfo(WeightTransferInitInfo):
 
     ``store`` is the store URL the trainer uses (``tcp://host:port`` or ``redis://...``),
     ``namespace`` and ``group`` those of its WeightPublisher. ``dtype`` is the dtype the
-    trainer publishes (default: the model's; vLLM's loader converts). ``name`` prefixes this
-    worker's peer name (host, pid and rank follow). ``timeout`` bounds joining the store. The
+    trainer publishes (default: the model's; vLLM's loader converts). ``staging_device`` is where
+    the two staging copies live (default: the worker's device; ``"cpu"`` keeps them out of GPU
+    memory, and the load then copies from host memory). ``name`` prefixes this worker's peer name
+    (host, pid and rank follow). ``timeout`` bounds joining the store. The
     secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in vLLM's environment,
     never from this message."""
 
@@ -40,10 +42,19 @@ class TransportInitInfo(WeightTransferInitInfo):
     namespace: str = "default"
     group: str = "policy"
     dtype: str | None = None
+    staging_device: str | None = None
     name: str = "vllm"
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.staging_device is not None:
+            try:
+                torch.device(self.staging_device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(
+                    f"transport init_info: staging_device {self.staging_device!r} is not a device "
+                    "(for example 'cpu' or 'cuda:0')"
+                ) from e
         for field in ("store", "namespace", "group", "name"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 raise ValueError(f"transport init_info: {field} must be a non-empty string")
@@ -133,8 +144,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 timeout=init_info.timeout,
             )
             try:
+                staging = init_info.staging_device or self.device
                 sub = WeightSubscriber(
-                    t, spec, group=init_info.group, mode="staging", staging_device=self.device
+                    t, spec, group=init_info.group, mode="staging", staging_device=staging
                 )
             except BaseException:
                 t.close()
@@ -173,7 +185,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             try:
                 model.load_weights(snap.tensors.items())
             finally:
-                # also after a failed load: the reload puts every layer back on its device
+                # finish the reload even after a failed load: it started by moving the layers
+                # to the meta device
                 finalize_layerwise_reload(model, self.model_config)
         self._loaded = snap.version
         log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
