@@ -447,17 +447,15 @@ class WeightSubscriber:
         with self._lock:
             if self._closed:
                 raise ClosedError("the subscriber was closed")
-            if version is None:
-                slot = self._newest_slot
-            else:
-                held = [k for k in range(self.slots) if self._slot_version[k] == version]
-                if not held:
-                    raise VersionGoneError(
-                        f"version {version} of group {self.group!r} is no longer held here: "
-                        f"version {self.version} replaced it; read version {self.version} "
-                        "(or version=None for the newest)"
-                    )
-                slot = held[0]
+            # only the newest complete version's slot is kept from the writers: every other slot
+            # was handed back to the publisher as free, and may be written over already
+            if version is not None and self.version != version:
+                raise VersionGoneError(
+                    f"version {version} of group {self.group!r} is no longer held here: "
+                    f"version {self.version} replaced it; read version {self.version} "
+                    "(or version=None for the newest)"
+                )
+            slot = self._newest_slot
             assert slot is not None  # a version is complete
             self._hold(slot)
             got = self._slot_version[slot]
