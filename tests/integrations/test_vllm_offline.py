@@ -61,7 +61,9 @@ def test_each_update_serves_exactly_the_version_published(vllm, store, reference
         assert status == {_worker(vllm): "done"}
         assert vllm.call("generate") == reference(3)
         assert vllm.call("engine_state")[0]["loaded"] == 3
-        # no version named: the newest complete one
+        # no version named: the newest complete one (the worker may note 4 complete a moment
+        # after the publisher saw it land)
+        wait_until(lambda: vllm.call("engine_state")[0]["complete"] == 4, 30, "version 4 noted")
         vllm.call("update", {})
         assert vllm.call("generate") == reference(4)
         assert vllm.call("engine_state")[0]["loaded"] == 4
