@@ -1,0 +1,351 @@
+"""Layouts as data: which slice of which global tensor each trainer rank holds, what each
+destination tensor is made of, and the byte runs that carry one into the other.
+
+A :class:`SourceLayout` describes every rank of a sharded trainer at once (each rank computes
+the same layout from the same rule, so no rank needs to ask another): a tensor is replicated
+(every rank holds it whole) or split along one dim into disjoint, possibly uneven, shards. A
+destination layout maps each destination tensor to :class:`DestTensor`: pieces of source tensors
+(a slice along one dim each) stacked along one dim, which says a full copy, a tensor-parallel
+shard, a fused parameter (vLLM's ``qkv_proj`` is q, k and v of one TP rank stacked along dim 0)
+or a rename. :func:`check` refuses a pair that does not fit (a destination not covered, shards
+that overlap, shapes or dtypes that disagree) with every problem named; :func:`plan` gives one
+rank's :class:`Run` list, computed once and replayed every version. A replicated source is
+written by exactly one rank per piece, the pieces dealt round robin over the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class LayoutError(ValueError):
+    """A source and a destination layout do not fit; ``problems`` lists every mismatch by name."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            f"{len(self.problems)} layout problem(s): " + "; ".join(self.problems)
+        )
+
+
+@dataclass(frozen=True)
+class Slice:
+    """``[start, stop)`` of a global tensor along ``dim``; ``dim=None`` is the whole tensor."""
+
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+    def box(self, shape: Sequence[int]) -> list[tuple[int, int]]:
+        """Per dim, the half-open interval this slice covers of a tensor of ``shape``."""
+        return [
+            (self.start, self.stop) if d == self.dim else (0, n) for d, n in enumerate(shape)
+        ]
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One global tensor of the trainer: its ``shape`` and ``dtype``, and ``held``, the slice
+    each rank holds (``{rank: Slice()}`` for every rank when replicated)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    held: Mapping[int, Slice]
+
+    @property
+    def replicated(self) -> bool:
+        return all(s.dim is None for s in self.held.values())
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """Every rank's share of every global tensor (``world`` ranks, numbered from 0)."""
+
+    world: int
+    tensors: Mapping[str, SourceTensor]
+
+    @classmethod
+    def split(
+        cls,
+        world: int,
+        tensors: Mapping[str, tuple[Sequence[int], torch.dtype]],
+        dims: Mapping[str, int | None] | None = None,
+        sizes: Mapping[str, Sequence[int]] | None = None,
+    ) -> SourceLayout:
+        """The layout of a trainer whose tensors (name -> (global shape, dtype)) are split
+        along ``dims[name]`` (default 0; None: replicated) into ``world`` shards: of
+        ``sizes[name]`` rows each when given (uneven), else as ``torch.chunk`` splits them
+        (FSDP's rule: ceil(n / world) each, the last ones smaller or empty)."""
+        out = {}
+        for name, (shape, dtype) in tensors.items():
+            dim = (dims or {}).get(name, 0)
+            shape = tuple(int(n) for n in shape)
+            if dim is None:
+                held = {r: Slice() for r in range(world)}
+            else:
+                n = shape[dim]
+                step = math.ceil(n / world) if n else 0
+                counts = list((sizes or {}).get(name, ()))
+                if not counts:
+                    counts = [max(0, min(step, n - r * step)) for r in range(world)]
+                held, at = {}, 0
+                for r, c in enumerate(counts):
+                    held[r] = Slice(dim, at, at + int(c))
+                    at += int(c)
+            out[name] = SourceTensor(shape, dtype, held)
+        return cls(world, out)
+
+    def local_shape(self, rank: int, name: str) -> tuple[int, ...]:
+        """The shape of the tensor ``rank`` holds of ``name``."""
+        t = self.tensors[name]
+        return tuple(hi - lo for lo, hi in t.held[rank].box(t.shape))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A slice (``take``) of source tensor ``source``, placed at ``at`` along the destination's
+    stacking dim."""
+
+    source: str
+    take: Slice = field(default_factory=Slice)
+    at: int = 0
+
+
+@dataclass(frozen=True)
+class DestTensor:
+    """A destination tensor of ``shape`` and ``dtype``: its ``pieces`` stacked along ``dim``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Run:
+    """``nbytes`` from ``src_offset`` of this rank's local tensor ``source`` to ``dst_offset``
+    of destination tensor ``dest`` (byte offsets, contiguous tensors)."""
+
+    source: str
+    src_offset: int
+    dest: str
+    dst_offset: int
+    nbytes: int
+
+
+def check(source: SourceLayout, dest: Mapping[str, DestTensor]) -> None:
+    """Refuse (LayoutError, every problem by name) a pair of layouts that does not fit."""
+    problems: list[str] = []
+    for name, t in sorted(source.tensors.items()):
+        problems += _check_source(name, t, source.world)
+    for name, d in sorted(dest.items()):
+        problems += _check_dest(name, d, source)
+    if problems:
+        raise LayoutError(problems)
+
+
+def _check_source(name: str, t: SourceTensor, world: int) -> list[str]:
+    if sorted(t.held) != list(range(world)):
+        return [f"source {name!r}: held by ranks {sorted(t.held)}, expected 0..{world - 1}"]
+    if t.replicated:
+        return []
+    dims = {s.dim for s in t.held.values()}
+    if len(dims) != 1 or None in dims:
+        return [f"source {name!r}: shards must all split one dim (or all be whole), got {dims}"]
+    (dim,) = dims
+    assert dim is not None
+    if not 0 <= dim < len(t.shape):
+        return [f"source {name!r}: shard dim {dim} outside its {len(t.shape)} dims"]
+    spans = sorted((s.start, s.stop) for s in t.held.values())
+    at = 0
+    for lo, hi in spans:
+        if lo < at:
+            return [f"source {name!r}: shards overlap at {lo} of dim {dim}"]
+        if lo > at:
+            return [f"source {name!r}: rows {at}..{lo} of dim {dim} are held by no rank"]
+        at = max(at, hi)
+    if at != t.shape[dim]:
+        return [f"source {name!r}: shards cover {at} of {t.shape[dim]} along dim {dim}"]
+    return []
+
+
+def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
+    problems = []
+    covered: list[tuple[int, int]] = []
+    for p in d.pieces:
+        s = source.tensors.get(p.source)
+        if s is None:
+            problems.append(f"destination {name!r}: source {p.source!r} does not exist")
+            continue
+        if s.dtype != d.dtype:
+            problems.append(
+                f"destination {name!r} is {d.dtype}, its source {p.source!r} is {s.dtype}"
+            )
+        if len(s.shape) != len(d.shape):
+            problems.append(
+                f"destination {name!r} has {len(d.shape)} dims, its source {p.source!r} "
+                f"{len(s.shape)}"
+            )
+            continue
+        box = p.take.box(s.shape) if p.take.dim is not None else Slice().box(s.shape)
+        if p.take.dim is not None and not 0 <= p.take.start <= p.take.stop <= s.shape[p.take.dim]:
+            problems.append(
+                f"destination {name!r}: piece {p.take.start}..{p.take.stop} of {p.source!r} "
+                f"is outside its dim {p.take.dim} of {s.shape[p.take.dim]}"
+            )
+            continue
+        extent = [hi - lo for lo, hi in box]
+        other = [n for k, n in enumerate(extent) if k != d.dim]
+        want = [n for k, n in enumerate(d.shape) if k != d.dim]
+        if other != want:
+            problems.append(
+                f"destination {name!r} {tuple(d.shape)}: piece of {p.source!r} is "
+                f"{tuple(extent)} (dims other than {d.dim} must agree)"
+            )
+            continue
+        covered.append((p.at, p.at + extent[d.dim]))
+    at = 0
+    for lo, hi in sorted(covered):
+        if lo < at:
+            problems.append(f"destination {name!r}: pieces overlap at {lo} of dim {d.dim}")
+        elif lo > at:
+            problems.append(f"destination {name!r}: {at}..{lo} of dim {d.dim} is not covered")
+        at = max(at, hi)
+    if not problems and at != d.shape[d.dim]:
+        problems.append(
+            f"destination {name!r}: pieces cover {at} of {d.shape[d.dim]} along dim {d.dim}"
+        )
+    return problems
+
+
+def plan(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> list[Run]:
+    """The runs ``rank`` writes so that, with every other rank's runs, each destination tensor
+    is whole: every destination byte written once. Checks the layouts first (LayoutError)."""
+    check(source, dest)
+    runs: list[Run] = []
+    deal = 0  # pieces of replicated sources, dealt round robin over the ranks
+    for name in dest:  # the caller's order: the same on every rank
+        d = dest[name]
+        for p in d.pieces:
+            s = source.tensors[p.source]
+            want = p.take.box(s.shape) if p.take.dim is not None else Slice().box(s.shape)
+            if s.replicated:
+                mine = deal % source.world == rank
+                deal += 1
+                if mine:
+                    runs += _runs(p.source, s, Slice(), name, d, p, want)
+                continue
+            runs += _runs(p.source, s, s.held[rank], name, d, p, want)
+    return _merge(runs)
+
+
+def _runs(
+    src_name: str, s: SourceTensor, held: Slice, dst_name: str, d: DestTensor, p: Piece,
+    want: list[tuple[int, int]],
+) -> list[Run]:  # fmt: skip
+    have = held.box(s.shape)
+    box = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(have, want, strict=True)]
+    if any(hi <= lo for lo, hi in box):
+        return []
+    local = [hi - lo for lo, hi in have]
+    src_at = [lo - h0 for (lo, _), (h0, _) in zip(box, have, strict=True)]
+    dst_at = [
+        lo - w0 + (p.at if k == d.dim else 0)
+        for k, ((lo, _), (w0, _)) in enumerate(zip(box, want, strict=True))
+    ]
+    extent = [hi - lo for lo, hi in box]
+    # the innermost dims both layouts hold whole are one contiguous run per index of the others
+    k = len(extent)
+    while k > 0 and extent[k - 1] == local[k - 1] == d.shape[k - 1]:
+        k -= 1
+    if k > 0:
+        k -= 1  # dim k is partial: it runs too, but in one piece per index of the dims before
+    length = math.prod(extent[k:])
+    src_stride, dst_stride = _strides(local), _strides(d.shape)
+    grids = np.meshgrid(*[np.arange(n) for n in extent[:k]], indexing="ij") if k else []
+    src0 = sum(a * st for a, st in zip(src_at, src_stride, strict=True))
+    dst0 = sum(a * st for a, st in zip(dst_at, dst_stride, strict=True))
+    if k:
+        src_off = src0 + sum(g * src_stride[i] for i, g in enumerate(grids)).ravel()
+        dst_off = dst0 + sum(g * dst_stride[i] for i, g in enumerate(grids)).ravel()
+    else:
+        src_off, dst_off = np.array([src0]), np.array([dst0])
+    size = torch.empty(0, dtype=s.dtype).element_size()
+    return [
+        Run(src_name, int(a) * size, dst_name, int(b) * size, length * size)
+        for a, b in zip(src_off.tolist(), dst_off.tolist(), strict=True)
+    ]
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def _merge(runs: list[Run]) -> list[Run]:
+    """Runs adjacent at both ends (same tensors) become one."""
+    out: list[Run] = []
+    for r in runs:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.source == r.source
+            and last.dest == r.dest
+            and last.src_offset + last.nbytes == r.src_offset
+            and last.dst_offset + last.nbytes == r.dst_offset
+        ):
+            out[-1] = Run(r.source, last.src_offset, r.dest, last.dst_offset, last.nbytes + r.nbytes)
+        else:
+            out.append(r)
+    return out
+
+
+def apply_runs(
+    runs: Sequence[Run], local: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy ``runs`` from this rank's local tensors into destination tensors in this process
+    (the reference the tests compare against, and what a local destination does)."""
+    for r in runs:
+        src = local[r.source].view(-1).view(torch.uint8)[r.src_offset : r.src_offset + r.nbytes]
+        dst = dest[r.dest].view(-1).view(torch.uint8)[r.dst_offset : r.dst_offset + r.nbytes]
+        dst.copy_(src)
+
+
+def full_copy(source: SourceLayout, names: Sequence[str] | None = None,
+              rename: Mapping[str, str] | None = None) -> dict[str, DestTensor]:  # fmt: skip
+    """A destination of whole tensors (``rename``: destination name -> source name)."""
+    pairs = [(n, n) for n in (names or list(source.tensors))] + list((rename or {}).items())
+    return {
+        dst: DestTensor(source.tensors[src].shape, source.tensors[src].dtype, (Piece(src),))
+        for dst, src in pairs
+    }
+
+
+def tp_shard(
+    source: SourceLayout, dest_name: str, parts: Sequence[str], dim: int, degree: int, rank: int
+) -> DestTensor:
+    """Tensor-parallel rank ``rank`` of ``degree``'s share of ``dest_name``: the ``rank``-th
+    equal chunk along ``dim`` of each source of ``parts``, stacked along ``dim`` in that order
+    (vLLM's column-parallel fused parameters: ``qkv_proj`` from q, k, v; ``gate_up_proj`` from
+    gate, up; one part: a plain column (dim 0) or row (dim 1) shard)."""
+    pieces, at, shape = [], 0, None
+    for src in parts:
+        s = source.tensors[src]
+        n = s.shape[dim]
+        if n % degree:
+            raise LayoutError([f"{src!r}: {n} along dim {dim} does not split into {degree}"])
+        step = n // degree
+        pieces.append(Piece(src, Slice(dim, rank * step, (rank + 1) * step), at))
+        at += step
+        shape = list(s.shape)
+    assert shape is not None, f"{dest_name!r} has no parts"
+    shape[dim] = at
+    return DestTensor(tuple(shape), source.tensors[parts[0]].dtype, tuple(pieces), dim)
