@@ -74,6 +74,13 @@ def control_channel(t: transport.Transport) -> Any:
     return t._control
 
 
+def queued_notifications(t: transport.Transport) -> tuple[int, int]:
+    """How many unread notifications ``t`` holds, and their payload bytes."""
+    control = control_channel(t)
+    with control._cond:
+        return len(control._queue), control._queued_bytes
+
+
 def transfers(t: transport.Transport) -> Any:
     """The transfer paths (to spy on one of them with monkeypatch)."""
     return t._transfers

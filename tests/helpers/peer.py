@@ -107,6 +107,7 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         "notif_then_sha": notif_then_sha,
         "notifications": lambda timeout: [(n.peer, n.payload) for n in t.notifications(timeout)],
         "dropped_notifications": lambda: t.dropped_notifications,
+        "queued_notifications": lambda: internals.queued_notifications(t),
         "refused_notifications": lambda: t.refused_notifications,
         "notify": lambda peer, payload: t.notify(peer, payload),
         "notification": lambda timeout: (lambda n: (n.peer, n.payload))(
