@@ -192,7 +192,7 @@ def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
                 f"{len(s.shape)}"
             )
             continue
-        box = p.take.box(s.shape) if p.take.dim is not None else Slice().box(s.shape)
+        box = p.take.box(s.shape)
         if p.take.dim is not None and not 0 <= p.take.start <= p.take.stop <= s.shape[p.take.dim]:
             problems.append(
                 f"destination {name!r}: piece {p.take.start}..{p.take.stop} of {p.source!r} "
@@ -233,7 +233,7 @@ def plan(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> lis
         d = dest[name]
         for p in d.pieces:
             s = source.tensors[p.source]
-            want = p.take.box(s.shape) if p.take.dim is not None else Slice().box(s.shape)
+            want = p.take.box(s.shape)
             if s.replicated:
                 mine = deal % source.world == rank
                 deal += 1
