@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -324,15 +324,20 @@ class Transport(Closing):
     # -- transfers ----------------------------------------------------------------------------
 
     @staticmethod
-    def batch(tensors: Mapping[str, torch.Tensor]) -> Batch:
+    def batch(
+        tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor, int]],
+    ) -> Batch:
         """``tensors`` (region name -> tensor) checked once, for puts and gets repeated every
         step: ``t.put(batch, peer)`` then costs no per-tensor work (a model of 100,000 tensors).
-        The tensors must keep their memory: update them in place."""
+        A list of ``(region name, tensor, offset)`` triples instead places each tensor at its
+        own offset (elements of its region), several into one region if need be: the byte runs
+        of a sharded layout, one transfer. The tensors must keep their memory: update them in
+        place."""
         return make_batch(tensors)
 
     def put(
         self,
-        src: torch.Tensor | Mapping[str, torch.Tensor],
+        src: torch.Tensor | Mapping[str, torch.Tensor] | Batch,
         peer: str | Iterable[str],
         key: str | None = None,
         *,
@@ -344,7 +349,7 @@ class Transport(Closing):
         """Write ``src`` into region ``key`` of ``peer`` (one-sided WRITE); returns a Handle at once.
 
         ``src`` may be a dict name -> tensor: one transfer for the whole batch, each tensor into the
-        region of its name. ``peer`` may be a list of names (fan-out, one handle). ``offset`` is in
+        region of its name (or a :meth:`batch` of them, which may place each at its own offset). ``peer`` may be a list of names (fan-out, one handle). ``offset`` is in
         elements of the region. ``notify`` (bytes) reaches the peer after all the data has landed.
         Without ``key`` the name the source was exposed or registered under is used.
         """
@@ -362,7 +367,7 @@ class Transport(Closing):
 
     def get(
         self,
-        dst: torch.Tensor | Mapping[str, torch.Tensor],
+        dst: torch.Tensor | Mapping[str, torch.Tensor] | Batch,
         peer: str,
         key: str | None = None,
         *,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,9 @@ from transport.memory import check_tensor
 
 #: the (region name, tensor) pairs of a transfer
 Items = tuple[tuple[str, torch.Tensor], ...]
+#: where the tensors of a transfer go in their regions, in elements: one offset for all of them,
+#: or one per item (a batch of writes at offsets, :func:`make_batch` of triples)
+Offset = int | tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,6 +27,8 @@ class Batch:
 
     items: Items
     sig: tuple[Any, ...]
+    #: per item, its offset in elements of its region (a batch made from triples), else None
+    offsets: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -47,15 +52,49 @@ def mapping_items(obj: Mapping[str, torch.Tensor]) -> tuple[Items, tuple[Any, ..
     return items, sig
 
 
-def make_batch(tensors: Mapping[str, torch.Tensor]) -> Batch:
-    """A Batch of ``tensors`` (every name a str, every tensor passing the transfer checks)."""
-    if not isinstance(tensors, Mapping):
+def make_batch(
+    tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor, int]],
+) -> Batch:
+    """A Batch of ``tensors``: a dict region name -> tensor (each tensor at the start of its
+    region), or a sequence of ``(region name, tensor, offset in elements)`` triples (every name
+    a str, every tensor passing the transfer checks, every offset a non-negative int)."""
+    if isinstance(tensors, Mapping):
+        for k, t in tensors.items():
+            _check_item(k, t)
+        items, sig = mapping_items(tensors)
+        return Batch(items, sig)
+    if not isinstance(tensors, Sequence) or isinstance(tensors, (str, bytes)):
         raise TypeError(
-            f"a batch is made from a dict of name -> tensor, got {type(tensors).__name__}"
+            "a batch is made from a dict of name -> tensor or a list of (name, tensor, offset), "
+            f"got {type(tensors).__name__}"
         )
-    for k, t in tensors.items():
-        if not isinstance(k, str):
-            raise TypeError(f"dict keys must be region names (str), got {type(k).__name__}")
-        check_tensor(t, f"tensor {k!r}")
-    items, sig = mapping_items(tensors)
-    return Batch(items, sig)
+    if not tensors:
+        raise ValueError("the list of (name, tensor, offset) is empty")
+    pairs, offsets = [], []
+    for entry in tensors:
+        if not isinstance(entry, tuple) or len(entry) != 3:
+            raise TypeError(
+                f"each entry of a batch list is (region name, tensor, offset), got {entry!r:.80}"
+            )
+        k, t, at = entry
+        _check_item(k, t)
+        if type(at) is not int or at < 0:
+            raise ValueError(
+                f"offset of {k!r} must be a non-negative int (elements of the region), got {at!r}"
+            )
+        pairs.append((k, t))
+        offsets.append(at)
+    items = tuple(pairs)
+    sig = tuple(
+        [
+            (k, t.data_ptr(), t.nbytes, t.dtype, at)
+            for (k, t), at in zip(items, offsets, strict=True)
+        ]
+    )
+    return Batch(items, sig, tuple(offsets))
+
+
+def _check_item(k: object, t: torch.Tensor) -> None:
+    if not isinstance(k, str):
+        raise TypeError(f"dict keys must be region names (str), got {type(k).__name__}")
+    check_tensor(t, f"tensor {k!r}")

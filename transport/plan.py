@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from transport.backends.base import READ, WRITE, Backend, device_parts
+from transport.batch import Offset
 from transport.errors import RegionError
 from transport.memory import LocalMemory, Registration, check_tensor, device_of, dtype_name
 from transport.wire import PeerRecord, RegionInfo
@@ -303,11 +304,12 @@ def build_plan(
     conn: PeerConn,
     op: str,
     items: tuple[tuple[str, torch.Tensor], ...],
-    offset: int,
+    offset: Offset,
     chunk_bytes: int,
 ) -> Plan:
-    """Check a put or get of ``items`` (region name, tensor) at ``offset`` elements against
-    ``conn``'s regions and make its plan; every rule is checked here, before any byte moves."""
+    """Check a put or get of ``items`` (region name, tensor) at ``offset`` elements (one for
+    all, or one per item) against ``conn``'s regions and make its plan; every rule is checked
+    here, before any byte moves."""
     lrows: list[tuple[int, int, int]] = []
     rrows: list[tuple[int, int, int]] = []
     keep: list[Registration] = []
@@ -316,7 +318,8 @@ def build_plan(
     devices, rdevices = set(), set()
     regions = conn.regions
     try:
-        for key, t in items:
+        for i, (key, t) in enumerate(items):
+            at = offset if isinstance(offset, int) else offset[i]
             if not isinstance(key, str):
                 raise TypeError(f"dict keys must be region names (str), got {type(key).__name__}")
             check_tensor(t, f"tensor {key!r}")
@@ -330,11 +333,11 @@ def build_plan(
                     f"dtype mismatch for region {key!r} of peer {conn.name!r}: the tensor is {dt}, the region "
                     f"is {region.dtype}; convert with .to(torch.{region.dtype}) or view the bytes with .view()"
                 )
-            start = offset * region.itemsize
+            start = at * region.itemsize
             nbytes = t.nbytes
             if start + nbytes > region.nbytes:
                 raise RegionError(
-                    f"{t.numel()} elements at offset {offset} do not fit region {key!r} of peer {conn.name!r} "
+                    f"{t.numel()} elements at offset {at} do not fit region {key!r} of peer {conn.name!r} "
                     f"({region.numel} elements of {region.dtype}, shape {list(region.shape)}); "
                     "send a smaller slice or a smaller offset"
                 )

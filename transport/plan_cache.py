@@ -6,6 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from transport.batch import Offset
 from transport.endpoint import Endpoint
 from transport.errors import PeerLostError, RegionError, RegistrationBudgetError
 from transport.peer_table import PeerTable
@@ -56,7 +57,7 @@ class PlanCache:
         peer: str,
         items: tuple[tuple[str, torch.Tensor], ...],
         sig: tuple[Any, ...],
-        offset: int,
+        offset: Offset,
         claim: bool = False,
     ) -> Plan:
         """The usable plan of this transfer: the cached one, or a new one (every rule checked).
@@ -116,7 +117,7 @@ class PlanCache:
                 plan.claims -= 1
 
     def _build(
-        self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: int
+        self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: Offset
     ) -> Plan:
         ep = self._ep
         return build_plan(ep.backend, ep.mem, conn, op, items, offset, ep.settings.chunk_bytes)

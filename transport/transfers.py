@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from transport.backends.base import WRITE
-from transport.batch import Batch, Items, mapping_items
+from transport.batch import Batch, Items, Offset, mapping_items
 from transport.endpoint import Endpoint, State
 from transport.engine import QUEUED, Engine, Op
 from transport.errors import PeerLostError
@@ -240,7 +240,7 @@ class Transfers:
         if stream is not None:
             return self.stream_op(op, obj, peer, key, offset, notify, timeout, stream)
         peers = (peer,) if isinstance(peer, str) else peer_list(peer)
-        items, sig = self.items(obj, key, offset)
+        items, sig, at = self.items(obj, key, offset)
         if timeout is None:
             timeout = ep.settings.timeout
         else:
@@ -254,16 +254,16 @@ class Transfers:
         claimed: list[Plan] = []  # never evicted until the handle completes
         try:
             for p in peers:
-                claimed.append(self._plans.get(op, p, items, sig, offset, claim=True))
+                claimed.append(self._plans.get(op, p, items, sig, at, claim=True))
             handle, ops, inline = self._ops(
-                op, claimed, items, sig, offset, notif, deadline, timeout
+                op, claimed, items, sig, at, notif, deadline, timeout
             )
         except BaseException:
             self._plans.unclaim(claimed)
             raise
         handle.add_done_callback(lambda _: self._plans.unclaim(claimed))
         if inline:
-            self._post_inline(handle, ops, items, sig, offset)
+            self._post_inline(handle, ops, items, sig, at)
         elif not self.lanes.lanes:
             ep.engine.submit(ops)
         else:
@@ -281,7 +281,7 @@ class Transfers:
         claimed: list[Plan],
         items: Items,
         sig: tuple[Any, ...],
-        offset: int,
+        offset: Offset,
         notif: bytes,
         deadline: float,
         timeout: float,
@@ -337,7 +337,7 @@ class Transfers:
         return handle, ops, inline
 
     def _post_inline(
-        self, handle: Handle, ops: list[Op], items: Items, sig: tuple[Any, ...], offset: int
+        self, handle: Handle, ops: list[Op], items: Items, sig: tuple[Any, ...], offset: Offset
     ) -> None:
         """Small one-part transfers: posted by the caller's thread, polled by whoever waits."""
         engine = self._ep.engine
@@ -359,7 +359,7 @@ class Transfers:
         plan: Plan,
         items: Items,
         sig: tuple[Any, ...],
-        offset: int,
+        offset: Offset,
         notif: bytes,
         deadline: float,
         timeout: float,
@@ -398,8 +398,11 @@ class Transfers:
                        f"{len(shares)} shares")  # fmt: skip
         return group
 
-    def items(self, obj: Any, key: str | None, offset: int) -> tuple[Items, tuple[Any, ...]]:
-        """The (region name, tensor) pairs of a put or get, and the signature of its plan."""
+    def items(
+        self, obj: Any, key: str | None, offset: int
+    ) -> tuple[Items, tuple[Any, ...], Offset]:
+        """The (region name, tensor) pairs of a put or get, the signature of its plan and the
+        offsets (a batch of triples brings its own)."""
         if type(offset) is not int or offset < 0:
             raise ValueError(
                 f"offset must be a non-negative int (elements of the region), got {offset!r}"
@@ -425,13 +428,18 @@ class Transfers:
                 raise ValueError(
                     "offset= cannot be combined with a dict; put each tensor separately"
                 )
-            items, sig = (obj.items, obj.sig) if isinstance(obj, Batch) else mapping_items(obj)
+            if isinstance(obj, Batch):
+                items, sig = obj.items, obj.sig
+                if obj.offsets is not None:
+                    return items, sig, obj.offsets
+            else:
+                items, sig = mapping_items(obj)
         else:
             raise TypeError(
                 "expected a torch.Tensor, a dict of name -> torch.Tensor or a Transport.batch(), "
                 f"got {type(obj).__name__}"
             )
-        return items, sig
+        return items, sig, offset
 
     # -- stream-ordered transfers ------------------------------------------------------------
 
@@ -450,9 +458,9 @@ class Transfers:
         thread when the stream reaches it (see transport.cuda)."""
         ops = self.stream_ops()
         peers = (peer,) if isinstance(peer, str) else peer_list(peer)
-        items, sig = self.items(obj, key, offset)
+        items, sig, at = self.items(obj, key, offset)
         for p in peers:
-            self._plans.get(op, p, items, sig, offset)  # every check before anything is enqueued
+            self._plans.get(op, p, items, sig, at)  # every check before anything is enqueued
         if timeout is not None:
             positive("timeout", timeout)
 
@@ -460,7 +468,7 @@ class Transfers:
             return self.transfer(op, obj, peer, key, offset, notify, timeout, None, proxy=True)
 
         what = f"{'put' if op == WRITE else 'get'} to {', '.join(peers)}"
-        return ops.enqueue((op, peers, sig, offset, notify), start, what, stream)
+        return ops.enqueue((op, peers, sig, at, notify), start, what, stream)
 
     def stream_ops(self) -> Any:
         """The stream machinery, created on first use; a clear error without CUDA or CuPy."""
@@ -477,7 +485,7 @@ class Transfers:
 
     # -- retries after a peer restart --------------------------------------------------------
 
-    def _after_loss(self, lost: Op, items: Items, sig: tuple[Any, ...], offset: int) -> Op | None:
+    def _after_loss(self, lost: Op, items: Items, sig: tuple[Any, ...], offset: Offset) -> Op | None:
         """A post to a peer failed because it is gone. If it has restarted under the same name,
         return an op for the new incarnation (nothing was sent to the old one), else None."""
         old = lost.plan.conn

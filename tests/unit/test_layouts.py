@@ -53,14 +53,14 @@ def _locals(src: SourceLayout, full, rank):
 def _deliver(src, full, dest):
     """Every rank's runs applied to its own shards; returns the tensors and a write count per byte."""
     out = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in dest.items()}
-    counts = {n: torch.zeros(t.numel() * t.element_size(), dtype=torch.int32) for n, t in out.items()}
+    counts = {n: torch.zeros(t.numel(), dtype=torch.int32) for n, t in out.items()}
     for rank in range(src.world):
         runs = plan(src, dest, rank)
         apply_runs(runs, _locals(src, full, rank), out)
         for r in runs:
-            counts[r.dest][r.dst_offset : r.dst_offset + r.nbytes] += 1
+            counts[r.dest][r.dst_at : r.dst_at + r.count] += 1
     for n, c in counts.items():
-        assert bool((c == 1).all()), f"{n}: bytes written {c.min()}..{c.max()} times"
+        assert bool((c == 1).all()), f"{n}: elements written {c.min()}..{c.max()} times"
     return out
 
 
@@ -123,11 +123,11 @@ def test_a_dim0_shard_into_a_dim0_destination_is_one_run_per_rank():
     full = {"w": torch.randn(64, 32)}
     src = SourceLayout.split(2, {"w": (full["w"].shape, full["w"].dtype)})
     runs = plan(src, full_copy(src), 0)
-    assert len(runs) == 1 and runs[0].nbytes == 32 * 32 * 4
+    assert len(runs) == 1 and runs[0].count == 32 * 32
 
 
 def test_layouts_that_do_not_fit_are_refused_with_every_problem_named():
-    f32, bf16 = torch.float32, torch.bfloat16
+    f32 = torch.float32
     src = SourceLayout(
         2,
         {
@@ -139,7 +139,7 @@ def test_layouts_that_do_not_fit_are_refused_with_every_problem_named():
     dest = {
         "short": DestTensor((6, 4), f32, (Piece("w", Slice(0, 0, 4)),)),
         "wrong_shape": DestTensor((8, 5), f32, (Piece("w"),)),
-        "wrong_dtype": DestTensor((8, 4), bf16, (Piece("w"),)),
+        "wrong_dtype": DestTensor((8, 4), torch.int32, (Piece("w"),)),  # floats convert, ints not
         "missing": DestTensor((8, 4), f32, (Piece("nothing"),)),
         "overlapping": DestTensor((8, 4), f32, (Piece("w", Slice(0, 0, 8)), Piece("w", Slice(0, 0, 4), at=4))),
     }  # fmt: skip
@@ -157,3 +157,12 @@ def _t(shape, dtype, held):
     from transport.weights.layouts import SourceTensor
 
     return SourceTensor(shape, dtype, held)
+
+
+def test_a_destination_of_another_float_dtype_gets_the_converted_values():
+    g = torch.Generator().manual_seed(3)
+    full = _model(g)
+    src = _source(full, 2)
+    dest = {n: DestTensor(d.shape, torch.bfloat16, d.pieces, d.dim) for n, d in full_copy(src).items()}
+    got = _deliver(src, full, dest)
+    assert all(torch.equal(got[n], full[n].to(torch.bfloat16)) for n in full)

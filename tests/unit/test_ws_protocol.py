@@ -26,7 +26,7 @@ GOOD = [
     ("abort", {"v": 9, "s": 1}),
     ("begin", {"v": 3, "s": 1}),
     ("ver", {"v": 0, "s": 0}),
-    ("credit", {"s": [0, 1], "v": -1}),
+    ("credit", {"s": [0, 1], "v": -1, "d": -1}),
     ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1], ["gen-2", 1, 0]]}),
     ("seg", {"v": 7, "s": 1, "a": 0, "b": 12}),
     ("part", {"v": 7, "s": 1, "a": 3, "o": 32 << 20, "n": 16 << 20}),
@@ -50,7 +50,7 @@ def test_every_kind_round_trips(kind, fields):
 def test_messages_are_typed_values_with_named_fields():
     assert set(KINDS) == {k for k, _ in GOOD}
     assert decode(raw({"k": "hello"})) == Hello()
-    assert decode(raw({"k": "credit", "s": [1], "v": 4})) == Credit(slots=(1,), newest=4)
+    assert decode(raw({"k": "credit", "s": [1], "v": 4, "d": 5})) == Credit((1,), 4, 5)
     fwd = decode(raw({"k": "fwd", "v": 7, "t": 10, "to": [["gen-1", 1, 1]]}))
     assert fwd == Forward(version=7, ms=10, targets=(Target("gen-1", 1, relays=True),))
 
@@ -64,8 +64,8 @@ BAD = [
     (raw({"k": "ver", "v": 1, "s": 0, "x": 1}), "malformed"),  # one too many
     (raw({"k": "ver", "v": -1, "s": 0}), "non-negative"),
     (raw({"k": "begin", "v": True, "s": 0}), "non-negative"),
-    (raw({"k": "credit", "s": [9], "v": 1}), "credit slots"),
-    (raw({"k": "credit", "s": [0], "v": "1"}), "credit version"),
+    (raw({"k": "credit", "s": [9], "v": 1, "d": 1}), "credit slots"),
+    (raw({"k": "credit", "s": [0], "v": "1", "d": 1}), "credit versions"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": []}), "fwd targets"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0]]}), "fwd targets"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0, 0]]}), "fwd targets"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +19,7 @@ from transport.weights._protocol import GroupDirectory, channel, match_regions, 
 
 if TYPE_CHECKING:
     from transport import Transport
+    from transport.contract import PeerView
 
 log = logging.getLogger("transport.weights")
 
@@ -48,6 +49,14 @@ class Member:
         self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
         self.relay_handle: Delivery | None = None
         self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
+        # a sharded trainer's rank (weights/sharded.py): what it writes per slot, the newest
+        # version the subscriber completed and settled (its credits), the version this rank
+        # last began there, and the one whose completion it waits to hear of
+        self.writes: list[Any] = []
+        self.newest = -1
+        self.settled = -1
+        self.last = -1
+        self.acked: tuple[int, int, Delivery] | None = None
 
 
 FANOUTS = ("direct", "chain", "tree")
@@ -87,11 +96,17 @@ class Roster:
     """
 
     def __init__(
-        self, transport: Transport, group: str, tensors: Mapping[str, torch.Tensor]
+        self,
+        transport: Transport,
+        group: str,
+        tensors: Mapping[str, torch.Tensor],
+        planner: Callable[[Member, PeerView], str] | None = None,
     ) -> None:
         self.transport = transport
         self.group = group
         self.tensors = tensors
+        # how a sharded rank plans a member (sets its ``writes``; returns what is wrong, or "")
+        self.planner = planner
         self.dir = GroupDirectory(transport.store, transport.namespace, group)
         self.members: dict[str, Member] = {}
         self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
@@ -176,6 +191,12 @@ class Roster:
                 f"{entry['gen']} (tried again at the next publish)"
             )
             return sub
+        if self.planner is not None:
+            sub.error = self.planner(sub, conn)
+            if sub.error and (before is None or before.error != sub.error):
+                log.error("group %s: %s", self.group, sub.error)
+            self._hello(sub)
+            return sub
         names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")
         if not names and not problems:
             problems.append("it exposes none of the publisher's tensors")
@@ -190,11 +211,18 @@ class Roster:
         sub.names = frozenset(names)
         sub.batches = self.batches(sub.names, names, sub.slots)
         if sub.mode == "staging":
-            try:
-                self.transport.core.send_control(name, channel(self.group), encode(Hello()))
-            except TransportError as e:
-                sub.error = f"cannot reach it (tried again at the next publish): {e}"
+            self._hello(sub)
         return sub
+
+    def _hello(self, sub: Member) -> None:
+        """Ask ``sub`` for its free slots (a sharded rank asks in-place members too: their
+        credits say which versions they completed)."""
+        if sub.error:
+            return
+        try:
+            self.transport.core.send_control(sub.name, channel(self.group), encode(Hello()))
+        except TransportError as e:
+            sub.error = f"cannot reach it (tried again at the next publish): {e}"
 
     def batches(self, key: frozenset[str], names: list[str], slots: int) -> list[Batch]:
         """The batches of ``names`` for slots 0 to ``slots - 1`` (checked and signed once: a

@@ -66,13 +66,15 @@ class Abort(_SlotMessage):
 
 @dataclass(frozen=True)
 class Credit:
-    """subscriber -> publisher: the slots it may write now, and its newest complete version
-    (-1: none yet)."""
+    """subscriber -> publisher: the slots it may write now, its newest complete version (-1:
+    none yet) and the newest version it is done with (``settled``: complete, or given up), so
+    that the ranks of a sharded trainer start a version only once the one before is settled."""
 
     slots: tuple[int, ...]
     newest: int
+    settled: int = -1
     KIND: ClassVar[str] = "credit"
-    WIRE: ClassVar[dict[str, str]] = {"slots": "s", "newest": "v"}
+    WIRE: ClassVar[dict[str, str]] = {"slots": "s", "newest": "v", "settled": "d"}
 
 
 @dataclass(frozen=True)
@@ -174,9 +176,10 @@ def decode(payload: bytes) -> Message:
         slots = raw["slots"]
         if not isinstance(slots, list) or not all(_count(x) and x < MAX_SLOT for x in slots):
             raise WireFormatError("credit slots must be a list of small ints")
-        if not isinstance(raw["newest"], int) or isinstance(raw["newest"], bool):
-            raise WireFormatError("credit version must be an int")
-        return Credit(tuple(slots), raw["newest"])
+        for key in ("newest", "settled"):
+            if not isinstance(raw[key], int) or isinstance(raw[key], bool):
+                raise WireFormatError("credit versions must be ints")
+        return Credit(tuple(slots), raw["newest"], raw["settled"])
     if cls is Forward:
         return Forward(raw["version"], raw["ms"], _targets(raw["targets"]))
     if cls is Segment and not raw["first"] < raw["end"]:

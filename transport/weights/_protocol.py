@@ -156,10 +156,23 @@ class GroupDirectory:
             self.store.set(self.prefix + f"members/by-name/{name}", str(idx).encode())
         self._epoch.add(1)
 
+    def declare_layout(self, name: str, layout: bytes | None) -> None:
+        """The destination layout subscriber ``name`` declares before it joins (None: whole
+        tensors by name; an older incarnation's declaration is removed)."""
+        if layout is None:
+            self.store.delete(self.prefix + f"layout/{name}")
+        else:
+            self.store.set(self.prefix + f"layout/{name}", layout)
+
+    def layout(self, name: str) -> bytes | None:
+        """The destination layout ``name`` declared (None: it takes whole tensors by name)."""
+        return self.store.try_get(self.prefix + f"layout/{name}")
+
     def leave(self, name: str, generation: int) -> None:
         entry = self.entry(name)
         if entry is not None and entry["gen"] == generation:
             self.store.delete(self.prefix + f"sub/{name}")
+            self.store.delete(self.prefix + f"layout/{name}")
             self._epoch.add(1)
 
     def entry(self, name: str) -> dict[str, Any] | None:

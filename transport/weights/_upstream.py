@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from transport.errors import TransportError, WireFormatError
 from transport.store import Store
-from transport.weights._lease import current_lease
+from transport.weights._lease import current_leases
 from transport.weights._protocol import GroupDirectory
 
 log = logging.getLogger("transport.weights")
@@ -22,12 +22,13 @@ REFRESH_S = 2.0
 
 
 class Upstream:
-    """The senders one subscriber acts on: the holder of its group's publisher lease and the
-    group's relays, as the store names them.
+    """The senders one subscriber acts on: the holders of its group's publisher leases (one per
+    rank of a sharded trainer) and the group's relays, as the store names them.
 
     It owns the set of senders believed without a store read (checked every :data:`REFRESH_S`:
-    the lease, and the entry of each believed relay; a store that names nobody leaves it as it
-    was)
+    the leases, and the entry of each believed relay; a store that names nobody leaves it as it
+    was), the group's ``world`` (how many ranks' parts make a version) and each believed
+    publisher's rank (:meth:`rank_of`)
     and, per other sender, the count of its messages waiting for a check. Rules: a message from
     a believed sender is handled at once (engine thread); any other waits for a check on the
     worker (``submit``), and while one of a sender's messages waits, the later ones wait behind
@@ -51,6 +52,8 @@ class Upstream:
         self._lock = threading.Lock()
         self._believed: frozenset[str] = frozenset()
         self._publishers: frozenset[str] = frozenset()
+        self._ranks: dict[str, int] = {}  # publisher -> its rank
+        self.world = 1
         self._relays: frozenset[str] = frozenset()
         self._waiting: dict[str, int] = {}
         self._next_refresh = 0.0
@@ -91,8 +94,9 @@ class Upstream:
         """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is
         believed from now on)."""
         try:
-            lease = current_lease(self._store, self._namespace, self._group)
-            publishers = frozenset({lease.name, *lease.ranks}) if lease is not None else frozenset()
+            world, leases = current_leases(self._store, self._namespace, self._group)
+            ranks = {lease.name: r for r, lease in leases.items()}
+            publishers = frozenset(ranks)
             relay = peer not in publishers and self._is_relay(peer)
         except TransportError as e:
             log.info("group %s: cannot check sender %s: %s", self._group, peer, e)
@@ -101,11 +105,16 @@ class Upstream:
             return False
         with self._lock:
             if peer in publishers:
-                self._publishers = publishers
+                self._publishers, self._ranks, self.world = publishers, ranks, world
             else:
                 self._relays = self._relays | {peer}
             self._believed = self._publishers | self._relays
         return True
+
+    def rank_of(self, peer: str) -> int | None:
+        """The rank ``peer`` publishes (None: a relay, or not a publisher)."""
+        with self._lock:
+            return self._ranks.get(peer)
 
     def _is_relay(self, peer: str) -> bool:
         """Whether the group's entry of ``peer`` says it relays (a malformed one does not)."""
@@ -122,7 +131,7 @@ class Upstream:
             return self._next_refresh - now
         self._next_refresh = now + REFRESH_S
         try:
-            lease = current_lease(self._store, self._namespace, self._group)
+            world, leases = current_leases(self._store, self._namespace, self._group)
             # only the relays that wrote to us: one read each, not the whole group's entries
             relays = {n for n in self._relays if self._is_relay(n)}
         except TransportError as e:
@@ -131,9 +140,10 @@ class Upstream:
         with self._lock:
             # a store that lost the group (a Redis restarted empty) names nobody: until the
             # publisher and relays write themselves back, those we knew stay believed
-            if lease is not None:
-                self._publishers = frozenset({lease.name, *lease.ranks})
-            if relays or lease is not None:
+            if leases:
+                self._ranks = {lease.name: r for r, lease in leases.items()}
+                self._publishers, self.world = frozenset(self._ranks), world
+            if relays or leases:
                 self._relays = frozenset(relays)
             self._believed = self._publishers | self._relays
         return REFRESH_S

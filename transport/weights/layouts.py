@@ -128,14 +128,15 @@ class DestTensor:
 
 @dataclass(frozen=True)
 class Run:
-    """``nbytes`` from ``src_offset`` of this rank's local tensor ``source`` to ``dst_offset``
-    of destination tensor ``dest`` (byte offsets, contiguous tensors)."""
+    """``count`` elements from element ``src_at`` of this rank's local tensor ``source`` to
+    element ``dst_at`` of destination tensor ``dest`` (contiguous tensors, flat indices: in
+    elements, so a run holds whatever the dtypes of its two ends)."""
 
     source: str
-    src_offset: int
+    src_at: int
     dest: str
-    dst_offset: int
-    nbytes: int
+    dst_at: int
+    count: int
 
 
 def check(source: SourceLayout, dest: Mapping[str, DestTensor]) -> None:
@@ -182,9 +183,10 @@ def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
         if s is None:
             problems.append(f"destination {name!r}: source {p.source!r} does not exist")
             continue
-        if s.dtype != d.dtype:
+        if s.dtype != d.dtype and not (convertible(s.dtype, d.dtype)):
             problems.append(
-                f"destination {name!r} is {d.dtype}, its source {p.source!r} is {s.dtype}"
+                f"destination {name!r} is {d.dtype}, its source {p.source!r} is {s.dtype}: "
+                "only floating-point dtypes convert in flight"
             )
         if len(s.shape) != len(d.shape):
             problems.append(
@@ -275,9 +277,8 @@ def _runs(
         dst_off = dst0 + sum(g * dst_stride[i] for i, g in enumerate(grids)).ravel()
     else:
         src_off, dst_off = np.array([src0]), np.array([dst0])
-    size = torch.empty(0, dtype=s.dtype).element_size()
     return [
-        Run(src_name, int(a) * size, dst_name, int(b) * size, length * size)
+        Run(src_name, int(a), dst_name, int(b), length)
         for a, b in zip(src_off.tolist(), dst_off.tolist(), strict=True)
     ]
 
@@ -299,10 +300,10 @@ def _merge(runs: list[Run]) -> list[Run]:
             last is not None
             and last.source == r.source
             and last.dest == r.dest
-            and last.src_offset + last.nbytes == r.src_offset
-            and last.dst_offset + last.nbytes == r.dst_offset
+            and last.src_at + last.count == r.src_at
+            and last.dst_at + last.count == r.dst_at
         ):
-            out[-1] = Run(r.source, last.src_offset, r.dest, last.dst_offset, last.nbytes + r.nbytes)
+            out[-1] = Run(r.source, last.src_at, r.dest, last.dst_at, last.count + r.count)
         else:
             out.append(r)
     return out
@@ -311,12 +312,48 @@ def _merge(runs: list[Run]) -> list[Run]:
 def apply_runs(
     runs: Sequence[Run], local: Mapping[str, torch.Tensor], dest: Mapping[str, torch.Tensor]
 ) -> None:
-    """Copy ``runs`` from this rank's local tensors into destination tensors in this process
-    (the reference the tests compare against, and what a local destination does)."""
+    """Copy ``runs`` from this rank's local tensors into destination tensors in this process,
+    converting dtypes as ``copy_`` does (the reference the tests compare against, and what a
+    local destination does)."""
     for r in runs:
-        src = local[r.source].view(-1).view(torch.uint8)[r.src_offset : r.src_offset + r.nbytes]
-        dst = dest[r.dest].view(-1).view(torch.uint8)[r.dst_offset : r.dst_offset + r.nbytes]
-        dst.copy_(src)
+        src = local[r.source].view(-1)[r.src_at : r.src_at + r.count]
+        dest[r.dest].view(-1)[r.dst_at : r.dst_at + r.count].copy_(src)
+
+
+#: the dtypes a destination may ask for in place of its source's (converted by the sender)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether the sender converts ``src`` to ``dst`` in flight (floating point to floating
+    point; fp8 destinations come with a scale, see transport/weights/convert.py)."""
+    return src in FLOATS and dst in FLOATS
+
+
+def check_dest(
+    layout: Mapping[str, DestTensor], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, DestTensor]:
+    """A subscriber's declared ``layout`` against its own ``tensors`` (the same names, shapes
+    and dtypes), or LayoutError with every mismatch."""
+    problems = []
+    if not isinstance(layout, Mapping) or not all(
+        isinstance(d, DestTensor) for d in layout.values()
+    ):
+        raise TypeError("layout must be a dict of destination name -> DestTensor")
+    for name in sorted(set(layout) | set(tensors)):
+        d, t = layout.get(name), tensors.get(name)
+        if d is None:
+            problems.append(f"tensor {name!r} has no entry in the layout")
+        elif t is None:
+            problems.append(f"the layout names {name!r}, which is not one of the tensors")
+        elif tuple(t.shape) != tuple(d.shape) or t.dtype != d.dtype:
+            problems.append(
+                f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, its layout says "
+                f"{tuple(d.shape)} {d.dtype}"
+            )
+    if problems:
+        raise LayoutError(problems)
+    return dict(layout)
 
 
 def full_copy(source: SourceLayout, names: Sequence[str] | None = None,

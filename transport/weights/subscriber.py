@@ -22,6 +22,7 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.weights._flat import copy_all, copy_runs, flat_like
+from transport.weights._layout_wire import encode_dest
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -46,6 +47,7 @@ from transport.weights._protocol import (
 )
 from transport.weights._relay import Relay, RelayHost
 from transport.weights._upstream import Upstream
+from transport.weights.layouts import DestTensor, check_dest
 
 log = logging.getLogger("transport.weights")
 
@@ -83,6 +85,14 @@ class WeightSubscriber:
     the engine reads each version where it landed with :meth:`read` (an inference engine whose
     own loader takes checkpoint tensors does this). ``staging_device`` otherwise defaults to each
     tensor's own device.
+
+    ``layout`` (destination name -> :class:`~transport.weights.layouts.DestTensor`) declares
+    what each of ``named_tensors`` is made of, for a sharded trainer (:class:`ShardedPublisher`):
+    its own tensor-parallel shard, fused parameters, renames, another dtype. Without it, each
+    tensor is the source tensor of its name, whole. A version of a sharded trainer is complete
+    only once every rank's parts of it have landed (one ``ver`` per rank, into the same slot);
+    a version that a rank gave up (or that never completed before a newer one began) is never
+    presented, and the version before it stays readable.
     """
 
     def __init__(
@@ -95,12 +105,14 @@ class WeightSubscriber:
         poll_interval: float = 1e-3,
         relay: bool = True,
         staging_device: torch.device | str | None = None,
+        layout: Mapping[str, DestTensor] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(relay, bool):
             raise TypeError(f"relay must be a bool, got {type(relay).__name__}")
         live = check_named_tensors(named_tensors, "subscriber")
+        self.layout = None if layout is None else check_dest(layout, live)
         #: only shapes and dtypes were given (meta tensors): versions are read with read()
         self.spec_only = any(t.is_meta for t in live.values())
         if self.spec_only and (mode != "staging" or staging_device is None):
@@ -133,6 +145,10 @@ class WeightSubscriber:
         self.applied_version = -1
         self.incomplete: int | None = None
         self._aborted: dict[int, int] = {}  # slot -> a version written there that was given up
+        # sharded trainers: the ranks whose parts of (version, slot) landed, and the newest
+        # version this side is done with (complete or given up)
+        self._parts: dict[tuple[int, int], set[int]] = {}
+        self.settled = -1
         self._publishers: set[str] = set()
         self._closed = False
         self.relay = relay and mode == "staging"
@@ -169,6 +185,9 @@ class WeightSubscriber:
             # A publish completes only once this side has read its notification: poll at least
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
+            self._dir.declare_layout(
+                transport.name, None if self.layout is None else encode_dest(self.layout)
+            )
             self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
             self._next_entry_check = time.monotonic() + 1.0
         except BaseException:
@@ -199,7 +218,8 @@ class WeightSubscriber:
                     self._aborted[m.slot] = m.version
                     if self.incomplete == m.version:
                         self.incomplete = None
-            self._worker.submit(lambda: self._send_credit(peer))
+                    self._give_up(m.version, f"{peer} gave it up")
+            self._worker.submit(self._credit_publishers)
         elif isinstance(m, Begin):
             with self._lock:
                 if m.version > self.version:
@@ -231,6 +251,8 @@ class WeightSubscriber:
                 log.info("group %s: ignoring version %d in slot %d: %s gave it up",
                          self.group, version, slot, peer)  # fmt: skip
                 return
+            if not self._all_parts(peer, version, slot):
+                return  # another rank's parts are still on their way
             newer = version > self.version
             if newer:
                 self._slot_version[slot] = version
@@ -241,14 +263,52 @@ class WeightSubscriber:
                 if self.incomplete is not None and self.incomplete <= version:
                     self.incomplete = None
                 self._lock.notify_all()
+            self.settled = max(self.settled, version)
         if self.mode == "staging":
             # credits go to the publisher, which hands out the slots, even when a relay wrote
             self._worker.submit(lambda: self._credit_publishers(peer))
+        elif self._publishers:  # the ranks of a sharded trainer learn it is complete
+            self._worker.submit(self._credit_publishers)
         if self.relay:
             self._relay.on_complete(version)
         if newer and self.on_update is not None:
             cb = self.on_update
             self._worker.submit(lambda: cb(version))
+
+    def _all_parts(self, peer: str, version: int, slot: int) -> bool:
+        """Under the lock: whether every rank's parts of ``version`` in ``slot`` have landed with
+        this ``ver`` of ``peer`` (always, for a plain publisher or a relay)."""
+        rank, world = self._upstream.rank_of(peer), self._upstream.world
+        if world == 1:
+            return True
+        if rank is None:
+            log.warning("group %s: ignoring version %d from %s: it publishes no rank of the "
+                        "group's %d", self.group, version, peer, world)  # fmt: skip
+            return False
+        if version <= self.settled:
+            return False  # done with: complete already, or given up
+        landed = self._parts.setdefault((version, slot), set())
+        landed.add(rank)
+        if len(landed) < world:
+            while len(self._parts) > 2 * self.slots:  # a rank that runs ahead cannot grow this
+                del self._parts[min(self._parts)]
+            return False
+        del self._parts[(version, slot)]
+        return True
+
+    def _give_up(self, version: int, why: str) -> None:
+        """Under the lock: ``version`` will not complete here (its parts are dropped; the version
+        before it stays the newest); the ranks learn it from the next credit."""
+        if version <= self.settled:
+            return
+        self.settled = version
+        for key in [k for k in self._parts if k[0] <= version]:
+            ranks = sorted(self._parts.pop(key))
+            missing = sorted(set(range(self._upstream.world)) - set(ranks))
+            log.warning(
+                "group %s: version %d given up (%s): the parts of rank(s) %s never landed",
+                self.group, version, why, missing,
+            )  # fmt: skip
 
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
@@ -327,15 +387,15 @@ class WeightSubscriber:
             self._send_credit(p)
 
     def _send_credit(self, peer: str, reconnect: bool = False) -> None:
-        if self.mode != "staging" or self._closed:
+        if self._closed:
             return
         try:
             if reconnect:  # a hello may come from a publisher that restarted under the same name
                 self.transport.core.peer(peer, refresh=True)
             with self._lock:
-                free, newest = self._free_slots(), self.version
+                free, newest, settled = self._free_slots(), self.version, self.settled
             self.transport.core.send_control(
-                peer, channel(self.group), encode(Credit(tuple(free), newest))
+                peer, channel(self.group), encode(Credit(tuple(free), newest, settled))
             )
         except TransportError as e:
             log.info("could not tell %s which slots are free: %s", peer, e)

@@ -1,0 +1,164 @@
+"""Sharded publishing on the loopback backend (fast; the real-process version is
+tests/weights/test_sharded_procs.py): every rank of a trainer writes its own shards into each
+subscriber's declared layout; the subscriber completes a version only when every rank's parts
+landed, and the bytes equal a reference built from the full weights in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transport
+from transport.weights import DestTensor, LayoutError, ShardedPublisher, SourceLayout, full_copy, tp_shard
+
+pytestmark = pytest.mark.timeout(60)
+
+H, FF = 64, 96
+SHAPES = {
+    "q": (H, H), "k": (H // 2, H), "v": (H // 2, H), "o": (H, H),
+    "gate": (FF, H), "up": (FF, H), "down": (H, FF), "norm": (H,),
+}  # fmt: skip
+DIMS = {"o": 1, "down": 1, "norm": None}
+
+
+def _full(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def _shards(src: SourceLayout, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, t in src.tensors.items():
+        box = t.held[rank].box(t.shape)
+        out[n] = full[n][tuple(slice(lo, hi) for lo, hi in box)].contiguous()
+    return out
+
+
+def _tp(src: SourceLayout, degree: int, rank: int) -> dict[str, DestTensor]:
+    return {
+        "qkv_proj": tp_shard(src, "qkv_proj", ["q", "k", "v"], 0, degree, rank),
+        "o_proj": tp_shard(src, "o_proj", ["o"], 1, degree, rank),
+        "gate_up_proj": tp_shard(src, "gate_up_proj", ["gate", "up"], 0, degree, rank),
+        "down_proj": tp_shard(src, "down_proj", ["down"], 1, degree, rank),
+        "norm": full_copy(src, ["norm"])["norm"],
+    }
+
+
+def _tp_reference(full: dict[str, torch.Tensor], degree: int, rank: int) -> dict[str, torch.Tensor]:
+    def part(name: str, dim: int) -> torch.Tensor:
+        return full[name].chunk(degree, dim)[rank]
+
+    return {
+        "qkv_proj": torch.cat([part("q", 0), part("k", 0), part("v", 0)], 0),
+        "o_proj": part("o", 1),
+        "gate_up_proj": torch.cat([part("gate", 0), part("up", 0)], 0),
+        "down_proj": part("down", 1),
+        "norm": full["norm"],
+    }
+
+
+def _trainer(net, world, sizes=None):
+    src = SourceLayout.split(world, {n: (s, torch.float32) for n, s in SHAPES.items()}, DIMS, sizes)
+    full = _full(1)
+    shards = [_shards(src, full, r) for r in range(world)]
+    pubs = [
+        ShardedPublisher(net.make(f"trainer-{r}"), shards[r], src, r, group="policy")
+        for r in range(world)
+    ]
+    return src, shards, pubs
+
+
+def _step(src, shards, step):
+    full = _full(step)
+    for r, mine in enumerate(shards):
+        for n, t in _shards(src, full, r).items():
+            mine[n].copy_(t)
+    return full
+
+
+def _publish_all(pubs, version, timeout=20.0):
+    handles = [p.publish(version, timeout=timeout) for p in pubs]
+    return [h.wait(timeout + 10) for h in handles]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_writes_its_shards_into_full_tp_and_bf16_subscribers(loopback_net, world):
+    sizes = {"q": [20, 30, 14], "gate": [96, 0, 0]} if world == 3 else None
+    src, shards, pubs = _trainer(loopback_net, world, sizes)
+    full_spec = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    whole = transport.WeightSubscriber(loopback_net.make("gen-full"), full_spec, group="policy")
+    tps = []
+    for r in range(2):
+        lay = _tp(src, 2, r)
+        live = {n: torch.zeros(d.shape) for n, d in lay.items()}
+        tps.append((transport.WeightSubscriber(loopback_net.make(f"gen-tp{r}"), live, group="policy",
+                                               layout=lay, mode="inplace"), live))  # fmt: skip
+    blay = {n: DestTensor(d.shape, torch.bfloat16, d.pieces) for n, d in full_copy(src).items()}
+    bf16 = transport.WeightSubscriber(
+        loopback_net.make("gen-bf16"), {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()},
+        group="policy", layout=blay,
+    )  # fmt: skip
+    subs = sorted(s.transport.name for s in (whole, bf16, tps[0][0], tps[1][0]))
+    for version in (1, 2, 3):
+        full = _step(src, shards, version)
+        for result in _publish_all(pubs, version):
+            assert result.done == subs, result
+        whole.wait_for_version(version, 10)
+        assert whole.apply() == version
+        for n in SHAPES:
+            assert torch.equal(full_spec[n], full[n]), n
+        for r, (sub, live) in enumerate(tps):
+            assert sub.version == version
+            ref = _tp_reference(full, 2, r)
+            for n in ref:
+                assert torch.equal(live[n], ref[n]), (r, n)
+        with bf16.read(version, timeout=10) as snap:
+            for n in SHAPES:
+                assert torch.equal(snap.tensors[n], full[n].to(torch.bfloat16)), n
+    for p in pubs:
+        p.close()
+
+
+def test_a_version_with_a_missing_rank_never_completes_and_names_it(loopback_net):
+    src, shards, pubs = _trainer(loopback_net, 2)
+    live = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    sub = transport.WeightSubscriber(loopback_net.make("gen"), live, group="policy")
+    full1 = _step(src, shards, 1)
+    _publish_all(pubs, 1)
+    sub.wait_for_version(1, 10)
+    _step(src, shards, 2)
+    result = pubs[0].publish(2, timeout=1.0).wait(20)  # rank 1 never publishes version 2
+    assert result.excluded == [sub.transport.name]
+    why = result.reasons[sub.transport.name]
+    assert "rank 1" in why and "has not published version 2" in why, why
+    assert sub.version == 1 and sub.apply() == 1
+    assert all(torch.equal(live[n], full1[n]) for n in SHAPES)
+    full3 = _step(src, shards, 3)  # both ranks go on: the next version completes
+    assert all(r.done == [sub.transport.name] for r in _publish_all(pubs, 3))
+    sub.wait_for_version(3, 10)
+    assert sub.apply() == 3 and all(torch.equal(live[n], full3[n]) for n in SHAPES)
+
+
+def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net):
+    src, shards, pubs = _trainer(loopback_net, 2)
+    bad = {
+        "qkv_proj": DestTensor((H, H), torch.float32, tp_shard(src, "x", ["q", "k"], 0, 2, 0).pieces),
+        "norm": DestTensor((H,), torch.int32, full_copy(src, ["norm"])["norm"].pieces),
+    }
+    live = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in bad.items()}
+    sub = transport.WeightSubscriber(loopback_net.make("gen-bad"), live, group="policy", layout=bad)
+    name = sub.transport.name
+    for result in _publish_all(pubs, 1, timeout=5):
+        why = result.reasons[name]
+        assert result.excluded == [name] and "'qkv_proj'" in why and "'norm'" in why, why
+    assert sub.version == -1 and all(not t.any() for t in live.values())
+    with pytest.raises(LayoutError, match="'q'"):  # a shard of the wrong shape
+        wrong = dict(shards[0], q=torch.zeros(3, H))
+        ShardedPublisher(loopback_net.make("trainer-x"), wrong, src, 0, group="other")
+    other = SourceLayout.split(2, {n: (s, torch.float32) for n, s in SHAPES.items()})  # all dim 0
+    rank1 = ShardedPublisher(loopback_net.make("trainer-y"), _shards(other, _full(1), 1), other, 1, group="g2")
+    rank0 = ShardedPublisher(loopback_net.make("trainer-z"), shards[0], src, 0, group="g2")
+    with pytest.raises(LayoutError, match="rank 1 .* declares another source layout"):
+        rank0.publish(1)
+    for p in (*pubs, rank0, rank1):
+        p.close()

@@ -1,0 +1,115 @@
+"""Layouts on the wire: a subscriber's declared destination layout as the store holds it, and the
+digest by which the ranks of a sharded trainer check that they share one source layout.
+
+A destination layout is a msgpack map ``{"v": 1, "t": {name: [shape, dtype, dim, pieces]}}``,
+each piece ``[source, take_dim or None, start, stop, at]``. :func:`decode_dest` reads a peer's
+bytes: exact forms, sizes and ranges, or :class:`WireFormatError`; what fits is then checked
+against the source layout by ``layouts.check`` like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import torch
+
+from transport.errors import WireFormatError
+from transport.memory import dtype_name
+from transport.weights.layouts import DestTensor, Piece, Slice, SourceLayout
+from transport.wire import unpack
+
+#: the most destination tensors and pieces one subscriber may declare
+MAX_TENSORS = 1 << 18
+MAX_PIECES = 64
+MAX_DIMS = 8
+DTYPES = {
+    dtype_name(d): d
+    for d in (
+        torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
+        torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+    )
+}  # fmt: skip
+
+
+def encode_dest(layout: Mapping[str, DestTensor]) -> bytes:
+    out = {
+        name: [
+            list(d.shape),
+            dtype_name(d.dtype),
+            d.dim,
+            [[p.source, p.take.dim, p.take.start, p.take.stop, p.at] for p in d.pieces],
+        ]
+        for name, d in layout.items()
+    }
+    packed: bytes = msgpack.packb({"v": 1, "t": out}, use_bin_type=True)
+    return packed
+
+
+def decode_dest(raw: bytes, limit: int = 64 << 20) -> dict[str, DestTensor]:
+    """A peer's declared destination layout, or WireFormatError naming the broken rule."""
+    m = unpack(raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS,
+               max_map=MAX_TENSORS)  # fmt: skip
+    if not isinstance(m, dict) or set(m) != {"v", "t"} or m["v"] != 1:
+        raise WireFormatError("a destination layout is {'v': 1, 't': {name: ...}}")
+    tensors = m["t"]
+    if not isinstance(tensors, dict) or not tensors:
+        raise WireFormatError("a destination layout names at least one tensor")
+    return {_name(n): _dest(n, e) for n, e in tensors.items()}
+
+
+def _dest(name: str, e: Any) -> DestTensor:
+    if not isinstance(e, list) or len(e) != 4:
+        raise WireFormatError(f"destination {name!r}: expected [shape, dtype, dim, pieces]")
+    shape, dtype, dim, pieces = e
+    if (
+        not isinstance(shape, list)
+        or not 0 < len(shape) <= MAX_DIMS
+        or not all(_count(n) for n in shape)
+        or dtype not in DTYPES
+        or not _count(dim)
+        or dim >= len(shape)
+        or not isinstance(pieces, list)
+        or not 0 < len(pieces) <= MAX_PIECES
+    ):
+        raise WireFormatError(f"destination {name!r}: malformed shape, dtype, dim or pieces")
+    out = []
+    for p in pieces:
+        if (
+            not isinstance(p, list)
+            or len(p) != 5
+            or not isinstance(p[0], str)
+            or not (p[1] is None or (_count(p[1]) and p[1] < MAX_DIMS))
+            or not all(_count(x) for x in p[2:])
+        ):
+            raise WireFormatError(f"destination {name!r}: malformed piece {str(p)[:80]}")
+        take = Slice() if p[1] is None else Slice(p[1], p[2], p[3])
+        out.append(Piece(_name(p[0]), take, p[4]))
+    return DestTensor(tuple(shape), DTYPES[dtype], tuple(out), dim)
+
+
+def source_digest(layout: SourceLayout) -> str:
+    """A short digest of a source layout: the ranks of one trainer must all compute the same."""
+    rows = [
+        [
+            name,
+            list(t.shape),
+            dtype_name(t.dtype),
+            sorted([r, s.dim, s.start, s.stop] for r, s in t.held.items()),
+        ]  # fmt: skip
+        for name, t in sorted(layout.tensors.items())
+    ]
+    packed = msgpack.packb([layout.world, rows])
+    return hashlib.sha256(packed).hexdigest()[:32]
+
+
+def _name(x: Any) -> str:
+    if not isinstance(x, str) or not x or len(x) > 512 or "\x00" in x:
+        raise WireFormatError(f"a tensor name must be a short str, got {str(x)[:80]}")
+    return x
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

@@ -1,0 +1,545 @@
+"""ShardedPublisher: one rank of a sharded trainer, writing its own shards into each generator's
+layout."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from transport._transport import Transport
+from transport.batch import Batch
+from transport.errors import (
+    ClosedError,
+    PeerLostError,
+    PeerNotFoundError,
+    TransferTimeout,
+    TransportError,
+    WireFormatError,
+)
+from transport.handle import Handle
+from transport.memory import dtype_name
+from transport.weights._delivery import DONE, EXCLUDED, LOST, Delivery, PublishHandle
+from transport.weights._layout_wire import decode_dest, source_digest
+from transport.weights._lease import PublisherLease, current_leases, holder_alive
+from transport.weights._members import Member, Roster
+from transport.weights._messages import Abort, Begin, Credit, Ver, decode, encode
+from transport.weights._protocol import GroupDirectory, Worker, channel, region
+from transport.weights.layouts import (
+    DestTensor,
+    LayoutError,
+    Run,
+    SourceLayout,
+    check,
+    full_copy,
+    plan,
+)
+
+log = logging.getLogger("transport.weights")
+
+#: bytes of converted data per transfer, and the pool of staging buffers they go through
+CHUNK_BYTES = 8 << 20
+POOL_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Converted runs of one slot: ``fill`` copies (and converts) each source view into its place
+    in pool buffer ``buffer``; ``batch`` then writes those places to the subscriber."""
+
+    buffer: int
+    fill: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    batch: Batch
+
+
+@dataclass(frozen=True)
+class SlotWrites:
+    """What this rank writes into one slot of one subscriber for every version: ``direct`` (runs
+    of the same dtype, straight from the shards; None if there are none) and ``chunks``
+    (converted through the pool)."""
+
+    direct: Batch | None
+    chunks: tuple[Chunk, ...]
+    nbytes: int
+
+
+class ShardedPublisher:
+    """Rank ``rank`` of a sharded trainer: publishes its ``shards`` (name -> the slice
+    ``layout`` says this rank holds) to every subscriber of ``group``.
+
+    Every rank of the trainer makes one, with the same :class:`SourceLayout` (the ranks check
+    that they agree through the store; they need no process group) and its own shards, and
+    every rank publishes each version. For each subscriber a rank writes only the parts of the
+    subscriber's tensors that its shards cover (the subscriber's declared layout: its own TP
+    shard, fused parameters, renames, another dtype; without one, whole tensors by name):
+    byte runs planned once per subscriber and replayed every version, converted on the way
+    through a pool of ``pool_bytes`` of staging buffers where the subscriber asks for another
+    dtype (the next chunk converts while the last is in flight). A replicated tensor is written
+    by one rank per destination piece, the pieces dealt round robin.
+
+    A subscriber completes a version only when every rank's parts of it landed, into the same
+    slot. Each rank starts a version at a subscriber only once the subscriber is done with the
+    version this rank wrote before (complete or given up), so the ranks always pick the same
+    slot. A version that does not complete by the deadline is given up (the subscriber keeps the
+    version before it) and the :class:`PublishResult` names the ranks that are missing and why
+    (gone, never published it, or slow). Versions only move forward: after a failed version,
+    every rank publishes the next one. Relays, ``pull`` and stream-ordered publishes are the
+    plain :class:`WeightPublisher`'s; a sharded group writes every subscriber directly.
+
+    One publisher per rank of a group, in whichever process (the rank's lease in the store).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        shards: Mapping[str, torch.Tensor],
+        layout: SourceLayout,
+        rank: int,
+        group: str = "policy",
+        pool_bytes: int = POOL_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        if not isinstance(layout, SourceLayout):
+            raise TypeError("layout must be a SourceLayout (every rank's share of each tensor)")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < layout.world:
+            raise ValueError(f"rank must be an int from 0 to {layout.world - 1}, got {rank!r}")
+        if not 0 < chunk_bytes <= pool_bytes:
+            raise ValueError("chunk_bytes must be positive and at most pool_bytes")
+        check(layout, {})  # gaps and overlaps of the source itself
+        self._local = _check_shards(shards, layout, rank)
+        self.transport, self.group, self.layout, self.rank = transport, group, layout, rank
+        self.world = layout.world
+        self.digest = source_digest(layout)
+        self.version = -1
+        self._chunk_bytes = chunk_bytes
+        device = next(iter(self._local.values())).device
+        self._pool = [
+            torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+            for _ in range(max(1, pool_bytes // chunk_bytes))
+        ]
+        self._pool_busy: list[Handle | None] = [None] * len(self._pool)
+        self._dir = GroupDirectory(transport.store, transport.namespace, group)
+        self._roster = Roster(transport, group, self._local, planner=self._plan_member)
+        self._subs = self._roster.members
+        self._lock = threading.RLock()
+        self._handles: list[Delivery] = []
+        self._worker = Worker(f"transport-ws-rank{rank}-{group}", tick=self._expire)
+        self._writer = Worker(f"transport-ws-rank{rank}-{group}-writes")
+        self._stop_control = transport.core.on_control(channel(group), self._on_message)
+        self._lease = PublisherLease(transport, group, rank, self.world, self.digest)
+        try:
+            self._lease.acquire()
+            self._published(-1)
+        except BaseException:
+            self._lease.release()
+            self._stop_control()
+            self._worker.stop()
+            self._writer.stop()
+            raise
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _plan_member(self, sub: Member, conn: object) -> str:
+        """The writes of this rank into ``sub`` (planned once per incarnation), or why not."""
+        try:
+            raw = self._dir.layout(sub.name)
+            regions = conn.regions  # type: ignore[attr-defined]
+            prefix = region(self.group, 0, "")
+            exposed = {k[len(prefix) :]: v for k, v in regions.items() if k.startswith(prefix)}
+            if raw is not None:
+                dest = decode_dest(raw)
+            else:  # whole tensors by name
+                dest = full_copy(self.layout, [n for n in exposed if n in self.layout.tensors])
+            problems = [
+                f"{n!r}: the subscriber takes it, but no source or layout entry makes it"
+                for n in exposed
+                if n not in dest
+            ]
+            for name, d in dest.items():
+                info = exposed.get(name)
+                if info is None:
+                    problems.append(
+                        f"{name!r}: in the layout, but the subscriber exposes no such tensor"
+                    )
+                elif tuple(info.shape) != tuple(d.shape) or info.dtype != dtype_name(d.dtype):
+                    problems.append(f"{name!r}: the layout says {tuple(d.shape)} {dtype_name(d.dtype)}, "
+                                    f"the subscriber exposes {tuple(info.shape)} {info.dtype}")  # fmt: skip
+            if not dest:
+                problems.append("it takes none of the trainer's tensors")
+            if problems:
+                raise LayoutError(problems)
+            runs = plan(self.layout, dest, self.rank)
+            sub.writes = [self._slot_writes(runs, dest, k) for k in range(sub.slots)]
+        except (LayoutError, WireFormatError) as e:
+            return f"subscriber {sub.name!r} does not fit rank {self.rank}'s layout: {e}"
+        except TransportError as e:
+            return f"cannot read its layout (tried again at the next publish): {e}"
+        return ""
+
+    def _slot_writes(
+        self, runs: list[Run], dest: Mapping[str, DestTensor], slot: int
+    ) -> SlotWrites:
+        direct: list[tuple[str, torch.Tensor, int]] = []
+        chunks: list[Chunk] = []
+        fill: list[tuple[torch.Tensor, torch.Tensor]] = []
+        items: list[tuple[str, torch.Tensor, int]] = []
+        used = nbytes = 0
+        for r in runs:
+            src = self._local[r.source]
+            key, want = region(self.group, slot, r.dest), dest[r.dest].dtype
+            if want == src.dtype:
+                direct.append((key, src[r.src_at : r.src_at + r.count], r.dst_at))
+                nbytes += r.count * src.element_size()
+                continue
+            size = torch.empty(0, dtype=want).element_size()
+            at, left = 0, r.count
+            while left:  # a run larger than a chunk goes in several
+                room = (self._chunk_bytes - used) // size
+                if room == 0:
+                    chunks.append(self._chunk(len(chunks), fill, items))
+                    fill, items, used = [], [], 0
+                    continue
+                n = min(room, left)
+                buf = self._pool[len(chunks) % len(self._pool)][used : used + n * size].view(want)
+                fill.append((src[r.src_at + at : r.src_at + at + n], buf))
+                items.append((key, buf, r.dst_at + at))
+                used += n * size
+                nbytes += n * size
+                at, left = at + n, left - n
+        if items:
+            chunks.append(self._chunk(len(chunks), fill, items))
+        batch = self.transport.batch(direct) if direct else None
+        return SlotWrites(batch, tuple(chunks), nbytes)
+
+    def _chunk(
+        self,
+        index: int,
+        fill: list[tuple[torch.Tensor, torch.Tensor]],
+        items: list[tuple[str, torch.Tensor, int]],
+    ) -> Chunk:
+        return Chunk(index % len(self._pool), tuple(fill), self.transport.batch(items))
+
+    # -- publishing --------------------------------------------------------------------------------
+
+    def publish(self, version: int | None = None, timeout: float | None = None) -> PublishHandle:
+        """Write this rank's parts of ``version`` (default: the next) to every subscriber;
+        returns a :class:`PublishHandle` at once. A subscriber counts as done only once it
+        completed the version, that is, once every rank's parts landed there. LayoutError (before
+        anything moves) if another rank of the group declares another source layout."""
+        if version is None:
+            version = self.version + 1 if self.version >= 0 else 1
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError("version must be an int")
+        if version <= self.version:
+            raise ValueError(f"versions only move forward: {version} after {self.version}")
+        timeout = self.transport.timeout if timeout is None else timeout
+        self._lease.ensure()
+        self._check_ranks()
+        self._published(version)
+        with self._lock:
+            self._roster.refresh()
+            subs = list(self._subs.values())
+            suspects = self._roster.suspects(s for s in subs if not s.error)
+            self.version = version
+            handle = Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
+            self._handles.append(handle)
+            for sub in subs:
+                if sub.error:
+                    handle.settle(sub.name, EXCLUDED, sub.error)
+                    continue
+                if sub.waiting is not None:
+                    sub.waiting[1].settle(
+                        sub.name, EXCLUDED, f"not begun before version {version} replaced it"
+                    )
+                    sub.waiting = None
+                if sub.name in suspects:
+                    handle.settle(sub.name, EXCLUDED, f"suspect: {suspects[sub.name]}")
+                    continue
+                self._start(sub, version, handle)
+        self._worker.submit(lambda: None)  # the tick watches the new deadline
+        return handle.handle
+
+    def _check_ranks(self) -> None:
+        """The other ranks' leases must declare this world and source layout."""
+        world, leases = current_leases(self.transport.store, self.transport.namespace, self.group)
+        problems = [
+            f"rank {r} ({lease}) declares another source layout"
+            + (f" of {lease.world} ranks" if lease.world != self.world else "")
+            for r, lease in sorted(leases.items())
+            if r != self.rank and (lease.layout != self.digest or lease.world != self.world)
+        ]
+        if world != self.world:
+            problems.append(f"the group says {world} ranks publish it, this rank {self.world}")
+        if problems:
+            raise LayoutError(
+                problems
+                + ["every rank must build the same SourceLayout (world, shapes, dtypes, slices)"]
+            )
+
+    def _published(self, version: int) -> None:
+        """Say in the store which version this rank began last (the other ranks name us by it)."""
+        self.transport.store.set(self._dir.prefix + f"published/{self.rank}", str(version).encode())
+
+    def _ready(self, sub: Member) -> bool:
+        settled = sub.settled >= sub.last
+        return settled and (sub.mode == "inplace" or bool(sub.credits))
+
+    def _start(self, sub: Member, version: int, handle: Delivery) -> None:
+        """With the lock held: begin ``version`` at ``sub`` now, or once it is ready."""
+        if sub.busy is not None or sub.acked is not None or not self._ready(sub):
+            sub.waiting = (version, handle, None)
+            return
+        slot = 0 if sub.mode == "inplace" else min(sub.credits)
+        sub.busy, sub.writing, sub.last = slot, version, version
+        sub.credits.discard(slot)
+        try:
+            self.transport.core.send_control(
+                sub.name, channel(self.group), encode(Begin(version, slot))
+            )
+        except TransportError as e:
+            self._ended(sub, slot, version, handle, e)
+            return
+        self._writer.submit(functools.partial(self._write, sub, slot, version, handle))
+
+    def _write(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
+        """Writer thread: post this rank's writes of ``version`` into ``slot`` (converting through
+        the pool), then ``ver`` once all of them landed."""
+        writes: SlotWrites = sub.writes[slot]
+        state = _Landing()
+        done = functools.partial(self._landed, sub, slot, version, handle, state)
+
+        def on_done(h: Handle) -> None:  # engine thread: hand it to the worker
+            self._worker.submit(functools.partial(done, h.exception(0)))
+
+        try:
+            if writes.direct is not None:
+                state.posting()
+                self.transport.put(
+                    writes.direct, sub.name, timeout=_left(handle)
+                ).add_done_callback(on_done)
+            for chunk in writes.chunks:
+                busy = self._pool_busy[chunk.buffer]
+                if busy is not None:  # the pool is bounded: wait for the buffer's last put
+                    busy.exception(_left(handle))
+                for src, dst in chunk.fill:
+                    dst.copy_(src)
+                state.posting()
+                h = self.transport.put(chunk.batch, sub.name, timeout=_left(handle))
+                self._pool_busy[chunk.buffer] = h
+                h.add_done_callback(on_done)
+        except Exception as e:
+            state.landed(e)  # the write that raised was counted, and never posted
+        done(None)  # the end of posting
+
+    def _landed(
+        self, sub: Member, slot: int, version: int, handle: Delivery, state: _Landing,
+        error: BaseException | None,
+    ) -> None:  # fmt: skip
+        """A write of ``version`` landed (or all were posted): ``ver`` once everything did."""
+        finished, err = state.landed(error)
+        if not finished:
+            return
+        if err is None:
+            try:
+                self.transport.core.send_control(
+                    sub.name, channel(self.group), encode(Ver(version, slot))
+                )
+            except TransportError as e:
+                err = e
+        with self._lock:
+            self._ended(sub, slot, version, handle, err)
+
+    def _ended(
+        self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
+    ) -> None:
+        """With the lock held: this rank's part of ``version`` at ``sub`` landed (it waits to hear
+        that the version completed) or failed."""
+        sub.busy = None
+        if err is None:
+            sub.acked = (version, slot, handle)
+            self._heard(sub)
+            return
+        if isinstance(err, (PeerLostError, PeerNotFoundError)):
+            handle.settle(sub.name, LOST, str(err))
+            self._roster.lose(sub)
+            return
+        self._give_up(sub, version, slot)
+        handle.settle(sub.name, EXCLUDED, f"{err}; {self._missing(version)}")
+        self._next(sub)
+
+    def _give_up(self, sub: Member, version: int, slot: int) -> None:
+        self._worker.submit(functools.partial(self._send, sub.name, Abort(version, slot)))
+
+    def _send(self, peer: str, msg: Abort) -> None:
+        try:
+            self.transport.core.send_control(peer, channel(self.group), encode(msg))
+        except TransportError as e:
+            log.info("group %s: cannot tell %s: %s", self.group, peer, e)
+
+    def _next(self, sub: Member) -> None:
+        if sub.waiting is not None and self._subs.get(sub.name) is sub:
+            v, hnd, _ = sub.waiting
+            sub.waiting = None
+            self._start(sub, v, hnd)
+
+    def _heard(self, sub: Member) -> None:
+        """With the lock held: settle the version ``sub`` completed or gave up, and begin the next."""
+        if sub.acked is not None:
+            version, _, handle = sub.acked
+            if sub.newest >= version:
+                sub.acked = None
+                handle.settle(sub.name, DONE)
+            elif sub.settled >= version:
+                sub.acked = None
+                handle.settle(sub.name, EXCLUDED,
+                              f"version {version} was given up there; {self._missing(version)}")  # fmt: skip
+        if sub.acked is None:
+            self._next(sub)
+
+    def _missing(self, version: int) -> str:
+        """Which other ranks have not written ``version``, and why (from the store)."""
+        try:
+            _, leases = current_leases(self.transport.store, self.transport.namespace, self.group)
+            out = []
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                lease = leases.get(r)
+                if lease is None:
+                    out.append(f"rank {r} has no publisher")
+                    continue
+                if not holder_alive(self.transport, lease):
+                    out.append(f"rank {r} ({lease.name}) is gone")
+                    continue
+                raw = self.transport.store.try_get(self._dir.prefix + f"published/{r}")
+                newest = int(raw) if raw is not None and raw.lstrip(b"-").isdigit() else -1
+                if newest < version:
+                    out.append(f"rank {r} ({lease.name}) has not published version {version} "
+                               f"(its newest: {newest})")  # fmt: skip
+        except TransportError as e:
+            return f"the other ranks could not be read: {e}"
+        if not out:
+            return "every other rank published it: their parts were late or lost"
+        return "missing: " + "; ".join(out)
+
+    # -- messages ----------------------------------------------------------------------------------
+
+    def _on_message(self, peer: str, payload: bytes) -> None:
+        try:
+            m = decode(payload)
+        except WireFormatError as e:
+            log.warning("dropping a weight-sync message from %s: %s", peer, e)
+            return
+        if isinstance(m, Credit):
+            self._worker.submit(functools.partial(self._on_credit, peer, m))
+
+    def _on_credit(self, peer: str, credit: Credit) -> None:
+        with self._lock:
+            sub = self._subs.get(peer)
+            if sub is None or credit.settled < sub.settled:
+                return
+            sub.settled, sub.newest = credit.settled, max(sub.newest, credit.newest)
+            if sub.mode == "staging":
+                sub.credits = {s for s in credit.slots if 0 <= s < sub.slots}
+            self._heard(sub)
+
+    def _expire(self) -> float:
+        """Worker tick: versions not complete at their deadline are given up."""
+        now = time.monotonic()
+        with self._lock:
+            for sub in self._subs.values():
+                if sub.acked is not None and sub.acked[2].deadline <= now:
+                    version, slot, handle = sub.acked
+                    sub.acked = None
+                    self._give_up(sub, version, slot)
+                    handle.settle(sub.name, EXCLUDED,
+                                  f"version {version} did not complete within the deadline; "
+                                  f"{self._missing(version)}")  # fmt: skip
+                    self._next(sub)
+                if sub.waiting is not None and sub.waiting[1].deadline <= now:
+                    v, hnd, _ = sub.waiting
+                    sub.waiting = None
+                    hnd.settle(sub.name, EXCLUDED,
+                               f"version {v} could not begin within the deadline: the subscriber "
+                               f"is not done with version {sub.last}; {self._missing(sub.last)}")  # fmt: skip
+            self._handles = [h for h in self._handles if not h.done()]
+            deadlines = [h.deadline for h in self._handles]
+        return max(0.01, min(deadlines) - now) if deadlines else 1.0
+
+    def subscribers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._subs)
+
+    def close(self) -> None:
+        """Stop publishing: a publish in flight completes now, failed with ClosedError.
+        Idempotent."""
+        self._stop_control()
+        self._worker.stop()
+        self._writer.stop()
+        with self._lock:
+            handles, self._handles = self._handles, []
+        closed = ClosedError(f"rank {self.rank} of group {self.group!r} was closed")
+        for d in handles:
+            d.close(closed)
+        self._lease.release()
+
+    def __enter__(self) -> ShardedPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Landing:
+    """The writes of one version to one subscriber: how many are still in flight (and the
+    posting itself) and the first error; finished once all were posted and every one landed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._left = 1  # the posting
+        self._error: BaseException | None = None
+
+    def posting(self) -> None:
+        with self._lock:
+            self._left += 1
+
+    def landed(self, error: BaseException | None) -> tuple[bool, BaseException | None]:
+        with self._lock:
+            self._error = self._error or error
+            self._left -= 1
+            return self._left == 0, self._error
+
+
+def _left(handle: Delivery) -> float:
+    left = handle.deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeout("the deadline of the version passed")
+    return left
+
+
+def _check_shards(
+    shards: Mapping[str, torch.Tensor], layout: SourceLayout, rank: int
+) -> dict[str, torch.Tensor]:
+    """This rank's shards, flat, against the layout: every name, the local shape and dtype."""
+    problems = []
+    for name in sorted(set(shards) | set(layout.tensors)):
+        t, s = shards.get(name), layout.tensors.get(name)
+        if s is None:
+            problems.append(f"shard {name!r} is not in the source layout")
+        elif t is None:
+            problems.append(f"rank {rank} has no shard of {name!r}")
+        elif not isinstance(t, torch.Tensor) or not t.is_contiguous():
+            problems.append(f"shard {name!r} must be a contiguous tensor")
+        elif tuple(t.shape) != layout.local_shape(rank, name) or t.dtype != s.dtype:
+            problems.append(
+                f"shard {name!r} is {tuple(t.shape)} {t.dtype}; the layout says rank {rank} holds "
+                f"{layout.local_shape(rank, name)} {s.dtype}"
+            )
+    if problems:
+        raise LayoutError(problems)
+    return {n: t.reshape(-1) for n, t in shards.items()}
