@@ -82,6 +82,15 @@ class ChildProcess:
             raise ChildError(f"{self.name!r}: {value}")
         return value
 
+    def begin(self, cmd: str, *args: Any) -> None:
+        """Start ``cmd`` in the child and return at once (several children work at the same
+        time); :meth:`end` waits for its result."""
+        self._conn.send((cmd, args))
+
+    def end(self, cmd: str, timeout: float = 60) -> Any:
+        """The result of the command :meth:`begin` started."""
+        return self._reply(timeout, cmd)
+
     def call(self, cmd: str, *args: Any, timeout: float = 60) -> Any:
         """Run ``cmd`` in the child; its result, or ChildError with the child's exception."""
         self._conn.send((cmd, args))

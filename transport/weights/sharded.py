@@ -402,7 +402,9 @@ class ShardedPublisher:
             self._next(sub)
 
     def _missing(self, version: int) -> str:
-        """Which other ranks have not written ``version``, and why (from the store)."""
+        """The other ranks, and why each may lack its parts of ``version`` (from the store: gone,
+        never published it, or published it and its parts did not land; the subscriber's log
+        says which ranks' parts it got)."""
         try:
             _, leases = current_leases(self.transport.store, self.transport.namespace, self.group)
             out = []
@@ -421,11 +423,13 @@ class ShardedPublisher:
                 if newest < version:
                     out.append(f"rank {r} ({lease.name}) has not published version {version} "
                                f"(its newest: {newest})")  # fmt: skip
+                    continue
+                suspect = self.transport.core.suspect(lease.name, lease.generation)
+                out.append(f"rank {r} ({lease.name}) began it, but its parts did not complete"
+                           + (f" (suspect: {suspect})" if suspect else ""))  # fmt: skip
         except TransportError as e:
             return f"the other ranks could not be read: {e}"
-        if not out:
-            return "every other rank published it: their parts were late or lost"
-        return "missing: " + "; ".join(out)
+        return "other ranks: " + "; ".join(out) if out else "this rank is the only one"
 
     # -- messages ----------------------------------------------------------------------------------
 
