@@ -66,9 +66,12 @@ def dest_layout(spec: dict[str, tuple[int, ...]], kind: str) -> dict[str, Any] |
     src = source_layout(spec, 1)
     if kind == "full":
         return None
-    if kind in ("bf16", "fp8"):
-        dtype = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
-        return {n: DestTensor(d.shape, dtype, d.pieces) for n, d in full_copy(src).items()}
+    if kind == "bf16":
+        return {n: DestTensor(d.shape, torch.bfloat16, d.pieces) for n, d in full_copy(src).items()}
+    if kind == "fp8":  # every matrix in e4m3 with 128x128 block scales, the norms as they are
+        from transport.weights.layouts import fp8
+
+        return fp8(full_copy(src), block=(128, 128))
     rank, degree = (int(x) for x in kind[2:].split("of"))
     out = {"embed": tp_shard(src, "embed", ["embed"], 0, degree, rank)}
     for i in range(sum(n.endswith(".q") for n in spec)):
@@ -90,6 +93,16 @@ def reference(spec: dict[str, tuple[int, ...]], kind: str, version: int) -> dict
         return full
     if kind == "bf16":
         return {n: t.to(torch.bfloat16) for n, t in full.items()}
+    if kind == "fp8":
+        from transport.weights.convert import fp8_blockwise
+
+        out = {}
+        for n, t in full.items():
+            if t.dim() == 2:
+                out[n], out[n + "_scale"] = fp8_blockwise(t, (128, 128))
+            else:
+                out[n] = t
+        return out
     rank, degree = (int(x) for x in kind[2:].split("of"))
     out = {"embed": full["embed"].chunk(degree, 0)[rank]}
     for i in range(sum(n.endswith(".q") for n in spec)):
@@ -106,6 +119,13 @@ def reference(spec: dict[str, tuple[int, ...]], kind: str, version: int) -> dict
             p + "norm": full[p + "norm"],
         }
     return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape, dtype and bytes (fp8 included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
 
 
 def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: int, sizes: Any,
@@ -170,7 +190,7 @@ def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str
         if mode == "staging":
             sub.apply()
         want = reference(spec, kind, got)
-        bad = [n for n in want if not torch.equal(live[n], want[n])]
+        bad = [n for n in want if not same(live[n], want[n])]
         return {"version": got, "bad": bad, "incomplete": sub.incomplete}
 
     def held() -> dict[str, Any]:
@@ -178,7 +198,7 @@ def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str
         differ from it."""
         v = sub.apply() if mode == "staging" else sub.version
         want = reference(spec, kind, v) if v >= 0 else {}
-        return {"version": v, "bad": [n for n in want if not torch.equal(live[n], want[n])],
+        return {"version": v, "bad": [n for n in want if not same(live[n], want[n])],
                 "incomplete": sub.incomplete}  # fmt: skip
 
     def close() -> None:

@@ -169,3 +169,46 @@ def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net)
         rank0.publish(1)
     for p in (*pubs, rank0, rank1):
         p.close()
+
+
+def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net):
+    from transport.weights.convert import fp8_blockwise, fp8_per_tensor
+    from transport.weights.layouts import fp8
+
+    src, shards, pubs = _trainer(loopback_net, 2)
+    two_d = [n for n, s in SHAPES.items() if len(s) == 2]
+    blocks = fp8(full_copy(src), two_d, block=(16, 16))
+    lay_b = {n: d for n, d in blocks.items()}
+    live_b = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in lay_b.items()}
+    sub_b = transport.WeightSubscriber(loopback_net.make("gen-fp8"), live_b, group="policy", layout=lay_b)
+    # per tensor: only where one rank writes the whole tensor (the replicated norm here)
+    lay_t = fp8(full_copy(src, ["norm"]), ["norm"], block=None)
+    live_t = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in lay_t.items()}
+    sub_t = transport.WeightSubscriber(loopback_net.make("gen-fp8t"), live_t, group="policy", layout=lay_t)
+    for version in (1, 2):
+        full = _step(src, shards, version)
+        for result in _publish_all(pubs, version):
+            assert result.done == sorted([sub_b.transport.name, sub_t.transport.name]), result
+        sub_b.wait_for_version(version, 10)
+        sub_b.apply()
+        for n in two_d:
+            q, s = fp8_blockwise(full[n], (16, 16))
+            assert torch.equal(live_b[n].view(torch.uint8), q.view(torch.uint8)), n
+            assert torch.equal(live_b[n + "_scale"], s), n
+        assert torch.equal(live_b["norm"], full["norm"])
+        sub_t.wait_for_version(version, 10)
+        sub_t.apply()
+        q, s = fp8_per_tensor(full["norm"])
+        assert torch.equal(live_t["norm"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(live_t["norm_scale"], s)
+    # blocks that straddle two ranks' shards, and a per-tensor scale of a sharded tensor: refused
+    with pytest.raises(LayoutError) as e:
+        from transport.weights.layouts import check
+
+        check(src, fp8(full_copy(src), ["gate", "q"], block=(32, 32)) | fp8(full_copy(src, ["o"]), ["o"], block=None))
+    text = str(e.value)
+    assert "rank 0's part of 'gate' spans 0..48 of dim 0, across fp8 blocks of 32" in text, text
+    assert "'o': a per-tensor fp8 scale needs the whole tensor from one rank" in text, text
+    assert "'q'" not in text  # 32-row shards of q hold whole 32-row blocks
+    for p in pubs:
+        p.close()

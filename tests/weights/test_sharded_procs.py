@@ -43,12 +43,13 @@ def _publish(ranks: list[Any], version: int, timeout: float = 60) -> list[dict[s
     return [r.end("publish", timeout + 60) for r in ranks]
 
 
-def test_two_ranks_into_full_tp2_fused_and_bf16_generators(tcp_store, children):
+def test_two_ranks_into_full_tp2_fused_bf16_and_fp8_generators(tcp_store, children):
     ranks, gens = _start(
         children, tcp_store,
         [(f"trainer-{r}", 2, r, None) for r in range(2)],
         [("gen-full", "full", "staging"), ("gen-tp0", "tp0of2", "inplace"),
-         ("gen-tp1", "tp1of2", "inplace"), ("gen-bf16", "bf16", "staging")],
+         ("gen-tp1", "tp1of2", "inplace"), ("gen-bf16", "bf16", "staging"),
+         ("gen-fp8", "fp8", "staging")],
     )  # fmt: skip
     names = sorted(g.name for g in gens)
     for version in (1, 2):

@@ -1,8 +1,9 @@
 """Layouts on the wire: a subscriber's declared destination layout as the store holds it, and the
 digest by which the ranks of a sharded trainer check that they share one source layout.
 
-A destination layout is a msgpack map ``{"v": 1, "t": {name: [shape, dtype, dim, pieces]}}``,
-each piece ``[source, take_dim or None, start, stop, at]``. :func:`decode_dest` reads a peer's
+A destination layout is a msgpack map ``{"v": 1, "t": {name: [shape, dtype, dim, pieces, quant,
+scale_of]}}``, each piece ``[source, take_dim or None, start, stop, at]``, ``quant`` None or
+``[scale name, [block rows, block cols] or None]``. :func:`decode_dest` reads a peer's
 bytes: exact forms, sizes and ranges, or :class:`WireFormatError`; what fits is then checked
 against the source layout by ``layouts.check`` like any other.
 """
@@ -18,7 +19,7 @@ import torch
 
 from transport.errors import WireFormatError
 from transport.memory import dtype_name
-from transport.weights.layouts import DestTensor, Piece, Slice, SourceLayout
+from transport.weights.layouts import DestTensor, Piece, Quant, Slice, SourceLayout
 from transport.wire import unpack
 
 #: the most destination tensors and pieces one subscriber may declare
@@ -41,6 +42,10 @@ def encode_dest(layout: Mapping[str, DestTensor]) -> bytes:
             dtype_name(d.dtype),
             d.dim,
             [[p.source, p.take.dim, p.take.start, p.take.stop, p.at] for p in d.pieces],
+            None
+            if d.quant is None
+            else [d.quant.scale, None if d.quant.block is None else list(d.quant.block)],
+            d.scale_of,
         ]
         for name, d in layout.items()
     }
@@ -61,9 +66,11 @@ def decode_dest(raw: bytes, limit: int = 64 << 20) -> dict[str, DestTensor]:
 
 
 def _dest(name: str, e: Any) -> DestTensor:
-    if not isinstance(e, list) or len(e) != 4:
-        raise WireFormatError(f"destination {name!r}: expected [shape, dtype, dim, pieces]")
-    shape, dtype, dim, pieces = e
+    if not isinstance(e, list) or len(e) != 6:
+        raise WireFormatError(
+            f"destination {name!r}: expected [shape, dtype, dim, pieces, quant, scale_of]"
+        )
+    shape, dtype, dim, pieces, quant, scale_of = e
     if (
         not isinstance(shape, list)
         or not 0 < len(shape) <= MAX_DIMS
@@ -72,7 +79,8 @@ def _dest(name: str, e: Any) -> DestTensor:
         or not _count(dim)
         or dim >= len(shape)
         or not isinstance(pieces, list)
-        or not 0 < len(pieces) <= MAX_PIECES
+        or not len(pieces) <= MAX_PIECES
+        or not isinstance(scale_of, str)
     ):
         raise WireFormatError(f"destination {name!r}: malformed shape, dtype, dim or pieces")
     out = []
@@ -87,7 +95,29 @@ def _dest(name: str, e: Any) -> DestTensor:
             raise WireFormatError(f"destination {name!r}: malformed piece {str(p)[:80]}")
         take = Slice() if p[1] is None else Slice(p[1], p[2], p[3])
         out.append(Piece(_name(p[0]), take, p[4]))
-    return DestTensor(tuple(shape), DTYPES[dtype], tuple(out), dim)
+    return DestTensor(
+        tuple(shape),
+        DTYPES[dtype],
+        tuple(out),
+        dim,
+        _quant(name, quant),
+        _name(scale_of) if scale_of else "",
+    )
+
+
+def _quant(name: str, q: Any) -> Quant | None:
+    if q is None:
+        return None
+    if (
+        not isinstance(q, list)
+        or len(q) != 2
+        or not (
+            q[1] is None
+            or (isinstance(q[1], list) and len(q[1]) == 2 and all(_count(x) and x for x in q[1]))
+        )
+    ):
+        raise WireFormatError(f"destination {name!r}: quant is [scale name, [rows, cols] or None]")
+    return Quant(_name(q[0]), None if q[1] is None else (q[1][0], q[1][1]))
 
 
 def source_digest(layout: SourceLayout) -> str:

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from transport.weights.convert import FLOATS, FP8
+
 
 class LayoutError(ValueError):
     """A source and a destination layout do not fit; ``problems`` lists every mismatch by name."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
-        super().__init__(
-            f"{len(self.problems)} layout problem(s): " + "; ".join(self.problems)
-        )
+        super().__init__(f"{len(self.problems)} layout problem(s): " + "; ".join(self.problems))
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ class Slice:
 
     def box(self, shape: Sequence[int]) -> list[tuple[int, int]]:
         """Per dim, the half-open interval this slice covers of a tensor of ``shape``."""
-        return [
-            (self.start, self.stop) if d == self.dim else (0, n) for d, n in enumerate(shape)
-        ]
+        return [(self.start, self.stop) if d == self.dim else (0, n) for d, n in enumerate(shape)]
 
 
 @dataclass(frozen=True)
@@ -117,13 +115,27 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Quant:
+    """How a destination is quantized to fp8 e4m3: its scales go to destination tensor
+    ``scale``, one per ``block`` (rows, cols) of a 2-D tensor, or one for the whole tensor
+    (``block=None``); see transport/weights/convert.py for the convention."""
+
+    scale: str
+    block: tuple[int, int] | None = (128, 128)
+
+
+@dataclass(frozen=True)
 class DestTensor:
-    """A destination tensor of ``shape`` and ``dtype``: its ``pieces`` stacked along ``dim``."""
+    """A destination tensor of ``shape`` and ``dtype``: its ``pieces`` stacked along ``dim``;
+    ``quant`` when it is fp8 with scales. A tensor of scales has no pieces and names the
+    quantized tensor it belongs to (``scale_of``)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: tuple[Piece, ...]
     dim: int = 0
+    quant: Quant | None = None
+    scale_of: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,9 +157,75 @@ def check(source: SourceLayout, dest: Mapping[str, DestTensor]) -> None:
     for name, t in sorted(source.tensors.items()):
         problems += _check_source(name, t, source.world)
     for name, d in sorted(dest.items()):
-        problems += _check_dest(name, d, source)
+        if d.scale_of:
+            problems += _check_scale(name, d, dest)
+            continue
+        mine = _check_dest(name, d, source)
+        if d.quant is not None and not mine:
+            mine = _check_quant(name, d, source, dest)
+        problems += mine
     if problems:
         raise LayoutError(problems)
+
+
+def scale_shape(d: DestTensor) -> tuple[int, ...]:
+    """The shape of the scales of quantized destination ``d``."""
+    assert d.quant is not None
+    if d.quant.block is None:
+        return (1,)
+    (br, bc), (rows, cols) = d.quant.block, d.shape
+    return (math.ceil(rows / br), math.ceil(cols / bc))
+
+
+def _check_scale(name: str, d: DestTensor, dest: Mapping[str, DestTensor]) -> list[str]:
+    owner = dest.get(d.scale_of)
+    if owner is None or owner.quant is None or owner.quant.scale != name:
+        return [f"scales {name!r} belong to {d.scale_of!r}, which does not name them as its scale"]
+    if d.dtype != torch.float32 or tuple(d.shape) != scale_shape(owner) or d.pieces:
+        return [
+            f"scales {name!r} of {d.scale_of!r} must be float32 {scale_shape(owner)} without "
+            f"pieces, got {d.dtype} {tuple(d.shape)}"
+        ]
+    return []
+
+
+def _check_quant(
+    name: str, d: DestTensor, source: SourceLayout, dest: Mapping[str, DestTensor]
+) -> list[str]:
+    """A quantized destination: fp8 of a float source, its scales declared, and every scale
+    block inside what one rank writes (a block's amax is computed by one rank, no exchange)."""
+    q = d.quant
+    assert q is not None
+    if d.dtype != FP8 or any(source.tensors[p.source].dtype not in FLOATS for p in d.pieces):
+        return [f"destination {name!r}: quantized destinations are {FP8} of float sources"]
+    if q.scale not in dest or dest[q.scale].scale_of != name:
+        return [
+            f"destination {name!r}: its scales {q.scale!r} are not declared (scale_of={name!r})"
+        ]
+    if q.block is not None and (len(d.shape) != 2 or min(q.block) < 1):
+        return [f"destination {name!r}: block scales are for 2-D tensors and positive blocks"]
+    if len(d.shape) > 2:
+        return [f"destination {name!r}: fp8 destinations are 1-D or 2-D"]
+    boxes = [(r, b) for r in range(source.world) for b in _parts(source, {name: d}, r)]
+    if q.block is None:
+        if len(boxes) != 1:
+            return [
+                f"destination {name!r}: a per-tensor fp8 scale needs the whole tensor from one "
+                f"rank, it comes in {len(boxes)} parts; use block scales (Quant(block=(128, 128)))"
+            ]
+        return []
+    problems = []
+    for r, b in boxes:
+        for k in (0, 1):
+            lo, hi, step = b.dst_at[k], b.dst_at[k] + b.extent[k], q.block[k]
+            if lo % step or (hi % step and hi != d.shape[k]):
+                problems.append(
+                    f"destination {name!r}: rank {r}'s part of {b.source!r} spans {lo}..{hi} of "
+                    f"dim {k}, across fp8 blocks of {step} (each block must come from one rank: "
+                    "shard on block multiples, or use other blocks)"
+                )
+                break
+    return problems[:1]
 
 
 def _check_source(name: str, t: SourceTensor, world: int) -> list[str]:
@@ -178,12 +256,14 @@ def _check_source(name: str, t: SourceTensor, world: int) -> list[str]:
 def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
     problems = []
     covered: list[tuple[int, int]] = []
+    if not d.pieces:
+        return [f"destination {name!r} has no pieces (only scales, with scale_of=, have none)"]
     for p in d.pieces:
         s = source.tensors.get(p.source)
         if s is None:
             problems.append(f"destination {name!r}: source {p.source!r} does not exist")
             continue
-        if s.dtype != d.dtype and not (convertible(s.dtype, d.dtype)):
+        if s.dtype != d.dtype and not convertible(s.dtype, d.dtype) and d.quant is None:
             problems.append(
                 f"destination {name!r} is {d.dtype}, its source {p.source!r} is {s.dtype}: "
                 "only floating-point dtypes convert in flight"
@@ -227,40 +307,80 @@ def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
 
 def plan(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> list[Run]:
     """The runs ``rank`` writes so that, with every other rank's runs, each destination tensor
-    is whole: every destination byte written once. Checks the layouts first (LayoutError)."""
+    is whole: every destination byte written once. Checks the layouts first (LayoutError).
+    Quantized destinations (fp8 with scales) are not runs: see :func:`plan_quant`."""
     check(source, dest)
     runs: list[Run] = []
+    for part in _parts(source, dest, rank):
+        if dest[part.dest].quant is None:
+            runs += _runs(part, dest[part.dest])
+    return _merge(runs)
+
+
+def plan_quant(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> list[Box]:
+    """The boxes of quantized destinations ``rank`` converts and writes (each a whole number of
+    scale blocks, as :func:`check` ensures), with every other rank's: each destination element
+    and scale written once."""
+    check(source, dest)
+    return [p for p in _parts(source, dest, rank) if dest[p.dest].quant is not None]
+
+
+@dataclass(frozen=True)
+class Box:
+    """What one rank holds of one destination piece: ``extent`` elements per dim, from
+    ``src_at`` of its local tensor ``source`` (of shape ``local``) to ``dst_at`` of ``dest``."""
+
+    source: str
+    local: tuple[int, ...]
+    src_at: tuple[int, ...]
+    dest: str
+    dst_at: tuple[int, ...]
+    extent: tuple[int, ...]
+
+
+def _parts(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> list[Box]:
+    """Every non-empty box ``rank`` writes, in the destination's order (the same on every rank,
+    which is what deals the replicated pieces round robin)."""
+    out = []
     deal = 0  # pieces of replicated sources, dealt round robin over the ranks
     for name in dest:  # the caller's order: the same on every rank
         d = dest[name]
         for p in d.pieces:
             s = source.tensors[p.source]
-            want = p.take.box(s.shape)
             if s.replicated:
                 mine = deal % source.world == rank
                 deal += 1
-                if mine:
-                    runs += _runs(p.source, s, Slice(), name, d, p, want)
-                continue
-            runs += _runs(p.source, s, s.held[rank], name, d, p, want)
-    return _merge(runs)
+                if not mine:
+                    continue
+                held = Slice()
+            else:
+                held = s.held[rank]
+            box = _box(p, s, held, name, d)
+            if box is not None:
+                out.append(box)
+    return out
 
 
-def _runs(
-    src_name: str, s: SourceTensor, held: Slice, dst_name: str, d: DestTensor, p: Piece,
-    want: list[tuple[int, int]],
-) -> list[Run]:  # fmt: skip
-    have = held.box(s.shape)
+def _box(p: Piece, s: SourceTensor, held: Slice, name: str, d: DestTensor) -> Box | None:
+    have, want = held.box(s.shape), p.take.box(s.shape)
     box = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(have, want, strict=True)]
     if any(hi <= lo for lo, hi in box):
-        return []
-    local = [hi - lo for lo, hi in have]
-    src_at = [lo - h0 for (lo, _), (h0, _) in zip(box, have, strict=True)]
-    dst_at = [
-        lo - w0 + (p.at if k == d.dim else 0)
-        for k, ((lo, _), (w0, _)) in enumerate(zip(box, want, strict=True))
-    ]
-    extent = [hi - lo for lo, hi in box]
+        return None
+    return Box(
+        p.source,
+        tuple(hi - lo for lo, hi in have),
+        tuple(lo - h0 for (lo, _), (h0, _) in zip(box, have, strict=True)),
+        name,
+        tuple(
+            lo - w0 + (p.at if k == d.dim else 0)
+            for k, ((lo, _), (w0, _)) in enumerate(zip(box, want, strict=True))
+        ),
+        tuple(hi - lo for lo, hi in box),
+    )
+
+
+def _runs(b: Box, d: DestTensor) -> list[Run]:
+    extent, local = list(b.extent), list(b.local)
     # the innermost dims both layouts hold whole are one contiguous run per index of the others
     k = len(extent)
     while k > 0 and extent[k - 1] == local[k - 1] == d.shape[k - 1]:
@@ -270,16 +390,16 @@ def _runs(
     length = math.prod(extent[k:])
     src_stride, dst_stride = _strides(local), _strides(d.shape)
     grids = np.meshgrid(*[np.arange(n) for n in extent[:k]], indexing="ij") if k else []
-    src0 = sum(a * st for a, st in zip(src_at, src_stride, strict=True))
-    dst0 = sum(a * st for a, st in zip(dst_at, dst_stride, strict=True))
+    src0 = sum(a * st for a, st in zip(b.src_at, src_stride, strict=True))
+    dst0 = sum(a * st for a, st in zip(b.dst_at, dst_stride, strict=True))
     if k:
         src_off = src0 + sum(g * src_stride[i] for i, g in enumerate(grids)).ravel()
         dst_off = dst0 + sum(g * dst_stride[i] for i, g in enumerate(grids)).ravel()
     else:
         src_off, dst_off = np.array([src0]), np.array([dst0])
     return [
-        Run(src_name, int(a), dst_name, int(b), length)
-        for a, b in zip(src_off.tolist(), dst_off.tolist(), strict=True)
+        Run(b.source, int(a), b.dest, int(c), length)
+        for a, c in zip(src_off.tolist(), dst_off.tolist(), strict=True)
     ]
 
 
@@ -318,10 +438,6 @@ def apply_runs(
     for r in runs:
         src = local[r.source].view(-1)[r.src_at : r.src_at + r.count]
         dest[r.dest].view(-1)[r.dst_at : r.dst_at + r.count].copy_(src)
-
-
-#: the dtypes a destination may ask for in place of its source's (converted by the sender)
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -386,3 +502,20 @@ def tp_shard(
     assert shape is not None, f"{dest_name!r} has no parts"
     shape[dim] = at
     return DestTensor(tuple(shape), source.tensors[parts[0]].dtype, tuple(pieces), dim)
+
+
+def fp8(
+    layout: Mapping[str, DestTensor],
+    names: Sequence[str] | None = None,
+    block: tuple[int, int] | None = (128, 128),
+    suffix: str = "_scale",
+) -> dict[str, DestTensor]:
+    """``layout`` with ``names`` (default: every 2-D tensor) in fp8 e4m3, each with a float32
+    scales tensor ``<name><suffix>`` (per ``block``, or per tensor with ``block=None``)."""
+    out = dict(layout)
+    for name in names if names is not None else [n for n, d in layout.items() if len(d.shape) == 2]:
+        d = layout[name]
+        q = DestTensor(d.shape, FP8, d.pieces, d.dim, Quant(name + suffix, block))
+        out[name] = q
+        out[name + suffix] = DestTensor(scale_shape(q), torch.float32, (), 0, None, name)
+    return out

@@ -8,12 +8,10 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
 from transport._transport import Transport
-from transport.batch import Batch
 from transport.errors import (
     ClosedError,
     PeerLostError,
@@ -29,43 +27,22 @@ from transport.weights._layout_wire import decode_dest, source_digest
 from transport.weights._lease import PublisherLease, current_leases, holder_alive
 from transport.weights._members import Member, Roster
 from transport.weights._messages import Abort, Begin, Credit, Ver, decode, encode
+from transport.weights._pool import SlotWrites, plan_writes
 from transport.weights._protocol import GroupDirectory, Worker, channel, region
 from transport.weights.layouts import (
-    DestTensor,
     LayoutError,
-    Run,
     SourceLayout,
     check,
     full_copy,
     plan,
+    plan_quant,
 )
 
 log = logging.getLogger("transport.weights")
 
 #: bytes of converted data per transfer, and the pool of staging buffers they go through
 CHUNK_BYTES = 8 << 20
-POOL_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Converted runs of one slot: ``fill`` copies (and converts) each source view into its place
-    in pool buffer ``buffer``; ``batch`` then writes those places to the subscriber."""
-
-    buffer: int
-    fill: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    batch: Batch
-
-
-@dataclass(frozen=True)
-class SlotWrites:
-    """What this rank writes into one slot of one subscriber for every version: ``direct`` (runs
-    of the same dtype, straight from the shards; None if there are none) and ``chunks``
-    (converted through the pool)."""
-
-    direct: Batch | None
-    chunks: tuple[Chunk, ...]
-    nbytes: int
+POOL_BYTES = 32 << 20
 
 
 class ShardedPublisher:
@@ -174,55 +151,17 @@ class ShardedPublisher:
             if problems:
                 raise LayoutError(problems)
             runs = plan(self.layout, dest, self.rank)
-            sub.writes = [self._slot_writes(runs, dest, k) for k in range(sub.slots)]
+            boxes = plan_quant(self.layout, dest, self.rank)
+            sub.writes = [
+                plan_writes(self._pool, functools.partial(region, self.group, k), self._local,
+                            runs, boxes, dest)  # fmt: skip
+                for k in range(sub.slots)
+            ]
         except (LayoutError, WireFormatError) as e:
             return f"subscriber {sub.name!r} does not fit rank {self.rank}'s layout: {e}"
         except TransportError as e:
             return f"cannot read its layout (tried again at the next publish): {e}"
         return ""
-
-    def _slot_writes(
-        self, runs: list[Run], dest: Mapping[str, DestTensor], slot: int
-    ) -> SlotWrites:
-        direct: list[tuple[str, torch.Tensor, int]] = []
-        chunks: list[Chunk] = []
-        fill: list[tuple[torch.Tensor, torch.Tensor]] = []
-        items: list[tuple[str, torch.Tensor, int]] = []
-        used = nbytes = 0
-        for r in runs:
-            src = self._local[r.source]
-            key, want = region(self.group, slot, r.dest), dest[r.dest].dtype
-            if want == src.dtype:
-                direct.append((key, src[r.src_at : r.src_at + r.count], r.dst_at))
-                nbytes += r.count * src.element_size()
-                continue
-            size = torch.empty(0, dtype=want).element_size()
-            at, left = 0, r.count
-            while left:  # a run larger than a chunk goes in several
-                room = (self._chunk_bytes - used) // size
-                if room == 0:
-                    chunks.append(self._chunk(len(chunks), fill, items))
-                    fill, items, used = [], [], 0
-                    continue
-                n = min(room, left)
-                buf = self._pool[len(chunks) % len(self._pool)][used : used + n * size].view(want)
-                fill.append((src[r.src_at + at : r.src_at + at + n], buf))
-                items.append((key, buf, r.dst_at + at))
-                used += n * size
-                nbytes += n * size
-                at, left = at + n, left - n
-        if items:
-            chunks.append(self._chunk(len(chunks), fill, items))
-        batch = self.transport.batch(direct) if direct else None
-        return SlotWrites(batch, tuple(chunks), nbytes)
-
-    def _chunk(
-        self,
-        index: int,
-        fill: list[tuple[torch.Tensor, torch.Tensor]],
-        items: list[tuple[str, torch.Tensor, int]],
-    ) -> Chunk:
-        return Chunk(index % len(self._pool), tuple(fill), self.transport.batch(items))
 
     # -- publishing --------------------------------------------------------------------------------
 
@@ -326,8 +265,8 @@ class ShardedPublisher:
                 busy = self._pool_busy[chunk.buffer]
                 if busy is not None:  # the pool is bounded: wait for the buffer's last put
                     busy.exception(_left(handle))
-                for src, dst in chunk.fill:
-                    dst.copy_(src)
+                for fill in chunk.fill:
+                    fill()
                 state.posting()
                 h = self.transport.put(chunk.batch, sub.name, timeout=_left(handle))
                 self._pool_busy[chunk.buffer] = h
