@@ -49,6 +49,12 @@ SYNC = [
      "step by step: direct (the trainer writes every generator), chain, tree (generators relay; "
      "staging mode) (default direct)"),
     ("--degree", int, 2, "generators each writer serves in a tree (default 2)"),
+    ("--trainer-ranks N", int, None, "a sharded trainer of N rank processes (ShardedPublisher), "
+     "against gathering to rank 0 with gloo and publishing from there"),
+    ("--dest-layout", ("full", "tp2-fused"), "full", "with --trainer-ranks: the generators' "
+     "layout: whole tensors, or TP=2 shards with fused qkv and gate_up (default full)"),
+    ("--dest-dtype", ("float32", "bfloat16", "fp8"), "float32", "with --trainer-ranks: the "
+     "generators' dtype of the matrices (fp8: e4m3 with 128x128 block scales) (default float32)"),
 ]
 COMMON = [
     ("--baselines", str, ",".join(BASELINES), f"comma list out of {', '.join(BASELINES)}, or "
@@ -171,8 +177,12 @@ def run(args: argparse.Namespace, command: str) -> int:
     """``transport bench put|sync``: the writer (local readers, or --role writer) or a reader."""
     from transport.cli.bench import _report, _runner, _session
 
-    peers = check_roles(args)
     positive("--timeout", args.timeout)
+    if command == "sync" and args.trainer_ranks is not None:
+        from transport.cli.bench.sharded import run_sharded
+
+        return run_sharded(args)
+    peers = check_roles(args)
     if command == "put":
         from transport.cli.bench.put import PutWorkload as Kind
     else:
