@@ -115,6 +115,23 @@ def test_sync_quick_measures_every_system_and_verifies_each(tmp_path):
     assert_png(tmp_path / "s.png")
 
 
+def test_sync_of_a_sharded_trainer_verifies_every_system(tmp_path):
+    """2 rank processes into TP=2 fused fp8 generators, against gloo gather and no conversion."""
+    out = cli("bench", "sync", "--quick", "--trainer-ranks", "2", "--dest-layout", "tp2-fused",
+              "--dest-dtype", "fp8", "--json", str(tmp_path / "s.json"), "--plot",
+              str(tmp_path / "s.png"))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["verified"] == {"ours": True, "gloo-gather": True, "ours-noconv": True}
+    assert doc["config"]["ranks"] == 2 and doc["config"]["dest_dtype"] == "fp8"
+    assert set(doc["ratios"]) == {"gloo-gather/ours", "ours/ours-noconv"}
+    # what each system holds beyond the shards: our staging pool; the whole model on rank 0
+    assert doc["held_bytes"]["ours"] == 32 << 20
+    assert doc["held_bytes"]["gloo-gather"] >= doc["config"]["bytes"] // 4  # fp8 matrices
+    assert "gloo-gather/ours" in out.stdout
+    assert_png(tmp_path / "s.png")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_put_compares_lane_settings(tmp_path):

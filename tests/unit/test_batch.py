@@ -47,3 +47,39 @@ def test_a_bad_batch_is_refused_when_it_is_made_and_when_it_is_used(loopback_net
     batch = transport.Transport.batch({"x": torch.ones(4)})
     with pytest.raises(ValueError, match="key= cannot be combined"):
         w.put(batch, r.name, "x")
+
+
+def test_a_batch_of_triples_places_each_tensor_at_its_own_offset(loopback_net):
+    """Several writes into one region, each at its offset (the strided rows of a shard)."""
+    dst = {"m": torch.zeros(8, 6), "v": torch.zeros(10)}
+    r = loopback_net.receiver("r", dst)
+    w = loopback_net.make("w")
+    rows = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 1  # columns 3..5 of rows 2..5
+    tail = torch.full((4,), 7.0)
+    batch = transport.Transport.batch([("m", rows[i], (2 + i) * 6 + 3) for i in range(4)] + [("v", tail, 6)])
+    assert len(batch) == 5 and batch.offsets == (15, 21, 27, 33, 6)
+    w.put(batch, r.name, notify=b"x").wait(10)
+    assert r.wait_notification(10, peer=w.name).payload == b"x"
+    want = torch.zeros(8, 6)
+    want[2:6, 3:6] = rows
+    assert torch.equal(dst["m"], want)
+    assert torch.equal(dst["v"], torch.cat([torch.zeros(6), tail]))
+    with pytest.raises(RegionErrorType, match="do not fit"):  # checked when planned
+        w.put(transport.Transport.batch([("v", tail, 7)]), r.name).wait(10)
+
+
+RegionErrorType = transport.RegionError
+
+
+@pytest.mark.parametrize(
+    ("entries", "error", "message"),
+    [
+        ([("m", torch.zeros(2), -1)], ValueError, "non-negative int"),
+        ([("m", torch.zeros(2))], TypeError, "region name, tensor, offset"),
+        ([], ValueError, "empty"),
+        ("m", TypeError, "a dict of name -> tensor or a list"),
+    ],
+)
+def test_a_bad_list_of_triples_is_refused_with_the_rule(entries, error, message):
+    with pytest.raises(error, match=message):
+        transport.Transport.batch(entries)

@@ -166,3 +166,33 @@ def test_a_destination_of_another_float_dtype_gets_the_converted_values():
     dest = {n: DestTensor(d.shape, torch.bfloat16, d.pieces, d.dim) for n, d in full_copy(src).items()}
     got = _deliver(src, full, dest)
     assert all(torch.equal(got[n], full[n].to(torch.bfloat16)) for n in full)
+
+
+def test_dtensor_placements_give_the_layout_torch_chunk_gives():
+    from torch.distributed.tensor import Replicate, Shard
+
+    g = torch.Generator().manual_seed(5)
+    full = _model(g)
+    place = {n: Replicate() if DIMS.get(n, 0) is None else Shard(DIMS.get(n, 0)) for n in full}
+    place["down"] = Shard(-1)  # negative dims count from the end, as DTensor's do
+    src = SourceLayout.from_placements(3, {n: (t.shape, t.dtype) for n, t in full.items()}, place)
+    assert src == _source(full, 3)
+    with pytest.raises(LayoutError, match="'q': placement 'partial'"):
+        SourceLayout.from_placements(2, {"q": ((4, 4), torch.float32)}, {"q": "partial"})
+
+
+def test_dtensors_on_a_mesh_give_the_layout_rank_and_shards():
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w, n = torch.randn(6, 4), torch.randn(4)
+        named = {"w": distribute_tensor(w, mesh, [Shard(1)]), "n": distribute_tensor(n, mesh, [Replicate()])}
+        layout, rank, shards = SourceLayout.from_dtensors(named)
+        assert rank == 0 and layout.world == 1
+        assert layout.tensors["w"].held[0] == Slice(1, 0, 4) and layout.tensors["n"].replicated
+        assert torch.equal(shards["w"], w) and torch.equal(shards["n"], n)
+    finally:
+        dist.destroy_process_group()

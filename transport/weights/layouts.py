@@ -98,10 +98,66 @@ class SourceLayout:
             out[name] = SourceTensor(shape, dtype, held)
         return cls(world, out)
 
+    @classmethod
+    def from_placements(
+        cls,
+        world: int,
+        tensors: Mapping[str, tuple[Sequence[int], torch.dtype]],
+        placements: Mapping[str, object],
+    ) -> SourceLayout:
+        """The layout of tensors placed on a 1-D device mesh of ``world`` ranks as torch's
+        DTensor places them: ``placements[name]`` is ``Shard(dim)`` or ``Replicate()`` (from
+        ``torch.distributed.tensor``; an int dim or None say the same), split as DTensor splits
+        (torch.chunk's rule)."""
+        dims = {n: _placement_dim(placements.get(n), n, len(tuple(s))) for n, (s, _) in tensors.items()}
+        return cls.split(world, tensors, dims)
+
+    @classmethod
+    def from_dtensors(
+        cls, named: Mapping[str, torch.Tensor]
+    ) -> tuple[SourceLayout, int, dict[str, torch.Tensor]]:
+        """(the layout, this process's rank, its local shards) of DTensors on one 1-D device
+        mesh, ready for ``ShardedPublisher(transport, shards, layout, rank)``."""
+        meshes = {id(t.device_mesh): t.device_mesh for t in named.values()}  # type: ignore[attr-defined]
+        if len(meshes) != 1:
+            raise LayoutError([f"the tensors are on {len(meshes)} device meshes; one is needed"])
+        (mesh,) = meshes.values()
+        if mesh.ndim != 1:
+            raise LayoutError([f"a {mesh.ndim}-D device mesh: only 1-D meshes are supported"])
+        problems, placements = [], {}
+        for n, t in named.items():
+            (placements[n],) = t.placements  # type: ignore[attr-defined]
+            try:
+                _placement_dim(placements[n], n, t.dim())
+            except LayoutError as e:
+                problems += e.problems
+        if problems:
+            raise LayoutError(problems)
+        layout = cls.from_placements(
+            mesh.size(), {n: (tuple(t.shape), t.dtype) for n, t in named.items()}, placements
+        )
+        local = {n: t.to_local().contiguous() for n, t in named.items()}  # type: ignore[attr-defined]
+        return layout, mesh.get_local_rank(), local
+
     def local_shape(self, rank: int, name: str) -> tuple[int, ...]:
         """The shape of the tensor ``rank`` holds of ``name``."""
         t = self.tensors[name]
         return tuple(hi - lo for lo, hi in t.held[rank].box(t.shape))
+
+
+def _placement_dim(p: object, name: str, ndim: int) -> int | None:
+    """The shard dim a placement says (None: replicated)."""
+    if p is None or type(p).__name__ == "Replicate":
+        return None
+    dim = p if isinstance(p, int) and not isinstance(p, bool) else None
+    if type(p).__name__ == "Shard" and isinstance(getattr(p, "dim", None), int):
+        dim = p.dim  # type: ignore[attr-defined]
+    if dim is None or not -ndim <= dim < ndim:
+        raise LayoutError([
+            f"source {name!r}: placement {p!r} is not Shard(dim) of one of its {ndim} dims or "
+            "Replicate() (Partial, strided and 2-D placements are not supported)"
+        ])  # fmt: skip
+    return dim % ndim
 
 
 @dataclass(frozen=True)

@@ -414,6 +414,12 @@ class ShardedPublisher:
             deadlines = [h.deadline for h in self._handles]
         return max(0.01, min(deadlines) - now) if deadlines else 1.0
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the staging pool conversions go through (the memory this rank holds beyond
+        its shards; it is touched only when a subscriber asks for another dtype)."""
+        return sum(b.nbytes for b in self._pool)
+
     def subscribers(self) -> list[str]:
         with self._lock:
             return sorted(self._subs)
