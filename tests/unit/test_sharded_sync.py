@@ -178,8 +178,9 @@ def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net
     src, shards, pubs = _trainer(loopback_net, 2)
     two_d = [n for n, s in SHAPES.items() if len(s) == 2]
     blocks = fp8(full_copy(src), two_d, block=(16, 16))
-    lay_b = {n: d for n, d in blocks.items()}
-    live_b = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in lay_b.items()}
+    lay_b = dict(blocks)
+    live_b = transport.weights.tensors_for(lay_b)  # one flat buffer, zeroed
+    assert all(t.dtype == lay_b[n].dtype and not t.view(torch.uint8).any() for n, t in live_b.items())
     sub_b = transport.WeightSubscriber(loopback_net.make("gen-fp8"), live_b, group="policy", layout=lay_b)
     # per tensor: only where one rank writes the whole tensor (the replicated norm here)
     lay_t = fp8(full_copy(src, ["norm"]), ["norm"], block=None)

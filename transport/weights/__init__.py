@@ -9,7 +9,9 @@ from transport.weights.layouts import (
     Piece,
     Slice,
     SourceLayout,
+    fp8,
     full_copy,
+    tensors_for,
     tp_shard,
 )
 from transport.weights.publisher import WeightPublisher
@@ -29,6 +31,8 @@ __all__ = [
     "WeightPublisher",
     "WeightSubscriber",
     "flat_like",
+    "fp8",
     "full_copy",
+    "tensors_for",
     "tp_shard",
 ]

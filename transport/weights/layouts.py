@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from transport.weights._flat import flat_like
 from transport.weights.convert import FLOATS, FP8
 
 
@@ -574,4 +575,16 @@ def fp8(
         q = DestTensor(d.shape, FP8, d.pieces, d.dim, Quant(name + suffix, block))
         out[name] = q
         out[name + suffix] = DestTensor(scale_shape(q), torch.float32, (), 0, None, name)
+    return out
+
+
+def tensors_for(
+    layout: Mapping[str, DestTensor], device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Zeroed tensors of a destination layout's shapes and dtypes, in one flat buffer per
+    device (a subscriber's live tensors when the engine has none of its own)."""
+    meta = {n: torch.empty(d.shape, dtype=d.dtype, device="meta") for n, d in layout.items()}
+    out = flat_like(meta, device)
+    for t in out.values():
+        t.zero_()
     return out
