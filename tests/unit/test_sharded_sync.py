@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import transport
+from helpers.shard_peer import shard_of
 from transport.weights import (
     DestTensor,
     LayoutError,
@@ -31,14 +32,6 @@ DIMS = {"o": 1, "down": 1, "norm": None}
 def _full(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-
-
-def _shards(src: SourceLayout, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for n, t in src.tensors.items():
-        box = t.held[rank].box(t.shape)
-        out[n] = full[n][tuple(slice(lo, hi) for lo, hi in box)].contiguous()
-    return out
 
 
 def _tp(src: SourceLayout, degree: int, rank: int) -> dict[str, DestTensor]:
@@ -67,7 +60,7 @@ def _tp_reference(full: dict[str, torch.Tensor], degree: int, rank: int) -> dict
 def _trainer(net, world, sizes=None):
     src = SourceLayout.split(world, {n: (s, torch.float32) for n, s in SHAPES.items()}, DIMS, sizes)
     full = _full(1)
-    shards = [_shards(src, full, r) for r in range(world)]
+    shards = [shard_of(src, full, r) for r in range(world)]
     pubs = [
         ShardedPublisher(net.make(f"trainer-{r}"), shards[r], src, r, group="policy")
         for r in range(world)
@@ -78,7 +71,7 @@ def _trainer(net, world, sizes=None):
 def _step(src, shards, step):
     full = _full(step)
     for r, mine in enumerate(shards):
-        for n, t in _shards(src, full, r).items():
+        for n, t in shard_of(src, full, r).items():
             mine[n].copy_(t)
     return full
 
@@ -163,7 +156,7 @@ def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net)
         wrong = dict(shards[0], q=torch.zeros(3, H))
         ShardedPublisher(loopback_net.make("trainer-x"), wrong, src, 0, group="other")
     other = SourceLayout.split(2, {n: (s, torch.float32) for n, s in SHAPES.items()})  # all dim 0
-    rank1 = ShardedPublisher(loopback_net.make("trainer-y"), _shards(other, _full(1), 1), other, 1, group="g2")
+    rank1 = ShardedPublisher(loopback_net.make("trainer-y"), shard_of(other, _full(1), 1), other, 1, group="g2")
     rank0 = ShardedPublisher(loopback_net.make("trainer-z"), shards[0], src, 0, group="g2")
     with pytest.raises(LayoutError, match="rank 1 .* declares another source layout"):
         rank0.publish(1)

@@ -90,6 +90,12 @@ class Delivery:
         return not self.pending
 
 
+def close_all(deliveries: list[Delivery], error: ClosedError) -> None:
+    """A publisher closed: each of ``deliveries`` completes now, failed with ``error``."""
+    for d in deliveries:
+        d.close(error)
+
+
 class PublishHandle:
     """The result of :meth:`WeightPublisher.publish`; completes when every subscriber has an outcome
     (at the latest at the publish deadline), or when the publisher closes first: then

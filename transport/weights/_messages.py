@@ -9,6 +9,7 @@ is the only place that reads a peer's bytes: exact field sets, types and ranges,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -16,6 +17,8 @@ import msgpack
 
 from transport.errors import WireFormatError
 from transport.wire import NAME_RE, unpack
+
+log = logging.getLogger("transport.weights")
 
 #: the most children one relay serves (the publisher's ``degree``)
 MAX_DEGREE = 16
@@ -191,6 +194,16 @@ def decode(payload: bytes) -> Message:
     ):
         raise WireFormatError("malformed relay report")
     return cls(**raw)
+
+
+def decode_from(peer: str, payload: bytes) -> Message | None:
+    """``payload`` of ``peer`` decoded, or None (logged) when it breaks a rule: one bad message
+    never stops a member of the group."""
+    try:
+        return decode(payload)
+    except WireFormatError as e:
+        log.warning("dropping a weight-sync message from %s: %s", peer, e)
+        return None
 
 
 def _targets(to: Any) -> tuple[Target, ...]:

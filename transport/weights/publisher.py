@@ -19,7 +19,6 @@ from transport.errors import (
     PeerNotFoundError,
     TransferTimeout,
     TransportError,
-    WireFormatError,
 )
 from transport.handle import Handle
 from transport.weights._delivery import (
@@ -28,6 +27,7 @@ from transport.weights._delivery import (
     LOST,
     Delivery,
     PublishHandle,
+    close_all,
 )
 from transport.weights._lease import PublisherLease
 from transport.weights._members import Member, Roster, check_fanout
@@ -40,7 +40,7 @@ from transport.weights._messages import (
     Report,
     Target,
     Ver,
-    decode,
+    decode_from,
     encode,
 )
 from transport.weights._protocol import (
@@ -412,10 +412,8 @@ class WeightPublisher:
             log.info("group %s: cannot ask %s for free slots: %s", self.group, sub.name, e)
 
     def _on_message(self, peer: str, payload: bytes) -> None:
-        try:
-            m = decode(payload)
-        except WireFormatError as e:
-            log.warning("dropping a weight-sync message from %s: %s", peer, e)
+        m = decode_from(peer, payload)
+        if m is None:
             return
         if isinstance(m, Credit):
             self._worker.submit(lambda: self._on_credit(peer, m))
@@ -519,9 +517,7 @@ class WeightPublisher:
         self._worker.stop()
         with self._lock:
             handles, self._handles = self._handles, []
-        closed = ClosedError(f"the weight publisher of group {self.group!r} was closed")
-        for d in handles:
-            d.close(closed)
+        close_all(handles, ClosedError(f"the weight publisher of group {self.group!r} was closed"))
         self._lease.release()
 
     def __enter__(self) -> WeightPublisher:

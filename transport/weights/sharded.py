@@ -22,11 +22,11 @@ from transport.errors import (
 )
 from transport.handle import Handle
 from transport.memory import dtype_name
-from transport.weights._delivery import DONE, EXCLUDED, LOST, Delivery, PublishHandle
+from transport.weights._delivery import DONE, EXCLUDED, LOST, Delivery, PublishHandle, close_all
 from transport.weights._layout_wire import decode_dest, source_digest
 from transport.weights._lease import PublisherLease, current_leases, holder_alive
 from transport.weights._members import Member, Roster
-from transport.weights._messages import Abort, Begin, Credit, Ver, decode, encode
+from transport.weights._messages import Abort, Begin, Credit, Ver, decode_from, encode
 from transport.weights._pool import SlotWrites, plan_writes
 from transport.weights._protocol import GroupDirectory, Worker, channel, region
 from transport.weights.layouts import (
@@ -373,10 +373,8 @@ class ShardedPublisher:
     # -- messages ----------------------------------------------------------------------------------
 
     def _on_message(self, peer: str, payload: bytes) -> None:
-        try:
-            m = decode(payload)
-        except WireFormatError as e:
-            log.warning("dropping a weight-sync message from %s: %s", peer, e)
+        m = decode_from(peer, payload)
+        if m is None:
             return
         if isinstance(m, Credit):
             self._worker.submit(functools.partial(self._on_credit, peer, m))
@@ -428,13 +426,11 @@ class ShardedPublisher:
         """Stop publishing: a publish in flight completes now, failed with ClosedError.
         Idempotent."""
         self._stop_control()
-        self._worker.stop()
         self._writer.stop()
+        self._worker.stop()
         with self._lock:
             handles, self._handles = self._handles, []
-        closed = ClosedError(f"rank {self.rank} of group {self.group!r} was closed")
-        for d in handles:
-            d.close(closed)
+        close_all(handles, ClosedError(f"rank {self.rank} of group {self.group!r} was closed"))
         self._lease.release()
 
     def __enter__(self) -> ShardedPublisher:

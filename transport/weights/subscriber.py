@@ -32,7 +32,7 @@ from transport.weights._messages import (
     Piece,
     Segment,
     Ver,
-    decode,
+    decode_from,
     encode,
 )
 from transport.weights._protocol import (
@@ -202,10 +202,8 @@ class WeightSubscriber:
         self._upstream.admit(peer, payload, self._on_message)
 
     def _on_message(self, peer: str, payload: bytes) -> None:
-        try:
-            m = decode(payload)
-        except WireFormatError as e:
-            log.warning("dropping a weight-sync message from %s: %s", peer, e)
+        m = decode_from(peer, payload)
+        if m is None:
             return
         if isinstance(m, Hello):
             with self._lock:
