@@ -95,6 +95,7 @@ class ShardedPublisher:
         self.version = -1
         self._chunk_bytes = chunk_bytes
         device = next(iter(self._local.values())).device
+        self._on_cuda = device.type == "cuda"  # the GPU path: torch ops on the device (untested)
         self._pool = [
             torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
             for _ in range(max(1, pool_bytes // chunk_bytes))
@@ -177,6 +178,8 @@ class ShardedPublisher:
         if version <= self.version:
             raise ValueError(f"versions only move forward: {version} after {self.version}")
         timeout = self.transport.timeout if timeout is None else timeout
+        if self._on_cuda:  # what the trainer queued (the optimizer step) has run before we read
+            torch.cuda.synchronize(self._pool[0].device)
         self._lease.ensure()
         self._check_ranks()
         self._published(version)
@@ -267,6 +270,8 @@ class ShardedPublisher:
                     busy.exception(_left(handle))
                 for fill in chunk.fill:
                     fill()
+                if self._on_cuda:  # the conversion kernels must have run before the put reads
+                    torch.cuda.current_stream(self._pool[0].device).synchronize()
                 state.posting()
                 h = self.transport.put(chunk.batch, sub.name, timeout=_left(handle))
                 self._pool_busy[chunk.buffer] = h
