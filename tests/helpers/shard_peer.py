@@ -145,6 +145,8 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
         r = pub.publish(version, timeout=timeout).wait(timeout + 30)
         return {"done": r.done, "excluded": r.excluded, "lost": r.lost, "reasons": r.reasons}
 
+    reached = threading.Event()
+
     def hold_ver() -> None:
         """From now on this rank's ``ver`` never goes: its bytes land, its completion not (a
         test then kills the process mid-version)."""
@@ -157,10 +159,15 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
             except Exception:
                 is_ver = False
             if is_ver:
+                reached.set()  # every byte of this rank's part landed before its ver
                 held.wait()
             send(peer, channel, payload)
 
         object.__setattr__(core, "send_control", holding)
+
+    def wait_held(timeout: float) -> bool:
+        """Whether a held ``ver`` was reached (all of this rank's bytes landed) within ``timeout``."""
+        return reached.wait(timeout)
 
     def publish_nowait(version: int, timeout: float) -> None:
         for n, s in shard_of(layout, full_weights(spec, version), rank).items():
@@ -172,7 +179,8 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
         t.close()
 
     conn.send(("ok", (t.generation, 0)))
-    serve(conn, {"publish": publish, "publish_nowait": publish_nowait, "hold_ver": hold_ver}, close)
+    serve(conn, {"publish": publish, "publish_nowait": publish_nowait, "hold_ver": hold_ver,
+                 "wait_held": wait_held}, close)  # fmt: skip
 
 
 def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str) -> None:

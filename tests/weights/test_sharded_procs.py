@@ -86,11 +86,14 @@ def test_a_rank_killed_mid_version_leaves_the_version_before_and_is_named(tcp_st
     # rank 1's bytes of version 2 land, its completion never goes; then it is killed
     ranks[1].call("hold_ver")
     ranks[1].call("publish_nowait", 2, 60)
+    assert ranks[1].call("wait_held", 60, timeout=90)  # all of its bytes landed, its ver held
     ranks[1].kill()
     result = _publish([ranks[0]], 2, timeout=8)[0]
     assert result["excluded"] == ["gen"], result
     why = result["reasons"]["gen"]
-    assert "rank 1 (trainer-1) began it, but its parts did not complete" in why, why
+    # named as suspect or, on a machine slow enough to judge it past the gone bar, as gone
+    assert ("rank 1 (trainer-1) began it, but its parts did not complete" in why
+            or "rank 1 (trainer-1) is gone" in why), why  # fmt: skip
     held = gens[0].call("held")
     assert held["version"] == 1 and held["bad"] == [], held  # version 1, whole
     # rank 1 back (a new process under the same name): the next version completes
