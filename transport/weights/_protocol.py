@@ -68,6 +68,9 @@ log = logging.getLogger("transport.weights")
 
 MODES = ("staging", "inplace")
 
+#: seconds after which a subscriber that has not answered a publisher's hello is asked again
+HELLO_AGAIN = 0.5
+
 #: the publisher's own regions (read-only, for late joiners): "<group>@pub/<name>" and the
 #: sequence word "<group>@pub/__seq" = [seq (odd while the trainer changes the tensors), version]
 PUB_SLOT = "pub"

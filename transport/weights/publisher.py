@@ -44,6 +44,7 @@ from transport.weights._messages import (
     encode,
 )
 from transport.weights._protocol import (
+    HELLO_AGAIN,
     PUB_SLOT,
     SEGMENT_BYTES,
     SEQ_NAME,
@@ -58,8 +59,6 @@ from transport.weights._protocol import (
 
 log = logging.getLogger("transport.weights")
 
-#: seconds after which a subscriber that has not answered our hello is asked again
-HELLO_AGAIN = 0.5
 
 
 class WeightPublisher:

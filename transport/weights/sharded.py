@@ -26,9 +26,9 @@ from transport.weights._delivery import DONE, EXCLUDED, LOST, Delivery, PublishH
 from transport.weights._layout_wire import decode_dest, source_digest
 from transport.weights._lease import PublisherLease, current_leases, holder_alive
 from transport.weights._members import Member, Roster
-from transport.weights._messages import Abort, Begin, Credit, Ver, decode_from, encode
+from transport.weights._messages import Abort, Begin, Credit, Hello, Ver, decode_from, encode
 from transport.weights._pool import SlotWrites, plan_writes
-from transport.weights._protocol import GroupDirectory, Worker, channel, region
+from transport.weights._protocol import HELLO_AGAIN, GroupDirectory, Worker, channel, region
 from transport.weights.layouts import (
     LayoutError,
     SourceLayout,
@@ -154,8 +154,14 @@ class ShardedPublisher:
             runs = plan(self.layout, dest, self.rank)
             boxes = plan_quant(self.layout, dest, self.rank)
             sub.writes = [
-                plan_writes(self._pool, functools.partial(region, self.group, k), self._local,
-                            runs, boxes, dest)  # fmt: skip
+                plan_writes(
+                    self._pool,
+                    functools.partial(region, self.group, k),
+                    self._local,
+                    runs,
+                    boxes,
+                    dest,
+                )  # fmt: skip
                 for k in range(sub.slots)
             ]
         except (LayoutError, WireFormatError) as e:
@@ -319,7 +325,7 @@ class ShardedPublisher:
     def _give_up(self, sub: Member, version: int, slot: int) -> None:
         self._worker.submit(functools.partial(self._send, sub.name, Abort(version, slot)))
 
-    def _send(self, peer: str, msg: Abort) -> None:
+    def _send(self, peer: str, msg: Abort | Hello) -> None:
         try:
             self.transport.core.send_control(peer, channel(self.group), encode(msg))
         except TransportError as e:
@@ -410,11 +416,28 @@ class ShardedPublisher:
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
-                    hnd.settle(sub.name, EXCLUDED,
-                               f"version {v} could not begin within the deadline: the subscriber "
-                               f"is not done with version {sub.last}; {self._missing(sub.last)}")  # fmt: skip
+                    why = (
+                        f"the subscriber is not done with version {sub.last}; {self._missing(sub.last)}"
+                        if sub.last >= 0 and sub.settled < sub.last
+                        else "the subscriber never said which slots are free"
+                    )
+                    hnd.settle(
+                        sub.name,
+                        EXCLUDED,
+                        f"version {v} could not begin within the deadline: {why}",
+                    )
+                elif (
+                    sub.waiting is not None
+                    and sub.settled >= sub.last
+                    and now - sub.asked > HELLO_AGAIN
+                ):
+                    # no credit yet (our hello may have come before it could reach us): ask again
+                    sub.asked = now
+                    self._worker.submit(functools.partial(self._send, sub.name, Hello()))
             self._handles = [h for h in self._handles if not h.done()]
             deadlines = [h.deadline for h in self._handles]
+            if any(s.waiting is not None for s in self._subs.values()):
+                deadlines.append(now + HELLO_AGAIN)
         return max(0.01, min(deadlines) - now) if deadlines else 1.0
 
     @property
