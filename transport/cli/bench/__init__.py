@@ -51,6 +51,9 @@ SYNC = [
     ("--degree", int, 2, "generators each writer serves in a tree (default 2)"),
     ("--trainer-ranks N", int, None, "a sharded trainer of N rank processes (ShardedPublisher), "
      "against gathering to rank 0 with gloo and publishing from there"),
+    ("--source-shards", ("tp", "fsdp"), "tp", "with --trainer-ranks: how the ranks hold the "
+     "matrices: tp (column-parallel along dim 0, row-parallel o and down along dim 1) or fsdp "
+     "(all along dim 0) (default tp)"),
     ("--dest-layout", ("full", "tp2-fused"), "full", "with --trainer-ranks: the generators' "
      "layout: whole tensors, or TP=2 shards with fused qkv and gate_up (default full)"),
     ("--dest-dtype", ("float32", "bfloat16", "fp8"), "float32", "with --trainer-ranks: the "

@@ -66,8 +66,11 @@ class Model:
                     p + "gate": (f, h), p + "up": (f, h), p + "down": (h, f), p + "norm": (h,)}  # fmt: skip
         return out
 
-    def dims(self) -> dict[str, int | None]:
-        return {n: None if len(s) == 1 else 1 if n.endswith((".o", ".down")) else 0
+    def dims(self, shards: str = "tp") -> dict[str, int | None]:
+        """Each tensor's shard dim: ``tp`` (column-parallel dim 0, row-parallel o and down dim 1)
+        or ``fsdp`` (every matrix dim 0); norms replicated."""
+        row = (".o", ".down") if shards == "tp" else ()
+        return {n: None if len(s) == 1 else 1 if n.endswith(row) else 0
                 for n, s in self.shapes().items()}  # fmt: skip
 
     def full(self) -> dict[str, torch.Tensor]:
@@ -84,13 +87,14 @@ class Config:
     dest_dtype: str
     steps: int
     timeout: float
+    source_shards: str = "tp"
 
 
 def source_layout(c: Config) -> Any:
     from transport.weights import SourceLayout
 
     shapes = c.model.shapes()
-    return SourceLayout.split(c.ranks, {n: (s, torch.float32) for n, s in shapes.items()}, c.model.dims())
+    return SourceLayout.split(c.ranks, {n: (s, torch.float32) for n, s in shapes.items()}, c.model.dims(c.source_shards))
 
 
 def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]:
@@ -333,7 +337,7 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     params = parse_size(args.params or ("16M" if args.quick else "256M"), "--params")
     model = Model.sized(params, args.tensors or (50 if args.quick else 300))
     c = Config(model, ranks, gens, args.dest_layout, args.dest_dtype,
-               args.steps or (3 if args.quick else 7), args.timeout)  # fmt: skip
+               args.steps or (3 if args.quick else 7), args.timeout, args.source_shards)  # fmt: skip
     nbytes = sum(math.prod(s) * 4 for s in model.shapes().values())
     store = TcpStore("127.0.0.1", 0, hosting="yes")
     ctx = mp.get_context("spawn")
@@ -384,7 +388,7 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
         store.close()
     med = {s: statistics.median(v) for s, v in times.items()}
     ok = {s: all(v[s] for v in verified) for s in med}
-    label = f"{ranks} ranks -> {gens} generators ({c.dest_layout}, {c.dest_dtype})"
+    label = f"{ranks} ranks ({c.source_shards} shards) -> {gens} generators ({c.dest_layout}, {c.dest_dtype})"
     _report.text(out, f"bench sync --trainer-ranks: {label}; model {nbytes / MiB:.0f} MiB float32 in "
                       f"{len(model.shapes())} tensors (hidden {model.hidden}, {model.layers} layers), "
                       f"{c.steps} steps, interleaved")  # fmt: skip
