@@ -80,6 +80,9 @@ class Model:
 
 @dataclass(frozen=True)
 class Config:
+    """One run: the model, ``ranks`` trainer processes holding it as ``source_shards`` says,
+    ``generators`` of ``dest_layout`` and ``dest_dtype``, ``steps`` timed versions per system."""
+
     model: Model
     ranks: int
     generators: int
