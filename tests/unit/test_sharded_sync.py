@@ -206,3 +206,35 @@ def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net
     assert "'q'" not in text  # 32-row shards of q hold whole 32-row blocks
     for p in pubs:
         p.close()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_fsdp_row_shards_into_column_shards_packed_or_row_by_row(loopback_net, pack):
+    """Every matrix held along dim 0 (FSDP); the generators take TP column shards of o and down:
+    each rank's part is strided in its shard and adjacent at the generator, packed through the
+    pool (one write per chunk) or written one row at a time: the same bytes either way."""
+    from transport.weights._pool import Strided, strided_groups
+    from transport.weights.layouts import plan
+
+    src = SourceLayout.split(2, {n: (s, torch.float32) for n, s in SHAPES.items()}, {"norm": None})
+    full = _full(4)
+    pubs = [ShardedPublisher(loopback_net.make(f"fsdp-{r}"), shard_of(src, full, r), src, r,
+                             group="fsdp", pack_strided=pack) for r in range(2)]  # fmt: skip
+    subs = []
+    for r in range(2):
+        lay = _tp(src, 2, r)
+        live = transport.weights.tensors_for(lay)
+        subs.append((transport.WeightSubscriber(loopback_net.make(f"fsdp-gen{r}"), live, group="fsdp",
+                                                layout=lay, mode="inplace"), live))  # fmt: skip
+    for result in _publish_all(pubs, 1):
+        assert len(result.done) == 2, result
+    for r, (sub, live) in enumerate(subs):
+        assert sub.version == 1
+        ref = _tp_reference(full, 2, r)
+        assert all(torch.equal(live[n], ref[n]) for n in ref), r
+    runs = plan(src, _tp(src, 2, 0), 0)
+    groups = strided_groups(runs, {n: 4 for n in SHAPES})
+    packed = [g for g in groups if isinstance(g, Strided)]
+    assert {g.first.dest for g in packed} == {"o_proj", "down_proj"} and len(groups) < len(runs)
+    for p in pubs:
+        p.close()

@@ -95,6 +95,28 @@ class WritePlanner:
             self.items.append((self.key(r.dest), buf, r.dst_at + at))
             at, left = at + n, left - n
 
+    def packed(self, g: Strided, src: torch.Tensor, dtype: torch.dtype) -> None:
+        """``g.rows`` runs of ``g.width`` elements, ``g.step`` apart in flat local tensor ``src``
+        and adjacent at the destination: packed (and converted) into pool chunks at the sender,
+        so each chunk is one descriptor instead of one per row."""
+        size, top = buf_size(dtype), 0
+        while top < g.rows:
+            rows = min(g.rows - top, self.room(dtype) // g.width)
+            if rows == 0:
+                if not self.items:  # a single row larger than a chunk: its own runs
+                    for i in range(top, g.rows):
+                        at = g.first.src_at + i * g.step
+                        self.run(Run(g.first.source, at, g.first.dest,
+                                     g.first.dst_at + i * g.width, g.width), src, dtype)  # fmt: skip
+                    return
+                self.close()
+                continue
+            buf = self.take(rows * g.width * size, dtype)
+            view = src[g.first.src_at + top * g.step :].as_strided((rows, g.width), (g.step, 1))
+            self.fill.append(functools.partial(buf.view(rows, g.width).copy_, view))
+            self.items.append((self.key(g.first.dest), buf, g.first.dst_at + top * g.width))
+            top += rows
+
     def quant(self, b: Box, src: torch.Tensor, d: DestTensor) -> None:
         """Box ``b`` of local tensor ``src`` (its own shape) into fp8 destination ``d`` and its
         scales, in groups of whole block rows that fit a fraction of a chunk."""
@@ -138,6 +160,50 @@ def buf_size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class Strided:
+    """``rows`` runs like ``first`` (``width`` elements each), ``step`` elements apart at the
+    source and adjacent at the destination: a strided box of a shard into a contiguous place."""
+
+    first: Run
+    rows: int
+    width: int
+    step: int
+
+
+#: runs of at most this many bytes, strided at the source and adjacent at the destination, are
+#: packed when there are at least PACK_ROWS of them
+PACK_BYTES = 64 << 10
+PACK_ROWS = 8
+
+
+def strided_groups(runs: Sequence[Run], size: Mapping[str, int]) -> list[Run | Strided]:
+    """``runs`` with every stretch of at least PACK_ROWS short runs that are adjacent at the
+    destination and evenly strided at the source as one :class:`Strided`."""
+    out: list[Run | Strided] = []
+    i = 0
+    while i < len(runs):
+        a, j = runs[i], i + 1
+        if a.count * size[a.source] <= PACK_BYTES and j < len(runs):
+            step = runs[j].src_at - a.src_at
+            while (
+                j < len(runs)
+                and (b := runs[j]).source == a.source
+                and b.dest == a.dest
+                and b.count == a.count
+                and b.src_at == a.src_at + (j - i) * step
+                and b.dst_at == a.dst_at + (j - i) * a.count
+            ):
+                j += 1
+            if j - i >= PACK_ROWS and step > a.count:
+                out.append(Strided(a, j - i, a.count, step))
+                i = j
+                continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def plan_writes(
     pool: Sequence[torch.Tensor],
     key: Callable[[str], str],
@@ -145,12 +211,18 @@ def plan_writes(
     runs: Sequence[Run],
     boxes: Sequence[Box],
     dest: Mapping[str, DestTensor],
+    pack: bool = True,
 ) -> SlotWrites:
     """The writes of one slot: ``runs`` (from the flat ``local`` tensors) and quantized
-    ``boxes``; ``key(name)`` is the region of destination ``name`` in that slot."""
+    ``boxes``; ``key(name)`` is the region of destination ``name`` in that slot. With ``pack``,
+    strided stretches of short runs go packed through the pool (:func:`strided_groups`)."""
     p = WritePlanner(pool, key)
-    for r in runs:
-        p.run(r, local[r.source].view(-1), dest[r.dest].dtype)
+    size = {n: t.element_size() for n, t in local.items()}
+    for r in strided_groups(runs, size) if pack else runs:
+        if isinstance(r, Strided):
+            p.packed(r, local[r.first.source].view(-1), dest[r.first.dest].dtype)
+        else:
+            p.run(r, local[r.source].view(-1), dest[r.dest].dtype)
     for b in boxes:
         p.quant(b, local[b.source].view(b.local), dest[b.dest])
     return p.done()

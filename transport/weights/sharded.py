@@ -56,8 +56,10 @@ class ShardedPublisher:
     shard, fused parameters, renames, another dtype; without one, whole tensors by name):
     byte runs planned once per subscriber and replayed every version, converted on the way
     through a pool of ``pool_bytes`` of staging buffers where the subscriber asks for another
-    dtype (the next chunk converts while the last is in flight). A replicated tensor is written
-    by one rank per destination piece, the pieces dealt round robin.
+    dtype (the next chunk converts while the last is in flight). With ``pack_strided``, short
+    runs that are strided in the shard but adjacent at the destination (a column box of a row
+    shard) are packed through the same pool: one descriptor per chunk instead of one per row.
+    A replicated tensor is written by one rank per destination piece, dealt round robin.
 
     A subscriber completes a version only when every rank's parts of it landed, into the same
     slot. Each rank starts a version at a subscriber only once the subscriber is done with the
@@ -80,6 +82,7 @@ class ShardedPublisher:
         group: str = "policy",
         pool_bytes: int = POOL_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
+        pack_strided: bool = True,
     ) -> None:
         if not isinstance(layout, SourceLayout):
             raise TypeError("layout must be a SourceLayout (every rank's share of each tensor)")
@@ -93,7 +96,7 @@ class ShardedPublisher:
         self.world = layout.world
         self.digest = source_digest(layout)
         self.version = -1
-        self._chunk_bytes = chunk_bytes
+        self._chunk_bytes, self._pack = chunk_bytes, pack_strided
         device = next(iter(self._local.values())).device
         self._on_cuda = device.type == "cuda"  # the GPU path: torch ops on the device (untested)
         self._pool = [

@@ -54,6 +54,9 @@ SYNC = [
     ("--source-shards", ("tp", "fsdp"), "tp", "with --trainer-ranks: how the ranks hold the "
      "matrices: tp (column-parallel along dim 0, row-parallel o and down along dim 1) or fsdp "
      "(all along dim 0) (default tp)"),
+    ("--strided", ("pack", "rows", "both"), "pack", "with --trainer-ranks: short runs strided in "
+     "a shard and adjacent at the generator are packed into the staging pool (one descriptor per "
+     "chunk), or written one descriptor per row, or both, interleaved (ours-rows) (default pack)"),
     ("--dest-layout", ("full", "tp2-fused"), "full", "with --trainer-ranks: the generators' "
      "layout: whole tensors, or TP=2 shards with fused qkv and gate_up (default full)"),
     ("--dest-dtype", ("float32", "bfloat16", "fp8"), "float32", "with --trainer-ranks: the "

@@ -34,7 +34,8 @@ import torch
 
 from transport.cli import CliError
 
-GROUPS = {"ours": "bench-ours", "gloo-gather": "bench-base", "ours-noconv": "bench-noconv"}
+GROUPS = {"ours": "bench-ours", "gloo-gather": "bench-base", "ours-noconv": "bench-noconv",
+          "ours-rows": "bench-rows"}  # fmt: skip
 MiB = 1 << 20
 
 
@@ -91,6 +92,16 @@ class Config:
     steps: int
     timeout: float
     source_shards: str = "tp"
+    strided: str = "pack"
+    mode: str = "staging"
+
+    def systems(self) -> list[str]:
+        out = ["ours", "gloo-gather"]
+        if self.dest_dtype != "float32":
+            out.append("ours-noconv")
+        if self.strided == "both":
+            out.append("ours-rows")
+        return out
 
 
 def source_layout(c: Config) -> Any:
@@ -191,7 +202,11 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
                             world_size=c.ranks)  # fmt: skip
     t = transport.Transport(f"bench-rank{rank}", store=store_url, timeout=c.timeout)
     made = time.perf_counter()
-    ours = ShardedPublisher(t, mine, src, rank, group=GROUPS["ours"])
+    pack = c.strided != "rows"
+    ours = ShardedPublisher(t, mine, src, rank, group=GROUPS["ours"], pack_strided=pack)
+    rows = None
+    if "ours-rows" in c.systems():
+        rows = ShardedPublisher(t, mine, src, rank, group=GROUPS["ours-rows"], pack_strided=False)
     made = time.perf_counter() - made
     noconv = None
     if c.dest_dtype != "float32":
@@ -202,7 +217,8 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
 
         nsrc = SourceLayout(src.world, {n: SourceTensor(s.shape, conv[n].dtype, s.held)
                                         for n, s in src.tensors.items()})  # fmt: skip
-        noconv = ShardedPublisher(t, conv, nsrc, rank, group=GROUPS["ours-noconv"])
+        noconv = ShardedPublisher(t, conv, nsrc, rank, group=GROUPS["ours-noconv"],
+                                  pack_strided=pack)  # fmt: skip
     base = None
     if rank == 0:
         zeros = {n: torch.zeros(s) for n, s in c.model.shapes().items()}
@@ -252,13 +268,15 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
     }
     if noconv is not None:
         run["ours-noconv"] = lambda: publish(noconv, "ours-noconv")
+    if rows is not None:
+        run["ours-rows"] = lambda: publish(rows, "ours-rows")
     conn.send(("ready", made))
     while True:
         cmd = conn.recv()
         if cmd == "exit":
             break
         conn.send(run[cmd]())
-    for p in (ours, noconv, base):
+    for p in (ours, noconv, rows, base):
         if p is not None:
             p.close()
     t.close()
@@ -272,17 +290,16 @@ def _gen_main(conn: Any, c: Config, g: int, store_url: str) -> None:
     torch.set_num_threads(1)
     t = transport.Transport(f"bench-gen{g}", store=store_url, timeout=c.timeout)
     subs, lives = {}, {}
-    for system, group in GROUPS.items():
-        if system == "ours-noconv" and c.dest_dtype == "float32":
-            continue
+    for system in c.systems():
+        group = GROUPS[system]
         if system == "gloo-gather":
             zeros = {n: torch.zeros(s) for n, s in c.model.shapes().items()}
             live = {n: torch.zeros_like(x) for n, x in full_converted(zeros, c.dest_dtype).items()}
             layout = None
         else:
-            layout = dest_layout(c, g, c.dest_dtype, quantize=system == "ours")
+            layout = dest_layout(c, g, c.dest_dtype, quantize=system != "ours-noconv")
             live = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in layout.items()}
-        subs[system] = transport.WeightSubscriber(t, live, group=group, layout=layout)
+        subs[system] = transport.WeightSubscriber(t, live, group=group, layout=layout, mode=c.mode)
         lives[system] = live
     conn.send(("ready", 0.0))
     while True:
@@ -298,7 +315,7 @@ def _gen_main(conn: Any, c: Config, g: int, store_url: str) -> None:
             if system == "gloo-gather":
                 want = full_converted(full, c.dest_dtype)
             else:
-                want = _reference(c, g, full, system == "ours", fp8_blockwise)
+                want = _reference(c, g, full, system != "ours-noconv", fp8_blockwise)
             out[system] = all(
                 torch.equal(live[n].reshape(-1).view(torch.uint8), want[n].reshape(-1).view(torch.uint8))
                 for n in want
@@ -340,7 +357,8 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     params = parse_size(args.params or ("16M" if args.quick else "256M"), "--params")
     model = Model.sized(params, args.tensors or (50 if args.quick else 300))
     c = Config(model, ranks, gens, args.dest_layout, args.dest_dtype,
-               args.steps or (3 if args.quick else 7), args.timeout, args.source_shards)  # fmt: skip
+               args.steps or (3 if args.quick else 7), args.timeout, args.source_shards,
+               args.strided, args.mode)  # fmt: skip
     nbytes = sum(math.prod(s) * 4 for s in model.shapes().values())
     store = TcpStore("127.0.0.1", 0, hosting="yes")
     ctx = mp.get_context("spawn")
@@ -362,7 +380,7 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
             if not cn.poll(600):
                 raise CliError("a rank or generator did not start within 600 s")
             cn.recv()
-        systems = list(GROUPS) if c.dest_dtype != "float32" else ["ours", "gloo-gather"]
+        systems = c.systems()
         for step in range(c.steps + 1):  # the first round warms up (plans, first touch)
             for system in systems:
                 for cn in rconns:
@@ -402,6 +420,8 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     ratios = {"gloo-gather/ours": med["gloo-gather"] / med["ours"]}
     if "ours-noconv" in med:
         ratios["ours/ours-noconv"] = med["ours"] / med["ours-noconv"]
+    if "ours-rows" in med:
+        ratios["ours-rows/ours"] = med["ours-rows"] / med["ours"]
     for k, v in ratios.items():
         _report.text(out, f"  {k}: {v:.2f}x")
     if args.json:
@@ -415,10 +435,10 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
         plt = _report.pyplot()
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
         names = list(med)
-        a.bar(names, [med[s] for s in names], color=["C0", "C1", "C2"][: len(names)])
+        colors = ["C0", "C1", "C2", "C3"][: len(names)]
+        a.bar(names, [med[s] for s in names], color=colors)
         a.set_ylabel("seconds per version (median)")
-        b.bar(names, [(held[s] + max(extra[s])) / MiB for s in names],
-              color=["C0", "C1", "C2"][: len(names)])  # fmt: skip
+        b.bar(names, [(held[s] + max(extra[s])) / MiB for s in names], color=colors)
         b.set_ylabel("MiB beyond its shards, per rank (max)")
         _report.save(fig, args.plot, label)
     return 0 if all(ok.values()) else 1
