@@ -18,6 +18,7 @@ peer has deregistered; in one process that would corrupt the test itself).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 import threading
@@ -242,7 +243,18 @@ class LoopbackBackend(Backend):
 
 
 def _inside(regions: Any, rows: np.ndarray) -> bool:
-    spans = list(regions)
-    return all(
-        any(a <= addr and addr + n <= a + size for a, size in spans) for addr, n, _ in rows.tolist()
-    )
+    """Whether every row lies inside one registration: the spans sorted once, each row found by
+    bisection (a model of 100,000 tensors is 100,000 of each); nested or overlapping
+    registrations are searched back only while one ending past the row may still hold it."""
+    spans = sorted(regions)
+    starts = [a for a, _ in spans]
+    reach = list(itertools.accumulate((a + size for a, size in spans), max))
+    for addr, n, _ in rows.tolist():
+        i = bisect.bisect_right(starts, addr) - 1
+        while i >= 0 and reach[i] >= addr + n:
+            if spans[i][0] + spans[i][1] >= addr + n:
+                break
+            i -= 1
+        else:
+            return False
+    return True

@@ -238,3 +238,34 @@ def test_fsdp_row_shards_into_column_shards_packed_or_row_by_row(loopback_net, p
     assert {g.first.dest for g in packed} == {"o_proj", "down_proj"} and len(groups) < len(runs)
     for p in pubs:
         p.close()
+
+
+def test_a_mixture_of_experts_of_20000_tensors_from_two_ranks(loopback_net):
+    """20,000 expert matrices (dim-0 shards) and replicated norms: planned once per subscriber
+    (the loopback checks each of the 20,000 descriptors by bisection), every byte of two
+    versions checked."""
+    shapes = {f"l{i // 1000}.e{i % 1000}.{w}": (32, 16) for i in range(10000) for w in ("up", "down")}
+    shapes |= {f"l{i}.norm": (16,) for i in range(10)}
+    src = SourceLayout.split(2, {n: (s, torch.float32) for n, s in shapes.items()},
+                             {n: None for n in shapes if n.endswith("norm")})  # fmt: skip
+    full = {n: torch.zeros(s) for n, s in shapes.items()}
+    mine = [shard_of(src, full, r) for r in range(2)]  # each rank's shards, updated in place
+    pubs = [ShardedPublisher(loopback_net.make(f"moe-{r}"), mine[r], src, r, group="moe")
+            for r in range(2)]  # fmt: skip
+    lay = full_copy(src)
+    live = transport.weights.tensors_for(lay)
+    sub = transport.WeightSubscriber(loopback_net.make("moe-gen"), live, group="moe", layout=lay)
+    for version in (1, 2):
+        g = torch.Generator().manual_seed(version)
+        want = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        for r in range(2):
+            for n, t in shard_of(src, want, r).items():
+                mine[r][n].copy_(t)
+        for result in _publish_all(pubs, version, timeout=120):
+            assert result.done == [sub.transport.name], result
+        sub.wait_for_version(version, 60)
+        assert sub.apply() == version
+        bad = [n for n in shapes if not torch.equal(live[n], want[n])]
+        assert bad == [], bad[:5]
+    for p in pubs:
+        p.close()

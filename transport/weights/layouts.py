@@ -366,20 +366,30 @@ def plan(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> lis
     """The runs ``rank`` writes so that, with every other rank's runs, each destination tensor
     is whole: every destination byte written once. Checks the layouts first (LayoutError).
     Quantized destinations (fp8 with scales) are not runs: see :func:`plan_quant`."""
-    check(source, dest)
-    runs: list[Run] = []
-    for part in _parts(source, dest, rank):
-        if dest[part.dest].quant is None:
-            runs += _runs(part, dest[part.dest])
-    return _merge(runs)
+    return plan_all(source, dest, rank)[0]
 
 
 def plan_quant(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> list[Box]:
     """The boxes of quantized destinations ``rank`` converts and writes (each a whole number of
     scale blocks, as :func:`check` ensures), with every other rank's: each destination element
     and scale written once."""
+    return plan_all(source, dest, rank)[1]
+
+
+def plan_all(
+    source: SourceLayout, dest: Mapping[str, DestTensor], rank: int
+) -> tuple[list[Run], list[Box]]:
+    """:func:`plan` and :func:`plan_quant` at once (the layouts checked once)."""
     check(source, dest)
-    return [p for p in _parts(source, dest, rank) if dest[p.dest].quant is not None]
+    runs: list[Run] = []
+    boxes: list[Box] = []
+    for part in _parts(source, dest, rank):
+        d = dest[part.dest]
+        if d.quant is None:
+            runs += _runs(part, d)
+        else:
+            boxes.append(part)
+    return _merge(runs), boxes
 
 
 @dataclass(frozen=True)

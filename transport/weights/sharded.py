@@ -34,8 +34,7 @@ from transport.weights.layouts import (
     SourceLayout,
     check,
     full_copy,
-    plan,
-    plan_quant,
+    plan_all,
 )
 
 log = logging.getLogger("transport.weights")
@@ -154,8 +153,7 @@ class ShardedPublisher:
                 problems.append("it takes none of the trainer's tensors")
             if problems:
                 raise LayoutError(problems)
-            runs = plan(self.layout, dest, self.rank)
-            boxes = plan_quant(self.layout, dest, self.rank)
+            runs, boxes = plan_all(self.layout, dest, self.rank)
             sub.writes = [
                 plan_writes(
                     self._pool,
