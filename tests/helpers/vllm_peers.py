@@ -213,3 +213,50 @@ class HttpTrainer(ChildProcess):
         wait: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(name, _trainer_child, (env or {},), start_timeout, wait)
+
+
+def _rank_child(conn: Any, name: str, store: str, model_dir: str, group: str, world: int,
+                rank: int) -> None:  # fmt: skip
+    from safetensors.torch import load_file
+
+    import transport
+    from transport.weights import ShardedPublisher, SourceLayout
+
+    try:
+        t = transport.Transport(name, store=store, timeout=30)
+        full = load_file(str(Path(model_dir) / "model.safetensors"))
+        # column-parallel matrices along dim 0, row-parallel ones (o_proj, down_proj) along
+        # dim 1, norms replicated: how a tensor-parallel trainer holds the checkpoint
+        dims = {n: None if x.dim() == 1 else 1 if ("o_proj" in n or "down_proj" in n) else 0
+                for n, x in full.items()}  # fmt: skip
+        layout = SourceLayout.split(world, {n: (x.shape, x.dtype) for n, x in full.items()}, dims)
+
+        def mine(state: dict[str, Any]) -> dict[str, Any]:
+            return {n: state[n][tuple(slice(lo, hi) for lo, hi in s.held[rank].box(s.shape))].contiguous()
+                    for n, s in layout.tensors.items()}  # fmt: skip
+
+        shards = mine(full)
+        pub = ShardedPublisher(t, shards, layout, rank, group=group)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    def publish(version: int, timeout: float) -> tuple[dict[str, str], dict[str, str]]:
+        set_version(full, version)  # the whole model's values of that version, then our part
+        for n, x in mine(full).items():
+            shards[n].copy_(x)
+        r = pub.publish(version, timeout=timeout).wait(timeout + 30)
+        return dict(r.status), dict(r.reasons)
+
+    serve(conn, {"publish": publish}, lambda: (pub.close(), t.close()))
+
+
+class ShardedLlamaRank(ChildProcess):
+    """Rank ``rank`` of a ``world``-rank trainer of the small Llama (tensor-parallel shards),
+    publishing with a ShardedPublisher into vLLM's workers, which take whole checkpoint tensors.
+    Command: ``publish(version, timeout)`` -> (status, reasons)."""
+
+    def __init__(self, name: str, store_url: str, model_dir: Path, group: str, world: int,
+                 rank: int, wait: bool = True) -> None:  # fmt: skip
+        super().__init__(name, _rank_child, (store_url, str(model_dir), group, world, rank), 60, wait)

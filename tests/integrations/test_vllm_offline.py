@@ -18,7 +18,7 @@ from helpers.child import ChildError
 from helpers.llama import hf_model
 from helpers.polling import wait_until
 from helpers.processes import free_port
-from helpers.vllm_peers import LlamaPublisher, VllmProcess
+from helpers.vllm_peers import LlamaPublisher, ShardedLlamaRank, VllmProcess
 from transport.store.tcp import TcpStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -73,6 +73,28 @@ def test_each_update_serves_exactly_the_version_published(vllm, store, reference
         with pytest.raises(ChildError, match="VersionGoneError: version 4 .* no longer held"):
             vllm.call("update", {"version": 4})
         assert vllm.call("generate") == reference(4)
+
+
+def test_a_sharded_trainer_of_two_ranks_updates_vllm(vllm, store, reference, model_dir):
+    """Each rank writes only its tensor-parallel shards of the checkpoint tensors into the
+    worker's staging memory; vLLM loads a version once both ranks' parts landed."""
+    vllm.call("init", _info(store, "sharded"))
+    ranks = [ShardedLlamaRank(f"rank-{r}", store.url, model_dir, "sharded", 2, r, wait=False)
+             for r in range(2)]  # fmt: skip
+    try:
+        for r in ranks:
+            r.started(60)
+        for version in (1, 2):
+            for r in ranks:
+                r.begin("publish", version, 30.0)  # both ranks at once
+            for r in ranks:
+                status, reasons = r.end("publish", 90)
+                assert status == {_worker(vllm): "done"}, reasons
+            assert vllm.call("update", {"version": version}) == str(version)
+            assert vllm.call("generate") == reference(version), f"version {version}"
+    finally:
+        for r in ranks:
+            r.stop()
 
 
 def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_loads(
