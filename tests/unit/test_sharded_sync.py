@@ -269,3 +269,16 @@ def test_a_mixture_of_experts_of_20000_tensors_from_two_ranks(loopback_net):
         assert bad == [], bad[:5]
     for p in pubs:
         p.close()
+
+
+def test_a_subscriber_that_leaves_mid_version_is_settled_at_the_deadline(loopback_net):
+    src, shards, pubs = _trainer(loopback_net, 2)
+    live = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    sub = transport.WeightSubscriber(loopback_net.make("gen-leaves"), live, group="policy")
+    first = pubs[0].publish(1, timeout=2.0)  # rank 1 never publishes: version 1 cannot complete
+    sub.close()
+    pubs[0].publish(2, timeout=2.0)  # reads the group: the subscriber left
+    result = first.wait(30)  # settled, not waited on for ever
+    assert result.excluded == [sub.transport.name], result
+    for p in pubs:
+        p.close()

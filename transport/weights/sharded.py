@@ -435,6 +435,10 @@ class ShardedPublisher:
                     # no credit yet (our hello may have come before it could reach us): ask again
                     sub.asked = now
                     self._worker.submit(functools.partial(self._send, sub.name, Hello()))
+            for h in self._handles:  # a subscriber that left meanwhile has nobody to settle it
+                if h.deadline <= now:
+                    for name in list(h.pending):
+                        h.settle(name, EXCLUDED, "no outcome within the deadline (it left the group)")
             self._handles = [h for h in self._handles if not h.done()]
             deadlines = [h.deadline for h in self._handles]
             if any(s.waiting is not None for s in self._subs.values()):
