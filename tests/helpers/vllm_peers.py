@@ -215,26 +215,34 @@ class HttpTrainer(ChildProcess):
         super().__init__(name, _trainer_child, (env or {},), start_timeout, wait)
 
 
-def _rank_child(conn: Any, name: str, store: str, model_dir: str, group: str, world: int,
-                rank: int) -> None:  # fmt: skip
+def _llama_shards(model_dir: str, world: int, rank: int) -> tuple[Any, Any, Any]:
+    """(the checkpoint's tensors, their SourceLayout, a function giving ``rank``'s shards of a
+    state): column-parallel matrices along dim 0, row-parallel ones (o_proj, down_proj) along
+    dim 1, norms replicated, as a tensor-parallel trainer holds the checkpoint."""
     from safetensors.torch import load_file
 
+    from transport.weights import SourceLayout
+
+    full = load_file(str(Path(model_dir) / "model.safetensors"))
+    dims = {n: None if x.dim() == 1 else 1 if ("o_proj" in n or "down_proj" in n) else 0
+            for n, x in full.items()}  # fmt: skip
+    layout = SourceLayout.split(world, {n: (x.shape, x.dtype) for n, x in full.items()}, dims)
+
+    def mine(state: dict[str, Any]) -> dict[str, Any]:
+        return {n: state[n][tuple(slice(lo, hi) for lo, hi in s.held[rank].box(s.shape))].contiguous()
+                for n, s in layout.tensors.items()}  # fmt: skip
+
+    return full, layout, mine
+
+
+def _rank_child(conn: Any, name: str, store: str, model_dir: str, group: str, world: int,
+                rank: int) -> None:  # fmt: skip
     import transport
-    from transport.weights import ShardedPublisher, SourceLayout
+    from transport.weights import ShardedPublisher
 
     try:
         t = transport.Transport(name, store=store, timeout=30)
-        full = load_file(str(Path(model_dir) / "model.safetensors"))
-        # column-parallel matrices along dim 0, row-parallel ones (o_proj, down_proj) along
-        # dim 1, norms replicated: how a tensor-parallel trainer holds the checkpoint
-        dims = {n: None if x.dim() == 1 else 1 if ("o_proj" in n or "down_proj" in n) else 0
-                for n, x in full.items()}  # fmt: skip
-        layout = SourceLayout.split(world, {n: (x.shape, x.dtype) for n, x in full.items()}, dims)
-
-        def mine(state: dict[str, Any]) -> dict[str, Any]:
-            return {n: state[n][tuple(slice(lo, hi) for lo, hi in s.held[rank].box(s.shape))].contiguous()
-                    for n, s in layout.tensors.items()}  # fmt: skip
-
+        full, layout, mine = _llama_shards(model_dir, world, rank)
         shards = mine(full)
         pub = ShardedPublisher(t, shards, layout, rank, group=group)
     except BaseException as e:
@@ -260,3 +268,56 @@ class ShardedLlamaRank(ChildProcess):
     def __init__(self, name: str, store_url: str, model_dir: Path, group: str, world: int,
                  rank: int, wait: bool = True) -> None:  # fmt: skip
         super().__init__(name, _rank_child, (store_url, str(model_dir), group, world, rank), 60, wait)
+
+
+def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, world: int,
+                           rank: int) -> None:  # fmt: skip
+    """Rank ``rank`` of a sharded trainer through vLLM's own trainer factory; rank 0 also hosts
+    the vLLM engine (offline, in this process) and drives its updates."""
+    os.environ.update(VLLM_ENV)
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from transport.integrations.vllm import register
+        from transport.integrations.vllm.trainer import OfflineClient, TransportTrainerInitInfo
+
+        register()
+        llm = params = client = None
+        if rank == 0:
+            from vllm import LLM, SamplingParams
+
+            llm = LLM(**llm_kwargs(model_dir))
+            params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            client = OfflineClient(llm)
+        full, layout, mine = _llama_shards(model_dir, world, rank)
+        shards = mine(full)
+        info = TransportTrainerInitInfo(store, group="sharded-trainer", name=name, timeout=30,
+                                        layout=layout, rank=rank)  # fmt: skip
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=shards)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (0, os.getpid())))
+
+    def send(version: int) -> tuple[dict[str, str], list[list[int]] | None]:
+        set_version(full, version)
+        for n, x in mine(full).items():
+            shards[n].copy_(x)
+        r = engine.send_weights(version)
+        if llm is None:
+            return dict(r.status), None
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return dict(r.status), [list(o.outputs[0].token_ids) for o in outs]
+
+    serve(conn, {"send": send}, engine.shutdown)
+
+
+class ShardedTrainer(ChildProcess):
+    """Rank ``rank`` of a ``world``-rank trainer using the ``transport`` trainer engine with a
+    source layout (vLLM's factory, ``rank=`` and ``layout=``); rank 0 hosts an offline vLLM
+    engine. Command: ``send(version)`` -> (publish status, vLLM's tokens on rank 0)."""
+
+    def __init__(self, name: str, store_url: str, model_dir: Path, world: int, rank: int,
+                 wait: bool = True) -> None:  # fmt: skip
+        super().__init__(name, _sharded_trainer_child, (store_url, str(model_dir), world, rank),
+                         180, wait)  # fmt: skip

@@ -18,7 +18,7 @@ from helpers.child import ChildError
 from helpers.llama import hf_model
 from helpers.polling import wait_until
 from helpers.processes import free_port
-from helpers.vllm_peers import LlamaPublisher, ShardedLlamaRank, VllmProcess
+from helpers.vllm_peers import LlamaPublisher, ShardedLlamaRank, ShardedTrainer, VllmProcess
 from transport.store.tcp import TcpStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -95,6 +95,21 @@ def test_a_sharded_trainer_of_two_ranks_updates_vllm(vllm, store, reference, mod
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_vllms_trainer_factory_drives_a_sharded_trainer(store, reference, model_dir):
+    """vLLM's own trainer API with a source layout: every rank publishes its shards through the
+    ``transport`` trainer engine, rank 0 (which hosts the engine here) drives each update."""
+    with ShardedTrainer("trainer", store.url, model_dir, 2, 0) as rank0, ShardedTrainer(
+        "trainer", store.url, model_dir, 2, 1
+    ) as rank1:
+        for version in (1, 2):
+            rank1.begin("send", version)
+            status, tokens = rank0.call("send", version, timeout=120)
+            status1, none = rank1.end("send", 120)
+            assert len(status) == 1 and set(status.values()) == {"done"}, status
+            assert status1 == status and none is None
+            assert tokens == reference(version), f"version {version}"
 
 
 def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_loads(

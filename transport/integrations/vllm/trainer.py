@@ -16,6 +16,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from transport import PublishResult, Transport, TransportError, WeightPublisher
 from transport.integrations.vllm.plugin import BACKEND
 from transport.integrations.vllm.worker import SECRET_ENV
+from transport.weights import ShardedPublisher, SourceLayout
 
 log = logging.getLogger("transport.vllm")
 
@@ -28,7 +29,12 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     store, namespace and group through ``init_weight_transfer_engine``, and ``dtype``, the
     dtype this trainer publishes (default: its tensors' dtype when they share one; vLLM's loader
     converts to the model's), and ``staging_device`` when given (see TransportInitInfo). The secret, if any, comes from
-    ``$TRANSPORT_SECRET`` on both sides."""
+    ``$TRANSPORT_SECRET`` on both sides.
+
+    ``layout`` (a :class:`~transport.weights.SourceLayout` of the checkpoint tensors, the same on
+    every rank) makes a sharded trainer: every rank passes its own shards as the source and
+    publishes them (peer ``<name>-r<rank>``), each writing only its part of every worker's
+    checkpoint tensors; rank 0 also drives vLLM's update once every rank's parts landed."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -41,6 +47,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     staging_device: str | None = None
     fanout: str = "direct"
     degree: int = 2
+    layout: SourceLayout | None = None
 
     def worker_info(self) -> dict[str, Any]:
         """What each vLLM worker is told (small JSON)."""
@@ -78,7 +85,8 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
     It owns a Transport and a WeightPublisher over the source's tensors (the module's own
     parameters: registered once, read at each publish; a source that yields other tensors each
     time, such as gathered shards, is copied into buffers of this engine). Rank 0 sends; other
-    ranks do nothing (each trainer rank publishing its own shards is not this class's job).
+    ranks do nothing, unless the init info has a ``layout``: then every rank publishes its own
+    shards with a :class:`~transport.weights.ShardedPublisher` and rank 0 drives the update.
 
     :meth:`send_weights` of version ``v``: tell the workers where to listen (a no-op for workers
     that already do, a rejoin for a restarted server), publish ``v`` and wait until it landed,
@@ -101,7 +109,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.transport: Transport | None = None
-        self.publisher: WeightPublisher | None = None
+        self.publisher: WeightPublisher | ShardedPublisher | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.version = 0
         self.last_result: PublishResult | None = None
@@ -111,8 +119,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
     def trainer_init(
         cls, init_info: TransportTrainerInitInfo, *, client: Any, source: Any = None
     ) -> TransportTrainer:
+        sharded = init_info.layout is not None
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if not engine.is_sender:
+        if not engine.is_sender and not sharded:
             return engine
         if source is None:
             raise ValueError(
@@ -121,27 +130,38 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             )
         engine.tensors = {n: _own(t) for n, t in _items(source)}
         if init_info.dtype is None:
-            dtypes = {t.dtype for t in engine.tensors.values()}
+            layout = init_info.layout
+            dtypes = (
+                {x.dtype for x in layout.tensors.values()}
+                if layout is not None
+                else {t.dtype for t in engine.tensors.values()}
+            )
             if len(dtypes) == 1:
                 init_info = replace(init_info, dtype=str(dtypes.pop()).removeprefix("torch."))
                 engine.info = init_info
         t = Transport(
-            init_info.name,
+            f"{init_info.name}-r{init_info.rank}" if sharded else init_info.name,
             store=init_info.store,
             namespace=init_info.namespace,
             secret=os.environ.get(SECRET_ENV) or None,
             timeout=init_info.timeout,
         )
         try:
-            engine.publisher = WeightPublisher(
-                t,
-                engine.tensors,
-                group=init_info.group,
-                fanout=init_info.fanout,
-                degree=init_info.degree,
-            )
+            if init_info.layout is not None:
+                engine.publisher = ShardedPublisher(
+                    t, engine.tensors, init_info.layout, init_info.rank, group=init_info.group
+                )
+            else:
+                engine.publisher = WeightPublisher(
+                    t,
+                    engine.tensors,
+                    group=init_info.group,
+                    fanout=init_info.fanout,
+                    degree=init_info.degree,
+                )
             engine.transport = t
-            client.init_weight_transfer_engine(init_info.worker_info())
+            if engine.is_sender:
+                client.init_weight_transfer_engine(init_info.worker_info())
         except BaseException:
             if engine.publisher is not None:
                 engine.publisher.close()
@@ -153,20 +173,28 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
     # the publish result too, and is called as vLLM calls it
     def send_weights(self, version: int | None = None) -> PublishResult | None:  # type: ignore[override]
         """Publish the source's current values as ``version`` (default: the last one + 1) and
-        have vLLM load it; returns the publish result (None on a rank that does not send)."""
-        if not self.is_sender:
-            return None
+        have vLLM load it; returns the publish result (None on a rank that does not send). A
+        sharded trainer calls it on every rank with the same versions: each rank publishes its
+        shards and returns once the workers completed the version (or its deadline passed); rank
+        0 then drives the update."""
         pub, info = self.publisher, self.info
-        if pub is None or info is None:
+        if info is None or (not self.is_sender and info.layout is None):
+            return None
+        if pub is None:
             raise RuntimeError("this trainer engine was shut down (or never initialized)")
         v = self.version + 1 if version is None else version
         self._refresh_sources()
-        # workers that listen already ignore this; a restarted server joins the group now
-        self.client.init_weight_transfer_engine(info.worker_info())
+        if self.is_sender:
+            # workers that listen already ignore this; a restarted server joins the group now
+            self.client.init_weight_transfer_engine(info.worker_info())
         t0 = time.perf_counter()
         result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
         self.last_result = result
         t1 = time.perf_counter()
+        if not self.is_sender:
+            self.version = v
+            self.last_times = SendTimes(t1 - t0, 0.0)
+            return result
         self.client.start_weight_update()
         try:
             self.client.update_weights({"version": v, "timeout": info.timeout})
