@@ -68,6 +68,12 @@ def _trainer(net, world, sizes=None):
     return src, shards, pubs
 
 
+def _whole(net, name):
+    """A staging generator of whole tensors by name (no layout declared): (subscriber, live)."""
+    live = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    return transport.WeightSubscriber(net.make(name), live, group="policy"), live
+
+
 def _step(src, shards, step):
     full = _full(step)
     for r, mine in enumerate(shards):
@@ -121,8 +127,7 @@ def test_every_rank_writes_its_shards_into_full_tp_and_bf16_subscribers(loopback
 
 def test_a_version_with_a_missing_rank_never_completes_and_names_it(loopback_net):
     src, shards, pubs = _trainer(loopback_net, 2)
-    live = {n: torch.zeros(s) for n, s in SHAPES.items()}
-    sub = transport.WeightSubscriber(loopback_net.make("gen"), live, group="policy")
+    sub, live = _whole(loopback_net, "gen")
     full1 = _step(src, shards, 1)
     _publish_all(pubs, 1)
     sub.wait_for_version(1, 10)
@@ -273,8 +278,7 @@ def test_a_mixture_of_experts_of_20000_tensors_from_two_ranks(loopback_net):
 
 def test_a_subscriber_that_leaves_mid_version_is_settled_at_the_deadline(loopback_net):
     src, shards, pubs = _trainer(loopback_net, 2)
-    live = {n: torch.zeros(s) for n, s in SHAPES.items()}
-    sub = transport.WeightSubscriber(loopback_net.make("gen-leaves"), live, group="policy")
+    sub, _ = _whole(loopback_net, "gen-leaves")
     first = pubs[0].publish(1, timeout=2.0)  # rank 1 never publishes: version 1 cannot complete
     sub.close()
     pubs[0].publish(2, timeout=2.0)  # reads the group: the subscriber left

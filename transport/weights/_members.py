@@ -20,6 +20,7 @@ from transport.weights._protocol import GroupDirectory, channel, match_regions, 
 if TYPE_CHECKING:
     from transport import Transport
     from transport.contract import PeerView
+    from transport.weights._pool import SlotWrites
 
 log = logging.getLogger("transport.weights")
 
@@ -52,7 +53,7 @@ class Member:
         # a sharded trainer's rank (weights/sharded.py): what it writes per slot, the newest
         # version the subscriber completed and settled (its credits), the version this rank
         # last began there, and the one whose completion it waits to hear of
-        self.writes: list[Any] = []
+        self.writes: list[SlotWrites] = []
         self.newest = -1
         self.settled = -1
         self.last = -1
