@@ -43,6 +43,7 @@ from transport.peers import Directory
 from transport.plan_cache import PlanCache
 from transport.regions import Regions
 from transport.settings import Settings, check_lanes, positive
+from transport.signed import SignedStore
 from transport.store import DEFAULT_STORE_URL, Store, store_from_url
 from transport.trace import DEFAULT_CAPACITY, FlightRecorder
 from transport.transfers import Transfers
@@ -193,6 +194,7 @@ class Transport(Closing):
             poll_at_least=self._engine.poll_at_least,
             waiting=self._engine.waiting,
             stream_ops=self._transfers.stream_ops,
+            signed=SignedStore(self.store, ep.keys, self.name, self.generation),
         )
         try:
             self._regions.publish()

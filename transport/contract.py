@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from transport.batch import Batch
     from transport.handle import Handle
+    from transport.signed import SignedStore
     from transport.wire import RegionInfo
 
 #: ``handler(peer, payload)``: runs on the engine thread, so it only does bookkeeping and hands
@@ -66,6 +67,9 @@ class CoreLink:
       the engine polls quickly meanwhile.
     * ``stream_ops()``: the stream machinery of ``stream=`` calls (ClosedError when closed, a
       clear error without CUDA or CuPy).
+    * ``signed``: the store values this Transport writes and reads signed (transport/signed.py):
+      every value of a layer that decides where bytes land or who takes part goes through it,
+      so that with a secret a store writer without it cannot forge one.
     """
 
     check_open: Callable[[], None]
@@ -80,3 +84,4 @@ class CoreLink:
     poll_at_least: Callable[[float | None], None]
     waiting: Callable[[int], None]
     stream_ops: Callable[[], Any]
+    signed: SignedStore

@@ -144,22 +144,29 @@ class ControlChannel:
         """
         out: list[Notification] = []
         for agent, frames in notifs.items():
-            who = peer_of_agent(agent)
-            if who is None:
-                self._refuse(len(frames), f"from unknown agent {agent[:80]!r}")
-                continue
-            peer = who[0]
-            if self._opener is not None:
-                frames = self._open(agent, peer, frames)
-            elif self._senders.holding(agent) or not self._trusted(agent, peer):
-                refused = self._senders.hold(agent, frames)
-                if refused:
-                    self._refuse(refused, f"from {agent[:80]!r}: too many wait to be checked")
-                self._ep.wake.set()
-                continue
-            self._deliver(peer, frames, out)
+            try:
+                self._route_agent(agent, frames, out)
+            except Exception:  # a bug of ours on one sender's frames: the others still count
+                log.exception("dropping %d notifications from %r", len(frames), agent[:80])
+                self.refused += len(frames)
         if out:
             self._enqueue(out)
+
+    def _route_agent(self, agent: str, frames: list[bytes], out: list[Notification]) -> None:
+        who = peer_of_agent(agent)
+        if who is None:
+            self._refuse(len(frames), f"from unknown agent {agent[:80]!r}")
+            return
+        peer = who[0]
+        if self._opener is not None:
+            frames = self._open(agent, peer, frames)
+        elif self._senders.holding(agent) or not self._trusted(agent, peer):
+            refused = self._senders.hold(agent, frames)
+            if refused:
+                self._refuse(refused, f"from {agent[:80]!r}: too many wait to be checked")
+            self._ep.wake.set()
+            return
+        self._deliver(peer, frames, out)
 
     def _open(self, agent: str, peer: str, frames: list[bytes]) -> list[bytes]:
         assert self._opener is not None

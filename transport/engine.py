@@ -94,8 +94,10 @@ class Engine:
     called from any thread; whichever thread polls an op first completes it (and runs its handle's
     callbacks). It posts one queued part per loop, to a peer with fewer than ``max_posted_parts`` in
     flight. It fails every op past its deadline with TransferTimeout, withdrawing it if posted (a
-    handle's ``wait(timeout)`` cancels nothing). The callbacks it is given must not block. If its
-    thread dies, ``error`` is set and every op fails with ClosedError, as at :meth:`stop`.
+    handle's ``wait(timeout)`` cancels nothing). The callbacks it is given must not block; an
+    exception from the notification callback drops those frames and is counted in
+    ``handler_errors`` (a peer's frames never stop the thread). If its thread dies nevertheless
+    (a bug of ours), ``error`` is set and every op fails with ClosedError, as at :meth:`stop`.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class Engine:
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         self.error: BaseException | None = None  # set if the engine thread died
+        self.handler_errors = 0  # notifications whose handling raised (dropped, logged)
         self.on_finish: Callable[[], None] | None = None  # a lane wakes the main engine
         self._thread = threading.Thread(
             target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True
@@ -412,7 +415,7 @@ class Engine:
             notifs = backend.get_notifs()
             if notifs:
                 self._last_activity = now
-                self._on_notifications(notifs)
+                self._deliver(notifs)
             if posted_any:
                 continue
             quiet = now - self._last_activity
@@ -425,6 +428,21 @@ class Engine:
                 interval = min(interval, self._floor)
             self._wake.wait(interval)
             self._wake.clear()
+
+    def _deliver(self, notifs: dict[str, list[bytes]]) -> None:
+        """Hand what peers sent to the handler; whatever it raises on them is logged and counted
+        in ``handler_errors``, and those frames are dropped: nothing a peer sends stops the
+        engine."""
+        try:
+            self._on_notifications(notifs)
+        except Exception:
+            self.handler_errors += 1
+            if self.handler_errors.bit_count() == 1:  # the first, then at every power of two
+                log.exception(
+                    "dropped %d notifications: handling them failed (%d failures in all)",
+                    sum(len(f) for f in notifs.values()),
+                    self.handler_errors,
+                )
 
     def _post_queued(self) -> bool:
         # the window is per peer: parts a frozen peer never completes hold back only its own

@@ -66,11 +66,13 @@ class Housekeeping:
             ep.wake.clear()
             if ep.stopping.is_set():
                 break
-            if self._transfers.retries_waiting:
-                self._transfers.run_retries()
-            self._control.check_senders()
-            self._dumps.run()
-            self._regions.run()
+            for step in (self._retries, self._control.check_senders, self._dumps.run,
+                         self._regions.run):  # fmt: skip
+                try:
+                    step()
+                except Exception:  # a bug, or what a peer sent: logged, the thread goes on
+                    log.exception("transport %s: housekeeping step %s failed", ep.name,
+                                  getattr(step, "__name__", step))  # fmt: skip
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + ep.settings.heartbeat_interval
@@ -78,6 +80,10 @@ class Housekeeping:
                 self._beat()
             except Exception as e:  # the store may be down; transfers go on without it
                 log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
+
+    def _retries(self) -> None:
+        if self._transfers.retries_waiting:
+            self._transfers.run_retries()
 
     def _beat(self) -> None:
         ep = self._ep

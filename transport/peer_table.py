@@ -171,12 +171,21 @@ class PeerTable:
             self._dropped.append(conn)
 
     def drop_restarted(self) -> None:
-        """Housekeeping: drop every connection whose peer has a newer generation in the store."""
+        """Housekeeping: drop every connection whose peer restarted. A generation counter that
+        moved on is only a hint (anyone who can write the store can raise it); the connection is
+        dropped only once the peer's record (sealed, with a secret) names a newer incarnation.
+        A record that is missing or not valid drops nothing: a live connection outlives a store
+        that lost or garbled its records."""
         for conn in self.live():
             newest = self._ep.directory.generation(conn.name)  # None: garbage, ignored
-            if newest is not None and newest > conn.generation:
-                log.info("peer %s restarted; dropping generation %d", conn.name, conn.generation)
-                self.drop(conn)
+            if newest is None or newest <= conn.generation:
+                continue
+            rec = self.restarted(conn)
+            if rec is None:
+                continue
+            log.info("peer %s restarted (generation %d); dropping generation %d",
+                     conn.name, rec.generation, conn.generation)  # fmt: skip
+            self.drop(conn)
 
     def restarted(self, old: PeerConn) -> PeerRecord | None:
         """The record of a newer incarnation of ``old``'s peer, if the store has one."""

@@ -6,7 +6,7 @@ Keys live under ``transport/<namespace>/``:
 * ``gen/<name>``    a counter: each incarnation of a name takes the next generation
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: the membership
   index, which works on stores that cannot list keys
-* ``hb/<name>``     the last heartbeat (generation and wall time)
+* ``hb/<name>``     the last heartbeat (generation and wall time), a signed value (``signed.py``)
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import threading
 import time
 from collections import OrderedDict
 
+from transport import signed
 from transport.errors import StoreError, WireFormatError
+from transport.sealing import Keys, keys_for
 from transport.store.base import Store
 from transport.store.counters import Counter, clock_floor, index_counter
 from transport.wire import (
@@ -67,6 +69,7 @@ class Directory:
         self._decoded: OrderedDict[str, tuple[bytes, PeerRecord]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._checks: dict[str, int] = {}  # restore() calls per record name
+        self.keys: Keys | None = keys_for(secret, namespace) if secret else None
 
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
@@ -241,18 +244,30 @@ class Directory:
         self.publish(record)
         return True
 
-    def heartbeat(self, name: str, generation: int) -> None:
-        self.store.set(self.key("hb", name), encode_heartbeat(generation, time.time()))
+    def heartbeat(self, name: str, generation: int, at: float | None = None) -> None:
+        """Write the heartbeat of ``name`` (of ``generation``): now, or at wall time ``at``."""
+        key = self.key("hb", name)
+        body = encode_heartbeat(generation, time.time() if at is None else at)
+        self.store.set(key, signed.encode(self.keys, key, name, generation, body))
 
     def last_heartbeat(self, name: str) -> tuple[int, float] | None:
-        raw = self.store.try_get(self.key("hb", name))
+        """The last heartbeat of ``name`` (generation, wall time); None when there is none or it
+        is not valid (malformed, not signed with the secret, another peer's: logged)."""
+        key = self.key("hb", name)
+        raw = self.store.try_get(key)
         if raw is None:
             return None
         try:
-            return decode_heartbeat(raw)
+            value = signed.decode(self.keys, key, raw, f"the heartbeat of {name!r}")
+            gen, t = decode_heartbeat(value.body)
+            if value.writer != name or value.generation != gen:
+                raise WireFormatError(
+                    f"it is signed by {value.writer}#{value.generation}, not by {name} itself"
+                )
         except WireFormatError as e:
-            log.warning("ignoring a malformed heartbeat of %s: %s", name, e)
+            log.warning("ignoring the heartbeat of %s: %s", name, e)
             return None
+        return gen, t
 
 
 __all__ = ["Directory", "StoreError"]

@@ -6,8 +6,13 @@ the memory map in them are useless to a process without the secret (it can neith
 agent, nor write or read its memory, nor send it a notification); the other authenticates every
 notification frame (keyed BLAKE2b, a MAC by design (RFC 7693), 16 bytes; a fraction of a
 microsecond a frame, where HMAC-SHA256 took several) over the sender's agent (name and
-generation), the receiver's agent, a per-connection sequence number and the frame, so a frame
-is acted on only if a holder of the secret sent it to this very incarnation, and only once.
+generation), the receiver's agent, a sequence number and the frame, so a frame is acted on only
+if a holder of the secret sent it to this very incarnation, and only once. Sequence numbers never
+go back for a receiver: every sealer starts from this process's clock in nanoseconds (wall time at
+import plus monotonic time since), so a reconnect to the same incarnation (a new sealer) continues
+above every number the last one used, and so does a restarted sender whose agent name came back
+(a store that lost its generation counters). A third key authenticates the store values that
+decide where bytes land or who takes part (``signed.py``).
 
 ``cryptography`` is imported on the first secret only: a Transport without one never needs it.
 """
@@ -20,6 +25,8 @@ import hmac
 import itertools
 import os
 import struct
+import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -27,6 +34,7 @@ from transport.errors import SignatureError
 
 _RECORD_AAD = b"transport/peer-record/v3\x00"
 _FRAME_DOMAIN = b"transport/frame/v1\x00"
+_VALUE_DOMAIN = b"transport/store-value/v1"
 NONCE_BYTES = 12
 MAC_BYTES = 16
 SEQ_BYTES = 8
@@ -73,6 +81,7 @@ class Keys:
         self.namespace = namespace
         self._aead = aesgcm(derive(b"peer-record"))
         self._mac_key = derive(b"frame-mac")
+        self._value_key = derive(b"store-value")
 
     # -- peer records ------------------------------------------------------------------------
 
@@ -112,6 +121,20 @@ class Keys:
     def sealer(self, sender: str, receiver: str) -> FrameSealer:
         return FrameSealer(self, sender, receiver)
 
+    # -- store values --------------------------------------------------------------------------
+
+    def value_mac(self, key: str, writer: str, generation: int, body: bytes) -> bytes:
+        """The MAC of a store value: over the namespace, the key it is stored under, its writer
+        (name and generation) and its body, so it cannot be moved to another key, attributed
+        to another peer or incarnation, or altered."""
+        h = hashlib.blake2b(key=self._value_key, digest_size=MAC_BYTES)
+        for part in (_VALUE_DOMAIN, self.namespace.encode(), key.encode(), writer.encode()):
+            h.update(len(part).to_bytes(4, "big"))
+            h.update(part)
+        h.update(generation.to_bytes(8, "big", signed=False))
+        h.update(body)
+        return h.digest()
+
 
 def _len16(s: str) -> bytes:
     return len(s.encode()).to_bytes(2, "big")
@@ -123,14 +146,34 @@ def keys_for(secret: bytes, namespace: str) -> Keys:
     return Keys(secret, namespace)
 
 
+_WALL_AT_START = time.time_ns()
+_MONO_AT_START = time.monotonic_ns()
+_clock_lock = threading.Lock()
+_clock_last = 0
+
+
+def sequence_base() -> int:
+    """Where a new sealer's sequence numbers start: this process's clock in nanoseconds (wall
+    time at import plus the monotonic time since, so it never goes back within the process), and
+    above every base handed out before in this process. A sealer would have to seal more than a
+    frame a nanosecond for a later sealer's numbers to reach its own."""
+    global _clock_last
+    with _clock_lock:
+        now = _WALL_AT_START + (time.monotonic_ns() - _MONO_AT_START)
+        _clock_last = max(now, _clock_last + 1)
+        return _clock_last
+
+
 class FrameSealer:
     """Seals the frames one agent sends to one peer incarnation: each gets the next sequence
-    number of this connection and a MAC. Callers seal under the connection's lock, so frames
-    leave in sequence order (the receiver tolerates reordering within its window anyway)."""
+    number and a MAC. The numbers start at :func:`sequence_base`, so they never go back for the
+    receiver, whose replay window outlives our connection (a reconnect makes a new sealer).
+    Callers seal under the connection's lock, so frames leave in sequence order (the receiver
+    tolerates reordering within its window anyway)."""
 
     def __init__(self, keys: Keys, sender: str, receiver: str) -> None:
         self._mac = keys.frame_mac(sender, receiver)
-        self._seq = itertools.count(1)
+        self._seq = itertools.count(sequence_base())
 
     def seal(self, frame: bytes) -> bytes:
         seq = _SEQ.pack(next(self._seq))

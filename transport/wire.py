@@ -40,7 +40,11 @@ MAX_DIMS = 16
 MAX_NOTIFY_BYTES = 64 << 10
 
 #: peer names and namespaces: they become store keys and agent names
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
+#: a generation as it appears in an agent name: a decimal integer of at most 19 ASCII digits
+_GENERATION_RE = re.compile(r"\A[1-9][0-9]{0,18}\Z")
+#: the longest agent name: a peer name, '#' and a generation
+MAX_AGENT_NAME = 128 + 1 + 19
 
 ACCESS_MODES = ("rw", "w", "r")
 
@@ -362,8 +366,12 @@ def agent_name(peer: str, generation: int) -> str:
     return f"{peer}#{generation}"
 
 
-def peer_of_agent(agent: str) -> tuple[str, int] | None:
+def peer_of_agent(agent: object) -> tuple[str, int] | None:
+    """The (peer name, generation) an agent name stands for; None for anything else (whatever a
+    remote agent calls itself: too long, not ASCII, a generation such as '²' or of 5,000 digits)."""
+    if not isinstance(agent, str) or len(agent) > MAX_AGENT_NAME:
+        return None
     name, sep, gen = agent.rpartition("#")
-    if not sep or not gen.isdigit() or not NAME_RE.match(name):
+    if not sep or not _GENERATION_RE.match(gen) or not NAME_RE.match(name):
         return None
     return name, int(gen)

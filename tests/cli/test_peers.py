@@ -13,7 +13,7 @@ import torch
 import transport
 from helpers.processes import REPO, free_port
 from transport.store.tcp import TcpStore
-from transport.wire import encode_heartbeat
+from transport.peers import Directory
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -61,7 +61,7 @@ def test_a_peer_whose_heartbeat_stopped_is_listed_as_suspect():
             transport.Transport("quiet", store=store, namespace="job", heartbeat_interval=3600),
             transport.Transport("alive", store=store, namespace="job"),
         ):
-            store.set("transport/job/hb/quiet", encode_heartbeat(1, time.time() - 120))
+            Directory(store, "job", None).heartbeat("quiet", 1, at=time.time() - 120)
             out = cli("peers", "--store", store.url, "--namespace", "job", "--json")
             assert out.returncode == 0, out.stderr
             peers = {p["name"]: p for p in json.loads(out.stdout)["peers"]}

@@ -19,15 +19,14 @@ from helpers import internals
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
 from transport import liveness
-from transport.wire import encode_heartbeat
+from transport.peers import Directory
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def beat(t: transport.Transport, age: float) -> None:
     """Make the store hold a heartbeat of ``t`` written ``age`` seconds ago."""
-    key = f"transport/{t.namespace}/hb/{t.name}"
-    t.store.set(key, encode_heartbeat(t.generation, time.time() - age))
+    Directory(t.store, t.namespace, None).heartbeat(t.name, t.generation, at=time.time() - age)
 
 
 def too_old(t: transport.Transport) -> float:

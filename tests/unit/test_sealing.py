@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from transport.errors import SignatureError
-from transport.sealing import REPLAY_WINDOW, TRAILER_BYTES, FrameOpener, keys_for
+from transport.sealing import REPLAY_WINDOW, TRAILER_BYTES, FrameOpener, keys_for, sequence_base
 
 KEYS = keys_for(b"secret-123", "ns")
 A, B = "a#1", "b#1"
@@ -60,3 +60,25 @@ def test_senders_are_numbered_apart():
     to_c.seal(b"x")
     assert opener.open(A, to_b.seal(b"1")) == b"1"
     assert opener.open("d#1", KEYS.sealer("d#1", B).seal(b"2")) == b"2"
+
+
+def test_a_new_sealer_to_the_same_receiver_continues_above_the_last_one():
+    """A reconnect to the same incarnation makes a new sealer; the receiver's window outlives the
+    old connection, so the new sealer's numbers must start above every number the old one used
+    (they start at the process's clock in nanoseconds), however many frames it sealed."""
+    opener = FrameOpener(KEYS, B)
+    first = KEYS.sealer(A, B)
+    for i in range(REPLAY_WINDOW + 100):
+        opener.open(A, first.seal(b"a%d" % i))
+    again = KEYS.sealer(A, B)  # the reconnect
+    for i in range(10):
+        assert opener.open(A, again.seal(b"b%d" % i)) == b"b%d" % i
+    # and a frame of the old connection still in flight is refused only if it is a replay
+    late = first.seal(b"late")
+    with pytest.raises(SignatureError, match="older than"):
+        opener.open(A, late)
+
+
+def test_sequence_bases_never_go_back_within_a_process():
+    bases = [sequence_base() for _ in range(1000)]
+    assert bases == sorted(set(bases))

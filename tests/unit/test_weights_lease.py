@@ -13,7 +13,7 @@ import torch
 import transport
 from helpers.loopback_net import pattern
 from transport import liveness
-from transport.wire import encode_heartbeat
+from transport.peers import Directory
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -71,15 +71,15 @@ def test_a_holder_whose_heartbeat_stopped_is_taken_over(loopback_net):
     b = loopback_net.make("trainer-b")
     with pytest.raises(transport.GroupBusyError, match="alive"):
         transport.WeightPublisher(b, {"w": pattern(4096, 2)}, group="policy")
-    hb = f"transport/{a.namespace}/hb/{a.name}"
+    beats = Directory(loopback_net.store, a.namespace, None)
     suspect = liveness.stale_after(b.heartbeat_interval) + 1
     gone = liveness.stale_after(b.heartbeat_interval, liveness.GONE_BEATS, liveness.GONE_MIN_S)
     assert suspect < gone
-    loopback_net.store.set(hb, encode_heartbeat(a.generation, time.time() - suspect))
+    beats.heartbeat(a.name, a.generation, at=time.time() - suspect)
     assert {i.name: i for i in b.peers()}[a.name].suspect  # suspect, but not gone yet
     with pytest.raises(transport.GroupBusyError, match="alive"):
         transport.WeightPublisher(b, {"w": pattern(4096, 2)}, group="policy")
-    loopback_net.store.set(hb, encode_heartbeat(a.generation, time.time() - gone - 1))
+    beats.heartbeat(a.name, a.generation, at=time.time() - gone - 1)
     _publishes(b, sub, live, seed=6, version=1)
     sub.close()
 
