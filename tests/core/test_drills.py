@@ -79,16 +79,19 @@ def _served(pub, tensors, version, *subs) -> None:
 
 
 @needs_own_redis
-def test_weight_sync_goes_on_across_a_redis_restart():
+@pytest.mark.parametrize("secret", [None, b"drill-secret"], ids=["open", "secret"])
+def test_weight_sync_goes_on_across_a_redis_restart(secret):
     """Publishes right after the restart, before anyone put anything back, reach the subscriber
     the publisher knew (over its connection, which needs no store) instead of finding an empty
-    group; the subscriber joins again and stays served."""
+    group; the subscriber joins again and stays served. With a secret too: every connection
+    made again after the restart continues the sequence numbers its receiver expects."""
     spec = {"w": ((MiB,), "float32")}
+    kw = {"secret": secret} if secret else {}
     with RedisServer() as redis:
         url = redis.url(0)
-        sub = SubscriberProcess("gen-0", url, spec)
+        sub = SubscriberProcess("gen-0", url, spec, **kw)
         try:
-            with transport.Transport("trainer", store=url, timeout=30) as t:
+            with transport.Transport("trainer", store=url, timeout=30, **kw) as t:
                 tensors = {"w": torch.zeros(MiB)}
                 pub = transport.WeightPublisher(t, tensors)
                 tensors["w"].fill_(1)
@@ -108,8 +111,14 @@ def test_weight_sync_goes_on_across_a_redis_restart():
                 # the publisher has put its lease back: a newcomer takes its messages
                 lease = current_lease(t.store, t.namespace, "policy")
                 assert lease is not None and lease.name == "trainer"
-                with SubscriberProcess("gen-1", url, spec) as newcomer:
+                with SubscriberProcess("gen-1", url, spec, **kw) as newcomer:
                     _served(pub, tensors, 5, sub, newcomer)
+                # and once the connection is made afresh (to the same incarnation), versions
+                # still complete: its new frames continue above the numbers the subscriber saw
+                conn = internals.connection(t, "gen-0")
+                assert conn is not None
+                internals.drop_connection(t, conn)
+                _served(pub, tensors, 6, sub)
                 pub.close()
         finally:
             sub.stop()
