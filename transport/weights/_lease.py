@@ -3,19 +3,38 @@
 A lease is a value in the store, ``transport/<namespace>/groups/<group>/lease`` (rank 0, and
 a plain publisher) or ``.../lease/<rank>`` (the other ranks of a sharded trainer): the holder's
 peer name and generation, its rank, the number of ranks (``world``) and the digest of the source
-layout they share (empty for a plain publisher). Every publisher also writes ``.../ranks``, the
-world, so that a subscriber knows how many ranks' parts make a version. A publisher takes it at
+layout they share (empty for a plain publisher). Rank 0 also writes ``.../ranks``, the world, so
+that a subscriber knows how many ranks' parts make a version. A publisher takes its lease at
 construction, with compare-and-set, and gives it back at close. A second publisher of the group
 fails with GroupBusyError naming the holder, unless the holder is gone: its name has no record
 any more, or a newer incarnation's, or its heartbeat stopped (a killed process keeps its record
 until it restarts): silent past the *gone* bar of transport/liveness.py (10 heartbeat
 intervals, at least 10 s), higher than the bar at which a peer is merely suspect, since a
 takeover cannot be undone. Garbage in the lease's place is overwritten, with a warning.
+
+Trust (DESIGN.md): leases and ``ranks`` decide who takes part and how many ranks' parts make a
+version, so they are signed values (``transport/signed.py``): a lease counts only if its holder
+signed it (the signature's writer and generation are the lease's name and generation) under the
+key of its rank; ``ranks`` only if rank 0's current holder signed it. Anything else (malformed,
+unsigned in a namespace with a secret, another writer's) is ignored and logged, and a publisher
+overwrites it in its own place. A store writer without the secret can still delete a lease, free
+it (:data:`FREE` is plain, like a deletion) or put back an older lease of the same key (a
+replay). So the readers that act on leases (:class:`GroupLeases`: a subscriber's senders and its
+world, a rank's check of the other ranks) also check each lease that changed against the
+holder's live record, and ignore one whose holder has no record any more or a record of another
+generation; and a holder whose lease was replaced by one of a holder that is gone takes it back
+at its next publish (:meth:`PublisherLease.ensure`). What remains: a deleted or freed lease lets
+a second publisher start while the first is alive (the first then stops with GroupBusyError at
+its next publish); a lease put back that a live incarnation once held for the same rank (the
+same process published the group before, with another world or rank) is believed as if it
+held it now.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,11 +42,13 @@ import msgpack
 
 from transport.errors import GroupBusyError, PeerNotFoundError, StoreError, WireFormatError
 from transport.liveness import GONE_BEATS, GONE_MIN_S, staleness
+from transport.signed import SignedStore
+from transport.store import Store
+from transport.weights._protocol import reader
 from transport.wire import unpack
 
 if TYPE_CHECKING:
     from transport import Transport
-    from transport.store import Store
 
 log = logging.getLogger("transport.weights")
 
@@ -73,8 +94,24 @@ class Lease:
         return f"{self.name} (generation {self.generation})"
 
 
+def decode_lease(signed: SignedStore, key: str, raw: bytes, rank: int) -> Lease:
+    """The lease stored under ``key`` (of ``rank``): WireFormatError (SignatureError with a
+    secret) unless its holder signed it for that rank."""
+    value = signed.decode(key, raw, f"the publisher lease {key}")
+    lease = Lease.decode(value.body)
+    if (value.writer, value.generation) != (lease.name, lease.generation):
+        raise WireFormatError(
+            f"malformed publisher lease {key}: it names {lease}, but "
+            f"{value.writer} (generation {value.generation}) signed it"
+        )
+    if lease.rank != rank:
+        raise WireFormatError(f"malformed publisher lease {key}: it is of rank {lease.rank}")
+    return lease
+
+
 class PublisherLease:
-    """The lease of one group as one Transport holds or wants it (see the module docstring).
+    """The lease of one group (and rank) as one Transport holds or wants it (see the module
+    docstring).
 
     It owns nothing but the key and what it wrote: :meth:`acquire` takes the lease or raises
     GroupBusyError, :meth:`release` gives it back only if it is still ours (a publisher that took
@@ -86,28 +123,32 @@ class PublisherLease:
     ) -> None:
         self.transport = transport
         self.group = group
+        self.signed = transport.core.signed
         self.key = lease_key(transport.namespace, group, rank)
+        self._ranks_key = ranks_key(transport.namespace, group)
         self.mine = Lease(transport.name, transport.generation, rank, world, layout)
+        self._ours = self.signed.encode(self.key, self.mine.encode())
         self.what = f"group {group!r}" + (f" rank {rank}" if world > 1 else "")
         self.held = False
 
     def acquire(self) -> None:
-        """Take the lease (construction): GroupBusyError while a live publisher holds it. Then
-        say how many ranks publish the group (``ranks``)."""
+        """Take the lease (construction): GroupBusyError while a live publisher holds it. Rank 0
+        then says how many ranks publish the group (``ranks``)."""
         self._claim(first=True)
-        self.transport.store.set(ranks_key(self.transport.namespace, self.group),
-                                 str(self.mine.world).encode())  # fmt: skip
+        if self.mine.rank == 0:
+            self.signed.set(self._ranks_key, str(self.mine.world).encode())
 
     def _claim(self, first: bool) -> None:
-        """Write our lease where the store has none, a free one, garbage or (``first`` only) the
-        lease of a holder that is gone; GroupBusyError otherwise."""
-        store, ours = self.transport.store, self.mine.encode()
+        """Write our lease where the store has none, a free one, one that is not valid, or the
+        lease of a holder that is gone (at ``first``, a takeover; later, a lease put back, or a
+        holder that took over and died since); GroupBusyError while another holder is alive."""
+        store = self.transport.store
         for _ in range(8):  # each turn loses only to another publisher's write
             raw = store.try_get(self.key)
             holder = None
             if raw is not None and raw != FREE:
                 try:
-                    holder = Lease.decode(raw)
+                    holder = decode_lease(self.signed, self.key, raw, self.mine.rank)
                 except WireFormatError as e:
                     log.warning(
                         "group %s: replacing a malformed publisher lease (%s)", self.group, e
@@ -115,24 +156,30 @@ class PublisherLease:
             if holder == self.mine:
                 self.held = True
                 return
-            if holder is not None and not first:
-                self.held = False
-                raise GroupBusyError(
-                    f"{self.what}: this publisher lost its lease to {holder}, which "
-                    "took over while this one was silent; close this publisher"
-                )
             if holder is not None:
                 why = self._alive(holder)
+                if why and not first:
+                    self.held = False
+                    raise GroupBusyError(
+                        f"{self.what}: this publisher lost its lease to {holder}, which "
+                        "took over while this one was silent; close this publisher"
+                    )
                 if why:
                     raise GroupBusyError(
                         f"{self.what} already has a publisher: {holder}, {why}; one "
                         "publisher per group (and rank): close it (or let it end) first, or "
                         "publish to another group"
                     )
-                log.warning("group %s: taking over the lease of %s, which is gone",
-                            self.group, holder)  # fmt: skip
-            if store.compare_set(self.key, raw, ours):
-                if not first:
+                if first:
+                    log.warning("group %s: taking over the lease of %s, which is gone",
+                                self.group, holder)  # fmt: skip
+                else:
+                    log.warning(
+                        "group %s: the store holds the lease of %s, which is gone, in place of "
+                        "ours (a value put back?); taking it back", self.group, holder,
+                    )  # fmt: skip
+            if store.compare_set(self.key, raw, self._ours):
+                if not first and holder is None:
                     log.warning("group %s: the store had lost the publisher lease; wrote it back",
                                 self.group)  # fmt: skip
                 self.held = True
@@ -145,17 +192,28 @@ class PublisherLease:
 
     def ensure(self) -> None:
         """At each publish: write our lease back if the store lost it (a Redis restarted empty;
-        subscribers take messages only from the holder); GroupBusyError if another publisher
-        holds it now (it took over while this one was silent past the bar)."""
-        if self.held:
-            self._claim(first=False)
+        subscribers take messages only from the holder) or holds something else that does not
+        count (garbage, a forgery, the lease of a holder that is gone), and rank 0's ``ranks``
+        likewise; GroupBusyError if another publisher holds it now (it took over while this one
+        was silent past the bar)."""
+        if not self.held:
+            return
+        self._claim(first=False)
+        if self.mine.rank == 0:
+            body = str(self.mine.world).encode()
+            if self.transport.store.try_get(self._ranks_key) != self.signed.encode(
+                self._ranks_key, body
+            ):
+                log.warning("group %s: the store lost the count of ranks (or it is not ours); "
+                            "wrote it back", self.group)  # fmt: skip
+                self.signed.set(self._ranks_key, body)
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
         try:
-            self.transport.store.compare_set(self.key, self.mine.encode(), FREE)
+            self.transport.store.compare_set(self.key, self._ours, FREE)
         except StoreError as e:  # the next publisher finds us gone by our record or heartbeat
             log.warning("group %s: could not give back the publisher lease: %s", self.group, e)
 
@@ -184,6 +242,8 @@ def holder_alive(transport: Transport, holder: Lease) -> str:
 #: the most ranks of one sharded trainer
 MAX_WORLD = 4096
 
+_WORLD = re.compile(rb"[1-9][0-9]{0,3}")
+
 
 def lease_key(namespace: str, group: str, rank: int = 0) -> str:
     base = f"transport/{namespace}/groups/{group}/lease"
@@ -194,39 +254,136 @@ def ranks_key(namespace: str, group: str) -> str:
     return f"transport/{namespace}/groups/{group}/ranks"
 
 
-def group_world(store: Store, namespace: str, group: str) -> int:
-    """How many ranks publish ``group`` (1 unless a sharded trainer said otherwise; garbage: 1)."""
-    raw = store.try_get(ranks_key(namespace, group))
-    try:
-        world = int(raw) if raw is not None else 1
-    except ValueError:
-        return 1
-    return world if 1 <= world <= MAX_WORLD else 1
+@dataclass(frozen=True)
+class Publishers:
+    """The publishers of a group as a member reads them: the lease of each rank that has a valid
+    one (``leases``), what ``ranks`` says when rank 0's holder wrote it (None otherwise), and
+    ``world``, how many ranks' parts make a version: the most that ``ranks`` or any of those
+    leases says (1 when none says anything)."""
+
+    world: int
+    ranks: int | None
+    leases: dict[int, Lease]
 
 
-def current_leases(store: Store, namespace: str, group: str) -> tuple[int, dict[int, Lease]]:
-    """The world of ``group`` and the lease of each of its ranks that has one now."""
-    world, rank, out = group_world(store, namespace, group), 0, {}
-    while rank < world:  # a lease may say more ranks than the key (written just after it)
-        lease = current_lease(store, namespace, group, rank)
-        if lease is not None and lease.rank == rank:
-            out[rank] = lease
-            world = max(world, lease.world)
-        rank += 1
-    return world, out
+class GroupLeases:
+    """The publisher leases of one group as one member reads them, for acting on them: who the
+    publishers are, of which rank, and how many ranks publish (:meth:`read`).
+
+    A lease counts if its holder signed it for its rank (``decode_lease``) and, with ``live``,
+    if the holder's record is of the lease's generation: a lease put back from an older
+    incarnation (or of a holder that left) is ignored. The record is read only for a lease that
+    differs from the one this reader last found live at that rank, so a steady group costs no
+    record reads. It owns that memory and the keys already warned about (each bad value is
+    logged once per key); thread-safe. StoreError passes through.
+    """
+
+    def __init__(self, transport: Transport, group: str) -> None:
+        self.transport = transport
+        self.group = group
+        self.signed = transport.core.signed
+        self._namespace = transport.namespace
+        self._lock = threading.Lock()
+        self._live: dict[int, Lease] = {}
+        self._warned: dict[str, bytes] = {}
+
+    def read(self, at_least: int = 1, live: bool = True) -> Publishers:
+        """The group's publishers now, reading the leases of at least ``at_least`` ranks (a
+        rank knows its world even when the store says nothing of it)."""
+        first = self._lease(0, live)
+        ranks = self._ranks(first)
+        world = max(at_least, ranks or 1)
+        leases: dict[int, Lease] = {}
+        rank = 0
+        while rank < world:  # a lease may say more ranks than the key
+            lease = first if rank == 0 else self._lease(rank, live)
+            if lease is not None:
+                leases[rank] = lease
+                world = max(world, lease.world)
+            rank += 1
+        return Publishers(max(ranks or 1, *(x.world for x in leases.values()), 1), ranks, leases)
+
+    def _ranks(self, first: Lease | None) -> int | None:
+        key = ranks_key(self._namespace, self.group)
+        raw = self.signed.store.try_get(key)
+        if raw is None or first is None:
+            return None
+        try:
+            value = self.signed.decode(key, raw, f"the count of ranks {key}")
+            if (value.writer, value.generation) != (first.name, first.generation):
+                raise WireFormatError(
+                    f"the count of ranks {key} was written by {value.writer} (generation "
+                    f"{value.generation}), not by rank 0's publisher {first}"
+                )
+            if not _WORLD.fullmatch(value.body) or int(value.body) > MAX_WORLD:
+                raise WireFormatError(f"the count of ranks {key} is {value.body[:20]!r}")
+        except WireFormatError as e:
+            self._warn(key, raw, str(e))
+            return None
+        return int(value.body)
+
+    def _lease(self, rank: int, live: bool) -> Lease | None:
+        key = lease_key(self._namespace, self.group, rank)
+        raw = self.signed.store.try_get(key)
+        if raw is None or raw == FREE:
+            return None
+        try:
+            lease = decode_lease(self.signed, key, raw, rank)
+        except WireFormatError as e:
+            self._warn(key, raw, str(e))
+            return None
+        if not live:
+            return lease
+        with self._lock:
+            if self._live.get(rank) == lease:
+                return lease
+        why = self._stale(lease)
+        if why:
+            self._warn(key, raw, f"the lease of {lease}: {why}")
+            return None
+        with self._lock:
+            self._live[rank] = lease
+        return lease
+
+    def _stale(self, lease: Lease) -> str:
+        """Why ``lease`` is not its holder's live incarnation's ("" if it is)."""
+        try:
+            info = self.transport.wait_for_peer(lease.name, timeout=0.0)
+        except PeerNotFoundError:
+            return f"{lease.name} has no record (it left)"
+        except WireFormatError as e:
+            return f"the record of {lease.name} is not valid ({e})"
+        if info.generation != lease.generation:
+            return (
+                f"{lease.name} is now generation {info.generation} (an older incarnation's "
+                "lease, put back?)"
+            )
+        return ""
+
+    def _warn(self, key: str, raw: bytes, why: str) -> None:
+        with self._lock:
+            if self._warned.get(key) == raw:
+                return
+            self._warned[key] = raw
+        log.warning("group %s: ignoring %s", self.group, why)
 
 
 def _count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def current_lease(store: Store, namespace: str, group: str, rank: int = 0) -> Lease | None:
-    """The lease of ``group``'s ``rank`` as the store has it now (None: free, absent or
-    malformed)."""
-    raw = store.try_get(lease_key(namespace, group, rank))
+def current_lease(
+    store: SignedStore | Store, namespace: str, group: str, rank: int = 0
+) -> Lease | None:
+    """The lease of ``group``'s ``rank`` as the store has it now, if its holder signed it (None:
+    free, absent or not valid). From a bare :class:`Store` (tests, tools) the MAC is not
+    checked (``_protocol.reader``)."""
+    signed = reader(store)
+    key = lease_key(namespace, group, rank)
+    raw = signed.store.try_get(key)
     if raw is None or raw == FREE:
         return None
     try:
-        return Lease.decode(raw)
+        return decode_lease(signed, key, raw, rank)
     except WireFormatError:
         return None

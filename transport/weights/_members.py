@@ -15,7 +15,13 @@ from transport.errors import TransportError
 from transport.liveness import stale_after
 from transport.weights._delivery import Delivery
 from transport.weights._messages import MAX_DEGREE, Hello, encode
-from transport.weights._protocol import GroupDirectory, channel, match_regions, region
+from transport.weights._protocol import (
+    GroupDirectory,
+    channel,
+    exposed_slots,
+    match_regions,
+    region,
+)
 
 if TYPE_CHECKING:
     from transport import Transport
@@ -108,7 +114,7 @@ class Roster:
         self.tensors = tensors
         # how a sharded rank plans a member (sets its ``writes``; returns what is wrong, or "")
         self.planner = planner
-        self.dir = GroupDirectory(transport.store, transport.namespace, group)
+        self.dir = GroupDirectory(transport.core.signed, transport.namespace, group)
         self.members: dict[str, Member] = {}
         self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self.epoch = -1  # the group's epoch when it was last read
@@ -191,6 +197,18 @@ class Roster:
                 f"its record is of generation {conn.generation}, its group entry of "
                 f"{entry['gen']} (tried again at the next publish)"
             )
+            return sub
+        exposed = exposed_slots(conn.regions, self.group)
+        if exposed and exposed != sub.slots:
+            # the entry is its own (signed), but of another subscriber of this incarnation, put
+            # back: writing slots it does not expose, or its only slot in place, would fail or
+            # tear what it reads
+            sub.error = (
+                f"its group entry says {sub.slots} slot(s) ({sub.mode}), its record exposes "
+                f"{exposed} (tried again at the next publish)"
+            )
+            if before is None or before.error != sub.error:
+                log.error("group %s: subscriber %r: %s", self.group, name, sub.error)
             return sub
         if self.planner is not None:
             sub.error = self.planner(sub, conn)

@@ -5,6 +5,12 @@ Store keys, under ``transport/<namespace>/groups/<group>/``:
 * ``epoch``: bumped by every join and leave, so a publisher notices changes with one read
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: every name that ever joined
 * ``sub/<name>``: the subscriber's entry (generation, mode, slots, relay) while it is in the group
+* ``layout/<name>``: the destination layout the subscriber declared (for a sharded trainer)
+* ``lease``, ``lease/<rank>``, ``ranks``: the publishers and their number (``_lease``)
+* ``published/<rank>``: the version a rank of a sharded trainer began last
+
+All but the counters and the membership index are signed values (``transport/signed.py``),
+each written only by the one peer it is about (see :class:`GroupDirectory` and ``_lease``).
 
 Control messages travel as notifications on channel ``ws/<group>``: msgpack maps on the wire, the
 typed values of ``_messages`` (named here in brackets) in the code.
@@ -49,16 +55,20 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import msgpack
 import torch
 
+from transport import signed as signed_values
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
+from transport.signed import MAX_VALUE_BYTES, SignedStore, SignedValue
 from transport.store.base import Store
 from transport.store.counters import Counter, clock_floor, index_counter
 from transport.weights._messages import Begin, Piece, Segment, Ver, encode
@@ -113,6 +123,14 @@ def match_regions(
     return names, problems
 
 
+def exposed_slots(regions: Mapping[str, Any], group: str) -> int:
+    """How many slots of ``group`` a subscriber's regions hold (slot 0, then 0 and 1, ...)."""
+    slots = 0
+    while any(r.startswith(region(group, slots, "")) for r in regions):
+        slots += 1
+    return slots
+
+
 def channel(group: str) -> str:
     return f"ws/{group}"
 
@@ -122,19 +140,37 @@ def region(group: str, slot: int | str, name: str) -> str:
 
 
 class GroupDirectory:
-    """The store side of a group: the subscribers' entries, the membership index and the epoch,
-    under ``transport/<namespace>/groups/<group>/``.
+    """The store side of a group: the subscribers' entries and declared layouts, the membership
+    index and the epoch, under ``transport/<namespace>/groups/<group>/``.
 
-    It keeps the key prefix and the group's two counters: every call is one or more store round
-    trips, as thread-safe as the store, and never made on the engine thread. Join and leave bump
-    the epoch; the membership index only grows (``names`` drops duplicates); ``leave`` deletes
-    the entry only while it is still that generation's; ``entry`` raises WireFormatError for a
-    malformed one. Garbage in a counter is repaired by whoever meets it, reader or writer: the
-    epoch to the clock in milliseconds, the member count as ``index_counter`` says.
+    It keeps the key prefix, the group's two counters and ``signed``, the Transport's signed
+    store values (``transport.core.signed``): ``join``, ``declare_layout`` and ``leave`` write
+    and remove that Transport's own entry and layout. Every call is one or more store round
+    trips, as thread-safe as the store, and never made on the engine thread.
+
+    Trust (DESIGN.md): an entry (generation, mode, slots, relay) and a layout decide where bytes
+    land, so both are signed values that only the subscriber itself writes: a value that is
+    malformed, unsigned in a namespace with a secret, not signed by the peer it is the entry of,
+    or whose body names another generation than its signature is ignored (logged), as if it
+    were missing. A store writer without the secret can still delete a value or put back an
+    older one of the same key (a replay): a replayed entry or layout of an older incarnation is
+    refused by its readers, who compare its generation with the subscriber's live record
+    (``Roster.plan``) or with the member's (``layout``); the subscriber puts back whatever of its
+    own is missing or not its own (``check_in``). The epoch and the membership index are plain
+    counters and names (garbage in them is repaired by whoever meets it, reader or writer: the
+    epoch to the clock in milliseconds, the member count as ``index_counter`` says): forging
+    them only makes readers read again, or skip a name, since every entry they lead to is
+    signed. The membership index only grows (``names`` drops duplicates); ``leave`` deletes the
+    entry only while it is still this incarnation's.
+
+    Made from a bare :class:`Store` instead (tools and tests that inspect a group without a
+    Transport), it reads values without checking their MACs and refuses to write.
     """
 
-    def __init__(self, store: Store, namespace: str, group: str) -> None:
-        self.store = store
+    def __init__(self, signed: SignedStore | Store, namespace: str, group: str) -> None:
+        self.signed = reader(signed)
+        store = self.store = self.signed.store
+        self.group = group
         self.prefix = f"transport/{namespace}/groups/{group}/"
         # The epoch only has to differ from every value a publisher saw before a change: the
         # clock in milliseconds does, since join and leave count it up by one from 0
@@ -148,41 +184,108 @@ class GroupDirectory:
     def epoch(self) -> int:
         return self._epoch.value()
 
-    def join(self, name: str, generation: int, mode: str, slots: int, relay: bool) -> None:
-        entry = msgpack.packb(
-            {"v": 1, "gen": generation, "mode": mode, "slots": slots, "relay": relay}
+    # -- this Transport's own entry and layout ---------------------------------------------------
+
+    def _entry_body(self, mode: str, slots: int, relay: bool) -> bytes:
+        body: bytes = msgpack.packb(
+            {"v": 1, "gen": self.signed.generation, "mode": mode, "slots": slots, "relay": relay}
         )
-        self.store.set(self.prefix + f"sub/{name}", entry)
-        if self.store.try_get(self.prefix + f"members/by-name/{name}") is None:
-            idx = self._members.add(1)
-            self.store.set(self.prefix + f"members/{idx}", name.encode())
-            self.store.set(self.prefix + f"members/by-name/{name}", str(idx).encode())
+        return body
+
+    def join(self, mode: str, slots: int, relay: bool) -> None:
+        """Write this Transport's entry (signed), add it to the membership index, bump the
+        epoch."""
+        self.signed.set(
+            self.prefix + f"sub/{self.signed.writer}", self._entry_body(mode, slots, relay)
+        )
+        self._index(self.signed.writer)
         self._epoch.add(1)
 
-    def declare_layout(self, name: str, layout: bytes | None) -> None:
-        """The destination layout subscriber ``name`` declares before it joins (None: whole
-        tensors by name; an older incarnation's declaration is removed)."""
-        if layout is None:
-            self.store.delete(self.prefix + f"layout/{name}")
-        else:
-            self.store.set(self.prefix + f"layout/{name}", layout)
+    def declare_layout(self, layout: bytes | None) -> None:
+        """The destination layout this Transport's subscriber declares before it joins (None:
+        whole tensors by name, declared as :data:`WHOLE`: a missing declaration is not one)."""
+        self.signed.set(
+            self.prefix + f"layout/{self.signed.writer}", WHOLE if layout is None else layout
+        )
 
-    def layout(self, name: str) -> bytes | None:
-        """The destination layout ``name`` declared (None: it takes whole tensors by name)."""
-        return self.store.try_get(self.prefix + f"layout/{name}")
-
-    def leave(self, name: str, generation: int) -> None:
+    def leave(self) -> None:
+        """Remove this Transport's entry and layout, if the entry is still this incarnation's."""
+        name = self.signed.writer
         entry = self.entry(name)
-        if entry is not None and entry["gen"] == generation:
+        if entry is not None and entry["gen"] == self.signed.generation:
             self.store.delete(self.prefix + f"sub/{name}")
             self.store.delete(self.prefix + f"layout/{name}")
             self._epoch.add(1)
 
-    def entry(self, name: str) -> dict[str, Any] | None:
-        raw = self.store.try_get(self.prefix + f"sub/{name}")
-        if raw is None:
+    def check_in(self, mode: str, slots: int, relay: bool, layout: bytes | None, full: bool) -> str:
+        """The subscriber's periodic check that the store still holds its entry, its place in
+        the membership index and its layout as it wrote them (a store that restarted empty, a
+        deletion, garbage, a replay of an older incarnation's values): what was wrong, after
+        writing it all again (join), or "". ``full`` reads the layout back whole (it may be
+        large); otherwise only its presence is checked."""
+        name = self.signed.writer
+        key = self.prefix + f"sub/{name}"
+        why = ""
+        if self.store.try_get(key) != self.signed.encode(key, self._entry_body(mode, slots, relay)):
+            why = "our entry is missing or not the one we wrote"
+        elif not self._indexed(name):
+            why = "our name is missing from the membership index"
+        else:
+            lkey = self.prefix + f"layout/{name}"
+            body = WHOLE if layout is None else layout
+            if (full and self.store.try_get(lkey) != self.signed.encode(lkey, body)) or (
+                not full and not self.store.exists(lkey)
+            ):
+                why = "our declared layout is missing or not the one we wrote"
+        if why:
+            self.declare_layout(layout)
+            self.join(mode, slots, relay)
+        return why
+
+    def _index(self, name: str) -> None:
+        if not self._indexed(name):
+            idx = self._members.add(1)
+            self.store.set(self.prefix + f"members/{idx}", name.encode())
+            self.store.set(self.prefix + f"members/by-name/{name}", str(idx).encode())
+
+    def _indexed(self, name: str) -> bool:
+        """Whether the index holds ``name`` where its by-name key says (two plain keys that any
+        store writer may change: a forged one only hides or shows a name, never an entry)."""
+        raw = self.store.try_get(self.prefix + f"members/by-name/{name}")
+        if raw is None or not _INDEX.fullmatch(raw):
+            return False
+        return self.store.try_get(self.prefix + f"members/{int(raw)}") == name.encode()
+
+    # -- what readers see -------------------------------------------------------------------------
+
+    def layout(self, name: str, generation: int) -> bytes | None:
+        """The destination layout that incarnation ``generation`` of subscriber ``name``
+        declared (:data:`WHOLE`: whole tensors by name); None when there is none it signed
+        (missing, or not valid: logged)."""
+        key = self.prefix + f"layout/{name}"
+        value = self.signed.read(key, f"the declared layout {key}", writer=name)
+        if value is None:
             return None
-        m = unpack(raw, f"group entry of {name!r}", 4096, max_str=64, max_map=8)
+        if value.generation != generation:
+            log.warning(
+                "ignoring the declared layout %s: it is of generation %d, the subscriber's is %d "
+                "(an older incarnation's value, put back?)", key, value.generation, generation,
+            )  # fmt: skip
+            return None
+        return value.body
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        """Subscriber ``name``'s entry: a map of ``gen``, ``mode``, ``slots`` and ``relay``;
+        None when there is none it signed (missing, or not valid: logged)."""
+        key = self.prefix + f"sub/{name}"
+        value = self.signed.read(key, f"the group entry {key}", writer=name)
+        if value is None:
+            return None
+        try:
+            m = unpack(value.body, f"the group entry {key}", 4096, max_str=64, max_map=8)
+        except WireFormatError as e:
+            log.warning("ignoring %s", e)
+            return None
         if (
             not isinstance(m, dict)
             or set(m) != {"v", "gen", "mode", "slots", "relay"}
@@ -190,9 +293,16 @@ class GroupDirectory:
             or not isinstance(m["relay"], bool)
             or m["mode"] not in MODES
             or m["slots"] not in (1, 2)
-            or not isinstance(m["gen"], int)
+            or type(m["gen"]) is not int
         ):
-            raise WireFormatError(f"malformed group entry of {name!r}: {str(m)[:80]}")
+            log.warning("ignoring the malformed group entry %s: %s", key, str(m)[:80])
+            return None
+        if m["gen"] != value.generation:
+            log.warning(
+                "ignoring the group entry %s: it names generation %d, but generation %d signed it",
+                key, m["gen"], value.generation,
+            )  # fmt: skip
+            return None
         return m
 
     def names(self) -> list[str]:
@@ -213,18 +323,54 @@ class GroupDirectory:
         return out
 
     def entries(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
-        """The entry of every member, or of ``names`` (those that left have none); a malformed
-        entry is skipped with a warning naming its key, so one bad entry never stops the group."""
+        """The entry of every member, or of ``names`` (those that left have none); an entry that
+        is not valid is skipped with a warning naming its key, so one bad entry never stops the
+        group."""
         out = {}
         for name in self.names() if names is None else names:
-            try:
-                entry = self.entry(name)
-            except WireFormatError as e:
-                log.warning("skipping %s: %s", self.prefix + f"sub/{name}", e)
-                continue
+            entry = self.entry(name)
             if entry is not None:
                 out[name] = entry
         return out
+
+
+#: a declared layout that says "whole tensors by name" (an encoded layout is never empty)
+WHOLE = b""
+
+_INDEX = re.compile(rb"[1-9][0-9]{0,15}")
+
+
+def reader(store: SignedStore | Store) -> SignedStore:
+    """``store`` itself, or for a bare :class:`Store` a reader of its signed values as they are
+    (the envelope checked, not its MAC) that writes nothing: for tools and tests that look at a
+    group without a Transport. Nothing the library decides reads through the latter."""
+    return store if isinstance(store, SignedStore) else _Inspector(store)
+
+
+class _Inspector(SignedStore):
+    """See :func:`reader`."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store, None, "inspector", 1)
+
+    def decode(self, key: str, raw: bytes, what: str) -> SignedValue:
+        m = unpack(
+            raw, what, MAX_VALUE_BYTES + 4096, max_str=MAX_VALUE_BYTES, max_array=0, max_map=8
+        )
+        if isinstance(m, dict) and "mac" in m:
+            m["mac"] = b""
+        plain = msgpack.packb(m, use_bin_type=True)
+        return replace(signed_values.decode(None, key, plain, what), raw=raw)
+
+    def get(self, key: str, what: str) -> SignedValue | None:
+        raw = self.store.try_get(key)
+        return None if raw is None else self.decode(key, raw, what)
+
+    def set(self, key: str, body: bytes) -> bytes:
+        raise TypeError("a group read from a bare store is read-only; use transport.core.signed")
+
+    def compare_set(self, key: str, expected: bytes | None, body: bytes) -> bool:
+        raise TypeError("a group read from a bare store is read-only; use transport.core.signed")
 
 
 class Worker:

@@ -7,9 +7,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from transport.errors import TransportError, WireFormatError
-from transport.store import Store
-from transport.weights._lease import current_leases
+from transport.errors import TransportError
+from transport.weights._lease import GroupLeases
 from transport.weights._protocol import GroupDirectory
 
 log = logging.getLogger("transport.weights")
@@ -34,18 +33,20 @@ class Upstream:
     worker (``submit``), and while one of a sender's messages waits, the later ones wait behind
     it, so a sender's messages are handled in order; a sender the store does not name as the
     publisher or a relay is refused (counted in ``refused``, logged), whatever name it gave.
+
+    Only what the store holds signed counts (``GroupLeases``, ``GroupDirectory.entry``): a lease
+    its holder did not sign, or of an incarnation that is not the holder's live one, names no
+    publisher and no world; an entry its subscriber did not sign names no relay.
     """
 
     def __init__(
         self,
-        store: Store,
-        namespace: str,
+        leases: GroupLeases,
         group: str,
         directory: GroupDirectory,
         submit: Callable[[Callable[[], object]], None],
     ) -> None:
-        self._store = store
-        self._namespace = namespace
+        self._leases = leases
         self._group = group
         self._dir = directory
         self._submit = submit
@@ -94,7 +95,8 @@ class Upstream:
         """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is
         believed from now on)."""
         try:
-            world, leases = current_leases(self._store, self._namespace, self._group)
+            found = self._leases.read()
+            world, leases = found.world, found.leases
             ranks = {lease.name: r for r, lease in leases.items()}
             publishers = frozenset(ranks)
             relay = peer not in publishers and self._is_relay(peer)
@@ -117,11 +119,8 @@ class Upstream:
             return self._ranks.get(peer)
 
     def _is_relay(self, peer: str) -> bool:
-        """Whether the group's entry of ``peer`` says it relays (a malformed one does not)."""
-        try:
-            entry = self._dir.entry(peer)
-        except WireFormatError:
-            return False
+        """Whether the group's entry of ``peer`` says it relays (one that is not valid does not)."""
+        entry = self._dir.entry(peer)
         return entry is not None and bool(entry["relay"])
 
     def refresh(self) -> float:
@@ -131,7 +130,8 @@ class Upstream:
             return self._next_refresh - now
         self._next_refresh = now + REFRESH_S
         try:
-            world, leases = current_leases(self._store, self._namespace, self._group)
+            found = self._leases.read()
+            world, leases = found.world, found.leases
             # only the relays that wrote to us: one read each, not the whole group's entries
             relays = {n for n in self._relays if self._is_relay(n)}
         except TransportError as e:

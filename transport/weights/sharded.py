@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -24,11 +25,18 @@ from transport.handle import Handle
 from transport.memory import dtype_name
 from transport.weights._delivery import DONE, EXCLUDED, LOST, Delivery, PublishHandle, close_all
 from transport.weights._layout_wire import decode_dest, source_digest
-from transport.weights._lease import PublisherLease, current_leases, holder_alive
+from transport.weights._lease import GroupLeases, Lease, PublisherLease, holder_alive
 from transport.weights._members import Member, Roster
 from transport.weights._messages import Abort, Begin, Credit, Hello, Ver, decode_from, encode
 from transport.weights._pool import SlotWrites, plan_writes
-from transport.weights._protocol import HELLO_AGAIN, GroupDirectory, Worker, channel, region
+from transport.weights._protocol import (
+    HELLO_AGAIN,
+    WHOLE,
+    GroupDirectory,
+    Worker,
+    channel,
+    region,
+)
 from transport.weights.layouts import (
     LayoutError,
     SourceLayout,
@@ -38,6 +46,8 @@ from transport.weights.layouts import (
 )
 
 log = logging.getLogger("transport.weights")
+
+_VERSION = re.compile(rb"-1|0|[1-9][0-9]{0,18}")
 
 #: bytes of converted data per transfer, and the pool of staging buffers they go through
 CHUNK_BYTES = 8 << 20
@@ -103,7 +113,8 @@ class ShardedPublisher:
             for _ in range(max(1, pool_bytes // chunk_bytes))
         ]
         self._pool_busy: list[Handle | None] = [None] * len(self._pool)
-        self._dir = GroupDirectory(transport.store, transport.namespace, group)
+        self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
+        self._leases = GroupLeases(transport, group)
         self._roster = Roster(transport, group, self._local, planner=self._plan_member)
         self._subs = self._roster.members
         self._lock = threading.RLock()
@@ -127,11 +138,16 @@ class ShardedPublisher:
     def _plan_member(self, sub: Member, conn: object) -> str:
         """The writes of this rank into ``sub`` (planned once per incarnation), or why not."""
         try:
-            raw = self._dir.layout(sub.name)
+            raw = self._dir.layout(sub.name, sub.generation)
+            if raw is None:
+                raise LayoutError([
+                    f"it has no declared layout of its generation {sub.generation} in the store "
+                    "(missing, or not valid: see the log)"
+                ])  # fmt: skip
             regions = conn.regions  # type: ignore[attr-defined]
             prefix = region(self.group, 0, "")
             exposed = {k[len(prefix) :]: v for k, v in regions.items() if k.startswith(prefix)}
-            if raw is not None:
+            if raw != WHOLE:
                 dest = decode_dest(raw)
             else:  # whole tensors by name
                 dest = full_copy(self.layout, [n for n in exposed if n in self.layout.tensors])
@@ -214,16 +230,19 @@ class ShardedPublisher:
         return handle.handle
 
     def _check_ranks(self) -> None:
-        """The other ranks' leases must declare this world and source layout."""
-        world, leases = current_leases(self.transport.store, self.transport.namespace, self.group)
+        """The other ranks' leases (those that count: signed by their live holders) must
+        declare this world and source layout, and ``ranks`` (if rank 0 wrote it) this world."""
+        found = self._leases.read(at_least=self.world)
         problems = [
             f"rank {r} ({lease}) declares another source layout"
             + (f" of {lease.world} ranks" if lease.world != self.world else "")
-            for r, lease in sorted(leases.items())
+            for r, lease in sorted(found.leases.items())
             if r != self.rank and (lease.layout != self.digest or lease.world != self.world)
         ]
-        if world != self.world:
-            problems.append(f"the group says {world} ranks publish it, this rank {self.world}")
+        if found.ranks is not None and found.ranks != self.world:
+            problems.append(
+                f"the group says {found.ranks} ranks publish it, this rank {self.world}"
+            )
         if problems:
             raise LayoutError(
                 problems
@@ -231,8 +250,21 @@ class ShardedPublisher:
             )
 
     def _published(self, version: int) -> None:
-        """Say in the store which version this rank began last (the other ranks name us by it)."""
-        self.transport.store.set(self._dir.prefix + f"published/{self.rank}", str(version).encode())
+        """Say in the store which version this rank began last (the other ranks name us by it;
+        signed: only this rank's holder writes it)."""
+        self.transport.core.signed.set(
+            self._dir.prefix + f"published/{self.rank}", str(version).encode()
+        )
+
+    def _newest_of(self, rank: int, lease: Lease) -> int:
+        """The version rank ``rank`` (held by ``lease``) says it began last; -1 if none that
+        its holder signed (an older value put back by a store writer only makes this report
+        name an older version: it decides nothing)."""
+        key = self._dir.prefix + f"published/{rank}"
+        value = self.transport.core.signed.read(key, f"the version {key}")
+        if value is None or (value.writer, value.generation) != (lease.name, lease.generation):
+            return -1
+        return int(value.body) if _VERSION.fullmatch(value.body) else -1
 
     def _ready(self, sub: Member) -> bool:
         settled = sub.settled >= sub.last
@@ -357,7 +389,7 @@ class ShardedPublisher:
         never published it, or published it and its parts did not land; the subscriber's log
         says which ranks' parts it got)."""
         try:
-            _, leases = current_leases(self.transport.store, self.transport.namespace, self.group)
+            leases = self._leases.read(at_least=self.world, live=False).leases
             out = []
             for r in range(self.world):
                 if r == self.rank:
@@ -369,8 +401,7 @@ class ShardedPublisher:
                 if not holder_alive(self.transport, lease):
                     out.append(f"rank {r} ({lease.name}) is gone")
                     continue
-                raw = self.transport.store.try_get(self._dir.prefix + f"published/{r}")
-                newest = int(raw) if raw is not None and raw.lstrip(b"-").isdigit() else -1
+                newest = self._newest_of(r, lease)
                 if newest < version:
                     out.append(f"rank {r} ({lease.name}) has not published version {version} "
                                f"(its newest: {newest})")  # fmt: skip

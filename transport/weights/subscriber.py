@@ -19,10 +19,10 @@ from transport.errors import (
     TransferTimeout,
     TransportError,
     VersionGoneError,
-    WireFormatError,
 )
 from transport.weights._flat import copy_all, copy_runs, flat_like
 from transport.weights._layout_wire import encode_dest
+from transport.weights._lease import GroupLeases
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -50,6 +50,9 @@ from transport.weights._upstream import Upstream
 from transport.weights.layouts import DestTensor, check_dest
 
 log = logging.getLogger("transport.weights")
+
+#: how fast a subscriber reads its declared layout back from the store to check it (bytes/s)
+LAYOUT_CHECK_BYTES_PER_S = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -168,10 +171,12 @@ class WeightSubscriber:
             ),
         )
         self._next_entry_check = math.inf  # checked once we joined (below)
-        self._dir = GroupDirectory(transport.store, transport.namespace, group)
+        self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
         self._upstream = Upstream(
-            transport.store, transport.namespace, group, self._dir, self._submit
+            GroupLeases(transport, group), group, self._dir, self._submit
         )
+        self._declared = None if self.layout is None else encode_dest(self.layout)
+        self._next_layout_check = math.inf
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
         self._stop_control: Callable[[], None] = lambda: None
         try:
@@ -185,11 +190,9 @@ class WeightSubscriber:
             # A publish completes only once this side has read its notification: poll at least
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
-            self._dir.declare_layout(
-                transport.name, None if self.layout is None else encode_dest(self.layout)
-            )
-            self._dir.join(transport.name, transport.generation, mode, self.slots, self.relay)
-            self._next_entry_check = time.monotonic() + 1.0
+            self._dir.declare_layout(self._declared)
+            self._dir.join(mode, self.slots, self.relay)
+            self._next_entry_check = self._next_layout_check = time.monotonic() + 1.0
         except BaseException:
             self._stop_control()
             self._worker.stop()
@@ -310,23 +313,23 @@ class WeightSubscriber:
 
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
-        (a Redis restarted without persistence: publishers would drop us on their next read)."""
+        (a Redis restarted without persistence: publishers would drop us on their next read), or
+        holds another in its place (garbage, a forgery, an older incarnation's put back), or lost
+        our place in the membership index or our declared layout. The layout is read back whole
+        at most once a second and once per 64 KiB of it a second (it may be megabytes); between
+        those, only its presence is checked."""
         wait = min(self._relay.expire(), self._upstream.refresh())
         now = time.monotonic()
         if now >= self._next_entry_check and not self._closed:
             self._next_entry_check = now + 1.0
+            full = now >= self._next_layout_check
+            if full:
+                size = 0 if self._declared is None else len(self._declared)
+                self._next_layout_check = now + max(1.0, size / LAYOUT_CHECK_BYTES_PER_S)
             try:
-                try:
-                    lost = self._dir.entry(self.transport.name) is None
-                except WireFormatError as e:
-                    log.warning("group %s: our entry in the store is not ours (%s)", self.group, e)
-                    lost = True
-                if lost:
-                    log.warning("group %s: the store lost our entry; joining again", self.group)
-                    self._dir.join(
-                        self.transport.name, self.transport.generation, self.mode, self.slots,
-                        self.relay,
-                    )  # fmt: skip
+                why = self._dir.check_in(self.mode, self.slots, self.relay, self._declared, full)
+                if why:
+                    log.warning("group %s: %s; joined again", self.group, why)
             except TransportError as e:
                 log.info("group %s: cannot check our entry: %s", self.group, e)
         return min(wait, max(0.01, self._next_entry_check - now))
@@ -559,7 +562,7 @@ class WeightSubscriber:
                 self.transport.timeout,
             )
         try:
-            self._dir.leave(self.transport.name, self.transport.generation)
+            self._dir.leave()
         except TransportError as e:
             log.warning("could not leave group %s: %s", self.group, e)
         self._worker.stop()
