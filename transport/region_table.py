@@ -6,14 +6,15 @@ per tensor). Written as one list per region, 200,000 regions took 13 MiB, over w
 takes in one value (8 MiB). The map is therefore written by column and compressed::
 
     zlib(msgpack({
-        "ra": [int], "rn": [int], "rd": [str],  # registrations: address, bytes, device
-        "names": [str],  # the regions' names
-        "reg":  [int],   # index of the registration the region lies in
-        "off":  [int],   # its offset in that registration
+        "ra": bytes, "rn": bytes,  # registrations: address, bytes (<u8 each)
+        "rd": [str],               # and device ("cpu" or "cuda:N")
+        "names": [str],            # the regions' names
+        "reg":  bytes,   # <u4: index of the registration the region lies in
+        "off":  bytes,   # <u8: its offset in that registration
         "dt":   bytes,   # dtype code per region (the order the caller gives)
         "acc":  bytes,   # access code per region (likewise)
         "nd":   bytes,   # number of dimensions per region
-        "dims": [int],   # every region's shape, one after the other
+        "dims": bytes,   # <u8: every region's shape, one after the other
     }))
 
 A region's address is its registration's plus its offset, its device its registration's, its
@@ -21,14 +22,23 @@ byte count its shape's: a decoded map cannot place a region outside the memory i
 registered, or give it a size its shape disagrees with. Names are most of a map's bytes, and
 names in a state dict's order repeat long runs of the name before
 (``model.layers.12.mlp.experts.57.``): zlib takes most of them.
+
+Numbers travel packed (little-endian, fixed width), never as msgpack lists: a reader checks a
+column's byte length against the count it must have before it looks at a number, and builds no
+Python object per number it refuses. msgpack's limits keep a list to MAX_REGIONS entries and a
+string to a name's length, and the map may hold no list or map but its own two lists and
+itself: a small compressed map cannot make a reader build more objects than the largest honest
+one. (Written as lists, a map of 64 KiB made a reader build gigabytes of them before it counted
+the regions; tests/unit/test_region_table_bounds.py keeps such maps.)
 """
 
 from __future__ import annotations
 
 import bisect
 import gc
+import re
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -45,6 +55,12 @@ MAX_MAP_BYTES = 256 << 20
 _MAX_U64 = (1 << 64) - 1
 _MAX_EXTENT = 1 << 56
 _COLUMNS = ("ra", "rn", "rd", "names", "reg", "off", "dt", "acc", "nd", "dims")
+#: how the numeric columns travel: packed little-endian integers of a fixed width
+_U64 = np.dtype("<u8")  # addresses, byte counts, offsets, dimensions
+_U32 = np.dtype("<u4")  # registration indexes (at most MAX_REGIONS)
+#: "cpu" or "cuda:N", N a decimal of at most 6 ASCII digits without a leading zero
+_DEVICE_RE = re.compile(r"cpu|cuda:(?:0|[1-9][0-9]{0,5})", re.ASCII)
+_MAX_DEVICE = len("cuda:999999")
 
 Registration = tuple[int, int, str]  # (address, bytes, device)
 T = TypeVar("T")
@@ -88,12 +104,18 @@ def encode_memory_map(
         nd.append(len(r.shape))
         dims.extend(r.shape)
     packed: bytes = msgpack.packb(
-        {"ra": [r[0] for r in registrations], "rn": [r[1] for r in registrations],
-         "rd": [r[2] for r in registrations], "names": names, "reg": reg, "off": off,
-         "dt": bytes(dt), "acc": bytes(acc), "nd": bytes(nd), "dims": dims},
+        {"ra": _pack([r[0] for r in registrations], _U64),
+         "rn": _pack([r[1] for r in registrations], _U64),
+         "rd": [r[2] for r in registrations], "names": names, "reg": _pack(reg, _U32),
+         "off": _pack(off, _U64), "dt": bytes(dt), "acc": bytes(acc), "nd": bytes(nd),
+         "dims": _pack(dims, _U64)},
         use_bin_type=True,
     )  # fmt: skip
     return zlib.compress(packed, 6)
+
+
+def _pack(values: list[int], dtype: np.dtype) -> bytes:
+    return np.asarray(values, dtype).tobytes()
 
 
 def decode_memory_map(
@@ -107,17 +129,25 @@ def decode_memory_map(
 ) -> tuple[tuple[Registration, ...], list[T]]:
     """The registrations and regions (each ``make(name, addr, nbytes, dtype, shape, access,
     device)``) of a map, checked; WireFormatError naming the registration
-    or region for anything a well-behaved peer would not write. The checks run by column (numpy),
-    not region by region."""
-    m = _inflate(data, max_dims)
-    regs = _registrations(m["ra"], m["rn"], m["rd"])
-    names, reg, off, dt, acc, nd, dims = (m[c] for c in _COLUMNS[3:])
-    n = len(names) if isinstance(names, list) else -1
+    or region for anything a well-behaved peer would not write. Every column's length is checked
+    before its values are read; the checks run by column (numpy), not region by region."""
+    m = _inflate(data, max_name, max_dims)
+    names = m["names"]
+    if not isinstance(names, list):
+        raise WireFormatError(
+            f"peer record's memory map column 'names' must be a list, got {type(names).__name__}"
+        )
+    n = len(names)
     if n > MAX_REGIONS:
         raise WireFormatError(f"peer record has more than {MAX_REGIONS} regions")
-    for col, kind in ((reg, list), (off, list), (dt, bytes), (acc, bytes), (nd, bytes)):
-        if not isinstance(col, kind) or len(col) != n:
-            raise WireFormatError("peer record's region columns are of unequal length")
+    regs = _registrations(m)
+    unequal = "peer record's region columns are of unequal length"
+    reg_a = _packed(m, "reg", _U32, n, unequal)
+    off_a = _packed(m, "off", _U64, n, unequal)
+    dt, acc, nd = m["dt"], m["acc"], m["nd"]
+    for col in (dt, acc, nd):
+        if type(col) is not bytes or len(col) != n:
+            raise WireFormatError(unequal)
     for i, name in enumerate(names):
         if type(name) is not str or not 0 < len(name) <= max_name:
             raise WireFormatError(f"region #{i} has a bad name")
@@ -125,39 +155,49 @@ def decode_memory_map(
         seen: set[str] = set()
         twice = next(x for x in names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
         raise WireFormatError(f"peer record lists region {twice[:80]!r} twice")
-    reg_a = _column(reg, len(regs), names, "names no registration of its peer")
-    off_a = _column(off, _MAX_EXTENT, names, "has a bad offset")
+    _refuse(reg_a >= len(regs), names, "names no registration of its peer")
+    _refuse(off_a >= _MAX_EXTENT, names, "has a bad offset")
     dt_a = np.frombuffer(dt, np.uint8).astype(np.int64)
     acc_a = np.frombuffer(acc, np.uint8)
     nd_a = np.frombuffer(nd, np.uint8).astype(np.int64)
     _refuse(dt_a >= len(dtypes), names, "has an unknown dtype")
     _refuse(acc_a >= len(accesses), names, "has an unknown access")
     _refuse(nd_a > max_dims, names, "has a bad shape")
-    if not isinstance(dims, list) or len(dims) != int(nd_a.sum()):
-        raise WireFormatError("peer record's region table has the wrong number of dimensions")
-    dims_a = _column(dims, _MAX_EXTENT, None, "a region has a bad shape dimension")
+    # at most n * max_dims dimensions: the count is checked before a byte of them is read
+    dims_a = _packed(
+        m, "dims", _U64, int(nd_a.sum()),
+        "peer record's region table has the wrong number of dimensions",
+    )  # fmt: skip
+    _refuse(dims_a >= _MAX_EXTENT, None, "a region has a bad shape dimension")
+    dims_i = dims_a.astype(np.int64)
     # the byte count of every region: its shape's product times its dtype's size (in floats
     # first: a product past 2**62 would wrap in integers, and no registration is that large)
     ends = np.cumsum(nd_a)
     starts = ends - nd_a
     grid = np.ones((n, max(int(nd_a.max(initial=0)), 1)), np.int64)
-    if len(dims_a):
+    if len(dims_i):
         row = np.repeat(np.arange(n), nd_a)
-        grid[row, np.arange(len(dims_a)) - np.repeat(starts, nd_a)] = dims_a
+        grid[row, np.arange(len(dims_i)) - np.repeat(starts, nd_a)] = dims_i
     sizes = np.array([dtype_sizes[d] for d in dtypes], np.int64)[dt_a]
     _refuse(grid.astype(np.float64).prod(axis=1) * sizes > 2.0**60, names, "is too large")
     nbytes = grid.prod(axis=1) * sizes
     reg_size = np.array([r[1] for r in regs], np.int64)[reg_a] if regs else np.zeros(0, np.int64)
-    _refuse(off_a + nbytes > reg_size, names, "lies outside the memory its peer registered")
+    _refuse(
+        off_a.astype(np.int64) + nbytes > reg_size,
+        names,
+        "lies outside the memory its peer registered",
+    )
     base = [r[0] for r in regs]
     dev = [r[2] for r in regs]
     access = [accesses[a] for a in acc_a.tolist()]
     out: list[T] = []
-    st, en, dtype_of = starts.tolist(), ends.tolist(), dt_a.tolist()
+    st, en, dtype_of, dims = starts.tolist(), ends.tolist(), dt_a.tolist(), dims_i.tolist()
     enabled = gc.isenabled()
     gc.disable()  # 200,000 new objects would start many collections, each scanning them all
     try:
-        for i, (k, o, b) in enumerate(zip(reg, off, nbytes.tolist(), strict=True)):
+        for i, (k, o, b) in enumerate(
+            zip(reg_a.tolist(), off_a.tolist(), nbytes.tolist(), strict=True)
+        ):
             shape = tuple(dims[st[i] : en[i]])
             out.append(
                 make(names[i], base[k] + o, b, dtypes[dtype_of[i]], shape, access[i], dev[k])
@@ -168,20 +208,20 @@ def decode_memory_map(
     return regs, out
 
 
-def _column(values: object, bound: int, names: list[str] | None, rule: str) -> np.ndarray:
-    """``values`` as an int64 array, each an int in [0, bound); else a WireFormatError that names
-    the first region (when ``names`` is given) breaking ``rule``."""
-    try:
-        a = np.asarray(values)
-    except (TypeError, ValueError, OverflowError):
-        a = None
-    if a is None or a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise WireFormatError(f"peer record's region table has a non-integer where {rule}")
-    if a.size and a.dtype.kind == "u" and int(a.max()) >= bound:
-        _refuse(a >= bound, names, rule)
-    a = a.astype(np.int64)
-    _refuse((a < 0) | (a >= bound), names, rule)
-    return a
+def _packed(m: dict[str, Any], col: str, dtype: np.dtype, count: int, rule: str) -> np.ndarray:
+    """Column ``col`` of ``m``: ``count`` packed integers of ``dtype``, viewed, not copied. Its
+    type and byte length are checked before it is read: WireFormatError(``rule``) for a length
+    that is not ``count`` whole integers, and a list (or anything else) is refused by name."""
+    v = m[col]
+    width = f"little-endian {dtype.itemsize * 8}-bit integers"
+    if type(v) is not bytes:
+        raise WireFormatError(
+            f"peer record's memory map column {col!r} must be bytes of packed {width}, got "
+            f"{type(v).__name__} (its writer runs a release with another map format?)"
+        )
+    if len(v) != count * dtype.itemsize:
+        raise WireFormatError(f"{rule} (column {col!r} is {len(v)} bytes, not {count} {width})")
+    return np.frombuffer(v, dtype)
 
 
 def _refuse(bad: np.ndarray, names: list[str] | None, rule: str) -> None:
@@ -195,24 +235,98 @@ def _refuse(bad: np.ndarray, names: list[str] | None, rule: str) -> None:
 def inflate(data: bytes, limit: int, what: str) -> bytes:
     """``data`` decompressed (zlib), if it inflates to at most ``limit`` bytes: a peer's few
     compressed bytes cannot make us allocate more. WireFormatError naming ``what`` otherwise."""
+    return b"".join(list(_pieces(data, limit, what)))
+
+
+def _inflate_exact(data: bytes, limit: int, what: str) -> bytearray:
+    """``inflate``, in one buffer of the inflated size, allocated once the stream has proved
+    complete and within ``limit`` (a first pass keeps nothing): zlib's one-shot output, blocks
+    joined at the end, takes twice the output at the peak."""
+    out = bytearray(sum(len(piece) for piece in _pieces(data, limit, what)))
+    pos = 0
+    with memoryview(out) as view:
+        for piece in _pieces(data, limit, what):
+            view[pos : pos + len(piece)] = piece
+            pos += len(piece)
+    return out
+
+
+#: inflating, what zlib reads and writes in one step
+_PIECE_IN = 64 << 10
+_PIECE_OUT = 1 << 20
+
+
+def _pieces(data: bytes, limit: int, what: str) -> Iterator[bytes]:
+    """The inflated ``data`` in pieces of at most a MiB; WireFormatError naming ``what`` once it
+    is past ``limit`` bytes, and at the end of a truncated or corrupt stream."""
+    inflater = zlib.decompressobj()
+    view = memoryview(data)
+    n, pos, pending = 0, 0, memoryview(b"")
     try:
-        inflater = zlib.decompressobj()
-        raw = inflater.decompress(data, limit)
+        while not inflater.eof:
+            if not pending and pos < len(view):
+                pending, pos = view[pos : pos + _PIECE_IN], pos + _PIECE_IN
+            piece = inflater.decompress(pending, min(_PIECE_OUT, limit + 1 - n))
+            n += len(piece)
+            if n > limit:
+                break
+            yield piece
+            pending = memoryview(inflater.unconsumed_tail)
+            if not piece and not pending and pos >= len(view):
+                break  # the input ended before the stream did
     except zlib.error as e:
         raise WireFormatError(f"{what} is not valid zlib ({e})") from e
-    if inflater.unconsumed_tail or not inflater.eof:
+    if n > limit or not inflater.eof:
         raise WireFormatError(f"{what} is truncated or inflates past {limit} bytes")
-    return raw
 
 
-def _inflate(data: bytes, max_dims: int) -> dict[str, Any]:
-    raw = inflate(data, MAX_MAP_BYTES, "peer record's memory map")
+class _Containers:
+    """msgpack's hooks for one map: it may build two lists (names, rd) and one map (itself). A
+    hook runs once a container is built, innermost first, so a third list, nested or not, is
+    refused once built, before a fourth: empty lists are one byte each, and a map of 64 KiB would
+    otherwise build 64 million of them."""
+
+    def __init__(self) -> None:
+        self.lists = self.maps = 0
+
+    def list_hook(self, v: list[Any]) -> list[Any]:
+        if len(v) > MAX_REGIONS:  # msgpack allows one over, for this message
+            raise WireFormatError(
+                f"peer record has more than {MAX_REGIONS} regions or registrations"
+            )
+        self.lists += 1
+        if self.lists > 2:
+            raise WireFormatError(
+                "peer record's memory map holds a list besides 'names' and 'rd' (of strings): "
+                "its numeric columns must be bytes of packed little-endian integers, and no list "
+                "nests in another"
+            )
+        return v
+
+    def object_hook(self, v: dict[str, Any]) -> dict[str, Any]:
+        self.maps += 1
+        if self.maps > 1:
+            raise WireFormatError("peer record's memory map holds a map inside the map")
+        return v
+
+
+def _inflate(data: bytes, max_name: int, max_dims: int) -> dict[str, Any]:
+    raw = _inflate_exact(data, MAX_MAP_BYTES, "peer record's memory map")
+    hooks = _Containers()
     try:
         m = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_MAP_BYTES,
-            max_bin_len=MAX_MAP_BYTES, max_array_len=MAX_REGIONS * max_dims, max_map_len=16,
-            max_ext_len=0,
+            raw, raw=False, strict_map_key=True, use_list=True,
+            # a name in UTF-8 (keys and devices are shorter)
+            max_str_len=4 * max_name,
+            # the largest column: every region's dimensions
+            max_bin_len=MAX_REGIONS * max_dims * _U64.itemsize,
+            # names and rd; one over, so that a list too long is refused by the rule
+            max_array_len=MAX_REGIONS + 1,
+            max_map_len=16, max_ext_len=0,
+            list_hook=hooks.list_hook, object_hook=hooks.object_hook,
         )  # fmt: skip
+    except WireFormatError:
+        raise
     except Exception as e:  # msgpack raises many types on garbage; all mean the same to us
         raise WireFormatError(f"peer record's memory map is not valid msgpack ({e})") from e
     if not isinstance(m, dict) or set(m) != set(_COLUMNS):
@@ -220,36 +334,33 @@ def _inflate(data: bytes, max_dims: int) -> dict[str, Any]:
     return m
 
 
-def _registrations(ra: object, rn: object, rd: object) -> tuple[Registration, ...]:
-    if not all(isinstance(c, list) for c in (ra, rn, rd)) or not len(ra) == len(rn) == len(rd):  # type: ignore[arg-type]
-        raise WireFormatError("peer record's registration columns are of unequal length")
-    if len(ra) > MAX_REGIONS:  # type: ignore[arg-type]
+def _registrations(m: dict[str, Any]) -> tuple[Registration, ...]:
+    rd = m["rd"]
+    if not isinstance(rd, list):
+        raise WireFormatError(
+            f"peer record's memory map column 'rd' must be a list, got {type(rd).__name__}"
+        )
+    if len(rd) > MAX_REGIONS:
         raise WireFormatError(f"peer record has more than {MAX_REGIONS} registrations")
-    out = []
-    for addr, n, dev in zip(ra, rn, rd, strict=True):  # type: ignore[call-overload]
-        if (
-            not _small_int(addr, _MAX_U64)
-            or addr == 0
-            or not _small_int(n, _MAX_EXTENT + 1)
-            or n == 0
-            or addr + n > _MAX_U64
-            or not device_ok(dev)
-        ):
-            raise WireFormatError(
-                f"peer record has a malformed registration {str([addr, n, dev])[:60]}"
-            )
-        out.append((addr, n, dev))
-    return tuple(out)
+    unequal = "peer record's registration columns are of unequal length"
+    ra = _packed(m, "ra", _U64, len(rd), unequal)
+    rn = _packed(m, "rn", _U64, len(rd), unequal)
+    # an address is never 0; a registration is at most 2**56 bytes and ends inside 64 bits
+    bad = (ra == 0) | (rn == 0) | (rn > _MAX_EXTENT) | (ra > _MAX_U64 - rn)
+    bad |= np.fromiter((not device_ok(d) for d in rd), bool, len(rd))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise WireFormatError(
+            f"peer record has a malformed registration {str([int(ra[i]), int(rn[i]), rd[i]])[:60]}"
+        )
+    return tuple(zip(ra.tolist(), rn.tolist(), rd, strict=True))
 
 
 def device_ok(device: object) -> bool:
-    """``device`` is "cpu" or "cuda:N"."""
-    return isinstance(device, str) and (
-        device == "cpu"
-        or (device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12)
+    """``device`` is "cpu" or "cuda:N" (N in ASCII decimal, no leading zero, at most 6 digits;
+    not '²', '０' or a trailing newline)."""
+    return (
+        type(device) is str
+        and len(device) <= _MAX_DEVICE
+        and _DEVICE_RE.fullmatch(device) is not None
     )
-
-
-def _small_int(v: object, bound: int) -> bool:
-    """``v`` is an int in [0, bound) (and not a bool)."""
-    return type(v) is int and 0 <= v < bound
