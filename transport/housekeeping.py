@@ -22,8 +22,7 @@ class Housekeeping:
     Transport closes (``ep.stopping``).
 
     It owns no state of its own; it runs the other parts' slow work off the hot paths: at once
-    when woken (``ep.wake``: retries of transfers to a restarted peer, senders of notifications
-    to check, dumps, withdrawals), and
+    when woken (``ep.wake``: senders of notifications to check, dumps, withdrawals), and
     every ``heartbeat_interval``: the heartbeat, restoring our record if the store lost it, the
     namespace's dump requests, dropping connections to peers that restarted, letting go of the
     plans of dropped connections. Rules: it never holds a lock across parts; a store that is down
@@ -66,8 +65,7 @@ class Housekeeping:
             ep.wake.clear()
             if ep.stopping.is_set():
                 break
-            for step in (self._retries, self._control.check_senders, self._dumps.run,
-                         self._regions.run):  # fmt: skip
+            for step in (self._control.check_senders, self._dumps.run, self._regions.run):
                 try:
                     step()
                 except Exception:  # a bug, or what a peer sent: logged, the thread goes on
@@ -80,10 +78,6 @@ class Housekeeping:
                 self._beat()
             except Exception as e:  # the store may be down; transfers go on without it
                 log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
-
-    def _retries(self) -> None:
-        if self._transfers.retries_waiting:
-            self._transfers.run_retries()
 
     def _beat(self) -> None:
         ep = self._ep

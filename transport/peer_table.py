@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from transport.endpoint import Endpoint
@@ -20,6 +22,9 @@ from transport.plan import PeerConn
 from transport.wire import PeerRecord
 
 log = logging.getLogger("transport")
+
+#: how long a lost peer's new incarnation is looked up in the store before the loss is reported
+RESTART_LOOKUP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class PeerTable:
         self.lock = threading.RLock()
         self._conns: dict[str, PeerConn] = {}
         self._dropped: deque[PeerConn] = deque()
+        self._lookups: ThreadPoolExecutor | None = None  # restarted(): store lookups
+        self._lookup_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -187,10 +194,28 @@ class PeerTable:
                      conn.name, rec.generation, conn.generation)  # fmt: skip
             self.drop(conn)
 
-    def restarted(self, old: PeerConn) -> PeerRecord | None:
-        """The record of a newer incarnation of ``old``'s peer, if the store has one."""
+    def restarted(self, old: PeerConn, timeout: float = RESTART_LOOKUP_S) -> PeerRecord | None:
+        """The record of a newer incarnation of ``old``'s peer, if the store shows one within
+        ``timeout`` seconds. The lookup runs on a thread of its own: a store that hangs (the
+        process hosting it died with the peer) costs the caller ``timeout``, never the store's
+        own connect timeouts, and a loss the backend already reported is reported then."""
+        with self._lookup_lock:
+            if self._lookups is None:
+                self._lookups = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"transport-lookup-{self._ep.name}"
+                )
+            try:
+                future = self._lookups.submit(self._ep.directory.fetch, old.name)
+            except RuntimeError:  # closed
+                return None
         try:
-            rec = self._ep.directory.fetch(old.name)
+            rec = future.result(timeout)
+        except FutureTimeout:
+            log.warning(
+                "peer %s#%d was lost, and the store did not say within %.3g s whether it "
+                "restarted; reporting the loss", old.name, old.generation, timeout,
+            )  # fmt: skip
+            return None
         except (StoreError, WireFormatError):
             return None
         if rec is None or rec.generation <= old.generation:
@@ -224,3 +249,6 @@ class PeerTable:
         for conn in conns:
             conn.close(self._ep.backend)
         self._dropped.clear()
+        with self._lookup_lock:
+            if self._lookups is not None:
+                self._lookups.shutdown(wait=False, cancel_futures=True)

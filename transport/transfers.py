@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -44,9 +45,9 @@ class Transfers:
 
     It owns the transfers' way from a call to the engine, the lanes, the stream machinery
     (created on the first ``stream=`` call) and the queue of transfers to retry after a peer
-    restart (filled by the engine thread, emptied by the housekeeping thread). Rules: every check
-    runs before anything is posted, and what fails then is raised by the call; what fails later
-    is raised by the handle. A transfer's notification goes after all of its data. A retry
+    restart (filled by the engine thread, emptied by a retry thread started on the first).
+    Rules: every check runs before anything is posted, and what fails then is raised by the
+    call; what fails later is raised by the handle. A transfer's notification goes after all of its data. A retry
     happens only when nothing of the transfer was posted to the old incarnation.
     """
 
@@ -65,6 +66,8 @@ class Transfers:
         self.stream: Any = None  # transport.cuda.stream.StreamOps, on the first stream= call
         self.inline_count = 0  # small puts and gets that completed inside their post
         self._retries: deque[tuple[list[Op], BaseException]] = deque()
+        self._retry_wake = threading.Event()
+        self._retry_thread: threading.Thread | None = None  # started on the first retry
 
     # -- the fast paths (caller's thread) ----------------------------------------------------
 
@@ -506,13 +509,28 @@ class Transfers:
         return lambda _: self._plans.unclaim([plan])
 
     def on_retry(self, group: list[Op], error: BaseException) -> None:
-        """Engine thread: a transfer's first post found its peer gone. Housekeeping re-plans it."""
+        """Engine thread: a transfer's first post found its peer gone. The retry thread re-plans
+        it (a thread of its own: housekeeping may be held up by a store that is down, and the
+        caller must hear of a loss the backend reported without waiting on the store)."""
         self._retries.append((group, error))
-        self._ep.wake.set()
+        self._retry_wake.set()
+        if self._retry_thread is None:
+            self._retry_thread = threading.Thread(
+                target=self._retry_loop, name=f"transport-retry-{self._ep.name}", daemon=True
+            )
+            self._retry_thread.start()
 
-    @property
-    def retries_waiting(self) -> bool:
-        return bool(self._retries)
+    def _retry_loop(self) -> None:
+        ep = self._ep
+        while True:
+            self._retry_wake.wait()
+            self._retry_wake.clear()
+            if ep.stopping.is_set():
+                return
+            try:
+                self.run_retries()
+            except Exception:  # a bug: the transfers left are failed at close
+                log.exception("transport %s: retrying transfers failed", ep.name)
 
     def run_retries(self) -> None:
         """Housekeeping: re-plan each transfer to restart on its peer's new incarnation, or fail
@@ -559,7 +577,11 @@ class Transfers:
     # -- closing -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Release the streams and stop the lanes (the first step of closing)."""
+        """Release the streams, stop the retry thread and the lanes (the first step of
+        closing)."""
+        self._retry_wake.set()  # ep.stopping is set: it ends
+        if self._retry_thread is not None and self._retry_thread is not threading.current_thread():
+            self._retry_thread.join(5.0)
         if self.stream is not None:
             self.stream.close()  # streams waiting on a transfer are released
         self.lanes.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -189,6 +190,34 @@ def test_the_death_of_the_process_hosting_the_embedded_store():
             assert other.call("sha", "buf") == sha(pattern(MiB, 3))
     finally:
         other.kill()
+        host.kill()
+
+
+def test_a_large_put_to_the_dead_store_host_fails_with_its_loss_not_a_timeout():
+    """The receiver of repeated 64 MiB puts hosts the embedded store and is killed: the store
+    dies with it, so the lookup of a restart (what a lost transfer is retried on) hangs in the
+    store client's reconnects. The loss the backend reported reaches the caller anyway, as
+    PeerLostError, well within the put's own deadline (it used to wait out the store's connect
+    timeouts and fail with TransferTimeout)."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    nbytes = 64 * MiB
+    host = Peer("host", url, {"buf": ("uint8", nbytes, "w")})  # the first to open it hosts it
+    try:
+        with transport.Transport("writer", store=url, timeout=10) as w:
+            src = pattern(nbytes, 1)
+            for _ in range(3):
+                w.put(src, "host", "buf").wait(30)
+            assert host.call("sha", "buf") == sha(src)
+            # killed, and not reaped until the end: while the dying process is torn down, its
+            # store's port takes connections that nobody answers (as a host that is down
+            # would), so the store client hangs in its reconnects
+            os.kill(host.pid, signal.SIGKILL)
+            for _ in range(3):
+                # the put's deadline is 10 s: its handle settles by then (a wait that ran out
+                # would raise TransferTimeout: the handle still pending past its deadline)
+                with pytest.raises(transport.PeerLostError, match="host"):
+                    w.put(src, "host", "buf").wait(12)
+    finally:
         host.kill()
 
 
