@@ -28,7 +28,7 @@ from transport.errors import SignatureError, WireFormatError
 from transport.region_table import MAX_REGIONS, decode_memory_map, encode_memory_map, inflate
 from transport.sealing import keys_for
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 # torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
 MAX_RECORD_BYTES = 6 << 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -136,8 +137,20 @@ def test_malformed_bodies_are_rejected(mutate, match):
         decode_peer_record(rewrap(body))
 
 
+_WIDTH = {"ra": "<u8", "rn": "<u8", "reg": "<u4", "off": "<u8", "dims": "<u8"}
+
+
 def _set(col, i, v):
-    return lambda m: m[col].__setitem__(i, v)
+    """Entry ``i`` of column ``col``: a packed number of the numeric columns, a list's item else."""
+    if col not in _WIDTH:
+        return lambda m: m[col].__setitem__(i, v)
+
+    def mutate(m):
+        a = np.frombuffer(m[col], _WIDTH[col]).copy()
+        a[i] = v
+        m[col] = a.tobytes()
+
+    return mutate
 
 
 @pytest.mark.parametrize(
@@ -145,11 +158,11 @@ def _set(col, i, v):
     [
         # a region's place: an offset into a registration of its peer, inside it
         (_set("off", 0, 4096 - 32), "outside the memory its peer registered"),
-        (_set("off", 0, -1), "bad offset"),
-        (_set("off", 0, 1.5), "non-integer"),
+        (_set("off", 0, 2**56), "bad offset"),
+        (lambda m: m.update(off=[0, 0]), "must be bytes of packed"),
         (_set("reg", 0, 2), "names no registration"),
         (_set("dims", 0, 2**40), "outside the memory|too large"),
-        (_set("dims", 0, -4), "bad shape dimension"),
+        (_set("dims", 0, 2**63), "bad shape dimension"),
         (lambda m: m.update(dims=m["dims"][:-1]), "wrong number of dimensions"),
         (lambda m: m.update(nd=bytes([17, 1])), "bad shape|wrong number"),
         (lambda m: m.update(dt=bytes([250, 0])), "unknown dtype"),
@@ -160,12 +173,12 @@ def _set(col, i, v):
         (lambda m: m.update(names=["x" * 1025, "y"]), "bad name"),
         (lambda m: m.update(names=[7, "y"]), "bad name"),
         # registrations
-        (lambda m: m.update(ra=[], rn=[], rd=[]), "names no registration"),
+        (lambda m: m.update(ra=b"", rn=b"", rd=[]), "names no registration"),
         (_set("rn", 0, 0), "malformed registration"),
         (_set("ra", 0, 0), "malformed registration"),
         (_set("rd", 0, "tpu"), "malformed registration"),
-        (_set("rn", 0, True), "malformed registration"),
-        (_set("ra", 0, "a"), "malformed registration"),
+        (_set("rn", 0, 2**56 + 1), "malformed registration"),
+        (lambda m: m.update(ra="a"), "must be bytes of packed"),
         (_set("ra", 0, 2**64 - 8), "malformed registration"),
         (lambda m: m.update(rd=["cpu"]), "unequal length"),
     ],
