@@ -177,8 +177,9 @@ class Transport(Closing):
             self._dumps,
             self._control,
         )
+        retries = self._transfers.retries
         ep.engine = self._engine = Engine(
-            be, self.name, self._control.route, self._peers.on_lost, self._transfers.on_retry,
+            be, self.name, self._control.route, self._peers.on_lost, retries.on_retry,
             idle_interval=idle_interval,
         )  # fmt: skip
         self._engine.start()

@@ -14,9 +14,7 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from time import monotonic_ns
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 from transport.backends.base import WRITE
 from transport.batch import Batch, Items, Offset, mapping_items
 from transport.endpoint import Endpoint, State
-from transport.engine import QUEUED, Engine, Op
+from transport.engine import Engine, Op
 from transport.errors import PeerLostError
 from transport.handle import Handle
 from transport.lanes import LaneSet
@@ -34,6 +32,7 @@ from transport.memory import check_tensor
 from transport.peer_table import PeerTable
 from transport.plan import Plan
 from transport.plan_cache import PlanCache
+from transport.retries import Retries, unclaimer
 from transport.settings import positive
 from transport.wire import frame_control, frame_user_notification
 
@@ -65,9 +64,7 @@ class Transfers:
         self.lanes = LaneSet(ep)
         self.stream: Any = None  # transport.cuda.stream.StreamOps, on the first stream= call
         self.inline_count = 0  # small puts and gets that completed inside their post
-        self._retries: deque[tuple[list[Op], BaseException]] = deque()
-        self._retry_wake = threading.Event()
-        self._retry_thread: threading.Thread | None = None  # started on the first retry
+        self.retries = Retries(ep, peers, plans)
 
     # -- the fast paths (caller's thread) ----------------------------------------------------
 
@@ -506,82 +503,14 @@ class Transfers:
 
     def _unclaimer(self, plan: Plan) -> Callable[[Handle], None]:
         """A done-callback that lets go of ``plan`` (claimed for a retry)."""
-        return lambda _: self._plans.unclaim([plan])
-
-    def on_retry(self, group: list[Op], error: BaseException) -> None:
-        """Engine thread: a transfer's first post found its peer gone. The retry thread re-plans
-        it (a thread of its own: housekeeping may be held up by a store that is down, and the
-        caller must hear of a loss the backend reported without waiting on the store)."""
-        self._retries.append((group, error))
-        self._retry_wake.set()
-        if self._retry_thread is None:
-            self._retry_thread = threading.Thread(
-                target=self._retry_loop, name=f"transport-retry-{self._ep.name}", daemon=True
-            )
-            self._retry_thread.start()
-
-    def _retry_loop(self) -> None:
-        ep = self._ep
-        while True:
-            self._retry_wake.wait()
-            self._retry_wake.clear()
-            if ep.stopping.is_set():
-                return
-            try:
-                self.run_retries()
-            except Exception:  # a bug: the transfers left are failed at close
-                log.exception("transport %s: retrying transfers failed", ep.name)
-
-    def run_retries(self) -> None:
-        """Housekeeping: re-plan each transfer to restart on its peer's new incarnation, or fail
-        it with the loss it met."""
-        ep = self._ep
-        while self._retries:
-            group, error = self._retries.popleft()
-            first = group[0]
-            old = first.plan.conn
-            self._peers.on_lost(old, error)
-            new_ops: list[Op] = []
-            try:
-                rec = self._peers.restarted(old)
-                if rec is not None and ep.state is State.OPEN:
-                    items, sig, offset = first.retry
-                    plan = self._plans.get(first.plan.op, old.name, items, sig, offset, claim=True)
-                    first.handle.add_done_callback(self._unclaimer(plan))
-                    notif = next((o.notif for o in group if o.notif), b"")
-                    new_ops = [
-                        Op(first.handle, plan, part, b"", first.deadline, first.timeout)
-                        for part in plan.parts
-                    ]
-                    new_ops[-1].notif = notif
-                    if notif and len(new_ops) > 1:
-                        new_ops[-1].after = new_ops[:-1]
-                    for o in new_ops:
-                        o.group = new_ops
-                    log.info("peer %s restarted (generation %d); retrying on it",
-                             old.name, rec.generation)  # fmt: skip
-            except Exception as e:  # the store or the new peer failed us: report the loss
-                log.warning("could not retry a transfer to %s: %s", old.name, e)
-                new_ops = []
-            if new_ops:
-                first.handle.resize(len(new_ops) - len(group))
-                ep.engine.submit(new_ops)
-            else:
-                self._fail(group, error)
-
-    def _fail(self, group: list[Op], error: BaseException) -> None:
-        for o in group:
-            o.state = QUEUED
-            self._ep.engine.fail(o, error)
+        return unclaimer(self._plans, plan)
 
     # -- closing -----------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Release the streams, stop the retry thread and the lanes (the first step of
         closing)."""
-        self._retry_wake.set()  # ep.stopping is set: it ends
-        if self._retry_thread is not None and self._retry_thread is not threading.current_thread():
-            self._retry_thread.join(5.0)
+        self.retries.stop()
         if self.stream is not None:
             self.stream.close()  # streams waiting on a transfer are released
         self.lanes.stop()
@@ -589,8 +518,7 @@ class Transfers:
     def close(self, error: BaseException) -> None:
         """Fail the retries still queued with ``error`` and release the lanes (every engine has
         stopped)."""
-        while self._retries:
-            self._fail(self._retries.popleft()[0], error)
+        self.retries.close(error)
         self.lanes.close()
 
 
