@@ -156,6 +156,16 @@ class PublisherLease:
             if holder == self.mine:
                 self.held = True
                 return
+            if (
+                not first
+                and holder is not None
+                and (holder.name, holder.generation) == (self.mine.name, self.mine.generation)
+            ):
+                # held by us, yet not this lease: an earlier publisher's of this Transport put
+                # back (or, without a secret, a forgery): ours to overwrite
+                log.warning("group %s: replacing a lease of this incarnation that is not this "
+                            "publisher's (%s; a value put back?)", self.group, holder)  # fmt: skip
+                holder = None
             if holder is not None:
                 why = self._alive(holder)
                 if why and not first:
@@ -179,7 +189,7 @@ class PublisherLease:
                         "ours (a value put back?); taking it back", self.group, holder,
                     )  # fmt: skip
             if store.compare_set(self.key, raw, self._ours):
-                if not first and holder is None:
+                if not first and (raw is None or raw == FREE):
                     log.warning("group %s: the store had lost the publisher lease; wrote it back",
                                 self.group)  # fmt: skip
                 self.held = True
@@ -289,19 +299,26 @@ class GroupLeases:
 
     def read(self, at_least: int = 1, live: bool = True) -> Publishers:
         """The group's publishers now, reading the leases of at least ``at_least`` ranks (a
-        rank knows its world even when the store says nothing of it)."""
-        first = self._lease(0, live)
+        rank knows its world even when the store says nothing of it), up to the world that
+        rank 0's lease, ``ranks`` or any lease read says; while rank 0's lease does not count,
+        also of the rank after each one whose key holds something (a lease that does not count
+        must not hide the ranks after it)."""
+        first, held = self._lease(0, live)
+        probe = first is None
         ranks = self._ranks(first)
         world = max(at_least, ranks or 1)
-        leases: dict[int, Lease] = {}
-        rank = 0
-        while rank < world:  # a lease may say more ranks than the key
-            lease = first if rank == 0 else self._lease(rank, live)
+        leases: dict[int, Lease] = {} if first is None else {0: first}
+        if first is not None:
+            world = max(world, first.world)
+        rank = 1
+        while rank < MAX_WORLD and (rank < world or (probe and held)):
+            lease, held = self._lease(rank, live)
             if lease is not None:
                 leases[rank] = lease
                 world = max(world, lease.world)
             rank += 1
-        return Publishers(max(ranks or 1, *(x.world for x in leases.values()), 1), ranks, leases)
+        said = [ranks or 1, *(x.world for x in leases.values())]
+        return Publishers(max(said), ranks, leases)
 
     def _ranks(self, first: Lease | None) -> int | None:
         key = ranks_key(self._namespace, self.group)
@@ -322,28 +339,30 @@ class GroupLeases:
             return None
         return int(value.body)
 
-    def _lease(self, rank: int, live: bool) -> Lease | None:
+    def _lease(self, rank: int, live: bool) -> tuple[Lease | None, bool]:
+        """The lease of ``rank`` if it counts, and whether its key holds anything (a free lease
+        does not)."""
         key = lease_key(self._namespace, self.group, rank)
         raw = self.signed.store.try_get(key)
         if raw is None or raw == FREE:
-            return None
+            return None, False
         try:
             lease = decode_lease(self.signed, key, raw, rank)
         except WireFormatError as e:
             self._warn(key, raw, str(e))
-            return None
+            return None, True
         if not live:
-            return lease
+            return lease, True
         with self._lock:
             if self._live.get(rank) == lease:
-                return lease
+                return lease, True
         why = self._stale(lease)
         if why:
             self._warn(key, raw, f"the lease of {lease}: {why}")
-            return None
+            return None, True
         with self._lock:
             self._live[rank] = lease
-        return lease
+        return lease, True
 
     def _stale(self, lease: Lease) -> str:
         """Why ``lease`` is not its holder's live incarnation's ("" if it is)."""
