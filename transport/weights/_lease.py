@@ -214,8 +214,8 @@ class PublisherLease:
             if self.transport.store.try_get(self._ranks_key) != self.signed.encode(
                 self._ranks_key, body
             ):
-                log.warning("group %s: the store lost the count of ranks (or it is not ours); "
-                            "wrote it back", self.group)  # fmt: skip
+                log.warning("group %s: the store lost the count of ranks %s (or holds one that "
+                            "is not ours); wrote it back", self.group, self._ranks_key)  # fmt: skip
                 self.signed.set(self._ranks_key, body)
 
     def release(self) -> None:

@@ -227,16 +227,16 @@ class GroupDirectory:
         key = self.prefix + f"sub/{name}"
         why = ""
         if self.store.try_get(key) != self.signed.encode(key, self._entry_body(mode, slots, relay)):
-            why = "our entry is missing or not the one we wrote"
+            why = f"our entry {key} is missing or not the one we wrote"
         elif not self._indexed(name):
-            why = "our name is missing from the membership index"
+            why = f"our name is missing from the membership index {self.prefix}members/"
         else:
             lkey = self.prefix + f"layout/{name}"
             body = WHOLE if layout is None else layout
             if (full and self.store.try_get(lkey) != self.signed.encode(lkey, body)) or (
                 not full and not self.store.exists(lkey)
             ):
-                why = "our declared layout is missing or not the one we wrote"
+                why = f"our declared layout {lkey} is missing or not the one we wrote"
         if why:
             self.declare_layout(layout)
             self.join(mode, slots, relay)
