@@ -182,6 +182,7 @@ class Transport(Closing):
             be, self.name, self._control.route, self._peers.on_lost, retries.on_retry,
             idle_interval=idle_interval,
         )  # fmt: skip
+        self._engine.pending = lambda: self._control.releasable
         self._engine.start()
         #: the internal contract of the library's own layers (weights/, cuda/): see contract.py
         self.core = CoreLink(

@@ -143,6 +143,11 @@ class ControlChannel:
         store names, checked off this thread by :meth:`check_senders` (its frames wait, in order).
         """
         out: list[Notification] = []
+        if self._senders.releasable:  # held frames of senders proven since: before any newer
+            for agent, frames in self._senders.release():
+                who = peer_of_agent(agent)
+                if who is not None:
+                    self._deliver(who[0], frames, out)
         for agent, frames in notifs.items():
             try:
                 self._route_agent(agent, frames, out)
@@ -199,10 +204,12 @@ class ControlChannel:
                 out.append(Notification(peer, payload))
 
     def check_senders(self) -> None:
-        """Housekeeping (without a secret): look up each agent whose frames wait, and deliver
-        them (on this thread, in order) if its peer's record in the store names that agent, or
-        drop them saying why."""
-        for agent, frames in self._senders.waiting():
+        """Housekeeping (without a secret): look up each agent whose frames wait; if its peer's
+        record in the store names that agent, its frames are released to the engine thread,
+        which delivers them in order before any later frame of it; else they are dropped,
+        saying why. Nothing is delivered on this thread."""
+        proven = False
+        for agent in self._senders.waiting():
             who = peer_of_agent(agent)
             assert who is not None  # route held only parseable agents
             peer = who[0]
@@ -216,15 +223,17 @@ class ControlChannel:
                     else f"that is not peer {peer!r} as the store knows it"
                 )  # fmt: skip
             if verdict:
-                dropped = len(frames) + self._senders.forget(agent)
-                self._refuse(dropped, f"from agent {agent[:80]!r} {verdict}")
-                continue
-            out: list[Notification] = []
-            while frames:
-                self._deliver(peer, frames, out)
-                frames = self._senders.trust(agent)  # any that came in meanwhile, in order
-            if out:
-                self._enqueue(out)
+                self._refuse(self._senders.forget(agent), f"from agent {agent[:80]!r} {verdict}")
+            else:
+                self._senders.prove(agent)
+                proven = True
+        if proven:
+            self._ep.engine.wake()
+
+    @property
+    def releasable(self) -> bool:
+        """Frames of senders proven since the engine last routed wait to be delivered."""
+        return self._senders.releasable
 
     def _refuse(self, count: int, why: str) -> None:
         self.refused += count

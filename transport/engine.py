@@ -129,6 +129,8 @@ class Engine:
         self._waiters_lock = threading.Lock()
         self.error: BaseException | None = None  # set if the engine thread died
         self.handler_errors = 0  # notifications whose handling raised (dropped, logged)
+        # whether frames held earlier wait to be handed to on_notifications (with none new)
+        self.pending: Callable[[], bool] | None = None
         self.on_finish: Callable[[], None] | None = None  # a lane wakes the main engine
         self._thread = threading.Thread(
             target=self._run, name=f"{ENGINE_THREAD_PREFIX}-{name}", daemon=True
@@ -413,7 +415,7 @@ class Engine:
                 next_deadline_check = now + 0.005
                 self._expire(now)
             notifs = backend.get_notifs()
-            if notifs:
+            if notifs or (self.pending is not None and self.pending()):
                 self._last_activity = now
                 self._deliver(notifs)
             if posted_any:

@@ -18,16 +18,20 @@ class Senders:
     not checked yet.
 
     It owns the held frames, per agent in arrival order, bounded by :data:`MAX_HELD_FRAMES` and
-    :data:`MAX_HELD_BYTES`, and the agents found to be who they say (at most :data:`MAX_KNOWN`).
-    Rules: while an agent has an entry, every new frame of it is held behind the others (so a
-    sender's frames are delivered in order even across the check); :meth:`trust` ends an entry
-    only when no frame is left in it. One lock; the engine thread holds and the housekeeping
-    thread checks.
+    :data:`MAX_HELD_BYTES`, the agents checked and found to be who they say whose frames still
+    wait (``proven``), and the agents known (at most :data:`MAX_KNOWN`). Threads and order: the
+    engine thread holds frames (:meth:`hold`) and delivers them (:meth:`release`); the
+    housekeeping thread only checks (:meth:`waiting`, then :meth:`prove` or :meth:`forget`), so
+    every frame is delivered on the engine thread, and an agent's frames in the order they
+    came: while an agent has an entry, each new frame of it is held behind the others, and the
+    entry ends (the agent is known) only when :meth:`release` hands over the last of them.
+    One lock.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._proven: set[str] = set()
         self._frames = 0
         self._bytes = 0
         self._known: OrderedDict[str, None] = OrderedDict()
@@ -37,6 +41,12 @@ class Senders:
 
     def holding(self, agent: str) -> bool:
         return agent in self._held
+
+    @property
+    def releasable(self) -> bool:
+        """Whether some proven agent's frames wait for :meth:`release` (read without the lock:
+        the engine asks it every round)."""
+        return bool(self._proven)
 
     def hold(self, agent: str, frames: list[bytes]) -> int:
         """Hold ``frames`` of ``agent`` until it is checked; the number refused for space."""
@@ -50,33 +60,39 @@ class Senders:
                 self._bytes += len(frame)
             return 0
 
-    def waiting(self) -> list[tuple[str, list[bytes]]]:
-        """Take the held frames of every agent waiting to be checked (its entry stays)."""
+    def waiting(self) -> list[str]:
+        """The agents whose frames wait to be checked (not yet proven)."""
         with self._lock:
-            return [(agent, self._take(agent)) for agent in self._held]
+            return [agent for agent in self._held if agent not in self._proven]
 
-    def trust(self, agent: str) -> list[bytes]:
-        """The frames ``agent`` sent since they were taken; when none, it is known from now on."""
+    def prove(self, agent: str) -> None:
+        """Housekeeping found ``agent`` to be who it says: its frames go at the next release."""
         with self._lock:
-            frames = self._take(agent)
-            if not frames:
-                self._held.pop(agent, None)
+            if agent in self._held:
+                self._proven.add(agent)
+
+    def release(self) -> list[tuple[str, list[bytes]]]:
+        """Engine thread: the held frames of every proven agent, in order; each is known from
+        now on, so its next frames go straight through, after these."""
+        with self._lock:
+            out = []
+            for agent in self._proven:
+                frames = self._held.pop(agent, [])
+                self._frames -= len(frames)
+                self._bytes -= sum(len(f) for f in frames)
+                out.append((agent, frames))
                 self._known[agent] = None
+                self._known.move_to_end(agent)
                 if len(self._known) > MAX_KNOWN:
                     self._known.popitem(last=False)
-            return frames
+            self._proven.clear()
+            return out
 
     def forget(self, agent: str) -> int:
-        """Drop ``agent``'s entry; the number of frames it still held."""
+        """Drop ``agent``'s entry (it is not who it says); the number of frames it held."""
         with self._lock:
-            frames = self._take(agent)
-            self._held.pop(agent, None)
-            return len(frames)
-
-    def _take(self, agent: str) -> list[bytes]:
-        frames = self._held.get(agent) or []
-        if frames:
-            self._held[agent] = []
+            frames = self._held.pop(agent, [])
+            self._proven.discard(agent)
             self._frames -= len(frames)
             self._bytes -= sum(len(f) for f in frames)
-        return frames
+            return len(frames)

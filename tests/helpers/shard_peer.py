@@ -183,13 +183,14 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
                  "wait_held": wait_held}, close)  # fmt: skip
 
 
-def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str) -> None:
+def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str,
+               options: dict[str, Any]) -> None:  # fmt: skip
     import transport
 
     layout = dest_layout(spec, kind)
     shapes = reference(spec, kind, 0)
     live = {n: torch.zeros_like(x) for n, x in shapes.items()}
-    t = transport.Transport(name, store=store, timeout=30)
+    t = transport.Transport(name, store=store, **{"timeout": 30, **options})
     sub = transport.WeightSubscriber(t, live, group="policy", mode=mode, layout=layout)
 
     def check(version: int, timeout: float) -> dict[str, Any]:
@@ -226,8 +227,9 @@ class RankProcess(ChildProcess):
 
 
 class GeneratorProcess(ChildProcess):
-    """A generator of layout ``kind`` in a child: ``check(version, timeout)``."""
+    """A generator of layout ``kind`` in a child: ``check(version, timeout)``; ``options`` go
+    to its Transport (``secret=``)."""
 
     def __init__(self, name: str, store: str, spec: Any, kind: str, mode: str = "staging",
-                 wait: bool = True) -> None:  # fmt: skip
-        super().__init__(name, _gen_child, (store, spec, kind, mode), 120, wait)
+                 wait: bool = True, **options: Any) -> None:  # fmt: skip
+        super().__init__(name, _gen_child, (store, spec, kind, mode, options), 120, wait)

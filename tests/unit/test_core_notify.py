@@ -10,12 +10,15 @@ notification reads version N.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import transport
 from helpers import internals
 from helpers.loopback_net import agent_of, frozen, pattern
+from helpers.polling import wait_until
 from transport.wire import MAX_NOTIFY_BYTES, frame_user_notification
 
 pytestmark = pytest.mark.timeout(10)
@@ -189,6 +192,9 @@ def test_a_flood_of_notifications_is_bounded_and_the_queue_keeps_the_oldest(loop
     with frozen(r):  # held: they reach r's queue together, in one batch, after the thaw
         for i in range(20):
             w.notify(r.name, b"n%d" % i)
+    # the first 8 can be read before the rest is routed (held while the receiver checks the
+    # sender in the store): wait until all 20 were routed, 12 of them dropped
+    wait_until(lambda: r.dropped_notifications == 12, 10, "the 12 newest to be dropped")
     got = [r.wait_notification(5).payload for _ in range(8)]
     assert got == [b"n%d" % i for i in range(8)]
     assert list(r.notifications(timeout=0)) == []  # the 12 newest were dropped
@@ -223,3 +229,26 @@ def test_the_queue_is_bounded_in_bytes_too(loopback_net):
     assert r.wait_notification(5).payload == payloads[0]
     assert [n.payload for n in r.notifications(timeout=0)] == payloads[1:4]
     assert r.dropped_notifications == 6
+
+
+def test_an_unchecked_senders_frames_are_handled_on_the_engine_thread_in_order(loopback_net):
+    """Without a secret, the frames of a sender the receiver has never connected to wait while
+    housekeeping checks it in the store; then they, and every later one, go to the control
+    handler on the engine thread (as ``on_control`` promises), each sender's in the order sent,
+    whichever side of the check they arrived on."""
+    r = loopback_net.make("r")
+    w = loopback_net.make("w")
+    got: list[tuple[str, bytes]] = []
+    threads: set[str] = set()
+
+    def handler(peer: str, payload: bytes) -> None:
+        threads.add(threading.current_thread().name)
+        got.append((peer, payload))
+
+    r.core.on_control("test/order", handler)
+    n = 400
+    for i in range(n):
+        w.core.send_control(r.name, "test/order", b"%d" % i)
+    wait_until(lambda: len(got) == n, 10, f"{n} control messages")
+    assert got == [(w.name, b"%d" % i) for i in range(n)]
+    assert threads == {internals.engine(r).thread.name}
