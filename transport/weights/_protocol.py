@@ -11,6 +11,26 @@ Store keys, under ``transport/<namespace>/groups/<group>/``:
 
 All but the counters and the membership index are signed values (``transport/signed.py``),
 each written only by the one peer it is about (see :class:`GroupDirectory` and ``_lease``).
+What a process that writes the store can still do:
+
+* with a secret it lacks: delete any value, or put garbage or an unsigned value in its place
+  (readers ignore it and log it: the same as a deletion): a subscriber is then left out of
+  publishes until it writes its own entry, index place and layout back (it checks every
+  second; a large layout is read back whole at most 64 KiB a second); a rank's lease or the
+  rank count is written back by its holder at its next publish, and until then subscribers
+  refuse that rank's messages (a version is given up, never torn); a deleted lease lets a
+  second publisher start while the first is alive (the first stops at its next publish with
+  GroupBusyError). Put back an older value of the same key: one of an older incarnation is
+  refused (its generation is not the live record's) and its owner writes its own back; one of
+  the same incarnation is the same value, unless that Transport published the group before
+  with another rank or world (a lease then believed as if it held it now). Raise the member
+  count (at most 65,536: that many reads at a publisher's next full read of the group), bump
+  the epoch (a re-read), hide or show names in the index (only signed entries count).
+* without a secret it is trusted like any peer: it can write any entry, layout, lease or rank
+  count as its subject's own (a sharded publisher then writes ``q`` from ``o``, or a version
+  completes with one rank's parts), except that an entry's slots must still match what the
+  subscriber's record exposes, so a staging subscriber is never written in place. Garbage still
+  stops nobody: it is skipped with a warning and its owner writes its value back.
 
 Control messages travel as notifications on channel ``ws/<group>``: msgpack maps on the wire, the
 typed values of ``_messages`` (named here in brackets) in the code.
