@@ -126,6 +126,14 @@ class PeerTable:
                 f"peer {peer!r} uses backend {rec.backend!r}; this Transport uses {ep.backend.name!r}"
             )
         if conn is not None and conn.alive and rec.generation == conn.generation:
+            if rec.revision < conn.record.revision:
+                # an older record of this incarnation put back in the store (a store writer
+                # replaying it): it may list regions withdrawn since, whose memory is freed
+                log.warning(
+                    "ignoring an older record of %s#%d (revision %d; we know revision %d)",
+                    peer, rec.generation, rec.revision, conn.record.revision,
+                )  # fmt: skip
+                return conn
             if rec != conn.record:
                 ep.backend.add_peer(rec.metadata)  # same agent, more registered memory
                 conn.record, conn.regions = rec, rec.region_map()

@@ -182,7 +182,7 @@ class Regions:
                 metadata=ep.backend.metadata(regs), host=socket.gethostname()[:255] or "?",
                 pid=os.getpid(), version=__version__, created=ep.created,
                 regions=tuple(info for _, info in self._regions.values()),
-                registrations=regs,
+                registrations=regs, revision=self.record.revision + 1 if self.record else 1,
             )  # fmt: skip
             ep.directory.publish(rec)
             self.record = rec

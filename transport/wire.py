@@ -130,6 +130,9 @@ class PeerRecord:
     registrations: tuple[tuple[int, int, str], ...] = ()
     #: the size of the record as stored (0 for one not read from the store)
     stored_bytes: int = field(default=0, compare=False)
+    #: counts the records one incarnation published (every expose or withdrawal writes the next):
+    #: a reader that knows a revision never goes back to an older one put back in the store
+    revision: int = 1
 
     def region_map(self) -> dict[str, RegionInfo]:
         return {r.name: r for r in self.regions}
@@ -137,7 +140,7 @@ class PeerRecord:
 
 _PEER_FIELDS = {
     "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
-    "host": str, "pid": int, "version": str, "created": float, "memory": bytes,
+    "host": str, "pid": int, "version": str, "created": float, "memory": bytes, "rev": int,
 }  # fmt: skip
 _ENVELOPE_FIELDS = {"v": int, "kind": str, "body": bytes, "sealed": bool}
 
@@ -202,7 +205,7 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
         {
             "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,
             "backend": rec.backend, "md": zlib.compress(rec.metadata, 6), "host": rec.host, "pid": rec.pid,
-            "version": rec.version, "created": float(rec.created),
+            "version": rec.version, "created": float(rec.created), "rev": rec.revision,
             "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
         },
         use_bin_type=True,
@@ -261,8 +264,8 @@ def decode_peer_record(
             raise WireFormatError(f"peer record has an invalid {key} {m[key][:40]!r}")
     if namespace is not None and m["ns"] != namespace:
         raise WireFormatError(f"peer record belongs to namespace {m['ns']!r}, not {namespace!r}")
-    if not 0 < m["gen"] < (1 << 62) or not 0 <= m["pid"] < (1 << 31):
-        raise WireFormatError("peer record has an out-of-range generation or pid")
+    if not 0 < m["gen"] < (1 << 62) or not 0 <= m["pid"] < (1 << 31) or not 0 < m["rev"] < (1 << 62):
+        raise WireFormatError("peer record has an out-of-range generation, pid or revision")
     metadata = inflate(m["md"], MAX_METADATA_BYTES, "peer record metadata")
     if not metadata:
         raise WireFormatError("peer record metadata is empty")
@@ -277,6 +280,7 @@ def decode_peer_record(
         name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
         metadata=metadata, host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
         regions=regions, registrations=regs, stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
+        revision=m["rev"],
     )  # fmt: skip
 
 

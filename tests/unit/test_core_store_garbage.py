@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import transport
+
 import pytest
 import torch
 
@@ -69,7 +71,6 @@ def test_garbage_in_a_weight_group_never_stops_its_publishes(loopback_net, caplo
     """A malformed group entry and a member name that is not a peer name are skipped, with a
     warning naming the key; the real subscribers get every version, and a subscriber whose own
     entry was overwritten writes it back."""
-    import transport
 
     gen = loopback_net.make("gen", heartbeat_interval=0.05)
     live = {"w": torch.zeros(4096, dtype=torch.uint8)}
@@ -98,3 +99,28 @@ def test_garbage_in_a_weight_group_never_stops_its_publishes(loopback_net, caplo
     assert sub.apply() == 2 and torch.equal(live["w"], pattern(4096, 2))
     pub.close()
     sub.close()
+
+
+def test_an_older_record_put_back_never_brings_a_withdrawn_region_back(loopback_net, caplog):
+    """A store writer copies a peer's record while it exposes two regions and puts it back after
+    the peer withdrew one (whose memory is the caller's again). A writer that knows the newer
+    record never goes back to it: a put into the withdrawn region is refused, and that memory
+    is untouched. (With a secret the copy is a validly sealed record of the same incarnation.)"""
+    keep = torch.zeros(4096, dtype=torch.uint8)
+    gone = torch.zeros(4096, dtype=torch.uint8)
+    r = loopback_net.receiver("r", {"keep": keep, "gone": gone}, heartbeat_interval=3600)
+    w = loopback_net.make("w")
+    w.put(pattern(4096, 1), r.name, "gone").wait(5)  # w knows the record with both
+    store, key = loopback_net.store, _record_key(r)
+    old = store.try_get(key)
+    assert r.unexpose("gone", timeout=10) == []
+    gone.zero_()  # the caller's memory again
+    with pytest.raises(transport.RegionError):
+        w.put(pattern(4096, 2), r.name, "gone").wait(5)
+    store.set(key, old)  # the replay
+    with pytest.raises(transport.RegionError):
+        w.put(pattern(4096, 3), r.name, "gone").wait(5)
+    assert "ignoring an older record" in caplog.text
+    assert not gone.any()
+    w.put(pattern(4096, 4), r.name, "keep").wait(5)
+    assert torch.equal(keep, pattern(4096, 4))
