@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import transport
-
 import pytest
 import torch
 
+import transport
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
 from transport import peers
