@@ -6,9 +6,11 @@ import threading
 from collections import OrderedDict
 
 #: frames held (in count and bytes) while their senders are checked; past either, new ones are
-#: refused (counted and logged by the control channel)
-MAX_HELD_FRAMES = 4096
-MAX_HELD_BYTES = 16 << 20
+#: refused (counted and logged by the control channel). As much as the queue of unread
+#: notifications holds (control.MAX_QUEUED_*): a first burst of a sender not checked yet is
+#: never cut shorter than the same burst of a known one
+MAX_HELD_FRAMES = 1 << 16
+MAX_HELD_BYTES = 64 << 20
 #: agents found to be who they say (the oldest is forgotten first, then checked again)
 MAX_KNOWN = 4096
 

@@ -252,3 +252,19 @@ def test_an_unchecked_senders_frames_are_handled_on_the_engine_thread_in_order(l
     wait_until(lambda: len(got) == n, 10, f"{n} control messages")
     assert got == [(w.name, b"%d" % i) for i in range(n)]
     assert threads == {internals.engine(r).thread.name}
+
+
+def test_a_first_burst_of_32_mib_from_an_unchecked_sender_arrives_whole(loopback_net):
+    """The receiver has never connected to the sender, so its frames wait while it is checked in
+    the store: a first burst as large as the queue of unread notifications takes is held whole,
+    not cut at a smaller bound of its own."""
+    r = loopback_net.make("r")
+    w = loopback_net.make("w")
+    n, size = 512, MAX_NOTIFY_BYTES  # 32 MiB
+    with frozen(r):  # the whole burst reaches r before it routes any of it
+        for i in range(n):
+            w.notify(r.name, bytes([i % 251]) * size)
+    got = [r.wait_notification(10).payload for _ in range(n)]
+    assert [p[0] for p in got] == [i % 251 for i in range(n)]
+    assert all(len(p) == size for p in got)
+    assert r.refused_notifications == 0 and r.dropped_notifications == 0
