@@ -1,8 +1,12 @@
 """What becomes of one published version: the publisher's record of it (``Delivery``), the
-users' view of it (:class:`PublishHandle`) and its outcome per subscriber (:class:`PublishResult`)."""
+users' view of it (:class:`PublishHandle`), its outcome per subscriber (:class:`PublishResult`)
+and the thread its done-callbacks run on (:class:`Callbacks`)."""
 
 from __future__ import annotations
 
+import functools
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transport.errors import ClosedError, TransferTimeout
+
+log = logging.getLogger("transport.weights")
 
 DONE, EXCLUDED, LOST = "done", "excluded", "lost"
 
@@ -41,13 +47,80 @@ class PublishResult:
         return self.with_status(LOST)
 
 
+class Callbacks:
+    """The thread a publisher's done-callbacks run on: users' code, so never on a thread of ours
+    that holds a lock or serves the protocol. A publisher settles its versions under its own
+    lock; the callbacks of a version it completes are handed here, and run in completion order,
+    each once: one that raises is logged and changes nothing else; one that blocks (waits for
+    another version, say) holds only the callbacks behind it; one may call the publisher back
+    (publish, read its state). The thread starts with the first callback and ends at
+    :meth:`stop`, after the callbacks handed over before it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._stopped:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+                self._q.put(fn)
+                return
+        fn()  # after stop (a version the closing publisher fails): on the closing thread
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            fn()  # run_callbacks: never raises
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Run the callbacks handed over so far, then end the thread (waits up to ``timeout``
+        unless called from a callback)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            thread = self._thread
+            if thread is not None:
+                self._q.put(None)
+        if thread is not None and threading.current_thread() is not thread:
+            thread.join(timeout)
+
+
+def run_callbacks(handle: PublishHandle, fns: list[Callable[[PublishHandle], Any]]) -> None:
+    """Call each of ``fns`` with ``handle``; one that raises is logged, the next ones still run."""
+    for fn in fns:
+        try:
+            fn(handle)
+        except Exception:
+            log.exception(
+                "a done-callback of the publish of version %d raised; ignored",
+                handle.result.version,
+            )
+
+
 class Delivery:
     """One version on its way to every subscriber: who has no outcome yet (``pending``), the
     result, its deadline, the waiters and the done-callbacks. The publisher settles it, under its
-    own lock or not; ``cond`` guards the rest; callbacks run once, on the thread that settled the
-    last subscriber, outside the lock. Users see it through its :class:`PublishHandle`."""
+    own lock or not; ``cond`` guards the rest. Callbacks run once, after the last subscriber is
+    settled, never under a lock of ours: handed to ``dispatch`` (the publisher's
+    :class:`Callbacks`), or without one on the thread that settled it, outside ``cond``. Users
+    see it through its :class:`PublishHandle`."""
 
-    def __init__(self, version: int, names: list[str], deadline: float) -> None:
+    def __init__(
+        self,
+        version: int,
+        names: list[str],
+        deadline: float,
+        dispatch: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self.result = PublishResult(version)
         self.deadline = deadline
         self.pending = set(names)
@@ -55,6 +128,16 @@ class Delivery:
         self.callbacks: list[Callable[[PublishHandle], Any]] = []
         self.error: ClosedError | None = None  # set when the publisher closed before the end
         self.handle = PublishHandle(self)
+        self._dispatch = dispatch
+
+    def _call(self, callbacks: list[Callable[[PublishHandle], Any]]) -> None:
+        if not callbacks:
+            return
+        run = functools.partial(run_callbacks, self.handle, callbacks)
+        if self._dispatch is None:
+            run()
+        else:
+            self._dispatch(run)
 
     def settle(self, name: str, status: str, reason: str = "") -> None:
         """``name``'s outcome (the first one counts)."""
@@ -66,10 +149,10 @@ class Delivery:
             if reason:
                 self.result.reasons[name] = reason
             self.cond.notify_all()
-            callbacks = [] if self.pending else self.callbacks
-            self.callbacks = []
-        for fn in callbacks:
-            fn(self.handle)
+            if self.pending:
+                return
+            callbacks, self.callbacks = self.callbacks, []
+        self._call(callbacks)
 
     def close(self, error: ClosedError) -> None:
         """The publisher closed: whoever has no outcome yet never gets one; the handle completes
@@ -83,8 +166,7 @@ class Delivery:
             self.pending = set()
             self.cond.notify_all()
             callbacks, self.callbacks = self.callbacks, []
-        for fn in callbacks:
-            fn(self.handle)
+        self._call(callbacks)
 
     def done(self) -> bool:
         return not self.pending
@@ -116,13 +198,16 @@ class PublishHandle:
         return self._delivery.deadline
 
     def add_done_callback(self, fn: Callable[[PublishHandle], Any]) -> None:
-        """Call ``fn(handle)`` once every subscriber has an outcome (at once if they have)."""
+        """Call ``fn(handle)`` once every subscriber has an outcome: on the publisher's callback
+        thread, in completion order (here and now if they have one already). ``fn`` may call the
+        publisher (publish, wait for another version); if it raises, that is logged and changes
+        nothing else."""
         d = self._delivery
         with d.cond:
             if d.pending:
                 d.callbacks.append(fn)
                 return
-        fn(self)
+        run_callbacks(self, [fn])
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """ClosedError if the publisher closed before every subscriber had an outcome; else None

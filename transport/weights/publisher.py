@@ -25,6 +25,7 @@ from transport.weights._delivery import (
     DONE,
     EXCLUDED,
     LOST,
+    Callbacks,
     Delivery,
     PublishHandle,
     close_all,
@@ -58,7 +59,6 @@ from transport.weights._protocol import (
 )
 
 log = logging.getLogger("transport.weights")
-
 
 
 class WeightPublisher:
@@ -114,6 +114,7 @@ class WeightPublisher:
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []
+        self._callbacks = Callbacks(f"transport-ws-pub-{group}-callbacks")
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
         self._stop_control: Callable[[], None] = lambda: None
@@ -220,7 +221,12 @@ class WeightPublisher:
             self.version = version
             if not self._updating and int(self._seq[0]) % 2 == 0:
                 self._seq[1] = version  # what the stable state is, for pull()
-            handle = Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
+            handle = Delivery(
+                version,
+                [s.name for s in subs],
+                time.monotonic() + timeout,
+                self._callbacks.submit,
+            )
             self._handles.append(handle)
             direct = []
             for sub in subs:
@@ -517,6 +523,7 @@ class WeightPublisher:
         with self._lock:
             handles, self._handles = self._handles, []
         close_all(handles, ClosedError(f"the weight publisher of group {self.group!r} was closed"))
+        self._callbacks.stop()
         self._lease.release()
 
     def __enter__(self) -> WeightPublisher:

@@ -23,7 +23,15 @@ from transport.errors import (
 )
 from transport.handle import Handle
 from transport.memory import dtype_name
-from transport.weights._delivery import DONE, EXCLUDED, LOST, Delivery, PublishHandle, close_all
+from transport.weights._delivery import (
+    DONE,
+    EXCLUDED,
+    LOST,
+    Callbacks,
+    Delivery,
+    PublishHandle,
+    close_all,
+)
 from transport.weights._layout_wire import decode_dest, source_digest
 from transport.weights._lease import GroupLeases, Lease, PublisherLease, holder_alive
 from transport.weights._members import Member, Roster
@@ -119,6 +127,7 @@ class ShardedPublisher:
         self._subs = self._roster.members
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []
+        self._callbacks = Callbacks(f"transport-ws-rank{rank}-{group}-callbacks")
         self._worker = Worker(f"transport-ws-rank{rank}-{group}", tick=self._expire)
         self._writer = Worker(f"transport-ws-rank{rank}-{group}-writes")
         self._stop_control = transport.core.on_control(channel(group), self._on_message)
@@ -211,7 +220,12 @@ class ShardedPublisher:
             subs = list(self._subs.values())
             suspects = self._roster.suspects(s for s in subs if not s.error)
             self.version = version
-            handle = Delivery(version, [s.name for s in subs], time.monotonic() + timeout)
+            handle = Delivery(
+                version,
+                [s.name for s in subs],
+                time.monotonic() + timeout,
+                self._callbacks.submit,
+            )
             self._handles.append(handle)
             for sub in subs:
                 if sub.error:
@@ -469,7 +483,9 @@ class ShardedPublisher:
             for h in self._handles:  # a subscriber that left meanwhile has nobody to settle it
                 if h.deadline <= now:
                     for name in list(h.pending):
-                        h.settle(name, EXCLUDED, "no outcome within the deadline (it left the group)")
+                        h.settle(
+                            name, EXCLUDED, "no outcome within the deadline (it left the group)"
+                        )
             self._handles = [h for h in self._handles if not h.done()]
             deadlines = [h.deadline for h in self._handles]
             if any(s.waiting is not None for s in self._subs.values()):
@@ -495,6 +511,7 @@ class ShardedPublisher:
         with self._lock:
             handles, self._handles = self._handles, []
         close_all(handles, ClosedError(f"rank {self.rank} of group {self.group!r} was closed"))
+        self._callbacks.stop()
         self._lease.release()
 
     def __enter__(self) -> ShardedPublisher:
