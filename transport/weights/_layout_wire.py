@@ -4,8 +4,11 @@ digest by which the ranks of a sharded trainer check that they share one source 
 A destination layout is a msgpack map ``{"v": 1, "t": {name: [shape, dtype, dim, pieces, quant,
 scale_of]}}``, each piece ``[source, take_dim or None, start, stop, at]``, ``quant`` None or
 ``[scale name, [block rows, block cols] or None]``. :func:`decode_dest` reads a peer's
-bytes: exact forms, sizes and ranges, or :class:`WireFormatError`; what fits is then checked
-against the source layout by ``layouts.check`` like any other.
+bytes: exact forms, sizes and ranges (every index within the destination's own dims), or
+:class:`WireFormatError`; what fits is then checked against the source layout by
+``layouts.check`` like any other, which refuses (LayoutError) any index out of range rather
+than fail on it. Either way a subscriber whose layout does not fit is left out of every publish,
+with the rule it broke, and the others are served.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ def _dest(name: str, e: Any) -> DestTensor:
             or not all(_count(x) for x in p[2:])
         ):
             raise WireFormatError(f"destination {name!r}: malformed piece {str(p)[:80]}")
+        if p[1] is not None and (p[1] >= len(shape) or p[2] > p[3]):
+            # a piece's source has the destination's dims (checked against the source later)
+            raise WireFormatError(
+                f"destination {name!r}: a piece takes {p[2]}..{p[3]} of dim {p[1]}; it must be a "
+                f"span (start <= stop) of one of the destination's {len(shape)} dims"
+            )
         take = Slice() if p[1] is None else Slice(p[1], p[2], p[3])
         out.append(Piece(_name(p[0]), take, p[4]))
     return DestTensor(

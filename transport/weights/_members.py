@@ -211,9 +211,18 @@ class Roster:
                 log.error("group %s: subscriber %r: %s", self.group, name, sub.error)
             return sub
         if self.planner is not None:
-            sub.error = self.planner(sub, conn)
-            if sub.error and (before is None or before.error != sub.error):
-                log.error("group %s: %s", self.group, sub.error)
+            try:
+                sub.error = self.planner(sub, conn)
+            except Exception as e:  # what a subscriber declared must never stop a publish
+                sub.error = (
+                    f"subscriber {name!r} cannot be planned ({type(e).__name__}: {e}; tried "
+                    "again at the next publish)"
+                )
+                if before is None or before.error != sub.error:
+                    log.exception("group %s: planning subscriber %r failed", self.group, name)
+            else:
+                if sub.error and (before is None or before.error != sub.error):
+                    log.error("group %s: %s", self.group, sub.error)
             self._hello(sub)
             return sub
         names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")

@@ -238,6 +238,14 @@ def _check_scale(name: str, d: DestTensor, dest: Mapping[str, DestTensor]) -> li
     owner = dest.get(d.scale_of)
     if owner is None or owner.quant is None or owner.quant.scale != name:
         return [f"scales {name!r} belong to {d.scale_of!r}, which does not name them as its scale"]
+    block = owner.quant.block
+    if block is not None and (
+        len(owner.shape) != 2 or len(block) != 2 or not all(_positive(n) for n in block)
+    ):
+        return [
+            f"scales {name!r}: block scales are for 2-D tensors and blocks of two positive ints; "
+            f"{d.scale_of!r} is {tuple(owner.shape)} in blocks of {block!r}"
+        ]
     if d.dtype != torch.float32 or tuple(d.shape) != scale_shape(owner) or d.pieces:
         return [
             f"scales {name!r} of {d.scale_of!r} must be float32 {scale_shape(owner)} without "
@@ -259,7 +267,9 @@ def _check_quant(
         return [
             f"destination {name!r}: its scales {q.scale!r} are not declared (scale_of={name!r})"
         ]
-    if q.block is not None and (len(d.shape) != 2 or min(q.block) < 1):
+    if q.block is not None and (
+        len(d.shape) != 2 or len(q.block) != 2 or not all(_positive(n) for n in q.block)
+    ):
         return [f"destination {name!r}: block scales are for 2-D tensors and positive blocks"]
     if len(d.shape) > 2:
         return [f"destination {name!r}: fp8 destinations are 1-D or 2-D"]
@@ -311,10 +321,17 @@ def _check_source(name: str, t: SourceTensor, world: int) -> list[str]:
 
 
 def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
+    """Whether destination ``name`` is made whole of its pieces. Every index a peer declared is
+    checked before it is used: a layout is what a subscriber says (``_layout_wire``)."""
     problems = []
     covered: list[tuple[int, int]] = []
     if not d.pieces:
         return [f"destination {name!r} has no pieces (only scales, with scale_of=, have none)"]
+    if not _index(d.dim, len(d.shape)):
+        return [
+            f"destination {name!r}: its stacking dim {d.dim!r} is not one of its "
+            f"{len(d.shape)} dims"
+        ]
     for p in d.pieces:
         s = source.tensors.get(p.source)
         if s is None:
@@ -329,6 +346,12 @@ def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
             problems.append(
                 f"destination {name!r} has {len(d.shape)} dims, its source {p.source!r} "
                 f"{len(s.shape)}"
+            )
+            continue
+        if p.take.dim is not None and not _index(p.take.dim, len(s.shape)):
+            problems.append(
+                f"destination {name!r}: a piece of {p.source!r} takes dim {p.take.dim!r}, which "
+                f"is not one of its {len(s.shape)} dims"
             )
             continue
         box = p.take.box(s.shape)
@@ -360,6 +383,15 @@ def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
             f"destination {name!r}: pieces cover {at} of {d.shape[d.dim]} along dim {d.dim}"
         )
     return problems
+
+
+def _index(k: object, n: int) -> bool:
+    """Whether ``k`` is an index of ``n`` dims (an int, not a bool, from 0 to ``n - 1``)."""
+    return isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n
+
+
+def _positive(k: object) -> bool:
+    return isinstance(k, int) and not isinstance(k, bool) and k > 0
 
 
 def plan(source: SourceLayout, dest: Mapping[str, DestTensor], rank: int) -> list[Run]:
