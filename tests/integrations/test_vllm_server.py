@@ -2,7 +2,8 @@
 from a trainer process that uses the ``transport`` trainer engine through vLLM's own factory and
 HTTP client, on Redis. Both workers load the same version (each fuses and shards the checkpoint
 tensors itself), and the server's tokens equal transformers'. The namespace has a secret
-(``$TRANSPORT_SECRET`` on both sides, never in vLLM's messages): a trainer without it is refused.
+(``$TRANSPORT_SECRET`` on both sides, never in vLLM's messages): a trainer without it finds no
+subscriber to write (their group entries are signed) and the server keeps the version it has.
 Then the server is killed and a new one started: the trainer's next update reaches it."""
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def test_a_tp2_server_takes_each_version_and_a_restarted_server_rejoins(
             "outsider", redis_url, model_dir, namespace=namespace, timeout=10
         ) as outsider:
             status, reasons = outsider.call("publish", 99, 10.0)
-        assert set(status) == first_workers and set(status.values()) == {"excluded"}
-        assert all("sealed" in r and "secret" in r for r in reasons.values()), reasons
+        # the group's entries are signed: it cannot even learn who subscribes
+        assert status == {}, (status, reasons)
         assert server.generate() == reference(2)
         server.kill()
 
