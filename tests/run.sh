@@ -55,4 +55,32 @@ if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
 fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
-.venv/bin/python -m pytest "$@"
+
+# With test paths or a selection given, one pytest run does what it is asked.
+for arg in "$@"; do
+    case "$arg" in
+        -q|-v|-x|-ra|--durations=*) ;;
+        *) exec .venv/bin/python -m pytest "$@" ;;
+    esac
+done
+
+# The whole suite as two streams at once: the vLLM engines and the examples (long, CPU-bound
+# runs of few tests) beside everything else (many short tests that mostly wait on processes,
+# deadlines and the network). They share nothing but the Redis server (the first stream uses
+# namespaces of its own and flushes no database). Each writes a JUnit report; the closing lines
+# (the slowest tests of both, then the counts) come from the two reports together.
+REPORTS=$(mktemp -d)
+STREAM_A_LOG="$REPORTS/engines.log"
+.venv/bin/python -m pytest "$@" tests/integrations tests/test_examples.py \
+    --junitxml="$REPORTS/engines.xml" >"$STREAM_A_LOG" 2>&1 &
+STREAM_A=$!
+status=0
+.venv/bin/python -m pytest "$@" --ignore=tests/integrations --ignore=tests/test_examples.py \
+    --junitxml="$REPORTS/rest.xml" || status=$?
+wait "$STREAM_A" || status=$?
+echo
+echo "---- the vLLM and example tests (run beside the others) ----"
+cat "$STREAM_A_LOG"
+.venv/bin/python tests/helpers/junit_summary.py 25 "$REPORTS/rest.xml" "$REPORTS/engines.xml" || status=1
+rm -rf "$REPORTS"
+exit "$status"
