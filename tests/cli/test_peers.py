@@ -12,8 +12,8 @@ import torch
 
 import transport
 from helpers.processes import REPO, free_port
-from transport.store.tcp import TcpStore
 from transport.peers import Directory
+from transport.store.tcp import TcpStore
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -91,7 +91,7 @@ def test_hostile_agent_names_and_frames_never_stop_the_receiver(tcp_store):
                 # every frame from an agent that is no peer is refused, and counted, whatever
                 # it holds: wait for all of them (the outsider's close would cancel the rest)
                 wait_until(
-                    lambda: victim.call("refused_notifications") >= sent,
+                    lambda n=sent: victim.call("refused_notifications") >= n,
                     60,
                     f"the refusal of {sent} frames",
                 )
