@@ -103,3 +103,98 @@ def test_a_publisher_of_a_group_this_transport_subscribes_to_is_refused_and_chan
     sub.wait_for_version(1, timeout=10)
     assert sub.apply() == 1 and torch.equal(live["w"], pattern(4096, 6))
     sub.close()
+
+
+@pytest.mark.parametrize("mode", ["staging", "inplace"])
+def test_a_closed_subscriber_gives_its_regions_back_and_a_new_one_of_the_group_is_served(
+    loopback_net, mode
+):
+    """Closing a subscriber withdraws its regions (nothing of the group stays exposed), so a
+    new subscriber of the same group on the same Transport (here of the other mode) exposes its
+    own and receives every version, whole, though the publisher never saw the first one leave."""
+    gen = loopback_net.make("gen")
+    sub = transport.WeightSubscriber(
+        gen, {"w": torch.zeros(4096, dtype=torch.uint8)}, group="policy", mode=mode
+    )
+    trainer = loopback_net.make("trainer")
+    weights = {"w": pattern(4096, 1)}
+    pub = transport.WeightPublisher(trainer, weights, group="policy")
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    sub.wait_for_version(1, timeout=10)
+    sub.close()
+    assert not [r for r in gen.regions() if r.startswith("policy@")], gen.regions()
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    other = "inplace" if mode == "staging" else "staging"
+    again = transport.WeightSubscriber(gen, live, group="policy", mode=other)
+    for v in (2, 3):
+        weights["w"].copy_(pattern(4096, v))
+        assert pub.publish(v, timeout=10).wait(15).done == [gen.name]
+        again.wait_for_version(v, timeout=10)
+        assert again.apply() == v and torch.equal(live["w"], pattern(4096, v))
+    again.close()
+    pub.close()
+
+
+def test_a_closed_publisher_gives_its_regions_back_and_a_new_one_of_the_group_publishes(
+    loopback_net,
+):
+    gen, sub, trainer, pub, weights, live = _pair(loopback_net)
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    pub.close()
+    assert trainer.regions() == {}
+    mine = {"w": pattern(4096, 2)}
+    again = transport.WeightPublisher(trainer, mine, group="policy")
+    for v in (2, 3):
+        mine["w"].copy_(pattern(4096, v))
+        assert again.publish(v, timeout=10).wait(15).done == [gen.name]
+        sub.wait_for_version(v, timeout=10)
+        assert sub.apply() == v and torch.equal(live["w"], pattern(4096, v))
+    assert sub.pull(trainer.name, timeout=10) == 3  # its own regions, read-only, for late joiners
+    again.close()
+    sub.close()
+
+
+def test_a_closed_rank_of_a_sharded_trainer_is_replaced_on_the_same_transport(loopback_net):
+    from transport.weights import ShardedPublisher, SourceLayout
+
+    layout = SourceLayout.split(1, {"w": ((4096,), torch.uint8)})
+    gen = loopback_net.make("gen")
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    trainer = loopback_net.make("trainer")
+    weights = {"w": pattern(4096, 1)}
+    rank = ShardedPublisher(trainer, weights, layout, 0, group="policy")
+    assert rank.publish(1, timeout=10).wait(15).done == [gen.name]
+    rank.close()
+    again = ShardedPublisher(trainer, weights, layout, 0, group="policy")
+    for v in (2, 3):
+        weights["w"].copy_(pattern(4096, v))
+        assert again.publish(v, timeout=10).wait(15).done == [gen.name]
+        sub.wait_for_version(v, timeout=10)
+        assert sub.apply() == v and torch.equal(live["w"], pattern(4096, v))
+    again.close()
+    sub.close()
+
+
+def test_regions_a_close_could_not_withdraw_in_time_are_withdrawn_by_the_next_member(
+    loopback_net, monkeypatch
+):
+    """A close whose withdrawal runs out of time (a peer that does not answer, a group of very
+    many tensors) leaves regions exposed; the next subscriber of the group on that Transport
+    withdraws them before it exposes its own."""
+    from transport.weights import subscriber as subscriber_module
+
+    gen, sub, trainer, pub, weights, live = _pair(loopback_net)
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    monkeypatch.setattr(subscriber_module, "withdraw", lambda *args: list(args[1]))
+    sub.close()  # gives up on every region: they stay exposed
+    assert sorted(gen.regions()) == ["policy@0/w", "policy@1/w"]
+    monkeypatch.undo()
+    live = {"w": torch.zeros(4096, dtype=torch.uint8)}
+    again = transport.WeightSubscriber(gen, live, group="policy")
+    weights["w"].copy_(pattern(4096, 2))
+    assert pub.publish(2, timeout=10).wait(15).done == [gen.name]
+    again.wait_for_version(2, timeout=10)
+    assert again.apply() == 2 and torch.equal(live["w"], pattern(4096, 2))
+    again.close()
+    pub.close()

@@ -156,7 +156,7 @@ def test_without_a_secret_a_store_writer_sets_what_readers_believe_but_stops_nob
     # readers take a forged world of one rank, a forged entry and a forged layout as real.
     # (the entry and layout of a subscriber that is not running: a live one puts its own back)
     lease = Lease(t0.name, t0.generation, 0, 1, source_digest(trainer.src))
-    entry = {"v": 1, "gen": 7, "mode": "inplace", "slots": 1, "relay": True}
+    entry = {"v": 2, "gen": 7, "inst": 1, "mode": "inplace", "slots": 1, "relay": True}
     forged = {
         "ranks": (t0.name, t0.generation, b"1"),
         "lease": (t0.name, t0.generation, lease.encode()),

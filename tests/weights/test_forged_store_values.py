@@ -109,7 +109,7 @@ def test_a_forged_entry_never_makes_the_publisher_write_a_staging_slot_in_place(
     b.started()
     key = PREFIX + "sub/gen-a"
     entry = msgpack.packb(
-        {"v": 1, "gen": a.generation, "mode": "inplace", "slots": 1, "relay": False}
+        {"v": 2, "gen": a.generation, "inst": 1, "mode": "inplace", "slots": 1, "relay": False}
     )
     # as the store held entries before they were signed, then as an envelope without a MAC
     forms = [entry, signed.encode(None, key, "gen-a", a.generation, entry)]

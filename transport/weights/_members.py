@@ -39,8 +39,11 @@ class Member:
     waiting for a slot, and the segments of a version in flight. The publisher changes it under
     its own lock only."""
 
-    def __init__(self, name: str, generation: int, mode: str, slots: int, relay: bool) -> None:
+    def __init__(
+        self, name: str, generation: int, mode: str, slots: int, relay: bool, instance: int = 0
+    ) -> None:
         self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
+        self.instance = instance  # which subscriber of that incarnation (its group entry says)
         self.can_relay = relay and mode == "staging"
         self.names: frozenset[str] = frozenset()
         self.batches: list[Batch] = []
@@ -89,8 +92,9 @@ class Roster:
     publisher calls it under its own lock; a refresh is a few store round trips, plus a connect
     per member it plans. Rules:
 
-    * an entry of a new name or generation is planned; a member whose entry was deleted (the
-      epoch moved forward) left, and is dropped at once;
+    * an entry of a new name, generation or instance is planned (a subscriber that closed and
+      one made after it on the same Transport are two members, whatever they take); a member
+      whose entry was deleted (the epoch moved forward) left, and is dropped at once;
     * a member that could not be planned (``error``: no record, no connection, a record of
       another generation, tensors that do not match) is planned again at every refresh while its
       entry is there: a record the store lost comes back, a connect that failed may succeed;
@@ -145,7 +149,11 @@ class Roster:
                 continue  # died without leaving the group
             seen.add(name)
             sub = self.members.get(name)
-            if sub is None or sub.generation != entry["gen"] or sub.error:
+            if (
+                sub is None
+                or (sub.generation, sub.instance) != (entry["gen"], entry["inst"])
+                or sub.error
+            ):
                 self.members[name] = self.plan(name, entry, sub)
             else:
                 sub.vanished = None  # back in the group
@@ -184,7 +192,9 @@ class Roster:
         """A new Member for ``entry``: connected afresh, its tensors matched (``error`` says why
         it cannot be served; ``before``, the member it replaces, keeps a repeated error from
         being logged at every publish)."""
-        sub = Member(name, entry["gen"], entry["mode"], entry["slots"], entry["relay"])
+        sub = Member(
+            name, entry["gen"], entry["mode"], entry["slots"], entry["relay"], entry["inst"]
+        )
         try:
             # Read its record afresh: a connection made before it subscribed lacks the group's
             # regions, and one to an older incarnation is stale.

@@ -4,7 +4,8 @@ Store keys, under ``transport/<namespace>/groups/<group>/``:
 
 * ``epoch``: bumped by every join and leave, so a publisher notices changes with one read
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: every name that ever joined
-* ``sub/<name>``: the subscriber's entry (generation, mode, slots, relay) while it is in the group
+* ``sub/<name>``: the subscriber's entry (generation, instance, mode, slots, relay) while it is in
+  the group; the instance tells apart subscribers that one Transport makes one after another
 * ``layout/<name>``: the destination layout the subscriber declared (for a sharded trainer)
 * ``lease``, ``lease/<rank>``, ``ranks``: the publishers and their number (``_lease``)
 * ``published/<rank>``: the version a rank of a sharded trainer began last
@@ -165,10 +166,12 @@ class GroupDirectory:
 
     It keeps the key prefix, the group's two counters and ``signed``, the Transport's signed
     store values (``transport.core.signed``): ``join``, ``declare_layout`` and ``leave`` write
-    and remove that Transport's own entry and layout. Every call is one or more store round
+    and remove that Transport's own entry and layout, of subscriber ``instance`` (a number no
+    other subscriber of that Transport incarnation has: a publisher plans a subscriber that
+    closed and one made after it on the same Transport apart). Every call is one or more store round
     trips, as thread-safe as the store, and never made on the engine thread.
 
-    Trust (DESIGN.md): an entry (generation, mode, slots, relay) and a layout decide where bytes
+    Trust (DESIGN.md): an entry (generation, instance, mode, slots, relay) and a layout decide where bytes
     land, so both are signed values that only the subscriber itself writes: a value that is
     malformed, unsigned in a namespace with a secret, not signed by the peer it is the entry of,
     or whose body names another generation than its signature is ignored (logged), as if it
@@ -181,14 +184,17 @@ class GroupDirectory:
     epoch to the clock in milliseconds, the member count as ``index_counter`` says): forging
     them only makes readers read again, or skip a name, since every entry they lead to is
     signed. The membership index only grows (``names`` drops duplicates); ``leave`` deletes the
-    entry only while it is still this incarnation's.
+    entry only while it is still this subscriber's (incarnation and instance).
 
     Made from a bare :class:`Store` instead (tools and tests that inspect a group without a
     Transport), it reads values without checking their MACs and refuses to write.
     """
 
-    def __init__(self, signed: SignedStore | Store, namespace: str, group: str) -> None:
+    def __init__(
+        self, signed: SignedStore | Store, namespace: str, group: str, instance: int = 0
+    ) -> None:
         self.signed = reader(signed)
+        self.instance = instance
         store = self.store = self.signed.store
         self.group = group
         self.prefix = f"transport/{namespace}/groups/{group}/"
@@ -208,7 +214,10 @@ class GroupDirectory:
 
     def _entry_body(self, mode: str, slots: int, relay: bool) -> bytes:
         body: bytes = msgpack.packb(
-            {"v": 1, "gen": self.signed.generation, "mode": mode, "slots": slots, "relay": relay}
+            {
+                "v": 2, "gen": self.signed.generation, "inst": self.instance, "mode": mode,
+                "slots": slots, "relay": relay,
+            }  # fmt: skip
         )
         return body
 
@@ -229,10 +238,14 @@ class GroupDirectory:
         )
 
     def leave(self) -> None:
-        """Remove this Transport's entry and layout, if the entry is still this incarnation's."""
+        """Remove this Transport's entry and layout, if the entry is still this subscriber's
+        (this incarnation's, this instance's)."""
         name = self.signed.writer
         entry = self.entry(name)
-        if entry is not None and entry["gen"] == self.signed.generation:
+        if entry is not None and (entry["gen"], entry["inst"]) == (
+            self.signed.generation,
+            self.instance,
+        ):
             self.store.delete(self.prefix + f"sub/{name}")
             self.store.delete(self.prefix + f"layout/{name}")
             self._epoch.add(1)
@@ -295,8 +308,8 @@ class GroupDirectory:
         return value.body
 
     def entry(self, name: str) -> dict[str, Any] | None:
-        """Subscriber ``name``'s entry: a map of ``gen``, ``mode``, ``slots`` and ``relay``;
-        None when there is none it signed (missing, or not valid: logged)."""
+        """Subscriber ``name``'s entry: a map of ``gen``, ``inst``, ``mode``, ``slots`` and
+        ``relay``; None when there is none it signed (missing, or not valid: logged)."""
         key = self.prefix + f"sub/{name}"
         value = self.signed.read(key, f"the group entry {key}", writer=name)
         if value is None:
@@ -308,12 +321,13 @@ class GroupDirectory:
             return None
         if (
             not isinstance(m, dict)
-            or set(m) != {"v", "gen", "mode", "slots", "relay"}
-            or m["v"] != 1
+            or set(m) != {"v", "gen", "inst", "mode", "slots", "relay"}
+            or m["v"] != 2
             or not isinstance(m["relay"], bool)
             or m["mode"] not in MODES
             or m["slots"] not in (1, 2)
             or type(m["gen"]) is not int
+            or type(m["inst"]) is not int
         ):
             log.warning("ignoring the malformed group entry %s: %s", key, str(m)[:80])
             return None

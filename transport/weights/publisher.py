@@ -57,6 +57,7 @@ from transport.weights._protocol import (
     region,
     segments,
 )
+from transport.weights._withdraw import leftovers, withdraw
 
 log = logging.getLogger("transport.weights")
 
@@ -118,6 +119,7 @@ class WeightPublisher:
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
         self._stop_control: Callable[[], None] = lambda: None
+        self._exposed: list[str] = []
         self._lease = PublisherLease(transport, group)
         try:
             # the group's channel before anything is exposed: a second publisher or subscriber
@@ -126,7 +128,9 @@ class WeightPublisher:
             self._lease.acquire()  # one publisher per group, whichever process it is in
             exposed = {region(self.group, PUB_SLOT, n): t for n, t in self.tensors.items()}
             exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
+            leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="r")
+            self._exposed = list(exposed)
         except BaseException:
             self._lease.release()
             self._stop_control()
@@ -517,13 +521,18 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Stop publishing. A publish still in flight completes now: its handle fails with
-        ClosedError (the versions the subscribers completed stay theirs). Idempotent."""
+        ClosedError (the versions the subscribers completed stay theirs). The regions late
+        joiners read are withdrawn (``Transport.unexpose``; at most ``min(transport.timeout,
+        10)`` seconds in all, see weights/_withdraw.py) and the lease given back, so that a new
+        publisher of the group may use this Transport. Idempotent."""
         self._stop_control()
         self._worker.stop()
         with self._lock:
             handles, self._handles = self._handles, []
         close_all(handles, ClosedError(f"the weight publisher of group {self.group!r} was closed"))
         self._callbacks.stop()
+        names, self._exposed = self._exposed, []
+        withdraw(self.transport, names, f"the publisher of group {self.group!r}")
         self._lease.release()
 
     def __enter__(self) -> WeightPublisher:

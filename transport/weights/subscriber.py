@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import threading
@@ -47,9 +48,13 @@ from transport.weights._protocol import (
 )
 from transport.weights._relay import Relay, RelayHost
 from transport.weights._upstream import Upstream
+from transport.weights._withdraw import leftovers, withdraw
 from transport.weights.layouts import DestTensor, check_dest
 
 log = logging.getLogger("transport.weights")
+
+#: tells apart the subscribers one process makes (their group entries say which one they are)
+_instances = itertools.count(1)
 
 #: how fast a subscriber reads its declared layout back from the store to check it (bytes/s)
 LAYOUT_CHECK_BYTES_PER_S = 64 << 10
@@ -171,7 +176,9 @@ class WeightSubscriber:
             ),
         )
         self._next_entry_check = math.inf  # checked once we joined (below)
-        self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
+        self._dir = GroupDirectory(
+            transport.core.signed, transport.namespace, group, next(_instances)
+        )
         self._upstream = Upstream(
             GroupLeases(transport, group), group, self._dir, self._submit
         )
@@ -179,6 +186,7 @@ class WeightSubscriber:
         self._next_layout_check = math.inf
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
         self._stop_control: Callable[[], None] = lambda: None
+        self._exposed: list[str] = []
         try:
             self._stop_control = transport.core.on_control(channel(group), self._admit)
             exposed = {
@@ -186,7 +194,9 @@ class WeightSubscriber:
                 for k, slot in enumerate(self.staging)
                 for n, t in slot.items()
             }
+            leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="w")
+            self._exposed = list(exposed)
             # A publish completes only once this side has read its notification: poll at least
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
@@ -196,6 +206,7 @@ class WeightSubscriber:
         except BaseException:
             self._stop_control()
             self._worker.stop()
+            self._withdraw()
             raise
 
     # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
@@ -549,7 +560,10 @@ class WeightSubscriber:
         return self._upstream.refused
 
     def close(self) -> None:
-        """Leave the group (publishers drop this subscriber on their next publish)."""
+        """Leave the group (publishers drop this subscriber on their next publish) and withdraw
+        the regions it exposed (``Transport.unexpose``: every peer stops writing them first; at
+        most ``min(transport.timeout, 10)`` seconds in all, see weights/_withdraw.py), so that a
+        new subscriber or publisher of the group may use this Transport."""
         if self._closed:
             return
         self._closed = True
@@ -567,9 +581,16 @@ class WeightSubscriber:
             log.warning("could not leave group %s: %s", self.group, e)
         self._worker.stop()
         self._stop_control()
+        self._withdraw()  # while polling fast: the peers' answers come as control messages
         self.transport.core.poll_at_least(None)
         with self._lock:
             self._lock.notify_all()
+
+    def _withdraw(self) -> None:
+        """Give the regions back (weights/_withdraw.py), so that a new subscriber or publisher
+        of the group on this Transport can expose its own."""
+        names, self._exposed = self._exposed, []
+        withdraw(self.transport, names, f"the subscriber of group {self.group!r}")
 
     def __enter__(self) -> WeightSubscriber:
         return self
