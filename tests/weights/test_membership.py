@@ -156,12 +156,18 @@ def test_a_killed_subscriber_is_lost_once_then_absent(trainer, spawn, mode):
 
 @pytest.mark.parametrize("mode", ["staging", "inplace"])
 def test_a_stopped_subscriber_is_excluded_at_the_deadline_without_delaying_others(
-    trainer, spawn, mode
+    tcp_store, spawn, mode
 ):
+    """The deadline's path: a trainer that beats (and judges heartbeats) every 4 s finds the
+    stopped one suspect only after 12 s (liveness.py), past the 8 s deadline; the next test
+    shows the suspect's path."""
     spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
     other, frozen = two_subscribers(spawn, spec, "gen-other", "gen-frozen", mode)
     tensors = make_tensors(spec)
-    with transport.WeightPublisher(trainer, tensors) as pub:
+    with (
+        transport.Transport("trainer", store=tcp_store, timeout=30, heartbeat_interval=4.0) as t,
+        transport.WeightPublisher(t, tensors) as pub,
+    ):
         assert publish(pub, tensors, 1).status == {"gen-other": "done", "gen-frozen": "done"}
         assert frozen.call("wait_for_version", 1, 10) == 1
         frozen.signal(signal.SIGSTOP)
@@ -183,7 +189,7 @@ def test_a_stopped_subscriber_is_excluded_at_the_deadline_without_delaying_other
         assert other.call("live") == everywhere(spec, 2)
 
         # stopped longer than the suspect bar, it is served again once it has beaten again
-        wait_until(lambda: not suspect(trainer, "gen-frozen"), 30, "gen-frozen beating again")
+        wait_until(lambda: not suspect(t, "gen-frozen"), 30, "gen-frozen beating again")
         r = publish(pub, tensors, 3)
         assert r.status == {"gen-other": "done", "gen-frozen": "done"}, r.reasons
     assert frozen.call("wait_for_version", 3, 10) == 3
@@ -224,6 +230,51 @@ def test_a_suspect_subscriber_is_excluded_at_once_and_served_again_once_it_beats
         assert frozen.call("state")["version"] == 1  # nothing of version 2 was sent to it
 
         wait_until(lambda: not suspect(trainer, "gen-frozen"), 30, "gen-frozen beating again")
+        r = publish(pub, tensors, 3)
+        assert r.status == {"gen-other": "done", "gen-frozen": "done"}, r.reasons
+    for sub in (other, frozen):
+        assert sub.call("wait_for_version", 3, 10) == 3
+        assert sub.call("apply") == 3
+        assert sub.call("live") == everywhere(spec, 3)
+        assert sub.call("violations") == []
+
+
+@pytest.mark.parametrize("mode", ["staging", "inplace"])
+def test_a_subscriber_frozen_during_a_publish_is_excluded_as_suspect_long_before_the_deadline(
+    tcp_store, spawn, mode
+):
+    """Stopped just before a publish whose deadline is two minutes away, its write stays in
+    flight; while the publish waits for it the publisher reads its heartbeat, and once that is
+    stale it excludes it as suspect: the publish completes for the other subscriber long before
+    the deadline. Running again, it beats and the next publish serves it."""
+    beat = 0.2  # every peer of the namespace beats as often (liveness.py's rule)
+    spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
+    other = spawn("sub", "gen-other", spec, wait=False, heartbeat_interval=beat)
+    frozen = spawn("sub", "gen-frozen", spec, mode=mode, wait=False, heartbeat_interval=beat)
+    other.started()
+    frozen.started()
+    tensors = make_tensors(spec)
+    with (
+        transport.Transport("trainer", store=tcp_store, timeout=30, heartbeat_interval=beat) as t,
+        transport.WeightPublisher(t, tensors) as pub,
+    ):
+        assert publish(pub, tensors, 1).status == {"gen-other": "done", "gen-frozen": "done"}
+        assert frozen.call("wait_for_version", 1, 10) == 1
+        frozen.signal(signal.SIGSTOP)
+        try:
+            fill(tensors, 2)
+            h = pub.publish(2, timeout=120.0)
+            assert other.call("wait_for_version", 2, 30) == 2
+            r = h.wait(60)  # half the deadline: only a suspect frozen one lets it end by then
+        finally:
+            frozen.signal(signal.SIGCONT)
+        assert r.status == {"gen-other": "done", "gen-frozen": "excluded"}, r.reasons
+        why = r.reasons["gen-frozen"]
+        assert why.startswith("suspect:") and "heartbeat" in why, why
+        assert other.call("apply") == 2
+        assert other.call("live") == everywhere(spec, 2)
+
+        wait_until(lambda: not suspect(t, "gen-frozen"), 30, "gen-frozen beating again")
         r = publish(pub, tensors, 3)
         assert r.status == {"gen-other": "done", "gen-frozen": "done"}, r.reasons
     for sub in (other, frozen):

@@ -4,6 +4,8 @@ it reads from the store, and the fan-outs."""
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -13,7 +15,7 @@ import torch
 from transport.batch import Batch
 from transport.errors import TransportError
 from transport.liveness import stale_after
-from transport.weights._delivery import Delivery
+from transport.weights._delivery import EXCLUDED, Delivery
 from transport.weights._messages import MAX_DEGREE, Hello, encode
 from transport.weights._protocol import (
     GroupDirectory,
@@ -284,3 +286,66 @@ class Roster:
             if why:
                 out[sub.name] = why
         return out
+
+
+class SuspectWatch:
+    """The heartbeats of the subscribers that publishes in flight still wait for, read every
+    ``interval`` seconds (one store read each, outside the publisher's lock) until none is in
+    flight: a subscriber that became suspect meanwhile (transport/liveness.py: frozen,
+    partitioned, dead) is excluded at once from every version it has no outcome of, with that
+    reason, instead of at their deadlines, and so is a child whose relay became suspect. The
+    others' outcomes do not wait for it. What was posted to it goes on (a version that lands
+    once it runs again is whole, as any); the next publish judges it again.
+
+    It owns only the time of the next check; ``lock`` is the publisher's, ``handles()`` (called
+    under it) the publisher's versions in flight. :meth:`tick` runs on the publisher's worker.
+    """
+
+    def __init__(
+        self,
+        roster: Roster,
+        lock: threading.RLock,
+        handles: Callable[[], Iterable[Delivery]],
+        interval: float,
+    ) -> None:
+        self.roster, self.lock, self.handles, self.interval = roster, lock, handles, interval
+        self.next = math.inf
+
+    def tick(self) -> float | None:
+        """Check if it is time; the seconds until the next check (None: nothing in flight)."""
+        now = time.monotonic()
+        with self.lock:
+            live = [h for h in self.handles() if not h.done()]
+            if not live:
+                self.next = math.inf
+                return None
+            if self.next == math.inf:  # the first check one interval after a publish began
+                self.next = now + self.interval
+            if now < self.next:
+                return self.next - now
+            self.next = now + self.interval
+            members = self.roster.members
+            waiting = [s for s in members.values() if any(s.name in h.pending for h in live)]
+            relays = {s.relay for s in waiting if s.relay is not None} - {s.name for s in waiting}
+            read = waiting + [members[r] for r in sorted(relays) if r in members]
+        if not read:
+            return self.interval
+        try:
+            suspects = self.roster.suspects(read)
+        except TransportError as e:
+            log.info("group %s: cannot read heartbeats: %s", self.roster.group, e)
+            return self.interval
+        if suspects:
+            with self.lock:
+                for sub in waiting:
+                    why = suspects.get(sub.name)
+                    if why:
+                        reason = f"suspect: {why} (tried again at the next publish)"
+                    elif sub.relay is not None and sub.relay in suspects:
+                        reason = f"its relay {sub.relay} is suspect: {suspects[sub.relay]}"
+                    else:
+                        continue
+                    log.info("group %s: %s excluded: %s", self.roster.group, sub.name, reason)
+                    for h in live:
+                        h.settle(sub.name, EXCLUDED, reason)
+        return self.interval

@@ -31,7 +31,7 @@ from transport.weights._delivery import (
     close_all,
 )
 from transport.weights._lease import PublisherLease
-from transport.weights._members import Member, Roster, check_fanout
+from transport.weights._members import Member, Roster, SuspectWatch, check_fanout
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -73,10 +73,12 @@ class WeightPublisher:
 
     Membership (weights/_members.py): a subscriber whose heartbeat stopped is suspect
     (transport/liveness.py) and excluded from a publish at once, with that reason, instead of at
-    the deadline; one that could not be planned (no record yet, tensors that do not match) is
-    planned again at every publish; both are served again once the cause is gone. When the store
-    loses the group (it restarted empty), the subscribers the publisher knew are served over their
-    connections until they join again.
+    the deadline, whether it was suspect when the publish began or became so while the publish
+    waited for it (its heartbeat is read every ``heartbeat_interval`` meanwhile); one that could
+    not be planned (no record yet, tensors that do not match) is planned again at every publish;
+    both are served again once the cause is gone. When the store loses the group (it restarted
+    empty), the subscribers the publisher knew are served over their connections until they join
+    again.
 
     ``fanout`` chooses who writes each subscriber: ``"direct"`` (the publisher writes every one),
     ``"chain"`` (the publisher writes the first, each subscriber forwards to the next) or
@@ -117,6 +119,9 @@ class WeightPublisher:
         self._handles: list[Delivery] = []
         self._callbacks = Callbacks(f"transport-ws-pub-{group}-callbacks")
         self._relays: set[str] = set()  # the subscribers that forward the current version
+        self._watch = SuspectWatch(
+            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval
+        )
         self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
         self._stop_control: Callable[[], None] = lambda: None
         self._exposed: list[str] = []
@@ -467,7 +472,13 @@ class WeightPublisher:
                 self._start(sub, v, hnd, via)
 
     def _expire(self) -> float:
-        """Worker tick: subscribers still waiting for a slot at their deadline are excluded."""
+        """Worker tick: subscribers still waiting for a slot at their deadline are excluded, and
+        those that became suspect while a publish waits for them at once (SuspectWatch)."""
+        wait = self._deadlines()
+        check = self._watch.tick()
+        return wait if check is None else max(0.01, min(wait, check))
+
+    def _deadlines(self) -> float:
         now = time.monotonic()
         with self._lock:
             for sub in self._subs.values():

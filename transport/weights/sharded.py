@@ -34,7 +34,7 @@ from transport.weights._delivery import (
 )
 from transport.weights._layout_wire import decode_dest, source_digest
 from transport.weights._lease import GroupLeases, Lease, PublisherLease, holder_alive
-from transport.weights._members import Member, Roster
+from transport.weights._members import Member, Roster, SuspectWatch
 from transport.weights._messages import Abort, Begin, Credit, Hello, Ver, decode_from, encode
 from transport.weights._pool import SlotWrites, plan_writes
 from transport.weights._protocol import (
@@ -128,6 +128,9 @@ class ShardedPublisher:
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []
         self._callbacks = Callbacks(f"transport-ws-rank{rank}-{group}-callbacks")
+        self._watch = SuspectWatch(
+            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval
+        )
         self._worker = Worker(f"transport-ws-rank{rank}-{group}", tick=self._expire)
         self._writer = Worker(f"transport-ws-rank{rank}-{group}-writes")
         self._stop_control = transport.core.on_control(channel(group), self._on_message)
@@ -447,7 +450,13 @@ class ShardedPublisher:
             self._heard(sub)
 
     def _expire(self) -> float:
-        """Worker tick: versions not complete at their deadline are given up."""
+        """Worker tick: versions not complete at their deadline are given up; subscribers that
+        became suspect while a version waits for them are excluded at once (SuspectWatch)."""
+        wait = self._deadlines()
+        check = self._watch.tick()
+        return wait if check is None else max(0.01, min(wait, check))
+
+    def _deadlines(self) -> float:
         now = time.monotonic()
         with self._lock:
             for sub in self._subs.values():
