@@ -187,6 +187,38 @@ def test_a_frozen_relay_excludes_its_children_until_it_runs_again(trainer, spawn
         assert s.call("violations") == []
 
 
+def test_a_child_whose_record_is_missing_for_a_moment_is_relayed_again_at_the_next_version(
+    trainer, spawn, tcp_store
+):
+    """The relay cannot reach a child whose record the store lacks for a moment (a store that
+    restarted empty, before the child's next heartbeat puts it back): that costs the child the
+    version in flight, not its membership; at the next version the relay plans it again."""
+    a, b = start(spawn, ["gen-a", "gen-b"])
+    key = "transport/default/peers/gen-b"
+    tensors = make_tensors(SPEC)
+    with transport.WeightPublisher(trainer, tensors) as pub:
+        # written directly first: gen-a has never connected to gen-b
+        assert publish(pub, tensors, 1).done == ["gen-a", "gen-b"]
+        b.call("hold_record")  # it goes on beating, but does not put its record back yet
+        tcp_store.delete(key)
+        pub.fanout = "chain"
+        r = publish(pub, tensors, 2)
+        assert r.via == {"gen-b": "gen-a"}
+        assert r.status == {"gen-a": "done", "gen-b": "excluded"}, r.reasons
+        assert "no record" in r.reasons["gen-b"], r.reasons
+        b.call("release_record")
+        wait_until(lambda: tcp_store.try_get(key) is not None, 30, "gen-b's record back")
+        for v in (3, 4):
+            r = publish(pub, tensors, v)
+            assert r.done == ["gen-a", "gen-b"], r.reasons
+            assert r.via == {"gen-b": "gen-a"}
+    holds(a, SPEC, 4)
+    holds(b, SPEC, 4)
+    assert b.call("writers", "ver") == ["gen-a", "trainer"]
+    for s in (a, b):
+        assert s.call("violations") == []
+
+
 def test_a_relay_that_leaves_hands_its_children_over(trainer, spawn):
     a, b, c = start(spawn, ["gen-a", "gen-b", "gen-c"])
     tensors = make_tensors(SPEC)

@@ -63,7 +63,9 @@ Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
   ``offset + bytes - 1`` of tensor ``i`` have landed; the relay forwards them at once, so one huge
   tensor (an embedding) is pipelined too.
 * relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}`` (Report): what
-  became of one forward: outcome ``""`` (landed), ``"lost"`` (the child went away) or ``"fail"``
+  became of one forward: outcome ``""`` (landed), ``"lost"`` (the child went away: the publisher
+  drops it until it joins again) or ``"fail"`` (anything else, a child whose record the store
+  lacks for the moment included: it misses that version and is tried again at the next)
 
 A staging subscriber has two slots. It never credits the slot that holds its newest complete
 version, nor the slot an ``apply()`` is copying from, nor a slot it is forwarding from, so nobody

@@ -288,9 +288,15 @@ class Relay:
         if err is None:
             self.report(job.publisher, job.version, job.child, "", "")
         else:
-            self.children.pop(job.child, None)
-            lost = isinstance(err, (PeerLostError, PeerNotFoundError))
-            self.report(job.publisher, job.version, job.child, "lost" if lost else "fail", str(err))
+            self.children.pop(job.child, None)  # its record is read afresh next time
+            lost = isinstance(err, PeerLostError)
+            why = str(err)
+            if isinstance(err, PeerNotFoundError):
+                # not gone: its record is missing from the store for now (a store that lost it,
+                # before the child's next heartbeat puts it back); as the publisher does with a
+                # subscriber it cannot plan, tried again at the next version
+                why = f"it has no record in the store now (tried again at the next version): {err}"
+            self.report(job.publisher, job.version, job.child, "lost" if lost else "fail", why)
         self.host.credit()  # the slot may be free now
 
     def report(self, publisher: str, version: int, child: str, outcome: str, why: str) -> None:
