@@ -77,7 +77,6 @@ relay has reported on it or is gone, so two writers never share a slot.
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 import time
@@ -407,47 +406,6 @@ class _Inspector(SignedStore):
 
     def compare_set(self, key: str, expected: bytes | None, body: bytes) -> bool:
         raise TypeError("a group read from a bare store is read-only; use transport.core.signed")
-
-
-class Worker:
-    """One thread that runs the layer's work off the engine thread (sends, callbacks), and a
-    periodic ``tick`` for deadlines: the first right away, the next when the tick says (or after
-    the next piece of work), so a layer that never gets work still ticks."""
-
-    def __init__(self, name: str, tick: Callable[[], float | None] | None = None) -> None:
-        self._q: queue.Queue[Callable[[], Any] | None] = queue.Queue()
-        self._tick = tick
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> None:
-        self._q.put(fn)
-
-    def _run(self) -> None:
-        wait: float | None = None if self._tick is None else 0.0
-        while True:
-            try:
-                fn = self._q.get(timeout=wait)
-            except queue.Empty:
-                fn = None
-            else:
-                if fn is None:
-                    return
-                try:
-                    fn()
-                except Exception:
-                    log.exception("weight-sync work failed")
-            if self._tick is not None:
-                try:
-                    wait = self._tick()
-                except Exception:
-                    log.exception("weight-sync deadline check failed")
-                    wait = 0.1
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._q.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
 
 
 #: the size of the segments a version is cut into on its way to a relay

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,13 @@ class RelayHost:
     the relay never makes one while it holds its own lock (the lock order is subscriber, then
     relay).
 
-    * ``submit(fn)``: run ``fn`` on the subscriber's worker thread, after what is queued there.
+    * ``submit(fn)``: run ``fn`` on the subscriber's worker thread, after what is queued there
+      (this relay's own work: its writes' completions; never dropped).
+    * ``offer(fn)``: the same for work a message asks for, dropped when a flood of messages
+      fills the worker (weights/_worker.py): only a forward's segments and pieces are offered;
+      one that is dropped is sent with the rest once the version is complete here.
+    * ``once(key, fn)``: ``fn`` once soon, unless work of ``key`` is queued already (it reads
+      the state when it runs): a version's :meth:`Relay.advance`.
     * ``version()``: the newest complete version.
     * ``pin(version, arriving, count)``: atomically, decide where forwards of ``version`` read
       from and hold that slot ``count`` times (never credited while held): returns
@@ -48,6 +54,8 @@ class RelayHost:
     """
 
     submit: Callable[[Callable[[], Any]], None]
+    offer: Callable[[Callable[[], Any]], None]
+    once: Callable[[Hashable, Callable[[], Any]], None]
     version: Callable[[], int]
     pin: Callable[[int, int | None, int], tuple[int | None, str | None]]
     unpin: Callable[[int], None]
@@ -113,7 +121,7 @@ class Relay:
             self.pending.setdefault(version, []).extend(
                 (deadline, peer, t.child, t.slot, t.relays) for t in m.targets
             )
-        self.host.submit(lambda: self.advance(version))
+        self._advance(version)
 
     def on_begin(self, m: Begin) -> None:
         version, slot = m.version, m.slot
@@ -123,7 +131,7 @@ class Relay:
                 self.incoming[version] = (slot, [])
                 for v in [v for v in self.incoming if v < newest]:
                     del self.incoming[v]
-        self.host.submit(lambda: self.advance(version))
+        self._advance(version)
 
     def on_seg(self, m: Segment) -> None:
         version, slot, a, b = m.version, m.slot, m.first, m.end
@@ -132,7 +140,7 @@ class Relay:
             if inc is None or inc[0] != slot or b > len(self.names):
                 return
             inc[1].append((a, b))
-        self.host.submit(lambda: self.segment(version, (a, b)))
+        self.host.offer(lambda: self.segment(version, (a, b)))
 
     def on_part(self, m: Piece) -> None:
         version, slot, a, offset, nbytes = m.version, m.slot, m.index, m.offset, m.nbytes
@@ -146,10 +154,14 @@ class Relay:
             ):
                 return
             inc[1].append((a, offset, nbytes))
-        self.host.submit(lambda: self.segment(version, (a, offset, nbytes)))
+        self.host.offer(lambda: self.segment(version, (a, offset, nbytes)))
 
     def on_complete(self, version: int) -> None:
-        self.host.submit(lambda: self.advance(version))
+        self._advance(version)
+
+    def _advance(self, version: int) -> None:
+        """:meth:`advance` soon, once however many messages ask for it meanwhile."""
+        self.host.once(("advance", version), lambda: self.advance(version))
 
     # -- worker thread ---------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from transport.errors import TransportError
@@ -16,8 +17,16 @@ log = logging.getLogger("transport.weights")
 Handler = Callable[[str, bytes], None]
 
 #: how often the set of senders believed without a store read is rebuilt (a publisher that lost
-#: the lease, or a relay that left, stops being believed within this)
+#: the lease, or a relay that left, stops being believed within this), and how long a sender
+#: found to be neither is refused without a store read
 REFRESH_S = 2.0
+#: how long a sender that could not be checked (the store failed) is refused before another try
+RETRY_S = 0.5
+#: messages held while their sender is checked: per sender, and in all; past either, refused
+MAX_HELD_PER_SENDER = 256
+MAX_HELD = 1024
+#: senders whose refusal is remembered (the oldest is forgotten first, then checked again)
+MAX_REFUSED = 1024
 
 
 class Upstream:
@@ -27,12 +36,29 @@ class Upstream:
     It owns the set of senders believed without a store read (checked every :data:`REFRESH_S`:
     the leases, and the entry of each believed relay; a store that names nobody leaves it as it
     was), the group's ``world`` (how many ranks' parts make a version) and each believed
-    publisher's rank (:meth:`rank_of`)
-    and, per other sender, the count of its messages waiting for a check. Rules: a message from
-    a believed sender is handled at once (engine thread); any other waits for a check on the
-    worker (``submit``), and while one of a sender's messages waits, the later ones wait behind
-    it, so a sender's messages are handled in order; a sender the store does not name as the
-    publisher or a relay is refused (counted in ``refused``, logged), whatever name it gave.
+    publisher's rank (:meth:`rank_of`); the messages held, per other sender, while it is
+    checked; and the senders refused lately. Rules:
+
+    * a message from a believed sender is handled at once (engine thread);
+    * any other is held and its sender checked, once, on the worker (``submit``): the store's
+      leases and the sender's group entry (a few reads). While a sender's messages are held,
+      its later ones are held behind them, so they are handled in order, on the worker, if the
+      store names it the publisher or a relay (it is believed from then on);
+    * a sender the store names neither is refused, whatever name it gave: its held messages
+      and every message it sends for the next :data:`REFRESH_S` seconds (:data:`RETRY_S` when
+      the store could not be read) are dropped at once, on the engine thread, with no store
+      read and nothing queued; then it is checked again (a new publisher, or a relay whose
+      entry the store lacked for a moment, is heard again). Refusals are counted in
+      ``refused`` and logged (the 1st, 2nd, 4th, ... one);
+    * memory is bounded: at most :data:`MAX_HELD_PER_SENDER` messages held per sender and
+      :data:`MAX_HELD` in all (more are refused), one check queued per sender, at most
+      :data:`MAX_REFUSED` refusals remembered. A flood from a peer that is not upstream costs one
+      check (a few store reads) per :data:`REFRESH_S`, however many messages it sends.
+
+    Senders are told apart by name: the engine hands over the name a message's sender proved
+    (its MAC with a secret, its record without), not its incarnation; a refusal of a name ends
+    within :data:`REFRESH_S`, so a restart under that name as the publisher is heard again then
+    (a new publisher's hello is asked again every ``HELLO_AGAIN`` while it waits).
 
     Only what the store holds signed counts (``GroupLeases``, ``GroupDirectory.entry``): a lease
     its holder did not sign, or of an incarnation that is not the holder's live one, names no
@@ -56,44 +82,88 @@ class Upstream:
         self._ranks: dict[str, int] = {}  # publisher -> its rank
         self.world = 1
         self._relays: frozenset[str] = frozenset()
-        self._waiting: dict[str, int] = {}
+        self._held: dict[str, list[bytes]] = {}  # sender being checked -> its messages, in order
+        self._held_count = 0
+        self._refused: OrderedDict[str, float] = OrderedDict()  # sender -> refused until
         self._next_refresh = 0.0
         self.refused = 0
 
     def admit(self, peer: str, payload: bytes, handle: Handler) -> None:
-        """Engine thread: ``handle(peer, payload)`` now, or after a check on the worker."""
+        """Engine thread: ``handle(peer, payload)`` now, after a check on the worker, or never."""
+        check = False
         with self._lock:
-            now = peer in self._believed and not self._waiting.get(peer)
-            if not now:
-                self._waiting[peer] = self._waiting.get(peer, 0) + 1
+            if peer in self._believed and peer not in self._held:
+                now = True
+            else:
+                now = False
+                held = self._hold(peer, payload)
+                if held is None:
+                    return
+                check = held  # the first held: check its sender (once)
         if now:
             handle(peer, payload)
-        else:
-            self._submit(lambda: self._check_then(peer, payload, handle))
+        elif check:
+            self._submit(lambda: self._check(peer, handle))
 
-    def _check_then(self, peer: str, payload: bytes, handle: Handler) -> None:
-        try:
-            ok = peer in self._believed or self._is_upstream(peer)
-        finally:
-            with self._lock:
-                left = self._waiting[peer] - 1
-                if left:
-                    self._waiting[peer] = left
-                else:
-                    del self._waiting[peer]
-        if ok:
-            handle(peer, payload)
-            return
-        self.refused += 1
-        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ... : a flood logs little
+    def _hold(self, peer: str, payload: bytes) -> bool | None:
+        """Under the lock: hold ``payload`` while ``peer`` is checked: True if its check is to
+        be queued (nothing of it was held), False if one is under way, None if it is refused."""
+        until = self._refused.get(peer)
+        if until is not None:
+            if until > time.monotonic():
+                self._refuse(peer, 1)
+                return None
+            del self._refused[peer]  # refused long enough: check it again
+        held = self._held.get(peer)
+        if self._held_count >= MAX_HELD or (held is not None and len(held) >= MAX_HELD_PER_SENDER):
+            self._refuse(peer, 1, "too many of its messages wait for its check")
+            return None
+        first = held is None
+        if held is None:
+            held = self._held[peer] = []
+        held.append(payload)
+        self._held_count += 1
+        return first
+
+    def _check(self, peer: str, handle: Handler) -> None:
+        """Worker: is ``peer`` upstream? Then its held messages are handled, in order; else they
+        are dropped and it is refused for a while."""
+        verdict = True if peer in self._believed else self._is_upstream(peer)
+        if verdict:
+            while True:  # messages that come meanwhile are held behind these
+                with self._lock:
+                    frames = self._held.pop(peer, [])
+                    if frames:
+                        self._held[peer] = []
+                    self._held_count -= len(frames)
+                if not frames:
+                    return
+                for frame in frames:
+                    handle(peer, frame)
+        with self._lock:
+            frames = self._held.pop(peer, [])
+            self._held_count -= len(frames)
+            self._refused[peer] = time.monotonic() + (REFRESH_S if verdict is False else RETRY_S)
+            self._refused.move_to_end(peer)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
+            self._refuse(peer, len(frames))
+
+    def _refuse(self, peer: str, count: int, why: str = "") -> None:
+        """Under the lock: ``count`` messages of ``peer`` dropped; logged the 1st, 2nd, 4th, ...
+        time."""
+        before = self.refused
+        self.refused += count
+        if count and (before == 0 or before.bit_length() < self.refused.bit_length()):
             log.warning(
-                "group %s: ignored a weight-sync message from %s (%d so far): it is neither the "
-                "group's publisher nor one of its relays", self._group, peer, self.refused,
+                "group %s: ignored %d weight-sync message(s) from %s (%d so far): %s",
+                self._group, count, peer, self.refused,
+                why or "it is neither the group's publisher nor one of its relays",
             )  # fmt: skip
 
-    def _is_upstream(self, peer: str) -> bool:
+    def _is_upstream(self, peer: str) -> bool | None:
         """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is
-        believed from now on)."""
+        believed from now on); None if the store could not be read."""
         try:
             found = self._leases.read()
             world, leases = found.world, found.leases
@@ -102,7 +172,7 @@ class Upstream:
             relay = peer not in publishers and self._is_relay(peer)
         except TransportError as e:
             log.info("group %s: cannot check sender %s: %s", self._group, peer, e)
-            return False
+            return None
         if peer not in publishers and not relay:
             return False
         with self._lock:

@@ -50,7 +50,6 @@ from transport.weights._protocol import (
     SEGMENT_BYTES,
     SEQ_NAME,
     SegmentedWrite,
-    Worker,
     channel,
     check_named_tensors,
     pieces,
@@ -58,6 +57,7 @@ from transport.weights._protocol import (
     segments,
 )
 from transport.weights._withdraw import leftovers, withdraw
+from transport.weights._worker import Worker
 
 log = logging.getLogger("transport.weights")
 
@@ -430,9 +430,13 @@ class WeightPublisher:
         if m is None:
             return
         if isinstance(m, Credit):
-            self._worker.submit(lambda: self._on_credit(peer, m))
-        elif isinstance(m, Report):
-            self._worker.submit(lambda: self._on_relayed(peer, m))
+            # a credit says the subscriber's whole state: only the newest counts, and a flood
+            # of them (from anyone) queues one piece of work per sender
+            self._worker.latest(("credit", peer), m, lambda c: self._on_credit(peer, c))
+        elif isinstance(m, Report) and peer in self._subs:
+            # only a member relays; a relay that floods the worker may lose a report (the
+            # child's slot then stays the relay's until it leaves or is lost)
+            self._worker.offer(lambda: self._on_relayed(peer, m))
 
     def _on_relayed(self, relay: str, report: Report) -> None:
         """A relay's report on one forward: the child's slot is the publisher's again."""

@@ -41,10 +41,10 @@ from transport.weights._protocol import (
     HELLO_AGAIN,
     WHOLE,
     GroupDirectory,
-    Worker,
     channel,
     region,
 )
+from transport.weights._worker import Worker
 from transport.weights.layouts import (
     LayoutError,
     SourceLayout,
@@ -437,7 +437,8 @@ class ShardedPublisher:
         if m is None:
             return
         if isinstance(m, Credit):
-            self._worker.submit(functools.partial(self._on_credit, peer, m))
+            # only the newest credit of a subscriber counts: a flood queues one piece of work
+            self._worker.latest(("credit", peer), m, functools.partial(self._on_credit, peer))
 
     def _on_credit(self, peer: str, credit: Credit) -> None:
         with self._lock:

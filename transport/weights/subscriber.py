@@ -8,7 +8,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -41,7 +41,6 @@ from transport.weights._protocol import (
     PUB_SLOT,
     SEQ_NAME,
     GroupDirectory,
-    Worker,
     channel,
     check_named_tensors,
     region,
@@ -49,6 +48,7 @@ from transport.weights._protocol import (
 from transport.weights._relay import Relay, RelayHost
 from transport.weights._upstream import Upstream
 from transport.weights._withdraw import leftovers, withdraw
+from transport.weights._worker import Worker
 from transport.weights.layouts import DestTensor, check_dest
 
 log = logging.getLogger("transport.weights")
@@ -168,6 +168,8 @@ class WeightSubscriber:
             self.staging,
             RelayHost(
                 submit=self._submit,
+                offer=self._worker_offer,
+                once=self._worker_once,
                 version=self._newest_version,
                 pin=self._pin,
                 unpin=self._unpin,
@@ -222,7 +224,10 @@ class WeightSubscriber:
         if isinstance(m, Hello):
             with self._lock:
                 self._publishers.add(peer)
-            self._worker.submit(lambda: self._send_credit(peer, reconnect=True))
+            # each credit says the whole state: one queued per publisher (a flood queues one)
+            self._worker.latest(
+                ("hello", peer), None, lambda _: self._send_credit(peer, reconnect=True)
+            )
         elif isinstance(m, Abort):
             with self._lock:
                 self._publishers.add(peer)
@@ -231,7 +236,7 @@ class WeightSubscriber:
                     if self.incomplete == m.version:
                         self.incomplete = None
                     self._give_up(m.version, f"{peer} gave it up")
-            self._worker.submit(self._credit_publishers)
+            self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
         elif isinstance(m, Begin):
             with self._lock:
                 if m.version > self.version:
@@ -278,9 +283,9 @@ class WeightSubscriber:
             self.settled = max(self.settled, version)
         if self.mode == "staging":
             # credits go to the publisher, which hands out the slots, even when a relay wrote
-            self._worker.submit(lambda: self._credit_publishers(peer))
+            self._worker.latest(("credit", peer), None, lambda _: self._credit_publishers(peer))
         elif self._publishers:  # the ranks of a sharded trainer learn it is complete
-            self._worker.submit(self._credit_publishers)
+            self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
         if self.relay:
             self._relay.on_complete(version)
         if newer and self.on_update is not None:
@@ -350,6 +355,12 @@ class WeightSubscriber:
     def _submit(self, fn: Callable[[], object]) -> None:
         self._worker.submit(fn)
 
+    def _worker_offer(self, fn: Callable[[], object]) -> None:
+        self._worker.offer(fn)
+
+    def _worker_once(self, key: Hashable, fn: Callable[[], object]) -> None:
+        self._worker.latest(key, None, lambda _: fn())
+
     def _newest_version(self) -> int:
         with self._lock:
             return self.version
@@ -397,6 +408,9 @@ class WeightSubscriber:
             targets = list(self._publishers) or ([sender] if sender is not None else [])
         for p in targets:
             self._send_credit(p)
+
+    def _send_credit_to(self, peer: str, _: object) -> None:
+        self._send_credit(peer)
 
     def _send_credit(self, peer: str, reconnect: bool = False) -> None:
         if self._closed:
@@ -551,7 +565,7 @@ class WeightSubscriber:
                 self.applied_version = max(self.applied_version, applied)
             publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
-            self._worker.submit(functools.partial(self._send_credit, p))
+            self._worker.latest(("send", p), None, functools.partial(self._send_credit_to, p))
 
     @property
     def refused_messages(self) -> int:
