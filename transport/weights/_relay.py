@@ -54,7 +54,7 @@ class RelayHost:
     """
 
     submit: Callable[[Callable[[], Any]], None]
-    offer: Callable[[Callable[[], Any]], None]
+    offer: Callable[[Callable[[], Any]], object]
     once: Callable[[Hashable, Callable[[], Any]], None]
     version: Callable[[], int]
     pin: Callable[[int, int | None, int], tuple[int | None, str | None]]

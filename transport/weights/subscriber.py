@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -168,8 +167,8 @@ class WeightSubscriber:
             self.staging,
             RelayHost(
                 submit=self._submit,
-                offer=self._worker_offer,
-                once=self._worker_once,
+                offer=lambda fn: self._worker.offer(fn),
+                once=lambda key, fn: self._worker.latest(key, None, lambda _: fn()),
                 version=self._newest_version,
                 pin=self._pin,
                 unpin=self._unpin,
@@ -181,9 +180,7 @@ class WeightSubscriber:
         self._dir = GroupDirectory(
             transport.core.signed, transport.namespace, group, next(_instances)
         )
-        self._upstream = Upstream(
-            GroupLeases(transport, group), group, self._dir, self._submit
-        )
+        self._upstream = Upstream(GroupLeases(transport, group), group, self._dir, self._submit)
         self._declared = None if self.layout is None else encode_dest(self.layout)
         self._next_layout_check = math.inf
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
@@ -224,10 +221,7 @@ class WeightSubscriber:
         if isinstance(m, Hello):
             with self._lock:
                 self._publishers.add(peer)
-            # each credit says the whole state: one queued per publisher (a flood queues one)
-            self._worker.latest(
-                ("hello", peer), None, lambda _: self._send_credit(peer, reconnect=True)
-            )
+            self._worker.latest(("hello", peer), None, lambda _: self._send_credit(peer, True))
         elif isinstance(m, Abort):
             with self._lock:
                 self._publishers.add(peer)
@@ -355,12 +349,6 @@ class WeightSubscriber:
     def _submit(self, fn: Callable[[], object]) -> None:
         self._worker.submit(fn)
 
-    def _worker_offer(self, fn: Callable[[], object]) -> None:
-        self._worker.offer(fn)
-
-    def _worker_once(self, key: Hashable, fn: Callable[[], object]) -> None:
-        self._worker.latest(key, None, lambda _: fn())
-
     def _newest_version(self) -> int:
         with self._lock:
             return self.version
@@ -408,9 +396,6 @@ class WeightSubscriber:
             targets = list(self._publishers) or ([sender] if sender is not None else [])
         for p in targets:
             self._send_credit(p)
-
-    def _send_credit_to(self, peer: str, _: object) -> None:
-        self._send_credit(peer)
 
     def _send_credit(self, peer: str, reconnect: bool = False) -> None:
         if self._closed:
@@ -565,7 +550,7 @@ class WeightSubscriber:
                 self.applied_version = max(self.applied_version, applied)
             publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
-            self._worker.latest(("send", p), None, functools.partial(self._send_credit_to, p))
+            self._worker.latest(("send", p), p, self._send_credit)
 
     @property
     def refused_messages(self) -> int:
@@ -575,9 +560,8 @@ class WeightSubscriber:
 
     def close(self) -> None:
         """Leave the group (publishers drop this subscriber on their next publish) and withdraw
-        the regions it exposed (``Transport.unexpose``: every peer stops writing them first; at
-        most ``min(transport.timeout, 10)`` seconds in all, see weights/_withdraw.py), so that a
-        new subscriber or publisher of the group may use this Transport."""
+        its regions (``Transport.unexpose``, at most ``min(transport.timeout, 10)`` s in all: see
+        weights/_withdraw.py), so that a new member of the group may use this Transport."""
         if self._closed:
             return
         self._closed = True
@@ -601,8 +585,7 @@ class WeightSubscriber:
             self._lock.notify_all()
 
     def _withdraw(self) -> None:
-        """Give the regions back (weights/_withdraw.py), so that a new subscriber or publisher
-        of the group on this Transport can expose its own."""
+        """Give the regions back (weights/_withdraw.py) for a new member of the group here."""
         names, self._exposed = self._exposed, []
         withdraw(self.transport, names, f"the subscriber of group {self.group!r}")
 
