@@ -9,34 +9,37 @@ from collections.abc import Iterator
 import pytest
 
 import transport
-from helpers.redis_server import RedisServer, external_redis_url, flush
+from helpers.redis_server import (
+    CONFORMANCE_DB,
+    SHARED_DB,
+    RedisServer,
+    database,
+    external_redis_url,
+    flush,
+)
 from transport.store import MemoryStore, Store, store_from_url
 from transport.store.tcp import TcpStore
-
-# The conformance suite keeps its keys in this database of the Redis server.
-_STORE_DB = 1
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """URL of a real Redis server (database 0): started here, or TRANSPORT_TEST_REDIS_URL."""
+    """URL of a real Redis server (this worker's shared database, never flushed: tests use
+    namespaces of their own): started here, or TRANSPORT_TEST_REDIS_URL."""
     external = external_redis_url()
     if external is not None:
-        yield external
+        yield database(external, SHARED_DB)
         return
     try:
         server = RedisServer()
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
     with server:
-        yield server.url(0)
+        yield database(server.url(0), SHARED_DB)
 
 
 def _redis_store_url(base_url: str) -> str:
-    """``base_url`` moved to the conformance database (kept when it came from the env)."""
-    if external_redis_url() is not None:
-        return base_url
-    return base_url.rsplit("/", 1)[0] + f"/{_STORE_DB}"
+    """``base_url`` moved to this worker's conformance database (flushed by each test)."""
+    return database(base_url, CONFORMANCE_DB)
 
 
 def _open_store(kind: str, request: pytest.FixtureRequest) -> Store:

@@ -56,31 +56,14 @@ fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 
-# With test paths or a selection given, one pytest run does what it is asked.
-for arg in "$@"; do
-    case "$arg" in
-        -q|-v|-x|-ra|--durations=*) ;;
-        *) exec .venv/bin/python -m pytest "$@" ;;
-    esac
-done
-
-# The whole suite as two streams at once: the vLLM engines and the examples (long, CPU-bound
-# runs of few tests) beside everything else (many short tests that mostly wait on processes,
-# deadlines and the network). They share nothing but the Redis server (the first stream uses
-# namespaces of its own and flushes no database). Each writes a JUnit report; the closing lines
-# (the slowest tests of both, then the counts) come from the two reports together.
-REPORTS=$(mktemp -d)
-STREAM_A_LOG="$REPORTS/engines.log"
-.venv/bin/python -m pytest "$@" tests/integrations tests/test_examples.py \
-    --junitxml="$REPORTS/engines.xml" >"$STREAM_A_LOG" 2>&1 &
-STREAM_A=$!
-status=0
-.venv/bin/python -m pytest "$@" --ignore=tests/integrations --ignore=tests/test_examples.py \
-    --junitxml="$REPORTS/rest.xml" || status=$?
-wait "$STREAM_A" || status=$?
-echo
-echo "---- the vLLM and example tests (run beside the others) ----"
-cat "$STREAM_A_LOG"
-.venv/bin/python tests/helpers/junit_summary.py 25 "$REPORTS/rest.xml" "$REPORTS/engines.xml" || status=1
-rm -rf "$REPORTS"
-exit "$status"
+# The suite runs in ${TRANSPORT_TEST_WORKERS:-3} pytest-xdist workers, a test file per worker at a
+# time (module fixtures such as a vLLM engine stay whole); most tests wait on processes, deadlines
+# and the network, so three workers keep two cores busy. Each worker has Redis databases of its
+# own (tests/helpers/redis_server.py). The slowest tests are listed at the end.
+# TRANSPORT_TEST_WORKERS=0 runs everything in this one process.
+WORKERS=${TRANSPORT_TEST_WORKERS:-3}
+if [ "$WORKERS" = "0" ]; then
+    .venv/bin/python -m pytest --durations=25 "$@"
+    exit 0
+fi
+.venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --durations=25 "$@"

@@ -8,18 +8,18 @@ from collections.abc import Iterator
 import pytest
 
 from helpers.peer import Peer
-from helpers.redis_server import flush
+from helpers.redis_server import ANY_STORE_DB, database, flush
 from transport.store import Store, store_from_url
 from transport.store.tcp import TcpStore
 
 
 @pytest.fixture(params=["tcp", "redis"])
 def any_store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """The embedded TCPStore, then a real Redis server (database 2, flushed)."""
+    """The embedded TCPStore, then a real Redis server (this worker's database for it, flushed)."""
     if request.param == "tcp":
         s: Store = TcpStore("127.0.0.1", 0, hosting="yes")
     else:
-        url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + "/2"
+        url = database(request.getfixturevalue("redis_url"), ANY_STORE_DB)
         flush(url)
         s = store_from_url(url)
     yield s

@@ -116,6 +116,24 @@ def external_redis_url() -> str | None:
     return os.environ.get(ENV_URL) or None
 
 
+#: the databases a test run uses on the Redis server, per pytest-xdist worker: the shared one
+#: (never flushed: tests use namespaces of their own), then one per fixture that flushes its own
+DATABASES_PER_WORKER = 3
+SHARED_DB, CONFORMANCE_DB, ANY_STORE_DB = 0, 1, 2
+
+
+def database(url: str, role: int) -> str:
+    """``url`` moved to the database of ``role`` (SHARED_DB, CONFORMANCE_DB, ANY_STORE_DB) of this
+    pytest-xdist worker (gw0 takes 0-2, gw1 3-5, ...; a run without workers, 0-2): workers never
+    flush each other's databases. A Redis server has 16 unless configured otherwise."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isascii() and worker[2:].isdigit() else 0
+    db = role + DATABASES_PER_WORKER * index
+    if db > 15:
+        raise RuntimeError(f"{worker} would use Redis database {db}: run at most 5 workers")
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
 def flush(url: str) -> None:
     """Empty the database of ``url`` (each test starts from an empty store)."""
     client = redis.Redis.from_url(parse_redis_url(url)[0], socket_timeout=10)
