@@ -303,18 +303,22 @@ class Transport(Closing):
         Everything is checked before anything is exposed."""
         return self._regions.expose_all(tensors, access)
 
-    def unexpose(self, name: str, timeout: float | None = None) -> list[str]:
-        """Withdraw region ``name``: take it out of this peer's record, tell every peer of the
-        namespace, wait until each has stopped using it and its transfers into it have ended (at
-        most ``timeout`` seconds, default the Transport's), then deregister the memory. Returns
-        the peers that did not confirm in time (only they may still write there; none with a
-        timeout long enough). Afterwards puts into it fail with RegionError and the tensor is
-        the caller's again."""
-        if not isinstance(name, str):
-            raise TypeError(f"region name must be a str, got {type(name).__name__}")
+    def unexpose(self, name: str | Sequence[str], timeout: float | None = None) -> list[str]:
+        """Withdraw region ``name`` (or every region of a list of names, together): take it out
+        of this peer's record, tell every peer of the namespace, wait until each has stopped
+        using it and its transfers into it have ended (at most ``timeout`` seconds, default the
+        Transport's), then deregister the memory. Returns the peers that did not confirm in time
+        (only they may still write there; none with a timeout long enough). Afterwards puts
+        into it fail with RegionError and the tensor is the caller's again. A list costs one
+        record written and a few messages per peer, whatever its length; a name that is not
+        exposed raises KeyError before anything is withdrawn."""
+        names = [name] if isinstance(name, str) else list(name)
+        for n in names:
+            if not isinstance(n, str):
+                raise TypeError(f"region name must be a str, got {type(n).__name__}")
         if timeout is not None:
             positive("timeout", timeout)
-        return self._regions.withdraw(name, self.timeout if timeout is None else timeout)
+        return self._regions.withdraw(names, self.timeout if timeout is None else timeout)
 
     def register(self, tensor: torch.Tensor, name: str | None = None) -> None:
         """Register ``tensor`` as a local source/destination (not visible to peers). With ``name``,

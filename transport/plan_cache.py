@@ -159,13 +159,16 @@ class PlanCache:
             for k in [k for k, p in self._plans.items() if id(p.conn) in gone]:
                 del self._plans[k]
 
-    def stop_region(self, conn: PeerConn, region: str) -> bool:
-        """Its owner withdraws ``region``: no plan on it is used again (new transfers re-plan and
-        fail with RegionError); the idle ones are released now. True once none is in flight."""
+    def stop_regions(self, conn: PeerConn, regions: tuple[str, ...]) -> bool:
+        """Its owner withdraws ``regions``: no plan on any of them is used again (new transfers
+        re-plan and fail with RegionError); the idle ones are released now. True once none is in
+        flight."""
+        gone = set(regions)
         with conn.lock:
-            conn.regions.pop(region, None)
+            for region in regions:
+                conn.regions.pop(region, None)
             for plan in conn.plans:
-                if region in plan.regions:
+                if not gone.isdisjoint(plan.regions):
                     plan.valid = False
         with self.lock:
             stopped = [(k, p) for k, p in self._plans.items() if p.conn is conn and not p.valid]

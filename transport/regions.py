@@ -29,6 +29,8 @@ from transport.errors import TransportError, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.wire import (
     ACCESS_MODES,
+    MAX_NOTIFY_BYTES,
+    MAX_REGION_NAME,
     PeerRecord,
     RegionInfo,
     agent_name,
@@ -44,37 +46,85 @@ if TYPE_CHECKING:
 log = logging.getLogger("transport")
 
 CHANNEL = "tx/withdraw"
+#: the most bytes of region names in one withdraw message (a notification holds 64 KiB)
+WITHDRAW_BATCH_BYTES = 48 << 10
 
 
 @dataclass(frozen=True)
 class Withdraw:
     """A message of a withdrawal: ``kind`` "withdraw" (the owner's) or "dropped" (a writer's
-    answer), the region, and the owner's generation. On the wire: a msgpack map k/r/g."""
+    answer), the regions (as many as fit in one notification: a withdrawal of many regions
+    travels in several), and the owner's generation. On the wire: a msgpack map k/r/g."""
 
     kind: str
-    region: str
+    regions: tuple[str, ...]
     generation: int
 
     def encode(self) -> bytes:
         out: bytes = msgpack.packb(
-            {"k": self.kind, "r": self.region, "g": self.generation}, use_bin_type=True
+            {"k": self.kind, "r": list(self.regions), "g": self.generation}, use_bin_type=True
         )
         return out
 
     @classmethod
     def decode(cls, payload: bytes) -> Withdraw:
-        m = unpack(payload, "withdraw message", 8192, max_str=4096, max_array=0, max_map=4)
+        m = unpack(payload, "withdraw message", MAX_NOTIFY_BYTES, max_str=MAX_REGION_NAME * 4,
+                   max_array=MAX_NOTIFY_BYTES // 2, max_map=4)  # fmt: skip
         if (
             not isinstance(m, dict)
             or set(m) != {"k", "r", "g"}
             or m["k"] not in ("withdraw", "dropped")
-            or not isinstance(m["r"], str)
+            or not isinstance(m["r"], list)
             or not m["r"]
+            or not all(isinstance(r, str) and 0 < len(r) <= MAX_REGION_NAME for r in m["r"])
             or not isinstance(m["g"], int)
             or isinstance(m["g"], bool)
         ):
             raise WireFormatError(f"malformed withdraw message {str(m)[:80]}")
-        return cls(m["k"], m["r"], m["g"])
+        return cls(m["k"], tuple(m["r"]), m["g"])
+
+
+def batches(names: list[str], limit: int = WITHDRAW_BATCH_BYTES) -> list[tuple[str, ...]]:
+    """``names`` cut into runs whose message fits in one notification."""
+    out: list[tuple[str, ...]] = []
+    run: list[str] = []
+    size = 0
+    for name in names:
+        n = len(name.encode()) + 5  # msgpack's string header at most
+        if run and size + n > limit:
+            out.append(tuple(run))
+            run, size = [], 0
+        run.append(name)
+        size += n
+    if run:
+        out.append(tuple(run))
+    return out
+
+
+class _Withdrawal:
+    """One ``withdraw`` call's regions and the peers' answers: ``answered`` until the peers
+    asked are known, then ``waiting`` (region -> peers yet to answer; empty: all answered)."""
+
+    def __init__(self, regions: list[str]) -> None:
+        self.answered: dict[str, set[str]] = {r: set() for r in regions}
+        self.waiting: dict[str, set[str]] | None = None
+
+    def ack(self, region: str, peer: str) -> None:
+        if self.waiting is None:
+            self.answered[region].add(peer)
+            return
+        left = self.waiting.get(region)
+        if left is not None:
+            left.discard(peer)
+            if not left:
+                del self.waiting[region]
+
+    def asked(self, peers: list[str]) -> None:
+        want = set(peers)
+        self.waiting = {r: want - a for r, a in self.answered.items() if want - a}
+
+    def silent(self) -> list[str]:
+        return sorted(set().union(*self.waiting.values())) if self.waiting else []
 
 
 @dataclass(frozen=True)
@@ -82,7 +132,7 @@ class _Pending:
     """A peer's withdrawal we are to answer once nothing of ours is in flight into it."""
 
     owner: str
-    region: str
+    regions: tuple[str, ...]
     generation: int
     deadline: float
 
@@ -117,7 +167,7 @@ class Regions:
         self.local_names: dict[tuple[int, int], str] = {}
         self.record: PeerRecord | None = None
         self._cond = threading.Condition()
-        self._acks: dict[str, set[str]] = {}  # region being withdrawn -> peers that answered
+        self._withdrawals: dict[str, _Withdrawal] = {}  # region being withdrawn -> its call
         self._pending: list[_Pending] = []
         self._stop_listening = control.on_control(CHANNEL, self._on_message)
 
@@ -203,46 +253,66 @@ class Regions:
 
     # -- withdrawing our own -----------------------------------------------------------------
 
-    def withdraw(self, name: str, timeout: float) -> list[str]:
+    def withdraw(self, names: list[str], timeout: float) -> list[str]:
+        """Withdraw the regions ``names`` together (one record written, their names to each peer
+        in as few messages as fit); the peers that did not confirm all of them in time."""
         ep = self._ep
+        if not names:
+            return []
+        if len(set(names)) != len(names):
+            raise ValueError("a region appears twice in the list to withdraw")
         with self.lock:
             ep.check_open()
-            entry = self._regions.get(name)
-            if entry is None:
+            missing = [n for n in names if n not in self._regions]
+            if missing:
                 raise KeyError(
-                    f"region {name!r} is not exposed by {ep.name!r} (exposed: {sorted(self._regions)[:10]})"
+                    f"region {missing[0]!r} is not exposed by {ep.name!r} (exposed: "
+                    f"{sorted(self._regions)[:10]}); nothing was withdrawn"
                 )
-            tensor, info = entry
-            del self._regions[name]
-            del self._under[name]
-            self.local_names.pop((info.addr, info.nbytes), None)
+            tensors, nbytes = [], 0
+            for name in names:
+                tensor, info = self._regions.pop(name)
+                del self._under[name]
+                self.local_names.pop((info.addr, info.nbytes), None)
+                tensors.append(tensor)
+                nbytes += info.nbytes
+            call = _Withdrawal(names)
             with self._cond:
-                self._acks[name] = set()
-            self.publish()  # new readers of the record no longer see it
+                for name in names:
+                    self._withdrawals[name] = call
+            self.publish()  # new readers of the record no longer see them
         asked = []
-        message = Withdraw("withdraw", name, ep.generation).encode()
+        messages = [Withdraw("withdraw", b, ep.generation).encode() for b in batches(names)]
         for peer in [n for n in ep.directory.names() if n != ep.name]:
             try:
-                self._control.send_control(peer, CHANNEL, message)
+                for message in messages:
+                    self._control.send_control(peer, CHANNEL, message)
             except TransportError:
                 continue  # not there (left, or never connected to a live incarnation)
             asked.append(peer)
-        ep.recorder.record("withdraw", peers=tuple(asked), nbytes=info.nbytes, keys=name)
+        ep.recorder.record("withdraw", peers=tuple(asked), nbytes=nbytes,
+                           keys=names[0] if len(names) == 1 else f"{len(names)} regions")  # fmt: skip
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not set(asked) <= self._acks[name]:
+            call.asked(asked)
+            while call.waiting:
                 left = deadline - time.monotonic()
                 if left <= 0 or not ep.open:
                     break
                 self._cond.wait(min(left, 0.05))
-            silent = sorted(set(asked) - self._acks.pop(name))
+            silent = call.silent()
+            for name in names:
+                self._withdrawals.pop(name, None)
         if silent:
             log.warning(
-                "region %s withdrawn; %s did not confirm within %.3g s and may still write it",
-                name, ", ".join(silent), timeout,
+                "%s withdrawn; %s did not confirm within %.3g s and may still write there",
+                f"region {names[0]}" if len(names) == 1 else f"{len(names)} regions",
+                ", ".join(silent), timeout,
             )  # fmt: skip
         with self.lock:
-            ep.mem.release_explicit(tensor, still_used=[x for x, _ in self._regions.values()])
+            still = [x for x, _ in self._regions.values()]
+            for tensor in tensors:
+                ep.mem.release_explicit(tensor, still_used=still)
         return silent
 
     # -- answering the peers' withdrawals ----------------------------------------------------
@@ -255,15 +325,18 @@ class Regions:
             log.warning("dropping a withdraw message from %s: %s", peer, e)
             return
         if m.kind == "dropped":
+            if m.generation != self._ep.generation:
+                return
             with self._cond:
-                acks = self._acks.get(m.region)
-                if acks is not None and m.generation == self._ep.generation:
-                    acks.add(peer)
-                    self._cond.notify_all()
+                for region in m.regions:
+                    call = self._withdrawals.get(region)
+                    if call is not None:
+                        call.ack(region, peer)
+                self._cond.notify_all()
             return
         deadline = time.monotonic() + self._ep.settings.timeout
         with self._cond:
-            self._pending.append(_Pending(peer, m.region, m.generation, deadline))
+            self._pending.append(_Pending(peer, m.regions, m.generation, deadline))
         self._ep.wake.set()
 
     def run(self) -> None:
@@ -275,13 +348,12 @@ class Regions:
         later = []
         for job in jobs:
             if self._stop_using(job) or time.monotonic() > job.deadline:
-                answer = Withdraw("dropped", job.region, job.generation).encode()
+                answer = Withdraw("dropped", job.regions, job.generation).encode()
                 try:
                     self._control.send_control(job.owner, CHANNEL, answer)
                 except TransportError as e:
-                    log.info(
-                        "could not confirm the withdrawal of %s to %s: %s", job.region, job.owner, e
-                    )
+                    log.info("could not confirm the withdrawal of %d regions to %s: %s",
+                             len(job.regions), job.owner, e)  # fmt: skip
             else:
                 later.append(job)
         if later:
@@ -290,11 +362,11 @@ class Regions:
             self._ep.wake.set()  # look again soon
 
     def _stop_using(self, job: _Pending) -> bool:
-        """Stop every plan on the withdrawn region; True once none is in flight."""
+        """Stop every plan on the withdrawn regions; True once none is in flight."""
         conn = self._peers.get(job.owner)
         if conn is None or conn.generation != job.generation:
             return True  # never wrote to that incarnation
-        return self._plans.stop_region(conn, job.region)
+        return self._plans.stop_regions(conn, job.regions)
 
     def close(self) -> None:
         self._stop_listening()

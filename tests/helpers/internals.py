@@ -203,3 +203,26 @@ def spy_on_messages(
 def busy_gpu(cycles: int) -> None:
     """A GPU kernel that keeps the current stream busy for about ``cycles`` clock cycles."""
     torch.cuda._sleep(cycles)  # sync-ok: a GPU kernel that orders the stream, no host wait
+
+
+def record_revision(t: transport.Transport) -> int:
+    """The revision of the record ``t`` published last."""
+    rec = t._regions.record
+    assert rec is not None
+    return rec.revision
+
+
+def count_control_messages(t: transport.Transport, channel: str) -> Callable[[], int]:
+    """Count the control messages ``t`` sends on ``channel`` from now on (the returned call reads
+    the count)."""
+    control = t._control
+    real = control.send_control
+    count = [0]
+
+    def counting(peer: str, chan: str, payload: bytes) -> None:
+        if chan == channel:
+            count[0] += 1
+        real(peer, chan, payload)
+
+    control.send_control = counting
+    return lambda: count[0]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.loopback_net import frozen, pattern
 from transport.backends.loopback import LoopbackBackend
 
@@ -192,6 +193,33 @@ def test_unexpose_fails_later_puts_and_keeps_what_landed(loopback_net):
     assert b.eq(0).all(), "a refused batch wrote part of itself"
     w.put(pattern(4096, 5), r.name, "b").wait(5)  # the other region is untouched
     assert torch.equal(b, pattern(4096, 5))
+
+
+def test_unexpose_of_many_regions_at_once_writes_one_record_and_few_messages(loopback_net):
+    """20,000 regions withdrawn together (as a weight subscriber's slots are at close): one
+    record written, their names to the writer in a handful of messages, every plan on them
+    stopped, the writer confirms all of them, and the regions kept are untouched."""
+    n = 20_000
+    flat = torch.zeros(n * 16, dtype=torch.uint8)
+    keep = torch.zeros(4096, dtype=torch.uint8)
+    views = {f"layers.{i}.w": flat[i * 16 : (i + 1) * 16] for i in range(n)}
+    r = loopback_net.receiver("r", {"keep": keep, **views})
+    w = loopback_net.make("w")
+    w.put({k: pattern(16, 1) for k in list(views)[:3]}, r.name).wait(10)  # plans on a few
+    before = internals.record_revision(r)
+    sent = internals.count_control_messages(r, "tx/withdraw")
+    assert r.unexpose(list(views), timeout=30) == []  # the writer confirmed every one
+    assert internals.record_revision(r) == before + 1
+    assert 1 <= sent() <= n // 1000
+    assert set(r.regions()) == {"keep"}
+    for name in ("layers.0.w", f"layers.{n - 1}.w"):
+        with pytest.raises(transport.RegionError, match="has no region"):
+            w.put(pattern(16, 2), r.name, name)
+    w.put(pattern(4096, 3), r.name, "keep").wait(5)
+    assert torch.equal(keep, pattern(4096, 3))
+    with pytest.raises(KeyError, match="nothing was withdrawn"):
+        r.unexpose(["keep", "layers.0.w"])
+    assert set(r.regions()) == {"keep"}
 
 
 def test_unexpose_with_no_writer_connected_and_a_new_region_under_the_old_name(loopback_net):
