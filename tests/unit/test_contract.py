@@ -49,11 +49,15 @@ def test_control_messages_reach_the_one_handler_of_their_channel_after_the_data(
 
 def test_a_second_subscriber_of_a_group_on_one_transport_is_refused():
     store = MemoryStore()
+
+    def workers() -> set[threading.Thread]:
+        return {th for th in threading.enumerate() if th.name == "transport-ws-sub-g"}
+
+    others = workers()  # of other tests in this process (a group "g" of their own)
     with transport.Transport("ctl-g", store=store, backend="loopback", timeout=10) as t:
         first = transport.WeightSubscriber(t, {"w": torch.zeros(16)}, group="g")
         with pytest.raises(ValueError, match="already has a handler"):
             transport.WeightSubscriber(t, {"w": torch.zeros(16)}, group="g")
-        workers = [th for th in threading.enumerate() if th.name == "transport-ws-sub-g"]
-        assert len(workers) == 1  # the refused one stopped its worker
+        assert len(workers() - others) == 1  # the refused one stopped its worker
         first.close()
     store.close()

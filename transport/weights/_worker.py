@@ -13,6 +13,8 @@ log = logging.getLogger("transport.weights")
 
 #: the most pieces of work that peers' messages may have waiting on one worker
 MAX_OFFERED = 4096
+#: how often (seconds) a worker with an end condition looks at it while idle
+UNTIL_EVERY = 0.5
 
 
 class Worker:
@@ -33,14 +35,21 @@ class Worker:
       ... time). A caller offers only work whose loss the protocol survives, and says how.
 
     Honest peers stay far below the limit (a version costs a handful of messages); only a peer
-    that floods reaches it.
+    that floods reaches it. With ``until``, the thread also ends by itself once ``until()`` is
+    true (looked at after each piece of work and every :data:`UNTIL_EVERY` seconds idle): a
+    member whose Transport was closed without closing it leaves no thread behind.
     """
 
     def __init__(
-        self, name: str, tick: Callable[[], float | None] | None = None, limit: int = MAX_OFFERED
+        self,
+        name: str,
+        tick: Callable[[], float | None] | None = None,
+        limit: int = MAX_OFFERED,
+        until: Callable[[], bool] | None = None,
     ) -> None:
         self._q: queue.Queue[Callable[[], Any] | None] = queue.Queue()
         self._tick = tick
+        self._until = until  # the thread ends once it is true (its Transport closed)
         self._limit = limit
         self._lock = threading.Lock()
         self._offered = 0  # offered pieces waiting
@@ -98,6 +107,10 @@ class Worker:
     def _run(self) -> None:
         wait: float | None = None if self._tick is None else 0.0
         while True:
+            if self._until is not None:
+                if self._until():
+                    return  # nothing of ours runs on a closed Transport
+                wait = UNTIL_EVERY if wait is None else min(wait, UNTIL_EVERY)
             try:
                 fn = self._q.get(timeout=wait)
             except queue.Empty:

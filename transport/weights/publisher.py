@@ -122,7 +122,9 @@ class WeightPublisher:
         self._watch = SuspectWatch(
             self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval
         )
-        self._worker = Worker(f"transport-ws-pub-{group}", tick=self._expire)
+        self._worker = Worker(
+            f"transport-ws-pub-{group}", tick=self._expire, until=lambda: transport.closed
+        )
         self._stop_control: Callable[[], None] = lambda: None
         self._exposed: list[str] = []
         self._lease = PublisherLease(transport, group)

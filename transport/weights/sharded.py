@@ -131,8 +131,12 @@ class ShardedPublisher:
         self._watch = SuspectWatch(
             self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval
         )
-        self._worker = Worker(f"transport-ws-rank{rank}-{group}", tick=self._expire)
-        self._writer = Worker(f"transport-ws-rank{rank}-{group}-writes")
+        self._worker = Worker(
+            f"transport-ws-rank{rank}-{group}", tick=self._expire, until=lambda: transport.closed
+        )
+        self._writer = Worker(
+            f"transport-ws-rank{rank}-{group}-writes", until=lambda: transport.closed
+        )
         self._stop_control = transport.core.on_control(channel(group), self._on_message)
         self._lease = PublisherLease(transport, group, rank, self.world, self.digest)
         try:

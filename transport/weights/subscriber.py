@@ -183,7 +183,8 @@ class WeightSubscriber:
         self._upstream = Upstream(GroupLeases(transport, group), group, self._dir, self._submit)
         self._declared = None if self.layout is None else encode_dest(self.layout)
         self._next_layout_check = math.inf
-        self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick)
+        ended = lambda: transport.closed  # noqa: E731 - the worker's end condition
+        self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick, until=ended)
         self._stop_control: Callable[[], None] = lambda: None
         self._exposed: list[str] = []
         try:
