@@ -175,3 +175,26 @@ def test_without_a_secret_a_notification_names_the_agent_it_came_from(any_store)
         assert victim.call("notification", 30.0) == ("gen-0", b"real")
         assert victim.call("notifications", 0.0) == []
         assert victim.call("refused_notifications") == 2
+
+
+def test_without_a_secret_an_agent_named_exactly_like_a_live_peer_is_taken_for_it(any_store):
+    """The real impersonation, without a secret: an agent that takes the exact name of a live
+    peer's agent (``gen-0#<generation>``) is taken for that peer, since nothing but the name it
+    gives itself says who sent a notification. This is the limit the README states for a
+    namespace without a secret; with one, the same attack is refused
+    (test_hostile_frames.py::test_with_a_secret_frames_under_a_live_peers_exact_agent_name_are_refused)."""
+    ns = "exact-open-ns"
+    with (
+        _victim(any_store, ns, None) as victim,
+        transport.Transport("gen-0", store=any_store, namespace=ns) as gen0,
+    ):
+        gen0.notify("victim", b"real")
+        assert victim.call("notification", 30.0) == ("gen-0", b"real")
+        rec = decode_peer_record(any_store.get(f"transport/{ns}/peers/victim"), None, ns)
+        out = Outsider(agent_name("gen-0", gen0.generation))
+        try:
+            out.load(rec.metadata)
+            out.notify(rec.agent, frame_user_notification(b"forged"))
+            assert victim.call("notification", 30.0) == ("gen-0", b"forged")
+        finally:
+            out.close()
