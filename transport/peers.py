@@ -7,6 +7,7 @@ Keys live under ``transport/<namespace>/``:
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: the membership
   index, which works on stores that cannot list keys
 * ``hb/<name>``     the last heartbeat (generation and wall time), a signed value (``signed.py``)
+* ``left/<name>``   the generation of ``name`` that last closed (signed): who will not answer
 """
 
 from __future__ import annotations
@@ -172,6 +173,22 @@ class Directory:
         if current == generation:
             self.store.delete(key)
         self.store.delete(self.key("hb", name))
+        gone = self.key("left", name)
+        self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
+
+    def left(self, name: str) -> int | None:
+        """The generation of ``name`` that last left the namespace by closing (None: none did,
+        or the store lost it, or the value is not valid)."""
+        key = self.key("left", name)
+        raw = self.store.try_get(key)
+        if raw is None:
+            return None
+        try:
+            value = signed.decode(self.keys, key, raw, f"the leave of {name!r}")
+        except WireFormatError as e:
+            log.warning("ignoring %s", e)
+            return None
+        return value.generation if value.writer == name else None
 
     def fetch(self, name: str) -> PeerRecord | None:
         """The current record of ``name`` (None if there is none). WireFormatError for a bad one."""

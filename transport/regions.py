@@ -25,7 +25,7 @@ import torch
 
 from transport._version import __version__
 from transport.endpoint import Endpoint
-from transport.errors import TransportError, WireFormatError
+from transport.errors import StoreError, TransportError, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.wire import (
     ACCESS_MODES,
@@ -284,6 +284,8 @@ class Regions:
         asked = []
         messages = [Withdraw("withdraw", b, ep.generation).encode() for b in batches(names)]
         for peer in [n for n in ep.directory.names() if n != ep.name]:
+            if self._left(peer):
+                continue
             try:
                 for message in messages:
                     self._control.send_control(peer, CHANNEL, message)
@@ -314,6 +316,26 @@ class Regions:
             for tensor in tensors:
                 ep.mem.release_explicit(tensor, still_used=still)
         return silent
+
+    def _left(self, peer: str) -> bool:
+        """``peer`` closed: it has no record, and the store says its incarnation we reach (or
+        the last one) left. Nobody there can write, and a message to a connection of ours that
+        outlived it would only make the backend log the loss; the connection goes too. A record
+        that is merely missing (a store that restarted empty) is not enough: such a peer is
+        asked, as is every peer when the store cannot tell."""
+        directory = self._ep.directory
+        try:
+            if directory.fetch(peer) is not None:
+                return False
+            gone = directory.left(peer)
+        except (StoreError, WireFormatError):
+            return False
+        conn = self._peers.get(peer)
+        if gone is None or (conn is not None and conn.generation > gone):
+            return False
+        if conn is not None:
+            self._peers.drop(conn)
+        return True
 
     # -- answering the peers' withdrawals ----------------------------------------------------
 

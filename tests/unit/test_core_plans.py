@@ -222,6 +222,27 @@ def test_unexpose_of_many_regions_at_once_writes_one_record_and_few_messages(loo
     assert set(r.regions()) == {"keep"}
 
 
+def test_unexpose_asks_no_peer_that_closed_but_one_whose_record_is_only_missing(loopback_net):
+    """A writer that closed (its record gone, its leave in the store) is not asked: a message to
+    it would only make the backend log the loss. A writer whose record is merely missing (a
+    store that restarted empty) is asked, and answers, before the memory is let go."""
+    a, b = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    r = loopback_net.receiver("r", {"a": a, "b": b})
+    gone, alive = loopback_net.make("gone"), loopback_net.make("alive")
+    for w in (gone, alive):
+        w.put(pattern(64, 1), r.name, "a").wait(5)
+        r.notify(w.name, b"hello")  # r holds a connection to each
+        w.wait_notification(5)
+    gone.close()
+    loopback_net.store.delete(f"transport/{alive.namespace}/peers/{alive.name}")  # lost, alive
+    sent = internals.count_control_messages(r, "tx/withdraw")
+    assert r.unexpose("a", timeout=10) == []  # alive confirmed
+    assert sent() == 1  # to alive only
+    with pytest.raises(transport.RegionError):
+        alive.put(pattern(64, 2), r.name, "a")
+    assert torch.equal(a, pattern(64, 1))
+
+
 def test_unexpose_with_no_writer_connected_and_a_new_region_under_the_old_name(loopback_net):
     a = torch.zeros(1024, dtype=torch.uint8)
     r = loopback_net.receiver("r", {"a": a})
