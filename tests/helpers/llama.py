@@ -1,6 +1,10 @@
-"""A small Llama for the vLLM tests, made here (no hub): its folder, the weights of each version
+"""Small models for the vLLM tests, made here (no hub): their folders, the weights of each version
 a test publishes (a function of the version number, so every process builds the same bytes),
-and transformers' greedy tokens on given weights, the reference vLLM must match (float32)."""
+and transformers' greedy tokens on given weights, the reference vLLM must match (float32).
+
+``kind`` names the model: "llama" (untied embeddings, grouped-query attention), "llama-tied"
+(its input and output embeddings one tensor, as Llama 3.2 1B/3B), "qwen2-tied" (q/k/v biases,
+grouped-query attention, tied embeddings, as Qwen2.5 0.5B-3B)."""
 
 from __future__ import annotations
 
@@ -13,44 +17,64 @@ PROMPTS = [list(range(4, 44)), [1, 17, 42, 99, 7, 200, 31]]
 NEW_TOKENS = 12
 
 
-def config(layers: int = 2, hidden: int = 64, vocab: int = 256) -> object:
-    from transformers import LlamaConfig
+KINDS = ("llama", "llama-tied", "qwen2-tied")
+
+
+def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 256) -> object:
+    from transformers import LlamaConfig, Qwen2Config
 
     # vLLM's CPU attention needs a head size of at least 32
-    return LlamaConfig(
+    common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=hidden // 16, num_key_value_heads=hidden // 32,
         head_dim=32, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=False, dtype="float32",
+        tie_word_embeddings=kind.endswith("-tied"), dtype="float32",
     )  # fmt: skip
+    if kind.startswith("qwen2"):
+        # Qwen2 derives the head size (hidden / heads): 2 query heads of 32 share 1 key/value head
+        common.update(num_attention_heads=hidden // 32, num_key_value_heads=1)
+        common.pop("head_dim")
+        return Qwen2Config(**common)
+    if kind.startswith("llama"):
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown test model {kind!r}; the kinds are {KINDS}")
 
 
-def make_model(folder: Path, version: int = 0) -> Path:
-    """Save the model with the weights of ``version`` into ``folder`` (safetensors)."""
-    from transformers import LlamaForCausalLM
+def _new(kind: str) -> object:
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM(config()).to(torch.float32)
+    return AutoModelForCausalLM.from_config(config(kind)).to(torch.float32)
+
+
+def make_model(folder: Path, version: int = 0, kind: str = "llama") -> Path:
+    """Save the model ``kind`` with the weights of ``version`` into ``folder`` (safetensors)."""
+    model = _new(kind)
     set_version(model.state_dict(), version)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]
     return folder
 
 
 def set_version(state: dict[str, torch.Tensor], version: int) -> None:
-    """Fill ``state`` (checkpoint names) with the weights of ``version``, in place."""
+    """Fill ``state`` (checkpoint names) with the weights of ``version``, in place. A tensor that
+    two names share (tied embeddings) is filled once, under its first name in sorted order that
+    a checkpoint keeps: the same values whether ``state`` lists it once (a checkpoint) or twice
+    (a model's state dict)."""
     g = torch.Generator().manual_seed(1000 + version)
+    seen: set[int] = set()
     with torch.no_grad():
-        for name in sorted(state):
+        for name in sorted(state, key=lambda n: (n == "lm_head.weight", n)):
             t = state[name]
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
             noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
             t.copy_(noise * 0.2 if t.dim() >= 2 else 1.0 + 0.1 * noise)
 
 
-def hf_model(version: int, through: torch.dtype | None = None) -> object:
-    """The float32 model of ``version``; ``through``: its weights rounded to that dtype first
-    (what a float32 model holds after loading a trainer's bfloat16 weights)."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM(config()).to(torch.float32).eval()
+def hf_model(version: int, through: torch.dtype | None = None, kind: str = "llama") -> object:
+    """The float32 model ``kind`` of ``version``; ``through``: its weights rounded to that dtype
+    first (what a float32 model holds after loading a trainer's bfloat16 weights)."""
+    model = _new(kind).eval()  # type: ignore[attr-defined]
     state = model.state_dict()
     set_version(state, version)
     if through is not None:

@@ -65,10 +65,16 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
         """The values of one parameter of vLLM's model (vLLM's name), as it holds them."""
         return llm.collective_rpc(_param, args=(name,))[0]
 
+    def skip_tied(skip: bool) -> None:
+        """Make each worker's updates leave tied parameters unloaded (as a vLLM whose loader
+        skips a layer would), or load them again."""
+        llm.collective_rpc(_skip_tied, args=(skip,))
+
     handlers = {
         "generate": generate,
         "engine_state": engine_state,
         "param": param,
+        "skip_tied": skip_tied,
         "init": init,
         "update": update,
         "weight_version": llm.get_weight_version,
@@ -88,6 +94,12 @@ def _engine_state(worker: Any) -> dict[str, Any]:
     }
 
 
+def _skip_tied(worker: Any, skip: bool) -> None:
+    from transport.integrations.vllm import reload, worker as module
+
+    module.load_tied = (lambda *args: None) if skip else reload.load_tied  # type: ignore[assignment]
+
+
 def _param(worker: Any, name: str) -> list[float]:
     model = getattr(worker, "worker", worker).model_runner.get_model()
     return model.get_parameter(name).detach().flatten().tolist()
@@ -97,7 +109,8 @@ class VllmProcess(ChildProcess):
     """vLLM serving the model in ``model_dir``. Commands: ``generate`` (greedy tokens of every
     prompt of helpers.llama.PROMPTS), ``init(init_info)``, ``update(update_info)`` (start,
     update, finish with the version's name, prefix cache reset; returns the weight version),
-    ``weight_version``, ``engine_state``, ``param(name)``, ``shutdown_engine``."""
+    ``weight_version``, ``engine_state``, ``param(name)``, ``skip_tied(bool)``,
+    ``shutdown_engine``."""
 
     def __init__(self, name: str, model_dir: Path, start_timeout: float = 180) -> None:
         super().__init__(name, _vllm_child, (str(model_dir),), start_timeout)

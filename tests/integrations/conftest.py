@@ -23,21 +23,45 @@ def _need_vllm() -> None:
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small Llama with the weights of version 0, saved as a checkpoint vLLM loads."""
+def model_dir_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``model_dir_of(kind)``: the small model ``kind`` (helpers.llama.KINDS) with the weights of
+    version 0, saved as a checkpoint vLLM loads (once per session)."""
     _need_vllm()
-    return make_model(tmp_path_factory.mktemp("llama"), version=0)
+    made: dict[str, Path] = {}
+
+    def folder(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_model(tmp_path_factory.mktemp(kind), version=0, kind=kind)
+        return made[kind]
+
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_dir(model_dir_of: Callable[[str], Path]) -> Path:
+    """The small Llama (untied) with the weights of version 0."""
+    return model_dir_of("llama")
 
 
 @pytest.fixture(scope="session")
 def reference() -> Callable[..., list[list[int]]]:
     """``reference(v)``: transformers' greedy tokens for every prompt on version ``v``'s weights
-    (``reference(v, through=torch.bfloat16)``: on those weights rounded to bfloat16)."""
-    cache: dict[tuple[int, object], list[list[int]]] = {}
+    of the small Llama (``reference(v, through=torch.bfloat16)``: on those weights rounded to
+    bfloat16; ``reference(v, kind=...)``: of another test model)."""
+    cache: dict[tuple[int, object, str], list[list[int]]] = {}
 
-    def tokens(version: int, through: object = None) -> list[list[int]]:
-        if (version, through) not in cache:
-            cache[(version, through)] = greedy(hf_model(version, through))  # type: ignore[arg-type]
-        return cache[(version, through)]
+    def tokens(version: int, through: object = None, kind: str = "llama") -> list[list[int]]:
+        key = (version, through, kind)
+        if key not in cache:
+            cache[key] = greedy(hf_model(version, through, kind))  # type: ignore[arg-type]
+        return cache[key]
 
     return tokens
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this folder runs a vLLM engine or needs vLLM: ``pytest -m vllm`` runs them."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm)

@@ -12,6 +12,8 @@ import pytest
 
 from helpers.processes import REPO
 
+pytestmark = pytest.mark.vllm
+
 
 def _run(code: str) -> str:
     out = subprocess.run(

@@ -18,11 +18,14 @@ from vllm.distributed.weight_transfer.base import (
 
 from transport import Transport, WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
+from transport.integrations.vllm.reload import load_tied, tied_parameters, unloaded_layers
 
 log = logging.getLogger("transport.vllm")
 
 #: environment variable holding the namespace secret (never sent through vLLM's APIs)
 SECRET_ENV = "TRANSPORT_SECRET"
+#: the version a worker reports after an update that did not reach every layer
+TORN = -2
 
 
 @dataclass
@@ -181,13 +184,26 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         with sub.read(update_info.version, timeout=update_info.timeout) as snap:
             # the version is complete and held: only now does the model change
             model: Any = self.model  # a vLLM model: it has load_weights
+            tied = tied_parameters(model)  # before the reload gives each layer its own tensors
             initialize_layerwise_reload(model)
             try:
                 model.load_weights(snap.tensors.items())
+                load_tied(model, tied, snap.tensors)
+                missing = unloaded_layers(model)
             finally:
                 # finish the reload even after a failed load: it started by moving the layers
                 # to the meta device
                 finalize_layerwise_reload(model, self.model_config)
+            if missing:
+                self.version = TORN
+                raise RuntimeError(
+                    f"version {snap.version} of group {sub.group} did not reach every layer of "
+                    f"the model: {', '.join(missing[:8])}"
+                    + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                    + " kept their previous weights (vLLM's loader took none of the checkpoint "
+                    "tensors for them), so the model now holds no whole version; the next "
+                    "update that reaches every layer makes it whole again"
+                )
         self._loaded = snap.version
         log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
 
