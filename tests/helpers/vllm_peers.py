@@ -95,7 +95,8 @@ def _engine_state(worker: Any) -> dict[str, Any]:
 
 
 def _skip_tied(worker: Any, skip: bool) -> None:
-    from transport.integrations.vllm import reload, worker as module
+    from transport.integrations.vllm import reload
+    from transport.integrations.vllm import worker as module
 
     module.load_tied = (lambda *args: None) if skip else reload.load_tied  # type: ignore[assignment]
 
