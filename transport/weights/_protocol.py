@@ -81,16 +81,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import msgpack
 import torch
 
-from transport import signed as signed_values
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
-from transport.signed import MAX_VALUE_BYTES, SignedStore, SignedValue
+from transport.signed import Inspector, SignedStore
 from transport.store.base import Store
 from transport.store.counters import Counter, clock_floor, index_counter
 from transport.weights._messages import Begin, Piece, Segment, Ver, encode
@@ -376,36 +374,10 @@ _INDEX = re.compile(rb"[1-9][0-9]{0,15}")
 
 
 def reader(store: SignedStore | Store) -> SignedStore:
-    """``store`` itself, or for a bare :class:`Store` a reader of its signed values as they are
-    (the envelope checked, not its MAC) that writes nothing: for tools and tests that look at a
-    group without a Transport. Nothing the library decides reads through the latter."""
-    return store if isinstance(store, SignedStore) else _Inspector(store)
-
-
-class _Inspector(SignedStore):
-    """See :func:`reader`."""
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store, None, "inspector", 1)
-
-    def decode(self, key: str, raw: bytes, what: str) -> SignedValue:
-        m = unpack(
-            raw, what, MAX_VALUE_BYTES + 4096, max_str=MAX_VALUE_BYTES, max_array=0, max_map=8
-        )
-        if isinstance(m, dict) and "mac" in m:
-            m["mac"] = b""
-        plain = msgpack.packb(m, use_bin_type=True)
-        return replace(signed_values.decode(None, key, plain, what), raw=raw)
-
-    def get(self, key: str, what: str) -> SignedValue | None:
-        raw = self.store.try_get(key)
-        return None if raw is None else self.decode(key, raw, what)
-
-    def set(self, key: str, body: bytes) -> bytes:
-        raise TypeError("a group read from a bare store is read-only; use transport.core.signed")
-
-    def compare_set(self, key: str, expected: bytes | None, body: bytes) -> bool:
-        raise TypeError("a group read from a bare store is read-only; use transport.core.signed")
+    """``store`` itself, or for a bare :class:`Store` a read-only :class:`Inspector` of its
+    signed values (the envelope checked, not its MAC): for tools and tests that look at a group
+    without a Transport. Nothing the library decides reads through the latter."""
+    return store if isinstance(store, SignedStore) else Inspector(store)
 
 
 #: the size of the segments a version is cut into on its way to a relay
