@@ -20,7 +20,7 @@ from helpers.peer import Cycler, Peer, pattern, sha
 from helpers.polling import wait_until
 from helpers.processes import free_port
 from helpers.redis_server import RedisServer
-from helpers.ws_peer import SubscriberProcess
+from helpers.ws_peer import SubscriberProcess, publish_served
 from transport.errors import StoreError
 from transport.weights._lease import current_lease
 
@@ -67,18 +67,6 @@ def test_a_redis_restart_keeps_transfers_going_and_discovery_recovers():
     print(f"\ndiscovery recovered {recovered:.2f} s after the Redis restart")
 
 
-def _served(pub, tensors, version, *subs) -> None:
-    """Publish ``version`` (every element of it) and check that every one of ``subs`` has it
-    applied, whole."""
-    tensors["w"].fill_(version)
-    r = pub.publish(version, timeout=20).wait(30)
-    assert r.status == {s.name: "done" for s in subs}, r.reasons
-    for s in subs:
-        assert s.call("wait_for_version", version, 10) == version
-        assert s.call("apply") == version
-        assert s.call("live") == {"w": (float(version), float(version))}
-
-
 @needs_own_redis
 @pytest.mark.parametrize("secret", [None, b"drill-secret"], ids=["open", "secret"])
 def test_weight_sync_goes_on_across_a_redis_restart(secret):
@@ -108,18 +96,18 @@ def test_weight_sync_goes_on_across_a_redis_restart(secret):
                 # it joins again and its record is back: a member as before
                 wait_until(lambda: internals.group_entry(t, "policy", "gen-0"), 20, "its entry")
                 wait_until(lambda: "gen-0" in {i.name for i in t.peers()}, 20, "its record")
-                _served(pub, tensors, 4, sub)
+                publish_served(pub, tensors, 4, [sub])
                 # the publisher has put its lease back: a newcomer takes its messages
                 lease = current_lease(t.store, t.namespace, "policy")
                 assert lease is not None and lease.name == "trainer"
                 with SubscriberProcess("gen-1", url, spec, **kw) as newcomer:
-                    _served(pub, tensors, 5, sub, newcomer)
+                    publish_served(pub, tensors, 5, [sub, newcomer])
                 # and once the connection is made afresh (to the same incarnation), versions
                 # still complete: its new frames continue above the numbers the subscriber saw
                 conn = internals.connection(t, "gen-0")
                 assert conn is not None
                 internals.drop_connection(t, conn)
-                _served(pub, tensors, 6, sub)
+                publish_served(pub, tensors, 6, [sub])
                 pub.close()
         finally:
             sub.stop()
@@ -149,7 +137,7 @@ def test_a_subscriber_that_rejoins_before_its_record_is_back_is_planned_again():
                 assert "tried again at the next publish" in r.reasons["gen-0"], r.reasons
                 sub.call("release_record")
                 wait_until(lambda: "gen-0" in {i.name for i in t.peers()}, 20, "its record")
-                _served(pub, tensors, 2, sub)
+                publish_served(pub, tensors, 2, [sub])
                 pub.close()
         finally:
             sub.stop()

@@ -11,7 +11,7 @@ import torch
 import transport
 from helpers import internals
 from helpers.polling import wait_until
-from helpers.ws_peer import SubscriberProcess
+from helpers.ws_peer import SubscriberProcess, publish_served
 from transport.peers import Directory
 from transport.store import store_from_url
 
@@ -19,16 +19,6 @@ pytestmark = pytest.mark.timeout(240)
 
 SECRET = b"the-namespace-secret"
 N = 1 << 18
-
-
-def _publish_and_check(pub, tensors, version, subs) -> None:
-    tensors["w"].fill_(version)
-    r = pub.publish(version, timeout=20).wait(30)
-    assert r.status == {s.name: "done" for s in subs}, r.reasons
-    for s in subs:
-        assert s.call("wait_for_version", version, 10) == version
-        assert s.call("apply") == version
-        assert s.call("live") == {"w": (float(version), float(version))}
 
 
 def _heartbeats_after(t: transport.Transport, n: int) -> None:
@@ -59,18 +49,18 @@ def test_a_forged_generation_counter_silences_nobody(store_kind, tcp_store, requ
         ) as t:
             tensors = {"w": torch.zeros(N)}
             pub = transport.WeightPublisher(t, tensors)
-            _publish_and_check(pub, tensors, 1, subs)
+            publish_served(pub, tensors, 1, subs)
             before = internals.connection(t, "gen-1")
             # the outsider (no secret, only the store) raises gen-1's counter by 5
             outsider.add(f"transport/{ns}/gen/gen-1", 5)
             _heartbeats_after(t, 2)
             assert internals.connection(t, "gen-1") is before  # not dropped for a hint
             for version in range(2, 8):
-                _publish_and_check(pub, tensors, version, subs)
+                publish_served(pub, tensors, version, subs)
             # a reconnect to the same incarnation (as after a transient loss) changes nothing
             internals.drop_connection(t, before)
             for version in range(8, 12):
-                _publish_and_check(pub, tensors, version, subs)
+                publish_served(pub, tensors, version, subs)
             pub.close()
     finally:
         outsider.close()

@@ -67,6 +67,18 @@ def _frames(rng: random.Random) -> list[bytes]:
     return out
 
 
+def _an_honest_put_lands(friend: transport.Transport, victim: Peer, seed: int) -> None:
+    """``friend``'s notified put reaches ``victim`` byte for byte, its notification is the one
+    the victim reads, and nothing the attacker sent was delivered as a notification."""
+    src = pattern(N, seed)
+    note = b"honest-%d" % seed
+    friend.put(src, "victim", "staging", notify=note).wait(30)
+    peer, payload, shas = victim.call("notif_then_sha", 60.0, ["staging"])
+    assert (peer, payload) == ("friend", note)
+    assert shas["staging"] == sha(src)
+    assert victim.call("notifications", 0.0) == []
+
+
 def test_hostile_agent_names_and_frames_never_stop_the_receiver(tcp_store):
     ns = "hostile-ns"
     rng = random.Random(int.from_bytes(os.urandom(4), "big"))
@@ -100,13 +112,7 @@ def test_hostile_agent_names_and_frames_never_stop_the_receiver(tcp_store):
         assert sent > 100
         # the victim still works: found, written, notified
         friend.wait_for_peer("victim", timeout=30)
-        src = pattern(N, 11)
-        friend.put(src, "victim", "staging", notify=b"after").wait(30)
-        peer, payload, shas = victim.call("notif_then_sha", 60.0, ["staging"])
-        assert (peer, payload) == ("friend", b"after")
-        assert shas["staging"] == sha(src)
-        # and nothing the attacker sent was delivered as a notification
-        assert victim.call("notifications", 0.0) == []
+        _an_honest_put_lands(friend, victim, 11)
 
 
 def test_with_a_secret_frames_under_a_live_peers_exact_agent_name_are_refused(tcp_store):
@@ -132,12 +138,7 @@ def test_with_a_secret_frames_under_a_live_peers_exact_agent_name_are_refused(tc
             wait_until(lambda: victim.call("refused_notifications") >= 40, 60, "refusals")
         finally:
             out.close()
-        src = pattern(N, 12)
-        friend.put(src, "victim", "staging", notify=b"second").wait(30)
-        peer, payload, shas = victim.call("notif_then_sha", 60.0, ["staging"])
-        assert (peer, payload) == ("friend", b"second")
-        assert shas["staging"] == sha(src)
-        assert victim.call("notifications", 0.0) == []
+        _an_honest_put_lands(friend, victim, 12)
 
 
 def test_a_handler_that_raises_drops_its_frames_and_the_engine_goes_on(tcp_store):

@@ -71,6 +71,19 @@ class _Watch:
                 raise TimeoutError(f"{what} did not happen within {timeout} s")
 
 
+def publish_served(pub: Any, tensors: dict[str, torch.Tensor], version: int, subs: Any) -> None:
+    """Fill every tensor with ``version``, publish it and check that every subscriber process
+    of ``subs`` is done, has it applied and holds it whole (every element equal to it)."""
+    for t in tensors.values():
+        t.fill_(version)
+    r = pub.publish(version, timeout=20).wait(30)
+    assert r.status == {s.name: "done" for s in subs}, r.reasons
+    for s in subs:
+        assert s.call("wait_for_version", version, 10) == version
+        assert s.call("apply") == version
+        assert s.call("live") == {n: (float(version), float(version)) for n in tensors}
+
+
 def _sub_child(
     conn: Any,
     name: str,

@@ -5,12 +5,13 @@ there a missing vLLM fails these tests instead of skipping them."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers.llama import greedy, hf_model, make_model
+from transport.store.tcp import TcpStore
 
 
 def _need_vllm() -> None:
@@ -57,6 +58,14 @@ def reference() -> Callable[..., list[list[int]]]:
         return cache[key]
 
     return tokens
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[TcpStore]:
+    """The embedded store, hosted by the test process (one per test module)."""
+    s = TcpStore("127.0.0.1", 0, hosting="yes")
+    yield s
+    s.close()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -25,13 +25,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[TcpStore]:
-    s = TcpStore("127.0.0.1", 0, hosting="yes")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
 def vllm(model_dir: Path) -> Iterator[VllmProcess]:
     with VllmProcess("vllm", model_dir) as child:
         yield child

@@ -6,23 +6,14 @@ transformers' on the same weights; an update that leaves a layer unloaded fails 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers.child import ChildError
 from helpers.vllm_peers import LlamaPublisher, VllmProcess
-from transport.store.tcp import TcpStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[TcpStore]:
-    s = TcpStore("127.0.0.1", 0, hosting="yes")
-    yield s
-    s.close()
 
 
 @pytest.mark.parametrize("kind", ["qwen2-tied", "llama-tied"])

@@ -15,13 +15,13 @@ import msgpack
 import numpy as np
 import pytest
 
+from helpers.records import record
 from transport.errors import WireFormatError
 from transport.region_table import MAX_REGIONS, device_ok
 from transport.wire import (
     DTYPE_SIZES,
     FORMAT_VERSION,
     MAX_DIMS,
-    PeerRecord,
     RegionInfo,
     decode_peer_record,
     encode_peer_record,
@@ -30,18 +30,6 @@ from transport.wire import (
 MiB = 1 << 20
 #: the widths the numeric columns travel in
 WIDTH = {"ra": "<u8", "rn": "<u8", "reg": "<u4", "off": "<u8", "dims": "<u8"}
-
-
-def record(**over: Any) -> PeerRecord:
-    base: dict[str, Any] = dict(
-        name="gen-0", namespace="run-7", generation=3, agent="gen-0#3", backend="nixl",
-        metadata=b"md" * 50, host="h", pid=42, version="0.1.0", created=1.5,
-        regions=(RegionInfo("layers.0.w", 0x7F0000001000, 64, "float32", (4, 4), "rw", "cpu"),
-                 RegionInfo("emb", 0x7F0000002000, 2, "bfloat16", (1,), "r", "cuda:1")),
-        registrations=((0x7F0000001000, 4096, "cpu"), (0x7F0000002000, 2, "cuda:1")),
-    )  # fmt: skip
-    base.update(over)
-    return PeerRecord(**base)
 
 
 def body() -> dict[str, Any]:

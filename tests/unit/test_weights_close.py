@@ -126,13 +126,19 @@ def test_a_closed_subscriber_gives_its_regions_back_and_a_new_one_of_the_group_i
     live = {"w": torch.zeros(4096, dtype=torch.uint8)}
     other = "inplace" if mode == "staging" else "staging"
     again = transport.WeightSubscriber(gen, live, group="policy", mode=other)
+    _versions_2_and_3(pub, weights, gen, again, live)
+    again.close()
+    pub.close()
+
+
+def _versions_2_and_3(pub, weights, gen, sub, live) -> None:
+    """``pub`` publishes versions 2 and 3 of ``weights`` to ``gen`` alone, and ``sub`` applies
+    each into ``live`` whole."""
     for v in (2, 3):
         weights["w"].copy_(pattern(4096, v))
         assert pub.publish(v, timeout=10).wait(15).done == [gen.name]
-        again.wait_for_version(v, timeout=10)
-        assert again.apply() == v and torch.equal(live["w"], pattern(4096, v))
-    again.close()
-    pub.close()
+        sub.wait_for_version(v, timeout=10)
+        assert sub.apply() == v and torch.equal(live["w"], pattern(4096, v))
 
 
 def test_a_closed_publisher_gives_its_regions_back_and_a_new_one_of_the_group_publishes(
@@ -144,11 +150,7 @@ def test_a_closed_publisher_gives_its_regions_back_and_a_new_one_of_the_group_pu
     assert trainer.regions() == {}
     mine = {"w": pattern(4096, 2)}
     again = transport.WeightPublisher(trainer, mine, group="policy")
-    for v in (2, 3):
-        mine["w"].copy_(pattern(4096, v))
-        assert again.publish(v, timeout=10).wait(15).done == [gen.name]
-        sub.wait_for_version(v, timeout=10)
-        assert sub.apply() == v and torch.equal(live["w"], pattern(4096, v))
+    _versions_2_and_3(again, mine, gen, sub, live)
     assert sub.pull(trainer.name, timeout=10) == 3  # its own regions, read-only, for late joiners
     again.close()
     sub.close()
@@ -167,11 +169,7 @@ def test_a_closed_rank_of_a_sharded_trainer_is_replaced_on_the_same_transport(lo
     assert rank.publish(1, timeout=10).wait(15).done == [gen.name]
     rank.close()
     again = ShardedPublisher(trainer, weights, layout, 0, group="policy")
-    for v in (2, 3):
-        weights["w"].copy_(pattern(4096, v))
-        assert again.publish(v, timeout=10).wait(15).done == [gen.name]
-        sub.wait_for_version(v, timeout=10)
-        assert sub.apply() == v and torch.equal(live["w"], pattern(4096, v))
+    _versions_2_and_3(again, weights, gen, sub, live)
     again.close()
     sub.close()
 

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.records import record
 from transport.errors import SignatureError, WireFormatError
 from transport.region_table import MAX_MAP_BYTES
 from transport.wire import (
     FORMAT_VERSION,
     MAX_RECORD_BYTES,
     MAX_REGIONS,
-    PeerRecord,
     RegionInfo,
     agent_name,
     check_name,
@@ -29,18 +29,6 @@ from transport.wire import (
     parse_notification,
     peer_of_agent,
 )
-
-
-def record(**over) -> PeerRecord:
-    base = dict(
-        name="gen-0", namespace="run-7", generation=3, agent="gen-0#3", backend="nixl", metadata=b"md" * 50,
-        host="h", pid=42, version="0.1.0", created=1.5,
-        regions=(RegionInfo("layers.0.w", 0x7F0000001000, 64, "float32", (4, 4), "rw", "cpu"),
-                 RegionInfo("emb", 0x7F0000002000, 2, "bfloat16", (1,), "r", "cuda:1")),
-        registrations=((0x7F0000001000, 4096, "cpu"), (0x7F0000002000, 2, "cuda:1")),
-    )  # fmt: skip
-    base.update(over)
-    return PeerRecord(**base)
 
 
 def body_of(raw: bytes) -> dict:

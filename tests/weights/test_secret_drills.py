@@ -16,7 +16,14 @@ import pytest
 
 import transport
 from helpers.polling import wait_until
-from helpers.ws_peer import MiB, PublisherProcess, SubscriberProcess, make_tensors, spec_of
+from helpers.ws_peer import (
+    MiB,
+    PublisherProcess,
+    SubscriberProcess,
+    make_tensors,
+    publish_served,
+    spec_of,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,10 +87,7 @@ def test_with_a_secret_a_killed_and_a_frozen_subscriber_recover(tcp_store, secre
                 "gen-frozen beating again",
             )
             for version in (5, 6):
-                r = _publish(pub, tensors, version)
-                assert set(r.done) == {"gen-steady", "gen-victim", "gen-frozen"}, r.reasons
-            for sub in subs:
-                _served(sub, spec, 6)
+                publish_served(pub, tensors, version, subs)
         assert secret_trainer.refused_notifications == 0
     finally:
         for sub in subs:
