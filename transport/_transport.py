@@ -38,7 +38,7 @@ from transport.housekeeping import Housekeeping
 from transport.lanes import default_lanes
 from transport.liveness import suspicion
 from transport.memory import LocalMemory, default_budget
-from transport.peer_table import PeerInfo, PeerTable, peer_info
+from transport.peer_table import PeerInfo, PeerTable, PeerTraffic, peer_info
 from transport.peers import Directory
 from transport.plan_cache import PlanCache
 from transport.regions import Regions
@@ -463,6 +463,12 @@ class Transport(Closing):
             if rec is not None:
                 out.append(peer_info(rec, directory.last_heartbeat(name), interval))
         return out
+
+    def traffic(self) -> dict[str, PeerTraffic]:
+        """Bytes this Transport's completed transfers (puts, gets, a publisher's writes) moved
+        with each peer since it opened, by peer name: counted as each transfer completes, not
+        planned. Notifications are not counted."""
+        return self._peers.traffic_of()
 
     def _suspect(self, name: str, generation: int) -> str | None:
         """transport.core.suspect: one heartbeat read, judged as peers() judges it."""

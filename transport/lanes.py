@@ -88,7 +88,7 @@ class Lane:
             if c is not None:
                 c.close(self.backend)
             loaded = self.backend.add_peer(main.record.metadata)
-            c = self.conns[main.name] = PeerConn(main.record, loaded)
+            c = self.conns[main.name] = PeerConn(main.record, loaded, traffic=main.traffic)
             return c
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.liveness import suspicion
-from transport.plan import PeerConn
+from transport.plan import PeerConn, Traffic
 from transport.wire import PeerRecord
 
 log = logging.getLogger("transport")
@@ -50,6 +50,15 @@ class PeerInfo:
     record_bytes: int = 0  # its record as stored
 
 
+@dataclass(frozen=True)
+class PeerTraffic:
+    """Bytes this Transport's completed transfers moved with one peer (every incarnation of
+    it, every lane): ``written`` into its memory (puts), ``read`` from it (gets)."""
+
+    written: int
+    read: int
+
+
 def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) -> PeerInfo:
     """``rec`` and the heartbeat stored under its name, judged with ``interval`` (the reader's)."""
     return PeerInfo(
@@ -76,6 +85,8 @@ class PeerTable:
         self._ep = ep
         self.lock = threading.RLock()
         self._conns: dict[str, PeerConn] = {}
+        #: bytes moved per peer name, over its incarnations (connections count into these)
+        self.traffic: dict[str, Traffic] = {}
         self._dropped: deque[PeerConn] = deque()
         self._lookups: ThreadPoolExecutor | None = None  # restarted(): store lookups
         self._lookup_lock = threading.Lock()
@@ -86,6 +97,10 @@ class PeerTable:
     def get(self, peer: str) -> PeerConn | None:
         """The connection to ``peer`` as it is now (live or not), without touching the store."""
         return self._conns.get(peer)
+
+    def traffic_of(self) -> dict[str, PeerTraffic]:
+        """Bytes moved per peer name so far."""
+        return {n: PeerTraffic(t.written, t.read) for n, t in list(self.traffic.items())}
 
     def live(self) -> list[PeerConn]:
         return [c for c in list(self._conns.values()) if c.alive]
@@ -154,7 +169,8 @@ class PeerTable:
                 f"peer {peer!r}'s record names agent {rec.agent!r} but its metadata is of {loaded!r}"
             )
         keys = ep.keys
-        conn = PeerConn(rec, loaded, keys.sealer(ep.agent, loaded) if keys else None)
+        traffic = self.traffic.setdefault(peer, Traffic())
+        conn = PeerConn(rec, loaded, keys.sealer(ep.agent, loaded) if keys else None, traffic)
         self._conns[peer] = conn
         ep.recorder.record("join", peers=peer, info=f"generation {rec.generation}")
         return conn

@@ -36,12 +36,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("transport.plan")
 
 
+class Traffic:
+    """Bytes moved to and from one peer (every incarnation, every lane) by completed transfers:
+    ``written`` into its memory, ``read`` from it. Counted under the connection's lock."""
+
+    __slots__ = ("read", "written")
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.read = 0
+
+
 class PeerConn:
     """Connection state for one incarnation of a peer. ``lock`` guards posting against teardown;
     every notification to the peer leaves through :meth:`seal` under it (with a secret, the
-    ``sealer`` numbers and authenticates it for this incarnation)."""
+    ``sealer`` numbers and authenticates it for this incarnation). ``traffic`` counts the bytes
+    of its completed transfers (shared with the lanes' connections to the same peer)."""
 
-    def __init__(self, record: PeerRecord, agent: str, sealer: FrameSealer | None = None) -> None:
+    def __init__(
+        self,
+        record: PeerRecord,
+        agent: str,
+        sealer: FrameSealer | None = None,
+        traffic: Traffic | None = None,
+    ) -> None:
+        self.traffic = traffic if traffic is not None else Traffic()
         self.sealer = sealer
         self.name = record.name
         self.record = record
@@ -169,6 +188,10 @@ class Plan:
     def give_back(self, backend: Backend, part: Part, xfer: Any, notified: bool) -> None:
         """Return a completed transfer to the pool (or release it if the plan is gone).
         Call with ``conn.lock`` held."""
+        if self.op == "read":
+            self.conn.traffic.read += part.nbytes
+        else:
+            self.conn.traffic.written += part.nbytes
         pool = part.idle[notified]
         if self.valid and len(pool) < 4:
             pool.append(xfer)

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import traceback
 from typing import Any
 
 
@@ -23,6 +24,8 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
         try:
             result = handlers[cmd](*args)
         except BaseException as e:
+            if os.environ.get("TRANSPORT_TEST_CHILD_TRACEBACKS") == "1":
+                traceback.print_exc()  # into the child's stderr, which pytest shows
             conn.send(("err", f"{type(e).__name__}: {e}"))
         else:
             conn.send(("ok", result))

@@ -151,6 +151,29 @@ def hold_notified_posts(t: transport.Transport) -> None:
     hold_engine_posts(t, hold)
 
 
+def hold_completions(t: transport.Transport) -> None:
+    """From now on a sharded publisher's ``ver`` (a version's completion, a control message
+    sent once its writes landed) never leaves ``t``: every byte of a version lands, its
+    completion never goes (for a test that kills the process then)."""
+    from dataclasses import replace
+
+    from transport.weights._messages import Ver, decode
+
+    held = threading.Event()  # never set: the process is killed while the sender waits
+    send = t.core.send_control
+
+    def holding(peer: str, channel: str, payload: bytes) -> None:
+        try:
+            is_ver = isinstance(decode(payload), Ver)
+        except Exception:
+            is_ver = False
+        if is_ver:
+            held.wait()
+        send(peer, channel, payload)
+
+    t.core = replace(t.core, send_control=holding)
+
+
 # -- stores and weight groups --------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ versions with a plain WeightPublisher. Both are children driven over a pipe (hel
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,20 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
         llm.start_weight_update()
         llm.update_weights({"update_info": update_info})  # raises: vLLM ends the update itself
         version = update_info.get("version")
-        llm.finish_weight_update(None if version is None else str(version))
+        try:  # the version loads here, with the version vLLM reports
+            llm.finish_weight_update(None if version is None else str(version))
+        except BaseException:
+            # vLLM keeps an update whose finish failed open: close it (it loads nothing now)
+            llm.finish_weight_update(None)
+            raise
         llm.reset_prefix_cache()
         return llm.get_weight_version()
+
+    def update_unfinished(update_info: dict[str, Any]) -> None:
+        """Start and update, never finish: what vLLM sees of a trainer that dies between its
+        update and finish calls."""
+        llm.start_weight_update()
+        llm.update_weights({"update_info": update_info})
 
     def engine_state() -> list[dict[str, Any]]:
         """Each worker's engine: the version its model holds, its subscriber's newest complete
@@ -77,6 +89,10 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
         "skip_tied": skip_tied,
         "init": init,
         "update": update,
+        "update_unfinished": update_unfinished,
+        "start": llm.start_weight_update,
+        "finish": llm.finish_weight_update,
+        "update_only": lambda info: llm.update_weights({"update_info": info}),
         "weight_version": llm.get_weight_version,
         "shutdown_engine": llm.shutdown_weight_transfer_engine,
     }
@@ -98,7 +114,14 @@ def _skip_tied(worker: Any, skip: bool) -> None:
     from transport.integrations.vllm import reload
     from transport.integrations.vllm import worker as module
 
+    def direct_but_head(model: Any, targets: dict[str, Any], tensors: Any) -> None:
+        """The sharded mode's load, but the output head (tied to the embedding) takes nothing."""
+        kept = {n: replace(t, holders=tuple(h for h in t.holders if not h.startswith("lm_head")))
+                for n, t in targets.items()}  # fmt: skip
+        reload.load_direct(model, kept, tensors)
+
     module.load_tied = (lambda *args: None) if skip else reload.load_tied  # type: ignore[assignment]
+    module.load_direct = direct_but_head if skip else reload.load_direct  # type: ignore[assignment]
 
 
 def _param(worker: Any, name: str) -> list[float]:
@@ -111,7 +134,8 @@ class VllmProcess(ChildProcess):
     prompt of helpers.llama.PROMPTS), ``init(init_info)``, ``update(update_info)`` (start,
     update, finish with the version's name, prefix cache reset; returns the weight version),
     ``weight_version``, ``engine_state``, ``param(name)``, ``skip_tied(bool)``,
-    ``shutdown_engine``."""
+    ``shutdown_engine``; one phase at a time: ``start``, ``update_only(update_info)``,
+    ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update)."""
 
     def __init__(self, name: str, model_dir: Path, start_timeout: float = 180) -> None:
         super().__init__(name, _vllm_child, (str(model_dir),), start_timeout)
@@ -119,12 +143,14 @@ class VllmProcess(ChildProcess):
 
 def _pub_child(
     conn: Any, name: str, store: str, model_dir: str, group: str, mangle: str | None,
-    kwargs: dict[str, Any],
+    plain: bool, kwargs: dict[str, Any],
 ) -> None:  # fmt: skip
     import torch
     from safetensors.torch import load_file
 
     import transport
+    from transport.integrations.vllm.trainer import whole_source
+    from transport.weights import ShardedPublisher
 
     try:
         t = transport.Transport(name, store=store, **kwargs)
@@ -136,7 +162,10 @@ def _pub_child(
             state["model.final_norm.weight"] = state.pop("model.norm.weight")
         elif mangle == "bfloat16":  # a trainer that publishes in another dtype than vLLM's
             state = {n: t.to(torch.bfloat16) for n, t in state.items()}
-        pub = transport.WeightPublisher(t, state, group=group)
+        if plain:  # relays and whole checkpoints (workers in the whole mode)
+            pub = transport.WeightPublisher(t, state, group=group)
+        else:  # writes each worker only what it keeps, as the trainer engine does
+            pub = ShardedPublisher(t, state, whole_source(state), 0, group=group)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -155,7 +184,9 @@ def _pub_child(
         "publish": publish,
         "publish_nowait": publish_nowait,
         # data goes, a version's completion never does (the test kills this process)
-        "hold_notified_parts": lambda: internals.hold_notified_posts(t),
+        "hold_notified_parts": lambda: (
+            internals.hold_notified_posts(t) if plain else internals.hold_completions(t)
+        ),
         "subscribers": pub.subscribers,
     }
     serve(conn, handlers, lambda: (pub.close(), t.close()))
@@ -163,7 +194,9 @@ def _pub_child(
 
 class LlamaPublisher(ChildProcess):
     """A trainer publishing versions (helpers.llama.set_version) of the small Llama saved in
-    ``model_dir`` to ``group`` with a WeightPublisher. ``mangle``: "shape" or "names" publishes a state dict that does not
+    ``model_dir`` to ``group``, as one rank holding every tensor whole (a ShardedPublisher:
+    each worker gets only what it keeps), or with a plain WeightPublisher (``plain``: whole
+    checkpoints, for workers in the whole mode). ``mangle``: "shape" or "names" publishes a state dict that does not
     match the model; "bfloat16" publishes the same tensors in bfloat16. Commands: ``publish(version, timeout)`` -> (status, reasons),
     ``publish_nowait``, ``hold_notified_parts``, ``subscribers``."""
 
@@ -175,11 +208,13 @@ class LlamaPublisher(ChildProcess):
         group: str = "policy",
         mangle: str | None = None,
         start_timeout: float = 60,
+        plain: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            name, _pub_child, (store_url, str(model_dir), group, mangle, kwargs), start_timeout
-        )
+            name, _pub_child, (store_url, str(model_dir), group, mangle, plain, kwargs),
+            start_timeout,
+        )  # fmt: skip
 
 
 def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:

@@ -24,10 +24,13 @@ the model's own modules; nothing of the transport core.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from transport.integrations.vllm.shards import Target
 
 
 def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
@@ -77,3 +80,61 @@ def unloaded_layers(model: torch.nn.Module) -> list[str]:
         if info.can_load() and info.load_numel <= 0 and (info.load_numel_total or 0) > 0:
             out.append(name or type(layer).__name__)
     return out
+
+
+_NONE = object()  # a tensor without a weight_loader of its own
+
+
+def _direct_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """A parameter's loader for a tensor already in the parameter's format (its leading rows;
+    the rows past them are padding and become zero)."""
+    rows = loaded_weight.shape[0]
+    param.data[:rows].copy_(loaded_weight)
+    if rows < param.shape[0]:
+        pad = param.data[rows:]
+        pad.copy_(torch.zeros((), dtype=pad.dtype, device=pad.device).expand_as(pad))
+
+
+@contextmanager
+def direct_loaders(model: torch.nn.Module, targets: Mapping[str, Target]) -> Iterator[None]:
+    """Around a layerwise reload (enter before ``initialize_layerwise_reload``, leave after it
+    is finalized): the parameters of ``targets`` load through a direct copy instead of their
+    checkpoint loader, so :func:`load_direct` can hand them tensors in their own format and
+    vLLM's reload still materializes each layer, runs its post-load processing (the CPU build's
+    oneDNN repacking) and copies the result into the tensors the model computes with. The
+    loaders are put back after."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    saved: list[tuple[Any, Any]] = []
+    try:
+        for target in targets.values():
+            for full in target.holders:
+                layer_name, _, attr = full.rpartition(".")
+                layer = model.get_submodule(layer_name)
+                recorded, _ = get_layerwise_info(layer).restore_metadata
+                # vLLM rebuilds a reloaded layer from its recorded meta tensors; the bias is not
+                # recorded and stays live
+                template = recorded.get(attr, getattr(layer, attr))
+                # an attribute, or a property of vLLM's parameter classes: get and set it
+                saved.append((template, getattr(template, "weight_loader", _NONE)))
+                template.weight_loader = _direct_loader  # type: ignore[attr-defined]
+        yield
+    finally:
+        for template, loader in reversed(saved):
+            if loader is _NONE:
+                del template.weight_loader
+            else:
+                template.weight_loader = loader
+
+
+def load_direct(
+    model: torch.nn.Module, targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """During a layerwise reload entered with :func:`direct_loaders`: load each target's tensor
+    into every parameter that holds it (tied ones too), in its own format."""
+    for name, target in targets.items():
+        source = tensors[name]
+        for full in target.holders:
+            layer_name, _, attr = full.rpartition(".")
+            param: Any = getattr(model.get_submodule(layer_name), attr)
+            param.weight_loader(param, source)

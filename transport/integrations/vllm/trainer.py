@@ -25,10 +25,12 @@ log = logging.getLogger("transport.vllm")
 class TransportTrainerInitInfo(TrainerInitInfo):
     """The trainer's side of the ``transport`` backend: its store, namespace, weight group and
     peer name; ``timeout`` bounds a publish and each worker's wait for the version;
-    ``fanout``/``degree`` as for :class:`~transport.WeightPublisher`. The workers get the
-    store, namespace and group through ``init_weight_transfer_engine``, and ``dtype``, the
-    dtype this trainer publishes (default: its tensors' dtype when they share one; vLLM's loader
-    converts to the model's), and ``staging_device`` when given (see TransportInitInfo). The secret, if any, comes from
+    ``fanout``/``degree`` as for :class:`~transport.WeightPublisher`: with ``"direct"`` (the
+    default) the trainer writes each worker only what it keeps; a chain or a tree relays whole
+    checkpoints (its workers are told ``mode="whole"``). The workers get the store, namespace and
+    group through ``init_weight_transfer_engine``, and ``dtype``, the dtype this trainer
+    publishes (default: its tensors' dtype when they share one), ``mode``, ``staging_device``
+    and ``staging_gb`` when given (see TransportInitInfo). The secret, if any, comes from
     ``$TRANSPORT_SECRET`` on both sides.
 
     ``layout`` (a :class:`~transport.weights.SourceLayout` of the checkpoint tensors, the same on
@@ -48,6 +50,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     fanout: str = "direct"
     degree: int = 2
     layout: SourceLayout | None = None
+    mode: str = "auto"
+    staging_gb: float | None = None
 
     def worker_info(self) -> dict[str, Any]:
         """What each vLLM worker is told (small JSON)."""
@@ -61,6 +65,11 @@ class TransportTrainerInitInfo(TrainerInitInfo):
             info["dtype"] = self.dtype
         if self.staging_device is not None:
             info["staging_device"] = self.staging_device
+        if self.staging_gb is not None:
+            info["staging_gb"] = self.staging_gb
+        mode = "whole" if self.fanout != "direct" and self.layout is None else self.mode
+        if mode != "auto":
+            info["mode"] = mode
         return info
 
 
@@ -151,6 +160,12 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 engine.publisher = ShardedPublisher(
                     t, engine.tensors, init_info.layout, init_info.rank, group=init_info.group
                 )
+            elif init_info.fanout == "direct":
+                # one rank holding every tensor whole: it writes each worker only what the
+                # worker declared it keeps (its TP slice), or whole tensors to a whole worker
+                engine.publisher = ShardedPublisher(
+                    t, engine.tensors, whole_source(engine.tensors), 0, group=init_info.group
+                )
             else:
                 engine.publisher = WeightPublisher(
                     t,
@@ -195,7 +210,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             self.version = v
             self.last_times = SendTimes(t1 - t0, 0.0)
             return result
-        self.client.start_weight_update()
+        self._start()
         try:
             self.client.update_weights({"version": v, "timeout": info.timeout})
         except Exception as e:
@@ -217,6 +232,23 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         self.last_times = SendTimes(t1 - t0, time.perf_counter() - t1)
         return result
 
+    def _start(self) -> None:
+        """vLLM's ``start_weight_update``; if an update of a trainer that died before finishing
+        it is still open, close it first without loading what it held (the weights vLLM serves
+        and the version it reports stay those of the last finished update)."""
+        try:
+            self.client.start_weight_update()
+        except Exception as e:
+            if "already active" not in _error_text(e):
+                raise
+            log.warning(
+                "vLLM was still in an update that its trainer never finished: dropping the "
+                "version it held and finishing it, then starting ours"
+            )
+            self.client.update_weights({"abandon": True})
+            self.client.finish_weight_update()
+            self.client.start_weight_update()
+
     def _refresh_sources(self) -> None:
         """A source that yields new tensors each time (gathered shards) is copied in; the
         module's own parameters are the published tensors already."""
@@ -234,6 +266,20 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             pub.close()
         if t is not None:
             t.close()
+
+
+def whole_source(tensors: Mapping[str, torch.Tensor]) -> SourceLayout:
+    """The layout of one rank that holds every tensor whole."""
+    return SourceLayout.split(
+        1, {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, dict.fromkeys(tensors)
+    )
+
+
+def _error_text(e: BaseException) -> str:
+    """An error's text, with the body of an HTTP error response (vLLM's message is there)."""
+    response = getattr(e, "response", None)
+    body = getattr(response, "text", "") or ""
+    return f"{e} {body}"
 
 
 def _items(source: Any) -> Iterable[tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -18,7 +19,15 @@ from vllm.distributed.weight_transfer.base import (
 
 from transport import Transport, WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
-from transport.integrations.vllm.reload import load_tied, tied_parameters, unloaded_layers
+from transport.integrations.vllm.reload import (
+    direct_loaders,
+    load_direct,
+    load_tied,
+    tied_parameters,
+    unloaded_layers,
+)
+from transport.integrations.vllm.shards import WorkerLayout, learn, spec_of, whole
+from transport.weights import Snapshot
 
 log = logging.getLogger("transport.vllm")
 
@@ -26,6 +35,8 @@ log = logging.getLogger("transport.vllm")
 SECRET_ENV = "TRANSPORT_SECRET"
 #: the version a worker reports after an update that did not reach every layer
 TORN = -2
+#: what a worker may receive: chosen, its TP slice in vLLM's format, or checkpoint tensors whole
+MODES = ("auto", "sharded", "whole")
 
 
 @dataclass
@@ -33,13 +44,17 @@ class TransportInitInfo(WeightTransferInitInfo):
     """Where a vLLM worker finds the trainer (small JSON: it also travels over HTTP).
 
     ``store`` is the store URL the trainer uses (``tcp://host:port`` or ``redis://...``),
-    ``namespace`` and ``group`` those of its WeightPublisher. ``dtype`` is the dtype the
-    trainer publishes (default: the model's; vLLM's loader converts). ``staging_device`` is where
-    the two staging copies live (default: the worker's device; ``"cpu"`` keeps them out of GPU
-    memory, and the load then copies from host memory). ``name`` prefixes this worker's peer name
-    (host, pid and rank follow). ``timeout`` bounds joining the store. The
-    secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in vLLM's environment,
-    never from this message."""
+    ``namespace`` and ``group`` those of its publisher. ``dtype`` is the dtype the trainer
+    publishes (default: the model's; the sharded mode receives in the model's own dtype, the
+    whole mode in this one). ``mode`` says what this worker receives: ``"sharded"`` only what it
+    keeps (its TP slice of every parameter, in vLLM's format), ``"whole"`` every checkpoint
+    tensor whole (vLLM's loader shards them), ``"auto"`` (default) sharded unless nothing
+    of the model could be mapped. ``staging_device`` is where the two staging copies live
+    (default: the worker's device; ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds
+    them: a worker whose two copies would not fit refuses to join and says what they need.
+    ``name`` prefixes this worker's peer name (host, pid and rank follow). ``timeout`` bounds
+    joining the store. The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
+    vLLM's environment, never from this message."""
 
     store: str
     namespace: str = "default"
@@ -48,8 +63,18 @@ class TransportInitInfo(WeightTransferInitInfo):
     staging_device: str | None = None
     name: str = "vllm"
     timeout: float = 60.0
+    mode: str = "auto"
+    staging_gb: float | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"transport init_info: mode must be one of {MODES}, got {self.mode!r}")
+        if self.staging_gb is not None and (
+            not isinstance(self.staging_gb, (int, float)) or self.staging_gb <= 0
+        ):
+            raise ValueError(
+                f"transport init_info: staging_gb must be > 0, got {self.staging_gb!r}"
+            )
         if self.staging_device is not None:
             try:
                 torch.device(self.staging_device)
@@ -74,35 +99,48 @@ class TransportInitInfo(WeightTransferInitInfo):
 class TransportUpdateInfo(WeightTransferUpdateInfo):
     """Which version an update loads: ``version`` exactly (every TP rank then loads the same
     one; the trainer side always names it), or the newest complete one when None. ``timeout``
-    bounds the wait for it; past it the update fails and vLLM keeps its weights."""
+    bounds the wait for it; past it the update fails and vLLM keeps its weights.
+    ``abandon=True`` drops a version an earlier update call held whose ``finish_weight_update``
+    never came (its trainer died): the finish that follows then loads nothing."""
 
     version: int | None = None
     timeout: float = 60.0
+    abandon: bool = False
 
     def __post_init__(self) -> None:
         if self.version is not None and (
             not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0
         ):
-            raise ValueError(f"transport update_info: version must be an int >= 0, got {self.version!r}")
+            raise ValueError(
+                f"transport update_info: version must be an int >= 0, got {self.version!r}"
+            )
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise ValueError(f"transport update_info: timeout must be > 0 s, got {self.timeout!r}")
 
 
 class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInfo]):
     """One vLLM worker's receiver. It owns a Transport and a staging WeightSubscriber of the
-    trainer's group whose tensors are the model's checkpoint tensors (names, shapes, dtypes that
-    transformers builds from vLLM's config on the meta device): the publisher checks its state
-    dict against them before any byte moves and lists every mismatch.
+    trainer's group, whose tensors depend on the mode (chosen at init and logged with why):
+
+    * **sharded**: this worker's own parameters in vLLM's format (its TP slice of every column-
+      and row-parallel weight, its part of fused q/k/v and gate/up, whole replicated tensors),
+      declared as a layout over the checkpoint tensors that :mod:`.shards` learned by replaying
+      vLLM's loader once; the trainer writes it only those bytes. Checkpoint tensors the replay
+      could not map travel whole and go through vLLM's loader (named in the log).
+    * **whole**: every checkpoint tensor whole (names, shapes, dtypes that transformers builds
+      from vLLM's config on the meta device); vLLM's loader fuses and shards them.
 
     Rules:
 
     * A version is loaded only once it is complete, from the staging slot the publisher does not
-      write while it is read; nothing of the model changes before that, so an update that finds
-      no complete version (timeout) fails and vLLM serves the weights it had.
-    * Loading is one worker call: vLLM's layerwise reload starts, ``load_weights`` takes the
-      checkpoint-named tensors (vLLM fuses and shards them for its TP rank), and the reload
-      finishes, all inside ``update_weights``, so no engine step runs on half-loaded weights.
-      ``start_weight_update`` touches nothing; ``finish_weight_update`` records the version.
+      write while it is held; ``update_weights`` waits for it and holds it, and
+      ``finish_weight_update`` loads it: the model and the version vLLM reports change in the
+      same call, so a trainer that dies between the two leaves vLLM serving the weights it
+      reports. An update that finds no complete version (timeout) fails and changes nothing.
+    * Loading is vLLM's layerwise reload (each layer materialized, loaded, processed as after
+      vLLM's own load, copied into the tensors the model computes with), inside one worker call,
+      so no engine step sees half-loaded weights. If it cannot reach every layer, finish fails
+      naming them and the worker reports ``TORN`` (-2) until a whole version loads.
     * ``init_transfer_engine`` with the same info again is a no-op; with another, the engine
       leaves the old group first (if joining the new one fails, it is in none: updates say so
       until an init succeeds). ``shutdown`` leaves the group and closes the Transport.
@@ -117,9 +155,13 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self.transport: Transport | None = None
         self.subscriber: WeightSubscriber | None = None
         self.info: TransportInitInfo | None = None
+        self.layout: WorkerLayout | None = None
+        #: "sharded" or "whole", once initialized
+        self.mode: str | None = None
         #: the version the model holds (-1: the weights it started with)
         self.version = -1
-        self._loaded: int | None = None
+        self._held: contextlib.ExitStack | None = None
+        self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransportInitInfo:
@@ -135,8 +177,21 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             self._close()
             dtype = getattr(torch, init_info.dtype) if init_info.dtype else self.model_config.dtype
             if not isinstance(dtype, torch.dtype):  # vLLM resolves "auto" before workers start
-                raise ValueError(f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype")
-            spec = checkpoint_spec(self.model_config.hf_config, dtype)
+                raise ValueError(
+                    f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype"
+                )
+            layout, why = self._choose(
+                init_info, checkpoint_spec(self.model_config.hf_config, dtype)
+            )
+            staging = init_info.staging_device or self.device
+            need = 2 * layout.nbytes
+            if init_info.staging_gb is not None and need > init_info.staging_gb * 2**30:
+                raise ValueError(
+                    f"transport init_info: the {'sharded' if layout.targets else 'whole'} mode "
+                    f"needs {need / 2**30:.3f} GiB of staging (two copies of "
+                    f"{layout.nbytes / 2**30:.3f} GiB), more than staging_gb={init_info.staging_gb}; "
+                    "raise staging_gb, or serve with more tensor-parallel ranks"
+                )
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
             t = Transport(
@@ -147,75 +202,133 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 timeout=init_info.timeout,
             )
             try:
-                staging = init_info.staging_device or self.device
                 sub = WeightSubscriber(
-                    t, spec, group=init_info.group, mode="staging", staging_device=staging
-                )
+                    t, spec_of(layout), group=init_info.group, mode="staging",
+                    staging_device=staging, layout=layout.dest if layout.targets else None,
+                )  # fmt: skip
             except BaseException:
                 t.close()
                 raise
             self.transport, self.subscriber, self.info = t, sub, init_info
+            self.layout, self.mode = layout, "sharded" if layout.targets else "whole"
             log.info(
-                "vLLM worker %s joined group %s of namespace %s (%d tensors)",
-                name, init_info.group, init_info.namespace, len(spec),
+                "vLLM worker %s joined group %s of namespace %s in the %s mode (%s): %d tensors, "
+                "%.1f MiB per version, %.1f MiB of staging on %s",
+                name, init_info.group, init_info.namespace, self.mode, why, len(layout.dest),
+                layout.nbytes / 2**20, need / 2**20, staging,
             )  # fmt: skip
 
+    def _choose(
+        self, info: TransportInitInfo, spec: dict[str, torch.Tensor]
+    ) -> tuple[WorkerLayout, str]:
+        """The layout this worker declares, and why that mode."""
+        if info.mode == "whole":
+            return whole(spec, "asked for by init_info"), "asked for by init_info mode"
+        layout = learn(self.model, spec)
+        if not layout.targets:
+            if info.mode == "sharded":
+                raise ValueError(
+                    "transport init_info: mode 'sharded', but no parameter of this model could "
+                    f"be mapped to the checkpoint ({next(iter(layout.fallback.values()), '')}); "
+                    "use mode 'whole' or 'auto'"
+                )
+            return whole(spec, "nothing mapped"), "no parameter could be mapped, so whole"
+        mapped = len(spec) - len(layout.fallback)
+        why = f"{mapped} of {len(spec)} checkpoint tensors mapped to this worker's parameters"
+        return layout, why if info.mode == "auto" else why + ", asked for by init_info mode"
+
     def start_weight_update(self) -> None:
-        self._loaded = None
+        self._drop()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes the accelerator, which a CPU-only torch does not have
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: TransportUpdateInfo) -> None:
+        """Wait for the version and hold it where it landed (nothing of the model changes);
+        ``finish_weight_update`` loads it."""
+        if update_info.abandon:
+            held = self._snapshot
+            self._drop()
+            if held is not None:
+                log.warning(
+                    "vLLM worker dropped version %d of an update that was never finished; the "
+                    "model keeps version %d", held.version, self.version,
+                )  # fmt: skip
+            return
         sub = self.subscriber
         if sub is None:
             raise RuntimeError(
                 "the transport weight-transfer engine was not initialized: call "
                 "init_weight_transfer_engine with the trainer's store, namespace and group first"
             )
+        self._drop()
+        stack = contextlib.ExitStack()
+        self._snapshot = stack.enter_context(
+            sub.read(update_info.version, timeout=update_info.timeout)
+        )
+        self._held = stack
+
+    def finish_weight_update(self) -> None:
+        snap, sub = self._snapshot, self.subscriber
+        if snap is None or sub is None:
+            return
+        try:
+            self._load(snap, sub.group)
+        finally:
+            self._drop()
+        self.version = snap.version
+        log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
+
+    def _load(self, snap: Snapshot, group: str) -> None:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        with sub.read(update_info.version, timeout=update_info.timeout) as snap:
-            # the version is complete and held: only now does the model change
-            model: Any = self.model  # a vLLM model: it has load_weights
-            tied = tied_parameters(model)  # before the reload gives each layer its own tensors
+        model: Any = self.model  # a vLLM model: it has load_weights
+        layout = self.layout
+        assert layout is not None
+        targets = layout.targets
+        tied = tied_parameters(model)  # before the reload gives each layer its own tensors
+        with direct_loaders(model, targets):
             initialize_layerwise_reload(model)
             try:
-                model.load_weights(snap.tensors.items())
-                load_tied(model, tied, snap.tensors)
+                load_direct(model, targets, snap.tensors)
+                rest = {n: snap.tensors[n] for n in layout.fallback}
+                if rest:
+                    model.load_weights(rest.items())
+                    load_tied(model, tied, rest)
                 missing = unloaded_layers(model)
             finally:
                 # finish the reload even after a failed load: it started by moving the layers
                 # to the meta device
                 finalize_layerwise_reload(model, self.model_config)
-            if missing:
-                self.version = TORN
-                raise RuntimeError(
-                    f"version {snap.version} of group {sub.group} did not reach every layer of "
-                    f"the model: {', '.join(missing[:8])}"
-                    + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-                    + " kept their previous weights (vLLM's loader took none of the checkpoint "
-                    "tensors for them), so the model now holds no whole version; the next "
-                    "update that reaches every layer makes it whole again"
-                )
-        self._loaded = snap.version
-        log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if missing:
+            self.version = TORN
+            raise RuntimeError(
+                f"version {snap.version} of group {group} did not reach every layer of "
+                f"the model: {', '.join(missing[:8])}"
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                + " kept their previous weights (vLLM's loader took none of the checkpoint "
+                "tensors for them), so the model now holds no whole version; the next "
+                "update that reaches every layer makes it whole again"
+            )
 
-    def finish_weight_update(self) -> None:
-        if self._loaded is not None:
-            self.version, self._loaded = self._loaded, None
+    def _drop(self) -> None:
+        """Let go of a held version (the publisher may write its slot again)."""
+        held, self._held, self._snapshot = self._held, None, None
+        if held is not None:
+            held.close()
 
     def shutdown(self) -> None:
         with self._lock:
             self._close()
 
     def _close(self) -> None:
+        self._drop()
         sub, t = self.subscriber, self.transport
         self.subscriber = self.transport = self.info = None
         if sub is not None:

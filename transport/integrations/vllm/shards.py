@@ -1,0 +1,379 @@
+"""Where vLLM's loader puts each checkpoint tensor in this worker, learned by replaying it once.
+
+A vLLM worker computes with its own tensor-parallel slice of every column- and row-parallel
+weight, q/k/v and gate/up fused, the vocabulary split and padded; the checkpoint holds whole
+tensors. :func:`learn` replays the model's own ``load_weights`` over **probe** tensors: each
+checkpoint tensor is sent as the numbers ``offset + 0, 1, 2, ...`` (float64, exact to 2**53)
+into float64 stand-ins of the parameters in the format vLLM's loaders write (its reload
+bookkeeping keeps them as meta tensors), filled with -1. Afterwards every element of a stand-in
+says which checkpoint element the loader put there, -1 where it put nothing, and any other
+value where it computed something (a padding zero, a scaled or permuted value).
+
+Each parameter is then written as a :class:`~transport.weights.layouts.DestTensor` over the
+checkpoint tensors (slices along one dim, stacked: its TP shard, its part of fused q/k/v and
+gate/up, a whole replicated copy), and the layout is **checked against the replay**: the map
+the pieces describe must equal the map the loader made, element for element, or the
+parameter is not mapped. A parameter whose checkpoint elements fill leading rows and whose
+remaining rows the loader left unfilled or zero (the vocabulary padding) is the filled rows.
+What cannot be mapped (a loader that computes values, fills a parameter partly, writes one
+element from two tensors, or raised) is named in :attr:`WorkerLayout.fallback`, and every
+checkpoint tensor feeding it travels whole and goes through vLLM's loader: never silently
+wrong, only more bytes.
+
+The replay runs one decoder layer at a time (the layer's stand-ins are real, every other
+parameter a meta tensor, where a stray write goes nowhere and shows as unmapped), so it holds
+one layer's parameters and one checkpoint tensor in float64 at a time, once per worker at init.
+The live parameters are put back exactly as they were, even after an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from transport.weights import DestTensor, Piece, Slice
+
+log = logging.getLogger("transport.vllm")
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One parameter of vLLM's model filled from the checkpoint: ``holders``, the full names
+    that hold it (tied parameters: several), its ``shape`` in the format vLLM's loaders write
+    and its ``dtype``; the checkpoint fills its first ``rows`` rows (the rest is padding, zero)."""
+
+    holders: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows: int
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """What one worker takes of each version: ``dest``, the layout it declares (name ->
+    DestTensor over the checkpoint tensors), of which ``targets`` are its own parameters
+    (written straight in, by a direct loader) and the rest are checkpoint tensors taken whole
+    for vLLM's loader, each named in ``fallback`` with the reason."""
+
+    dest: dict[str, DestTensor]
+    targets: dict[str, Target]
+    fallback: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one version this worker receives."""
+        return sum(math.prod(d.shape) * d.dtype.itemsize for d in self.dest.values())
+
+
+def whole(spec: Mapping[str, torch.Tensor], why: str) -> WorkerLayout:
+    """Every checkpoint tensor whole, for vLLM's loader (the checkpoint path), with ``why``."""
+    dest = {n: DestTensor(tuple(t.shape), t.dtype, (Piece(n),)) for n, t in spec.items()}
+    return WorkerLayout(dest, {}, dict.fromkeys(spec, why))
+
+
+def learn(model: torch.nn.Module, spec: Mapping[str, torch.Tensor]) -> WorkerLayout:
+    """Replay ``model.load_weights`` over probes of the checkpoint tensors ``spec`` (meta
+    tensors: names, shapes, dtypes) and return this worker's layout (see the module's doc)."""
+    params = _loader_format(model)
+    if params is None:
+        return whole(spec, "vLLM recorded no loader format for this model (no reload metadata)")
+    offsets, at = {}, 1  # 0 and -1 are never a checkpoint element
+    for name, t in spec.items():
+        offsets[name] = at
+        at += t.numel()
+    if at >= 2**53:
+        return whole(spec, "the checkpoint has more elements than a float64 probe counts exactly")
+    maps: dict[str, torch.Tensor] = {}
+    raised: dict[str, str] = {}
+    groups: dict[int | None, list[str]] = {}
+    for name in spec:
+        groups.setdefault(_layer_of(name), []).append(name)
+    with _stand_ins(model, params) as stand:
+        for group, names in groups.items():
+            mine = [p for p in params.firsts if _layer_of(p) == group]
+            stand.make_real(mine)
+            for name in names:
+                t = spec[name]
+                probe = torch.arange(t.numel(), dtype=torch.float64).add_(offsets[name])
+                try:
+                    model.load_weights([(name, probe.view(t.shape))])  # type: ignore[operator]
+                except Exception as e:  # a loader that refuses a probe: that tensor falls back
+                    raised[name] = f"vLLM's loader raised {type(e).__name__}: {e}"
+            for p in mine:
+                maps[p] = stand.values(p)
+            stand.make_meta(mine)
+    return _layout(spec, offsets, params, maps, raised)
+
+
+@dataclass
+class _Params:
+    """The model's parameters in loader format: per distinct parameter (its first name), the
+    (module, attribute) of every name holding it and the template tensor (vLLM's meta copy)."""
+
+    holders: dict[str, list[tuple[torch.nn.Module, str]]]
+    names: dict[str, list[str]]
+    template: dict[str, torch.Tensor]
+
+    @property
+    def firsts(self) -> list[str]:
+        return list(self.template)
+
+
+def _loader_format(model: torch.nn.Module) -> _Params | None:
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    first: dict[int, str] = {}
+    out = _Params({}, {}, {})
+    for mod_name, module in model.named_modules():
+        live = dict(module.named_parameters(recurse=False))
+        if not live:
+            continue
+        recorded, _ = get_layerwise_info(module).restore_metadata
+        for attr, param in live.items():
+            template = recorded.get(attr)
+            if template is None:
+                if attr != "bias":  # vLLM records every parameter but the bias (built later)
+                    return None
+                template = param
+            else:
+                template = restore_layer_refs(template, module)
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            key = first.setdefault(id(param), full)
+            out.holders.setdefault(key, []).append((module, attr))
+            out.names.setdefault(key, []).append(full)
+            out.template.setdefault(key, template)
+    return out
+
+
+class _StandIns:
+    """Float64 stand-ins registered in place of the live parameters (real for the layer being
+    replayed, meta for the rest); remembers the live ones to put back."""
+
+    def __init__(self, params: _Params) -> None:
+        self.params = params
+        self.live: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+        self.real: dict[str, torch.Tensor] = {}
+
+    def _stand_in(self, key: str, device: str) -> torch.Tensor:
+        template = self.params.template[key]
+        t = torch.full(tuple(template.shape), -1.0, dtype=torch.float64, device=device)
+        t.__class__ = template.__class__  # vLLM's parameter classes load through their methods
+        t.__dict__ = template.__dict__.copy()
+        loader = getattr(t, "weight_loader", None)  # an attribute, or a property of vLLM's
+        if loader is not None and loader is not original_loader(loader):
+            t.weight_loader = original_loader(loader)  # type: ignore[attr-defined]
+        return t
+
+    def _register(self, key: str, tensor: torch.Tensor) -> None:
+        for module, attr in self.params.holders[key]:
+            module.register_parameter(attr, tensor)  # type: ignore[arg-type]
+
+    def make_real(self, keys: list[str]) -> None:
+        for key in keys:
+            self.real[key] = self._stand_in(key, "cpu")
+            self._register(key, self.real[key])
+
+    def make_meta(self, keys: list[str]) -> None:
+        for key in keys:
+            self.real.pop(key, None)
+            self._register(key, self._stand_in(key, "meta"))
+
+    def values(self, key: str) -> torch.Tensor:
+        return self.real[key].detach().as_subclass(torch.Tensor).clone()
+
+
+@contextmanager
+def _stand_ins(model: torch.nn.Module, params: _Params) -> Iterator[_StandIns]:
+    stand = _StandIns(params)
+    for holders in params.holders.values():
+        for module, attr in holders:
+            stand.live.append((module, attr, getattr(module, attr)))
+    try:
+        stand.make_meta(params.firsts)
+        yield stand
+    finally:
+        for module, attr, param in stand.live:
+            module.register_parameter(attr, param)
+
+
+def original_loader(loader: Any) -> Any:
+    """``loader`` without vLLM's layerwise-reload wrappers (which a reload leaves on its
+    bookkeeping tensors, and which load nothing outside a reload)."""
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    return loader
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+# -- from the replay's maps to a layout ----------------------------------------------------------
+
+
+def _layout(
+    spec: Mapping[str, torch.Tensor],
+    offsets: dict[str, int],
+    params: _Params,
+    maps: dict[str, torch.Tensor],
+    raised: dict[str, str],
+) -> WorkerLayout:
+    names = list(spec)
+    starts = np.array([offsets[n] for n in names], dtype=np.int64)
+    fallback = dict(raised)
+    feeds: dict[str, set[str]] = {}  # checkpoint name -> parameters it fed
+    fed_by: dict[str, set[str]] = {}
+    made: dict[str, tuple[DestTensor, Target]] = {}
+    bad: dict[str, str] = {}  # parameter -> why it is not mapped
+    for key, m in maps.items():
+        flat = m.view(-1).numpy()
+        written = flat >= 1
+        if not written.any():
+            continue
+        ids = np.searchsorted(starts, flat[written].astype(np.int64), side="right") - 1
+        sources = {names[i] for i in np.unique(ids)}
+        fed_by[key] = sources
+        for s in sources:
+            feeds.setdefault(s, set()).add(key)
+        try:
+            made[key] = _derive(key, m, spec, names, starts, offsets, params)
+        except _Unmapped as e:
+            bad[key] = str(e)
+    for name in spec:
+        if name not in feeds and name not in fallback:
+            fallback[name] = "vLLM's loader put none of it into a parameter of this worker"
+    # a parameter not mapped sends every tensor feeding it through the loader, and a tensor
+    # through the loader takes every parameter it feeds with it: until nothing changes
+    changed = True
+    while changed:
+        changed = False
+        for key, why in list(bad.items()):
+            for s in fed_by.get(key, ()):
+                if s not in fallback:
+                    fallback[s] = f"it fills {key}, which {why}"
+                    changed = True
+        for s in list(fallback):
+            for key in feeds.get(s, ()):
+                if key not in bad:
+                    bad[key] = f"is also filled from {s} (taken whole: {fallback[s]})"
+                    changed = True
+    dest: dict[str, DestTensor] = {}
+    targets: dict[str, Target] = {}
+    for key, (d, target) in made.items():
+        if key not in bad:
+            dest[key], targets[key] = d, target
+    for name, why in fallback.items():
+        if name in dest:  # a checkpoint name that is also a parameter's: keep both apart
+            raise RuntimeError(f"checkpoint tensor {name!r} and a parameter share a name ({why})")
+        t = spec[name]
+        dest[name] = DestTensor(tuple(t.shape), t.dtype, (Piece(name),))
+    for name, why in sorted(fallback.items()):
+        log.info("vLLM worker: checkpoint tensor %s travels whole (%s)", name, why)
+    return WorkerLayout(dest, targets, fallback)
+
+
+class _Unmapped(Exception):
+    """A parameter whose replay map no layout of slices describes (the message says why)."""
+
+
+def _derive(
+    key: str,
+    m: torch.Tensor,
+    spec: Mapping[str, torch.Tensor],
+    names: list[str],
+    starts: np.ndarray,
+    offsets: dict[str, int],
+    params: _Params,
+) -> tuple[DestTensor, Target]:
+    template = params.template[key]
+    shape = tuple(m.shape)
+    if not shape:
+        raise _Unmapped("is a scalar")
+    flat = m.view(-1)
+    if (
+        not torch.equal(flat, flat.round())
+        or flat.max().item() >= starts[-1] + spec[names[-1]].numel()
+    ):
+        raise _Unmapped("holds values the loader computed rather than copied")
+    filled = (m >= 1).reshape(shape[0], -1)
+    rows = int(filled.all(dim=1).sum().item())
+    if not filled[:rows].all() or filled[rows:].any():
+        raise _Unmapped("is filled partly (not whole leading rows)")
+    rest = m[rows:]
+    if rest.numel() and not bool(((rest == 0) | (rest == -1)).all()):
+        raise _Unmapped("has rows past the checkpoint's that the loader filled")
+    body = m[:rows].to(torch.int64)
+    for dim in range(len(shape)):
+        pieces = _pieces(body, dim, spec, names, starts, offsets)
+        if pieces is not None:
+            d = DestTensor((rows, *shape[1:]), template.dtype, tuple(pieces), dim)
+            return d, Target(tuple(params.names[key]), shape, template.dtype, rows)
+    raise _Unmapped("is no stack of checkpoint slices along one dim")
+
+
+def _pieces(
+    body: torch.Tensor,
+    dim: int,
+    spec: Mapping[str, torch.Tensor],
+    names: list[str],
+    starts: np.ndarray,
+    offsets: dict[str, int],
+) -> list[Piece] | None:
+    """The pieces along ``dim`` that make ``body`` (checkpoint element numbers), checked
+    element for element; None when no such pieces make it."""
+    slabs = body.movedim(dim, 0).reshape(body.shape[dim], -1)
+    heads = slabs[:, 0].numpy()
+    ids = np.searchsorted(starts, heads, side="right") - 1
+    pieces: list[Piece] = []
+    k = 0
+    while k < len(heads):
+        src = names[int(ids[k])]
+        shape = tuple(spec[src].shape)
+        if len(shape) != body.dim() or any(
+            a != b for j, (a, b) in enumerate(zip(shape, body.shape, strict=True)) if j != dim
+        ):
+            return None
+        stride = math.prod(shape[dim + 1 :])
+        row, within = divmod(int(heads[k]) - offsets[src], stride)
+        if within or row >= shape[dim]:
+            return None  # the slab does not start a slab of the source along ``dim``
+        n = 1
+        while (
+            k + n < len(heads)
+            and ids[k + n] == ids[k]
+            and row + n < shape[dim]
+            and heads[k + n] == heads[k] + n * stride
+        ):
+            n += 1
+        # a whole source says so (Slice()): the publisher then checks its shape, not a range
+        take = Slice() if (row, n) == (0, shape[dim]) else Slice(dim, row, row + n)
+        pieces.append(Piece(src, take, k))
+        k += n
+    expect = torch.cat([_numbers(p, spec, offsets) for p in pieces], dim=dim)
+    return pieces if torch.equal(expect, body) else None
+
+
+def _numbers(p: Piece, spec: Mapping[str, torch.Tensor], offsets: dict[str, int]) -> torch.Tensor:
+    """The checkpoint element numbers piece ``p`` stands for, in its shape."""
+    src = spec[p.source]
+    out = torch.arange(src.numel(), dtype=torch.int64).view(tuple(src.shape)).add(offsets[p.source])
+    if p.take.dim is None:
+        return out
+    return out.narrow(p.take.dim, p.take.start, p.take.stop - p.take.start)
+
+
+def spec_of(layout: WorkerLayout) -> dict[str, Any]:
+    """Meta tensors of the layout's destination tensors (what the worker's subscriber takes)."""
+    return {n: torch.empty(d.shape, dtype=d.dtype, device="meta") for n, d in layout.dest.items()}
