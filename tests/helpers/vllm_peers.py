@@ -100,14 +100,12 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
 
 
 def _engine_state(worker: Any) -> dict[str, Any]:
-    engine = getattr(worker, "worker", worker).weight_transfer_engine
-    sub = engine.subscriber
-    return {
-        "loaded": engine.version,
-        "complete": None if sub is None else sub.version,
-        "incomplete": None if sub is None else sub.incomplete,
-        "name": None if engine.transport is None else engine.transport.name,
-    }
+    """The worker engine's state (EngineState), with ``loaded`` (the version the model holds)
+    and ``name`` (its peer name) as the tests name them."""
+    import dataclasses
+
+    state = dataclasses.asdict(getattr(worker, "worker", worker).weight_transfer_engine.state())
+    return {**state, "loaded": state["version"], "name": state["peer"]}
 
 
 def _skip_tied(worker: Any, skip: bool) -> None:
@@ -316,7 +314,9 @@ class ShardedLlamaRank(ChildProcess):
 
     def __init__(self, name: str, store_url: str, model_dir: Path, group: str, world: int,
                  rank: int, wait: bool = True) -> None:  # fmt: skip
-        super().__init__(name, _rank_child, (store_url, str(model_dir), group, world, rank), 60, wait)
+        super().__init__(
+            name, _rank_child, (store_url, str(model_dir), group, world, rank), 60, wait
+        )
 
 
 def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, world: int,

@@ -1,5 +1,6 @@
 """vLLM (the real engine, CPU build, offline ``LLM``) receives weights through the ``transport``
-backend from a trainer in another process that publishes with a plain WeightPublisher. After
+backend from a trainer in another process that publishes as one rank holding every tensor
+(each worker takes only what it keeps), or with a plain WeightPublisher (the whole mode). After
 each update vLLM's greedy tokens equal transformers' on the same weights (float32): every
 tensor arrived, was fused and loaded. The faults: a trainer killed mid-publish, a version that
 never comes, a store nobody hosts, a trainer of another model; in each, vLLM keeps serving the
@@ -93,9 +94,10 @@ def test_a_sharded_trainer_of_two_ranks_updates_vllm(vllm, store, reference, mod
 def test_vllms_trainer_factory_drives_a_sharded_trainer(store, reference, model_dir):
     """vLLM's own trainer API with a source layout: every rank publishes its shards through the
     ``transport`` trainer engine, rank 0 (which hosts the engine here) drives each update."""
-    with ShardedTrainer("trainer", store.url, model_dir, 2, 0) as rank0, ShardedTrainer(
-        "trainer", store.url, model_dir, 2, 1
-    ) as rank1:
+    with (
+        ShardedTrainer("trainer", store.url, model_dir, 2, 0) as rank0,
+        ShardedTrainer("trainer", store.url, model_dir, 2, 1) as rank1,
+    ):
         for version in (1, 2):
             rank1.begin("send", version)
             status, tokens = rank0.call("send", version, timeout=120)
@@ -105,12 +107,19 @@ def test_vllms_trainer_factory_drives_a_sharded_trainer(store, reference, model_
             assert tokens == reference(version), f"version {version}"
 
 
+@pytest.mark.parametrize("mode", ["sharded", "whole"])
 def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_loads(
-    vllm, store, reference, model_dir
+    vllm, store, reference, model_dir, mode
 ):
-    vllm.call("init", _info(store, "killed"))
+    """In either mode a version reaches the model only once complete in staging: a trainer
+    that dies mid-publish leaves vLLM serving (and reporting) the version before."""
+    group, plain = f"killed-{mode}", mode == "whole"
+    vllm.call("init", {**_info(store, group), "mode": mode})
+    assert vllm.call("engine_state")[0]["mode"] == mode
     # every transfer posted by its engine thread (none inline), which the test holds below
-    first = LlamaPublisher("trainer", store.url, model_dir, group="killed", inline_bytes=0)
+    first = LlamaPublisher(
+        "trainer", store.url, model_dir, group=group, inline_bytes=0, plain=plain
+    )
     try:
         status, reasons = first.call("publish", 1, 30.0)
         assert status == {_worker(vllm): "done"}, reasons
@@ -118,9 +127,7 @@ def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_l
         # version 2's bytes go, its completion never does; the trainer dies then
         first.call("hold_notified_parts")
         first.call("publish_nowait", 2, 30.0)
-        wait_until(
-            lambda: vllm.call("engine_state")[0]["incomplete"] == 2, 30, "version 2 began"
-        )
+        wait_until(lambda: vllm.call("engine_state")[0]["incomplete"] == 2, 30, "version 2 began")
         first.kill()
         assert first.proc.exitcode == -signal.SIGKILL
     finally:
@@ -130,9 +137,37 @@ def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_l
     assert vllm.call("weight_version") == "1"
     assert vllm.call("generate") == reference(1)
     # the trainer restarts (a new incarnation of the same name) and goes on
-    with LlamaPublisher("trainer", store.url, model_dir, group="killed") as second:
+    with LlamaPublisher("trainer", store.url, model_dir, group=group, plain=plain) as second:
         status, reasons = second.call("publish", 3, 30.0)
         assert status == {_worker(vllm): "done"}, reasons
+        assert vllm.call("update", {"version": 3}) == "3"
+        assert vllm.call("generate") == reference(3)
+
+
+def test_a_trainer_that_dies_between_update_and_finish_leaves_vllm_reporting_what_it_serves(
+    vllm, store, reference, model_dir
+):
+    """vLLM names the version it serves only at finish_weight_update: a version is held by
+    the update call and loaded by the finish, so a trainer that dies between the two leaves
+    vLLM serving the version it reports (an RL framework weighs samples by it). The next trainer
+    finds the update open, drops what the dead one held, and goes on."""
+    vllm.call("init", _info(store, "unfinished"))
+    with LlamaPublisher("trainer", store.url, model_dir, group="unfinished") as trainer:
+        trainer.call("publish", 1, 30.0)
+        assert vllm.call("update", {"version": 1}) == "1"
+        trainer.call("publish", 2, 30.0)
+        vllm.call("update_unfinished", {"version": 2})  # start, update; the trainer dies
+        assert vllm.call("engine_state")[0]["held"] == 2
+        assert vllm.call("weight_version") == "1"
+        assert vllm.call("generate") == reference(1)  # what it reports, not version 2
+        with pytest.raises(ChildError, match="already active"):
+            vllm.call("start")
+        vllm.call("update_only", {"abandon": True})  # what TransportTrainer does then
+        vllm.call("finish", None)
+        assert vllm.call("engine_state")[0]["held"] is None
+        assert vllm.call("weight_version") == "1"
+        assert vllm.call("generate") == reference(1)
+        trainer.call("publish", 3, 30.0)
         assert vllm.call("update", {"version": 3}) == "3"
         assert vllm.call("generate") == reference(3)
 
@@ -158,7 +193,9 @@ def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_servi
 
 def test_a_trainer_publishing_bfloat16_feeds_a_float32_model(vllm, store, reference, model_dir):
     vllm.call("init", {**_info(store, "bf16"), "dtype": "bfloat16"})  # what the trainer sends
-    with LlamaPublisher("trainer", store.url, model_dir, group="bf16", mangle="bfloat16") as trainer:
+    with LlamaPublisher(
+        "trainer", store.url, model_dir, group="bf16", mangle="bfloat16"
+    ) as trainer:
         status, reasons = trainer.call("publish", 8, 30.0)
         assert status == {_worker(vllm): "done"}, reasons
         assert vllm.call("update", {"version": 8}) == "8"

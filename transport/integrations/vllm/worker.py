@@ -118,6 +118,26 @@ class TransportUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"transport update_info: timeout must be > 0 s, got {self.timeout!r}")
 
 
+@dataclass(frozen=True)
+class EngineState:
+    """What one worker's engine holds: its ``peer`` name and ``mode``; ``version``, the version
+    the model holds (-1: the weights it started with, -2: none whole); ``held``, a version an
+    update holds until ``finish_weight_update`` loads it; the newest ``complete`` and any
+    ``incomplete`` version in staging; ``version_bytes``, the bytes of one version this worker
+    receives; ``staging_bytes``, the staging memory it holds (every slot, counted from its
+    buffers); ``fallback``, the checkpoint tensors that travel whole, with why."""
+
+    peer: str | None
+    mode: str | None
+    version: int
+    held: int | None
+    complete: int | None
+    incomplete: int | None
+    version_bytes: int
+    staging_bytes: int
+    fallback: dict[str, str]
+
+
 class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInfo]):
     """One vLLM worker's receiver. It owns a Transport and a staging WeightSubscriber of the
     trainer's group, whose tensors depend on the mode (chosen at init and logged with why):
@@ -322,6 +342,24 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         held, self._held, self._snapshot = self._held, None, None
         if held is not None:
             held.close()
+
+    def state(self) -> EngineState:
+        sub, t, layout, snap = self.subscriber, self.transport, self.layout, self._snapshot
+        storages = {}
+        for slot in [] if sub is None else sub.staging:
+            for x in slot.values():
+                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return EngineState(
+            peer=None if t is None else t.name,
+            mode=self.mode,
+            version=self.version,
+            held=None if snap is None else snap.version,
+            complete=None if sub is None else sub.version,
+            incomplete=None if sub is None else sub.incomplete,
+            version_bytes=0 if layout is None else layout.nbytes,
+            staging_bytes=sum(storages.values()),
+            fallback={} if layout is None else dict(layout.fallback),
+        )
 
     def shutdown(self) -> None:
         with self._lock:

@@ -1,0 +1,23 @@
+"""A vLLM worker extension that reports the ``transport`` engine's state of every worker.
+
+Start vLLM with ``--worker-extension-cls transport.integrations.vllm.extension.TransportState``
+(``worker_extension_cls=`` for ``LLM``); then ``llm.collective_rpc("transport_state")``, or
+``POST /collective_rpc {"method": "transport_state"}`` on a server in dev mode, returns one
+dict per worker: :class:`~transport.integrations.vllm.worker.EngineState` (mode, the version
+the model holds, bytes per version, staging memory, what travels whole and why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class TransportState:
+    """Mixed into vLLM's worker class by vLLM (it owns nothing; it reads the worker's engine)."""
+
+    def transport_state(self) -> dict[str, Any] | None:
+        """This worker's engine state as JSON-ready values (None without the transport backend)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        state = getattr(engine, "state", None)
+        return None if state is None else dataclasses.asdict(state())
