@@ -225,35 +225,49 @@ def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
         from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
 
         register()  # a trainer runs no vLLM engine, so vLLM's plugins are not loaded here
-        model = hf_model(0)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", (0, os.getpid())))
     engines: list[Any] = []
+    models: list[Any] = []
 
-    def connect(url: str, store: str, namespace: str, kwargs: dict[str, Any]) -> None:
+    def connect(
+        url: str, store: str, namespace: str, kwargs: dict[str, Any], kind: str = "llama"
+    ) -> None:
+        models.append(hf_model(0, kind=kind))
         info = TransportTrainerInitInfo(store, namespace=namespace, name=name, rank=0, **kwargs)
         engines.append(
             WeightTransferTrainerFactory.trainer_init(
-                info, client=HTTPClient(url), source=ModuleSource(model)
+                info, client=HTTPClient(url), source=ModuleSource(models[-1])
             )
         )
 
     def send(version: int) -> tuple[dict[str, str], dict[str, str]]:
-        set_version(model.state_dict(), version)  # the module's parameters, in place
-        r = engines[0].send_weights(version)
+        set_version(models[-1].state_dict(), version)  # the module's parameters, in place
+        r = engines[-1].send_weights(version)
         return dict(r.status), dict(r.reasons)
 
-    serve(conn, {"connect": connect, "send": send}, lambda: [e.shutdown() for e in engines])
+    def publish(version: int) -> tuple[dict[str, str], dict[str, str]]:
+        """Publish only: vLLM is not asked to load it."""
+        set_version(models[-1].state_dict(), version)
+        r = engines[-1].publisher.publish(version, timeout=30).wait(60)
+        return dict(r.status), dict(r.reasons)
+
+    def traffic() -> dict[str, int]:
+        return {n: x.written for n, x in engines[-1].transport.traffic().items()}
+
+    handlers = {"connect": connect, "send": send, "publish": publish, "traffic": traffic}
+    serve(conn, handlers, lambda: [e.shutdown() for e in engines])
 
 
 class HttpTrainer(ChildProcess):
     """A trainer driving a vLLM server with the ``transport`` trainer engine, found by name in
     vLLM's WeightTransferTrainerFactory, over vLLM's HTTP client. ``env`` is set in the child
-    first. Commands: ``connect(url, store_url, namespace, init_kwargs)`` (trainer_init),
-    ``send(version)`` (sets the model's parameters to that version and sends them; returns the
-    publish's (status, reasons))."""
+    first. Commands: ``connect(url, store_url, namespace, init_kwargs, kind)`` (trainer_init of
+    the test model ``kind``), ``send(version)`` (sets the model's parameters to that version and
+    sends them; returns the publish's (status, reasons)), ``publish(version)`` (only publishes),
+    ``traffic`` (bytes written to each peer so far)."""
 
     def __init__(
         self, name: str, env: dict[str, str] | None = None, start_timeout: float = 120,
@@ -304,13 +318,16 @@ def _rank_child(conn: Any, name: str, store: str, model_dir: str, group: str, wo
         r = pub.publish(version, timeout=timeout).wait(timeout + 30)
         return dict(r.status), dict(r.reasons)
 
-    serve(conn, {"publish": publish}, lambda: (pub.close(), t.close()))
+    def traffic() -> dict[str, int]:
+        return {n: x.written for n, x in t.traffic().items()}
+
+    serve(conn, {"publish": publish, "traffic": traffic}, lambda: (pub.close(), t.close()))
 
 
 class ShardedLlamaRank(ChildProcess):
     """Rank ``rank`` of a ``world``-rank trainer of the small Llama (tensor-parallel shards),
-    publishing with a ShardedPublisher into vLLM's workers, which take whole checkpoint tensors.
-    Command: ``publish(version, timeout)`` -> (status, reasons)."""
+    publishing with a ShardedPublisher into vLLM's workers. Commands: ``publish(version,
+    timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far)."""
 
     def __init__(self, name: str, store_url: str, model_dir: Path, group: str, world: int,
                  rank: int, wait: bool = True) -> None:  # fmt: skip

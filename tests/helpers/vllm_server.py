@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from helpers.llama import NEW_TOKENS, PROMPTS
 from transport.integrations.vllm.server import VllmServer as Server
 
+#: every worker reports its transport engine's state (collective_rpc "transport_state")
+EXTENSION = ("--worker-extension-cls", "transport.integrations.vllm.extension.TransportState")
 ARGS = (
     "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--block-size", "32",
     "--seed", "0", "--skip-tokenizer-init",
@@ -23,13 +26,17 @@ class VllmServer(Server):
     ) -> None:  # fmt: skip
         cores = os.cpu_count() or 1
         super().__init__(
-            model_dir, log, port=port, tp=tp, args=ARGS, start_timeout=240,
+            model_dir, log, port=port, tp=tp, args=(*ARGS, *EXTENSION), start_timeout=240,
             env={
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
                 "TOKENIZERS_PARALLELISM": "false",
                 **(env or {}),
             },
         )  # fmt: skip
+
+    def transport_state(self) -> list[dict[str, Any]]:
+        """Each worker's transport engine state (EngineState), in rank order."""
+        return list(self.post("collective_rpc", {"method": "transport_state"})["results"])
 
     def generate(self) -> list[list[int]]:
         """Greedy tokens of every prompt of helpers.llama.PROMPTS."""

@@ -15,7 +15,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from transport import PublishResult, Transport, TransportError, WeightPublisher
 from transport.integrations.vllm.plugin import BACKEND
-from transport.integrations.vllm.worker import SECRET_ENV
+from transport.integrations.vllm.worker import OPEN, SECRET_ENV, update_key
 from transport.weights import ShardedPublisher, SourceLayout
 
 log = logging.getLogger("transport.vllm")
@@ -210,6 +210,14 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             self.version = v
             self.last_times = SendTimes(t1 - t0, 0.0)
             return result
+        if not result.done or result.excluded or result.lost:
+            # every worker must load the same version; and a worker that raises leaves vLLM's
+            # executor (several workers) out of step: never ask for what cannot load
+            raise UpdateError(
+                f"version {v} did not reach every vLLM worker (done {result.done}, excluded "
+                f"{result.excluded}, lost {result.lost}, reasons {dict(result.reasons)}); vLLM "
+                "was not asked to load it and keeps serving the weights it had"
+            )
         self._start()
         try:
             self.client.update_weights({"version": v, "timeout": info.timeout})
@@ -233,21 +241,32 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         return result
 
     def _start(self) -> None:
-        """vLLM's ``start_weight_update``; if an update of a trainer that died before finishing
-        it is still open, close it first without loading what it held (the weights vLLM serves
-        and the version it reports stay those of the last finished update)."""
-        try:
-            self.client.start_weight_update()
-        except Exception as e:
-            if "already active" not in _error_text(e):
-                raise
+        """vLLM's ``start_weight_update``; if a trainer before us left an update open (it died
+        between start and finish), close it first without loading what it held: the weights vLLM
+        serves and the version it reports stay those of the last finished update. Whether one
+        is open, each worker says in the store (worker.update_key), so nothing here provokes
+        an error from vLLM."""
+        if self._open_updates():
             log.warning(
-                "vLLM was still in an update that its trainer never finished: dropping the "
+                "vLLM is still in an update that its trainer never finished: dropping the "
                 "version it held and finishing it, then starting ours"
             )
             self.client.update_weights({"abandon": True})
             self.client.finish_weight_update()
-            self.client.start_weight_update()
+        self.client.start_weight_update()
+
+    def _open_updates(self) -> list[str]:
+        """The group's workers that mark an update open (their own signed marks)."""
+        pub, t, info = self.publisher, self.transport, self.info
+        if pub is None or t is None or info is None:
+            return []
+        out = []
+        for peer in pub.subscribers():
+            key = update_key(info.namespace, info.group, peer)
+            value = t.core.signed.read(key, f"the update mark {key}", writer=peer)
+            if value is not None and value.body == OPEN:
+                out.append(peer)
+        return out
 
     def _refresh_sources(self) -> None:
         """A source that yields new tensors each time (gathered shards) is copied in; the
@@ -273,13 +292,6 @@ def whole_source(tensors: Mapping[str, torch.Tensor]) -> SourceLayout:
     return SourceLayout.split(
         1, {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, dict.fromkeys(tensors)
     )
-
-
-def _error_text(e: BaseException) -> str:
-    """An error's text, with the body of an HTTP error response (vLLM's message is there)."""
-    response = getattr(e, "response", None)
-    body = getattr(response, "text", "") or ""
-    return f"{e} {body}"
 
 
 def _items(source: Any) -> Iterable[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from transport import Transport, WeightSubscriber
+from transport import Transport, TransportError, WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
 from transport.integrations.vllm.reload import (
     direct_loaders,
@@ -37,6 +37,17 @@ SECRET_ENV = "TRANSPORT_SECRET"
 TORN = -2
 #: what a worker may receive: chosen, its TP slice in vLLM's format, or checkpoint tensors whole
 MODES = ("auto", "sharded", "whole")
+#: the values of a worker's update mark (see update_key)
+OPEN, CLOSED = b"open", b"closed"
+
+
+def update_key(namespace: str, group: str, peer: str) -> str:
+    """The store key where worker ``peer`` marks (signed) whether vLLM has an update open on it:
+    ``open`` from ``start_weight_update`` until a finish succeeds or an update call fails, as
+    vLLM's own flag. A trainer reads it before starting: an update its predecessor left open is
+    closed first, without provoking vLLM's error (with several workers, vLLM's executor reads
+    only the first worker's error reply and hands the others to the calls that follow)."""
+    return f"transport/{namespace}/groups/{group}/vllm-update/{peer}"
 
 
 @dataclass
@@ -259,10 +270,25 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
 
     def start_weight_update(self) -> None:
         self._drop()
+        self._mark(OPEN)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes the accelerator, which a CPU-only torch does not have
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self._mark(CLOSED)  # vLLM ends an update whose update call raised
+            raise
+
+    def _mark(self, value: bytes) -> None:
+        """Say in the store whether vLLM has an update open here (see update_key)."""
+        t, info = self.transport, self.info
+        if t is None or info is None:
+            return
+        try:
+            t.core.signed.set(update_key(info.namespace, info.group, t.name), value)
+        except TransportError as e:  # a hint for the next trainer: the update goes on
+            log.warning("vLLM worker could not mark its update %s: %s", value.decode(), e)
 
     def receive_weights(self, update_info: TransportUpdateInfo) -> None:
         """Wait for the version and hold it where it landed (nothing of the model changes);
@@ -292,11 +318,13 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     def finish_weight_update(self) -> None:
         snap, sub = self._snapshot, self.subscriber
         if snap is None or sub is None:
+            self._mark(CLOSED)
             return
         try:
             self._load(snap, sub.group)
         finally:
             self._drop()
+        self._mark(CLOSED)
         self.version = snap.version
         log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
 
