@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from transport.errors import WireFormatError
-from transport.weights import SourceLayout, full_copy, tp_shard
-from transport.weights._layout_wire import decode_dest, encode_dest, source_digest
+from transport.weights import DestTensor, Piece, Slice, SourceLayout, full_copy, tp_shard
+from transport.weights._layout_wire import decode_dest, decode_sources, encode_dest, source_digest
 from transport.weights.layouts import fp8
 
 SRC = SourceLayout.split(2, {"q": ((64, 32), torch.float32), "k": ((32, 32), torch.float32),
@@ -30,9 +30,18 @@ def test_layouts_survive_the_trip():
         ({"v": 1, "t": {"x": [[4], "float32", 0, []]}}, "expected \\[shape"),
         ({"v": 1, "t": {"x": [[4], "complex", 0, [], None, ""]}}, "malformed shape"),
         ({"v": 1, "t": {"x": [[4], "float32", 3, [], None, ""]}}, "malformed shape"),
-        ({"v": 1, "t": {"x": [[4], "float32", 0, [["q", 9, 0, 1, 0]], None, ""]}}, "malformed piece"),
-        ({"v": 1, "t": {"x": [[4], "float32", 0, [["q", None, -1, 1, 0]], None, ""]}}, "malformed piece"),
-        ({"v": 1, "t": {"x": [[4], "float32", 0, [["q", None, 0, 0, 0]], ["s", [0, 4]], ""]}}, "quant"),
+        (
+            {"v": 1, "t": {"x": [[4], "float32", 0, [["q", 9, 0, 1, 0]], None, ""]}},
+            "malformed piece",
+        ),
+        (
+            {"v": 1, "t": {"x": [[4], "float32", 0, [["q", None, -1, 1, 0]], None, ""]}},
+            "malformed piece",
+        ),
+        (
+            {"v": 1, "t": {"x": [[4], "float32", 0, [["q", None, 0, 0, 0]], ["s", [0, 4]], ""]}},
+            "quant",
+        ),
         ({"v": 1, "t": {"": [[4], "float32", 0, [], None, ""]}}, "short str"),
     ],
 )
@@ -49,7 +58,26 @@ def test_garbage_and_oversized_layouts_are_refused():
 
 
 def test_the_digest_tells_source_layouts_apart():
-    same = SourceLayout.split(2, {n: (t.shape, t.dtype) for n, t in SRC.tensors.items()}, {"n": None})
+    same = SourceLayout.split(
+        2, {n: (t.shape, t.dtype) for n, t in SRC.tensors.items()}, {"n": None}
+    )
     assert source_digest(same) == source_digest(SRC)
     other = SourceLayout.split(2, {n: (t.shape, t.dtype) for n, t in SRC.tensors.items()}, {"n": 0})
     assert source_digest(other) != source_digest(SRC)
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [{"q": "big"}, {"q": [-1, 4]}, {"q": []}, {"q": [1] * 9}, {"": [4]}, ["q", 4]],
+)
+def test_malformed_source_shapes_are_refused_with_the_rule(sources):
+    raw = msgpack.packb({"v": 1, "t": {}, "s": sources}, use_bin_type=True)
+    with pytest.raises(WireFormatError):
+        decode_sources(raw)
+
+
+def test_source_shapes_travel_with_the_layout():
+    layout = {"q": DestTensor((2, 4), torch.float32, (Piece("q", Slice(0, 0, 2)),))}
+    raw = encode_dest(layout, {"q": (4, 4)})
+    assert decode_dest(raw) == layout and decode_sources(raw) == {"q": (4, 4)}
+    assert decode_sources(encode_dest(layout)) == {}

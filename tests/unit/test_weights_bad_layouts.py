@@ -52,8 +52,9 @@ BAD = {
     # block scales of a vector: they pass the wire's checks, not the source's
     "block-scales-of-a-vector": (
         {
-            "norm": DestTensor((H,), FP8, full_copy(SRC, ["norm"])["norm"].pieces, 0,
-                               Quant("norm_scale", (16, 16))),  # fmt: skip
+            "norm": DestTensor(
+                (H,), FP8, full_copy(SRC, ["norm"])["norm"].pieces, 0, Quant("norm_scale", (16, 16))
+            ),  # fmt: skip
             "norm_scale": DestTensor((1,), torch.float32, (), 0, None, "norm"),
         },
         "block scales are for 2-D tensors",
@@ -220,3 +221,34 @@ def test_a_subscriber_whose_planning_fails_in_any_way_is_left_out_with_the_error
     odd.wait_for_version(2, 10)
     assert odd.apply() == 2 and torch.equal(odd_live["odd"], weights["w"])
     pub.close()
+
+
+def test_a_trainer_of_another_model_is_refused_though_its_slices_would_fit(loopback_net):
+    """A subscriber's TP slice of ``q`` (rows 0..16) fits any source with at least 16 rows; its
+    declared source shapes say which model it was built for, and a trainer whose ``q`` has
+    another shape is refused with the tensor named, before a byte moves. The same layout with
+    the shapes it expects is served."""
+    bigger = SourceLayout.split(1, {"q": ((2 * H, H), torch.float32)}, {"q": None})
+    q = torch.randn(2 * H, H)
+    pub = ShardedPublisher(loopback_net.make("trainer"), {"q": q}, bigger, 0, group="policy")
+    half = {"q": DestTensor((H // 2, H), torch.float32, (Piece("q", Slice(0, 0, H // 2)),))}
+    expects = transport.WeightSubscriber(
+        loopback_net.make("gen-expects"), {"q": torch.zeros(H // 2, H)}, group="policy",
+        layout=half, source_shapes={"q": (H, H)},
+    )  # fmt: skip
+    says_nothing = transport.WeightSubscriber(
+        loopback_net.make("gen-open"), {"q": torch.zeros(H // 2, H)}, group="policy", layout=half
+    )
+    result = pub.publish(1, timeout=10).wait(30)
+    refused, served = expects.transport.name, says_nothing.transport.name
+    assert result.status == {refused: "excluded", served: "done"}, result.reasons
+    assert (
+        "'q': the subscriber was built for (32, 32), this trainer holds (64, 32)"
+        in (result.reasons[refused])
+    )
+    says_nothing.wait_for_version(1, 10)
+    assert says_nothing.apply() == 1
+    assert torch.equal(says_nothing.live["q"], q[: H // 2])
+    assert expects.version == -1
+    for x in (pub, expects, says_nothing):
+        x.close()

@@ -2,7 +2,8 @@
 digest by which the ranks of a sharded trainer check that they share one source layout.
 
 A destination layout is a msgpack map ``{"v": 1, "t": {name: [shape, dtype, dim, pieces, quant,
-scale_of]}}``, each piece ``[source, take_dim or None, start, stop, at]``, ``quant`` None or
+scale_of]}, "s": {source: shape}}`` ("s", the source shapes the subscriber expects, optional),
+each piece ``[source, take_dim or None, start, stop, at]``, ``quant`` None or
 ``[scale name, [block rows, block cols] or None]``. :func:`decode_dest` reads a peer's
 bytes: exact forms, sizes and ranges (every index within the destination's own dims), or
 :class:`WireFormatError`; what fits is then checked against the source layout by
@@ -38,7 +39,12 @@ DTYPES = {
 }  # fmt: skip
 
 
-def encode_dest(layout: Mapping[str, DestTensor]) -> bytes:
+def encode_dest(
+    layout: Mapping[str, DestTensor], sources: Mapping[str, tuple[int, ...]] | None = None
+) -> bytes:
+    """``layout`` as the store holds it; ``sources``: the global shape the subscriber expects
+    of each source tensor its pieces name (a publisher whose source has another shape is a
+    trainer of another model, and is refused before a byte moves)."""
     out = {
         name: [
             list(d.shape),
@@ -52,16 +58,39 @@ def encode_dest(layout: Mapping[str, DestTensor]) -> bytes:
         ]
         for name, d in layout.items()
     }
-    packed: bytes = msgpack.packb({"v": 1, "t": out}, use_bin_type=True)
+    m: dict[str, Any] = {"v": 1, "t": out}
+    if sources:
+        m["s"] = {n: list(shape) for n, shape in sources.items()}
+    packed: bytes = msgpack.packb(m, use_bin_type=True)
     return packed
+
+
+def decode_sources(raw: bytes, limit: int = 64 << 20) -> dict[str, tuple[int, ...]]:
+    """The source shapes a declared layout expects (empty when it states none), or
+    WireFormatError naming the broken rule."""
+    m = unpack(raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS,
+               max_map=MAX_TENSORS)  # fmt: skip
+    given = m.get("s", {}) if isinstance(m, dict) else None
+    if not isinstance(given, dict) or len(given) > MAX_TENSORS:
+        raise WireFormatError("a layout's source shapes are {name: [sizes]}")
+    out = {}
+    for name, shape in given.items():
+        if (
+            not isinstance(shape, list)
+            or not 0 < len(shape) <= MAX_DIMS
+            or not all(_count(n) for n in shape)
+        ):
+            raise WireFormatError(f"source {str(name)[:80]!r}: malformed shape")
+        out[_name(name)] = tuple(shape)
+    return out
 
 
 def decode_dest(raw: bytes, limit: int = 64 << 20) -> dict[str, DestTensor]:
     """A peer's declared destination layout, or WireFormatError naming the broken rule."""
     m = unpack(raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS,
                max_map=MAX_TENSORS)  # fmt: skip
-    if not isinstance(m, dict) or set(m) != {"v", "t"} or m["v"] != 1:
-        raise WireFormatError("a destination layout is {'v': 1, 't': {name: ...}}")
+    if not isinstance(m, dict) or not {"v", "t"} <= set(m) <= {"v", "t", "s"} or m["v"] != 1:
+        raise WireFormatError("a destination layout is {'v': 1, 't': {name: ...}, 's': ...}")
     tensors = m["t"]
     if not isinstance(tensors, dict) or not tensors:
         raise WireFormatError("a destination layout names at least one tensor")

@@ -32,7 +32,7 @@ from transport.weights._delivery import (
     PublishHandle,
     close_all,
 )
-from transport.weights._layout_wire import decode_dest, source_digest
+from transport.weights._layout_wire import decode_dest, decode_sources, source_digest
 from transport.weights._lease import GroupLeases, Lease, PublisherLease, holder_alive
 from transport.weights._members import Member, Roster, SuspectWatch
 from transport.weights._messages import Abort, Begin, Credit, Hello, Ver, decode_from, encode
@@ -165,6 +165,7 @@ class ShardedPublisher:
             exposed = {k[len(prefix) :]: v for k, v in regions.items() if k.startswith(prefix)}
             if raw != WHOLE:
                 dest = decode_dest(raw)
+                expected = decode_sources(raw)
             else:  # whole tensors by name
                 dest = full_copy(self.layout, [n for n in exposed if n in self.layout.tensors])
             problems = [
@@ -181,6 +182,12 @@ class ShardedPublisher:
                 elif tuple(info.shape) != tuple(d.shape) or info.dtype != dtype_name(d.dtype):
                     problems.append(f"{name!r}: the layout says {tuple(d.shape)} {dtype_name(d.dtype)}, "
                                     f"the subscriber exposes {tuple(info.shape)} {info.dtype}")  # fmt: skip
+            if raw != WHOLE:
+                for n, shape in expected.items():
+                    have = self.layout.tensors.get(n)
+                    if have is not None and tuple(have.shape) != shape:
+                        problems.append(f"{n!r}: the subscriber was built for {shape}, this "
+                                        f"trainer holds {tuple(have.shape)} (another model?)")  # fmt: skip
             if not dest:
                 problems.append("it takes none of the trainer's tensors")
             if problems:

@@ -7,7 +7,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -99,7 +99,9 @@ class WeightSubscriber:
     tensor is the source tensor of its name, whole. A version of a sharded trainer is complete
     only once every rank's parts of it have landed (one ``ver`` per rank, into the same slot);
     a version that a rank gave up (or that never completed before a newer one began) is never
-    presented, and the version before it stays readable.
+    presented, and the version before it stays readable. ``source_shapes`` (source name ->
+    global shape) goes with the layout: a trainer whose tensors have other shapes (a trainer of
+    another model, whose slices would still fit) is refused with the tensors named.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class WeightSubscriber:
         relay: bool = True,
         staging_device: torch.device | str | None = None,
         layout: Mapping[str, DestTensor] | None = None,
+        source_shapes: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -181,7 +184,8 @@ class WeightSubscriber:
             transport.core.signed, transport.namespace, group, next(_instances)
         )
         self._upstream = Upstream(GroupLeases(transport, group), group, self._dir, self._submit)
-        self._declared = None if self.layout is None else encode_dest(self.layout)
+        shapes = {n: tuple(int(k) for k in v) for n, v in (source_shapes or {}).items()}
+        self._declared = None if self.layout is None else encode_dest(self.layout, shapes)
         self._next_layout_check = math.inf
         ended = lambda: transport.closed  # noqa: E731 - the worker's end condition
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick, until=ended)

@@ -211,9 +211,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 raise ValueError(
                     f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype"
                 )
-            layout, why = self._choose(
-                init_info, checkpoint_spec(self.model_config.hf_config, dtype)
-            )
+            spec = checkpoint_spec(self.model_config.hf_config, dtype)
+            layout, why = self._choose(init_info, spec)
             staging = init_info.staging_device or self.device
             need = 2 * layout.nbytes
             if init_info.staging_gb is not None and need > init_info.staging_gb * 2**30:
@@ -236,6 +235,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 sub = WeightSubscriber(
                     t, spec_of(layout), group=init_info.group, mode="staging",
                     staging_device=staging, layout=layout.dest if layout.targets else None,
+                    source_shapes={n: tuple(x.shape) for n, x in spec.items()},
                 )  # fmt: skip
             except BaseException:
                 t.close()
