@@ -87,6 +87,7 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
         "engine_state": engine_state,
         "param": param,
         "skip_tied": skip_tied,
+        "fall_back": lambda names: llm.collective_rpc(_fall_back, args=(names,)),
         "init": init,
         "update": update,
         "update_unfinished": update_unfinished,
@@ -122,6 +123,20 @@ def _skip_tied(worker: Any, skip: bool) -> None:
     module.load_direct = direct_but_head if skip else reload.load_direct  # type: ignore[assignment]
 
 
+def _fall_back(worker: Any, names: list[str]) -> None:
+    """From the next init on, the worker's layout takes checkpoint tensors ``names`` whole, for
+    vLLM's loader, as if the replay could not map them (and whatever shares a parameter with
+    them, by the layout's own rule)."""
+    from transport.integrations.vllm import shards
+    from transport.integrations.vllm import worker as module
+
+    def learn(model: Any, spec: Any) -> Any:
+        reasons = dict.fromkeys(names, "the test asked for it")
+        return shards.fall_back(shards.learn(model, spec), spec, reasons)
+
+    module.learn = learn if names else shards.learn  # type: ignore[assignment]
+
+
 def _param(worker: Any, name: str) -> list[float]:
     model = getattr(worker, "worker", worker).model_runner.get_model()
     return model.get_parameter(name).detach().flatten().tolist()
@@ -132,7 +147,8 @@ class VllmProcess(ChildProcess):
     prompt of helpers.llama.PROMPTS), ``init(init_info)``, ``update(update_info)`` (start,
     update, finish with the version's name, prefix cache reset; returns the weight version),
     ``weight_version``, ``engine_state``, ``param(name)``, ``skip_tied(bool)``,
-    ``shutdown_engine``; one phase at a time: ``start``, ``update_only(update_info)``,
+    ``shutdown_engine``, ``fall_back(names)`` (from the next init, those checkpoint tensors
+    travel whole, through vLLM's loader); one phase at a time: ``start``, ``update_only(update_info)``,
     ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update)."""
 
     def __init__(self, name: str, model_dir: Path, start_timeout: float = 180) -> None:

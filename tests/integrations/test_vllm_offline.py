@@ -172,6 +172,35 @@ def test_a_trainer_that_dies_between_update_and_finish_leaves_vllm_reporting_wha
         assert vllm.call("generate") == reference(3)
 
 
+def test_tensors_the_replay_cannot_map_travel_whole_through_vllms_loader(
+    vllm, store, reference, model_dir
+):
+    """A checkpoint tensor the worker cannot map to its parameters (here: declared so) goes
+    through vLLM's loader, whole, in the same reload as the parameters written directly; so does
+    every tensor that fills a parameter with it (q and v fill qkv_proj with k). The versions are
+    exact, and the worker names what travels whole."""
+    vllm.call("fall_back", ["model.layers.0.self_attn.k_proj.weight", "model.norm.weight"])
+    try:
+        vllm.call("init", _info(store, "fallback"))
+        (state,) = vllm.call("engine_state")
+    finally:
+        vllm.call("fall_back", [])
+    assert state["mode"] == "sharded"
+    assert sorted(state["fallback"]) == [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.norm.weight",
+    ], state["fallback"]
+    assert "qkv_proj" in state["fallback"]["model.layers.0.self_attn.q_proj.weight"]
+    with LlamaPublisher("trainer", store.url, model_dir, group="fallback") as trainer:
+        for version in (1, 2):
+            status, reasons = trainer.call("publish", version, 30.0)
+            assert set(status.values()) == {"done"}, reasons
+            assert vllm.call("update", {"version": version}) == str(version)
+            assert vllm.call("generate") == reference(version), f"version {version}"
+
+
 def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_serving(
     vllm, store, reference, model_dir
 ):

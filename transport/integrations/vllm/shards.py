@@ -254,32 +254,39 @@ def _layout(
     for name in spec:
         if name not in feeds and name not in fallback:
             fallback[name] = "vLLM's loader put none of it into a parameter of this worker"
-    # a parameter not mapped sends every tensor feeding it through the loader, and a tensor
-    # through the loader takes every parameter it feeds with it: until nothing changes
+    for key, why in bad.items():
+        for s in sorted(fed_by.get(key, ())):
+            fallback.setdefault(s, f"it fills {key}, which {why}")
+    dest = {key: d for key, (d, _) in made.items() if key not in bad}
+    targets = {key: t for key, (_, t) in made.items() if key not in bad}
+    return fall_back(WorkerLayout(dest, targets), spec, fallback)
+
+
+def fall_back(
+    layout: WorkerLayout, spec: Mapping[str, torch.Tensor], reasons: Mapping[str, str]
+) -> WorkerLayout:
+    """``layout`` with the checkpoint tensors of ``reasons`` (name -> why) taken whole for
+    vLLM's loader: a parameter one of them fills goes through the loader too, and so does every
+    other tensor that fills it (a parameter loads one way), until nothing changes."""
+    fallback = {**layout.fallback, **reasons}
+    dest, targets = dict(layout.dest), dict(layout.targets)
     changed = True
     while changed:
         changed = False
-        for key, why in list(bad.items()):
-            for s in fed_by.get(key, ()):
-                if s not in fallback:
-                    fallback[s] = f"it fills {key}, which {why}"
-                    changed = True
-        for s in list(fallback):
-            for key in feeds.get(s, ()):
-                if key not in bad:
-                    bad[key] = f"is also filled from {s} (taken whole: {fallback[s]})"
-                    changed = True
-    dest: dict[str, DestTensor] = {}
-    targets: dict[str, Target] = {}
-    for key, (d, target) in made.items():
-        if key not in bad:
-            dest[key], targets[key] = d, target
-    for name, why in fallback.items():
-        if name in dest:  # a checkpoint name that is also a parameter's: keep both apart
+        for key in list(targets):
+            sources = {p.source for p in dest[key].pieces}
+            whole_ones = sorted(sources & set(fallback))
+            if not whole_ones:
+                continue
+            del targets[key], dest[key]
+            for s in sorted(sources - set(fallback)):
+                fallback[s] = f"it fills {key} with {whole_ones[0]}, which travels whole"
+            changed = True
+    for name, why in sorted(fallback.items()):
+        if name in targets:  # a checkpoint name that is also a parameter's: keep both apart
             raise RuntimeError(f"checkpoint tensor {name!r} and a parameter share a name ({why})")
         t = spec[name]
         dest[name] = DestTensor(tuple(t.shape), t.dtype, (Piece(name),))
-    for name, why in sorted(fallback.items()):
         log.info("vLLM worker: checkpoint tensor %s travels whole (%s)", name, why)
     return WorkerLayout(dest, targets, fallback)
 

@@ -1,0 +1,119 @@
+"""From a replay's maps to a worker's layout (transport/integrations/vllm/shards.py), without
+vLLM: each map is what a loader would leave in a float64 stand-in of a parameter (checkpoint
+element numbers, -1 where it wrote nothing, 0 for padding). Slices of the checkpoint become
+pieces, checked element for element; anything else falls back, named, with every tensor that
+shares a parameter with it."""
+
+from __future__ import annotations
+
+import torch
+
+from transport.integrations.vllm.shards import _layout, _Params, fall_back, whole
+from transport.weights import Slice
+from transport.weights.layouts import SourceLayout, apply_runs, plan
+
+H = 8
+SPEC = {
+    "q": torch.empty(H, H, device="meta"),
+    "k": torch.empty(H // 2, H, device="meta"),
+    "v": torch.empty(H // 2, H, device="meta"),
+    "o": torch.empty(H, H, device="meta"),
+    "embed": torch.empty(6, H, device="meta"),
+    "unused": torch.empty(3, device="meta"),
+}
+
+
+def _offsets() -> dict[str, int]:
+    out, at = {}, 1
+    for n, t in SPEC.items():
+        out[n], at = at, at + t.numel()
+    return out
+
+
+def _numbers(name: str) -> torch.Tensor:
+    t = SPEC[name]
+    return torch.arange(t.numel(), dtype=torch.float64).view(t.shape) + _offsets()[name]
+
+
+def _params(maps: dict[str, torch.Tensor]) -> _Params:
+    return _Params(
+        holders={k: [] for k in maps},
+        names={k: [k] for k in maps},
+        template={k: torch.empty(m.shape, device="meta") for k, m in maps.items()},
+    )
+
+
+def _layout_of(maps: dict[str, torch.Tensor], raised: dict[str, str] | None = None):
+    return _layout(SPEC, _offsets(), _params(maps), maps, raised or {})
+
+
+def test_tp_rank_1_of_2_fused_row_parallel_and_padded_maps_become_checked_pieces():
+    half = H // 2
+    maps = {
+        # rank 1's q rows, k rows 2..4, v rows 2..4, stacked (vLLM's qkv_proj)
+        "qkv": torch.cat([_numbers("q")[half:], _numbers("k")[2:], _numbers("v")[2:]]),
+        "o_part": _numbers("o")[:, half:].contiguous(),  # row parallel: columns
+        # vocabulary parallel, padded to 4 rows: 3 rows of the checkpoint, then a zero row
+        "embed_part": torch.cat([_numbers("embed")[3:], torch.zeros(1, H, dtype=torch.float64)]),
+    }
+    layout = _layout_of(maps)
+    assert layout.fallback == {
+        "unused": "vLLM's loader put none of it into a parameter of this worker"
+    }
+    qkv = layout.dest["qkv"]
+    assert [(p.source, p.take, p.at) for p in qkv.pieces] == [
+        ("q", Slice(0, half, H), 0), ("k", Slice(0, 2, 4), half), ("v", Slice(0, 2, 4), half + 2)
+    ]  # fmt: skip
+    assert layout.dest["o_part"].dim == 1
+    assert layout.targets["embed_part"].rows == 3 and layout.dest["embed_part"].shape == (3, H)
+    # the layout moves exactly what the loader put there
+    source = SourceLayout.split(1, {n: (tuple(t.shape), torch.float64) for n, t in SPEC.items()},
+                                dict.fromkeys(SPEC))  # fmt: skip
+    local = {n: _numbers(n) for n in SPEC}
+    got = {n: torch.full(d.shape, -1.0, dtype=torch.float64) for n, d in layout.dest.items()}
+    dest = {n: d for n, d in layout.dest.items() if n in layout.targets}
+    dest = {n: type(d)(d.shape, torch.float64, d.pieces, d.dim) for n, d in dest.items()}
+    apply_runs(plan(source, dest, 0), local, got)
+    for name in dest:
+        rows = layout.targets[name].rows
+        assert torch.equal(got[name], maps[name][:rows]), name
+
+
+def test_maps_no_slices_make_fall_back_named_with_every_tensor_sharing_a_parameter():
+    maps = {
+        "qk": torch.cat([_numbers("q"), _numbers("k")]),  # fine alone ...
+        "kv_t": torch.cat([_numbers("k"), _numbers("v")]).t().contiguous(),  # transposed
+        "o_scaled": _numbers("o") + 0.5,  # values the loader computed
+        "embed_part": torch.cat(
+            [
+                _numbers("embed")[:2],
+                torch.full((1, H), -1.0, dtype=torch.float64),
+                _numbers("embed")[2:3],
+            ]
+        ),  # fmt: skip
+    }
+    layout = _layout_of(maps, raised={"unused": "vLLM's loader raised ValueError: no"})
+    assert layout.targets == {}  # qk shares k with the transposed kv_t: it falls back too
+    assert set(layout.fallback) == set(SPEC)
+    assert "no stack of checkpoint slices" in layout.fallback["v"]
+    assert "it fills o_scaled, which holds values the loader computed" in layout.fallback["o"]
+    assert "filled partly" in layout.fallback["embed"]
+    assert "raised ValueError" in layout.fallback["unused"]
+    assert layout.fallback["q"] == "it fills qk with k, which travels whole"
+    assert all(d.pieces[0].take == Slice() for d in layout.dest.values())  # whole, by name
+
+
+def test_fall_back_on_request_and_the_whole_layout():
+    maps = {"qkv": torch.cat([_numbers("q"), _numbers("k"), _numbers("v")]), "o": _numbers("o")}
+    layout = _layout_of(maps)
+    assert set(layout.targets) == {"qkv", "o"}
+    less = fall_back(layout, SPEC, {"v": "asked"})
+    assert set(less.targets) == {"o"}
+    assert less.fallback["v"] == "asked" and "qkv" in less.fallback["q"]
+    assert less.nbytes > layout.nbytes - SPEC["unused"].numel() * 4  # q, k, v whole now
+    w = whole(SPEC, "why")
+    assert (
+        w.targets == {}
+        and set(w.dest) == set(SPEC)
+        and w.nbytes == sum(t.numel() * t.element_size() for t in SPEC.values())
+    )
