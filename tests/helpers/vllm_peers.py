@@ -163,8 +163,7 @@ def _pub_child(
     from safetensors.torch import load_file
 
     import transport
-    from transport.integrations.vllm.trainer import whole_source
-    from transport.weights import ShardedPublisher
+    from transport.weights import ShardedPublisher, SourceLayout
 
     try:
         t = transport.Transport(name, store=store, **kwargs)
@@ -179,7 +178,7 @@ def _pub_child(
         if plain:  # relays and whole checkpoints (workers in the whole mode)
             pub = transport.WeightPublisher(t, state, group=group)
         else:  # writes each worker only what it keeps, as the trainer engine does
-            pub = ShardedPublisher(t, state, whole_source(state), 0, group=group)
+            pub = ShardedPublisher(t, state, SourceLayout.single(state), 0, group=group)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return

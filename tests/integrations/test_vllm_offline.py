@@ -107,15 +107,18 @@ def test_vllms_trainer_factory_drives_a_sharded_trainer(store, reference, model_
             assert tokens == reference(version), f"version {version}"
 
 
-@pytest.mark.parametrize("mode", ["sharded", "whole"])
+@pytest.mark.parametrize(("mode", "slots"), [("sharded", 2), ("sharded", 1), ("whole", 2)])
 def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_loads(
-    vllm, store, reference, model_dir, mode
+    vllm, store, reference, model_dir, mode, slots
 ):
-    """In either mode a version reaches the model only once complete in staging: a trainer
-    that dies mid-publish leaves vLLM serving (and reporting) the version before."""
-    group, plain = f"killed-{mode}", mode == "whole"
-    vllm.call("init", {**_info(store, group), "mode": mode})
-    assert vllm.call("engine_state")[0]["mode"] == mode
+    """In every mode a version reaches the model only once complete in staging: a trainer
+    that dies mid-publish leaves vLLM serving (and reporting) the version before. With one
+    staging slot the dead trainer's bytes tore the slot, not the model, and the next version
+    overwrites it whole."""
+    group, plain = f"killed-{mode}-{slots}", mode == "whole"
+    vllm.call("init", {**_info(store, group), "mode": mode, "staging_slots": slots})
+    (state,) = vllm.call("engine_state")
+    assert (state["mode"], state["staging_slots"]) == (mode, slots)
     # every transfer posted by its engine thread (none inline), which the test holds below
     first = LlamaPublisher(
         "trainer", store.url, model_dir, group=group, inline_bytes=0, plain=plain

@@ -25,9 +25,10 @@ def test_a_tp2_server_takes_each_version_and_a_restarted_server_rejoins(
     namespace = f"vllm-{uuid.uuid4().hex[:8]}"
     secret = {"TRANSPORT_SECRET": uuid.uuid4().hex}
     # the trainer child imports while the server starts
-    with HttpTrainer("trainer", env=secret, wait=False) as trainer, VllmServer(
-        model_dir, tmp_path / "server-1.log", tp=2, env=secret
-    ) as server:
+    with (
+        HttpTrainer("trainer", env=secret, wait=False) as trainer,
+        VllmServer(model_dir, tmp_path / "server-1.log", tp=2, env=secret) as server,
+    ):
         assert server.generate() == reference(0)
         trainer.started(120)
         trainer.call("connect", server.url, redis_url, namespace, {"timeout": 60}, timeout=120)

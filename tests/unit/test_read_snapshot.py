@@ -104,9 +104,7 @@ def test_meta_tensors_need_staging_and_a_device(loopback_net):
     with pytest.raises(ValueError, match="staging_device"):
         transport.WeightSubscriber(gen, meta, mode="inplace", staging_device="cpu")
     with pytest.raises(ValueError, match="mixes"):
-        transport.WeightSubscriber(
-            gen, {**meta, "b": torch.zeros(8)}, staging_device="cpu"
-        )
+        transport.WeightSubscriber(gen, {**meta, "b": torch.zeros(8)}, staging_device="cpu")
 
 
 def test_read_works_beside_live_tensors_too(loopback_net):
@@ -116,3 +114,39 @@ def test_read_works_beside_live_tensors_too(loopback_net):
     with sub.read(1, timeout=10) as snap:
         assert _is(snap, 1)
     assert sub.apply() == 1 and torch.equal(sub.live["a"], pattern(N, 1))
+
+
+def test_one_slot_keeps_a_version_until_it_is_read_then_hands_it_back(loopback_net):
+    """Half the memory: the next version waits until the one in the slot was read (applied);
+    after that the slot is the publisher's and the version it held is no longer readable."""
+    gen, trainer = loopback_net.make("gen"), loopback_net.make("trainer")
+    named = {
+        "a": torch.empty(N, dtype=torch.uint8, device="meta"),
+        "b": torch.empty(N // 4, dtype=torch.float32, device="meta"),
+    }
+    sub = transport.WeightSubscriber(gen, named, staging_device="cpu", slots=1)
+    assert len(sub.staging) == 1 and not sub.relay
+    weights = {"a": pattern(N, 1), "b": torch.zeros(N // 4)}
+    pub = transport.WeightPublisher(trainer, weights)
+    _fill(weights, 1)
+    assert pub.publish(1, timeout=10).wait(10).done
+    _fill(weights, 2)
+    second = pub.publish(2, timeout=30)  # the only slot holds version 1, not yet read
+    assert not second.done()
+    with sub.read(1, timeout=10) as snap:
+        assert _is(snap, 1)
+    with pytest.raises(transport.VersionGoneError, match="version 1 .* only slot handed back"):
+        with sub.read(1, timeout=1):
+            pass
+    assert second.wait(30).done
+    with sub.read(2, timeout=10) as snap:
+        assert _is(snap, 2)
+    for version in (3, 4):  # each read hands the slot back for the next
+        _fill(weights, version)
+        assert pub.publish(version, timeout=10).wait(10).done
+        with sub.read(version, timeout=10) as snap:
+            assert _is(snap, version)
+    with pytest.raises(ValueError, match="slots is 2 or 1"):
+        transport.WeightSubscriber(loopback_net.make("gen-3"), named, staging_device="cpu", slots=3)
+    pub.close()
+    sub.close()

@@ -102,6 +102,13 @@ class SourceLayout:
         return cls(world, out)
 
     @classmethod
+    def single(cls, tensors: Mapping[str, torch.Tensor]) -> SourceLayout:
+        """The layout of one rank holding every tensor of ``tensors`` whole (a trainer that
+        publishes with a ShardedPublisher so that each subscriber gets only what it declares)."""
+        shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+        return cls.split(1, shapes, dict.fromkeys(tensors))
+
+    @classmethod
     def from_placements(
         cls,
         world: int,

@@ -523,6 +523,14 @@ class ShardedPublisher:
         with self._lock:
             return sorted(self._subs)
 
+    def refresh(self) -> dict[str, str]:
+        """Read what changed in the group now (as a publish does first); returns the subscribers
+        that cannot be written and why."""
+        self._lease.ensure()
+        with self._lock:
+            self._roster.refresh()
+            return {n: s.error for n, s in self._subs.items() if s.error}
+
     def close(self) -> None:
         """Stop publishing: a publish in flight completes now, failed with ClosedError.
         Idempotent."""

@@ -74,7 +74,10 @@ class WeightSubscriber:
     ``mode="staging"`` (the default) keeps two staging copies that the publisher writes; a version
     reaches the live tensors only when :meth:`apply` copies it, at a moment the generator chooses,
     so a generation in progress never reads a half-written version. ``mode="inplace"`` exposes the
-    live tensors themselves, for engines that pause while weights update.
+    live tensors themselves, for engines that pause while weights update. ``slots=1`` keeps one
+    staging copy (half the memory): its version is handed back to the publisher only once applied
+    (:meth:`apply`, or a :meth:`read` ended), and is no longer readable after; until then the
+    next publish waits for it. Such a subscriber does not relay.
 
     :attr:`version` is the newest *complete* version (every tensor landed; -1 before the first).
     Versions only move forward. ``on_update(version)`` runs on the subscriber's own thread after
@@ -116,9 +119,12 @@ class WeightSubscriber:
         staging_device: torch.device | str | None = None,
         layout: Mapping[str, DestTensor] | None = None,
         source_shapes: Mapping[str, Sequence[int]] | None = None,
+        slots: int = 2,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if slots not in (1, 2) or (mode == "inplace" and slots != 2):
+            raise ValueError(f"slots is 2 or 1 (staging mode only), got {slots!r}")
         if not isinstance(relay, bool):
             raise TypeError(f"relay must be a bool, got {type(relay).__name__}")
         live = check_named_tensors(named_tensors, "subscriber")
@@ -137,7 +143,7 @@ class WeightSubscriber:
         self.mode = mode
         self.on_update = on_update
         self.live = live
-        self.slots = 2 if mode == "staging" else 1
+        self.slots = slots if mode == "staging" else 1
         if mode == "staging":
             # each slot one flat buffer per device (views for the tensors): registered once
             self.staging = [flat_like(self.live, staging_device) for _ in range(self.slots)]
@@ -161,7 +167,10 @@ class WeightSubscriber:
         self.settled = -1
         self._publishers: set[str] = set()
         self._closed = False
-        self.relay = relay and mode == "staging"
+        self.relay = relay and mode == "staging" and self.slots == 2
+        # one slot: whether its newest version was applied and the slot handed back (written
+        # over from then on, so no longer readable)
+        self._handed_back = False
         self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
         self._relay = Relay(
             transport,
@@ -273,6 +282,7 @@ class WeightSubscriber:
             if newer:
                 self._slot_version[slot] = version
                 self._newest_slot = slot
+                self._handed_back = False
                 self.version = version
                 if self.mode == "inplace":
                     self.applied_version = version
@@ -388,11 +398,16 @@ class WeightSubscriber:
             self._credit_publishers()
 
     def _free_slots(self) -> list[int]:
-        return [
-            k
-            for k in range(self.slots)
-            if k != self._newest_slot and k != self._held and not self._forwarding.get(k)
-        ]
+        """Under the lock: the slots a publisher may write. Never the newest version's, except
+        the only slot once that version was applied (then it is no longer readable)."""
+        out = []
+        for k in range(self.slots):
+            if k == self._held or self._forwarding.get(k):
+                continue
+            if k == self._newest_slot and not self._handed_back:
+                continue
+            out.append(k)
+        return out
 
     def _credit_publishers(self, sender: str | None = None) -> None:
         """Tell the publishers (those that said hello) which slots are free; a version written by
@@ -497,7 +512,11 @@ class WeightSubscriber:
             )
         with self._lock:
             slot = self._newest_slot
-            if slot is None or self._slot_version[slot] <= self.applied_version:
+            if (
+                slot is None
+                or self._handed_back
+                or self._slot_version[slot] <= self.applied_version
+            ):
                 return self.applied_version
             self._hold(slot)
             version = self._slot_version[slot]
@@ -525,6 +544,11 @@ class WeightSubscriber:
                 raise ClosedError("the subscriber was closed")
             # only the newest complete version's slot is kept from the writers: every other slot
             # was handed back to the publisher as free, and may be written over already
+            if self._handed_back:
+                raise VersionGoneError(
+                    f"version {self.version} of group {self.group!r} was applied and its only "
+                    "slot handed back to the publisher; wait for the next version"
+                )
             if version is not None and self.version != version:
                 raise VersionGoneError(
                     f"version {version} of group {self.group!r} is no longer held here: "
@@ -553,6 +577,13 @@ class WeightSubscriber:
             self._held = None
             if applied is not None:
                 self.applied_version = max(self.applied_version, applied)
+            newest = self._newest_slot
+            if (
+                self.slots == 1
+                and newest is not None
+                and self._slot_version[newest] <= self.applied_version
+            ):
+                self._handed_back = True  # from now on the publisher may write it
             publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
             self._worker.latest(("send", p), p, self._send_credit)

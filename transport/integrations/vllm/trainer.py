@@ -29,8 +29,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     default) the trainer writes each worker only what it keeps; a chain or a tree relays whole
     checkpoints (its workers are told ``mode="whole"``). The workers get the store, namespace and
     group through ``init_weight_transfer_engine``, and ``dtype``, the dtype this trainer
-    publishes (default: its tensors' dtype when they share one), ``mode``, ``staging_device``
-    and ``staging_gb`` when given (see TransportInitInfo). The secret, if any, comes from
+    publishes (default: its tensors' dtype when they share one), ``mode``, ``staging_device``,
+    ``staging_gb`` and ``staging_slots`` when given (see TransportInitInfo). The secret, if any, comes from
     ``$TRANSPORT_SECRET`` on both sides.
 
     ``layout`` (a :class:`~transport.weights.SourceLayout` of the checkpoint tensors, the same on
@@ -52,6 +52,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     layout: SourceLayout | None = None
     mode: str = "auto"
     staging_gb: float | None = None
+    staging_slots: int | None = None
 
     def worker_info(self) -> dict[str, Any]:
         """What each vLLM worker is told (small JSON)."""
@@ -67,6 +68,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
             info["staging_device"] = self.staging_device
         if self.staging_gb is not None:
             info["staging_gb"] = self.staging_gb
+        if self.staging_slots is not None:
+            info["staging_slots"] = self.staging_slots
         mode = "whole" if self.fanout != "direct" and self.layout is None else self.mode
         if mode != "auto":
             info["mode"] = mode
@@ -164,7 +167,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 # one rank holding every tensor whole: it writes each worker only what the
                 # worker declared it keeps (its TP slice), or whole tensors to a whole worker
                 engine.publisher = ShardedPublisher(
-                    t, engine.tensors, whole_source(engine.tensors), 0, group=init_info.group
+                    t, engine.tensors, SourceLayout.single(engine.tensors), 0, group=init_info.group
                 )
             else:
                 engine.publisher = WeightPublisher(
@@ -202,6 +205,10 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         if self.is_sender:
             # workers that listen already ignore this; a restarted server joins the group now
             self.client.init_weight_transfer_engine(info.worker_info())
+        if self.is_sender:
+            # an update a dead trainer left open holds a version in the workers' staging (with
+            # one slot, the slot this version needs): close it first
+            self._close_open_update()
         t0 = time.perf_counter()
         result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
         self.last_result = result
@@ -218,7 +225,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 f"{result.excluded}, lost {result.lost}, reasons {dict(result.reasons)}); vLLM "
                 "was not asked to load it and keeps serving the weights it had"
             )
-        self._start()
+        self.client.start_weight_update()
         try:
             self.client.update_weights({"version": v, "timeout": info.timeout})
         except Exception as e:
@@ -240,12 +247,14 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         self.last_times = SendTimes(t1 - t0, time.perf_counter() - t1)
         return result
 
-    def _start(self) -> None:
-        """vLLM's ``start_weight_update``; if a trainer before us left an update open (it died
-        between start and finish), close it first without loading what it held: the weights vLLM
-        serves and the version it reports stay those of the last finished update. Whether one
-        is open, each worker says in the store (worker.update_key), so nothing here provokes
-        an error from vLLM."""
+    def _close_open_update(self) -> None:
+        """If a trainer before us left vLLM in an update (it died between start and finish),
+        close it without loading what it held: the weights vLLM serves and the version it
+        reports stay those of the last finished update. Whether one is open, each worker says
+        in the store (worker.update_key), so nothing here provokes an error from vLLM."""
+        pub = self.publisher
+        if pub is not None:
+            pub.refresh()  # the group's workers, before a first publish of this trainer
         if self._open_updates():
             log.warning(
                 "vLLM is still in an update that its trainer never finished: dropping the "
@@ -253,7 +262,6 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             )
             self.client.update_weights({"abandon": True})
             self.client.finish_weight_update()
-        self.client.start_weight_update()
 
     def _open_updates(self) -> list[str]:
         """The group's workers that mark an update open (their own signed marks)."""
@@ -285,13 +293,6 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             pub.close()
         if t is not None:
             t.close()
-
-
-def whole_source(tensors: Mapping[str, torch.Tensor]) -> SourceLayout:
-    """The layout of one rank that holds every tensor whole."""
-    return SourceLayout.split(
-        1, {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, dict.fromkeys(tensors)
-    )
 
 
 def _items(source: Any) -> Iterable[tuple[str, torch.Tensor]]:

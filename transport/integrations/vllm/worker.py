@@ -60,9 +60,12 @@ class TransportInitInfo(WeightTransferInitInfo):
     whole mode in this one). ``mode`` says what this worker receives: ``"sharded"`` only what it
     keeps (its TP slice of every parameter, in vLLM's format), ``"whole"`` every checkpoint
     tensor whole (vLLM's loader shards them), ``"auto"`` (default) sharded unless nothing
-    of the model could be mapped. ``staging_device`` is where the two staging copies live
+    of the model could be mapped. ``staging_device`` is where the staging copies live
     (default: the worker's device; ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds
-    them: a worker whose two copies would not fit refuses to join and says what they need.
+    them, ``staging_slots`` says how many (1 or 2; default: two if they fit within
+    ``staging_gb``, else one): with two, the next version lands while vLLM loads one; with one,
+    it waits for that load. A worker whose copies would not fit refuses to join and says what
+    they need.
     ``name`` prefixes this worker's peer name (host, pid and rank follow). ``timeout`` bounds
     joining the store. The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
     vLLM's environment, never from this message."""
@@ -76,8 +79,13 @@ class TransportInitInfo(WeightTransferInitInfo):
     timeout: float = 60.0
     mode: str = "auto"
     staging_gb: float | None = None
+    staging_slots: int | None = None
 
     def __post_init__(self) -> None:
+        if self.staging_slots not in (None, 1, 2):
+            raise ValueError(
+                f"transport init_info: staging_slots is 1 or 2, got {self.staging_slots!r}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"transport init_info: mode must be one of {MODES}, got {self.mode!r}")
         if self.staging_gb is not None and (
@@ -135,8 +143,8 @@ class EngineState:
     the model holds (-1: the weights it started with, -2: none whole); ``held``, a version an
     update holds until ``finish_weight_update`` loads it; the newest ``complete`` and any
     ``incomplete`` version in staging; ``version_bytes``, the bytes of one version this worker
-    receives; ``staging_bytes``, the staging memory it holds (every slot, counted from its
-    buffers); ``fallback``, the checkpoint tensors that travel whole, with why."""
+    receives; ``staging_slots`` and ``staging_bytes``, its staging copies and the memory they
+    hold (counted from its buffers); ``fallback``, the checkpoint tensors that travel whole, with why."""
 
     peer: str | None
     mode: str | None
@@ -145,6 +153,7 @@ class EngineState:
     complete: int | None
     incomplete: int | None
     version_bytes: int
+    staging_slots: int
     staging_bytes: int
     fallback: dict[str, str]
 
@@ -214,14 +223,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             spec = checkpoint_spec(self.model_config.hf_config, dtype)
             layout, why = self._choose(init_info, spec)
             staging = init_info.staging_device or self.device
-            need = 2 * layout.nbytes
-            if init_info.staging_gb is not None and need > init_info.staging_gb * 2**30:
-                raise ValueError(
-                    f"transport init_info: the {'sharded' if layout.targets else 'whole'} mode "
-                    f"needs {need / 2**30:.3f} GiB of staging (two copies of "
-                    f"{layout.nbytes / 2**30:.3f} GiB), more than staging_gb={init_info.staging_gb}; "
-                    "raise staging_gb, or serve with more tensor-parallel ranks"
-                )
+            slots, why_slots = _slots(init_info, layout)
+            need = slots * layout.nbytes
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
             t = Transport(
@@ -235,7 +238,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 sub = WeightSubscriber(
                     t, spec_of(layout), group=init_info.group, mode="staging",
                     staging_device=staging, layout=layout.dest if layout.targets else None,
-                    source_shapes={n: tuple(x.shape) for n, x in spec.items()},
+                    source_shapes={n: tuple(x.shape) for n, x in spec.items()}, slots=slots,
                 )  # fmt: skip
             except BaseException:
                 t.close()
@@ -244,9 +247,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             self.layout, self.mode = layout, "sharded" if layout.targets else "whole"
             log.info(
                 "vLLM worker %s joined group %s of namespace %s in the %s mode (%s): %d tensors, "
-                "%.1f MiB per version, %.1f MiB of staging on %s",
+                "%.1f MiB per version; %d staging slot(s) (%s), %.1f MiB on %s",
                 name, init_info.group, init_info.namespace, self.mode, why, len(layout.dest),
-                layout.nbytes / 2**20, need / 2**20, staging,
+                layout.nbytes / 2**20, slots, why_slots, need / 2**20, staging,
             )  # fmt: skip
 
     def _choose(
@@ -385,6 +388,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             complete=None if sub is None else sub.version,
             incomplete=None if sub is None else sub.incomplete,
             version_bytes=0 if layout is None else layout.nbytes,
+            staging_slots=0 if sub is None else len(sub.staging),
             staging_bytes=sum(storages.values()),
             fallback={} if layout is None else dict(layout.fallback),
         )
@@ -401,6 +405,32 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             sub.close()
         if t is not None:
             t.close()
+
+
+def _slots(info: TransportInitInfo, layout: WorkerLayout) -> tuple[int, str]:
+    """How many staging copies of ``layout``'s version this worker keeps, and why; ValueError
+    (naming the need) when the bound does not allow what is asked, or even one."""
+    bound = None if info.staging_gb is None else info.staging_gb * 2**30
+    one = layout.nbytes
+    mode = "sharded" if layout.targets else "whole"
+
+    def refuse(slots: int) -> ValueError:
+        return ValueError(
+            f"transport init_info: {slots} staging slot(s) of the {mode} mode need "
+            f"{slots * one / 2**30:.3f} GiB ({one / 2**30:.3f} GiB each), more than "
+            f"staging_gb={info.staging_gb}; raise staging_gb, use one slot, or serve with more "
+            "tensor-parallel ranks"
+        )
+
+    if info.staging_slots is not None:
+        if bound is not None and info.staging_slots * one > bound:
+            raise refuse(info.staging_slots)
+        return info.staging_slots, "asked for by init_info staging_slots"
+    if bound is None or 2 * one <= bound:
+        return 2, "two fit" if bound is not None else "no staging_gb bound"
+    if one <= bound:
+        return 1, f"two would need {2 * one / 2**30:.3f} GiB, more than staging_gb"
+    raise refuse(1)
 
 
 def _parse(cls: Any, given: Any, what: str) -> Any:
