@@ -20,6 +20,10 @@ log = logging.getLogger("transport.weights")
 DONE, EXCLUDED, LOST = "done", "excluded", "lost"
 
 
+#: how the reason of a subscriber excluded for being suspect begins
+SUSPECT = "suspect: "
+
+
 @dataclass
 class PublishResult:
     """What became of one version at each subscriber: ``done``, ``excluded`` (too slow, or its
@@ -45,6 +49,12 @@ class PublishResult:
     @property
     def lost(self) -> list[str]:
         return self.with_status(LOST)
+
+    @property
+    def suspects(self) -> list[str]:
+        """The excluded subscribers that were suspect at the publish (no heartbeat lately: frozen
+        or gone; :data:`SUSPECT` starts their reason)."""
+        return sorted(n for n in self.excluded if self.reasons.get(n, "").startswith(SUSPECT))
 
 
 class Callbacks:

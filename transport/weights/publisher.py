@@ -25,6 +25,7 @@ from transport.weights._delivery import (
     DONE,
     EXCLUDED,
     LOST,
+    SUSPECT,
     Callbacks,
     Delivery,
     PublishHandle,
@@ -251,7 +252,7 @@ class WeightPublisher:
                     )
                     sub.waiting = None
                 if sub.name in suspects:  # at once, not at the deadline; tried again next time
-                    why = f"suspect: {suspects[sub.name]} (tried again at the next publish)"
+                    why = f"{SUSPECT}{suspects[sub.name]} (tried again at the next publish)"
                     handle.settle(sub.name, EXCLUDED, why)
                     continue
                 direct.append(sub)

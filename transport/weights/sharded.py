@@ -27,6 +27,7 @@ from transport.weights._delivery import (
     DONE,
     EXCLUDED,
     LOST,
+    SUSPECT,
     Callbacks,
     Delivery,
     PublishHandle,
@@ -251,7 +252,7 @@ class ShardedPublisher:
                     )
                     sub.waiting = None
                 if sub.name in suspects:
-                    handle.settle(sub.name, EXCLUDED, f"suspect: {suspects[sub.name]}")
+                    handle.settle(sub.name, EXCLUDED, f"{SUSPECT}{suspects[sub.name]}")
                     continue
                 self._start(sub, version, handle)
         self._worker.submit(lambda: None)  # the tick watches the new deadline

@@ -217,9 +217,12 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             self.version = v
             self.last_times = SendTimes(t1 - t0, 0.0)
             return result
-        if not result.done or result.excluded or result.lost:
-            # every worker must load the same version; and a worker that raises leaves vLLM's
-            # executor (several workers) out of step: never ask for what cannot load
+        missing = sorted(set(result.excluded) - set(result.suspects))
+        if not result.done or missing:
+            # every live worker must load the same version, and one that raises leaves vLLM's
+            # executor (several workers) out of step: never ask for what cannot load. A worker
+            # lost or suspect (no heartbeat: the workers of a server that was killed) is not
+            # one that will be asked.
             raise UpdateError(
                 f"version {v} did not reach every vLLM worker (done {result.done}, excluded "
                 f"{result.excluded}, lost {result.lost}, reasons {dict(result.reasons)}); vLLM "
