@@ -1,6 +1,7 @@
 """Processes of the vLLM tests: a vLLM engine (offline ``LLM``, its worker in the same process)
-with the ``transport`` weight-transfer backend, and a trainer publishing the small Llama's
-versions with a plain WeightPublisher. Both are children driven over a pipe (helpers.child)."""
+with the ``transport`` weight-transfer backend, trainers publishing the small models' versions
+(one rank holding every tensor, the ranks of a sharded trainer, a plain WeightPublisher, or the
+``transport`` trainer engine over HTTP). All are children driven over a pipe (helpers.child)."""
 
 from __future__ import annotations
 

@@ -30,15 +30,23 @@ def test_tied_embeddings_take_every_version(kind, store, model_dir_of, reference
                 assert vllm.call("generate") == reference(version, kind=kind), f"v{version}"
 
 
-def test_an_update_that_leaves_a_layer_unloaded_fails_and_says_so(store, model_dir_of, reference):
-    """As a vLLM whose loader skipped a layer would: the update fails naming the layer, the
-    worker reports no whole version (-2) and vLLM's reported version is not moved to it; the
-    next update that reaches every layer makes the model whole again."""
+@pytest.mark.parametrize("mode", ["sharded", "whole"])
+def test_an_update_that_leaves_a_layer_unloaded_fails_and_says_so(
+    store, model_dir_of, reference, mode
+):
+    """As a vLLM whose loader skipped a layer would (the output head, tied to the embedding,
+    takes nothing: in the sharded mode its direct load, in the whole mode vLLM's loader): the
+    update fails naming the layer, the worker reports no whole version (-2) and vLLM's reported
+    version is not moved to it; the next update that reaches every layer makes the model whole
+    again."""
     kind = "qwen2-tied"
     folder: Path = model_dir_of(kind)
+    group = f"torn-{mode}"
     with VllmProcess("vllm", folder) as vllm:
-        vllm.call("init", {"store": store.url, "group": "torn", "timeout": 30})
-        with LlamaPublisher("trainer", store.url, folder, group="torn") as trainer:
+        vllm.call("init", {"store": store.url, "group": group, "timeout": 30, "mode": mode})
+        with LlamaPublisher(
+            "trainer", store.url, folder, group=group, plain=mode == "whole"
+        ) as trainer:
             trainer.call("publish", 1, 30.0)
             assert vllm.call("update", {"version": 1}) == "1"
             vllm.call("skip_tied", True)

@@ -525,8 +525,7 @@ class ShardedPublisher:
             return sorted(self._subs)
 
     def refresh(self) -> dict[str, str]:
-        """Read what changed in the group now (as a publish does first); returns the subscribers
-        that cannot be written and why."""
+        """Read the group's changes now (as a publish does); who cannot be written, and why."""
         self._lease.ensure()
         with self._lock:
             self._roster.refresh()

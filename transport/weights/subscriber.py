@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +20,7 @@ from transport.errors import (
     VersionGoneError,
 )
 from transport.weights._flat import copy_all, copy_runs, flat_like
-from transport.weights._layout_wire import encode_dest
+from transport.weights._given import Snapshot, check_given
 from transport.weights._lease import GroupLeases
 from transport.weights._messages import (
     Abort,
@@ -36,19 +35,17 @@ from transport.weights._messages import (
     encode,
 )
 from transport.weights._protocol import (
-    MODES,
     PUB_SLOT,
     SEQ_NAME,
     GroupDirectory,
     channel,
-    check_named_tensors,
     region,
 )
 from transport.weights._relay import Relay, RelayHost
 from transport.weights._upstream import Upstream
 from transport.weights._withdraw import leftovers, withdraw
 from transport.weights._worker import Worker
-from transport.weights.layouts import DestTensor, check_dest
+from transport.weights.layouts import DestTensor
 
 log = logging.getLogger("transport.weights")
 
@@ -57,15 +54,6 @@ _instances = itertools.count(1)
 
 #: how fast a subscriber reads its declared layout back from the store to check it (bytes/s)
 LAYOUT_CHECK_BYTES_PER_S = 64 << 10
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A complete version held for reading (:meth:`WeightSubscriber.read`): ``tensors`` are views
-    of the staging slot that holds ``version``; no writer touches them until the read ends."""
-
-    version: int
-    tensors: Mapping[str, torch.Tensor]
 
 
 class WeightSubscriber:
@@ -121,29 +109,18 @@ class WeightSubscriber:
         source_shapes: Mapping[str, Sequence[int]] | None = None,
         slots: int = 2,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if slots not in (1, 2) or (mode == "inplace" and slots != 2):
-            raise ValueError(f"slots is 2 or 1 (staging mode only), got {slots!r}")
-        if not isinstance(relay, bool):
-            raise TypeError(f"relay must be a bool, got {type(relay).__name__}")
-        live = check_named_tensors(named_tensors, "subscriber")
-        self.layout = None if layout is None else check_dest(layout, live)
+        given = check_given(
+            named_tensors, mode, slots, relay, staging_device, layout, source_shapes
+        )
+        live, self.layout = given.live, given.layout
         #: only shapes and dtypes were given (meta tensors): versions are read with read()
-        self.spec_only = any(t.is_meta for t in live.values())
-        if self.spec_only and (mode != "staging" or staging_device is None):
-            raise ValueError(
-                "meta tensors (shapes and dtypes only) need mode='staging' and a staging_device "
-                "where the versions land; give real tensors for mode='inplace'"
-            )
-        if self.spec_only and not all(t.is_meta for t in live.values()):
-            raise ValueError("named_tensors mixes meta tensors with real ones: give one kind")
+        self.spec_only = given.spec_only
         self.transport = transport
         self.group = group
         self.mode = mode
         self.on_update = on_update
         self.live = live
-        self.slots = slots if mode == "staging" else 1
+        self.slots = given.slots
         if mode == "staging":
             # each slot one flat buffer per device (views for the tensors): registered once
             self.staging = [flat_like(self.live, staging_device) for _ in range(self.slots)]
@@ -193,8 +170,7 @@ class WeightSubscriber:
             transport.core.signed, transport.namespace, group, next(_instances)
         )
         self._upstream = Upstream(GroupLeases(transport, group), group, self._dir, self._submit)
-        shapes = {n: tuple(int(k) for k in v) for n, v in (source_shapes or {}).items()}
-        self._declared = None if self.layout is None else encode_dest(self.layout, shapes)
+        self._declared = given.declared
         self._next_layout_check = math.inf
         ended = lambda: transport.closed  # noqa: E731 - the worker's end condition
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick, until=ended)
@@ -400,14 +376,9 @@ class WeightSubscriber:
     def _free_slots(self) -> list[int]:
         """Under the lock: the slots a publisher may write. Never the newest version's, except
         the only slot once that version was applied (then it is no longer readable)."""
-        out = []
-        for k in range(self.slots):
-            if k == self._held or self._forwarding.get(k):
-                continue
-            if k == self._newest_slot and not self._handed_back:
-                continue
-            out.append(k)
-        return out
+        newest = None if self._handed_back else self._newest_slot
+        busy = {self._held, newest} | {k for k, n in self._forwarding.items() if n}
+        return [k for k in range(self.slots) if k not in busy]
 
     def _credit_publishers(self, sender: str | None = None) -> None:
         """Tell the publishers (those that said hello) which slots are free; a version written by
@@ -537,7 +508,7 @@ class WeightSubscriber:
         live tensors (meta ones), reading a version counts as applying it
         (:attr:`applied_version`). One read or apply at a time."""
         if self.mode != "staging":
-            raise ValueError("read() holds a staging slot: this subscriber is in place (read the live tensors)")
+            raise ValueError("read() holds a staging slot: this subscriber is in place")
         self.wait_for_version(0 if version is None else version, timeout)
         with self._lock:
             if self._closed:
@@ -567,9 +538,7 @@ class WeightSubscriber:
     def _hold(self, slot: int) -> None:
         """Keep ``slot`` from every writer (under the lock): no slot is held twice."""
         if self._held is not None:
-            raise RuntimeError(
-                "a read() or apply() of this subscriber is in progress: one at a time"
-            )
+            raise RuntimeError("a read() or apply() is in progress here: one at a time")
         self._held = slot
 
     def _release(self, applied: int | None) -> None:
@@ -578,12 +547,8 @@ class WeightSubscriber:
             if applied is not None:
                 self.applied_version = max(self.applied_version, applied)
             newest = self._newest_slot
-            if (
-                self.slots == 1
-                and newest is not None
-                and self._slot_version[newest] <= self.applied_version
-            ):
-                self._handed_back = True  # from now on the publisher may write it
+            if self.slots == 1 and newest is not None:  # applied: the publisher may write it
+                self._handed_back = self._slot_version[newest] <= self.applied_version
             publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
             self._worker.latest(("send", p), p, self._send_credit)
