@@ -12,7 +12,7 @@ straight into a peer's exposed tensor and returns a handle at once.
 """
 
 from transport._default import default, get, init, is_initialized, put, shutdown
-from transport._transport import Notification, PeerInfo, Transport, __version__
+from transport._transport import Notification, PeerInfo, PeerTraffic, Transport, __version__
 from transport.batch import Batch
 from transport.errors import (
     BackendError,
@@ -50,6 +50,7 @@ __all__ = [
     "Handle",
     "Notification",
     "PeerInfo",
+    "PeerTraffic",
     "PeerLostError",
     "PeerNotFoundError",
     "PeerWaitTimeout",

@@ -521,4 +521,4 @@ class Transport(Closing):
         )
 
 
-__all__ = ["Notification", "PeerInfo", "Transport", "__version__"]
+__all__ = ["Notification", "PeerInfo", "PeerTraffic", "Transport", "__version__"]

@@ -188,7 +188,7 @@ class Plan:
     def give_back(self, backend: Backend, part: Part, xfer: Any, notified: bool) -> None:
         """Return a completed transfer to the pool (or release it if the plan is gone).
         Call with ``conn.lock`` held."""
-        if self.op == "read":
+        if self.op == READ:
             self.conn.traffic.read += part.nbytes
         else:
             self.conn.traffic.written += part.nbytes

@@ -61,6 +61,8 @@ def test_repeated_puts_replay_one_plan_and_move_the_new_bytes(
             planned = len(preps)
             assert planned > 0
     assert len(preps) == planned, "a repeated put of the same tensor planned again"
+    # every completed put counted, whichever thread posted it
+    assert w.traffic() == {r.name: transport.PeerTraffic(6 * nbytes, 0)}
 
 
 def test_a_get_replays_its_plan_and_reads_the_current_bytes(loopback_net, preps):
@@ -76,6 +78,7 @@ def test_a_get_replays_its_plan_and_reads_the_current_bytes(loopback_net, preps)
         w.get(dst, r.name, "src").wait(5)
         assert torch.equal(dst, pattern(8192, seed))
     assert len(preps) == planned
+    assert w.traffic() == {r.name: transport.PeerTraffic(0, 4 * 8192)}
 
 
 def test_a_region_exposed_after_the_first_put_is_found(loopback_net):

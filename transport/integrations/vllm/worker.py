@@ -181,6 +181,11 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
       vLLM's own load, copied into the tensors the model computes with), inside one worker call,
       so no engine step sees half-loaded weights. If it cannot reach every layer, finish fails
       naming them and the worker reports ``TORN`` (-2) until a whole version loads.
+    * Staging is one or two copies of what the worker receives, within ``staging_gb``; with one,
+      the next version is written only after the last one was loaded (or dropped).
+    * From ``start_weight_update`` until a finish succeeds or an update call fails (vLLM's own
+      flag), the worker marks an update open in the store (:func:`update_key`), so that a
+      trainer can close one its predecessor left open without provoking vLLM's error.
     * ``init_transfer_engine`` with the same info again is a no-op; with another, the engine
       leaves the old group first (if joining the new one fails, it is in none: updates say so
       until an init succeeds). ``shutdown`` leaves the group and closes the Transport.
