@@ -1,21 +1,40 @@
 """One full weight update of a vLLM server (start to finish, measured at the trainer) through the
-``transport`` backend, against what a user without it does on one machine and against the
-floor, interleaved round by round in one run:
+``transport`` backend in its two modes, against what a user without it does on one machine and
+against the floor, at each tensor-parallel size (one server per TP), in one run:
 
-* ``transport``: the trainer publishes the version into the worker's staging memory, then
-  vLLM's start / update / finish (``TransportTrainer.send_weights``);
+* ``sharded``: ``transport``'s default: each worker receives only its TP slice of each parameter,
+  in vLLM's format; the trainer publishes into the workers' staging memory, then vLLM's start /
+  update / finish (``TransportTrainer.send_weights``);
+* ``whole``: the same with ``mode="whole"`` (the behaviour before the sharded mode): every worker
+  receives every checkpoint tensor whole and vLLM's loader shards it;
 * ``shm``: the trainer saves a safetensors checkpoint to shared memory (/dev/shm) and vLLM
   reloads it (``reload_weights`` through ``/collective_rpc``);
-* ``floor``: vLLM's own loader from tensors already in its memory: an update of a version that
-  already landed (start / update / finish with no transfer).
+* ``floor``: vLLM's own loader from tensors already in its memory: the whole mode's update of a
+  version that already landed (start / update / finish with no transfer). The same in the sharded
+  mode (``sharded_load``: our direct loaders, then vLLM's post-processing) is reported too.
 
-Also the host memory the update path adds: the vLLM worker's resident set before and after it
-joined and took a first version (its two staging slots), and the trainer's.
+A worker holds one weight group, so on each server the modes take turns in blocks (whole,
+sharded, whole, sharded with ``--blocks 2``), each block with a trainer engine of its own in a
+namespace of its own; the switch (the workers leave one group and join the next) and two
+versions after it (one into each staging slot: their first touch) are not timed. Within a block
+the rounds interleave the mode, its load-only update and ``shm``; ``shm``, measured in every
+block, shows whether the blocks of the two modes ran alike. Other processes on the machine are
+not ours to stop: the CPU they used during each timed interval is recorded (``other cores``).
+
+Per TP and mode: the bytes the trainer wrote to each worker per version (``Transport.traffic``,
+counted as transfers complete), each worker's ``version_bytes`` and ``staging_bytes`` (its
+engine state: ``collective_rpc transport_state``), each worker's resident set before its engine
+joined and after the first two versions (after a garbage collection in the worker), and the
+trainer's.
 
     bash examples/setup_vllm.sh
-    .venv/bin/python benchmarks/vllm_update.py --json benchmarks/results-vllm.json
+    .venv/bin/python benchmarks/vllm_update.py --rounds 5 --worker-spin-s 0.001 \
+        --json benchmarks/results-vllm.json
 
-The server runs vLLM's CPU build here, one worker (a separate process), float32.
+The server runs vLLM's CPU build here, each worker a separate process on a core of its own,
+float32. With as many TP workers as cores (TP=2 on two), add ``--worker-spin-s 0.001``: vLLM's
+workers spin for 1 s after each message on the cores that the trainer, vLLM's engine and
+server need, and every call of an update then waits about a second.
 """
 
 from __future__ import annotations
@@ -23,15 +42,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
+from transport.integrations.vllm.extension import TransportState
+
 MiB = 1 << 20
+MODES = ("whole", "sharded")  # in this order on each server: see the docstring
 
 
 def rss(pid: int) -> int:
@@ -42,9 +68,9 @@ def rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def group_rss(pgid: int) -> dict[int, int]:
-    """Resident set of every process of a process group (the server and its workers)."""
-    out = {}
+def group_pids(pgid: int) -> list[int]:
+    """Every process of a process group (the server and its workers)."""
+    out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -52,10 +78,264 @@ def group_rss(pgid: int) -> dict[int, int]:
             with open(f"/proc/{d}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             if int(fields[2]) == pgid:
-                out[int(d)] = rss(int(d))
+                out.append(int(d))
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
     return out
+
+
+class CpuMeter:
+    """CPU time the rest of the machine used (everything but this process and the server's)
+    over an interval: the share of its cores that the measured systems could not have."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pids = [os.getpid(), *group_pids(pgid)]
+
+    def ticks(self) -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(v[:3]) + sum(v[5:8])  # user nice system, irq softirq steal
+        ours = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ours += int(fields[11]) + int(fields[12])  # utime, stime (all its threads)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return busy, ours
+
+    def foreign(self, t0: tuple[int, int], t1: tuple[int, int], seconds: float) -> float:
+        """The other processes' CPU over the interval, in cores (0: none; 1: one core busy)."""
+        hz = os.sysconf("SC_CLK_TCK")
+        other = (t1[0] - t0[0]) - (t1[1] - t0[1])
+        return max(0.0, other / hz / seconds)
+
+
+def mib(n: float) -> float:
+    return round(n / MiB, 1)
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+class BenchState(TransportState):
+    """The workers' extension here: the engine state, and a garbage collection before each
+    resident-set reading (a subscriber the worker closed, when it left one group for the other,
+    keeps its staging memory until Python's cyclic collector runs)."""
+
+    def collect_garbage(self) -> int:
+        import gc
+
+        return gc.collect()
+
+    def reader_spin(self, seconds: float) -> int:
+        """How long this worker's readers of vLLM's message queues spin after a message before
+        they sleep (vLLM: 1 s); returns how many readers it changed."""
+        import gc
+
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        found = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        for o in found:
+            o.busy_loop_s = seconds
+        return len(found)
+
+
+def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    """One server of ``tp`` workers: blocks of the whole mode and the sharded mode in turn."""
+    from safetensors.torch import save_file
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from transport.integrations.vllm.server import VllmServer
+    from transport.integrations.vllm.trainer import (
+        HTTPClient,
+        TransportTrainer,
+        TransportTrainerInitInfo,
+    )
+
+    model, state, shm, store = ctx["model"], ctx["state"], ctx["shm"], ctx["store"]
+    cores = os.cpu_count() or 1
+    here = str(Path(__file__).resolve().parent)
+    server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+                   "--block-size", "32", "--skip-tokenizer-init",
+                   "--worker-extension-cls", f"{Path(__file__).stem}.BenchState")  # fmt: skip
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
+           "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    t_start = time.perf_counter()
+    server = VllmServer(ctx["work"] / "model", ctx["work"] / f"vllm-tp{tp}.log", tp=tp,
+                        args=server_args, env=env, start_timeout=600)  # fmt: skip
+    print(f"TP={tp}: server up in {time.perf_counter() - t_start:.0f} s", flush=True)
+
+    def rpc(method: str) -> list[Any]:
+        return list(server.post("collective_rpc", {"method": method})["results"])
+
+    def group_rss() -> dict[int, int]:
+        rpc("collect_garbage")
+        return {pid: rss(pid) for pid in group_pids(server.proc.pid)}
+
+    def timed(m: dict[str, Any], key: str, fn: Any, *fargs: Any) -> None:
+        c0, t0 = meter.ticks(), time.perf_counter()
+        fn(*fargs)
+        dt = time.perf_counter() - t0
+        m["times_s"][key].append(dt)
+        m["other_cores"][key].append(meter.foreign(c0, meter.ticks(), dt))
+
+    def floor(v: int) -> None:  # the version again: already in the workers' memory
+        server.post("start_weight_update")
+        server.post("update_weights", {"update_info": {"version": v}})
+        server.post("finish_weight_update", {"weight_version": str(v)})
+
+    def via_shm() -> None:
+        save_file(state, str(shm / "model.safetensors"))
+        server.post("collective_rpc",
+                    {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
+
+    out: dict[str, Any] = {"tp": tp, "modes": {}}
+    engine = None
+    try:
+        if args.worker_spin_s is not None:
+            out["worker_spin_s"] = args.worker_spin_s
+            out["spinning_readers_changed"] = server.post(
+                "collective_rpc", {"method": "reader_spin", "args": [args.worker_spin_s]}
+            )["results"]
+        meter = CpuMeter(server.proc.pid)
+        baseline = group_rss()
+        for mode in MODES:
+            load_key = "floor" if mode == "whole" else "sharded_load"
+            out["modes"][mode] = {"times_s": {mode: [], load_key: [], "shm": []},
+                                  "other_cores": {mode: [], load_key: [], "shm": []},
+                                  "loading_s": [], "publish_s": [], "first_two_s": [],
+                                  "blocks": []}  # fmt: skip
+        v = 0
+        for block in range(args.blocks):
+            for mode in MODES:
+                m = out["modes"][mode]
+                load_key = "floor" if mode == "whole" else "sharded_load"
+                before = group_rss()
+                trainer_before = rss(os.getpid())
+                new = WeightTransferTrainerFactory.trainer_init(  # a TransportTrainer
+                    TransportTrainerInitInfo(store.url, namespace=f"vllm-bench-tp{tp}-{mode}-{block}",
+                                             name=f"trainer-{mode}", rank=0, timeout=300, mode=mode),
+                    client=HTTPClient(server.url),
+                    source=ModuleSource(model),
+                )  # fmt: skip
+                if engine is not None:  # the workers left its group for the new one
+                    engine.shutdown()
+                engine = cast(TransportTrainer, new)
+                t = engine.transport
+                assert t is not None
+                first = []
+                for _ in range(2):  # one version into each staging slot: their first touch
+                    v += 1
+                    t0 = time.perf_counter()
+                    engine.send_weights(v)
+                    first.append(time.perf_counter() - t0)
+                m["first_two_s"].append(first)
+                st = rpc("transport_state")
+                peers = [s["peer"] for s in st]
+                pids = [int(p.rsplit("-", 2)[1]) for p in peers]  # vllm-HOST-PID-rRANK
+                after = group_rss()
+                m["trainer_rss_growth_mib"] = mib(rss(os.getpid()) - trainer_before)
+                written: dict[str, list[int]] = {p: [] for p in peers}
+
+                for r in range(args.rounds):
+                    v += 1
+                    with torch.no_grad():
+                        for x in state.values():
+                            x.add_(1e-3)
+                    sent0 = t.traffic()
+                    timed(m, mode, engine.send_weights, v)
+                    sent1 = t.traffic()
+                    for p in peers:
+                        w0 = sent0[p].written if p in sent0 else 0
+                        written[p].append(sent1[p].written - w0)
+                    assert engine.last_times is not None
+                    m["loading_s"].append(engine.last_times.update_s)
+                    m["publish_s"].append(engine.last_times.publish_s)
+                    timed(m, load_key, floor, v)
+                    timed(m, "shm", via_shm)
+                    print(f"TP={tp} block {block} {mode} round {r}: " + ", ".join(
+                        f"{k} {x[-1] * 1e3:.0f} ms" for k, x in m["times_s"].items()), flush=True)  # fmt: skip
+                m["blocks"].append([
+                    {"peer": s["peer"], "mode": s["mode"],
+                     "written_per_version": sorted(set(written[s["peer"]])),
+                     "version_bytes": s["version_bytes"], "staging_bytes": s["staging_bytes"],
+                     "fallback": s["fallback"],
+                     "rss_server_start_mib": mib(baseline.get(pid, 0)),
+                     "rss_before_join_mib": mib(before.get(pid, 0)),
+                     "rss_after_two_versions_mib": mib(after[pid])}
+                    for s, pid in zip(st, pids, strict=True)
+                ])  # fmt: skip
+        for m in out["modes"].values():
+            m["time_stats_s"] = {k: spread(x) for k, x in m["times_s"].items()}
+            m["other_cores_median"] = {k: statistics.median(x) for k, x in m["other_cores"].items()}
+            m["loading_median_s"] = statistics.median(m["loading_s"])
+            m["publish_median_s"] = statistics.median(m["publish_s"])
+            m["workers"] = m["blocks"][0]  # the first join of the mode (its resident set)
+        return out
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        server.kill()  # its process group: the API server, the engine core, every worker
+
+
+def ratios(res: dict[str, Any]) -> dict[str, float]:
+    w, s = res["modes"]["whole"], res["modes"]["sharded"]
+
+    def med(m: dict[str, Any], k: str) -> float:
+        return float(m["time_stats_s"][k]["median"])
+
+    def per_worker(m: dict[str, Any], k: str) -> float:
+        return statistics.mean(max(x[k]) if isinstance(x[k], list) else x[k] for x in m["workers"])
+
+    return {
+        "whole_over_sharded_time": med(w, "whole") / med(s, "sharded"),
+        "shm_over_sharded_time": med(s, "shm") / med(s, "sharded"),
+        "sharded_over_floor_time": med(s, "sharded") / med(w, "floor"),
+        "shm_over_whole_time": med(w, "shm") / med(w, "whole"),
+        "whole_over_floor_time": med(w, "whole") / med(w, "floor"),
+        "shm_sharded_blocks_over_whole_blocks": med(s, "shm") / med(w, "shm"),
+        "whole_over_sharded_written": per_worker(w, "written_per_version")
+        / per_worker(s, "written_per_version"),
+        "whole_over_sharded_staging": per_worker(w, "staging_bytes")
+        / per_worker(s, "staging_bytes"),
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    head = ("| TP | system | median s | min-max s | publish s | other cores | "
+            "written/worker MiB | version MiB | staging MiB | worker RSS start -> after MiB |")  # fmt: skip
+    lines = [head, "|" + " --- |" * 10]
+    for tp, res in results["tp"].items():
+        for mode in MODES:
+            m = res["modes"][mode]
+            ws = m["workers"]
+            load_key = "floor" if mode == "whole" else "sharded_load"
+
+            def cell(f: Any, ws: list[dict[str, Any]] = ws) -> str:
+                return " / ".join(f(x) for x in ws)
+
+            rows = [
+                (mode, cell(lambda x: f"{mib(max(x['written_per_version']))}"),
+                 cell(lambda x: f"{mib(x['version_bytes'])}"),
+                 cell(lambda x: f"{mib(x['staging_bytes'])}"),
+                 cell(lambda x: f"{x['rss_server_start_mib']:.0f} -> "
+                                f"{x['rss_after_two_versions_mib']:.0f}")),
+                (load_key, "0", "", "", ""),
+                ("shm", "", "", "", ""),
+            ]  # fmt: skip
+            for key, *rest in rows:
+                t = m["time_stats_s"][key]
+                name = f"shm ({mode} blocks)" if key == "shm" else key
+                pub = f"{m['publish_median_s']:.3f}" if key == mode else ""
+                lines.append(
+                    f"| {tp} | {name} | {t['median']:.3f} | {t['min']:.3f}-{t['max']:.3f} | {pub} | "
+                    f"{m['other_cores_median'][key]:.2f} | " + " | ".join(rest) + " |"
+                )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -63,99 +343,76 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per block")
+    ap.add_argument("--blocks", type=int, default=2, help="blocks of each mode per server")
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes, one server each")
+    ap.add_argument("--worker-spin-s", type=float, default=None,
+                    help="seconds the TP workers' readers of vLLM's message queues spin after a "
+                         "message before sleeping (vLLM's default: 1 s; with as many workers as "
+                         "cores their spinning starves every other process of the update)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    tps = [int(x) for x in args.tp.split(",")]
+    # a SIGTERM runs the finally blocks too (every server killed, temporary files removed)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
-    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from transport.integrations.vllm import register
-    from transport.integrations.vllm.server import VllmServer, free_port
-    from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
+    from transport.store.tcp import TcpStore
 
     register()
+    t_run = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="transport-bench-", dir="/dev/shm"))
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64, max_position_embeddings=256,
-        tie_word_embeddings=False, dtype="float32",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    state = {n: p.detach() for n, p in model.named_parameters()}
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    model.save_pretrained(work / "model", safe_serialization=True)
-    shutil.copy(work / "model" / "config.json", shm / "config.json")
-    print(f"model: {len(state)} tensors, {nbytes / MiB:.0f} MiB float32", flush=True)
-
-    server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-                   "--block-size", "32", "--skip-tokenizer-init")  # fmt: skip
-    server = VllmServer(work / "model", work / "vllm.log", args=server_args, start_timeout=600)
-    url = server.url
+    store = None
     try:
-        trainer_before = rss(os.getpid())
-        workers_before = group_rss(server.proc.pid)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            TransportTrainerInitInfo(f"tcp://127.0.0.1:{free_port()}", rank=0, timeout=300),
-            client=HTTPClient(url),
-            source=ModuleSource(model),
-        )
-        # the worker's pid is in its peer name (vllm-HOST-PID-rRANK)
-        first = engine.send_weights(1)
-        (worker,) = first.done
-        worker_pid = int(worker.rsplit("-", 2)[1])
-        worker_after = rss(worker_pid)
-        trainer_after = rss(os.getpid())
-        times: dict[str, list[float]] = {"transport": [], "shm": [], "floor": []}
-        # of transport's: the part in which vLLM loads (it serves while the version is written)
-        loading: list[float] = []
-        for r in range(args.rounds):
-            v = 2 + r
-            with torch.no_grad():
-                for t in state.values():
-                    t.add_(1e-3)
-            t0 = time.perf_counter()
-            engine.send_weights(v)
-            times["transport"].append(time.perf_counter() - t0)
-            loading.append(engine.last_times.update_s)
+        config = LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.hidden // 64, max_position_embeddings=256,
+            tie_word_embeddings=False, dtype="float32",
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).float()
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        nbytes = sum(x.numel() * x.element_size() for x in state.values())
+        model.save_pretrained(work / "model", safe_serialization=True)
+        shutil.copy(work / "model" / "config.json", shm / "config.json")
+        print(f"model: {len(state)} tensors, {nbytes / MiB:.0f} MiB float32", flush=True)
+        # the store outlives every trainer engine (its keys live in the process that hosts it)
+        store = TcpStore("127.0.0.1", 0, hosting="yes")
+        ctx = {"model": model, "state": state, "shm": shm, "store": store, "work": work}
+        results: dict[str, Any] = {
+            "model": {"mib": mib(nbytes), "tensors": len(state), "hidden": args.hidden,
+                      "layers": args.layers, "vocab": args.vocab, "dtype": "float32"},
+            "argv": sys.argv[1:],
+            "rounds_per_block": args.rounds,
+            "blocks": args.blocks,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "torch": torch.__version__},
+            "tp": {},
+        }  # fmt: skip
+        try:
+            import vllm
 
-            t0 = time.perf_counter()  # the same version again: already in the worker's memory
-            server.post("start_weight_update")
-            server.post("update_weights", {"update_info": {"version": v}})
-            server.post("finish_weight_update", {"weight_version": str(v)})
-            times["floor"].append(time.perf_counter() - t0)
-
-            t0 = time.perf_counter()
-            save_file(state, str(shm / "model.safetensors"))
-            server.post("collective_rpc",
-                        {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
-            times["shm"].append(time.perf_counter() - t0)
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
-                  flush=True)  # fmt: skip
-        median = {k: statistics.median(v) for k, v in times.items()}
-        result = {
-            "model_mib": round(nbytes / MiB, 1),
-            "tensors": len(state),
-            "rounds": args.rounds,
-            "median_s": median,
-            "all_s": times,
-            "transport_vs_shm": median["shm"] / median["transport"],
-            "transport_vs_floor": median["transport"] / median["floor"],
-            "transport_loading_median_s": statistics.median(loading),
-            "worker_rss_growth_mib": round((worker_after - workers_before[worker_pid]) / MiB, 1),
-            "worker_staging_mib": round(2 * nbytes / MiB, 1),
-            "trainer_rss_growth_mib": round((trainer_after - trainer_before) / MiB, 1),
-        }
-        print(json.dumps(result, indent=2))
+            results["machine"]["vllm"] = vllm.__version__
+        except Exception:
+            pass
+        for tp in tps:
+            res = run_tp(tp, args, ctx)
+            res["ratios"] = ratios(res)
+            results["tp"][str(tp)] = res
+        results["run_s"] = round(time.perf_counter() - t_run, 1)
+        print(table(results))
+        for tp, res in results["tp"].items():
+            print(f"TP={tp}: " + ", ".join(f"{k} {x:.2f}" for k, x in res["ratios"].items()))
+        print(f"run: {results['run_s']:.0f} s")
         if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-        engine.shutdown()
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
     finally:
-        server.stop()
+        if store is not None:
+            store.close()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
