@@ -174,6 +174,18 @@ def hold_completions(t: transport.Transport) -> None:
     t.core = replace(t.core, send_control=holding)
 
 
+def staging_buffers(sub: transport.WeightSubscriber) -> list[Any]:
+    """Weak references to the flat buffers a subscriber's staging slots are views of."""
+    import weakref
+
+    bases = {}
+    for slot in sub.staging:
+        for t in slot.values():
+            base = t._base if t._base is not None else t
+            bases[id(base)] = base
+    return [weakref.ref(b) for b in bases.values()]
+
+
 # -- stores and weight groups --------------------------------------------------------------------
 
 

@@ -88,6 +88,9 @@ def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
         "engine_state": engine_state,
         "param": param,
         "skip_tied": skip_tied,
+        "reinit_frees_staging": lambda info: llm.collective_rpc(
+            _reinit_frees_staging, args=(info,)
+        )[0],
         "fall_back": lambda names: llm.collective_rpc(_fall_back, args=(names,)),
         "init": init,
         "update": update,
@@ -138,6 +141,15 @@ def _fall_back(worker: Any, names: list[str]) -> None:
     module.learn = learn if names else shards.learn  # type: ignore[assignment]
 
 
+def _reinit_frees_staging(worker: Any, info: dict[str, Any]) -> bool:
+    """Whether the staging memory of the worker's group is freed by an init into another
+    group, before that init returns (weak references to its flat buffers die)."""
+    engine = getattr(worker, "worker", worker).weight_transfer_engine
+    refs = internals.staging_buffers(engine.subscriber)
+    engine.init_transfer_engine(engine.parse_init_info(info))
+    return bool(refs) and all(r() is None for r in refs)
+
+
 def _param(worker: Any, name: str) -> list[float]:
     model = getattr(worker, "worker", worker).model_runner.get_model()
     return model.get_parameter(name).detach().flatten().tolist()
@@ -148,7 +160,7 @@ class VllmProcess(ChildProcess):
     prompt of helpers.llama.PROMPTS), ``init(init_info)``, ``update(update_info)`` (start,
     update, finish with the version's name, prefix cache reset; returns the weight version),
     ``weight_version``, ``engine_state``, ``param(name)``, ``skip_tied(bool)``,
-    ``shutdown_engine``, ``fall_back(names)`` (from the next init, those checkpoint tensors
+    ``shutdown_engine``, ``reinit_frees_staging(init_info)``, ``fall_back(names)`` (from the next init, those checkpoint tensors
     travel whole, through vLLM's loader); one phase at a time: ``start``, ``update_only(update_info)``,
     ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update)."""
 

@@ -255,6 +255,14 @@ def test_a_trainer_of_another_model_is_refused_before_a_byte_moves(vllm, store, 
     assert vllm.call("generate") == before
 
 
+def test_an_init_into_another_group_frees_the_old_staging_first(vllm, store):
+    """staging_gb bounds one group's staging: the old group's is freed before the new one's is
+    allocated, not whenever Python's collector runs."""
+    vllm.call("init", _info(store, "first-group"))
+    assert vllm.call("reinit_frees_staging", {**_info(store, "second-group"), "mode": "whole"})
+    assert vllm.call("engine_state")[0]["mode"] == "whole"
+
+
 def test_bad_init_and_update_infos_are_refused_with_the_rule(vllm, store):
     before = vllm.call("generate")
     unreachable = f"redis://127.0.0.1:{free_port()}/0"  # a store nobody runs
