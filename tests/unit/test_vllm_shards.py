@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from transport.integrations.vllm.shards import _layout, _Params, fall_back, whole
+from transport.integrations.vllm.shards import _layout, _Numbering, _Params, fall_back, whole
 from transport.weights import Slice
 from transport.weights.layouts import SourceLayout, apply_runs, plan
 
@@ -117,3 +117,33 @@ def test_fall_back_on_request_and_the_whole_layout():
         and set(w.dest) == set(SPEC)
         and w.nbytes == sum(t.numel() * t.element_size() for t in SPEC.values())
     )
+
+
+def test_expanded_probes_number_every_element_as_the_flat_numbering_does():
+    """The replay sends each tensor as one line expanded to its shape, once per dim (no
+    memory); what a copying loader leaves is put together into the flat numbers, and a loader
+    that mixes elements across passes (or writes in a later pass only) is caught (0.5)."""
+    numbering = _Numbering(SPEC)
+    assert numbering.offsets == _offsets()
+    for name in SPEC:
+        probe = numbering.probe(name, 0)
+        assert probe.shape == SPEC[name].shape and probe.stride()[-1] == 0 or probe.dim() == 1
+
+    def loader(dim: int) -> torch.Tensor:  # what a fused, sliced copy leaves in a stand-in
+        q, k = numbering.probe("q", dim), numbering.probe("k", dim)
+        return torch.cat([q[H // 2 :], k[1:3]]).clone()
+
+    got = numbering.numbers([loader(0), loader(1)])
+    assert torch.equal(got, torch.cat([_numbers("q")[H // 2 :], _numbers("k")[1:3]]))
+    norm = numbering.numbers([torch.cat([numbering.probe("unused", 0), -torch.ones(2)])])
+    assert torch.equal(norm, torch.cat([_numbers("unused"), -torch.ones(2, dtype=torch.float64)]))
+    crossed = loader(1)
+    crossed[0, 0] = crossed[0, 1]  # its passes name element (row 4, col 1): that number
+    crossed[0, 2] = 1.5  # a value no probe carries: computed
+    mixed = numbering.numbers([loader(0), crossed])
+    assert mixed[0, 0] == got[0, 1] and mixed[0, 2] == 0.5 and torch.equal(mixed[1:], got[1:])
+    assert "no stack of checkpoint slices" in _layout_of({"qk": mixed}).fallback["k"] or (
+        "computed" in _layout_of({"qk": mixed}).fallback["q"]
+    )
+    late = numbering.numbers([torch.full((2, H), -1.0, dtype=torch.float64), loader(1)[:2]])
+    assert bool((late == 0.5).all())

@@ -2,12 +2,15 @@
 
 A vLLM worker computes with its own tensor-parallel slice of every column- and row-parallel
 weight, q/k/v and gate/up fused, the vocabulary split and padded; the checkpoint holds whole
-tensors. :func:`learn` replays the model's own ``load_weights`` over **probe** tensors: each
-checkpoint tensor is sent as the numbers ``offset + 0, 1, 2, ...`` (float64, exact to 2**53)
-into float64 stand-ins of the parameters in the format vLLM's loaders write (its reload
-bookkeeping keeps them as meta tensors), filled with -1. Afterwards every element of a stand-in
-says which checkpoint element the loader put there, -1 where it put nothing, and any other
-value where it computed something (a padding zero, a scaled or permuted value).
+tensors. :func:`learn` replays the model's own ``load_weights`` over **probe** tensors into
+float64 stand-ins of the parameters in the format vLLM's loaders write (its reload bookkeeping
+keeps them as meta tensors), filled with -1. Every checkpoint element has a number (float64 is
+exact to 2**53); a probe is one line expanded to the tensor's shape, so it costs no memory, and
+each tensor goes through the loader once per dim: pass 0 carries its rows (numbered across
+tensors, which tells them apart), pass ``d`` its index along dim ``d``. Afterwards the passes
+say, for every element of a stand-in, which checkpoint element the loader put there, -1 where
+it put nothing, and anything else where it computed something (a padding zero, a scaled value).
+A loader that cannot take an expanded probe gets it materialized.
 
 Each parameter is then written as a :class:`~transport.weights.layouts.DestTensor` over the
 checkpoint tensors (slices along one dim, stacked: its TP shard, its part of fused q/k/v and
@@ -21,9 +24,9 @@ checkpoint tensor feeding it travels whole and goes through vLLM's loader: never
 wrong, only more bytes.
 
 The replay runs one decoder layer at a time (the layer's stand-ins are real, every other
-parameter a meta tensor, where a stray write goes nowhere and shows as unmapped), so it holds
-one layer's parameters and one checkpoint tensor in float64 at a time, once per worker at init.
-The live parameters are put back exactly as they were, even after an error.
+parameter a meta tensor, where a stray write goes nowhere and shows as unmapped), and each map is
+judged as soon as its layer is done: it holds one layer's parameters in float64 per pass, once
+per worker at init. The live parameters are put back exactly as they were, even after an error.
 """
 
 from __future__ import annotations
@@ -87,13 +90,10 @@ def learn(model: torch.nn.Module, spec: Mapping[str, torch.Tensor]) -> WorkerLay
     params = _loader_format(model)
     if params is None:
         return whole(spec, "vLLM recorded no loader format for this model (no reload metadata)")
-    offsets, at = {}, 1  # 0 and -1 are never a checkpoint element
-    for name, t in spec.items():
-        offsets[name] = at
-        at += t.numel()
-    if at >= 2**53:
+    numbering = _Numbering(spec)
+    if numbering.total >= 2**53:
         return whole(spec, "the checkpoint has more elements than a float64 probe counts exactly")
-    maps: dict[str, torch.Tensor] = {}
+    judged = _Judged(spec, numbering.offsets)
     raised: dict[str, str] = {}
     groups: dict[int | None, list[str]] = {}
     for name in spec:
@@ -102,17 +102,91 @@ def learn(model: torch.nn.Module, spec: Mapping[str, torch.Tensor]) -> WorkerLay
         for group, names in groups.items():
             mine = [p for p in params.firsts if _layer_of(p) == group]
             stand.make_real(mine)
-            for name in names:
-                t = spec[name]
-                probe = torch.arange(t.numel(), dtype=torch.float64).add_(offsets[name])
-                try:
-                    model.load_weights([(name, probe.view(t.shape))])  # type: ignore[operator]
-                except Exception as e:  # a loader that refuses a probe: that tensor falls back
-                    raised[name] = f"vLLM's loader raised {type(e).__name__}: {e}"
+            passes = []
+            for dim in range(max(max(spec[n].dim(), 1) for n in names)):
+                stand.reset(mine)
+                for name in names:
+                    if dim == 0 or spec[name].dim() > dim:
+                        _replay(model, name, numbering.probe(name, dim), raised)
+                passes.append({p: stand.values(p) for p in mine})
             for p in mine:
-                maps[p] = stand.values(p)
+                judged.add(p, numbering.numbers([x[p] for x in passes]), params)
             stand.make_meta(mine)
-    return _layout(spec, offsets, params, maps, raised)
+    return judged.layout(raised)
+
+
+def _replay(model: Any, name: str, probe: torch.Tensor, raised: dict[str, str]) -> None:
+    """One checkpoint tensor through the model's loader; a loader that cannot take an expanded
+    probe (a view of one line) gets it materialized; one that raises makes it fall back."""
+    for attempt in (probe, None):
+        try:
+            model.load_weights([(name, probe.contiguous() if attempt is None else attempt)])
+            return
+        except Exception as e:
+            if attempt is None:
+                raised.setdefault(name, f"vLLM's loader raised {type(e).__name__}: {e}")
+
+
+class _Numbering:
+    """The numbers the probes carry. Checkpoint element ``i`` of tensor ``n`` is number
+    ``offsets[n] + i`` (from 1: 0 and -1 are never an element). A probe is one line expanded to
+    the tensor's shape (no memory): pass 0 carries ``rows[n] + index along dim 0`` (which also
+    tells the tensors apart), pass ``d`` carries ``index along dim d + 1``; :meth:`numbers`
+    puts an element's number together from the passes."""
+
+    def __init__(self, spec: Mapping[str, torch.Tensor]) -> None:
+        self.names = list(spec)
+        self.offsets: dict[str, int] = {}
+        self.rows: dict[str, int] = {}
+        at = row = 1
+        for name, t in spec.items():
+            self.offsets[name], self.rows[name] = at, row
+            at += t.numel()
+            row += t.shape[0] if t.dim() else 1
+        self.total = at
+        self.ndim = max([t.dim() for t in spec.values()] + [1])
+        shapes = [tuple(t.shape) or (1,) for t in spec.values()]
+        self.sizes = np.array([list(s) + [1] * (self.ndim - len(s)) for s in shapes], np.int64)
+        self.strides = np.array([_strides(s) for s in self.sizes.tolist()], np.int64)
+        self.dims = np.array([t.dim() for t in spec.values()], np.int64)
+        self.row_at = np.array([self.rows[n] for n in self.names], np.int64)
+        self.at = np.array([self.offsets[n] for n in self.names], np.int64)
+        self.spec = spec
+
+    def probe(self, name: str, dim: int) -> torch.Tensor:
+        shape = tuple(self.spec[name].shape)
+        if not shape:
+            return torch.tensor(float(self.rows[name]), dtype=torch.float64)
+        line = torch.arange(shape[dim], dtype=torch.float64) + (self.rows[name] if dim == 0 else 1)
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        return line.view(view).expand(shape)
+
+    def numbers(self, passes: list[torch.Tensor]) -> torch.Tensor:
+        """A stand-in's element numbers from its passes: -1 where nothing was written, the
+        loader's own value where pass 0 holds no element (0: padding), 0.5 where the passes
+        disagree or hold values no probe carries (the loader computed them)."""
+        first = passes[0].reshape(-1).numpy()
+        out = first.copy()
+        idx = np.nonzero(first >= 1)[0]
+        v = first[idx]
+        ok = v == np.floor(v)
+        src = np.clip(np.searchsorted(self.row_at, v.astype(np.int64), side="right") - 1, 0, None)
+        index = v.astype(np.int64) - self.row_at[src]
+        ok &= index < self.sizes[src, 0]
+        number = self.at[src] + index * self.strides[src, 0]
+        for d in range(1, self.ndim):
+            has = self.dims[src] > d
+            if d < len(passes):
+                c = passes[d].reshape(-1).numpy()[idx] - 1
+            else:
+                c = np.full(len(idx), -1.0)
+            ok &= ~has | ((c == np.floor(c)) & (c >= 0) & (c < self.sizes[src, d]))
+            number += np.where(has & ok, c.astype(np.int64), 0) * self.strides[src, d]
+        out[idx] = np.where(ok, number, 0.5)
+        for later in passes[1:]:  # written only by a later pass: not a copy of one element
+            out[(first < 1) & (later.reshape(-1).numpy() >= 1)] = 0.5
+        return torch.from_numpy(out).view(passes[0].shape)
 
 
 @dataclass
@@ -189,6 +263,11 @@ class _StandIns:
             self.real.pop(key, None)
             self._register(key, self._stand_in(key, "meta"))
 
+    def reset(self, keys: list[str]) -> None:
+        with torch.no_grad():
+            for key in keys:
+                self.real[key].fill_(-1.0)
+
     def values(self, key: str) -> torch.Tensor:
         return self.real[key].detach().as_subclass(torch.Tensor).clone()
 
@@ -215,6 +294,14 @@ def original_loader(loader: Any) -> Any:
     return loader
 
 
+def _strides(shape: list[int]) -> list[int]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
 def _layer_of(name: str) -> int | None:
     m = _LAYER.search(name)
     return int(m.group(1)) if m else None
@@ -230,36 +317,52 @@ def _layout(
     maps: dict[str, torch.Tensor],
     raised: dict[str, str],
 ) -> WorkerLayout:
-    names = list(spec)
-    starts = np.array([offsets[n] for n in names], dtype=np.int64)
-    fallback = dict(raised)
-    feeds: dict[str, set[str]] = {}  # checkpoint name -> parameters it fed
-    fed_by: dict[str, set[str]] = {}
-    made: dict[str, tuple[DestTensor, Target]] = {}
-    bad: dict[str, str] = {}  # parameter -> why it is not mapped
+    """The layout that the replay's ``maps`` (parameter -> element numbers) describe."""
+    judged = _Judged(spec, offsets)
     for key, m in maps.items():
-        flat = m.view(-1).numpy()
+        judged.add(key, m, params)
+    return judged.layout(raised)
+
+
+class _Judged:
+    """What the replay said of each parameter so far (its map is judged as it comes, then let
+    go: only the verdicts stay): the tensors that filled it, and its DestTensor and Target or
+    why it is not mapped."""
+
+    def __init__(self, spec: Mapping[str, torch.Tensor], offsets: dict[str, int]) -> None:
+        self.spec, self.offsets = spec, offsets
+        self.names = list(spec)
+        self.starts = np.array([offsets[n] for n in self.names], dtype=np.int64)
+        self.fed_by: dict[str, set[str]] = {}
+        self.made: dict[str, tuple[DestTensor, Target]] = {}
+        self.bad: dict[str, str] = {}  # parameter -> why it is not mapped
+
+    def add(self, key: str, m: torch.Tensor, params: _Params) -> None:
+        flat = m.reshape(-1).numpy()
         written = flat >= 1
         if not written.any():
-            continue
-        ids = np.searchsorted(starts, flat[written].astype(np.int64), side="right") - 1
-        sources = {names[i] for i in np.unique(ids)}
-        fed_by[key] = sources
-        for s in sources:
-            feeds.setdefault(s, set()).add(key)
+            return
+        ids = np.searchsorted(self.starts, flat[written].astype(np.int64), side="right") - 1
+        self.fed_by[key] = {self.names[i] for i in np.unique(ids)}
         try:
-            made[key] = _derive(key, m, spec, names, starts, offsets, params)
+            self.made[key] = _derive(
+                key, m, self.spec, self.names, self.starts, self.offsets, params
+            )
         except _Unmapped as e:
-            bad[key] = str(e)
-    for name in spec:
-        if name not in feeds and name not in fallback:
-            fallback[name] = "vLLM's loader put none of it into a parameter of this worker"
-    for key, why in bad.items():
-        for s in sorted(fed_by.get(key, ())):
-            fallback.setdefault(s, f"it fills {key}, which {why}")
-    dest = {key: d for key, (d, _) in made.items() if key not in bad}
-    targets = {key: t for key, (_, t) in made.items() if key not in bad}
-    return fall_back(WorkerLayout(dest, targets), spec, fallback)
+            self.bad[key] = str(e)
+
+    def layout(self, raised: dict[str, str]) -> WorkerLayout:
+        fallback = dict(raised)
+        fed = set().union(*self.fed_by.values()) if self.fed_by else set()
+        for name in self.spec:
+            if name not in fed and name not in fallback:
+                fallback[name] = "vLLM's loader put none of it into a parameter of this worker"
+        for key, why in self.bad.items():
+            for s in sorted(self.fed_by.get(key, ())):
+                fallback.setdefault(s, f"it fills {key}, which {why}")
+        dest = {key: d for key, (d, _) in self.made.items() if key not in self.bad}
+        targets = {key: t for key, (_, t) in self.made.items() if key not in self.bad}
+        return fall_back(WorkerLayout(dest, targets), self.spec, fallback)
 
 
 def fall_back(
