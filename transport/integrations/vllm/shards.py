@@ -476,12 +476,16 @@ def _pieces(
 
 
 def _numbers(p: Piece, spec: Mapping[str, torch.Tensor], offsets: dict[str, int]) -> torch.Tensor:
-    """The checkpoint element numbers piece ``p`` stands for, in its shape."""
-    src = spec[p.source]
-    out = torch.arange(src.numel(), dtype=torch.int64).view(tuple(src.shape)).add(offsets[p.source])
-    if p.take.dim is None:
-        return out
-    return out.narrow(p.take.dim, p.take.start, p.take.stop - p.take.start)
+    """The checkpoint element numbers piece ``p`` stands for, in its shape (built for the
+    slice alone: never the size of its whole source)."""
+    shape = [int(n) for n in spec[p.source].shape]
+    out = torch.tensor(offsets[p.source], dtype=torch.int64)
+    for k, (n, stride) in enumerate(zip(shape, _strides(shape), strict=True)):
+        lo, hi = (p.take.start, p.take.stop) if p.take.dim == k else (0, n)
+        view = [1] * len(shape)
+        view[k] = hi - lo
+        out = out + (torch.arange(lo, hi, dtype=torch.int64) * stride).view(view)
+    return out
 
 
 def spec_of(layout: WorkerLayout) -> dict[str, Any]:
