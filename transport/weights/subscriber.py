@@ -145,8 +145,7 @@ class WeightSubscriber:
         self._publishers: set[str] = set()
         self._closed = False
         self.relay = relay and mode == "staging" and self.slots == 2
-        # one slot: whether its newest version was applied and the slot handed back (written
-        # over from then on, so no longer readable)
+        # one slot: its version was applied and the slot handed back (no longer readable)
         self._handed_back = False
         self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
         self._relay = Relay(
@@ -482,6 +481,8 @@ class WeightSubscriber:
                 "versions where they land with read()"
             )
         with self._lock:
+            if self._closed:
+                raise ClosedError("the subscriber was closed")
             slot = self._newest_slot
             if (
                 slot is None
@@ -513,13 +514,9 @@ class WeightSubscriber:
         with self._lock:
             if self._closed:
                 raise ClosedError("the subscriber was closed")
-            # only the newest complete version's slot is kept from the writers: every other slot
-            # was handed back to the publisher as free, and may be written over already
+            # only the newest version's slot is kept from writers (the others may be written)
             if self._handed_back:
-                raise VersionGoneError(
-                    f"version {self.version} of group {self.group!r} was applied and its only "
-                    "slot handed back to the publisher; wait for the next version"
-                )
+                raise VersionGoneError(f"version {self.version} was applied and its slot reused")
             if version is not None and self.version != version:
                 raise VersionGoneError(
                     f"version {version} of group {self.group!r} is no longer held here: "
@@ -555,8 +552,7 @@ class WeightSubscriber:
 
     @property
     def refused_messages(self) -> int:
-        """Weight-sync messages ignored because their sender is neither the group's publisher
-        nor one of its relays (each kind is logged)."""
+        """Messages ignored: their sender is neither the group's publisher nor a relay (logged)."""
         return self._upstream.refused
 
     def close(self) -> None:
@@ -566,8 +562,7 @@ class WeightSubscriber:
         if self._closed:
             return
         self._closed = True
-        # A relay leaves only after its forwards ended (each has a deadline): the publisher then
-        # gives the slots they wrote to other writers.
+        # a relay leaves once its forwards ended (each has a deadline); their slots go back
         self._worker.submit(self._relay.drop)
         with self._lock:
             self._lock.wait_for(
@@ -583,6 +578,9 @@ class WeightSubscriber:
         self._withdraw()  # while polling fast: the peers' answers come as control messages
         self.transport.core.poll_at_least(None)
         with self._lock:
+            if self.mode == "staging":  # the slots' memory goes now (a read keeps its own)
+                self.staging[:] = [{} for _ in self.staging]
+                self._runs = []
             self._lock.notify_all()
 
     def _withdraw(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -411,12 +410,6 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             sub.close()
         if t is not None:
             t.close()
-        if sub is not None:
-            # a closed subscriber and its Transport reference each other through the helpers
-            # they own: collect them now, so that the staging memory is free before a new group
-            # allocates its own (staging_gb bounds one group's, not two)
-            del sub, t
-            gc.collect()
 
 
 def _slots(info: TransportInitInfo, layout: WorkerLayout) -> tuple[int, str]:
