@@ -151,10 +151,11 @@ def hold_notified_posts(t: transport.Transport) -> None:
     hold_engine_posts(t, hold)
 
 
-def hold_completions(t: transport.Transport) -> None:
+def hold_completions(t: transport.Transport, reached: threading.Event | None = None) -> None:
     """From now on a sharded publisher's ``ver`` (a version's completion, a control message
     sent once its writes landed) never leaves ``t``: every byte of a version lands, its
-    completion never goes (for a test that kills the process then)."""
+    completion never goes (for a test that kills the process then). ``reached`` is set when a
+    ``ver`` is held (every byte of that part landed)."""
     from dataclasses import replace
 
     from transport.weights._messages import Ver, decode
@@ -168,6 +169,8 @@ def hold_completions(t: transport.Transport) -> None:
         except Exception:
             is_ver = False
         if is_ver:
+            if reached is not None:
+                reached.set()
             held.wait()
         send(peer, channel, payload)
 

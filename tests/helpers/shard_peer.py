@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from helpers import internals
 from helpers.child import ChildProcess, serve
 
 MiB = 1 << 20
@@ -132,7 +133,6 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
                 kwargs: dict[str, Any]) -> None:  # fmt: skip
     import transport
     from transport.weights import ShardedPublisher
-    from transport.weights._messages import Ver, decode
 
     layout = source_layout(spec, world, sizes)
     t = transport.Transport(name, store=store, timeout=30)
@@ -150,20 +150,7 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
     def hold_ver() -> None:
         """From now on this rank's ``ver`` never goes: its bytes land, its completion not (a
         test then kills the process mid-version)."""
-        core, held = t.core, threading.Event()
-        send = core.send_control
-
-        def holding(peer: str, channel: str, payload: bytes) -> None:
-            try:
-                is_ver = isinstance(decode(payload), Ver)
-            except Exception:
-                is_ver = False
-            if is_ver:
-                reached.set()  # every byte of this rank's part landed before its ver
-                held.wait()
-            send(peer, channel, payload)
-
-        object.__setattr__(core, "send_control", holding)
+        internals.hold_completions(t, reached)
 
     def wait_held(timeout: float) -> bool:
         """Whether a held ``ver`` was reached (all of this rank's bytes landed) within ``timeout``."""

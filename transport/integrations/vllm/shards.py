@@ -118,13 +118,15 @@ def learn(model: torch.nn.Module, spec: Mapping[str, torch.Tensor]) -> WorkerLay
 def _replay(model: Any, name: str, probe: torch.Tensor, raised: dict[str, str]) -> None:
     """One checkpoint tensor through the model's loader; a loader that cannot take an expanded
     probe (a view of one line) gets it materialized; one that raises makes it fall back."""
-    for attempt in (probe, None):
-        try:
-            model.load_weights([(name, probe.contiguous() if attempt is None else attempt)])
-            return
-        except Exception as e:
-            if attempt is None:
-                raised.setdefault(name, f"vLLM's loader raised {type(e).__name__}: {e}")
+    try:
+        model.load_weights([(name, probe)])
+        return
+    except Exception:  # some loaders reshape with view(), which an expanded probe refuses
+        pass
+    try:
+        model.load_weights([(name, probe.contiguous())])
+    except Exception as e:
+        raised.setdefault(name, f"vLLM's loader raised {type(e).__name__}: {e}")
 
 
 class _Numbering:
@@ -294,12 +296,9 @@ def original_loader(loader: Any) -> Any:
     return loader
 
 
-def _strides(shape: list[int]) -> list[int]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return out[::-1]
+def _strides(shape: list[int]) -> tuple[int, ...]:
+    """The element strides of a contiguous tensor of ``shape``."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def _layer_of(name: str) -> int | None:

@@ -207,6 +207,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self.version = -1
         self._held: contextlib.ExitStack | None = None
         self._snapshot: Snapshot | None = None
+        self._tied: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransportInitInfo:
@@ -250,6 +251,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 raise
             self.transport, self.subscriber, self.info = t, sub, init_info
             self.layout, self.mode = layout, "sharded" if layout.targets else "whole"
+            # which names are one tensor: learned before a reload (it gives each layer its own
+            # tensors while it runs, and puts the shared ones back after)
+            self._tied = tied_parameters(self.model)
             log.info(
                 "vLLM worker %s joined group %s of namespace %s in the %s mode (%s): %d tensors, "
                 "%.1f MiB per version; %d staging slot(s) (%s), %.1f MiB on %s",
@@ -346,7 +350,6 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         layout = self.layout
         assert layout is not None
         targets = layout.targets
-        tied = tied_parameters(model)  # before the reload gives each layer its own tensors
         with direct_loaders(model, targets):
             initialize_layerwise_reload(model)
             try:
@@ -354,7 +357,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 rest = {n: snap.tensors[n] for n in layout.fallback}
                 if rest:
                     model.load_weights(rest.items())
-                    load_tied(model, tied, rest)
+                    load_tied(model, self._tied, rest)
                 missing = unloaded_layers(model)
             finally:
                 # finish the reload even after a failed load: it started by moving the layers
