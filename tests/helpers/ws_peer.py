@@ -101,9 +101,15 @@ def _sub_child(
     watch = _Watch()
     try:
         t = transport.Transport(name, store=store, **kwargs)
-        sub = transport.WeightSubscriber(
-            t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update, relay=relay
-        )
+        if mode == "window":  # in place, written only inside receive()
+            sub = transport.weights.WindowedSubscriber(
+                t, make_tensors(spec), group=group, on_update=watch.on_update
+            )
+        else:
+            sub = transport.WeightSubscriber(
+                t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update,
+                relay=relay,
+            )  # fmt: skip
 
         def spy(original: Any, peer: str, payload: bytes) -> None:
             try:
@@ -258,6 +264,8 @@ def _sub_child(
         "state": state,
         "wait_for_version": lambda n, timeout: sub.wait_for_version(n, timeout),
         "apply": sub.apply,
+        "receive": lambda version, timeout: sub.receive(version, timeout),
+        "torn": lambda: sub.torn,
         "live": lambda: extremes(sub.live),
         "registrations": lambda: len(internals.local_memory(t)),
         "staging": staging,
@@ -332,7 +340,8 @@ class SubscriberProcess(ChildProcess):
     ``snapshot_start`` / ``wait_snapshots`` /
     ``snapshot_result`` (a loop of apply() and checks on a thread of the child), ``close``
     (leave the group, keep the Transport), ``registrations`` (its NIXL registrations), ``hold_record`` / ``release_record`` (its record is
-    not put back in a store that lost it until released; it goes on beating)."""
+    not put back in a store that lost it until released; it goes on beating). ``mode="window"``
+    makes a WindowedSubscriber instead, with ``receive(version, timeout)`` and ``torn``."""
 
     def __init__(
         self,

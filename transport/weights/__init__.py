@@ -17,6 +17,7 @@ from transport.weights.layouts import (
 from transport.weights.publisher import WeightPublisher
 from transport.weights.sharded import ShardedPublisher
 from transport.weights.subscriber import Snapshot, WeightSubscriber
+from transport.weights.window import WindowedSubscriber
 
 __all__ = [
     "DestTensor",
@@ -30,6 +31,7 @@ __all__ = [
     "SourceLayout",
     "WeightPublisher",
     "WeightSubscriber",
+    "WindowedSubscriber",
     "flat_like",
     "fp8",
     "full_copy",

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from transport._closing import Closing
 from transport._transport import Transport
 from transport.errors import (
     ClosedError,
@@ -56,7 +57,7 @@ _instances = itertools.count(1)
 LAYOUT_CHECK_BYTES_PER_S = 64 << 10
 
 
-class WeightSubscriber:
+class WeightSubscriber(Closing):
     """Receives the versions a WeightPublisher of ``group`` sends into ``named_tensors``.
 
     ``mode="staging"`` (the default) keeps two staging copies that the publisher writes; a version
@@ -137,6 +138,7 @@ class WeightSubscriber:
         self.version = -1
         self.applied_version = -1
         self.incomplete: int | None = None
+        self.begun = -1  # the newest version a publisher began writing here
         self._aborted: dict[int, int] = {}  # slot -> a version written there that was given up
         # sharded trainers: the ranks whose parts of (version, slot) landed, and the newest
         # version this side is done with (complete or given up)
@@ -189,13 +191,17 @@ class WeightSubscriber:
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
             self._dir.declare_layout(self._declared)
-            self._dir.join(mode, self.slots, self.relay)
+            self._dir.join(self._entry_mode(), self.slots, self.relay)
             self._next_entry_check = self._next_layout_check = time.monotonic() + 1.0
         except BaseException:
             self._stop_control()
             self._worker.stop()
             self._withdraw()
             raise
+
+    def _entry_mode(self) -> str:
+        """The mode the group entry shows publishers: ``staging`` ones write only credited slots."""
+        return self.mode
 
     # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
 
@@ -222,6 +228,7 @@ class WeightSubscriber:
             self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
         elif isinstance(m, Begin):
             with self._lock:
+                self.begun = max(self.begun, m.version)
                 if m.version > self.version:
                     self.incomplete = m.version
                 if self._aborted.get(m.slot, m.version) != m.version:
@@ -265,7 +272,7 @@ class WeightSubscriber:
                     self.incomplete = None
                 self._lock.notify_all()
             self.settled = max(self.settled, version)
-        if self.mode == "staging":
+        if self._entry_mode() == "staging":
             # credits go to the publisher, which hands out the slots, even when a relay wrote
             self._worker.latest(("credit", peer), None, lambda _: self._credit_publishers(peer))
         elif self._publishers:  # the ranks of a sharded trainer learn it is complete
@@ -327,7 +334,9 @@ class WeightSubscriber:
                 size = 0 if self._declared is None else len(self._declared)
                 self._next_layout_check = now + max(1.0, size / LAYOUT_CHECK_BYTES_PER_S)
             try:
-                why = self._dir.check_in(self.mode, self.slots, self.relay, self._declared, full)
+                why = self._dir.check_in(
+                    self._entry_mode(), self.slots, self.relay, self._declared, full
+                )
                 if why:
                     log.warning("group %s: %s; joined again", self.group, why)
             except TransportError as e:
@@ -412,14 +421,12 @@ class WeightSubscriber:
                     raise ClosedError("the subscriber was closed")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    began = f", version {self.incomplete} began but did not complete" * bool(
+                        self.incomplete
+                    )
                     raise TransferTimeout(
-                        f"version {min_version} of group {self.group!r} did not arrive within {timeout:.3g} s "
-                        f"(newest complete: {self.version}"
-                        + (
-                            f", version {self.incomplete} began but did not complete)"
-                            if self.incomplete
-                            else ")"
-                        )
+                        f"version {min_version} of group {self.group!r} did not arrive within "
+                        f"{timeout:.3g} s (newest complete: {self.version}{began})"
                     )
                 self.transport.core.waiting(+1)
                 try:
@@ -465,9 +472,7 @@ class WeightSubscriber:
                             self.version = version
                             self._lock.notify_all()
                     return version
-            threading.Event().wait(
-                min(delay, left) if left is not None else delay
-            )  # the trainer is mid-step
+            threading.Event().wait(delay if left is None else min(delay, left))  # mid-step
             delay = min(delay * 2, 0.05)
 
     def apply(self) -> int:
@@ -587,12 +592,6 @@ class WeightSubscriber:
         """Give the regions back (weights/_withdraw.py) for a new member of the group here."""
         names, self._exposed = self._exposed, []
         withdraw(self.transport, names, f"the subscriber of group {self.group!r}")
-
-    def __enter__(self) -> WeightSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<WeightSubscriber {self.group} {self.mode} version={self.version} applied={self.applied_version}>"

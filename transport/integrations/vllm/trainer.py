@@ -15,7 +15,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from transport import PublishResult, Transport, TransportError, WeightPublisher
 from transport.integrations.vllm.plugin import BACKEND
-from transport.integrations.vllm.worker import OPEN, SECRET_ENV, update_key
+from transport.integrations.vllm.worker import OPEN, SECRET_ENV, mode_key, update_key
 from transport.weights import ShardedPublisher, SourceLayout
 
 log = logging.getLogger("transport.vllm")
@@ -105,7 +105,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
     then ``start_weight_update``, ``update_weights({"version": v})`` and
     ``finish_weight_update(str(v))`` through the client, and reset vLLM's prefix cache when the
     client can. vLLM's workers change nothing before ``v`` is complete in their staging memory;
-    if it never is, ``UpdateError`` says why and vLLM serves its old weights.
+    if it never is, ``UpdateError`` says why and vLLM serves its old weights. Workers that
+    receive in place (each says its mode in the store: ``worker.mode_key``) are written only
+    inside their ``finish_weight_update``: for them the publish runs while the update is driven.
     """
 
     init_info_cls = TransportTrainerInitInfo
@@ -210,6 +212,8 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             # one slot, the slot this version needs): close it first
             self._close_open_update()
         t0 = time.perf_counter()
+        if self.is_sender and self._in_place():
+            return self._send_in_place(v)
         result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
         self.last_result = result
         t1 = time.perf_counter()
@@ -238,17 +242,50 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 f"{dict(result.reasons)}; vLLM keeps serving the weights it had"
             ) from e
         self.client.finish_weight_update(weight_version=str(v))
-        reset = getattr(self.client, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()
-        else:
-            log.warning(
-                "the client cannot reset vLLM's prefix cache: cached prompts keep KV values of the "
-                "old weights (use transport.integrations.vllm.trainer.HTTPClient or OfflineClient)"
-            )
+        self._reset_prefix_cache()
         self.version = v
         self.last_times = SendTimes(t1 - t0, time.perf_counter() - t1)
         return result
+
+    def _send_in_place(self, v: int) -> PublishResult:
+        """Workers in place are written only inside their ``finish_weight_update``: publish, and
+        drive the update while the version is on its way (the other workers take it into their
+        staging meanwhile, and load it in the same finish)."""
+        pub, info = self.publisher, self.info
+        assert pub is not None and info is not None
+        t0 = time.perf_counter()
+        handle = pub.publish(v, timeout=info.timeout)
+        self.client.start_weight_update()
+        try:
+            self.client.update_weights({"version": v, "timeout": info.timeout})
+            self.client.finish_weight_update(weight_version=str(v))
+        except Exception as e:
+            r = handle.wait(info.timeout + 30)
+            self.last_result = r
+            raise UpdateError(
+                f"vLLM did not take version {v} ({e}); the publish reported: done {r.done}, "
+                f"excluded {r.excluded}, lost {r.lost}, reasons {dict(r.reasons)}; workers in "
+                "place that report a torn model (transport_state) are made whole by the next "
+                "version"
+            ) from e
+        result = handle.wait(info.timeout + 30)
+        self._reset_prefix_cache()
+        self.version, self.last_result = v, result
+        # nothing lands while vLLM serves: it is busy from the first byte to the reset
+        self.last_times = SendTimes(0.0, time.perf_counter() - t0)
+        return result
+
+    def _in_place(self) -> bool:
+        """Whether a worker of the group says (mode_key) it receives in place."""
+        pub, t, info = self.publisher, self.transport, self.info
+        if pub is None or t is None or info is None:
+            return False
+        for peer in pub.subscribers():
+            key = mode_key(info.namespace, info.group, peer)
+            value = t.core.signed.read(key, f"the mode {key}", writer=peer)
+            if value is not None and value.body == b"inplace":
+                return True
+        return False
 
     def _close_open_update(self) -> None:
         """If a trainer before us left vLLM in an update (it died between start and finish),
@@ -278,6 +315,16 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             if value is not None and value.body == OPEN:
                 out.append(peer)
         return out
+
+    def _reset_prefix_cache(self) -> None:
+        reset = getattr(self.client, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+        else:
+            log.warning(
+                "the client cannot reset vLLM's prefix cache: cached prompts keep KV values of the "
+                "old weights (use transport.integrations.vllm.trainer.HTTPClient or OfflineClient)"
+            )
 
     def _refresh_sources(self) -> None:
         """A source that yields new tensors each time (gathered shards) is copied in; the

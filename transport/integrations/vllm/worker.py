@@ -17,8 +17,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from transport import Transport, TransportError, WeightSubscriber
+from transport import Transport, TransportError, VersionGoneError, WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
+from transport.integrations.vllm.inplace import live_tensors, refusals
 from transport.integrations.vllm.reload import (
     direct_loaders,
     load_direct,
@@ -27,7 +28,7 @@ from transport.integrations.vllm.reload import (
     unloaded_layers,
 )
 from transport.integrations.vllm.shards import WorkerLayout, learn, spec_of, whole
-from transport.weights import Snapshot
+from transport.weights import Snapshot, WindowedSubscriber
 
 log = logging.getLogger("transport.vllm")
 
@@ -35,8 +36,9 @@ log = logging.getLogger("transport.vllm")
 SECRET_ENV = "TRANSPORT_SECRET"
 #: the version a worker reports after an update that did not reach every layer
 TORN = -2
-#: what a worker may receive: chosen, its TP slice in vLLM's format, or checkpoint tensors whole
-MODES = ("auto", "sharded", "whole")
+#: what a worker may receive: chosen, its TP slice in vLLM's format (staged, or straight into
+#: the parameters it computes with), or checkpoint tensors whole
+MODES = ("auto", "sharded", "inplace", "whole")
 #: the values of a worker's update mark (see update_key)
 OPEN, CLOSED = b"open", b"closed"
 
@@ -50,6 +52,13 @@ def update_key(namespace: str, group: str, peer: str) -> str:
     return f"transport/{namespace}/groups/{group}/vllm-update/{peer}"
 
 
+def mode_key(namespace: str, group: str, peer: str) -> str:
+    """The store key where worker ``peer`` says (signed, at init) the mode it chose: a trainer
+    publishes to workers in place while it drives their update (they are written only inside
+    ``finish_weight_update``), to the others before."""
+    return f"transport/{namespace}/groups/{group}/vllm-mode/{peer}"
+
+
 @dataclass
 class TransportInitInfo(WeightTransferInitInfo):
     """Where a vLLM worker finds the trainer (small JSON: it also travels over HTTP).
@@ -58,9 +67,12 @@ class TransportInitInfo(WeightTransferInitInfo):
     ``namespace`` and ``group`` those of its publisher. ``dtype`` is the dtype the trainer
     publishes (default: the model's; the sharded mode receives in the model's own dtype, the
     whole mode in this one). ``mode`` says what this worker receives: ``"sharded"`` only what it
-    keeps (its TP slice of every parameter, in vLLM's format), ``"whole"`` every checkpoint
-    tensor whole (vLLM's loader shards them), ``"auto"`` (default) sharded unless nothing
-    of the model could be mapped. ``staging_device`` is where the staging copies live
+    keeps (its TP slice of every parameter, in vLLM's format) into staging memory,
+    ``"inplace"`` the same straight into the parameters vLLM computes with (no staging; only
+    where every parameter is used as stored, see inplace.py; written only inside
+    ``finish_weight_update``), ``"whole"`` every checkpoint tensor whole (vLLM's loader shards
+    them), ``"auto"`` (default) sharded, or in place when one staging copy would not fit
+    within ``staging_gb``, or whole when nothing of the model could be mapped. ``staging_device`` is where the staging copies live
     (default: the worker's device; ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds
     them, ``staging_slots`` says how many (1 or 2; default: two if they fit within
     ``staging_gb``, else one): with two, the next version lands while vLLM loads one; with one,
@@ -167,6 +179,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
       declared as a layout over the checkpoint tensors that :mod:`.shards` learned by replaying
       vLLM's loader once; the trainer writes it only those bytes. Checkpoint tensors the replay
       could not map travel whole and go through vLLM's loader (named in the log).
+    * **inplace**: the sharded layout, received straight into the parameters vLLM computes
+      with (a :class:`~transport.weights.WindowedSubscriber`: no staging memory), only where
+      every parameter is used as stored (:mod:`.inplace`: vLLM's GPU builds, unquantized).
     * **whole**: every checkpoint tensor whole (names, shapes, dtypes that transformers builds
       from vLLM's config on the meta device); vLLM's loader fuses and shards them.
 
@@ -183,6 +198,12 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
       naming them and the worker reports ``TORN`` (-2) until a whole version loads.
     * Staging is one or two copies of what the worker receives, within ``staging_gb``; with one,
       the next version is written only after the last one was loaded (or dropped).
+    * In place, publishers write the parameters only inside ``finish_weight_update`` (no engine
+      step runs meanwhile), for the version ``update_weights`` named; the model and the version
+      reported change in that call. A version that does not complete there (its trainer died
+      mid-write) leaves the model torn: finish fails saying so and the worker reports ``TORN``
+      (-2) until a later version lands whole. vLLM's ``/weight_info`` keeps naming the last
+      finished version meanwhile (vLLM gives a worker no way to change it).
     * From ``start_weight_update`` until a finish succeeds or an update call fails (vLLM's own
       flag), the worker marks an update open in the store (:func:`update_key`), so that a
       trainer can close one its predecessor left open without provoking vLLM's error.
@@ -208,6 +229,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self._held: contextlib.ExitStack | None = None
         self._snapshot: Snapshot | None = None
         self._tied: dict[str, str] = {}
+        #: in place: the update a finish receives
+        self._wanted: TransportUpdateInfo | None = None
         self._lock = threading.Lock()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransportInitInfo:
@@ -227,9 +250,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                     f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype"
                 )
             spec = checkpoint_spec(self.model_config.hf_config, dtype)
-            layout, why = self._choose(init_info, spec)
+            layout, mode, why = self._choose(init_info, spec)
             staging = init_info.staging_device or self.device
-            slots, why_slots = _slots(init_info, layout)
+            slots, why_slots = (0, "in place") if mode == "inplace" else _slots(init_info, layout)
             need = slots * layout.nbytes
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
@@ -240,17 +263,31 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 secret=os.environ.get(SECRET_ENV) or None,
                 timeout=init_info.timeout,
             )
+            shapes = {n: tuple(x.shape) for n, x in spec.items()}
+            sub: WeightSubscriber | None = None
             try:
-                sub = WeightSubscriber(
-                    t, spec_of(layout), group=init_info.group, mode="staging",
-                    staging_device=staging, layout=layout.dest if layout.targets else None,
-                    source_shapes={n: tuple(x.shape) for n, x in spec.items()}, slots=slots,
-                )  # fmt: skip
+                if mode == "inplace":
+                    sub = WindowedSubscriber(
+                        t, live_tensors(self.model, layout), group=init_info.group,
+                        layout=layout.dest, source_shapes=shapes,
+                    )  # fmt: skip
+                else:
+                    sub = WeightSubscriber(
+                        t, spec_of(layout), group=init_info.group, mode="staging",
+                        staging_device=staging, layout=layout.dest if layout.targets else None,
+                        source_shapes=shapes, slots=slots,
+                    )  # fmt: skip
+                # the trainer reads it (mode_key); signed: only this worker's holder writes it
+                t.core.signed.set(
+                    mode_key(init_info.namespace, init_info.group, t.name), mode.encode()
+                )
             except BaseException:
+                if sub is not None:
+                    sub.close()
                 t.close()
                 raise
             self.transport, self.subscriber, self.info = t, sub, init_info
-            self.layout, self.mode = layout, "sharded" if layout.targets else "whole"
+            self.layout, self.mode = layout, mode
             # which names are one tensor: learned before a reload (it gives each layer its own
             # tensors while it runs, and puts the shared ones back after)
             self._tied = tied_parameters(self.model)
@@ -263,22 +300,45 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
 
     def _choose(
         self, info: TransportInitInfo, spec: dict[str, torch.Tensor]
-    ) -> tuple[WorkerLayout, str]:
-        """The layout this worker declares, and why that mode."""
+    ) -> tuple[WorkerLayout, str, str]:
+        """The layout this worker declares, its mode, and why that mode."""
         if info.mode == "whole":
-            return whole(spec, "asked for by init_info"), "asked for by init_info mode"
+            return whole(spec, "asked for by init_info"), "whole", "asked for by init_info mode"
         layout = learn(self.model, spec)
         if not layout.targets:
-            if info.mode == "sharded":
+            if info.mode in ("sharded", "inplace"):
                 raise ValueError(
-                    "transport init_info: mode 'sharded', but no parameter of this model could "
-                    f"be mapped to the checkpoint ({next(iter(layout.fallback.values()), '')}); "
-                    "use mode 'whole' or 'auto'"
+                    f"transport init_info: mode {info.mode!r}, but no parameter of this model "
+                    "could be mapped to the checkpoint "
+                    f"({next(iter(layout.fallback.values()), '')}); use mode 'whole' or 'auto'"
                 )
-            return whole(spec, "nothing mapped"), "no parameter could be mapped, so whole"
+            return whole(spec, "nothing mapped"), "whole", "no parameter could be mapped, so whole"
         mapped = len(spec) - len(layout.fallback)
         why = f"{mapped} of {len(spec)} checkpoint tensors mapped to this worker's parameters"
-        return layout, why if info.mode == "auto" else why + ", asked for by init_info mode"
+        bound = None if info.staging_gb is None else info.staging_gb * 2**30
+        if info.mode == "inplace" or (info.mode == "auto" and bound and layout.nbytes > bound):
+            refused = refusals(self.model, layout)
+            if not refused:
+                asked = info.mode == "inplace"
+                return layout, "inplace", why + (
+                    ", asked for by init_info mode" if asked else
+                    f"; one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit within "
+                    "staging_gb, and vLLM computes with every parameter as stored"
+                )  # fmt: skip
+            names = ", ".join(f"{n} ({w})" for n, w in list(refused.items())[:4])
+            raise ValueError(
+                "transport init_info: this worker cannot receive in place: "
+                f"{len(refused)} of its tensors are not used as stored, for example {names}"
+                + ("" if info.mode == "inplace" else
+                   f"; and one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit "
+                   f"within staging_gb={info.staging_gb}")
+                + "; raise staging_gb (mode 'sharded'), or serve with more tensor-parallel ranks"
+            )  # fmt: skip
+        return (
+            layout,
+            "sharded",
+            why if info.mode == "auto" else why + ", asked for by init_info mode",
+        )
 
     def start_weight_update(self) -> None:
         self._drop()
@@ -306,7 +366,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         """Wait for the version and hold it where it landed (nothing of the model changes);
         ``finish_weight_update`` loads it."""
         if update_info.abandon:
-            held = self._snapshot
+            held, self._wanted = self._snapshot, None
             self._drop()
             if held is not None:
                 log.warning(
@@ -321,6 +381,14 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 "init_weight_transfer_engine with the trainer's store, namespace and group first"
             )
         self._drop()
+        if isinstance(sub, WindowedSubscriber):  # written inside finish_weight_update
+            if update_info.version is None:
+                raise ValueError(
+                    "transport update_info: a worker in place is written inside "
+                    "finish_weight_update and needs the version named (the trainer engine does)"
+                )
+            self._wanted = update_info
+            return
         stack = contextlib.ExitStack()
         self._snapshot = stack.enter_context(
             sub.read(update_info.version, timeout=update_info.timeout)
@@ -328,6 +396,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self._held = stack
 
     def finish_weight_update(self) -> None:
+        if isinstance(self.subscriber, WindowedSubscriber):
+            self._receive_in_place(self.subscriber)
+            return
         snap, sub = self._snapshot, self.subscriber
         if snap is None or sub is None:
             self._mark(CLOSED)
@@ -339,6 +410,35 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self._mark(CLOSED)
         self.version = snap.version
         log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
+
+    def _receive_in_place(self, sub: WindowedSubscriber) -> None:
+        """The version the update named lands in the parameters now, while vLLM runs this
+        call (no engine step runs meanwhile); the version the worker reports moves with it."""
+        wanted, self._wanted = self._wanted, None
+        if wanted is not None:
+            assert wanted.version is not None
+            try:
+                sub.receive(wanted.version, wanted.timeout)
+            except VersionGoneError:
+                self.version = sub.version  # a newer version landed whole in its place
+                raise
+            except (TransportError, RuntimeError) as e:
+                torn = sub.torn
+                if torn is None:
+                    raise  # nothing was written: the model keeps its version
+                self.version = TORN
+                raise RuntimeError(
+                    f"version {wanted.version} of group {sub.group} did not complete in place "
+                    f"({e}): the model holds parts of versions {torn} and {sub.version} and "
+                    f"reports version {TORN} until a version lands whole (the next update)"
+                ) from e
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.version = wanted.version
+            log.info(
+                "vLLM worker received version %d of group %s in place", self.version, sub.group
+            )
+        self._mark(CLOSED)
 
     def _load(self, snap: Snapshot, group: str) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -385,7 +485,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     def state(self) -> EngineState:
         sub, t, layout, snap = self.subscriber, self.transport, self.layout, self._snapshot
         storages = {}
-        for slot in [] if sub is None else sub.staging:
+        for slot in [] if sub is None or self.mode == "inplace" else sub.staging:
             for x in slot.values():
                 storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
         return EngineState(
@@ -396,7 +496,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             complete=None if sub is None else sub.version,
             incomplete=None if sub is None else sub.incomplete,
             version_bytes=0 if layout is None else layout.nbytes,
-            staging_slots=0 if sub is None else len(sub.staging),
+            staging_slots=0 if sub is None or self.mode == "inplace" else len(sub.staging),
             staging_bytes=sum(storages.values()),
             fallback={} if layout is None else dict(layout.fallback),
         )
