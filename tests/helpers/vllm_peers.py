@@ -30,10 +30,26 @@ def llm_kwargs(model_dir: Path | str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _vllm_child(conn: Any, name: str, model_dir: str) -> None:
+def compute_as_stored() -> None:
+    """From now on (before the engine loads its model) vLLM's CPU build computes every linear
+    layer with its parameter as stored, as vLLM's GPU builds do, instead of a copy packed for
+    oneDNN: the models of this process can then be written in place (integrations/vllm/inplace.py)."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    def as_stored(layer: Any, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    utils.dispatch_cpu_unquantized_gemm = as_stored
+
+
+def _vllm_child(conn: Any, name: str, model_dir: str, as_stored: bool) -> None:
     os.environ.update(VLLM_ENV)
     try:
         from vllm import LLM, SamplingParams
+
+        if as_stored:
+            compute_as_stored()
 
         llm = LLM(**llm_kwargs(model_dir))
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -162,10 +178,13 @@ class VllmProcess(ChildProcess):
     ``weight_version``, ``engine_state``, ``param(name)``, ``skip_tied(bool)``,
     ``shutdown_engine``, ``reinit_frees_staging(init_info)``, ``fall_back(names)`` (from the next init, those checkpoint tensors
     travel whole, through vLLM's loader); one phase at a time: ``start``, ``update_only(update_info)``,
-    ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update)."""
+    ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update).
+    ``as_stored``: the engine computes with its parameters as stored (compute_as_stored)."""
 
-    def __init__(self, name: str, model_dir: Path, start_timeout: float = 180) -> None:
-        super().__init__(name, _vllm_child, (str(model_dir),), start_timeout)
+    def __init__(
+        self, name: str, model_dir: Path, start_timeout: float = 180, as_stored: bool = False
+    ) -> None:
+        super().__init__(name, _vllm_child, (str(model_dir), as_stored), start_timeout)
 
 
 def _pub_child(
@@ -365,7 +384,7 @@ class ShardedLlamaRank(ChildProcess):
 
 
 def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, world: int,
-                           rank: int) -> None:  # fmt: skip
+                           rank: int, as_stored: bool, kwargs: dict[str, Any]) -> None:  # fmt: skip
     """Rank ``rank`` of a sharded trainer through vLLM's own trainer factory; rank 0 also hosts
     the vLLM engine (offline, in this process) and drives its updates."""
     os.environ.update(VLLM_ENV)
@@ -380,13 +399,15 @@ def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, wor
         if rank == 0:
             from vllm import LLM, SamplingParams
 
+            if as_stored:
+                compute_as_stored()
             llm = LLM(**llm_kwargs(model_dir))
             params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
             client = OfflineClient(llm)
         full, layout, mine = _llama_shards(model_dir, world, rank)
         shards = mine(full)
         info = TransportTrainerInitInfo(store, group="sharded-trainer", name=name, timeout=30,
-                                        layout=layout, rank=rank)  # fmt: skip
+                                        layout=layout, rank=rank, **kwargs)  # fmt: skip
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=shards)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
@@ -403,15 +424,21 @@ def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, wor
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return dict(r.status), [list(o.outputs[0].token_ids) for o in outs]
 
-    serve(conn, {"send": send}, engine.shutdown)
+    def engine_state() -> list[dict[str, Any]]:
+        assert llm is not None, "rank 0 hosts the engine"
+        return llm.collective_rpc(_engine_state)
+
+    serve(conn, {"send": send, "engine_state": engine_state}, engine.shutdown)
 
 
 class ShardedTrainer(ChildProcess):
     """Rank ``rank`` of a ``world``-rank trainer using the ``transport`` trainer engine with a
     source layout (vLLM's factory, ``rank=`` and ``layout=``); rank 0 hosts an offline vLLM
-    engine. Command: ``send(version)`` -> (publish status, vLLM's tokens on rank 0)."""
+    engine. Commands: ``send(version)`` -> (publish status, vLLM's tokens on rank 0),
+    ``engine_state`` (rank 0). ``as_stored``: the engine computes with its parameters as
+    stored (compute_as_stored); ``info`` goes into the trainer's init info (mode, staging_gb)."""
 
     def __init__(self, name: str, store_url: str, model_dir: Path, world: int, rank: int,
-                 wait: bool = True) -> None:  # fmt: skip
-        super().__init__(name, _sharded_trainer_child, (store_url, str(model_dir), world, rank),
-                         180, wait)  # fmt: skip
+                 wait: bool = True, as_stored: bool = False, **info: Any) -> None:  # fmt: skip
+        super().__init__(name, _sharded_trainer_child,
+                         (store_url, str(model_dir), world, rank, as_stored, info), 180, wait)  # fmt: skip

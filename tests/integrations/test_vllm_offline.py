@@ -284,3 +284,17 @@ def test_bad_init_and_update_infos_are_refused_with_the_rule(vllm, store):
     with pytest.raises(ChildError, match="timeout must be > 0"):
         vllm.call("update", {"timeout": -1})
     assert vllm.call("generate") == before
+
+
+def test_the_cpu_build_refuses_to_write_in_place_and_says_why(vllm, store):
+    """vLLM's CPU build computes each linear layer with a copy packed for oneDNN: a write into
+    the parameter would never be served, so a worker refuses in place, asked for or needed."""
+    with pytest.raises(ChildError, match="cannot receive in place: .* packed copy of it"):
+        vllm.call("init", {**_info(store, "no-inplace"), "mode": "inplace"})
+    with pytest.raises(
+        ChildError, match="cannot receive in place: .* one staging copy .* would not fit within staging_gb"
+    ):
+        vllm.call("init", {**_info(store, "no-inplace"), "staging_gb": 1e-4})
+    # the staging modes stay: the same bound with room for one copy
+    vllm.call("init", {**_info(store, "no-inplace"), "staging_gb": 0.01})
+    assert vllm.call("engine_state")[0]["mode"] == "sharded"
