@@ -33,14 +33,18 @@ def llm_kwargs(model_dir: Path | str) -> dict[str, Any]:
 def compute_as_stored() -> None:
     """From now on (before the engine loads its model) vLLM's CPU build computes every linear
     layer with its parameter as stored, as vLLM's GPU builds do, instead of a copy packed for
-    oneDNN: the models of this process can then be written in place (integrations/vllm/inplace.py)."""
-    import torch
+    oneDNN: the models of this process can then be written in place (integrations/vllm/inplace.py).
+    Other processes: ``AS_STORED_PATH`` on their PYTHONPATH."""
     from vllm.model_executor.layers import utils
 
-    def as_stored(layer: Any, remove_weight: bool) -> None:
-        layer.cpu_linear = torch.nn.functional.linear
+    from helpers.as_stored.sitecustomize import patch
 
-    utils.dispatch_cpu_unquantized_gemm = as_stored
+    patch(utils)
+
+
+#: a folder that, on a process's PYTHONPATH, does what compute_as_stored does in every process
+#: that imports vLLM (a server and its workers)
+AS_STORED_PATH = Path(__file__).parent / "as_stored"
 
 
 def _vllm_child(conn: Any, name: str, model_dir: str, as_stored: bool) -> None:
@@ -295,10 +299,10 @@ def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
         r = engines[-1].send_weights(version)
         return dict(r.status), dict(r.reasons)
 
-    def publish(version: int) -> tuple[dict[str, str], dict[str, str]]:
+    def publish(version: int, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, str]]:
         """Publish only: vLLM is not asked to load it."""
         set_version(models[-1].state_dict(), version)
-        r = engines[-1].publisher.publish(version, timeout=30).wait(60)
+        r = engines[-1].publisher.publish(version, timeout=timeout).wait(timeout + 30)
         return dict(r.status), dict(r.reasons)
 
     def traffic() -> dict[str, int]:

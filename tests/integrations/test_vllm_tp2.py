@@ -8,6 +8,7 @@ the library's layout. After each of three updates vLLM's greedy tokens equal tra
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from helpers.llama import config, hf_model
-from helpers.vllm_peers import HttpTrainer, ShardedLlamaRank
+from helpers.vllm_peers import AS_STORED_PATH, HttpTrainer, ShardedLlamaRank
 from helpers.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -90,6 +91,45 @@ def test_each_tp_worker_receives_only_its_slice(
         assert set(status.values()) == {"done"}, reasons
         assert server.get("weight_info") == {"weight_version": "5"}
         assert server.generate() == reference(5, kind=kind)
+
+
+def test_tp_workers_in_place_receive_their_slices_with_no_staging(
+    model_dir: Path, redis_url: str, reference, tmp_path: Path
+):
+    """Workers of a server that computes with its parameters as stored (as vLLM's GPU builds
+    do; helpers/as_stored) write each version straight into them, inside vLLM's finish call:
+    no staging memory, each worker only its slice, and nothing written while vLLM serves."""
+    want, _ = kept_bytes("llama")
+    namespace = f"tp2-inplace-{uuid.uuid4().hex[:8]}"
+    path = os.pathsep.join(p for p in (str(AS_STORED_PATH), os.environ.get("PYTHONPATH")) if p)
+    with (
+        HttpTrainer("trainer", wait=False) as trainer,
+        VllmServer(model_dir, tmp_path / "server.log", tp=TP, env={"PYTHONPATH": path}) as server,
+    ):
+        trainer.started(120)
+        # far less room than one copy of a worker's slice: auto writes in place
+        info = {"timeout": 60, "staging_gb": want / 4 / 2**30}
+        trainer.call("connect", server.url, redis_url, namespace, info, timeout=120)
+        states = server.transport_state()
+        assert [(s["mode"], s["staging_slots"], s["staging_bytes"]) for s in states] == [
+            ("inplace", 0, 0)
+        ] * TP, states
+        before = trainer.call("traffic")
+        for version in (1, 2, 3):
+            status, reasons = trainer.call("send", version, timeout=180)
+            assert len(status) == TP and set(status.values()) == {"done"}, reasons
+            after = trainer.call("traffic")
+            sent = {n: after.get(n, 0) - before.get(n, 0) for n in status}
+            assert sent == dict.fromkeys(status, want), (sent, want)
+            before = after
+            assert server.get("weight_info") == {"weight_version": str(version)}
+            assert [s["version"] for s in server.transport_state()] == [version] * TP
+            assert server.generate() == reference(version), f"version {version}"
+        # a publish while vLLM serves is never credited: it excludes both workers at its
+        # deadline, and vLLM serves version 3 whole
+        status, _ = trainer.call("publish", 4, 3.0, timeout=120)
+        assert set(status.values()) == {"excluded"} and len(status) == TP, status
+        assert server.generate() == reference(3)
 
 
 def test_a_sharded_trainer_writes_each_tp_worker_only_the_intersection(
