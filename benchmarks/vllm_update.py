@@ -12,6 +12,10 @@ against the floor, at each tensor-parallel size (one server per TP), in one run:
 * ``floor``: vLLM's own loader from tensors already in its memory: the whole mode's update of a
   version that already landed (start / update / finish with no transfer). The same in the sharded
   mode (``sharded_load``: our direct loaders, then vLLM's post-processing) is reported too.
+* ``inplace`` (with ``--as-stored``): each worker's slice written straight into the parameters
+  vLLM computes with, inside its finish call; the server then computes with its parameters as
+  stored, as vLLM's GPU builds do (its CPU build packs them for oneDNN, where in place is
+  refused), so every mode of that run is measured on such a server.
 
 A worker holds one weight group, so on each server the modes take turns in blocks (whole,
 sharded, whole, sharded with ``--blocks 2``), each block with a trainer engine of its own in a
@@ -58,6 +62,15 @@ from transport.integrations.vllm.extension import TransportState
 
 MiB = 1 << 20
 MODES = ("whole", "sharded")  # in this order on each server: see the docstring
+#: on a server that computes with its parameters as stored (--as-stored)
+AS_STORED_MODES = (*MODES, "inplace")
+#: a folder that, on vLLM's PYTHONPATH, makes its CPU build compute with parameters as stored
+AS_STORED_PATH = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "as_stored"
+
+
+def load_key(mode: str) -> str | None:
+    """The load-only update measured next to ``mode`` (none in place: nothing to load)."""
+    return {"whole": "floor", "sharded": "sharded_load"}.get(mode)
 
 
 def rss(pid: int) -> int:
@@ -161,9 +174,11 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
     server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                    "--block-size", "32", "--skip-tokenizer-init",
                    "--worker-extension-cls", f"{Path(__file__).stem}.BenchState")  # fmt: skip
+    paths = [here, str(AS_STORED_PATH) if args.as_stored else "", os.environ.get("PYTHONPATH")]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
            "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join(filter(None, paths))}  # fmt: skip
+    modes = AS_STORED_MODES if args.as_stored else MODES
     t_start = time.perf_counter()
     server = VllmServer(ctx["work"] / "model", ctx["work"] / f"vllm-tp{tp}.log", tp=tp,
                         args=server_args, env=env, start_timeout=600)  # fmt: skip
@@ -203,17 +218,16 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
             )["results"]
         meter = CpuMeter(server.proc.pid)
         baseline = group_rss()
-        for mode in MODES:
-            load_key = "floor" if mode == "whole" else "sharded_load"
-            out["modes"][mode] = {"times_s": {mode: [], load_key: [], "shm": []},
-                                  "other_cores": {mode: [], load_key: [], "shm": []},
+        for mode in modes:
+            keys = [k for k in (mode, load_key(mode), "shm") if k is not None]
+            out["modes"][mode] = {"times_s": {k: [] for k in keys},
+                                  "other_cores": {k: [] for k in keys},
                                   "loading_s": [], "publish_s": [], "first_two_s": [],
                                   "blocks": []}  # fmt: skip
         v = 0
         for block in range(args.blocks):
-            for mode in MODES:
+            for mode in modes:
                 m = out["modes"][mode]
-                load_key = "floor" if mode == "whole" else "sharded_load"
                 before = group_rss()
                 trainer_before = rss(os.getpid())
                 new = WeightTransferTrainerFactory.trainer_init(  # a TransportTrainer
@@ -255,7 +269,9 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                     assert engine.last_times is not None
                     m["loading_s"].append(engine.last_times.update_s)
                     m["publish_s"].append(engine.last_times.publish_s)
-                    timed(m, load_key, floor, v)
+                    only_load = load_key(mode)
+                    if only_load is not None:
+                        timed(m, only_load, floor, v)
                     timed(m, "shm", via_shm)
                     print(f"TP={tp} block {block} {mode} round {r}: " + ", ".join(
                         f"{k} {x[-1] * 1e3:.0f} ms" for k, x in m["times_s"].items()), flush=True)  # fmt: skip
@@ -291,7 +307,15 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
     def per_worker(m: dict[str, Any], k: str) -> float:
         return statistics.mean(max(x[k]) if isinstance(x[k], list) else x[k] for x in m["workers"])
 
-    return {
+    inplace = res["modes"].get("inplace")
+    extra = {} if inplace is None else {
+        "shm_over_inplace_time": med(inplace, "shm") / med(inplace, "inplace"),
+        "inplace_over_floor_time": med(inplace, "inplace") / med(w, "floor"),
+        "sharded_over_inplace_time": med(s, "sharded") / med(inplace, "inplace"),
+        "inplace_over_sharded_written": per_worker(inplace, "written_per_version")
+        / per_worker(s, "written_per_version"),
+    }  # fmt: skip
+    return extra | {
         "whole_over_sharded_time": med(w, "whole") / med(s, "sharded"),
         "shm_over_sharded_time": med(s, "shm") / med(s, "sharded"),
         "sharded_over_floor_time": med(s, "sharded") / med(w, "floor"),
@@ -310,10 +334,8 @@ def table(results: dict[str, Any]) -> str:
             "written/worker MiB | version MiB | staging MiB | worker RSS start -> after MiB |")  # fmt: skip
     lines = [head, "|" + " --- |" * 10]
     for tp, res in results["tp"].items():
-        for mode in MODES:
-            m = res["modes"][mode]
+        for mode, m in res["modes"].items():
             ws = m["workers"]
-            load_key = "floor" if mode == "whole" else "sharded_load"
 
             def cell(f: Any, ws: list[dict[str, Any]] = ws) -> str:
                 return " / ".join(f(x) for x in ws)
@@ -324,9 +346,10 @@ def table(results: dict[str, Any]) -> str:
                  cell(lambda x: f"{mib(x['staging_bytes'])}"),
                  cell(lambda x: f"{x['rss_server_start_mib']:.0f} -> "
                                 f"{x['rss_after_two_versions_mib']:.0f}")),
-                (load_key, "0", "", "", ""),
+                (load_key(mode), "0", "", "", ""),
                 ("shm", "", "", "", ""),
             ]  # fmt: skip
+            rows = [r for r in rows if r[0] is not None]
             for key, *rest in rows:
                 t = m["time_stats_s"][key]
                 name = f"shm ({mode} blocks)" if key == "shm" else key
@@ -350,6 +373,9 @@ def main() -> None:
                     help="seconds the TP workers' readers of vLLM's message queues spin after a "
                          "message before sleeping (vLLM's default: 1 s; with as many workers as "
                          "cores their spinning starves every other process of the update)")  # fmt: skip
+    ap.add_argument("--as-stored", action="store_true",
+                    help="servers that compute with their parameters as stored (as vLLM's GPU "
+                         "builds do), and the in-place mode next to the others")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tps = [int(x) for x in args.tp.split(",")]
