@@ -151,24 +151,29 @@ def hold_notified_posts(t: transport.Transport) -> None:
     hold_engine_posts(t, hold)
 
 
-def hold_completions(t: transport.Transport, reached: threading.Event | None = None) -> None:
+def hold_completions(
+    t: transport.Transport, reached: threading.Event | None = None, let_through: int = 0
+) -> None:
     """From now on a sharded publisher's ``ver`` (a version's completion, a control message
-    sent once its writes landed) never leaves ``t``: every byte of a version lands, its
-    completion never goes (for a test that kills the process then). ``reached`` is set when a
-    ``ver`` is held (every byte of that part landed)."""
+    sent once its writes landed) never leaves ``t``, after the first ``let_through`` of them:
+    every byte of a version lands, its completion never goes (for a test that kills the process
+    then). ``reached`` is set when a ``ver`` is held (every byte of that part landed)."""
     from dataclasses import replace
 
     from transport.weights._messages import Ver, decode
 
     held = threading.Event()  # never set: the process is killed while the sender waits
     send = t.core.send_control
+    passed = [0]
 
     def holding(peer: str, channel: str, payload: bytes) -> None:
         try:
             is_ver = isinstance(decode(payload), Ver)
         except Exception:
             is_ver = False
-        if is_ver:
+        if is_ver and passed[0] < let_through:
+            passed[0] += 1
+        elif is_ver:
             if reached is not None:
                 reached.set()
             held.wait()

@@ -193,12 +193,13 @@ class VllmProcess(ChildProcess):
 
 def _pub_child(
     conn: Any, name: str, store: str, model_dir: str, group: str, mangle: str | None,
-    plain: bool, kwargs: dict[str, Any],
+    plain: bool, parts: int, kwargs: dict[str, Any],
 ) -> None:  # fmt: skip
     import torch
     from safetensors.torch import load_file
 
     import transport
+    from transport.integrations.vllm.streamed import part_group
     from transport.weights import ShardedPublisher, SourceLayout
 
     try:
@@ -215,30 +216,47 @@ def _pub_child(
             pub = transport.WeightPublisher(t, state, group=group)
         else:  # writes each worker only what it keeps, as the trainer engine does
             pub = ShardedPublisher(t, state, SourceLayout.single(state), 0, group=group)
+        # the further parts of a streamed version, each a group of its own
+        pubs = [pub] + [
+            ShardedPublisher(t, state, SourceLayout.single(state), 0, group=part_group(group, k))
+            for k in range(1, parts)
+        ]
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", (t.generation, os.getpid())))
 
     def publish(version: int, timeout: float) -> tuple[dict[str, str], dict[str, str]]:
+        """Every part's group; the status of each worker in every part (the worst of them),
+        and the reasons of all."""
         set_version(state, version)
-        r = pub.publish(version, timeout=timeout).wait(timeout + 30)
-        return dict(r.status), dict(r.reasons)
+        handles = [p.publish(version, timeout=timeout) for p in pubs]
+        status: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+        for h in handles:
+            r = h.wait(timeout + 30)
+            for peer, s in r.status.items():
+                status[peer] = s if status.get(peer, "done") == "done" else status[peer]
+            reasons.update(r.reasons)
+        return status, reasons
 
     def publish_nowait(version: int, timeout: float) -> None:
         set_version(state, version)
-        pub.publish(version, timeout=timeout)
+        for p in pubs:
+            p.publish(version, timeout=timeout)
 
     handlers = {
         "publish": publish,
         "publish_nowait": publish_nowait,
         # data goes, a version's completion never does (the test kills this process)
-        "hold_notified_parts": lambda: (
-            internals.hold_notified_posts(t) if plain else internals.hold_completions(t)
+        "hold_notified_parts": lambda let_through=0: (
+            internals.hold_notified_posts(t)
+            if plain
+            else internals.hold_completions(t, let_through=let_through)
         ),
         "subscribers": pub.subscribers,
     }
-    serve(conn, handlers, lambda: (pub.close(), t.close()))
+    serve(conn, handlers, lambda: ([p.close() for p in pubs], t.close()))
 
 
 class LlamaPublisher(ChildProcess):
@@ -246,8 +264,10 @@ class LlamaPublisher(ChildProcess):
     ``model_dir`` to ``group``, as one rank holding every tensor whole (a ShardedPublisher:
     each worker gets only what it keeps), or with a plain WeightPublisher (``plain``: whole
     checkpoints, for workers in the whole mode). ``mangle``: "shape" or "names" publishes a state dict that does not
-    match the model; "bfloat16" publishes the same tensors in bfloat16. Commands: ``publish(version, timeout)`` -> (status, reasons),
-    ``publish_nowait``, ``hold_notified_parts``, ``subscribers``."""
+    match the model; "bfloat16" publishes the same tensors in bfloat16. ``parts``: the groups of
+    a streamed version it publishes too (integrations/vllm/streamed.py). Commands:
+    ``publish(version, timeout)`` -> (status, reasons), ``publish_nowait``,
+    ``hold_notified_parts(let_through=0)``, ``subscribers``."""
 
     def __init__(
         self,
@@ -258,10 +278,11 @@ class LlamaPublisher(ChildProcess):
         mangle: str | None = None,
         start_timeout: float = 60,
         plain: bool = False,
+        parts: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            name, _pub_child, (store_url, str(model_dir), group, mangle, plain, kwargs),
+            name, _pub_child, (store_url, str(model_dir), group, mangle, plain, parts, kwargs),
             start_timeout,
         )  # fmt: skip
 

@@ -93,34 +93,38 @@ def test_each_tp_worker_receives_only_its_slice(
         assert server.generate() == reference(5, kind=kind)
 
 
-def test_tp_workers_in_place_receive_their_slices_with_no_staging(
-    model_dir: Path, redis_url: str, reference, tmp_path: Path
+@pytest.mark.parametrize("mode", ["inplace", "streamed"])
+def test_tp_workers_with_no_room_for_a_copy_receive_their_slices_inside_finish(
+    mode: str, model_dir: Path, redis_url: str, reference, tmp_path: Path
 ):
-    """Workers of a server that computes with its parameters as stored (as vLLM's GPU builds
-    do; helpers/as_stored) write each version straight into them, inside vLLM's finish call:
-    no staging memory, each worker only its slice, and nothing written while vLLM serves."""
+    """Room for half a copy of a worker's slice: a server that computes with its parameters as
+    stored (as vLLM's GPU builds do; helpers/as_stored) writes each version straight into them,
+    vLLM's CPU build streams it through two buckets; both inside vLLM's finish call, each worker
+    only its slice, and nothing written while vLLM serves."""
     want, _ = kept_bytes("llama")
-    namespace = f"tp2-inplace-{uuid.uuid4().hex[:8]}"
+    bound = want // 2
+    namespace = f"tp2-{mode}-{uuid.uuid4().hex[:8]}"
     path = os.pathsep.join(p for p in (str(AS_STORED_PATH), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path} if mode == "inplace" else {}
     with (
         HttpTrainer("trainer", wait=False) as trainer,
-        VllmServer(model_dir, tmp_path / "server.log", tp=TP, env={"PYTHONPATH": path}) as server,
+        VllmServer(model_dir, tmp_path / "server.log", tp=TP, env=env) as server,
     ):
         trainer.started(120)
-        # far less room than one copy of a worker's slice: auto writes in place
-        info = {"timeout": 60, "staging_gb": want / 4 / 2**30}
+        info = {"timeout": 60, "staging_gb": bound / 2**30}
         trainer.call("connect", server.url, redis_url, namespace, info, timeout=120)
         states = server.transport_state()
-        assert [(s["mode"], s["staging_slots"], s["staging_bytes"]) for s in states] == [
-            ("inplace", 0, 0)
-        ] * TP, states
+        assert [s["mode"] for s in states] == [mode] * TP, states
+        for s in states:  # in place none; streamed two buckets within the bound
+            assert s["staging_bytes"] == 0 if mode == "inplace" else 0 < s["staging_bytes"] <= bound, s
+            assert (s["parts"] > 2) == (mode == "streamed"), s
         before = trainer.call("traffic")
         for version in (1, 2, 3):
             status, reasons = trainer.call("send", version, timeout=180)
             assert len(status) == TP and set(status.values()) == {"done"}, reasons
             after = trainer.call("traffic")
             sent = {n: after.get(n, 0) - before.get(n, 0) for n in status}
-            assert sent == dict.fromkeys(status, want), (sent, want)
+            assert sent == dict.fromkeys(status, want), (sent, want)  # every part, counted
             before = after
             assert server.get("weight_info") == {"weight_version": str(version)}
             assert [s["version"] for s in server.transport_state()] == [version] * TP

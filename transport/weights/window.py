@@ -4,6 +4,7 @@ only while the engine waits for one."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -50,6 +51,7 @@ class WindowedSubscriber(WeightSubscriber):
     ) -> None:
         self._window: int | None = None  # while open: the version held when it opened
         self._receiving = threading.Lock()
+        self._shut = False  # shut() was called on the open window
         super().__init__(
             transport, named_tensors, group, mode="inplace", on_update=on_update,
             poll_interval=poll_interval, relay=False, layout=layout, source_shapes=source_shapes,
@@ -71,7 +73,8 @@ class WindowedSubscriber(WeightSubscriber):
 
     def receive(self, version: int, timeout: float) -> int:
         """Open the window for ``version``, wait until it is complete in the live tensors (at most
-        ``timeout`` seconds) and shut it; returns ``version``. See the class's rules."""
+        ``timeout`` seconds, or until :meth:`shut`) and shut it; returns ``version``. See the
+        class's rules."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         if not self._receiving.acquire(blocking=False):
@@ -82,22 +85,11 @@ class WindowedSubscriber(WeightSubscriber):
                     raise ClosedError("the subscriber was closed")
                 opened = self.version
                 if opened != version:
-                    self._window = opened
+                    self._window, self._shut = opened, False
             if self._window is not None:
                 self._credit_publishers()
                 try:
-                    self.wait_for_version(opened + 1, timeout)
-                except TransferTimeout as e:
-                    torn = self.torn
-                    raise TransferTimeout(
-                        f"{e}; "
-                        + (
-                            f"the live tensors are torn (version {torn} began writing them and "
-                            "did not complete); the next complete version makes them whole"
-                            if torn is not None
-                            else f"nothing was written: they hold version {self.version} whole"
-                        )
-                    ) from None
+                    self._wait(opened, version, time.monotonic() + timeout, timeout)
                 finally:
                     with self._lock:
                         self._window = None
@@ -112,6 +104,45 @@ class WindowedSubscriber(WeightSubscriber):
                 f"{version}: the live tensors hold version {got}"
             )
         return got
+
+    def _wait(self, opened: int, version: int, deadline: float, timeout: float) -> None:
+        """Until a version completes here after ``opened``; TransferTimeout at the deadline or
+        when shut, saying whether the live tensors are torn."""
+        with self._lock:
+            while self.version == opened and not self._shut:
+                if self._closed:
+                    raise ClosedError("the subscriber was closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.transport.core.waiting(+1)
+                try:
+                    self._lock.wait(min(left, 0.1))
+                finally:
+                    self.transport.core.waiting(-1)
+            if self.version != opened:
+                return
+            why = (
+                "its window was shut" if self._shut else f"it did not arrive within {timeout:.3g} s"
+            )
+            torn = self.begun if self.begun > self.version else None
+        raise TransferTimeout(
+            f"version {version} of group {self.group!r} was not received ({why}); "
+            + (
+                f"the live tensors are torn (version {torn} began writing them and did not "
+                "complete); the next complete version makes them whole"
+                if torn is not None
+                else f"nothing was written: they hold version {self.version} whole"
+            )
+        )
+
+    def shut(self) -> None:
+        """Shut the window a :meth:`receive` holds open now: it raises TransferTimeout at once
+        (a publisher already writing goes on until its deadline, and tears the tensors)."""
+        with self._lock:
+            if self._window is not None:
+                self._shut = True
+                self._lock.notify_all()
 
     def pull(self, publisher: str, timeout: float | None = None) -> int:
         raise ValueError(

@@ -3,7 +3,7 @@
 Start vLLM with ``--worker-extension-cls transport.integrations.vllm.extension.TransportState``
 (``worker_extension_cls=`` for ``LLM``); then ``llm.collective_rpc("transport_state")``, or
 ``POST /collective_rpc {"method": "transport_state"}`` on a server in dev mode, returns one
-dict per worker: :class:`~transport.integrations.vllm.worker.EngineState` (mode, the version
+dict per worker: :class:`~transport.integrations.vllm.infos.EngineState` (mode, the version
 the model holds, bytes per version, staging memory, what travels whole and why).
 """
 

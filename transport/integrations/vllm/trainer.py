@@ -14,8 +14,9 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from transport import PublishResult, Transport, TransportError, WeightPublisher
+from transport.integrations.vllm.infos import OPEN, SECRET_ENV, mode_key, update_key
 from transport.integrations.vllm.plugin import BACKEND
-from transport.integrations.vllm.worker import OPEN, SECRET_ENV, mode_key, update_key
+from transport.integrations.vllm.streamed import part_group
 from transport.weights import ShardedPublisher, SourceLayout
 
 log = logging.getLogger("transport.vllm")
@@ -128,6 +129,8 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         self.version = 0
         self.last_result: PublishResult | None = None
         self.last_times: SendTimes | None = None
+        #: streamed versions: the publishers of parts 1, 2, ... (part 0 is the group's)
+        self._part_publishers: list[ShardedPublisher] = []
 
     @classmethod
     def trainer_init(
@@ -211,9 +214,12 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             # an update a dead trainer left open holds a version in the workers' staging (with
             # one slot, the slot this version needs): close it first
             self._close_open_update()
+        else:
+            pub.refresh()  # the group's workers and the modes they chose, before a first publish
         t0 = time.perf_counter()
-        if self.is_sender and self._in_place():
-            return self._send_in_place(v)
+        parts = self._finish_parts()
+        if parts:
+            return self._send_during_update(v, parts)
         result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
         self.last_result = result
         t1 = time.perf_counter()
@@ -247,45 +253,72 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         self.last_times = SendTimes(t1 - t0, time.perf_counter() - t1)
         return result
 
-    def _send_in_place(self, v: int) -> PublishResult:
-        """Workers in place are written only inside their ``finish_weight_update``: publish, and
-        drive the update while the version is on its way (the other workers take it into their
-        staging meanwhile, and load it in the same finish)."""
-        pub, info = self.publisher, self.info
-        assert pub is not None and info is not None
+    def _send_during_update(self, v: int, parts: int) -> PublishResult:
+        """Workers in place or streamed are written only inside their ``finish_weight_update``:
+        publish (every part's group of a streamed version, see streamed.py), and on the sending
+        rank drive the update while the version is on its way (workers in staging take it
+        meanwhile and load it in the same finish). Returns the result of the worker's group."""
+        info = self.info
+        assert info is not None
         t0 = time.perf_counter()
-        handle = pub.publish(v, timeout=info.timeout)
-        self.client.start_weight_update()
-        try:
-            self.client.update_weights({"version": v, "timeout": info.timeout})
-            self.client.finish_weight_update(weight_version=str(v))
-        except Exception as e:
-            r = handle.wait(info.timeout + 30)
-            self.last_result = r
+        handles = [p.publish(v, timeout=info.timeout) for p in self._publishers(parts)]
+        failed: Exception | None = None
+        if self.is_sender:
+            self.client.start_weight_update()
+            try:
+                self.client.update_weights({"version": v, "timeout": info.timeout})
+                self.client.finish_weight_update(weight_version=str(v))
+            except Exception as e:
+                failed = e
+        results = [h.wait(info.timeout + 30) for h in handles]
+        self.last_result = results[0]
+        if failed is not None:
+            said = "; ".join(
+                f"part {k}: done {r.done}, excluded {r.excluded}, lost {r.lost}, reasons "
+                f"{dict(r.reasons)}" for k, r in enumerate(results)
+            )  # fmt: skip
             raise UpdateError(
-                f"vLLM did not take version {v} ({e}); the publish reported: done {r.done}, "
-                f"excluded {r.excluded}, lost {r.lost}, reasons {dict(r.reasons)}; workers in "
-                "place that report a torn model (transport_state) are made whole by the next "
+                f"vLLM did not take version {v} ({failed}); the publish reported {said}; a "
+                "worker that reports a torn model (transport_state) is made whole by the next "
                 "version"
-            ) from e
-        result = handle.wait(info.timeout + 30)
-        self._reset_prefix_cache()
-        self.version, self.last_result = v, result
+            ) from failed
+        if self.is_sender:
+            self._reset_prefix_cache()
+        self.version = v
         # nothing lands while vLLM serves: it is busy from the first byte to the reset
         self.last_times = SendTimes(0.0, time.perf_counter() - t0)
-        return result
+        return results[0]
 
-    def _in_place(self) -> bool:
-        """Whether a worker of the group says (mode_key) it receives in place."""
+    def _publishers(self, parts: int) -> list[WeightPublisher | ShardedPublisher]:
+        """The group's publisher, then one per further part of a streamed version (made at
+        first use, over the same tensors: registered once)."""
+        pub, t, info = self.publisher, self.transport, self.info
+        assert pub is not None and t is not None and info is not None
+        for k in range(len(self._part_publishers) + 1, parts):
+            layout = info.layout or SourceLayout.single(self.tensors)
+            rank = info.rank if info.layout is not None else 0
+            self._part_publishers.append(
+                ShardedPublisher(t, self.tensors, layout, rank, group=part_group(info.group, k))
+            )
+        return [pub, *self._part_publishers[: parts - 1]]
+
+    def _finish_parts(self) -> int:
+        """How many parts the group's workers receive inside ``finish_weight_update`` (each says
+        its mode in the store, signed: worker.mode_key): 1 for workers in place, the most of any
+        streamed worker's parts; 0 when every worker takes versions into staging before."""
         pub, t, info = self.publisher, self.transport, self.info
         if pub is None or t is None or info is None:
-            return False
+            return 0
+        parts = 0
         for peer in pub.subscribers():
             key = mode_key(info.namespace, info.group, peer)
             value = t.core.signed.read(key, f"the mode {key}", writer=peer)
-            if value is not None and value.body == b"inplace":
-                return True
-        return False
+            said = b"" if value is None else value.body
+            if said == b"inplace":
+                parts = max(parts, 1)
+            elif said.startswith(b"streamed:") and said[9:].isdigit() and len(said) < 20:
+                parts = max(parts, int(said[9:]))
+        return parts
 
     def _close_open_update(self) -> None:
         """If a trainer before us left vLLM in an update (it died between start and finish),
@@ -339,6 +372,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
     def shutdown(self) -> None:
         pub, t = self.publisher, self.transport
         self.publisher = self.transport = None
+        for part in self._part_publishers:
+            part.close()
+        self._part_publishers = []
         if pub is not None:
             pub.close()
         if t is not None:

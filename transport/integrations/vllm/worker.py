@@ -7,18 +7,26 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from transport import Transport, TransportError, VersionGoneError, WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
+from transport.integrations.vllm.infos import (
+    CLOSED,
+    OPEN,
+    SECRET_ENV,
+    TORN,
+    EngineState,
+    TransportInitInfo,
+    TransportUpdateInfo,
+    mode_key,
+    parse,
+    update_key,
+)
 from transport.integrations.vllm.inplace import live_tensors, refusals
 from transport.integrations.vllm.reload import (
     direct_loaders,
@@ -28,146 +36,10 @@ from transport.integrations.vllm.reload import (
     unloaded_layers,
 )
 from transport.integrations.vllm.shards import WorkerLayout, learn, spec_of, whole
+from transport.integrations.vllm.streamed import Stream
 from transport.weights import Snapshot, WindowedSubscriber
 
 log = logging.getLogger("transport.vllm")
-
-#: environment variable holding the namespace secret (never sent through vLLM's APIs)
-SECRET_ENV = "TRANSPORT_SECRET"
-#: the version a worker reports after an update that did not reach every layer
-TORN = -2
-#: what a worker may receive: chosen, its TP slice in vLLM's format (staged, or straight into
-#: the parameters it computes with), or checkpoint tensors whole
-MODES = ("auto", "sharded", "inplace", "whole")
-#: the values of a worker's update mark (see update_key)
-OPEN, CLOSED = b"open", b"closed"
-
-
-def update_key(namespace: str, group: str, peer: str) -> str:
-    """The store key where worker ``peer`` marks (signed) whether vLLM has an update open on it:
-    ``open`` from ``start_weight_update`` until a finish succeeds or an update call fails, as
-    vLLM's own flag. A trainer reads it before starting: an update its predecessor left open is
-    closed first, without provoking vLLM's error (with several workers, vLLM's executor reads
-    only the first worker's error reply and hands the others to the calls that follow)."""
-    return f"transport/{namespace}/groups/{group}/vllm-update/{peer}"
-
-
-def mode_key(namespace: str, group: str, peer: str) -> str:
-    """The store key where worker ``peer`` says (signed, at init) the mode it chose: a trainer
-    publishes to workers in place while it drives their update (they are written only inside
-    ``finish_weight_update``), to the others before."""
-    return f"transport/{namespace}/groups/{group}/vllm-mode/{peer}"
-
-
-@dataclass
-class TransportInitInfo(WeightTransferInitInfo):
-    """Where a vLLM worker finds the trainer (small JSON: it also travels over HTTP).
-
-    ``store`` is the store URL the trainer uses (``tcp://host:port`` or ``redis://...``),
-    ``namespace`` and ``group`` those of its publisher. ``dtype`` is the dtype the trainer
-    publishes (default: the model's; the sharded mode receives in the model's own dtype, the
-    whole mode in this one). ``mode`` says what this worker receives: ``"sharded"`` only what it
-    keeps (its TP slice of every parameter, in vLLM's format) into staging memory,
-    ``"inplace"`` the same straight into the parameters vLLM computes with (no staging; only
-    where every parameter is used as stored, see inplace.py; written only inside
-    ``finish_weight_update``), ``"whole"`` every checkpoint tensor whole (vLLM's loader shards
-    them), ``"auto"`` (default) sharded, or in place when one staging copy would not fit
-    within ``staging_gb``, or whole when nothing of the model could be mapped. ``staging_device`` is where the staging copies live
-    (default: the worker's device; ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds
-    them, ``staging_slots`` says how many (1 or 2; default: two if they fit within
-    ``staging_gb``, else one): with two, the next version lands while vLLM loads one; with one,
-    it waits for that load. A worker whose copies would not fit refuses to join and says what
-    they need.
-    ``name`` prefixes this worker's peer name (host, pid and rank follow). ``timeout`` bounds
-    joining the store. The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
-    vLLM's environment, never from this message."""
-
-    store: str
-    namespace: str = "default"
-    group: str = "policy"
-    dtype: str | None = None
-    staging_device: str | None = None
-    name: str = "vllm"
-    timeout: float = 60.0
-    mode: str = "auto"
-    staging_gb: float | None = None
-    staging_slots: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.staging_slots not in (None, 1, 2):
-            raise ValueError(
-                f"transport init_info: staging_slots is 1 or 2, got {self.staging_slots!r}"
-            )
-        if self.mode not in MODES:
-            raise ValueError(f"transport init_info: mode must be one of {MODES}, got {self.mode!r}")
-        if self.staging_gb is not None and (
-            not isinstance(self.staging_gb, (int, float)) or self.staging_gb <= 0
-        ):
-            raise ValueError(
-                f"transport init_info: staging_gb must be > 0, got {self.staging_gb!r}"
-            )
-        if self.staging_device is not None:
-            try:
-                torch.device(self.staging_device)
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(
-                    f"transport init_info: staging_device {self.staging_device!r} is not a device "
-                    "(for example 'cpu' or 'cuda:0')"
-                ) from e
-        for field in ("store", "namespace", "group", "name"):
-            if not isinstance(getattr(self, field), str) or not getattr(self, field):
-                raise ValueError(f"transport init_info: {field} must be a non-empty string")
-        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(
-                f"transport init_info: dtype {self.dtype!r} is not a torch dtype name "
-                "(for example 'float32' or 'bfloat16')"
-            )
-        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
-            raise ValueError(f"transport init_info: timeout must be > 0 s, got {self.timeout!r}")
-
-
-@dataclass
-class TransportUpdateInfo(WeightTransferUpdateInfo):
-    """Which version an update loads: ``version`` exactly (every TP rank then loads the same
-    one; the trainer side always names it), or the newest complete one when None. ``timeout``
-    bounds the wait for it; past it the update fails and vLLM keeps its weights.
-    ``abandon=True`` drops a version an earlier update call held whose ``finish_weight_update``
-    never came (its trainer died): the finish that follows then loads nothing."""
-
-    version: int | None = None
-    timeout: float = 60.0
-    abandon: bool = False
-
-    def __post_init__(self) -> None:
-        if self.version is not None and (
-            not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0
-        ):
-            raise ValueError(
-                f"transport update_info: version must be an int >= 0, got {self.version!r}"
-            )
-        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
-            raise ValueError(f"transport update_info: timeout must be > 0 s, got {self.timeout!r}")
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """What one worker's engine holds: its ``peer`` name and ``mode``; ``version``, the version
-    the model holds (-1: the weights it started with, -2: none whole); ``held``, a version an
-    update holds until ``finish_weight_update`` loads it; the newest ``complete`` and any
-    ``incomplete`` version in staging; ``version_bytes``, the bytes of one version this worker
-    receives; ``staging_slots`` and ``staging_bytes``, its staging copies and the memory they
-    hold (counted from its buffers); ``fallback``, the checkpoint tensors that travel whole, with why."""
-
-    peer: str | None
-    mode: str | None
-    version: int
-    held: int | None
-    complete: int | None
-    incomplete: int | None
-    version_bytes: int
-    staging_slots: int
-    staging_bytes: int
-    fallback: dict[str, str]
 
 
 class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInfo]):
@@ -229,15 +101,16 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self._held: contextlib.ExitStack | None = None
         self._snapshot: Snapshot | None = None
         self._tied: dict[str, str] = {}
-        #: in place: the update a finish receives
+        self.stream: Stream | None = None
+        #: in place or streamed: the update a finish receives
         self._wanted: TransportUpdateInfo | None = None
         self._lock = threading.Lock()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransportInitInfo:
-        return _parse(TransportInitInfo, init_dict, "init_info")
+        return parse(TransportInitInfo, init_dict, "init_info")
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> TransportUpdateInfo:
-        return _parse(TransportUpdateInfo, update_dict, "update_info")
+        return parse(TransportUpdateInfo, update_dict, "update_info")
 
     def init_transfer_engine(self, init_info: TransportInitInfo) -> None:
         with self._lock:
@@ -252,8 +125,10 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             spec = checkpoint_spec(self.model_config.hf_config, dtype)
             layout, mode, why = self._choose(init_info, spec)
             staging = init_info.staging_device or self.device
-            slots, why_slots = (0, "in place") if mode == "inplace" else _slots(init_info, layout)
-            need = slots * layout.nbytes
+            if mode in ("inplace", "streamed"):
+                slots, why_slots = 0, "in place" if mode == "inplace" else "two buckets"
+            else:
+                slots, why_slots = _slots(init_info, layout)
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
             t = Transport(
@@ -265,12 +140,18 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             )
             shapes = {n: tuple(x.shape) for n, x in spec.items()}
             sub: WeightSubscriber | None = None
+            stream: Stream | None = None
             try:
                 if mode == "inplace":
                     sub = WindowedSubscriber(
                         t, live_tensors(self.model, layout), group=init_info.group,
                         layout=layout.dest, source_shapes=shapes,
                     )  # fmt: skip
+                elif mode == "streamed":
+                    assert init_info.staging_gb is not None  # _choose said so
+                    bucket = int(init_info.staging_gb * 2**30) // 2
+                    stream = Stream(t, layout, init_info.group, staging, shapes, bucket)
+                    sub = stream.subscribers[0]
                 else:
                     sub = WeightSubscriber(
                         t, spec_of(layout), group=init_info.group, mode="staging",
@@ -278,66 +159,86 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                         source_shapes=shapes, slots=slots,
                     )  # fmt: skip
                 # the trainer reads it (mode_key); signed: only this worker's holder writes it
+                said = f"streamed:{len(stream.names)}" if stream is not None else mode
                 t.core.signed.set(
-                    mode_key(init_info.namespace, init_info.group, t.name), mode.encode()
+                    mode_key(init_info.namespace, init_info.group, t.name), said.encode()
                 )
             except BaseException:
-                if sub is not None:
+                if stream is not None:
+                    stream.close()
+                elif sub is not None:
                     sub.close()
                 t.close()
                 raise
             self.transport, self.subscriber, self.info = t, sub, init_info
-            self.layout, self.mode = layout, mode
+            self.layout, self.mode, self.stream = layout, mode, stream
+            need = stream.nbytes if stream is not None else slots * layout.nbytes
             # which names are one tensor: learned before a reload (it gives each layer its own
             # tensors while it runs, and puts the shared ones back after)
             self._tied = tied_parameters(self.model)
             log.info(
                 "vLLM worker %s joined group %s of namespace %s in the %s mode (%s): %d tensors, "
-                "%.1f MiB per version; %d staging slot(s) (%s), %.1f MiB on %s",
+                "%.1f MiB per version%s; %d staging slot(s) (%s), %.1f MiB on %s",
                 name, init_info.group, init_info.namespace, self.mode, why, len(layout.dest),
-                layout.nbytes / 2**20, slots, why_slots, need / 2**20, staging,
+                layout.nbytes / 2**20, f" in {len(stream.names)} parts" if stream else "", slots,
+                why_slots, need / 2**20, staging,
             )  # fmt: skip
 
     def _choose(
         self, info: TransportInitInfo, spec: dict[str, torch.Tensor]
     ) -> tuple[WorkerLayout, str, str]:
         """The layout this worker declares, its mode, and why that mode."""
+        asked = ", asked for by init_info mode"
         if info.mode == "whole":
-            return whole(spec, "asked for by init_info"), "whole", "asked for by init_info mode"
+            return whole(spec, "asked for by init_info"), "whole", asked[2:]
         layout = learn(self.model, spec)
-        if not layout.targets:
-            if info.mode in ("sharded", "inplace"):
-                raise ValueError(
-                    f"transport init_info: mode {info.mode!r}, but no parameter of this model "
-                    "could be mapped to the checkpoint "
-                    f"({next(iter(layout.fallback.values()), '')}); use mode 'whole' or 'auto'"
-                )
-            return whole(spec, "nothing mapped"), "whole", "no parameter could be mapped, so whole"
-        mapped = len(spec) - len(layout.fallback)
-        why = f"{mapped} of {len(spec)} checkpoint tensors mapped to this worker's parameters"
+        if layout.targets:
+            mapped = len(spec) - len(layout.fallback)
+            mode, why = (
+                "sharded",
+                f"{mapped} of {len(spec)} checkpoint tensors mapped to this worker's parameters",
+            )
+        elif info.mode in ("sharded", "inplace"):
+            raise ValueError(
+                f"transport init_info: mode {info.mode!r}, but no parameter of this model could be "
+                f"mapped to the checkpoint ({next(iter(layout.fallback.values()), '')}); use mode "
+                "'whole' or 'auto'"
+            )
+        else:
+            layout = whole(spec, "nothing mapped")
+            mode, why = "whole", "no parameter could be mapped, so whole"
         bound = None if info.staging_gb is None else info.staging_gb * 2**30
-        if info.mode == "inplace" or (info.mode == "auto" and bound and layout.nbytes > bound):
-            refused = refusals(self.model, layout)
-            if not refused:
-                asked = info.mode == "inplace"
-                return layout, "inplace", why + (
-                    ", asked for by init_info mode" if asked else
-                    f"; one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit within "
-                    "staging_gb, and vLLM computes with every parameter as stored"
-                )  # fmt: skip
-            names = ", ".join(f"{n} ({w})" for n, w in list(refused.items())[:4])
+        if info.mode == "streamed":
+            if bound is None:
+                raise ValueError(
+                    "transport init_info: mode 'streamed' streams a version through two buckets "
+                    "of half of staging_gb each: give staging_gb"
+                )
+            return layout, "streamed", why + asked
+        if info.mode != "inplace" and (info.mode != "auto" or not bound or layout.nbytes <= bound):
+            return layout, mode, why + ("" if info.mode == "auto" else asked)
+        # in place, asked for, or no staging copy fits
+        copy = f"one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit within staging_gb"
+        refused = refusals(self.model, layout)
+        if not refused:
+            return layout, "inplace", why + (
+                asked if info.mode == "inplace" else
+                f"; {copy}, and vLLM computes with every parameter as stored"
+            )  # fmt: skip
+        first = ", ".join(f"{n} ({w})" for n, w in list(refused.items())[:4])
+        if info.mode == "inplace":
             raise ValueError(
                 "transport init_info: this worker cannot receive in place: "
-                f"{len(refused)} of its tensors are not used as stored, for example {names}"
-                + ("" if info.mode == "inplace" else
-                   f"; and one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit "
-                   f"within staging_gb={info.staging_gb}")
-                + "; raise staging_gb (mode 'sharded'), or serve with more tensor-parallel ranks"
-            )  # fmt: skip
+                f"{len(refused)} of its tensors are not used as stored, for example {first}; use "
+                "mode 'sharded' (with room for one staging copy) or 'streamed'"
+            )
         return (
             layout,
-            "sharded",
-            why if info.mode == "auto" else why + ", asked for by init_info mode",
+            "streamed",
+            (
+                f"{why}; {copy}, and it cannot be written in place ({len(refused)} tensors are not "
+                f"used as stored, for example {first}): streamed in parts of half of staging_gb"
+            ),
         )
 
     def start_weight_update(self) -> None:
@@ -384,7 +285,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         if isinstance(sub, WindowedSubscriber):  # written inside finish_weight_update
             if update_info.version is None:
                 raise ValueError(
-                    "transport update_info: a worker in place is written inside "
+                    f"transport update_info: a worker {self.mode} is written inside "
                     "finish_weight_update and needs the version named (the trainer engine does)"
                 )
             self._wanted = update_info
@@ -396,6 +297,9 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self._held = stack
 
     def finish_weight_update(self) -> None:
+        if self.stream is not None and self.subscriber is not None:
+            self._stream_in(self.stream, self.subscriber.group)
+            return
         if isinstance(self.subscriber, WindowedSubscriber):
             self._receive_in_place(self.subscriber)
             return
@@ -404,7 +308,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             self._mark(CLOSED)
             return
         try:
-            self._load(snap, sub.group)
+            self._load([snap.tensors], snap.version, sub.group)
         finally:
             self._drop()
         self._mark(CLOSED)
@@ -440,7 +344,23 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             )
         self._mark(CLOSED)
 
-    def _load(self, snap: Snapshot, group: str) -> None:
+    def _stream_in(self, stream: Stream, group: str) -> None:
+        """The parts of the version the update named, loaded as each lands (see streamed.py),
+        while vLLM runs this call; the version the worker reports moves with the model."""
+        wanted, self._wanted = self._wanted, None
+        if wanted is not None:
+            assert wanted.version is not None
+            with stream.parts(wanted.version, wanted.timeout) as parts:
+                self._load(parts, wanted.version, group, len(stream.names))
+            self.version = wanted.version
+            log.info("vLLM worker loaded version %d of group %s, streamed in %d parts",
+                     self.version, group, len(stream.names))  # fmt: skip
+        self._mark(CLOSED)
+
+    def _load(
+        self, parts: Iterable[Mapping[str, torch.Tensor]], version: int, group: str, count: int = 1
+    ) -> None:
+        """Load ``parts`` (``count`` of them, as they come) in one layerwise reload."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -450,25 +370,40 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         layout = self.layout
         assert layout is not None
         targets = layout.targets
+        loaded, failed = 0, None
         with direct_loaders(model, targets):
             initialize_layerwise_reload(model)
             try:
-                load_direct(model, targets, snap.tensors)
-                rest = {n: snap.tensors[n] for n in layout.fallback}
-                if rest:
-                    model.load_weights(rest.items())
-                    load_tied(model, self._tied, rest)
+                for tensors in parts:
+                    load_direct(model, {n: targets[n] for n in tensors if n in targets}, tensors)
+                    rest = {n: tensors[n] for n in tensors if n in layout.fallback}
+                    if rest:
+                        model.load_weights(rest.items())
+                        load_tied(model, self._tied, rest)
+                    loaded += 1
                 missing = unloaded_layers(model)
+            except BaseException as e:
+                failed = e
             finally:
                 # finish the reload even after a failed load: it started by moving the layers
                 # to the meta device
                 finalize_layerwise_reload(model, self.model_config)
+        if failed is not None:
+            if loaded == 0:
+                raise failed  # nothing of it reached the model
+            self.version = TORN
+            raise RuntimeError(
+                f"version {version} of group {group} stopped after {loaded} of its {count} parts "
+                f"({failed}): the layers of those parts hold it, the others the version before, "
+                f"so the model holds no whole version and reports {TORN} until the next update "
+                "loads one whole"
+            ) from failed
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if missing:
             self.version = TORN
             raise RuntimeError(
-                f"version {snap.version} of group {group} did not reach every layer of "
+                f"version {version} of group {group} did not reach every layer of "
                 f"the model: {', '.join(missing[:8])}"
                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
                 + " kept their previous weights (vLLM's loader took none of the checkpoint "
@@ -485,9 +420,11 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     def state(self) -> EngineState:
         sub, t, layout, snap = self.subscriber, self.transport, self.layout, self._snapshot
         storages = {}
-        for slot in [] if sub is None or self.mode == "inplace" else sub.staging:
+        for slot in [] if sub is None or self.mode in ("inplace", "streamed") else sub.staging:
             for x in slot.values():
                 storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        for bucket in [] if self.stream is None else self.stream.buckets:
+            storages[bucket.untyped_storage().data_ptr()] = bucket.untyped_storage().nbytes()
         return EngineState(
             peer=None if t is None else t.name,
             mode=self.mode,
@@ -496,9 +433,12 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             complete=None if sub is None else sub.version,
             incomplete=None if sub is None else sub.incomplete,
             version_bytes=0 if layout is None else layout.nbytes,
-            staging_slots=0 if sub is None or self.mode == "inplace" else len(sub.staging),
+            staging_slots=0
+            if sub is None or self.mode in ("inplace", "streamed")
+            else len(sub.staging),
             staging_bytes=sum(storages.values()),
             fallback={} if layout is None else dict(layout.fallback),
+            parts=len(self.stream.names) if self.stream is not None else int(sub is not None),
         )
 
     def shutdown(self) -> None:
@@ -507,8 +447,11 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
 
     def _close(self) -> None:
         self._drop()
-        sub, t = self.subscriber, self.transport
-        self.subscriber = self.transport = self.info = self.layout = None
+        sub, t, stream = self.subscriber, self.transport, self.stream
+        self.subscriber = self.transport = self.info = self.layout = self.stream = None
+        self._wanted = None
+        if stream is not None:
+            stream.close()
         if sub is not None:
             sub.close()
         if t is not None:
@@ -539,18 +482,3 @@ def _slots(info: TransportInitInfo, layout: WorkerLayout) -> tuple[int, str]:
     if one <= bound:
         return 1, f"two would need {2 * one / 2**30:.3f} GiB, more than staging_gb"
     raise refuse(1)
-
-
-def _parse(cls: Any, given: Any, what: str) -> Any:
-    if not isinstance(given, dict):
-        raise ValueError(f"transport {what} must be a JSON object, got {type(given).__name__}")
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ValueError(
-            f"transport {what}: unknown fields {unknown}; the fields are {sorted(known)}"
-        )
-    try:
-        return cls(**given)
-    except TypeError as e:
-        raise ValueError(f"transport {what}: {e}") from e

@@ -1,0 +1,166 @@
+"""What a vLLM worker's transport engine is told and what it reports: the init and update infos
+(small JSON: they also travel over HTTP), its state, and the store keys it writes for trainers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+
+#: environment variable holding the namespace secret (never sent through vLLM's APIs)
+SECRET_ENV = "TRANSPORT_SECRET"
+#: the version a worker reports after an update that did not reach every layer
+TORN = -2
+#: what a worker may receive: chosen, its TP slice in vLLM's format (staged, or straight into
+#: the parameters it computes with), or checkpoint tensors whole
+MODES = ("auto", "sharded", "inplace", "streamed", "whole")
+#: the values of a worker's update mark (see update_key)
+OPEN, CLOSED = b"open", b"closed"
+
+
+def update_key(namespace: str, group: str, peer: str) -> str:
+    """The store key where worker ``peer`` marks (signed) whether vLLM has an update open on it:
+    ``open`` from ``start_weight_update`` until a finish succeeds or an update call fails, as
+    vLLM's own flag. A trainer reads it before starting: an update its predecessor left open is
+    closed first, without provoking vLLM's error (with several workers, vLLM's executor reads
+    only the first worker's error reply and hands the others to the calls that follow)."""
+    return f"transport/{namespace}/groups/{group}/vllm-update/{peer}"
+
+
+def mode_key(namespace: str, group: str, peer: str) -> str:
+    """The store key where worker ``peer`` says (signed, at init) the mode it chose: a trainer
+    publishes to workers in place while it drives their update (they are written only inside
+    ``finish_weight_update``), to the others before."""
+    return f"transport/{namespace}/groups/{group}/vllm-mode/{peer}"
+
+
+@dataclass
+class TransportInitInfo(WeightTransferInitInfo):
+    """Where a vLLM worker finds the trainer (small JSON: it also travels over HTTP).
+
+    ``store`` is the store URL the trainer uses (``tcp://host:port`` or ``redis://...``),
+    ``namespace`` and ``group`` those of its publisher. ``dtype`` is the dtype the trainer
+    publishes (default: the model's; the sharded mode receives in the model's own dtype, the
+    whole mode in this one). ``mode`` says what this worker receives: ``"sharded"`` only what it
+    keeps (its TP slice of every parameter, in vLLM's format) into staging memory,
+    ``"inplace"`` the same straight into the parameters vLLM computes with (no staging; only
+    where every parameter is used as stored, see inplace.py; written only inside
+    ``finish_weight_update``), ``"streamed"`` the same through two buckets of half of
+    ``staging_gb`` each, part by part, into vLLM's reload inside ``finish_weight_update`` (see
+    streamed.py), ``"whole"`` every checkpoint tensor whole (vLLM's loader shards them),
+    ``"auto"`` (default) sharded, or when one staging copy would not fit within ``staging_gb``
+    in place where it can and streamed where it cannot; whole when nothing could be mapped. ``staging_device`` is where the staging copies live
+    (default: the worker's device; ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds
+    them, ``staging_slots`` says how many (1 or 2; default: two if they fit within
+    ``staging_gb``, else one): with two, the next version lands while vLLM loads one; with one,
+    it waits for that load. A worker whose copies would not fit refuses to join and says what
+    they need.
+    ``name`` prefixes this worker's peer name (host, pid and rank follow). ``timeout`` bounds
+    joining the store. The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
+    vLLM's environment, never from this message."""
+
+    store: str
+    namespace: str = "default"
+    group: str = "policy"
+    dtype: str | None = None
+    staging_device: str | None = None
+    name: str = "vllm"
+    timeout: float = 60.0
+    mode: str = "auto"
+    staging_gb: float | None = None
+    staging_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.staging_slots not in (None, 1, 2):
+            raise ValueError(
+                f"transport init_info: staging_slots is 1 or 2, got {self.staging_slots!r}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"transport init_info: mode must be one of {MODES}, got {self.mode!r}")
+        if self.staging_gb is not None and (
+            not isinstance(self.staging_gb, (int, float)) or self.staging_gb <= 0
+        ):
+            raise ValueError(
+                f"transport init_info: staging_gb must be > 0, got {self.staging_gb!r}"
+            )
+        if self.staging_device is not None:
+            try:
+                torch.device(self.staging_device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(
+                    f"transport init_info: staging_device {self.staging_device!r} is not a device "
+                    "(for example 'cpu' or 'cuda:0')"
+                ) from e
+        for field in ("store", "namespace", "group", "name"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise ValueError(f"transport init_info: {field} must be a non-empty string")
+        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(
+                f"transport init_info: dtype {self.dtype!r} is not a torch dtype name "
+                "(for example 'float32' or 'bfloat16')"
+            )
+        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise ValueError(f"transport init_info: timeout must be > 0 s, got {self.timeout!r}")
+
+
+@dataclass
+class TransportUpdateInfo(WeightTransferUpdateInfo):
+    """Which version an update loads: ``version`` exactly (every TP rank then loads the same
+    one; the trainer side always names it), or the newest complete one when None. ``timeout``
+    bounds the wait for it; past it the update fails and vLLM keeps its weights.
+    ``abandon=True`` drops a version an earlier update call held whose ``finish_weight_update``
+    never came (its trainer died): the finish that follows then loads nothing."""
+
+    version: int | None = None
+    timeout: float = 60.0
+    abandon: bool = False
+
+    def __post_init__(self) -> None:
+        if self.version is not None and (
+            not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0
+        ):
+            raise ValueError(
+                f"transport update_info: version must be an int >= 0, got {self.version!r}"
+            )
+        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise ValueError(f"transport update_info: timeout must be > 0 s, got {self.timeout!r}")
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What one worker's engine holds: its ``peer`` name and ``mode``; ``version``, the version
+    the model holds (-1: the weights it started with, -2: none whole); ``held``, a version an
+    update holds until ``finish_weight_update`` loads it; the newest ``complete`` and any
+    ``incomplete`` version in staging; ``version_bytes``, the bytes of one version this worker
+    receives; ``staging_slots`` and ``staging_bytes``, its staging copies and the memory they
+    hold (counted from its buffers); ``fallback``, the checkpoint tensors that travel whole, with
+    why; ``parts``, the groups a version comes in (more than one: streamed, see streamed.py)."""
+
+    peer: str | None
+    mode: str | None
+    version: int
+    held: int | None
+    complete: int | None
+    incomplete: int | None
+    version_bytes: int
+    staging_slots: int
+    staging_bytes: int
+    fallback: dict[str, str]
+    parts: int
+
+
+def parse(cls: Any, given: Any, what: str) -> Any:
+    if not isinstance(given, dict):
+        raise ValueError(f"transport {what} must be a JSON object, got {type(given).__name__}")
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(
+            f"transport {what}: unknown fields {unknown}; the fields are {sorted(known)}"
+        )
+    try:
+        return cls(**given)
+    except TypeError as e:
+        raise ValueError(f"transport {what}: {e}") from e
