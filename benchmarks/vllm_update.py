@@ -12,13 +12,15 @@ against the floor, at each tensor-parallel size (one server per TP), in one run:
 * ``floor``: vLLM's own loader from tensors already in its memory: the whole mode's update of a
   version that already landed (start / update / finish with no transfer). The same in the sharded
   mode (``sharded_load``: our direct loaders, then vLLM's post-processing) is reported too.
+* ``streamed``: the sharded layout with room for half a copy of it (``staging_gb``): each version
+  comes in parts through two buckets, loaded into vLLM's reload inside its finish call;
 * ``inplace`` (with ``--as-stored``): each worker's slice written straight into the parameters
   vLLM computes with, inside its finish call; the server then computes with its parameters as
   stored, as vLLM's GPU builds do (its CPU build packs them for oneDNN, where in place is
   refused), so every mode of that run is measured on such a server.
 
 A worker holds one weight group, so on each server the modes take turns in blocks (whole,
-sharded, whole, sharded with ``--blocks 2``), each block with a trainer engine of its own in a
+sharded, streamed, whole, ... with ``--blocks 2``), each block with a trainer engine of its own in a
 namespace of its own; the switch (the workers leave one group and join the next) and two
 versions after it (one into each staging slot: their first touch) are not timed. Within a block
 the rounds interleave the mode, its load-only update and ``shm``; ``shm``, measured in every
@@ -61,7 +63,7 @@ import torch
 from transport.integrations.vllm.extension import TransportState
 
 MiB = 1 << 20
-MODES = ("whole", "sharded")  # in this order on each server: see the docstring
+MODES = ("whole", "sharded", "streamed")  # in this order on each server: see the docstring
 #: on a server that computes with its parameters as stored (--as-stored)
 AS_STORED_MODES = (*MODES, "inplace")
 #: a folder that, on vLLM's PYTHONPATH, makes its CPU build compute with parameters as stored
@@ -209,6 +211,8 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                     {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
 
     out: dict[str, Any] = {"tp": tp, "modes": {}}
+    # streamed: room for half a copy of a worker's slice (the model over tp, the norms aside)
+    half = sum(x.numel() * x.element_size() for x in state.values()) / tp / 2 / 2**30
     engine = None
     try:
         if args.worker_spin_s is not None:
@@ -232,7 +236,8 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                 trainer_before = rss(os.getpid())
                 new = WeightTransferTrainerFactory.trainer_init(  # a TransportTrainer
                     TransportTrainerInitInfo(store.url, namespace=f"vllm-bench-tp{tp}-{mode}-{block}",
-                                             name=f"trainer-{mode}", rank=0, timeout=300, mode=mode),
+                                             name=f"trainer-{mode}", rank=0, timeout=300, mode=mode,
+                                             staging_gb=half if mode == "streamed" else None),
                     client=HTTPClient(server.url),
                     source=ModuleSource(model),
                 )  # fmt: skip
@@ -315,6 +320,15 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
         "inplace_over_sharded_written": per_worker(inplace, "written_per_version")
         / per_worker(s, "written_per_version"),
     }  # fmt: skip
+    streamed = res["modes"].get("streamed")
+    if streamed is not None:
+        extra |= {
+            "shm_over_streamed_time": med(streamed, "shm") / med(streamed, "streamed"),
+            "streamed_over_floor_time": med(streamed, "streamed") / med(w, "floor"),
+            "streamed_over_sharded_time": med(streamed, "streamed") / med(s, "sharded"),
+            "sharded_over_streamed_staging": per_worker(s, "staging_bytes")
+            / per_worker(streamed, "staging_bytes"),
+        }
     return extra | {
         "whole_over_sharded_time": med(w, "whole") / med(s, "sharded"),
         "shm_over_sharded_time": med(s, "shm") / med(s, "sharded"),

@@ -107,8 +107,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
     ``finish_weight_update(str(v))`` through the client, and reset vLLM's prefix cache when the
     client can. vLLM's workers change nothing before ``v`` is complete in their staging memory;
     if it never is, ``UpdateError`` says why and vLLM serves its old weights. Workers that
-    receive in place (each says its mode in the store: ``worker.mode_key``) are written only
-    inside their ``finish_weight_update``: for them the publish runs while the update is driven.
+    receive in place or streamed (each says its mode in the store: ``infos.mode_key``) are
+    written only inside their ``finish_weight_update``: for them the publish (of every part's
+    group, streamed: see streamed.py) runs while the update is driven.
     """
 
     init_info_cls = TransportTrainerInitInfo

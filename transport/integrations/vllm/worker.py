@@ -54,6 +54,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     * **inplace**: the sharded layout, received straight into the parameters vLLM computes
       with (a :class:`~transport.weights.WindowedSubscriber`: no staging memory), only where
       every parameter is used as stored (:mod:`.inplace`: vLLM's GPU builds, unquantized).
+    * **streamed**: the sharded layout in parts through two buckets of half of ``staging_gb``
+      (:mod:`.streamed`), loaded into one layerwise reload inside ``finish_weight_update``.
     * **whole**: every checkpoint tensor whole (names, shapes, dtypes that transformers builds
       from vLLM's config on the meta device); vLLM's loader fuses and shards them.
 
@@ -70,11 +72,11 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
       naming them and the worker reports ``TORN`` (-2) until a whole version loads.
     * Staging is one or two copies of what the worker receives, within ``staging_gb``; with one,
       the next version is written only after the last one was loaded (or dropped).
-    * In place, publishers write the parameters only inside ``finish_weight_update`` (no engine
-      step runs meanwhile), for the version ``update_weights`` named; the model and the version
-      reported change in that call. A version that does not complete there (its trainer died
-      mid-write) leaves the model torn: finish fails saying so and the worker reports ``TORN``
-      (-2) until a later version lands whole. vLLM's ``/weight_info`` keeps naming the last
+    * In place and streamed, publishers write only inside ``finish_weight_update`` (no engine
+      step runs meanwhile), the version ``update_weights`` named; the model and the version
+      reported change in that call. A version that does not complete there after part of it
+      reached the model (its trainer died mid-write) leaves the model torn: finish fails saying
+      so and the worker reports ``TORN`` (-2) until a later version lands whole. vLLM's ``/weight_info`` keeps naming the last
       finished version meanwhile (vLLM gives a worker no way to change it).
     * From ``start_weight_update`` until a finish succeeds or an update call fails (vLLM's own
       flag), the worker marks an update open in the store (:func:`update_key`), so that a
