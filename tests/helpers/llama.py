@@ -95,3 +95,22 @@ def greedy(model: object, prompts: list[list[int]] = PROMPTS) -> list[list[int]]
             )  # fmt: skip
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def kept_bytes(kind: str, tp: int = 2) -> tuple[int, int]:
+    """(bytes of one version a tensor-parallel worker keeps, of which replicated): from the
+    checkpoint's tensors and tensor parallelism's rules (a tensor split in ``tp``, or whole on
+    every rank: 1-D norms, and key/value heads when there are fewer than ranks)."""
+    cfg = config(kind)
+    kv_split = cfg.num_key_value_heads % tp == 0  # type: ignore[attr-defined]
+    total = replicated = 0
+    for name, t in hf_model(0, kind=kind).named_parameters():  # type: ignore[attr-defined]
+        whole = (
+            t.dim() == 1
+            and "_proj" not in name
+            or (("k_proj" in name or "v_proj" in name) and not kv_split)
+        )
+        n = t.numel() * t.element_size()
+        total += n if whole else n // tp
+        replicated += n if whole else 0
+    return total, replicated

@@ -8,39 +8,19 @@ the library's layout. After each of three updates vLLM's greedy tokens equal tra
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.llama import config, hf_model
-from helpers.vllm_peers import AS_STORED_PATH, HttpTrainer, ShardedLlamaRank
+from helpers.llama import hf_model, kept_bytes
+from helpers.vllm_peers import HttpTrainer, ShardedLlamaRank
 from helpers.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 TP = 2
-
-
-def kept_bytes(kind: str, tp: int = TP) -> tuple[int, int]:
-    """(bytes of one version a tensor-parallel worker keeps, of which replicated): from the
-    checkpoint's tensors and tensor parallelism's rules (a tensor split in ``tp``, or whole on
-    every rank: 1-D norms, and key/value heads when there are fewer than ranks)."""
-    cfg = config(kind)
-    kv_split = cfg.num_key_value_heads % tp == 0  # type: ignore[attr-defined]
-    total = replicated = 0
-    for name, t in hf_model(0, kind=kind).named_parameters():  # type: ignore[attr-defined]
-        whole = (
-            t.dim() == 1
-            and "_proj" not in name
-            or (("k_proj" in name or "v_proj" in name) and not kv_split)
-        )
-        n = t.numel() * t.element_size()
-        total += n if whole else n // tp
-        replicated += n if whole else 0
-    return total, replicated
 
 
 @pytest.mark.parametrize(("kind", "slots"), [("llama", 2), ("qwen2-tied", 1)])
@@ -91,49 +71,6 @@ def test_each_tp_worker_receives_only_its_slice(
         assert set(status.values()) == {"done"}, reasons
         assert server.get("weight_info") == {"weight_version": "5"}
         assert server.generate() == reference(5, kind=kind)
-
-
-@pytest.mark.parametrize("mode", ["inplace", "streamed"])
-def test_tp_workers_with_no_room_for_a_copy_receive_their_slices_inside_finish(
-    mode: str, model_dir: Path, redis_url: str, reference, tmp_path: Path
-):
-    """Room for half a copy of a worker's slice: a server that computes with its parameters as
-    stored (as vLLM's GPU builds do; helpers/as_stored) writes each version straight into them,
-    vLLM's CPU build streams it through two buckets; both inside vLLM's finish call, each worker
-    only its slice, and nothing written while vLLM serves."""
-    want, _ = kept_bytes("llama")
-    bound = want // 2
-    namespace = f"tp2-{mode}-{uuid.uuid4().hex[:8]}"
-    path = os.pathsep.join(p for p in (str(AS_STORED_PATH), os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": path} if mode == "inplace" else {}
-    with (
-        HttpTrainer("trainer", wait=False) as trainer,
-        VllmServer(model_dir, tmp_path / "server.log", tp=TP, env=env) as server,
-    ):
-        trainer.started(120)
-        info = {"timeout": 60, "staging_gb": bound / 2**30}
-        trainer.call("connect", server.url, redis_url, namespace, info, timeout=120)
-        states = server.transport_state()
-        assert [s["mode"] for s in states] == [mode] * TP, states
-        for s in states:  # in place none; streamed two buckets within the bound
-            assert s["staging_bytes"] == 0 if mode == "inplace" else 0 < s["staging_bytes"] <= bound, s
-            assert (s["parts"] > 2) == (mode == "streamed"), s
-        before = trainer.call("traffic")
-        for version in (1, 2, 3):
-            status, reasons = trainer.call("send", version, timeout=180)
-            assert len(status) == TP and set(status.values()) == {"done"}, reasons
-            after = trainer.call("traffic")
-            sent = {n: after.get(n, 0) - before.get(n, 0) for n in status}
-            assert sent == dict.fromkeys(status, want), (sent, want)  # every part, counted
-            before = after
-            assert server.get("weight_info") == {"weight_version": str(version)}
-            assert [s["version"] for s in server.transport_state()] == [version] * TP
-            assert server.generate() == reference(version), f"version {version}"
-        # a publish while vLLM serves is never credited: it excludes both workers at its
-        # deadline, and vLLM serves version 3 whole
-        status, _ = trainer.call("publish", 4, 3.0, timeout=120)
-        assert set(status.values()) == {"excluded"} and len(status) == TP, status
-        assert server.generate() == reference(3)
 
 
 def test_a_sharded_trainer_writes_each_tp_worker_only_the_intersection(
