@@ -92,8 +92,14 @@ def test_a_trainer_killed_mid_write_leaves_a_model_named_torn_and_the_next_versi
         # version 2's bytes go into the model, its completion never does; the trainer dies
         first.call("hold_notified_parts")
         first.call("publish_nowait", 2, 30.0)
+        vllm.call("start")
+        vllm.call("update_only", {"version": 2, "timeout": 15})
         with pytest.raises(ChildError, match="did not complete in place .* parts of versions 2 and 1"):
-            vllm.call("update", {"version": 2, "timeout": 15})
+            vllm.call("finish", "2")
+        # vLLM keeps the update open; the worker's signed mark tells the next trainer the model
+        # is torn (it finishes the update with the weight version "torn:2")
+        assert _update_mark(store, group, vllm) == b"torn:2"
+        vllm.call("finish", None)  # as a framework driving vLLM by hand closes it
         first.kill()
         assert first.proc.exitcode == -signal.SIGKILL
     finally:
@@ -103,6 +109,18 @@ def test_a_trainer_killed_mid_write_leaves_a_model_named_torn_and_the_next_versi
         assert _publish_and_update(vllm, second, 3) == "3"
         assert vllm.call("generate") == reference(3)
         assert vllm.call("engine_state")[0]["version"] == 3
+
+
+def _update_mark(store: TcpStore, group: str, vllm: VllmProcess) -> bytes | None:
+    """The worker's update mark (infos.update_key), read as a trainer reads it: signed by it."""
+    import transport
+    from transport.integrations.vllm.infos import update_key
+
+    (state,) = vllm.call("engine_state")
+    key = update_key("default", group, state["peer"])
+    with transport.Transport("mark-reader", store=store.url, timeout=30) as t:
+        value = t.core.signed.read(key, "the update mark", writer=state["peer"])
+    return None if value is None else value.body
 
 
 def test_the_trainer_engine_drives_workers_in_place_from_a_sharded_trainer(

@@ -20,12 +20,22 @@ MODES = ("auto", "sharded", "inplace", "streamed", "whole")
 OPEN, CLOSED = b"open", b"closed"
 
 
+def torn_mark(version: int) -> bytes:
+    """The update mark of a worker whose model holds parts of ``version`` and of the version
+    before (see update_key)."""
+    return f"torn:{version}".encode()
+
+
 def update_key(namespace: str, group: str, peer: str) -> str:
     """The store key where worker ``peer`` marks (signed) whether vLLM has an update open on it:
     ``open`` from ``start_weight_update`` until a finish succeeds or an update call fails, as
     vLLM's own flag. A trainer reads it before starting: an update its predecessor left open is
     closed first, without provoking vLLM's error (with several workers, vLLM's executor reads
-    only the first worker's error reply and hands the others to the calls that follow)."""
+    only the first worker's error reply and hands the others to the calls that follow).
+    ``torn:V`` (:func:`torn_mark`) after an update that left the model holding parts of version
+    ``V`` and of the one before (in place or streamed; vLLM keeps that update open): the trainer
+    finishes it with the weight version ``torn:V``, so that vLLM reports no whole version until
+    the next one loads."""
     return f"transport/{namespace}/groups/{group}/vllm-update/{peer}"
 
 

@@ -279,9 +279,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 f"{dict(r.reasons)}" for k, r in enumerate(results)
             )  # fmt: skip
             raise UpdateError(
-                f"vLLM did not take version {v} ({failed}); the publish reported {said}; a "
-                "worker that reports a torn model (transport_state) is made whole by the next "
-                "version"
+                f"vLLM did not take version {v} ({failed}); the publish reported {said}; "
+                f"{self._name_torn()}; a worker that reports a torn model (transport_state) is "
+                "made whole by the next version"
             ) from failed
         if self.is_sender:
             self._reset_prefix_cache()
@@ -322,33 +322,51 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         return parts
 
     def _close_open_update(self) -> None:
-        """If a trainer before us left vLLM in an update (it died between start and finish),
-        close it without loading what it held: the weights vLLM serves and the version it
-        reports stay those of the last finished update. Whether one is open, each worker says
-        in the store (worker.update_key), so nothing here provokes an error from vLLM."""
+        """If a trainer before us left vLLM in an update (it died between start and finish, or
+        mid-write), close it without loading what it held: the weights vLLM serves and the
+        version it reports stay those of the last finished update, or, where a worker says its
+        model is torn, vLLM reports ``torn:V`` until our version loads. Whether one is open,
+        each worker says in the store (infos.update_key), so nothing here provokes an error
+        from vLLM."""
         pub = self.publisher
         if pub is not None:
             pub.refresh()  # the group's workers, before a first publish of this trainer
-        if self._open_updates():
+        marks = self._update_marks()
+        if marks:
+            torn = _torn(marks)
             log.warning(
                 "vLLM is still in an update that its trainer never finished: dropping the "
-                "version it held and finishing it, then starting ours"
+                "version it held and finishing it%s, then starting ours",
+                f" (its model is torn: vLLM reports weight version {torn})" if torn else "",
             )
             self.client.update_weights({"abandon": True})
-            self.client.finish_weight_update()
+            self.client.finish_weight_update(weight_version=torn)
 
-    def _open_updates(self) -> list[str]:
-        """The group's workers that mark an update open (their own signed marks)."""
+    def _update_marks(self) -> dict[str, bytes]:
+        """The group's workers that mark an update open or torn, with their (signed) marks."""
         pub, t, info = self.publisher, self.transport, self.info
         if pub is None or t is None or info is None:
-            return []
-        out = []
+            return {}
+        out = {}
         for peer in pub.subscribers():
             key = update_key(info.namespace, info.group, peer)
             value = t.core.signed.read(key, f"the update mark {key}", writer=peer)
-            if value is not None and value.body == OPEN:
-                out.append(peer)
+            if value is not None and (value.body == OPEN or value.body.startswith(b"torn:")):
+                out[peer] = value.body
         return out
+
+    def _name_torn(self) -> str:
+        """After an update that failed inside finish: if a worker says its model is torn, finish
+        vLLM's update (left open) with the weight version ``torn:V``, so that it reports no
+        whole version; what vLLM now reports, for the error message."""
+        try:
+            torn = _torn(self._update_marks())
+            if torn is None:
+                return "vLLM keeps reporting the version before"
+            self.client.finish_weight_update(weight_version=torn)
+        except Exception as e:  # vLLM's executor may answer out of step after a failed call
+            return f"vLLM could not be told that its model is torn ({e})"
+        return f"vLLM reports weight version {torn!r} until a version loads whole"
 
     def _reset_prefix_cache(self) -> None:
         reset = getattr(self.client, "reset_prefix_cache", None)
@@ -424,3 +442,10 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
 
         response = requests.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout)
         response.raise_for_status()
+
+
+def _torn(marks: dict[str, bytes]) -> str | None:
+    """The weight version that names a torn model (``torn:V``, the newest V any worker marks),
+    or None when no worker's model is torn."""
+    versions = [m[5:] for m in marks.values() if m.startswith(b"torn:") and m[5:].isdigit()]
+    return f"torn:{max(int(x) for x in versions)}" if versions else None

@@ -25,6 +25,7 @@ from transport.integrations.vllm.infos import (
     TransportUpdateInfo,
     mode_key,
     parse,
+    torn_mark,
     update_key,
 )
 from transport.integrations.vllm.inplace import live_tensors, refusals
@@ -333,6 +334,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 if torn is None:
                     raise  # nothing was written: the model keeps its version
                 self.version = TORN
+                self._mark(torn_mark(torn))
                 raise RuntimeError(
                     f"version {wanted.version} of group {sub.group} did not complete in place "
                     f"({e}): the model holds parts of versions {torn} and {sub.version} and "
@@ -394,6 +396,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             if loaded == 0:
                 raise failed  # nothing of it reached the model
             self.version = TORN
+            self._mark(torn_mark(version))
             raise RuntimeError(
                 f"version {version} of group {group} stopped after {loaded} of its {count} parts "
                 f"({failed}): the layers of those parts hold it, the others the version before, "
@@ -404,6 +407,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             torch.cuda.synchronize(self.device)
         if missing:
             self.version = TORN
+            self._mark(torn_mark(version))
             raise RuntimeError(
                 f"version {version} of group {group} did not reach every layer of "
                 f"the model: {', '.join(missing[:8])}"
