@@ -243,16 +243,15 @@ class Directory:
             except WireFormatError as e:
                 log.warning("the record of %s in the store is not valid (%s); writing ours again",
                             record.name, e)  # fmt: skip
-                self.publish(record)
-                return True
-            if stored == record or stored.generation > record.generation:
-                return False  # ours, or a newer incarnation of the name: not ours to replace
-            log.warning("the record of %s in the store is not the one it wrote; writing it again",
-                        record.name)  # fmt: skip
-            self.publish(record)
-            return True
-        # Garbage in the counter is set to our own generation: our record is missing, so ours is
-        # the newest incarnation the store shows, and a joiner takes the next one after it.
+            else:
+                if stored == record or stored.generation > record.generation:
+                    return False  # ours, or a newer incarnation of the name: not ours to replace
+                log.warning("the record of %s in the store is not the one it wrote; writing it "
+                            "again", record.name)  # fmt: skip
+        # Our record is missing, garbage or an older incarnation's, so ours is the newest
+        # incarnation the store shows: garbage in the counter is set to our generation (a joiner
+        # takes the next one after it), and the membership index gets us back. (A store that lost
+        # the record may have lost or spoiled these too, whatever the record's key holds now.)
         self.generation_counter(record.name).raise_to(record.generation)
         if self.store.try_get(self.key("members", "by-name", record.name)) is None:
             idx = self.members_counter().add(1)
