@@ -1,4 +1,5 @@
-"""The ``transport`` command: ``transport peers``, ``transport trace DIR``, ``transport bench ...``.
+"""The ``transport`` command: ``transport peers``, ``transport trace DIR``, ``transport cluster ...``,
+``transport bench ...``.
 
 Every failure the user can fix (a bad argument, an unreachable store) ends in
 one line on stderr and a non-zero exit status, never a traceback.
@@ -20,7 +21,7 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from transport.cli import peers, trace
+    from transport.cli import cluster, peers, trace
 
     parser = argparse.ArgumentParser(
         prog="transport", description="One-sided tensor transfer: tools."
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     peers.add_parser(sub)
+    cluster.add_parser(sub)
     trace.add_parser(sub)
     try:
         bench = importlib.import_module("transport.cli.bench")
