@@ -15,58 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers.cluster_peers import GENERATOR, TRAINER, MiB, ask, start, whole
 from helpers.processes import PythonProcess
 from transport.cluster import Cluster, Link
 from transport.cluster.leftovers import load_states
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-MiB = 1 << 20
 #: four tensors of 4 MiB: 16 MiB a version
 TENSORS, NUMEL = 4, MiB
-
-GENERATOR = r"""
-import json, sys, torch, transport
-store, name, tensors, numel = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-t = transport.Transport(name, store=store, timeout=30)
-sub = transport.WeightSubscriber(
-    t, {f"w{i}": torch.zeros(numel) for i in range(tensors)}, group="hosts")
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    v = int(line)
-    sub.wait_for_version(v, 60)
-    sub.apply()
-    print(json.dumps({"v": v, "ext": {n: [float(x.min()), float(x.max())]
-                                      for n, x in sub.live.items()}}), flush=True)
-"""
-
-TRAINER = r"""
-import json, sys, torch, transport
-store, tensors, numel, gens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-t = transport.Transport("trainer", store=store, timeout=30)
-state = {f"w{i}": torch.zeros(numel) for i in range(tensors)}
-pub = transport.WeightPublisher(t, state, group="hosts", fanout="chain")
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    v = int(line)
-    if v == 0:  # wait for the generators to join
-        while len(pub.subscribers()) < gens:
-            pub.refresh()
-        print(json.dumps({"subscribers": pub.subscribers()}), flush=True)
-        continue
-    for x in state.values():
-        x.fill_(v)
-    r = pub.publish(v, timeout=60).wait(90)
-    print(json.dumps({"v": v, "status": dict(r.status), "reasons": dict(r.reasons)}), flush=True)
-"""
-
-
-def _send(proc: PythonProcess, line: str, timeout: float = 120) -> dict:
-    assert proc.proc.stdin is not None
-    proc.proc.stdin.write(line + "\n")
-    proc.proc.stdin.flush()
-    return json.loads(proc.expect_line(timeout))
-
 
 def test_a_chained_publish_crosses_the_links_and_nothing_is_left(rights):
     model = TENSORS * NUMEL * 4
@@ -76,24 +33,21 @@ def test_a_chained_publish_crosses_the_links_and_nothing_is_left(rights):
         prefix = cluster.switch.removesuffix("-switch")
 
         def run(host, code, *args):  # type: ignore[no-untyped-def]
-            p = PythonProcess(code, *args, prefix=tuple(host.command([])),
-                              env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"})  # fmt: skip
-            procs.append(p)
-            return p
+            procs.append(start(cluster, host, code, *args))
+            return procs[-1]
 
         gens = [run(cluster.generator(i), GENERATOR, url, f"gen{i}", str(TENSORS), str(NUMEL))
                 for i in range(2)]  # fmt: skip
-        trainer = run(cluster.trainer, TRAINER, url, str(TENSORS), str(NUMEL), "2")
+        trainer = run(cluster.trainer, TRAINER, url, str(TENSORS), str(NUMEL), "2", "chain")
         for p in [*gens, trainer]:
             assert json.loads(p.expect_line(120)) == {"ready": True}
-        assert _send(trainer, "0") == {"subscribers": ["gen0", "gen1"]}
+        assert ask(trainer, "0 0") == {"subscribers": ["gen0", "gen1"]}
         before = cluster.traffic()
         for v in (1, 2, 3):
-            r = _send(trainer, str(v))
+            r = ask(trainer, f"{v} 60")
             assert r["status"] == {"gen0": "done", "gen1": "done"}, r["reasons"]
             for g in gens:
-                got = _send(g, str(v))
-                assert got == {"v": v, "ext": {f"w{i}": [v, v] for i in range(TENSORS)}}
+                assert ask(g, str(v)) == whole(v, TENSORS)
         after = cluster.traffic()
         sent = {role: after[role].sent - before[role].sent for role in after}
         got = {role: after[role].received - before[role].received for role in after}
