@@ -186,8 +186,9 @@ class Cluster:
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment of a process in a host: the machine's, with UCX kept to TCP over
-        the host's link."""
-        return {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", **(extra or {})}
+        the host's link (and gloo on it)."""
+        return {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
+                "GLOO_SOCKET_IFNAME": "eth0", **(extra or {})}  # fmt: skip
 
     def start(
         self, host: Host, argv: Sequence[str], env: Mapping[str, str] | None = None,
