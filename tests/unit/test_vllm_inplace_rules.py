@@ -11,7 +11,7 @@ from transport.integrations.vllm.inplace import live_tensors, refusals
 from transport.integrations.vllm.shards import Target, WorkerLayout
 from transport.weights import DestTensor, Piece
 
-pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
 
 class UnquantizedLinearMethod:  # the names vLLM's methods have

@@ -104,6 +104,7 @@ class WeightPublisher:
         degree: int = 2,
     ) -> None:
         self.fanout, self.degree = check_fanout(fanout, degree)
+        self._segment_bytes = SEGMENT_BYTES
         tensors = check_named_tensors(named_tensors, "publisher")
         self.transport = transport
         self.group = group
@@ -348,7 +349,7 @@ class WeightPublisher:
         segs = sub.segments.get(slot)
         if segs is None:
             names = sorted(sub.names)
-            bounds = segments({n: self.tensors[n] for n in names})
+            bounds = segments({n: self.tensors[n] for n in names}, self._segment_bytes)
             segs = sub.segments[slot] = [
                 (a, b, {region(self.group, slot, n): self.tensors[n] for n in names[a:b]})
                 for a, b in zip(bounds, bounds[1:], strict=False)
@@ -369,11 +370,11 @@ class WeightPublisher:
         if write.begin():
             # pieces as large as the Transport cuts over lanes: pipelining must not cost the lanes
             lanes_on = self.transport.lanes > 1
-            step = max(SEGMENT_BYTES, self.transport.lane_bytes if lanes_on else 0)
+            step = max(self._segment_bytes, self.transport.lane_bytes if lanes_on else 0)
             for i, (a, b, batch) in enumerate(segs):
                 last = i == len(segs) - 1
                 alone = next(iter(batch.items())) if b == a + 1 else None
-                if alone is not None and alone[1].nbytes > SEGMENT_BYTES:
+                if alone is not None and alone[1].nbytes > self._segment_bytes:
                     key, t = alone
                     for offset, nbytes in pieces(t, step):  # a huge tensor: piece by piece
                         write.add_part(a, key, t, offset, nbytes)
@@ -520,6 +521,22 @@ class WeightPublisher:
             if any(s.waiting is not None for s in self._subs.values()):
                 deadlines.append(now + HELLO_AGAIN)
         return max(0.01, min(deadlines) - now) if deadlines else 1.0
+
+    @property
+    def segment_bytes(self) -> int:
+        """How large the segments are that a version travels to a relay in (each forwarded as
+        it lands: a chain of N hops costs about one segment's time per hop on top of the
+        version's); from the next version on when set. Default 32 MiB."""
+        return self._segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 4096:
+            raise ValueError(f"segment_bytes must be an int of at least 4096, got {value!r}")
+        with self._lock:
+            self._segment_bytes = value
+            for sub in self._subs.values():
+                sub.segments.clear()  # cut again at the next write
 
     @property
     def fanout(self) -> str:

@@ -1,0 +1,294 @@
+"""Weight sync across hosts: a trainer host and N generator hosts of a cluster on this machine
+(transport/cluster/: network namespaces on shaped links, UCX kept to TCP over them), for N in
+``--hosts``, in one run. Per N: our WeightPublisher with each ``--fanout`` (direct: the trainer
+writes every generator; chain and tree: generators relay), gloo broadcast across the same hosts
+(what users have without us), and the link floor (the bytes that must cross the busiest link,
+divided by its rate). Per system: the time per sync (median of ``--steps``), and the bytes
+every link carried per sync (its interface's counters around exactly those syncs). Every
+version is checked at every generator (each element equals the version).
+
+    .venv/bin/python benchmarks/hosts_sync.py --hosts 1,2,4,8 --link 2gbit --mib 64 \\
+        --json benchmarks/results-hosts.json --plot benchmarks/results-hosts.png
+
+Needs root and iproute2 (namespaces). Where the kernel lacks tc's netem, links take a rate
+(tbf) but no delay: see transport/cluster/links.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+MiB = 1 << 20
+
+
+# -- the processes in the hosts (this file run with --role) --------------------------------------
+
+
+def _tensors(mib: int, count: int) -> dict[str, Any]:
+    import torch
+
+    numel = mib * MiB // 4 // count
+    return {f"w{i}": torch.zeros(numel) for i in range(count)}
+
+
+def generator(args: argparse.Namespace) -> None:
+    """A WeightSubscriber; ``check V`` answers whether it holds version V whole."""
+    import transport
+
+    t = transport.Transport(args.name, store=args.store, timeout=60)
+    sub = transport.WeightSubscriber(t, _tensors(args.mib, args.count), group="hosts")
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        v = int(line.split()[1])
+        sub.wait_for_version(v, 300)
+        sub.apply()
+        ok = sub.applied_version == v and all(
+            float(x.min()) == v == float(x.max()) for x in sub.live.values()
+        )
+        print(json.dumps({"ok": ok}), flush=True)
+
+
+def trainer(args: argparse.Namespace) -> None:
+    """A WeightPublisher; ``sync FANOUT STEPS SEGMENT`` publishes STEPS versions with that
+    fan-out and segment size (bytes; 0: the default)."""
+    import transport
+    from transport.weights._protocol import SEGMENT_BYTES
+
+    t = transport.Transport("trainer", store=args.store, timeout=60)
+    state = _tensors(args.mib, args.count)
+    pub = transport.WeightPublisher(t, state, group="hosts")
+    while len(pub.subscribers()) < args.gens:
+        pub.refresh()
+    print(json.dumps({"ready": True}), flush=True)
+    v = 0
+    for line in sys.stdin:
+        _, fanout, steps, segment = line.split()
+        pub.fanout, times, status = fanout, [], {}
+        pub.segment_bytes = int(segment) or SEGMENT_BYTES
+        for _ in range(int(steps)):
+            v += 1
+            for x in state.values():
+                x.fill_(v)
+            t0 = time.perf_counter()
+            r = pub.publish(v, timeout=300).wait(400)
+            times.append(time.perf_counter() - t0)
+            status = dict(r.status)
+        print(json.dumps({"times": times, "status": status, "version": v}), flush=True)
+
+
+def gloo(args: argparse.Namespace) -> None:
+    """Rank ``args.rank`` of a gloo group: each step, every tensor broadcast from rank 0."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29600", rank=args.rank,
+                            world_size=args.gens + 1)  # fmt: skip
+    state = _tensors(args.mib, args.count)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        steps, times = int(line.split()[1]), []
+        for v in range(1, steps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for x in state.values():
+                if args.rank == 0:
+                    x.fill_(v)
+                dist.broadcast(x, src=0)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+            if args.rank and any(
+                float(x.min()) != v or float(x.max()) != v for x in state.values()
+            ):
+                raise SystemExit(f"rank {args.rank}: version {v} did not arrive whole")
+        print(json.dumps({"times": times}), flush=True)
+    dist.destroy_process_group()
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+class Proc:
+    """A process of this file in a host, one JSON line per command."""
+
+    def __init__(self, cluster: Any, host: Any, *argv: str) -> None:
+        self.p = cluster.start(host, [sys.executable, str(HERE), *argv], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)  # fmt: skip
+
+    def line(self, timeout: float = 600) -> dict[str, Any]:
+        import select
+
+        assert self.p.stdout is not None
+        ready, _, _ = select.select([self.p.stdout], [], [], timeout)
+        text = self.p.stdout.readline() if ready else ""
+        if not text:
+            raise RuntimeError(
+                f"a process in the cluster ended or went silent (exit {self.p.poll()})"
+            )
+        out: dict[str, Any] = json.loads(text)
+        return out
+
+    def ask(self, text: str, timeout: float = 600) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(text + "\n")
+        self.p.stdin.flush()
+        return self.line(timeout)
+
+
+def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    from transport.cluster import Cluster, Link
+
+    link = Link.parse(args.link)
+    model = args.mib * MiB
+    out: dict[str, Any] = {"generators": n, "systems": {}}
+    with Cluster(n, link) as c:
+        url = c.start_store("tcp")
+        common = ["--store", url, "--mib", str(args.mib), "--count", str(args.count)]
+        gens = [Proc(c, c.generator(i), "--role", "gen", "--name", f"gen{i}", *common)
+                for i in range(n)]  # fmt: skip
+        tr = Proc(c, c.trainer, "--role", "trainer", "--gens", str(n), *common)
+        for p in [*gens, tr]:
+            assert p.line(300) == {"ready": True}
+
+        def measured(name: str, run: Any) -> None:
+            before = c.traffic()
+            times = run()
+            after = c.traffic()
+            per = {role: (after[role].sent - before[role].sent) / args.steps for role in after}
+            out["systems"][name] = {
+                "median_s": statistics.median(times), "times_s": times,
+                "sent_per_sync": per, "trainer_link_models": per["trainer"] / model,
+            }  # fmt: skip
+            print(f"N={n} {name}: {statistics.median(times) * 1e3:.0f} ms per sync, trainer's "
+                  f"link {per['trainer'] / model:.2f} models per sync", flush=True)  # fmt: skip
+
+        for system in args.fanout.split(","):
+            fanout, _, seg = system.partition("@")  # chain@4: segments of 4 MiB
+            segment = int(float(seg) * MiB) if seg else 0
+            tr.ask(f"sync {fanout} 1 {segment}")  # a first version: plans made, slots touched
+
+            def ours(fanout: str = fanout, segment: int = segment) -> list[float]:
+                r = tr.ask(f"sync {fanout} {args.steps} {segment}")
+                assert set(r["status"].values()) == {"done"}, r
+                for g in gens:
+                    assert g.ask(f"check {r['version']}")["ok"], f"N={n} {fanout}: not whole"
+                times: list[float] = r["times"]
+                return times
+
+            measured(f"ours-{fanout}" + (f"-seg{seg}M" if seg else ""), ours)
+        if args.gloo:
+            master = c.trainer.address
+            ranks = [Proc(c, c.trainer, "--role", "gloo", "--rank", "0", "--master", master,
+                          "--gens", str(n), *common)]  # fmt: skip
+            ranks += [Proc(c, c.generator(i), "--role", "gloo", "--rank", str(i + 1), "--master",
+                           master, "--gens", str(n), *common) for i in range(n)]  # fmt: skip
+            for p in ranks:
+                assert p.line(300) == {"ready": True}
+            for p in ranks:  # a first step: connections made
+                p.p.stdin.write("run 1\n")  # type: ignore[union-attr]
+                p.p.stdin.flush()  # type: ignore[union-attr]
+            for p in ranks:
+                p.line()
+
+            def bcast() -> list[float]:
+                for p in ranks:
+                    p.p.stdin.write(f"run {args.steps}\n")  # type: ignore[union-attr]
+                    p.p.stdin.flush()  # type: ignore[union-attr]
+                answers = [p.line() for p in ranks]
+                times: list[float] = answers[0]["times"]
+                return times
+
+            measured("gloo-bcast", bcast)
+    bits = link.bits_per_s
+    if bits:
+        out["floor_s"] = {"direct": n * model * 8 / bits, "relayed": model * 8 / bits}
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    ns = [r["generators"] for r in runs]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in runs[0]["systems"]:
+        ax.plot(ns, [r["systems"][name]["median_s"] for r in runs], marker="o", label=name)
+    if "floor_s" in runs[0]:
+        ax.plot(ns, [r["floor_s"]["direct"] for r in runs], "k:", label="floor (direct)")
+        ax.plot(ns, [r["floor_s"]["relayed"] for r in runs], "k--", label="floor (relayed)")
+    ax.set_xlabel("generator hosts")
+    ax.set_ylabel("time per sync (s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_title(f"{results['mib']} MiB per sync over {results['link']} links")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=("gen", "trainer", "gloo"), help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--name", help=argparse.SUPPRESS)
+    ap.add_argument("--gens", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--hosts", default="1,2,4,8", help="generator host counts (default 1,2,4,8)")
+    ap.add_argument("--link", default="2gbit", help="every link: RATE[,DELAY[,LOSS%%]]")
+    ap.add_argument("--mib", type=int, default=64, help="MiB per sync (default 64)")
+    ap.add_argument("--count", type=int, default=32, help="tensors (default 32)")
+    ap.add_argument("--steps", type=int, default=5, help="timed syncs per system (default 5)")
+    ap.add_argument("--fanout", default="direct,chain,tree",
+                    help="our fan-outs to measure; FANOUT@MIB sets the segment size a version "
+                         "travels to relays in (default 32 MiB)")  # fmt: skip
+    ap.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args()
+    if args.role:
+        {"gen": generator, "trainer": trainer, "gloo": gloo}[args.role](args)
+        return
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {"link": args.link, "mib": args.mib, "tensors": args.count,
+                               "steps": args.steps, "runs": []}  # fmt: skip
+    for n in [int(x) for x in args.hosts.split(",")]:
+        results["runs"].append(run_n(n, args))
+    results["run_s"] = round(time.perf_counter() - t0, 1)
+    runs = results["runs"]
+    ns = [r["generators"] for r in runs]
+    head = " | ".join(f"N={n}" for n in ns)
+    print(f"\n| system | {head} | N={ns[-1]} / N={ns[0]} |")
+    for name in runs[0]["systems"]:
+        ts = [r["systems"][name]["median_s"] for r in runs]
+        models = [r["systems"][name]["trainer_link_models"] for r in runs]
+        cells = " | ".join(f"{t:.3f} s ({m:.2f}x)" for t, m in zip(ts, models, strict=True))
+        print(f"| {name} | {cells} | {ts[-1] / ts[0]:.2f} |")
+    if "floor_s" in runs[0]:
+        print(
+            "| floor direct / relayed | "
+            + " | ".join(
+                f"{r['floor_s']['direct']:.3f} / {r['floor_s']['relayed']:.3f}" for r in runs
+            )
+            + " | |"
+        )
+    print(
+        f"(in brackets: models the trainer's link carried per sync); run {results['run_s']:.0f} s"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
