@@ -163,7 +163,7 @@ def test_sync_compares_direct_and_relayed_fan_out(tmp_path):
     assert [systems[s]["trainer_bytes"] for s in ("ours", "ours-chain", "ours-tree")] == [
         3 * size,
         size,
-        2 * size,
+        size,
     ]
     assert {x["name"] for x in doc["ratios"]} >= {"ours-chain/ours time", "ours-tree/ours time"}
     assert "ours-tree/ours time" in out.stdout

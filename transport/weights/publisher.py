@@ -83,12 +83,13 @@ class WeightPublisher:
 
     ``fanout`` chooses who writes each subscriber: ``"direct"`` (the publisher writes every one),
     ``"chain"`` (the publisher writes the first, each subscriber forwards to the next) or
-    ``"tree"`` (the publisher writes ``degree`` subscribers, each of them forwards to ``degree``
-    more, and so on). Relays forward a version once all of it has landed with them, from their
+    ``"tree"`` (the publisher writes the first, each subscriber forwards to ``degree`` more, and
+    so on). Relays forward a version segment by segment as it lands with them, from their
     staging slot (only staging subscribers that allow it relay; a subscriber is placed under a
-    relay only if the relay holds every tensor it takes). The trainer then sends each version
-    ``degree`` times (chain: once) instead of once per subscriber. It can be changed between
-    publishes (:attr:`fanout`, :attr:`degree`).
+    relay only if the relay holds every tensor it takes, else the publisher writes it). The
+    trainer then sends each version once instead of once per subscriber: its link carries the
+    model once. It can be changed between publishes (:attr:`fanout`, :attr:`degree`,
+    :attr:`segment_bytes`).
 
     A group has one publisher at a time, in whichever process: it holds the group's lease in the
     store (weights/_lease.py) from construction to :meth:`close`; a second one fails with
@@ -265,14 +266,16 @@ class WeightPublisher:
 
     def _tree(self, subs: list[Member]) -> dict[str, str]:
         """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
-        publisher writes). Relays come first, by name, so that every publish to the same members
-        builds the same tree (and the relays reuse their prepared transfers). A subscriber goes
-        under a relay only if the relay holds every tensor it takes."""
+        publisher writes). The publisher writes the first; subscriber ``i`` goes under subscriber
+        ``(i - 1) // k`` (``k`` = 1 for a chain, ``degree`` for a tree). Relays come first, by
+        name, so that every publish to the same members builds the same tree (and the relays
+        reuse their prepared transfers). A subscriber goes under a relay only if the relay holds
+        every tensor it takes."""
         order = sorted(subs, key=lambda s: (not s.can_relay, s.name))
         k = 1 if self.fanout == "chain" else self.degree
         via = {}
-        for i in range(k, len(order)):
-            parent = order[i // k - 1]
+        for i in range(1, len(order)):
+            parent = order[(i - 1) // k]
             if parent.can_relay and order[i].names <= parent.names:
                 via[order[i].name] = parent.name
         return via

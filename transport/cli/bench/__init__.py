@@ -49,6 +49,11 @@ SYNC = [
      "step by step: direct (the trainer writes every generator), chain, tree (generators relay; "
      "staging mode) (default direct)"),
     ("--degree", int, 2, "generators each writer serves in a tree (default 2)"),
+    ("--hosts N[,N..]", str, None, "across hosts on this machine (root): a trainer host and N "
+     "generator hosts of a cluster of namespaces (transport cluster), for each N: ours per "
+     "--fanout (FANOUT@MIB: segments of MIB), gloo broadcast, the link floor, bytes on every "
+     "link (default --params 16M --tensors 32 --steps 5)"),
+    ("--link RATE[,DELAY[,LOSS%]]", str, "2gbit", "with --hosts: every link's shape (default 2gbit)"),
     ("--trainer-ranks N", int, None, "a sharded trainer of N rank processes (ShardedPublisher), "
      "against gathering to rank 0 with gloo and publishing from there"),
     ("--source-shards", ("tp", "fsdp"), "tp", "with --trainer-ranks: how the ranks hold the "
@@ -184,6 +189,10 @@ def run(args: argparse.Namespace, command: str) -> int:
     from transport.cli.bench import _report, _runner, _session
 
     positive("--timeout", args.timeout)
+    if command == "sync" and args.hosts is not None:
+        from transport.cli.bench.hosts import run_hosts
+
+        return run_hosts(args)
     if command == "sync" and args.trainer_ranks is not None:
         from transport.cli.bench.sharded import run_sharded
 

@@ -183,7 +183,7 @@ class SyncWorkload(Workload):
     def trainer_sends(self, fanout: str) -> int:
         """How many copies of the state dict leave the trainer per sync."""
         n = self.generators
-        return n if fanout == "direct" else min(n, 1 if fanout == "chain" else self.degree)
+        return n if fanout == "direct" else 1
 
     def reader_args(self) -> list[str]:
         return ["--params", str(self.params), "--tensors", str(self.tensors), "--dtypes",

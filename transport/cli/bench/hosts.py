@@ -1,17 +1,16 @@
-"""Weight sync across hosts: a trainer host and N generator hosts of a cluster on this machine
-(transport/cluster/: network namespaces on shaped links, UCX kept to TCP over them), for N in
-``--hosts``, in one run. Per N: our WeightPublisher with each ``--fanout`` (direct: the trainer
-writes every generator; chain and tree: generators relay), gloo broadcast across the same hosts
-(what users have without us), and the link floor (the bytes that must cross the busiest link,
-divided by its rate). Per system: the time per sync (median of ``--steps``), and the bytes
+"""``transport bench sync --hosts 1,2,4,8 --link 2gbit``: weight sync across hosts, a trainer host
+and N generator hosts of a cluster on this machine (transport/cluster/: network namespaces on
+shaped links, UCX kept to TCP over them), for each N in one run. Per N: our WeightPublisher with
+each ``--fanout`` (direct: the trainer writes every generator; chain and tree: generators relay;
+``chain@1``: with 1 MiB segments), gloo broadcast across the same hosts (what users have without
+us; with ``gloo`` in ``--baselines``), and the link floor (the bytes that must cross the busiest
+link, divided by its rate). Per system: the time per sync (median of ``--steps``) and the bytes
 every link carried per sync (its interface's counters around exactly those syncs). Every
 version is checked at every generator (each element equals the version).
 
-    .venv/bin/python benchmarks/hosts_sync.py --hosts 1,2,4,8 --link 2gbit --mib 64 \\
-        --json benchmarks/results-hosts.json --plot benchmarks/results-hosts.png
-
 Needs root and iproute2 (namespaces). Where the kernel lacks tc's netem, links take a rate
-(tbf) but no delay: see transport/cluster/links.py.
+(tbf) but no delay: see transport/cluster/links.py. The processes in the hosts run this module
+with ``--role``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve()
 MiB = 1 << 20
 
 
@@ -118,8 +116,8 @@ class Proc:
     """A process of this file in a host, one JSON line per command."""
 
     def __init__(self, cluster: Any, host: Any, *argv: str) -> None:
-        self.p = cluster.start(host, [sys.executable, str(HERE), *argv], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE)  # fmt: skip
+        self.p = cluster.start(host, [sys.executable, "-m", __name__, *argv],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
 
     def line(self, timeout: float = 600) -> dict[str, Any]:
         import select
@@ -235,59 +233,74 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=("gen", "trainer", "gloo"), help=argparse.SUPPRESS)
-    ap.add_argument("--store", help=argparse.SUPPRESS)
-    ap.add_argument("--name", help=argparse.SUPPRESS)
-    ap.add_argument("--gens", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--master", help=argparse.SUPPRESS)
-    ap.add_argument("--hosts", default="1,2,4,8", help="generator host counts (default 1,2,4,8)")
-    ap.add_argument("--link", default="2gbit", help="every link: RATE[,DELAY[,LOSS%%]]")
-    ap.add_argument("--mib", type=int, default=64, help="MiB per sync (default 64)")
-    ap.add_argument("--count", type=int, default=32, help="tensors (default 32)")
-    ap.add_argument("--steps", type=int, default=5, help="timed syncs per system (default 5)")
-    ap.add_argument("--fanout", default="direct,chain,tree",
-                    help="our fan-outs to measure; FANOUT@MIB sets the segment size a version "
-                         "travels to relays in (default 32 MiB)")  # fmt: skip
-    ap.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--plot", type=Path)
-    args = ap.parse_args()
-    if args.role:
-        {"gen": generator, "trainer": trainer, "gloo": gloo}[args.role](args)
-        return
+def run_hosts(args: argparse.Namespace) -> int:
+    """``transport bench sync --hosts``: every N of ``--hosts``, then the table, JSON, plot."""
+    from transport.cli import CliError
+    from transport.cli.bench import parse_baselines
+    from transport.cli.bench._util import parse_size
+    from transport.cluster import ClusterError, check_rights
+
+    try:
+        check_rights()
+        counts = [int(x) for x in args.hosts.split(",")]
+    except ClusterError as e:
+        raise CliError(str(e)) from e
+    except ValueError as e:
+        raise CliError(f"--hosts takes generator host counts, such as 1,2,4,8: {e}") from e
+    if not counts or min(counts) < 1:
+        raise CliError("--hosts takes generator host counts of at least 1, such as 1,2,4,8")
+    params = parse_size(args.params or "16M", "--params")
+    run = argparse.Namespace(
+        link=args.link, mib=max(1, params * 4 // MiB), count=args.tensors or 32,
+        steps=args.steps or 5, fanout=args.fanout, gloo="gloo" in parse_baselines(args.baselines),
+    )  # fmt: skip
     t0 = time.perf_counter()
-    results: dict[str, Any] = {"link": args.link, "mib": args.mib, "tensors": args.count,
-                               "steps": args.steps, "runs": []}  # fmt: skip
-    for n in [int(x) for x in args.hosts.split(",")]:
-        results["runs"].append(run_n(n, args))
+    results: dict[str, Any] = {"link": run.link, "mib": run.mib, "tensors": run.count,
+                               "steps": run.steps, "runs": []}  # fmt: skip
+    for n in counts:
+        results["runs"].append(run_n(n, run))
     results["run_s"] = round(time.perf_counter() - t0, 1)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        plot(results, Path(args.plot))
+    return 0
+
+
+def table(results: dict[str, Any]) -> str:
     runs = results["runs"]
     ns = [r["generators"] for r in runs]
     head = " | ".join(f"N={n}" for n in ns)
-    print(f"\n| system | {head} | N={ns[-1]} / N={ns[0]} |")
+    lines = [f"| system | {head} | N={ns[-1]} / N={ns[0]} |"]
     for name in runs[0]["systems"]:
         ts = [r["systems"][name]["median_s"] for r in runs]
         models = [r["systems"][name]["trainer_link_models"] for r in runs]
         cells = " | ".join(f"{t:.3f} s ({m:.2f}x)" for t, m in zip(ts, models, strict=True))
-        print(f"| {name} | {cells} | {ts[-1] / ts[0]:.2f} |")
+        lines.append(f"| {name} | {cells} | {ts[-1] / ts[0]:.2f} |")
     if "floor_s" in runs[0]:
-        print(
-            "| floor direct / relayed | "
-            + " | ".join(
-                f"{r['floor_s']['direct']:.3f} / {r['floor_s']['relayed']:.3f}" for r in runs
-            )
-            + " | |"
+        floors = " | ".join(
+            f"{r['floor_s']['direct']:.3f} / {r['floor_s']['relayed']:.3f}" for r in runs
         )
-    print(
-        f"(in brackets: models the trainer's link carried per sync); run {results['run_s']:.0f} s"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    if args.plot:
-        plot(results, args.plot)
+        lines.append(f"| floor direct / relayed | {floors} | |")
+    lines.append(f"(in brackets: models the trainer's link carried per sync); run "
+                 f"{results['run_s']:.0f} s")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """A process in a host (``--role``)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=("gen", "trainer", "gloo"), required=True)
+    ap.add_argument("--store")
+    ap.add_argument("--name")
+    ap.add_argument("--gens", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--master")
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--count", type=int, default=32)
+    args = ap.parse_args()
+    {"gen": generator, "trainer": trainer, "gloo": gloo}[args.role](args)
 
 
 if __name__ == "__main__":
