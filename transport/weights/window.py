@@ -18,15 +18,16 @@ from transport.weights.subscriber import WeightSubscriber
 class WindowedSubscriber(WeightSubscriber):
     """Receives versions of ``group`` in place, into ``named_tensors`` themselves (no staging
     memory), and only inside :meth:`receive`: an engine that computes between two receives never
-    reads a half-written version, however a publisher behaves.
+    reads a half-written version from publishers that keep the protocol (what one that does not
+    leaves behind is named: :attr:`torn`).
 
     It owns the **window** (shut, or open for one version) on top of what a
     :class:`WeightSubscriber` in place owns. Rules:
 
     * Publishers see a one-slot staging subscriber whose slot is the live tensors, so they write
       it only when it is credited; it is credited only while ``receive(v)`` waits and no version
-      has completed since it opened. The window shuts when one completes, at the deadline, and
-      at :meth:`close`.
+      has completed since it opened. The window shuts when one completes, at the deadline, at
+      :meth:`shut` (another thread gives up the wait) and at :meth:`close`.
     * Writing is not atomic: a version that began and did not complete (its publisher died or
       missed its deadline) leaves the tensors **torn**, parts of two versions; :attr:`torn` names
       it until a later version completes (every byte of that one written). A publisher that began
