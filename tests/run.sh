@@ -4,6 +4,7 @@
 #   - vLLM's CPU build for the integration tests (examples/setup_vllm.sh)
 #   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
+#   - as root: Debian's iproute2 and nftables (installed when missing) for tests/hosts
 # Arguments are passed to pytest (for example: bash tests/run.sh -k faults -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,19 @@ fi
 }
 bash examples/setup_vllm.sh
 export TRANSPORT_TEST_VLLM=1  # the vLLM tests fail, not skip, without it
+
+# The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
+# kernel lacks tc's netem, drop packets with nftables: install iproute2 and nftables when missing.
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    missing=""
+    command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing="$missing iproute2"
+    command -v nft >/dev/null 2>&1 || missing="$missing nftables"
+    if [ -n "$missing" ]; then
+        echo "tests/run.sh: installing Debian's$missing" >&2
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    fi
+fi
 
 if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
     if ! command -v redis-server >/dev/null 2>&1; then
