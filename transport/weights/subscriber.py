@@ -96,6 +96,10 @@ class WeightSubscriber(Closing):
     another model, whose slices would still fit) is refused with the tensors named.
     """
 
+    #: the mode a subclass shows publishers in its group entry (``staging``: they write only the
+    #: slots it credits); None: its own ``mode``
+    JOINS_AS: str | None = None
+
     def __init__(
         self,
         transport: Transport,
@@ -119,6 +123,7 @@ class WeightSubscriber(Closing):
         self.transport = transport
         self.group = group
         self.mode = mode
+        self._entry = self.JOINS_AS or mode  # the mode the group entry shows publishers
         self.on_update = on_update
         self.live = live
         self.slots = given.slots
@@ -191,17 +196,13 @@ class WeightSubscriber(Closing):
             # this often while subscribed (1 ms costs a few percent of a core).
             transport.core.poll_at_least(poll_interval)
             self._dir.declare_layout(self._declared)
-            self._dir.join(self._entry_mode(), self.slots, self.relay)
+            self._dir.join(self._entry, self.slots, self.relay)
             self._next_entry_check = self._next_layout_check = time.monotonic() + 1.0
         except BaseException:
             self._stop_control()
             self._worker.stop()
             self._withdraw()
             raise
-
-    def _entry_mode(self) -> str:
-        """The mode the group entry shows publishers: ``staging`` ones write only credited slots."""
-        return self.mode
 
     # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
 
@@ -272,7 +273,7 @@ class WeightSubscriber(Closing):
                     self.incomplete = None
                 self._lock.notify_all()
             self.settled = max(self.settled, version)
-        if self._entry_mode() == "staging":
+        if self._entry == "staging":
             # credits go to the publisher, which hands out the slots, even when a relay wrote
             self._worker.latest(("credit", peer), None, lambda _: self._credit_publishers(peer))
         elif self._publishers:  # the ranks of a sharded trainer learn it is complete
@@ -334,9 +335,7 @@ class WeightSubscriber(Closing):
                 size = 0 if self._declared is None else len(self._declared)
                 self._next_layout_check = now + max(1.0, size / LAYOUT_CHECK_BYTES_PER_S)
             try:
-                why = self._dir.check_in(
-                    self._entry_mode(), self.slots, self.relay, self._declared, full
-                )
+                why = self._dir.check_in(self._entry, self.slots, self.relay, self._declared, full)
                 if why:
                     log.warning("group %s: %s; joined again", self.group, why)
             except TransportError as e:
@@ -417,8 +416,7 @@ class WeightSubscriber(Closing):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self.version < min_version:
-                if self._closed:
-                    raise ClosedError("the subscriber was closed")
+                self._check_waiting(min_version)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     began = f", version {self.incomplete} began but did not complete" * bool(
@@ -434,6 +432,11 @@ class WeightSubscriber(Closing):
                 finally:
                     self.transport.core.waiting(-1)
             return self.version
+
+    def _check_waiting(self, min_version: int) -> None:
+        """Under the lock, in every turn of a wait: raise what ends the wait early."""
+        if self._closed:
+            raise ClosedError("the subscriber was closed")
 
     def pull(self, publisher: str, timeout: float | None = None) -> int:
         """Read the publisher's current state straight into the live tensors (one-sided READs; the

@@ -4,7 +4,6 @@ only while the engine waits for one."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -40,6 +39,8 @@ class WindowedSubscriber(WeightSubscriber):
       ``layout`` and ``source_shapes`` as for WeightSubscriber.
     """
 
+    JOINS_AS = "staging"  # publishers write only the slots it credits
+
     def __init__(
         self,
         transport: Transport,
@@ -57,9 +58,6 @@ class WindowedSubscriber(WeightSubscriber):
             transport, named_tensors, group, mode="inplace", on_update=on_update,
             poll_interval=poll_interval, relay=False, layout=layout, source_shapes=source_shapes,
         )  # fmt: skip
-
-    def _entry_mode(self) -> str:
-        return "staging"  # publishers write only the slots we credit
 
     def _free_slots(self) -> list[int]:
         window = self._window  # open until any version completes in it
@@ -90,7 +88,19 @@ class WindowedSubscriber(WeightSubscriber):
             if self._window is not None:
                 self._credit_publishers()
                 try:
-                    self._wait(opened, version, time.monotonic() + timeout, timeout)
+                    self.wait_for_version(opened + 1, timeout)  # versions only move forward
+                except TransferTimeout:
+                    torn, held = self.torn, self.version
+                    why = "its window was shut" if self._shut else f"not within {timeout:.3g} s"
+                    raise TransferTimeout(
+                        f"version {version} of group {self.group!r} was not received ({why}); "
+                        + (
+                            f"the live tensors are torn (version {torn} began writing them and "
+                            "did not complete); the next complete version makes them whole"
+                            if torn is not None
+                            else f"nothing was written: they hold version {held} whole"
+                        )
+                    ) from None
                 finally:
                     with self._lock:
                         self._window = None
@@ -106,36 +116,10 @@ class WindowedSubscriber(WeightSubscriber):
             )
         return got
 
-    def _wait(self, opened: int, version: int, deadline: float, timeout: float) -> None:
-        """Until a version completes here after ``opened``; TransferTimeout at the deadline or
-        when shut, saying whether the live tensors are torn."""
-        with self._lock:
-            while self.version == opened and not self._shut:
-                if self._closed:
-                    raise ClosedError("the subscriber was closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.transport.core.waiting(+1)
-                try:
-                    self._lock.wait(min(left, 0.1))
-                finally:
-                    self.transport.core.waiting(-1)
-            if self.version != opened:
-                return
-            why = (
-                "its window was shut" if self._shut else f"it did not arrive within {timeout:.3g} s"
-            )
-            torn = self.begun if self.begun > self.version else None
-        raise TransferTimeout(
-            f"version {version} of group {self.group!r} was not received ({why}); "
-            + (
-                f"the live tensors are torn (version {torn} began writing them and did not "
-                "complete); the next complete version makes them whole"
-                if torn is not None
-                else f"nothing was written: they hold version {self.version} whole"
-            )
-        )
+    def _check_waiting(self, min_version: int) -> None:
+        super()._check_waiting(min_version)
+        if self._shut:
+            raise TransferTimeout("its window was shut")  # receive() says which version
 
     def shut(self) -> None:
         """Shut the window a :meth:`receive` holds open now: it raises TransferTimeout at once
