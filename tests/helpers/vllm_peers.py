@@ -22,6 +22,31 @@ VLLM_ENV = {
 }
 
 
+def init_info(store_url: str, group: str, **extra: Any) -> dict[str, Any]:
+    """A worker's init_info for ``group`` of the store at ``store_url`` (30 s to join)."""
+    return {"store": store_url, "group": group, "timeout": 30, **extra}
+
+
+def send_on_both_ranks(rank0: Any, rank1: Any, version: int) -> tuple[dict[str, str], Any]:
+    """Both ranks of a two-rank ShardedTrainer send ``version`` at once; rank 0's (publish
+    status, vLLM's tokens). Rank 1 must see the same status, and hosts no engine."""
+    rank1.begin("send", version)
+    status, tokens = rank0.call("send", version, timeout=120)
+    status1, none = rank1.end("send", 120)
+    assert status1 == status and none is None, (status1, status)
+    return status, tokens
+
+
+def send_counting(
+    trainer: Any, version: int
+) -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
+    """An HttpTrainer's ``send``: (status, reasons, bytes written to each worker meanwhile)."""
+    before = trainer.call("traffic")
+    status, reasons = trainer.call("send", version, timeout=180)
+    after = trainer.call("traffic")
+    return status, reasons, {n: after.get(n, 0) - before.get(n, 0) for n in status}
+
+
 def llm_kwargs(model_dir: Path | str) -> dict[str, Any]:
     return {
         "model": str(model_dir), "dtype": "float32", "enforce_eager": True, "max_model_len": 128,

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from helpers.child import ChildError
-from helpers.vllm_peers import LlamaPublisher, ShardedTrainer, VllmProcess
+from helpers.vllm_peers import (
+    LlamaPublisher,
+    ShardedTrainer,
+    VllmProcess,
+    init_info,
+    send_on_both_ranks,
+)
 from transport.store.tcp import TcpStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -32,7 +38,7 @@ def vllm(model_dir: Path) -> Iterator[VllmProcess]:
 
 
 def _info(store: TcpStore, group: str) -> dict[str, object]:
-    return {"store": store.url, "group": group, "timeout": 30, "staging_gb": TINY_GB}
+    return init_info(store.url, group, staging_gb=TINY_GB)
 
 
 def _publish_and_update(vllm: VllmProcess, trainer: LlamaPublisher, version: int) -> str:
@@ -94,7 +100,9 @@ def test_a_trainer_killed_mid_write_leaves_a_model_named_torn_and_the_next_versi
         first.call("publish_nowait", 2, 30.0)
         vllm.call("start")
         vllm.call("update_only", {"version": 2, "timeout": 15})
-        with pytest.raises(ChildError, match="did not complete in place .* parts of versions 2 and 1"):
+        with pytest.raises(
+            ChildError, match="did not complete in place .* parts of versions 2 and 1"
+        ):
             vllm.call("finish", "2")
         # vLLM keeps the update open; the worker's signed mark tells the next trainer the model
         # is torn (it finishes the update with the weight version "torn:2")
@@ -129,15 +137,14 @@ def test_the_trainer_engine_drives_workers_in_place_from_a_sharded_trainer(
     """vLLM's own trainer API, two ranks each holding half of every tensor: the engine learns
     from the store that the worker writes in place and publishes while it drives the update."""
     with (
-        ShardedTrainer("trainer", store.url, model_dir, 2, 0, as_stored=True, mode="inplace") as rank0,
+        ShardedTrainer(
+            "trainer", store.url, model_dir, 2, 0, as_stored=True, mode="inplace"
+        ) as rank0,
         ShardedTrainer("trainer", store.url, model_dir, 2, 1, mode="inplace") as rank1,
     ):
         for version in (1, 2):
-            rank1.begin("send", version)
-            status, tokens = rank0.call("send", version, timeout=120)
-            status1, none = rank1.end("send", 120)
+            status, tokens = send_on_both_ranks(rank0, rank1, version)
             assert len(status) == 1 and set(status.values()) == {"done"}, status
-            assert status1 == status and none is None
             assert tokens == reference(version), f"version {version}"
         (state,) = rank0.call("engine_state")
         assert (state["mode"], state["version"], state["staging_bytes"]) == ("inplace", 2, 0)

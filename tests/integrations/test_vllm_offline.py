@@ -19,8 +19,14 @@ from helpers.child import ChildError
 from helpers.llama import hf_model
 from helpers.polling import wait_until
 from helpers.processes import free_port
-from helpers.vllm_peers import LlamaPublisher, ShardedLlamaRank, ShardedTrainer, VllmProcess
-from transport.store.tcp import TcpStore
+from helpers.vllm_peers import (
+    LlamaPublisher,
+    ShardedLlamaRank,
+    ShardedTrainer,
+    VllmProcess,
+    init_info,
+    send_on_both_ranks,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -31,10 +37,6 @@ def vllm(model_dir: Path) -> Iterator[VllmProcess]:
         yield child
 
 
-def _info(store: TcpStore, group: str) -> dict[str, object]:
-    return {"store": store.url, "group": group, "timeout": 30}
-
-
 def _worker(vllm: VllmProcess) -> str:
     (state,) = vllm.call("engine_state")
     return state["name"]
@@ -42,7 +44,7 @@ def _worker(vllm: VllmProcess) -> str:
 
 def test_each_update_serves_exactly_the_version_published(vllm, store, reference, model_dir):
     assert vllm.call("generate") == reference(0)  # the checkpoint it started from
-    vllm.call("init", _info(store, "exact"))
+    vllm.call("init", init_info(store.url, "exact"))
     with LlamaPublisher("trainer", store.url, model_dir, group="exact") as trainer:
         for version in (1, 2, 3):
             status, reasons = trainer.call("publish", version, 30.0)
@@ -72,7 +74,7 @@ def test_each_update_serves_exactly_the_version_published(vllm, store, reference
 def test_a_sharded_trainer_of_two_ranks_updates_vllm(vllm, store, reference, model_dir):
     """Each rank writes only its tensor-parallel shards of the checkpoint tensors into the
     worker's staging memory; vLLM loads a version once both ranks' parts landed."""
-    vllm.call("init", _info(store, "sharded"))
+    vllm.call("init", init_info(store.url, "sharded"))
     ranks = [ShardedLlamaRank(f"rank-{r}", store.url, model_dir, "sharded", 2, r, wait=False)
              for r in range(2)]  # fmt: skip
     try:
@@ -99,11 +101,8 @@ def test_vllms_trainer_factory_drives_a_sharded_trainer(store, reference, model_
         ShardedTrainer("trainer", store.url, model_dir, 2, 1) as rank1,
     ):
         for version in (1, 2):
-            rank1.begin("send", version)
-            status, tokens = rank0.call("send", version, timeout=120)
-            status1, none = rank1.end("send", 120)
+            status, tokens = send_on_both_ranks(rank0, rank1, version)
             assert len(status) == 1 and set(status.values()) == {"done"}, status
-            assert status1 == status and none is None
             assert tokens == reference(version), f"version {version}"
 
 
@@ -116,7 +115,7 @@ def test_a_trainer_killed_mid_publish_leaves_the_last_version_and_the_next_one_l
     staging slot the dead trainer's bytes tore the slot, not the model, and the next version
     overwrites it whole."""
     group, plain = f"killed-{mode}-{slots}", mode == "whole"
-    vllm.call("init", {**_info(store, group), "mode": mode, "staging_slots": slots})
+    vllm.call("init", {**init_info(store.url, group), "mode": mode, "staging_slots": slots})
     (state,) = vllm.call("engine_state")
     assert (state["mode"], state["staging_slots"]) == (mode, slots)
     # every transfer posted by its engine thread (none inline), which the test holds below
@@ -154,7 +153,7 @@ def test_a_trainer_that_dies_between_update_and_finish_leaves_vllm_reporting_wha
     the update call and loaded by the finish, so a trainer that dies between the two leaves
     vLLM serving the version it reports (an RL framework weighs samples by it). The next trainer
     finds the update open, drops what the dead one held, and goes on."""
-    vllm.call("init", _info(store, "unfinished"))
+    vllm.call("init", init_info(store.url, "unfinished"))
     with LlamaPublisher("trainer", store.url, model_dir, group="unfinished") as trainer:
         trainer.call("publish", 1, 30.0)
         assert vllm.call("update", {"version": 1}) == "1"
@@ -184,7 +183,7 @@ def test_tensors_the_replay_cannot_map_travel_whole_through_vllms_loader(
     exact, and the worker names what travels whole."""
     vllm.call("fall_back", ["model.layers.0.self_attn.k_proj.weight", "model.norm.weight"])
     try:
-        vllm.call("init", _info(store, "fallback"))
+        vllm.call("init", init_info(store.url, "fallback"))
         (state,) = vllm.call("engine_state")
     finally:
         vllm.call("fall_back", [])
@@ -209,7 +208,7 @@ def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_servi
 ):
     before = vllm.call("generate")
     version = vllm.call("weight_version")
-    vllm.call("init", _info(store, "nobody"))  # a group no trainer publishes to
+    vllm.call("init", init_info(store.url, "nobody"))  # a group no trainer publishes to
     with pytest.raises(ChildError, match=r"TransferTimeout: version 1 .* within 0.5 s"):
         vllm.call("update", {"version": 1, "timeout": 0.5})
     with pytest.raises(ChildError, match=r"TransferTimeout: version 0 .* within 0.5 s"):
@@ -224,7 +223,9 @@ def test_an_update_with_no_version_fails_within_its_timeout_and_vllm_keeps_servi
 
 
 def test_a_trainer_publishing_bfloat16_feeds_a_float32_model(vllm, store, reference, model_dir):
-    vllm.call("init", {**_info(store, "bf16"), "dtype": "bfloat16"})  # what the trainer sends
+    vllm.call(
+        "init", {**init_info(store.url, "bf16"), "dtype": "bfloat16"}
+    )  # what the trainer sends
     with LlamaPublisher(
         "trainer", store.url, model_dir, group="bf16", mangle="bfloat16"
     ) as trainer:
@@ -243,7 +244,7 @@ def test_a_trainer_publishing_bfloat16_feeds_a_float32_model(vllm, store, refere
 def test_a_trainer_of_another_model_is_refused_before_a_byte_moves(vllm, store, mangle, model_dir):
     before = vllm.call("generate")
     group = f"bad-{mangle}"
-    vllm.call("init", _info(store, group))
+    vllm.call("init", init_info(store.url, group))
     with LlamaPublisher("trainer", store.url, model_dir, group=group, mangle=mangle) as trainer:
         status, reasons = trainer.call("publish", 1, 30.0)
         worker = _worker(vllm)
@@ -258,8 +259,10 @@ def test_a_trainer_of_another_model_is_refused_before_a_byte_moves(vllm, store, 
 def test_an_init_into_another_group_frees_the_old_staging_first(vllm, store):
     """staging_gb bounds one group's staging: the old group's is freed before the new one's is
     allocated, not whenever Python's collector runs."""
-    vllm.call("init", _info(store, "first-group"))
-    assert vllm.call("reinit_frees_staging", {**_info(store, "second-group"), "mode": "whole"})
+    vllm.call("init", init_info(store.url, "first-group"))
+    assert vllm.call(
+        "reinit_frees_staging", {**init_info(store.url, "second-group"), "mode": "whole"}
+    )
     assert vllm.call("engine_state")[0]["mode"] == "whole"
 
 
@@ -277,7 +280,7 @@ def test_bad_init_and_update_infos_are_refused_with_the_rule(vllm, store):
         vllm.call("init", {"store": store.url, "dtype": "float33"})
     with pytest.raises(ChildError, match="staging_device 'gpu9' is not a device"):
         vllm.call("init", {"store": store.url, "staging_device": "gpu9"})
-    vllm.call("init", {**_info(store, "infos"), "staging_device": "cpu"})
+    vllm.call("init", {**init_info(store.url, "infos"), "staging_device": "cpu"})
     assert vllm.call("engine_state")[0]["name"] is not None  # the failed inits left it as it was
     with pytest.raises(ChildError, match="version must be an int >= 0"):
         vllm.call("update", {"version": "latest"})
@@ -290,7 +293,7 @@ def test_the_cpu_build_refuses_to_write_in_place_and_says_why(vllm, store):
     """vLLM's CPU build computes each linear layer with a copy packed for oneDNN: a write into
     the parameter would never be served, so a worker refuses in place."""
     with pytest.raises(ChildError, match="cannot receive in place: .* packed copy of it"):
-        vllm.call("init", {**_info(store, "no-inplace"), "mode": "inplace"})
+        vllm.call("init", {**init_info(store.url, "no-inplace"), "mode": "inplace"})
     # no room for one staging copy: streamed, unless even one tensor is larger than a bucket
     with pytest.raises(ChildError, match="larger than one bucket .* raise staging_gb to at least"):
-        vllm.call("init", {**_info(store, "no-inplace"), "staging_gb": 1e-4})
+        vllm.call("init", {**init_info(store.url, "no-inplace"), "staging_gb": 1e-4})

@@ -15,7 +15,13 @@ import pytest
 
 from helpers.child import ChildError
 from helpers.llama import hf_model
-from helpers.vllm_peers import LlamaPublisher, ShardedTrainer, VllmProcess
+from helpers.vllm_peers import (
+    LlamaPublisher,
+    ShardedTrainer,
+    VllmProcess,
+    init_info,
+    send_on_both_ranks,
+)
 from transport.store.tcp import TcpStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -27,17 +33,13 @@ def vllm(model_dir: Path) -> Iterator[VllmProcess]:
         yield child
 
 
-def _info(store: TcpStore, group: str) -> dict[str, object]:
-    return {"store": store.url, "group": group, "timeout": 30}
-
-
 def _streamed_init(vllm: VllmProcess, store: TcpStore, group: str) -> tuple[int, int]:
     """Init ``group`` with room for half a copy of what the worker keeps: it streams. Returns
     (the bound in bytes, the parts of a version)."""
-    vllm.call("init", _info(store, f"{group}-sized"))
+    vllm.call("init", init_info(store.url, f"{group}-sized"))
     one = vllm.call("engine_state")[0]["version_bytes"]
     bound = one // 2
-    vllm.call("init", {**_info(store, group), "staging_gb": bound / 2**30})
+    vllm.call("init", {**init_info(store.url, group), "staging_gb": bound / 2**30})
     (state,) = vllm.call("engine_state")
     assert state["mode"] == "streamed", state
     assert state["parts"] > 2, state
@@ -108,11 +110,8 @@ def test_the_trainer_engine_streams_to_a_worker_from_a_sharded_trainer(store, re
         ShardedTrainer("trainer", store.url, model_dir, 2, 1, staging_gb=bound) as rank1,
     ):
         for version in (1, 2):
-            rank1.begin("send", version)
-            status, tokens = rank0.call("send", version, timeout=120)
-            status1, none = rank1.end("send", 120)
+            status, tokens = send_on_both_ranks(rank0, rank1, version)
             assert len(status) == 1 and set(status.values()) == {"done"}, status
-            assert status1 == status and none is None
             assert tokens == reference(version), f"version {version}"
         (state,) = rank0.call("engine_state")
         assert (state["mode"], state["version"]) == ("streamed", 2), state

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.llama import hf_model, kept_bytes
-from helpers.vllm_peers import HttpTrainer, ShardedLlamaRank
+from helpers.vllm_peers import HttpTrainer, ShardedLlamaRank, send_counting
 from helpers.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -48,14 +48,10 @@ def test_each_tp_worker_receives_only_its_slice(
         assert [s["staging_slots"] for s in states] == [slots] * TP
         for s in states:  # copies of its slice, counted from its buffers; within the bound
             assert slots * want <= s["staging_bytes"] <= staging_gb * 2**30, s
-        before = trainer.call("traffic")
         for version in (1, 2, 3):
-            status, reasons = trainer.call("send", version, timeout=180)
+            status, reasons, sent = send_counting(trainer, version)
             assert len(status) == TP and set(status.values()) == {"done"}, reasons
-            after = trainer.call("traffic")
-            sent = {n: after.get(n, 0) - before.get(n, 0) for n in status}
             assert sent == dict.fromkeys(status, want), (sent, want)
-            before = after
             assert server.get("weight_info") == {"weight_version": str(version)}
             assert server.generate() == reference(version, kind=kind), f"version {version}"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.llama import kept_bytes
-from helpers.vllm_peers import AS_STORED_PATH, HttpTrainer
+from helpers.vllm_peers import AS_STORED_PATH, HttpTrainer, send_counting
 from helpers.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -48,14 +48,10 @@ def test_tp_workers_with_no_room_for_a_copy_receive_their_slices_inside_finish(
                 s["staging_bytes"] == 0 if mode == "inplace" else 0 < s["staging_bytes"] <= bound
             ), s
             assert (s["parts"] > 2) == (mode == "streamed"), s
-        before = trainer.call("traffic")
         for version in (1, 2, 3):
-            status, reasons = trainer.call("send", version, timeout=180)
+            status, reasons, sent = send_counting(trainer, version)
             assert len(status) == TP and set(status.values()) == {"done"}, reasons
-            after = trainer.call("traffic")
-            sent = {n: after.get(n, 0) - before.get(n, 0) for n in status}
             assert sent == dict.fromkeys(status, want), (sent, want)  # every part, counted
-            before = after
             assert server.get("weight_info") == {"weight_version": str(version)}
             assert [s["version"] for s in server.transport_state()] == [version] * TP
             assert server.generate() == reference(version), f"version {version}"
