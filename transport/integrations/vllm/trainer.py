@@ -217,10 +217,10 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             self._close_open_update()
         else:
             pub.refresh()  # the group's workers and the modes they chose, before a first publish
-        t0 = time.perf_counter()
         parts = self._finish_parts()
         if parts:
             return self._send_during_update(v, parts)
+        t0 = time.perf_counter()
         result = pub.publish(v, timeout=info.timeout).wait(info.timeout + 30)
         self.last_result = result
         t1 = time.perf_counter()
