@@ -2,8 +2,18 @@
 
 How NIXL 1.5 is driven here, and why:
 
-* NIXL's own progress thread is off: it spins a whole core. The Transport's
-  engine thread makes progress instead (``get_notifs``).
+* Incoming transfers need the receiver's progress (over TCP nothing lands without it). With
+  ``progress="events"`` NIXL's progress thread makes it: it sleeps in ``poll()`` on UCX's event
+  file descriptor and wakes when traffic arrives, so an idle receiver costs no CPU and a small
+  write lands in about one network round trip instead of at the receiver's next poll. NIXL's
+  Python wrapper hard-codes that thread's poll timeout to 0, which turns it into a spin on a
+  whole core: the agent is built here from NIXL's bindings with a timeout of ``WAKE_MS`` (a
+  safety wake-up only). With ``progress="poll"`` the thread is off and the Transport's engine
+  makes all progress in its own polls (``get_notifs``, transfer polls). The thread costs a
+  writer bulk bandwidth through shared memory (its polls and the thread contend for UCX's
+  worker: half the bandwidth of a large same-host put, benchmarks/README.md), so ``auto`` (the
+  default) takes events only where UCX is kept to network transports (``UCX_TLS`` names no
+  shared-memory one), where a receiver's wake-up is what a small message waits for.
 * The agent runs in ``NIXL_THREAD_SYNC_STRICT`` mode: the caller's thread posts
   small transfers while the engine thread polls; one agent used from two
   threads without it crashed or hung.
@@ -11,6 +21,9 @@ How NIXL 1.5 is driven here, and why:
   whole process on import; both are undone here (NIXL_LOG_LEVEL=WARN, and
   UCX_LOG_LEVEL=fatal since UCX's errors reach the user as our exceptions,
   unless the user set them).
+* On a machine with the verbs library (libibverbs) but no RDMA device, UCX's ib
+  module makes every process crash as it exits; there ``UCX_MODULES=^ib`` is
+  set unless the user set it.
 * NIXL reports failures as many exception types and as status codes; all of
   them become errors of :mod:`transport.errors` in :func:`map_nixl_error`.
 """
@@ -31,6 +44,15 @@ from transport.backends.base import DONE, IN_PROGRESS, Backend, device_parts
 from transport.errors import BackendError, PeerLostError, RegionError, TransportError
 
 log = logging.getLogger("transport.backends.nixl")
+
+#: how an agent makes progress for incoming transfers (see the module docstring)
+PROGRESS_MODES = ("auto", "events", "poll")
+#: UCX transports (or aliases) that move bytes through shared memory on one host
+SHARED_MEMORY_TLS = frozenset({"all", "sm", "shm", "cma", "posix", "sysv", "xpmem", "knem", "mm"})
+#: the environment variable that chooses it where the code does not
+PROGRESS_ENV = "TRANSPORT_PROGRESS"
+#: the longest the progress thread sleeps without traffic (UCX may miss a wake-up: this bounds it)
+WAKE_MS = 10
 
 _lock = threading.Lock()
 _mods: tuple[ModuleType, ModuleType] | None = None
@@ -72,6 +94,14 @@ def map_nixl_error(
     return err
 
 
+def _rdma_devices() -> bool:
+    """Whether this machine has an RDMA device (InfiniBand, RoCE) that UCX could use."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
 def _load() -> tuple[ModuleType, ModuleType]:
     """Import NIXL's Python API quietly: (the _api module, the _bindings module)."""
     global _mods
@@ -80,6 +110,10 @@ def _load() -> tuple[ModuleType, ModuleType]:
             return _mods
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         os.environ.setdefault("UCX_LOG_LEVEL", "fatal")  # UCX errors surface as our exceptions
+        if not _rdma_devices():
+            # with the verbs library installed but no RDMA device, UCX's ib module crashes the
+            # process as it exits (SIGSEGV after a clean run); without devices it has no use
+            os.environ.setdefault("UCX_MODULES", "^ib")
         candidates = [os.environ["TRANSPORT_NIXL_MODULE"]] if os.environ.get("TRANSPORT_NIXL_MODULE") else [
             "nixl", "nixl_cu13", "nixl_cu12",
         ]  # fmt: skip
@@ -104,6 +138,27 @@ def _load() -> tuple[ModuleType, ModuleType]:
         )
 
 
+def progress_mode(progress: str | None, ucx_tls: str | None = None) -> str:
+    """``events`` or ``poll``: ``progress``, else ``$TRANSPORT_PROGRESS``, else ``auto``, which is
+    ``events`` where ``ucx_tls`` (default ``$UCX_TLS``) keeps UCX to network transports and
+    ``poll`` elsewhere. Anything else is refused, naming the choices."""
+    mode = progress if progress is not None else os.environ.get(PROGRESS_ENV) or "auto"
+    if mode not in PROGRESS_MODES:
+        where = "progress" if progress is not None else f"${PROGRESS_ENV}"
+        raise ValueError(
+            f"{where} must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}: 'events' wakes "
+            "a receiver on traffic (for peers across a network), 'poll' makes progress only in "
+            "the engine's polls (best for bulk through shared memory), 'auto' picks by $UCX_TLS"
+        )
+    if mode != "auto":
+        return mode
+    tls = os.environ.get("UCX_TLS", "") if ucx_tls is None else ucx_tls
+    names = {x.strip().lower() for x in tls.split(",") if x.strip()}
+    if not names or tls.lstrip().startswith("^") or names & SHARED_MEMORY_TLS:
+        return "poll"
+    return "events"
+
+
 def nixl_exception_classes() -> dict[str, type[BaseException]]:
     """Every exception class NIXL's bindings define (for the mapping test)."""
     _, b = _load()
@@ -115,29 +170,34 @@ def nixl_exception_classes() -> dict[str, type[BaseException]]:
 
 
 class NixlBackend(Backend):
-    """One NIXL agent (UCX) with its progress thread off and strict thread synchronisation."""
+    """One NIXL agent (UCX) with strict thread synchronisation. It owns the agent and, with
+    ``progress`` ``events``, its progress thread (see the module docstring): closing it destroys
+    both. Rules: ``progress`` is ``auto``, ``events`` or ``poll`` (default:
+    ``$TRANSPORT_PROGRESS``, else ``auto``), fixed at construction; :attr:`progress` says which
+    one ``auto`` chose."""
 
     name = "nixl"
 
-    def __init__(self, agent_name: str, num_threads: int = 0) -> None:
+    def __init__(self, agent_name: str, num_threads: int = 0, progress: str | None = None) -> None:
         api, b = _load()
         self._b = b
         self.agent_name = agent_name
-        cfg = api.nixl_agent_config(
-            enable_prog_thread=False,
-            enable_listen_thread=False,
-            num_threads=num_threads,
-            backends=["UCX"],
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
+        self.progress = progress_mode(progress)
+        cfg = b.nixlAgentConfig()
+        cfg.useProgThread = self.progress == "events"
+        cfg.pthrDelay = WAKE_MS * 1000  # microseconds; NIXL's thread rounds it up to whole ms
+        cfg.useListenThread = False
+        cfg.syncMode = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
         try:
-            self._agent = api.nixl_agent(agent_name, cfg)
+            self._raw = b.nixlAgent(agent_name, cfg)  # the C++ agent, without NIXL's wrapper
+            if "UCX" not in self._raw.getAvailPlugins():
+                raise BackendError("NIXL has no UCX plugin; reinstall nixl-cu13 (or nixl-cu12)")
+            init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+            self._ucx = self._raw.createBackend("UCX", init)
+        except TransportError:
+            raise
         except Exception as e:
             raise map_nixl_error(e, action="creating the NIXL agent") from e
-        if "UCX" not in self._agent.backends:
-            raise BackendError("NIXL has no UCX plugin; reinstall nixl-cu13 (or nixl-cu12)")
-        self._raw = self._agent.agent  # the C++ agent: the hot path skips NIXL's Python wrapper
-        self._ucx = self._agent.backends["UCX"]
         self._mem = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
         self._ops = {"READ": b.NIXL_READ, "WRITE": b.NIXL_WRITE}
         self._success = b.NIXL_SUCCESS
@@ -305,6 +365,7 @@ class NixlBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        # Dropping the wrapper destroys the C++ agent (its destructor disconnects from peers).
+        # Dropping the agent destroys it (its destructor joins its progress thread and
+        # disconnects from peers); the handle of its UCX backend goes first, as it points into it.
+        self._ucx = None
         self._raw = None
-        self._agent = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from transport.cli import CliError
 
-BASELINES = ("raw", "gloo", "memcpy", "nccl")
+BASELINES = ("raw", "gloo", "memcpy", "nccl", "mooncake")
 PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"  # put.SIZES, without importing torch for --help
 PUT_SIZES_QUICK = "4K,1M,64M"
 ON_OFF = argparse.BooleanOptionalAction
@@ -33,6 +33,9 @@ PUT = [
      "each other one 'ours-lanesN' (default: the Transport's default only)"),
     ("--notify", "store_true", False, "each of our writes carries an 8-byte notification, which "
      "the readers drain (with --secret: numbered and MACed)"),
+    ("--link RATE[,DELAY[,LOSS%]]", str, None, "across hosts on this machine (root): the writer "
+     "and each reader in a host of their own in a cluster of namespaces (transport cluster), "
+     "every link shaped so (e.g. 10gbit), UCX over TCP; reports the bytes on every link"),
 ]
 SYNC = [
     ("--params", str, None, "parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
@@ -197,6 +200,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         from transport.cli.bench.sharded import run_sharded
 
         return run_sharded(args)
+    if command == "put" and args.link is not None and args.role is None:
+        from transport.cli.bench.across import run_across
+
+        at_least("--receivers", args.receivers)
+        return run_across(args, args.receivers or 1)
     peers = check_roles(args)
     if command == "put":
         from transport.cli.bench.put import PutWorkload as Kind

@@ -311,6 +311,8 @@ class Reader:
     dist: list[torch.Tensor] = field(default_factory=list)
     agent: Any = None
     group: Group | None = None
+    store_url: str = ""
+    mooncake: Any = None
 
     def serve(self, wait_s: float) -> tuple[str, bool]:
         """Run the writer's commands until "done"; the writer's name and whether it failed.
@@ -361,6 +363,24 @@ class Reader:
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return {"cmd": "ready", "cuda": cuda, "host": socket.gethostname()}
 
+    def on_idle(self, m: dict[str, Any]) -> dict[str, Any]:
+        """This process's CPU over ``s`` seconds in which it makes no call: what an idle
+        receiver's engine (and NIXL's progress thread, if on) cost."""
+        from transport.backends.nixl import progress_mode
+
+        c0, t0 = time.process_time(), time.monotonic()
+        time.sleep(float(m["s"]))
+        idle = (time.process_time() - c0) / (time.monotonic() - t0)
+        return {"idle": idle, "progress": progress_mode(None)}
+
+    def on_mooncake(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Start Mooncake's engine over this reader's memory; its session and ``buf``'s address."""
+        from transport.cli.bench import _mooncake
+
+        self.mooncake = _mooncake.Engine(_mooncake.address_toward(self.store_url), self.mine)
+        return {"session": self.mooncake.session, "address": self.mooncake.address,
+                "buf": self.mine[0].data_ptr()}  # fmt: skip
+
     def on_raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
         self.agent.add_remote_agent(get_blob(self.t, m["writer"], "raw")["md"])
         return {}
@@ -410,7 +430,7 @@ def run_reader(args: argparse.Namespace, w: Workload) -> int:
         timeout=args.timeout,
         secret=bench_secret(args, local=False),
     ) as t:
-        reader = Reader(t, w, saved)
+        reader = Reader(t, w, saved, store_url=args.store)
         w.open_reader(t)
         print(f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of "
               f"{args.store}; waiting for a writer", flush=True)  # fmt: skip

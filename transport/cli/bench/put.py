@@ -28,6 +28,8 @@ from transport.cli.bench._util import KiB, MiB, parse_batch, parse_size, parse_s
 from transport.cli.bench._util import size_label as label_of
 
 OURS, RAW, REPOST, SINGLE = "ours", "raw-nixl", "raw-nixl-repost", "ours-single"
+#: how long each reader measures its CPU while idle, before anything is measured
+IDLE_S = 2.0
 LATENCY_MAX = 64 * KiB  # at and below: compare latency; above: bandwidth
 TARGETS = {"latency": 1.3, "bandwidth": 0.95}  # ours against raw-nixl, one receiver
 SIZES, SIZES_QUICK = "4K,64K,1M,16M,64M,256M,1G", "4K,1M,64M"
@@ -144,6 +146,10 @@ class PutWorkload(Workload):
 
     def setup(self, s: Session, res: Results) -> None:
         self.s, self.res, self.raw = s, res, None
+        self.mooncake: tuple[Any, dict[str, Any]] | None = None  # (engine, the reader's answer)
+        for r, m in zip(s.readers, s.ask(s.readers, "idle", s=IDLE_S), strict=True):
+            res.notes.append(f"{r} idle (its engine only, {IDLE_S:.0f} s): {100 * m['idle']:.2f}% "
+                             f"of a CPU; NIXL progress: {m['progress']}")  # fmt: skip
         big, count, size = max(self.sizes), *(self.batch or (0, 0))
         copies = max(self.ks) if "read" in self.ops and max(self.ks) > 1 else 1
         self.lbuf = [torch.ones(big, dtype=torch.uint8) for _ in range(copies)]
@@ -162,11 +168,25 @@ class PutWorkload(Workload):
             for i, r in enumerate(s.readers):
                 dt = self.raw.connect(i, self.lbuf[0], self.raw.blobs[i]["buf"])
                 res.notes.append(f"raw NIXL: first transfer to {r} (connect) {1e3 * dt:.1f} ms")
+        if "mooncake" in self.baselines:
+            self._start_mooncake(s, res)
         for r in s.readers:
             t0 = time.perf_counter()
             s.t.put(self.lbuf[0][:64], r, "buf").wait(timeout=self.timeout)
             dt = 1e3 * (time.perf_counter() - t0)
             res.notes.append(f"ours: first put to {r} (resolve + connect) {dt:.1f} ms")
+
+    def _start_mooncake(self, s: Session, res: Results) -> None:
+        """Mooncake's engines in the writer and the first reader (skipped, with why, where its
+        package does not load)."""
+        from transport.cli.bench import _mooncake
+
+        if (why := _mooncake.unavailable()) is not None:
+            res.skipped["mooncake"] = why
+            return
+        (m,) = s.ask(s.readers[:1], "mooncake")
+        here = _mooncake.address_toward(f"tcp://{m['address']}")
+        self.mooncake = (_mooncake.Engine(here, self.lbuf), m)
 
     def close(self) -> None:
         if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
@@ -233,6 +253,12 @@ class PutWorkload(Workload):
                                 self._route(op, k, "single", n)))  # fmt: skip
         for lanes in self.lanes[1:]:
             systems.append(System(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
+        if self.mooncake is not None and k == 1 and kind == "single":
+            from transport.cli.bench._mooncake import Mooncake
+
+            engine, peer = self.mooncake
+            systems.append(Mooncake(engine, peer["session"], op, self._local(0, op, kind, n),
+                                    [peer["buf"]], route))  # fmt: skip
         sched = [RAW, OURS, REPOST, OURS] if self.raw is not None else [OURS]
         sched += [x.name for x in systems if x.name not in sched]
         timing = Timing(self.budget_s, self.min_cycles, self.max_cycles, self.warm,
