@@ -30,7 +30,7 @@ class VllmServer:
     """Starts ``python -m vllm.entrypoints.openai.api_server`` (the module form works with every
     vLLM build; the CPU build has no ``vllm`` command) for ``model`` with
     ``--weight-transfer-config '{"backend": "transport"}'``, in its own process group, its output
-    in ``log``, and waits until ``/health`` answers.
+    in ``log``, and waits until ``/health`` answers at ``host`` (the address it listens on).
 
     It owns the server's processes (the API server, the engine core, each worker): :meth:`kill`
     ends them all at once, :meth:`stop` asks first (``graceful`` seconds) and then kills. ``args``
@@ -44,6 +44,7 @@ class VllmServer:
         log: str | Path,
         *,
         port: int | None = None,
+        host: str = "127.0.0.1",
         tp: int = 1,
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
@@ -51,11 +52,11 @@ class VllmServer:
     ) -> None:
         self.model = str(model)
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log = Path(log)
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
+            "--host", host, "--port", str(self.port), "--tensor-parallel-size", str(tp),
             "--weight-transfer-config", '{"backend": "transport"}', *args,
         ]  # fmt: skip
         with open(self.log, "ab") as out:
