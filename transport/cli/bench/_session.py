@@ -134,15 +134,7 @@ class LocalReaders:
 
     def cpu_seconds(self) -> float:
         """CPU time the readers have used so far (from /proc; 0 where it cannot be read)."""
-        total = 0.0
-        for _, p, _ in self.procs:
-            with (
-                contextlib.suppress(OSError, IndexError, ValueError),
-                open(f"/proc/{p.pid}/stat") as f,
-            ):
-                fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+        return sum(_util.process_cpu_seconds(p.pid) for _, p, _ in self.procs)
 
     def close(self, kill: bool = False) -> None:
         end = time.monotonic() + (5.0 if kill else 15.0)

@@ -156,6 +156,17 @@ def pin_layout(pin: bool | None, writer_cpus: int, readers: int) -> tuple[bool, 
     )
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time process ``pid`` has used so far (user and system, from /proc; 0 where it cannot
+    be read: the process is gone, or this is not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _cpu_snapshot() -> tuple[float, float, float] | None:
     """(now, busy CPU seconds of the host, CPU seconds of this process and its waited children)."""
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -139,6 +140,13 @@ class Proc:
         return self.line(timeout)
 
 
+def cpu(procs: list[Proc]) -> float:
+    """CPU seconds ``procs`` have used so far, all of them together."""
+    from transport.cli.bench._util import process_cpu_seconds
+
+    return sum(process_cpu_seconds(p.p.pid) for p in procs)
+
+
 def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
     from transport.cluster import Cluster, Link
 
@@ -154,17 +162,21 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
         for p in [*gens, tr]:
             assert p.line(300) == {"ready": True}
 
-        def measured(name: str, run: Any) -> None:
-            before = c.traffic()
+        def measured(name: str, run: Any, procs: list[Proc]) -> None:
+            before, cpu0, t0 = c.traffic(), cpu(procs), time.perf_counter()
             times = run()
+            wall, used = time.perf_counter() - t0, cpu(procs) - cpu0
             after = c.traffic()
             per = {role: (after[role].sent - before[role].sent) / args.steps for role in after}
+            busy = used / (wall * (os.cpu_count() or 1))
             out["systems"][name] = {
                 "median_s": statistics.median(times), "times_s": times,
                 "sent_per_sync": per, "trainer_link_models": per["trainer"] / model,
+                "cpu_s_per_sync": used / args.steps, "cpu_busy": busy,
             }  # fmt: skip
             print(f"N={n} {name}: {statistics.median(times) * 1e3:.0f} ms per sync, trainer's "
-                  f"link {per['trainer'] / model:.2f} models per sync", flush=True)  # fmt: skip
+                  f"link {per['trainer'] / model:.2f} models per sync, {used / args.steps:.2f} "
+                  f"CPU-s per sync ({100 * busy:.0f}% of the machine's CPUs)", flush=True)  # fmt: skip
 
         for system in args.fanout.split(","):
             fanout, _, seg = system.partition("@")  # chain@4: segments of 4 MiB
@@ -179,7 +191,7 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 times: list[float] = r["times"]
                 return times
 
-            measured(f"ours-{fanout}" + (f"-seg{seg}M" if seg else ""), ours)
+            measured(f"ours-{fanout}" + (f"-seg{seg}M" if seg else ""), ours, [tr, *gens])
         if args.gloo:
             master = c.trainer.address
             ranks = [Proc(c, c.trainer, "--role", "gloo", "--rank", "0", "--master", master,
@@ -202,7 +214,7 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 times: list[float] = answers[0]["times"]
                 return times
 
-            measured("gloo-bcast", bcast)
+            measured("gloo-bcast", bcast, ranks)
     bits = link.bits_per_s
     if bits:
         out["floor_s"] = {"direct": n * model * 8 / bits, "relayed": model * 8 / bits}
