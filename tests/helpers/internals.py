@@ -225,11 +225,13 @@ def newest_slot(sub: transport.WeightSubscriber) -> int | None:
 def slot_state(
     sub: transport.WeightSubscriber,
 ) -> tuple[int | None, int | None, list[int], list[int]]:
-    """Under the subscriber's lock: the newest complete version's slot, the slot apply() holds,
-    the slots read by forwards in progress, and each slot's version."""
+    """Under the subscriber's lock: the newest complete version's slot (None once it was handed
+    back to the publisher: applied, and no longer readable), the slot apply() holds, the slots
+    read by forwards in progress, and each slot's version."""
     with sub._lock:
         forwarding = sorted(k for k, n in sub._forwarding.items() if n)
-        return sub._newest_slot, sub._held, forwarding, list(sub._slot_version)
+        newest = None if sub._handed_back else sub._newest_slot
+        return newest, sub._held, forwarding, list(sub._slot_version)
 
 
 def spy_on_messages(

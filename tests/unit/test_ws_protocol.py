@@ -24,6 +24,7 @@ from transport.weights._protocol import piece, pieces, segments
 GOOD = [
     ("hello", {}),
     ("abort", {"v": 9, "s": 1}),
+    ("lend", {"v": 9}),
     ("begin", {"v": 3, "s": 1}),
     ("ver", {"v": 0, "s": 0}),
     ("credit", {"s": [0, 1], "v": -1, "d": -1}),
@@ -78,6 +79,8 @@ BAD = [
     (raw({"k": "seg", "v": 1, "s": 0, "a": -1, "b": 3}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0, "n": 0}), "at least one byte"),
     (raw({"k": "abort", "v": 1}), "malformed"),
+    (raw({"k": "lend", "v": -3}), "non-negative"),
+    (raw({"k": "lend", "v": 3, "s": 0}), "malformed"),
     (raw({"k": "abort", "v": 1, "s": -1}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": -4, "n": 4}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0}), "malformed"),

@@ -188,6 +188,52 @@ def test_a_frozen_relay_excludes_its_children_until_it_runs_again(trainer, spawn
         assert s.call("violations") == []
 
 
+def test_the_chain_closes_over_a_relay_that_freezes_during_a_publish(trainer, spawn):
+    """A relay frozen long enough to be suspect: its child gets the version from the publisher
+    in the same publish, into the slot of the version it applied (lent), never into the slot
+    the frozen relay was given; that slot stays fenced until the relay reports, so meanwhile
+    each version lands in the child's lent slot, which it lends only once applied."""
+    spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
+    a, b, c = start(spawn, ["gen-a", "gen-b", "gen-c"], spec=spec)
+    tensors = make_tensors(spec)
+    with transport.WeightPublisher(trainer, tensors, fanout="chain") as pub:
+        assert publish(pub, tensors, 1).done == ["gen-a", "gen-b", "gen-c"]
+        holds(c, spec, 1)
+        fenced = c.call("staging")["slot_versions"].index(-1)  # the slot gen-b will be given
+        b.signal(signal.SIGSTOP)
+        try:
+            r = publish(pub, tensors, 2, timeout=30.0)
+            assert r.status == {"gen-a": "done", "gen-b": "excluded", "gen-c": "done"}, r.reasons
+            assert r.reasons["gen-b"].startswith("suspect"), r.reasons
+            assert r.via == {"gen-b": "gen-a"}  # gen-c: written by the publisher itself
+            holds(c, spec, 2)
+            # version 2 went into the slot of version 1; gen-b's slot was not written
+            assert c.call("staging")["slot_versions"][fenced] == -1
+            # gen-b still frozen (left out at once): gen-c lends its slot of version 2 again
+            r = publish(pub, tensors, 3, timeout=30.0)
+            assert r.status == {"gen-a": "done", "gen-b": "excluded", "gen-c": "done"}, r.reasons
+            assert r.via == {"gen-c": "gen-a"}
+            assert c.call("staging")["slot_versions"][fenced] == -1
+            # not applied yet: no slot to lend; excluded at the deadline, saying so
+            r = publish(pub, tensors, 4, timeout=3.0)
+            assert r.status["gen-c"] == "excluded", r.reasons
+            assert "fenced for relay gen-b" in r.reasons["gen-c"], r.reasons
+            assert "not applied" in r.reasons["gen-c"], r.reasons
+        finally:
+            b.signal(signal.SIGCONT)
+        wait_until(
+            lambda: {i.name: i for i in trainer.peers()}["gen-b"].suspect is None,
+            30,
+            "gen-b beating again",
+        )
+        holds(c, spec, 3)
+        r = publish(pub, tensors, 5)
+        assert r.done == ["gen-a", "gen-b", "gen-c"], r.reasons
+    for s in (a, b, c):
+        holds(s, spec, 5)
+        assert s.call("violations") == []
+
+
 def test_a_child_whose_record_is_missing_for_a_moment_is_relayed_again_at_the_next_version(
     trainer, spawn, tcp_store
 ):

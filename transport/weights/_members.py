@@ -38,8 +38,8 @@ class Member:
     ``batches`` per slot), what went wrong when it was planned (``error``: it is planned again at
     the next publish), since when its group entry is missing from a store that lost the group
     (``vanished``), its free slots (``credits``), the slot being written and by whom, the version
-    waiting for a slot, and the segments of a version in flight. The publisher changes it under
-    its own lock only."""
+    waiting for a slot, the slots fenced off for a relay that was cut off while writing them, and
+    the segments of a version in flight. The publisher changes it under its own lock only."""
 
     def __init__(
         self, name: str, generation: int, mode: str, slots: int, relay: bool, instance: int = 0
@@ -60,6 +60,9 @@ class Member:
         self.waiting: tuple[int, Delivery, str | None] | None = None
         self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
         self.relay_handle: Delivery | None = None
+        # slots a relay was cut off while writing (slot -> (relay, version)): nobody else
+        # writes them until that relay reports on this subscriber or is gone
+        self.fenced: dict[int, tuple[str, int]] = {}
         self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
         # a sharded trainer's rank (weights/sharded.py): what it writes per slot, the newest
         # version the subscriber completed and settled (its credits), the version this rank
@@ -69,6 +72,28 @@ class Member:
         self.settled = -1
         self.last = -1
         self.acked: tuple[int, int, Delivery] | None = None
+
+    def free_slot(self) -> int | None:
+        """A slot the publisher may write now: credited, neither being written nor fenced."""
+        busy = {self.busy} if self.busy is not None else set()
+        free = sorted(self.credits - busy - set(self.fenced))
+        return free[0] if free else None
+
+    def unfence(self, relay: str, version: int | None = None) -> None:
+        """``relay`` reported on this subscriber (on ``version`` or a later one: its writes here
+        have drained) or is gone (``version`` None): the slots fenced for it are free again."""
+        for slot, (r, v) in list(self.fenced.items()):
+            if r == relay and (version is None or version >= v):
+                del self.fenced[slot]
+
+    def no_slot(self, version: int) -> str:
+        """Why ``version`` found no slot free here within its deadline."""
+        if not self.fenced:
+            return f"no free slot within the deadline of version {version} (a slow apply?)"
+        cut = ", ".join(f"{r} (since version {v})" for r, v in sorted(self.fenced.values()))
+        return (f"no free slot within the deadline of version {version}: one is fenced for "
+                f"relay {cut}, cut off while writing it, until it reports or is gone; the other "
+                "holds its newest version, which it had not applied (so it could not lend it)")  # fmt: skip
 
 
 FANOUTS = ("direct", "chain", "tree")
@@ -295,7 +320,9 @@ class SuspectWatch:
     partitioned, dead) is excluded at once from every version it has no outcome of, with that
     reason, instead of at their deadlines, and so is a child whose relay became suspect. The
     others' outcomes do not wait for it. What was posted to it goes on (a version that lands
-    once it runs again is whole, as any); the next publish judges it again.
+    once it runs again is whole, as any); the next publish judges it again. A child whose relay
+    became suspect goes to ``cut_off(child, why)`` first, which may close the gap (the publisher
+    writes it itself) instead.
 
     It owns only the time of the next check; ``lock`` is the publisher's, ``handles()`` (called
     under it) the publisher's versions in flight. :meth:`tick` runs on the publisher's worker.
@@ -307,8 +334,10 @@ class SuspectWatch:
         lock: threading.RLock,
         handles: Callable[[], Iterable[Delivery]],
         interval: float,
+        cut_off: Callable[[Member, str], bool] = lambda sub, why: False,
     ) -> None:
         self.roster, self.lock, self.handles, self.interval = roster, lock, handles, interval
+        self.cut_off = cut_off
         self.next = math.inf
 
     def tick(self) -> float | None:
@@ -343,6 +372,8 @@ class SuspectWatch:
                         reason = f"suspect: {why} (tried again at the next publish)"
                     elif sub.relay is not None and sub.relay in suspects:
                         reason = f"its relay {sub.relay} is suspect: {suspects[sub.relay]}"
+                        if self.cut_off(sub, reason):
+                            continue  # the publisher writes it itself
                     else:
                         continue
                     log.info("group %s: %s excluded: %s", self.roster.group, sub.name, reason)

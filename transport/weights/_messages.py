@@ -68,6 +68,17 @@ class Abort(_SlotMessage):
 
 
 @dataclass(frozen=True)
+class Lend:
+    """publisher -> subscriber: the slot ``version`` was to land in is cut off (the relay
+    writing it was lost on the way, and owns it until it reports or is gone); hand back the slot
+    of your newest version if you applied it, as a one-slot subscriber does, and credit again."""
+
+    version: int
+    KIND: ClassVar[str] = "lend"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v"}
+
+
+@dataclass(frozen=True)
 class Credit:
     """subscriber -> publisher: the slots it may write now, its newest complete version (-1:
     none yet) and the newest version it is done with (``settled``: complete, or given up), so
@@ -142,9 +153,10 @@ class Report:
     WIRE: ClassVar[dict[str, str]] = {"version": "v", "child": "c", "outcome": "x", "why": "e"}
 
 
-Message = Hello | Begin | Ver | Abort | Credit | Forward | Segment | Piece | Report
+Message = Hello | Begin | Ver | Abort | Lend | Credit | Forward | Segment | Piece | Report
 KINDS: dict[str, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, Begin, Ver, Abort, Credit, Forward, Segment, Piece, Report)
+    cls.KIND: cls
+    for cls in (Hello, Begin, Ver, Abort, Lend, Credit, Forward, Segment, Piece, Report)
 }
 
 

@@ -47,6 +47,11 @@ typed values of ``_messages`` (named here in brackets) in the code.
   into ``slot`` was given up (its deadline passed, or its relay failed): a ``ver`` of it that
   still comes is ignored, so a slot the subscriber credits next is never also a version it
   completes; answered like ``hello``
+* publisher -> subscriber ``{"k": "lend", "v": N}`` (Lend): the slot version N was to land in is
+  cut off (its relay became suspect on the way and owns it until it reports or is gone): hand
+  back the slot of your newest version if you applied it (no longer readable from staging, as
+  with one slot) and credit again; the publisher writes N there itself, so a chain closes over a
+  lost relay within the publish. Answered with a credit, lent or not.
 
 Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
 
@@ -71,7 +76,10 @@ A staging subscriber has two slots. It never credits the slot that holds its new
 version, nor the slot an ``apply()`` is copying from, nor a slot it is forwarding from, so nobody
 writes what is read. The publisher alone hands out the slots of every subscriber (children credit
 the publisher, whoever writes them), and it gives a slot written by a relay back only when that
-relay has reported on it or is gone, so two writers never share a slot.
+relay has reported on it (on that version or a later one: its writes to that child have drained)
+or is gone, so two writers never share a slot. Meanwhile the slot is fenced: the subscriber has
+one slot left, and every version it takes goes into its newest version's slot once applied
+(``lend``), as for a one-slot subscriber.
 """
 
 from __future__ import annotations

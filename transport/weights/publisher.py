@@ -39,6 +39,7 @@ from transport.weights._messages import (
     Credit,
     Forward,
     Hello,
+    Lend,
     Report,
     Target,
     Ver,
@@ -89,7 +90,9 @@ class WeightPublisher:
     relay only if the relay holds every tensor it takes, else the publisher writes it). The
     trainer then sends each version once instead of once per subscriber: its link carries the
     model once. It can be changed between publishes (:attr:`fanout`, :attr:`degree`,
-    :attr:`segment_bytes`).
+    :attr:`segment_bytes`). A relay that becomes suspect during a publish (a cut link) leaves
+    a gap: the publisher writes its children itself, within the same deadline, into the slot
+    each hands back once it applied its newest version (the slot the relay had stays fenced).
 
     A group has one publisher at a time, in whichever process: it holds the group's lease in the
     store (weights/_lease.py) from construction to :meth:`close`; a second one fails with
@@ -123,8 +126,9 @@ class WeightPublisher:
         self._callbacks = Callbacks(f"transport-ws-pub-{group}-callbacks")
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._watch = SuspectWatch(
-            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval
-        )
+            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval,
+            self._close_gap,
+        )  # fmt: skip
         self._worker = Worker(
             f"transport-ws-pub-{group}", tick=self._expire, until=lambda: transport.closed
         )
@@ -280,25 +284,41 @@ class WeightPublisher:
                 via[order[i].name] = parent.name
         return via
 
-    @staticmethod
-    def _free_slot(sub: Member) -> int | None:
-        free = sorted(sub.credits - ({sub.busy} if sub.busy is not None else set()))
-        return free[0] if free else None
-
     def _release_children(self, relay: str, why: str) -> None:
         """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to
         write are the publisher's again, and what it did not forward is excluded."""
         for sub in list(self._subs.values()):
+            sub.unfence(relay)
             if sub.relay == relay and sub.busy is not None and sub.relay_handle is not None:
                 err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
                 self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
 
+    def _close_gap(self, sub: Member, why: str) -> bool:
+        """With the lock held (SuspectWatch): ``sub``'s relay became suspect while it was to
+        write ``sub``. The slot it was given stays fenced (the relay may have posted into it,
+        and what it posted may still land), and the publisher writes the version itself into
+        the slot ``sub`` hands back on ``lend`` (its applied newest version's), within the same
+        deadline. False when there is no time left or a newer version waits for ``sub``."""
+        handle, relay, slot, version = sub.relay_handle, sub.relay, sub.busy, sub.writing
+        if handle is None or relay is None or slot is None or sub.waiting is not None:
+            return False
+        if sub.name not in handle.pending or handle.deadline <= time.monotonic():
+            return False
+        sub.fenced[slot] = (relay, version)
+        sub.busy, sub.relay, sub.relay_handle = None, None, None
+        handle.result.via.pop(sub.name, None)
+        log.info("group %s: %s; writing %s directly", self.group, why, sub.name)
+        self._start(sub, version, handle)
+        return True
+
     def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
         ``via`` write it), or wait for a free slot."""
-        slot = self._free_slot(sub)
+        slot = sub.free_slot()
         if sub.busy is not None or slot is None:
             sub.waiting = (version, handle, via)
+            if sub.busy is None and sub.fenced:  # one slot left: its newest, once applied
+                self._worker.submit(lambda: self._send(sub, encode(Lend(version)), "ask a lend"))
             return
         sub.busy, sub.writing = slot, version
         if sub.mode == "staging":
@@ -422,19 +442,20 @@ class WeightPublisher:
             sub.waiting = None
             self._start(sub, v, hnd, via)
 
-    def _ask_credits(self, sub: Member, given_up: tuple[int, int] | None = None) -> None:
-        """Ask ``sub`` which slots are free (``hello``), telling it first, when ``given_up`` is
-        (slot, version), that we gave that write up (``abort``)."""
-        sub.asked = time.monotonic()
-        msg = encode(Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0]))
+    def _send(self, sub: Member, msg: bytes, what: str) -> None:
         try:
             self.transport.core.send_control(sub.name, channel(self.group), msg)
         except TransportError as e:
-            log.info("group %s: cannot ask %s for free slots: %s", self.group, sub.name, e)
+            log.info("group %s: cannot %s of %s: %s", self.group, what, sub.name, e)
+
+    def _ask_credits(self, sub: Member, given_up: tuple[int, int] | None = None) -> None:
+        """Ask ``sub`` which slots are free: ``hello``, or ``abort`` of ``given_up``, (slot, version)."""
+        sub.asked = time.monotonic()
+        msg = encode(Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0]))
+        self._send(sub, msg, "ask for the free slots")
 
     def _on_message(self, peer: str, payload: bytes) -> None:
-        m = decode_from(peer, payload)
-        if m is None:
+        if (m := decode_from(peer, payload)) is None:
             return
         if isinstance(m, Credit):
             # a credit says the subscriber's whole state: only the newest counts, and a flood
@@ -450,6 +471,8 @@ class WeightPublisher:
         version, child, outcome, why = report.version, report.child, report.outcome, report.why
         with self._lock:
             sub = self._subs.get(child)
+            if sub is not None:
+                sub.unfence(relay, version)
             if (
                 sub is None
                 or sub.relay != relay
@@ -514,11 +537,7 @@ class WeightPublisher:
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
-                    hnd.settle(
-                        sub.name,
-                        EXCLUDED,
-                        f"no free slot within the deadline of version {v} (a slow apply?)",
-                    )
+                    hnd.settle(sub.name, EXCLUDED, sub.no_slot(v))
             self._handles = [h for h in self._handles if not h.done()]
             deadlines = [h.deadline for h in self._handles]
             if any(s.waiting is not None for s in self._subs.values()):

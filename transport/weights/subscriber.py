@@ -29,6 +29,7 @@ from transport.weights._messages import (
     Credit,
     Forward,
     Hello,
+    Lend,
     Piece,
     Segment,
     Ver,
@@ -42,6 +43,7 @@ from transport.weights._protocol import (
     channel,
     region,
 )
+from transport.weights._ranks import RankParts
 from transport.weights._relay import Relay, RelayHost
 from transport.weights._upstream import Upstream
 from transport.weights._withdraw import leftovers, withdraw
@@ -78,6 +80,10 @@ class WeightSubscriber(Closing):
     A staging subscriber with ``relay=True`` (the default) forwards the versions it receives to
     other subscribers when the publisher's fan-out is a chain or a tree; it forwards from the
     staging slot of that version, which it keeps untouched until the forward is done.
+    When the relay writing it is cut off during a publish, the publisher asks it to lend the slot
+    of its newest version: if that version was applied and nothing reads or forwards it, the slot
+    is handed back (as with one slot: no longer readable from staging) and the version lands
+    there instead; until that relay reports or is gone, each version lands that way.
 
     ``named_tensors`` may be meta tensors (shapes and dtypes only) in staging mode, with
     ``staging_device`` naming where the slots live: such a subscriber has no live tensors, and
@@ -145,10 +151,7 @@ class WeightSubscriber(Closing):
         self.incomplete: int | None = None
         self.begun = -1  # the newest version a publisher began writing here
         self._aborted: dict[int, int] = {}  # slot -> a version written there that was given up
-        # sharded trainers: the ranks whose parts of (version, slot) landed, and the newest
-        # version this side is done with (complete or given up)
-        self._parts: dict[tuple[int, int], set[int]] = {}
-        self.settled = -1
+        self._ranks = RankParts(group, self.slots)  # a sharded trainer's parts in flight
         self._publishers: set[str] = set()
         self._closed = False
         self.relay = relay and mode == "staging" and self.slots == 2
@@ -225,8 +228,10 @@ class WeightSubscriber(Closing):
                     self._aborted[m.slot] = m.version
                     if self.incomplete == m.version:
                         self.incomplete = None
-                    self._give_up(m.version, f"{peer} gave it up")
+                    self._ranks.give_up(m.version, f"{peer} gave it up", self._upstream.world)
             self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
+        elif isinstance(m, Lend):
+            self._lend(peer, m.version)
         elif isinstance(m, Begin):
             with self._lock:
                 self.begun = max(self.begun, m.version)
@@ -259,7 +264,8 @@ class WeightSubscriber(Closing):
                 log.info("group %s: ignoring version %d in slot %d: %s gave it up",
                          self.group, version, slot, peer)  # fmt: skip
                 return
-            if not self._all_parts(peer, version, slot):
+            rank, world = self._upstream.rank_of(peer), self._upstream.world
+            if not self._ranks.landed(peer, rank, world, version, slot):
                 return  # another rank's parts are still on their way
             newer = version > self.version
             if newer:
@@ -272,7 +278,7 @@ class WeightSubscriber(Closing):
                 if self.incomplete is not None and self.incomplete <= version:
                     self.incomplete = None
                 self._lock.notify_all()
-            self.settled = max(self.settled, version)
+            self._ranks.settled = max(self._ranks.settled, version)
         if self._entry == "staging":
             # credits go to the publisher, which hands out the slots, even when a relay wrote
             self._worker.latest(("credit", peer), None, lambda _: self._credit_publishers(peer))
@@ -284,40 +290,22 @@ class WeightSubscriber(Closing):
             cb = self.on_update
             self._worker.submit(lambda: cb(version))
 
-    def _all_parts(self, peer: str, version: int, slot: int) -> bool:
-        """Under the lock: whether every rank's parts of ``version`` in ``slot`` have landed with
-        this ``ver`` of ``peer`` (always, for a plain publisher or a relay)."""
-        rank, world = self._upstream.rank_of(peer), self._upstream.world
-        if world == 1:
-            return True
-        if rank is None:
-            log.warning("group %s: ignoring version %d from %s: it publishes no rank of the "
-                        "group's %d", self.group, version, peer, world)  # fmt: skip
-            return False
-        if version <= self.settled:
-            return False  # done with: complete already, or given up
-        landed = self._parts.setdefault((version, slot), set())
-        landed.add(rank)
-        if len(landed) < world:
-            while len(self._parts) > 2 * self.slots:  # a rank that runs ahead cannot grow this
-                del self._parts[min(self._parts)]
-            return False
-        del self._parts[(version, slot)]
-        return True
-
-    def _give_up(self, version: int, why: str) -> None:
-        """Under the lock: ``version`` will not complete here (its parts are dropped; the version
-        before it stays the newest); the ranks learn it from the next credit."""
-        if version <= self.settled:
-            return
-        self.settled = version
-        for key in [k for k in self._parts if k[0] <= version]:
-            ranks = sorted(self._parts.pop(key))
-            missing = sorted(set(range(self._upstream.world)) - set(ranks))
-            log.warning(
-                "group %s: version %d given up (%s): the parts of rank(s) %s never landed",
-                self.group, version, why, missing,
-            )  # fmt: skip
+    def _lend(self, peer: str, version: int) -> None:
+        """A publisher lost the slot ``version`` was to land in: hand back the newest version's
+        slot if that version was applied and nothing reads it (then it is no longer readable, as
+        with one slot), and tell the publisher what is free now, lent or not."""
+        with self._lock:
+            self._publishers.add(peer)
+            slot = self._newest_slot
+            if (
+                slot is not None
+                and version > self.version
+                and self._slot_version[slot] <= self.applied_version
+                and self._held != slot
+                and not self._forwarding.get(slot)
+            ):
+                self._handed_back = True
+        self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
 
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
@@ -357,6 +345,8 @@ class WeightSubscriber(Closing):
                 return None, f"version {self.version} arrived here before {version} was forwarded"
             if self._closed or not self.relay:
                 return None, "this subscriber does not relay (closed, or relay=False)"
+            if self.version == version and self._handed_back:
+                return None, f"its copy of version {version} was handed back to the publisher"
             src = self._newest_slot if self.version == version else arriving
             if src is None:
                 return None, ""  # nothing of it here yet
@@ -557,6 +547,11 @@ class WeightSubscriber(Closing):
             publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
             self._worker.latest(("send", p), p, self._send_credit)
+
+    @property
+    def settled(self) -> int:
+        """The newest version this side is done with: complete, or given up."""
+        return self._ranks.settled
 
     @property
     def refused_messages(self) -> int:
