@@ -8,7 +8,8 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 #: setns(2)'s flag for a network namespace
 CLONE_NEWNET = 0x40000000
@@ -30,3 +31,27 @@ def entered(namespace: str) -> Iterator[None]:
             yield
         finally:
             _setns(here.fileno(), "this machine")
+
+
+class Within:
+    """``obj`` whose every method call is made in network namespace ``namespace`` (None: in
+    this one): a server's client, say, when the server listens in a host of a cluster."""
+
+    def __init__(self, obj: Any, namespace: str | None) -> None:
+        self._obj, self._namespace = obj, namespace
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._obj, name)
+        if not callable(attr) or self._namespace is None:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with entered(self._namespace):  # type: ignore[arg-type]
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def inside(namespace: str | None) -> Any:
+    """:func:`entered` for a namespace, nothing for None."""
+    return nullcontext() if namespace is None else entered(namespace)
