@@ -66,6 +66,8 @@ from transport.store.base import (
 logger = logging.getLogger("transport.store.tcp")
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
+#: how long an opener that lost the race to host a store waits for the winner to listen
+RACE_GRACE_S = 2.0
 HOSTING_MODES = ("auto", "yes", "no")
 
 # Values go to TCPStore as bytes: its stubs say str, but the bindings take bytes too
@@ -198,7 +200,9 @@ class TcpStore(Store):
             self.url = self._make_url(hosting, given_timeout)
             logger.info("hosting store %s", self.url)
         else:
-            self._client()  # connect now: an unreachable store fails here, within the timeout
+            # connect now: an unreachable store fails here, within the timeout; one that lost
+            # the race to host gives the winner a moment to listen on the port it bound
+            self._client(race=serve)
             logger.debug("joined store %s as a client", self.url)
 
     @classmethod
@@ -271,33 +275,42 @@ class TcpStore(Store):
             logger.debug("did not host %s (%s); joining it", self.url, exc)
             return None
 
-    def _client(self, connect_timeout: float | None = None) -> dist.TCPStore:
-        """This thread's client, connected on first use (a client serialises its calls)."""
+    def _client(self, connect_timeout: float | None = None, race: bool = False) -> dist.TCPStore:
+        """This thread's client, connected on first use (a client serialises its calls);
+        ``race``: this object just failed to host the store because another opener bound the
+        port first."""
         if self._closed:
             raise self._closed_error()
         local = self._local
         client: dist.TCPStore | None = getattr(local, "client", None)
         if client is None:
             seconds = self._connect_timeout if connect_timeout is None else connect_timeout
-            self._probe(seconds)
+            self._probe(seconds, min(seconds, RACE_GRACE_S) if race else 0.0)
             with self._torch_errors("connect"):
                 client = dist.TCPStore(self._host, self._port, None, False, _span(seconds))
             local.client = client
         return client
 
-    def _probe(self, seconds: float) -> None:
-        """Fail at once when nothing listens on the port: torch's client would retry (and log
-        a stack trace per try) until its timeout instead."""
-        try:
-            with socket.create_connection((self._host, self._port), timeout=min(seconds, 5.0)):
-                pass
-        except ConnectionRefusedError as exc:
-            raise StoreError(
-                f"cannot reach store {self.url}: nothing listens on {self._host}:{self._port}; "
-                "start the process that hosts it first, or pass store=redis://HOST:PORT to use a Redis server"
-            ) from exc
-        except OSError:  # a timeout or an unreachable network: let torch's client report it
-            pass
+    def _probe(self, seconds: float, grace: float = 0.0) -> None:
+        """Fail at once when nothing listens on the port (after ``grace`` seconds of trying:
+        a host that won the race to bind it may not listen yet): torch's client would retry
+        (and log a stack trace per try) until its timeout instead."""
+        end = time.monotonic() + grace
+        while True:
+            try:
+                with socket.create_connection((self._host, self._port), timeout=min(seconds, 5.0)):
+                    return
+            except ConnectionRefusedError as exc:
+                if time.monotonic() < end:
+                    time.sleep(0.01)
+                    continue
+                raise StoreError(
+                    f"cannot reach store {self.url}: nothing listens on {self._host}:{self._port}; "
+                    "start the process that hosts it first, or pass store=redis://HOST:PORT to use "
+                    "a Redis server"
+                ) from exc
+            except OSError:  # a timeout or an unreachable network: let torch's client report it
+                return
 
     def _raw_try_get(self, client: dist.TCPStore, key: str) -> bytes | None:
         if not client.check([key]):
