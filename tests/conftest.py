@@ -81,3 +81,21 @@ def writer(tcp_store: Store) -> Iterator[transport.Transport]:
     """A Transport named "writer" in the test process."""
     with transport.Transport("writer", store=tcp_store, timeout=30) as t:
         yield t
+
+
+#: files of minutes (vLLM servers, clusters of hosts, 100,000 tensors, the GPU dry run's installs),
+#: longest first: collected before the others, so that ``--dist loadfile`` (which hands out files
+#: in collection order as workers free up) never starts one near the end while the other workers
+#: have run dry
+LONG_FILES = (
+    "integrations/test_vllm_tp2.py", "integrations/test_vllm_tp2_no_room.py",
+    "weights/test_scale.py", "test_gpu_check.py", "integrations/", "hosts/",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def longest_first(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, part in enumerate(LONG_FILES) if part in path), len(LONG_FILES))
+
+    items.sort(key=longest_first)  # stable: a file's tests stay together, in their order
