@@ -7,6 +7,8 @@ Every element of every tensor of version N holds N (see test_weight_sync)."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -39,6 +41,26 @@ def start(spawn, names, spec=SPEC, **kwargs):
     for s in subs:
         s.started()
     return subs
+
+
+#: 16 MiB: more than socket buffers hold (a frozen relay cannot take a version in them)
+BIG = spec_of(2, 2 * MiB)
+
+
+@contextmanager
+def stopped(relay, trainer) -> Iterator[None]:
+    """``relay`` stopped (SIGSTOP) inside the block; after it, running and beating again (if it
+    was stopped long enough to be suspect, it is left out until then)."""
+    relay.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        relay.signal(signal.SIGCONT)
+    wait_until(
+        lambda: {i.name: i for i in trainer.peers()}[relay.name].suspect is None,
+        30,
+        f"{relay.name} beating again",
+    )
 
 
 def test_a_chain_forwards_every_version_and_ends_in_an_inplace_subscriber(trainer, spawn):
@@ -156,14 +178,13 @@ def test_a_killed_relay_costs_its_child_one_version(trainer, spawn):
 
 
 def test_a_frozen_relay_excludes_its_children_until_it_runs_again(trainer, spawn):
-    spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
+    spec = BIG
     a, b, c = start(spawn, ["gen-a", "gen-b", "gen-c"], spec=spec)
     tensors = make_tensors(spec)
     with transport.WeightPublisher(trainer, tensors, fanout="chain") as pub:
         assert publish(pub, tensors, 1).done == ["gen-a", "gen-b", "gen-c"]
         holds(c, spec, 1)
-        b.signal(signal.SIGSTOP)
-        try:
+        with stopped(b, trainer):
             r = publish(pub, tensors, 2, timeout=1.0)
             assert r.status == {"gen-a": "done", "gen-b": "excluded", "gen-c": "excluded"}, (
                 r.reasons
@@ -172,15 +193,7 @@ def test_a_frozen_relay_excludes_its_children_until_it_runs_again(trainer, spawn
             # while gen-b may still write gen-c's slot, nobody else is given it
             r = publish(pub, tensors, 3, timeout=1.0)
             assert r.status["gen-a"] == "done" and r.status["gen-c"] == "excluded", r.reasons
-        finally:
-            b.signal(signal.SIGCONT)
-        # running again, gen-b reports that it could not forward, and beats (if it was stopped
-        # long enough to be suspect, it is left out until then); then all of them are served
-        wait_until(
-            lambda: {i.name: i for i in trainer.peers()}["gen-b"].suspect is None,
-            30,
-            "gen-b beating again",
-        )
+        # running again, gen-b reports that it could not forward, and beats: all are served
         r = publish(pub, tensors, 4)
         assert r.done == ["gen-a", "gen-b", "gen-c"], r.reasons
     for s in (a, b, c):
@@ -193,15 +206,14 @@ def test_the_chain_closes_over_a_relay_that_freezes_during_a_publish(trainer, sp
     in the same publish, into the slot of the version it applied (lent), never into the slot
     the frozen relay was given; that slot stays fenced until the relay reports, so meanwhile
     each version lands in the child's lent slot, which it lends only once applied."""
-    spec = spec_of(2, 2 * MiB)  # 16 MiB: more than socket buffers hold
+    spec = BIG
     a, b, c = start(spawn, ["gen-a", "gen-b", "gen-c"], spec=spec)
     tensors = make_tensors(spec)
     with transport.WeightPublisher(trainer, tensors, fanout="chain") as pub:
         assert publish(pub, tensors, 1).done == ["gen-a", "gen-b", "gen-c"]
         holds(c, spec, 1)
         fenced = c.call("staging")["slot_versions"].index(-1)  # the slot gen-b will be given
-        b.signal(signal.SIGSTOP)
-        try:
+        with stopped(b, trainer):
             r = publish(pub, tensors, 2, timeout=30.0)
             assert r.status == {"gen-a": "done", "gen-b": "excluded", "gen-c": "done"}, r.reasons
             assert r.reasons["gen-b"].startswith("suspect"), r.reasons
@@ -219,13 +231,6 @@ def test_the_chain_closes_over_a_relay_that_freezes_during_a_publish(trainer, sp
             assert r.status["gen-c"] == "excluded", r.reasons
             assert "fenced for relay gen-b" in r.reasons["gen-c"], r.reasons
             assert "not applied" in r.reasons["gen-c"], r.reasons
-        finally:
-            b.signal(signal.SIGCONT)
-        wait_until(
-            lambda: {i.name: i for i in trainer.peers()}["gen-b"].suspect is None,
-            30,
-            "gen-b beating again",
-        )
         holds(c, spec, 3)
         r = publish(pub, tensors, 5)
         assert r.done == ["gen-a", "gen-b", "gen-c"], r.reasons

@@ -63,6 +63,7 @@ class Member:
         # slots a relay was cut off while writing (slot -> (relay, version)): nobody else
         # writes them until that relay reports on this subscriber or is gone
         self.fenced: dict[int, tuple[str, int]] = {}
+        self.lend_asked = -1  # the newest version it was asked to lend a slot for
         self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
         # a sharded trainer's rank (weights/sharded.py): what it writes per slot, the newest
         # version the subscriber completed and settled (its credits), the version this rank

@@ -317,7 +317,8 @@ class WeightPublisher:
         slot = sub.free_slot()
         if sub.busy is not None or slot is None:
             sub.waiting = (version, handle, via)
-            if sub.busy is None and sub.fenced:  # one slot left: its newest, once applied
+            if sub.busy is None and sub.fenced and sub.lend_asked < version:
+                sub.lend_asked = version  # once: it lends when it can (its newest, once applied)
                 self._worker.submit(lambda: self._send(sub, encode(Lend(version)), "ask a lend"))
             return
         sub.busy, sub.writing = slot, version

@@ -80,10 +80,9 @@ class WeightSubscriber(Closing):
     A staging subscriber with ``relay=True`` (the default) forwards the versions it receives to
     other subscribers when the publisher's fan-out is a chain or a tree; it forwards from the
     staging slot of that version, which it keeps untouched until the forward is done.
-    When the relay writing it is cut off during a publish, the publisher asks it to lend the slot
-    of its newest version: if that version was applied and nothing reads or forwards it, the slot
-    is handed back (as with one slot: no longer readable from staging) and the version lands
-    there instead; until that relay reports or is gone, each version lands that way.
+    When the relay writing it is cut off, the publisher asks it to lend its newest version's slot:
+    once that version is applied and unread, the slot is handed back (as with one slot) and the
+    version lands there; until that relay reports or is gone, each version lands that way.
 
     ``named_tensors`` may be meta tensors (shapes and dtypes only) in staging mode, with
     ``staging_device`` naming where the slots live: such a subscriber has no live tensors, and
@@ -157,6 +156,7 @@ class WeightSubscriber(Closing):
         self.relay = relay and mode == "staging" and self.slots == 2
         # one slot: its version was applied and the slot handed back (no longer readable)
         self._handed_back = False
+        self._lend_for = -1  # a version a publisher asked this side to lend a slot for
         self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
         self._relay = Relay(
             transport,
@@ -292,20 +292,24 @@ class WeightSubscriber(Closing):
 
     def _lend(self, peer: str, version: int) -> None:
         """A publisher lost the slot ``version`` was to land in: hand back the newest version's
-        slot if that version was applied and nothing reads it (then it is no longer readable, as
-        with one slot), and tell the publisher what is free now, lent or not."""
+        slot once applied and unread (no longer readable, as with one slot); credit either way."""
         with self._lock:
             self._publishers.add(peer)
-            slot = self._newest_slot
-            if (
-                slot is not None
-                and version > self.version
-                and self._slot_version[slot] <= self.applied_version
-                and self._held != slot
-                and not self._forwarding.get(slot)
-            ):
-                self._handed_back = True
+            self._lend_for = max(self._lend_for, version)
+            self._try_lend()
         self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
+
+    def _try_lend(self) -> None:
+        """Under the lock: hand back the newest version's slot if a lend is wanted and due."""
+        slot = self._newest_slot
+        if (
+            slot is not None
+            and self._lend_for > self.version
+            and self._slot_version[slot] <= self.applied_version
+            and self._held != slot
+            and not self._forwarding.get(slot)
+        ):
+            self._handed_back = True
 
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
@@ -541,6 +545,7 @@ class WeightSubscriber(Closing):
             self._held = None
             if applied is not None:
                 self.applied_version = max(self.applied_version, applied)
+            self._try_lend()  # a lend asked for before this apply
             newest = self._newest_slot
             if self.slots == 1 and newest is not None:  # applied: the publisher may write it
                 self._handed_back = self._slot_version[newest] <= self.applied_version

@@ -15,7 +15,6 @@ import os
 import socket
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
@@ -41,11 +40,10 @@ def unavailable() -> str | None:
     return None
 
 
-def address_toward(url: str) -> str:
-    """This host's address on the route to the store at ``url`` (127.0.0.1 for a local one)."""
-    host = urlsplit(url).hostname or "127.0.0.1"
+def address_toward(peer: str | None) -> str:
+    """This host's address on the route to host ``peer`` (127.0.0.1 for a local or no one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # a UDP connect sends nothing: it only picks the route
+        s.connect((peer or "127.0.0.1", 9))  # a UDP connect sends nothing: it only picks the route
         addr: str = s.getsockname()[0]
     return addr
 

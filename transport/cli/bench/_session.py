@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import msgpack
 import torch
@@ -369,7 +370,9 @@ class Reader:
         """Start Mooncake's engine over this reader's memory; its session and ``buf``'s address."""
         from transport.cli.bench import _mooncake
 
-        self.mooncake = _mooncake.Engine(_mooncake.address_toward(self.store_url), self.mine)
+        self.mooncake = _mooncake.Engine(
+            _mooncake.address_toward(urlsplit(self.store_url).hostname), self.mine
+        )
         return {"session": self.mooncake.session, "address": self.mooncake.address,
                 "buf": self.mine[0].data_ptr()}  # fmt: skip
 

@@ -185,7 +185,7 @@ class PutWorkload(Workload):
             res.skipped["mooncake"] = why
             return
         (m,) = s.ask(s.readers[:1], "mooncake")
-        here = _mooncake.address_toward(f"tcp://{m['address']}")
+        here = _mooncake.address_toward(m["address"])
         self.mooncake = (_mooncake.Engine(here, self.lbuf), m)
 
     def close(self) -> None:
