@@ -1,0 +1,232 @@
+"""verl's checkpoint engine ``"transport"``: one-sided bucket streaming over this library.
+
+Set ``actor_rollout_ref.rollout.checkpoint_engine.backend=transport`` and
+``checkpoint_engine.custom_backend_module=transport.integrations.verl``; verl imports the module
+on every worker, which registers :class:`TransportCheckpointEngine`. Options go under
+``checkpoint_engine.engine_kwargs.transport`` (see the class).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import AsyncGenerator, Generator
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from transport import Transport
+from transport.integrations.verl.buckets import Assembler
+from transport.integrations.verl.inbox import Inbox
+from transport.integrations.verl.receiver import BucketReceiver
+from transport.integrations.verl.sender import SLOTS, BucketSender
+from transport.integrations.verl.topology import EngineInfo, UpdatePlan, build_plans
+from transport.store.tcp import TcpStore
+
+log = logging.getLogger("transport.verl")
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (loopback outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+@CheckpointEngineRegistry.register("transport")
+class TransportCheckpointEngine(CheckpointEngine):
+    """A verl checkpoint engine on this library: peers meet through the store, trainer ranks
+    write buckets one-sided into the rollout workers' two slots, receivers yield each tensor as
+    soon as its bucket landed (see sender.py, receiver.py and topology.py for the protocol).
+
+    It owns one Transport (made at the first update, kept across updates: connections and
+    registrations are paid once), the inbox of its control messages, and its buckets: a rollout
+    worker's two slots (``2 * bucket_size``), a trainer rank's send buffers (two when it is the
+    only rank, else one: the other ranks' buckets give it time). Options
+    (``engine_kwargs.transport``):
+
+    * ``store``: the store URL every engine joins (default ``$TRANSPORT_STORE``; without either,
+      trainer rank 0, ``is_master``, hosts an embedded store for the job: the job's store dies
+      with that process, so give a Redis URL where a trainer may restart).
+    * ``namespace`` (``"verl"``), ``timeout`` (seconds a bucket or a free slot may take: 300),
+    * ``relay_degree``: children per relay; 0 writes every rollout worker from the trainer
+      ranks; None (default) is 0 up to 4 rollout workers and 4 above.
+    * ``device``: where buckets live (default ``cuda`` when there is one, else ``cpu``).
+    * ``keep_buckets``: keep the buckets between updates (default: on the CPU yes, on a GPU no,
+      so that the memory goes back to the KV cache).
+
+    The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET``; every engine of the
+    job needs the same. Rules: ``prepare`` -> ``build_topology`` -> ``init_process_group`` ->
+    ``send_weights`` (trainer) or ``receive_weights`` (rollout) -> ``finalize``, once per update;
+    a tensor yielded by ``receive_weights`` is a view of a bucket, valid until the next tensor
+    of another bucket is asked for (clone it to keep it).
+    """
+
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        store: str | None = None,
+        namespace: str = "verl",
+        timeout: float = 300.0,
+        relay_degree: int | None = None,
+        device: str | None = None,
+        keep_buckets: bool | None = None,
+    ) -> None:
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 4096:
+            raise ValueError(
+                f"transport checkpoint engine: the bucket size is {bucket_size!r} bytes; it must "
+                "be at least 4096 (set checkpoint_engine.update_weights_bucket_megabytes >= 1)"
+            )
+        if relay_degree is not None and (
+            not isinstance(relay_degree, int) or not 0 <= relay_degree <= 64
+        ):
+            raise ValueError(
+                f"transport checkpoint engine: relay_degree is None or 0 to 64, got {relay_degree!r}"
+            )
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(
+                f"transport checkpoint engine: timeout must be > 0 seconds, got {timeout!r}"
+            )
+        self.bucket_size = bucket_size
+        self.is_master = bool(is_master)
+        self.store_url = store or os.environ.get("TRANSPORT_STORE") or None
+        self.namespace = namespace
+        self.timeout = float(timeout)
+        self.relay_degree = relay_degree
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.keep_buckets = (
+            self.device.type == "cpu" if keep_buckets is None else bool(keep_buckets)
+        )
+        self.name = f"verl-{secrets.token_hex(6)}"
+        self.transport: Transport | None = None
+        self.inbox: Inbox | None = None
+        self.plan: UpdatePlan | None = None
+        self.assembler = Assembler(self.device)
+        self._hosted: TcpStore | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._slots: torch.Tensor | None = None
+
+    # -- the store and the Transport ----------------------------------------------------------
+
+    def _join(self, url: str) -> Transport:
+        if self.transport is None:
+            try:
+                self.transport = Transport(self.name, store=url, namespace=self.namespace,
+                                           secret=os.environ.get("TRANSPORT_SECRET") or None)  # fmt: skip
+            except Exception as e:
+                raise type(e)(
+                    f"transport checkpoint engine {self.name} could not join store {url}: {e} "
+                    "(check engine_kwargs.transport.store or $TRANSPORT_STORE, and that trainer "
+                    "rank 0 is up when it hosts the store)"
+                ) from e
+            self.inbox = Inbox(self.transport)
+        return self.transport
+
+    def prepare(self) -> EngineInfo:
+        """This engine's introduction; trainer rank 0 hosts the job's store when none is given."""
+        if self.store_url is None and self.is_master and self._hosted is None:
+            self._hosted = TcpStore(node_address(), 0, hosting="yes")
+            host = node_address()
+            self.store_url = f"tcp://{host}:{self._hosted.port}?host=no"
+            self._join(self.store_url)
+        return EngineInfo(
+            self.name, self.store_url if (self.is_master or self.store_url) else None,
+            self.bucket_size, self.relay_degree,
+        )  # fmt: skip
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        trainers, rollouts = build_plans(actor_wg_world_size, rollout_world_size, list(metadata))
+        return {"plan": list(trainers)}, {"plan": list(rollouts)}
+
+    def init_process_group(self, plan: UpdatePlan) -> None:
+        """Join the store (first update), allocate this role's buckets, start the update."""
+        if not isinstance(plan, UpdatePlan):
+            raise TypeError(
+                f"init_process_group takes the UpdatePlan of build_topology, got {type(plan).__name__}"
+            )
+        t = self._join(plan.store)
+        assert self.inbox is not None
+        if plan.role == "trainer":
+            count = 2 if len(plan.trainers) == 1 else 1
+            if len(self._buffers) != count:
+                self._buffers = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
+                                 for _ in range(count)]  # fmt: skip
+                for buf in self._buffers:
+                    t.register(buf)
+        elif self._slots is None:
+            self._slots = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self.device)
+            t.expose(SLOTS, self._slots, access="w")
+        self.plan = plan
+        self.inbox.begin(plan.token)
+
+    def finalize(self) -> None:
+        """End the update; without ``keep_buckets``, give the buckets' memory back."""
+        self.plan = None
+        if self.keep_buckets or self.transport is None:
+            return
+        if self._slots is not None:
+            self.transport.unexpose(SLOTS)
+            self._slots = None
+        self._buffers = []
+
+    # -- the update -----------------------------------------------------------------------------
+
+    def _plan_for(self, role: str) -> UpdatePlan:
+        if self.plan is None or self.transport is None or self.inbox is None:
+            raise RuntimeError("transport checkpoint engine: init_process_group must come first")
+        if self.plan.role != role:
+            raise RuntimeError(
+                f"transport checkpoint engine {self.name} is a {self.plan.role} in this update; "
+                f"only a {role} may call this"
+            )
+        return self.plan
+
+    @torch.no_grad()
+    async def send_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+        global_steps: int | None = None,
+    ) -> dict[str, float]:
+        """Stream ``weights`` (every rank consumes all of them) into the rollout workers."""
+        plan = self._plan_for("trainer")
+        assert self.transport is not None and self.inbox is not None
+        sender = BucketSender(self.transport, self.inbox, plan, self._buffers, self.timeout)
+        report = await sender.send(weights)
+        if report.dropped:
+            log.warning("update %s (step %s): rank %d dropped %s", plan.token, global_steps,
+                        plan.rank, report.dropped)  # fmt: skip
+        return report.metrics(plan.rank)
+
+    @torch.no_grad()
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Each tensor of the update as soon as its bucket landed (a view of the bucket)."""
+        plan = self._plan_for("rollout")
+        assert self.transport is not None and self.inbox is not None and self._slots is not None
+        receiver = BucketReceiver(self.transport, self.inbox, plan, self._slots, self.assembler,
+                                  self.timeout)  # fmt: skip
+        async for item in receiver.receive():
+            yield item
+
+    def close(self) -> None:
+        """Leave the store and free everything (the engine is unusable afterwards)."""
+        if self.inbox is not None:
+            self.inbox.close()
+        if self.transport is not None:
+            self.transport.close()
+        if self._hosted is not None:
+            self._hosted.close()
+        self.transport = self.inbox = None
+        self._hosted = None

@@ -1,0 +1,144 @@
+"""verl's own checkpoint-engine harness around an engine, on machines without a GPU.
+
+verl ships ``tests/checkpoint_engine/test_utils.py``: a ``TrainingWorkerTest`` (verl's FSDP
+``TrainingWorker`` plus an engine), a ``CheckpointEngineWorkerTest`` with a mock server adapter that
+checks every received weight against the Hugging Face model, and the replicas verl's
+``CheckpointEngineManager`` drives. All of it is used as shipped except the FSDP trainer: verl's
+``TrainingWorker`` initialises NCCL and cannot start without CUDA. :class:`StandInTrainer`
+replaces only that part: a verl ``Worker`` that yields what verl's FSDP engine yields on every
+rank (``get_per_tensor_param``: every full tensor, by name, in ``state_dict`` order, in bf16),
+from the same checkpoint.
+
+Also here: the few words verl's ``nixl`` engine needs to run on a CPU-only build of torch
+(:func:`patch_nixl_for_cpu`, imported through ``custom_backend_module``), a :class:`Gate` that
+holds the trainers at a tensor (a test kills a worker mid-update), and the memory of a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import types
+from typing import Any
+
+import ray
+import torch
+from verl.checkpoint_engine import CheckpointEngineRegistry
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.config import CheckpointEngineConfig
+
+#: the module to name in ``custom_backend_module`` to run verl's nixl engine on a CPU-only torch
+NIXL_ON_CPU = "transport.integrations.verl.harness"
+
+
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """The peak resident memory of a process (VmHWM), in bytes."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/PID/status")
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """The resident memory of a process now (VmRSS), in bytes."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/PID/status")
+
+
+def patch_nixl_for_cpu() -> None:
+    """verl's nixl engine pins its CPU buckets and calls ``torch.cuda.synchronize()``; both fail
+    on a torch without CUDA. There, give that module a torch whose ``zeros`` does not pin and
+    whose ``cuda.synchronize`` does nothing (its CPU copies are synchronous anyway)."""
+    if torch.cuda.is_available():
+        return
+    try:
+        from verl.checkpoint_engine import nixl_checkpoint_engine as mod
+    except ImportError:
+        return
+    if isinstance(mod.torch, types.SimpleNamespace):
+        return
+
+    def zeros(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, **kwargs)
+
+    cuda = types.SimpleNamespace(synchronize=lambda *a, **k: None)
+    proxy = types.SimpleNamespace(
+        **{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")}
+    )
+    proxy.zeros, proxy.cuda = zeros, cuda
+    mod.torch = proxy
+
+
+patch_nixl_for_cpu()
+
+
+@ray.remote
+class Gate:
+    """Holds whoever calls :meth:`reach` until :meth:`open`; counts who arrived."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self.reached = 0
+
+    async def reach(self) -> None:
+        self.reached += 1
+        await self._open.wait()
+
+    async def count(self) -> int:
+        return self.reached
+
+    async def open(self) -> None:
+        self._open.set()
+
+
+class StandInTrainer(Worker):
+    """A trainer rank in verl's harness without FSDP (see the module docstring). Every rank loads
+    the checkpoint and yields all of it, as verl's FSDP engine does after its all-gathers. On an
+    even ``global_steps`` it yields every weight negated (a test then sees that an update's bytes
+    are fresh, not a bucket's leftovers). ``hold_at`` (set per rank) stops the stream at that
+    tensor until the :class:`Gate` opens."""
+
+    def __init__(self, model_path: str, config: CheckpointEngineConfig) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+        self.hold: tuple[int, Any] | None = None
+        backend = config.backend
+        kwargs = dict(config.engine_kwargs.get(backend, {}))
+        if self.rank == 0:
+            kwargs["is_master"] = True
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            backend, bucket_size=config.update_weights_bucket_megabytes << 20, **kwargs
+        )
+
+    def _weights(self, step: int | None) -> Any:
+        sign = -1 if step is not None and step % 2 == 0 else 1
+        for i, (name, p) in enumerate(self.model.state_dict().items()):
+            if self.hold is not None and i == self.hold[0]:
+                ray.get(self.hold[1].reach.remote())
+                self.hold = None
+            yield name, (p if sign == 1 else -p)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
+        return await self.checkpoint_engine.send_weights(
+            self._weights(global_steps), global_steps=global_steps
+        )
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hold_at(self, index: int, gate: Any) -> None:
+        self.hold = (index, gate)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()

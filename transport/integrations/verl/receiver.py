@@ -1,0 +1,192 @@
+"""A rollout worker's side of one update: take each bucket as it lands, relay it, yield its tensors.
+
+Bucket ``k`` comes from ``plan.sender_of(k)`` (a trainer rank, or the parent relay) into slot
+``k % 2``; the worker reads the bucket's header from its own memory, checks it
+(:func:`~.buckets.read_header`), starts relaying the bucket to its children (each once it freed
+its slot), and yields the bucket's tensors. When the caller asks for the tensor after the
+bucket's last one and the relays have landed, the slot is free again: ``Free(k + 2)`` goes to the
+sender of bucket ``k + 2``. Meanwhile bucket ``k + 1`` lands in the other slot.
+
+Failure: the sender of the bucket awaited is gone (its heartbeat, seconds) -> the update fails
+here, naming it, and every trainer rank and child is told (``Abort``; whole when a trainer rank
+is gone). A child that dies is dropped and the others go on. Anything else that fails here
+(a header that breaks a rule, a tensor that changed its shape) aborts this worker's update only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import torch
+
+from transport import Handle, Transport
+from transport.errors import TransportError, WireFormatError
+from transport.integrations.verl.buckets import Assembler, read_header
+from transport.integrations.verl.inbox import Inbox, PeerGone
+from transport.integrations.verl.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
+from transport.integrations.verl.sender import SLOTS, UpdateAborted
+from transport.integrations.verl.topology import UpdatePlan
+
+log = logging.getLogger("transport.verl")
+
+
+class BucketReceiver:
+    """One rollout worker's update. It owns the update's bookkeeping; the slots (a registered,
+    exposed uint8 tensor of two buckets), the Assembler (what names it has seen) and the
+    Transport are the engine's."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        inbox: Inbox,
+        plan: UpdatePlan,
+        slots: torch.Tensor,
+        assembler: Assembler,
+        timeout: float,
+    ) -> None:
+        self.transport = transport
+        self.inbox = inbox
+        self.plan = plan
+        self.slots = slots
+        self.assembler = assembler
+        self.timeout = timeout
+        self.children = list(plan.targets)
+        self.dropped: dict[str, str] = {}
+        self.buckets = 0
+
+    def _slot(self, slot: int) -> torch.Tensor:
+        b = self.plan.bucket_bytes
+        return self.slots[slot * b : (slot + 1) * b]
+
+    def _drop(self, child: str, why: str) -> None:
+        if child in self.children:
+            self.children.remove(child)
+            self.dropped[child] = why
+            log.warning(
+                "update %s: %s drops its child %s: %s",
+                self.plan.token,
+                self.transport.name,
+                child,
+                why,
+            )
+
+    def _abort_seen(self) -> Abort | None:
+        """An abort from whoever this worker depends on: its parent, or any trainer rank's
+        ``whole`` one (relayed by nobody: trainers do not abort receivers)."""
+        for peer, abort in self.inbox.aborts:
+            if peer == self.plan.parent or (abort.whole and peer in self.plan.trainers):
+                return abort
+        for peer, _ in self.inbox.aborts:
+            self._drop(peer, "it aborted the update")
+        return None
+
+    async def _bucket(self, index: int) -> Bucket:
+        sender = self.plan.sender_of(index)
+
+        def ready() -> Bucket | Abort | None:
+            got = self.inbox.buckets.get(index)
+            if got is not None:
+                return got[1] if got[0] == sender else None
+            return self._abort_seen()
+
+        got = await asyncio.to_thread(
+            self.inbox.wait, ready, watch=lambda: [sender], timeout=self.timeout,
+            what=f"bucket {index} from {sender}",
+        )  # fmt: skip
+        if isinstance(got, Abort):
+            raise UpdateAborted(f"{self.plan.parent} stopped relaying: {got.reason}")
+        if got.slot != index % 2:
+            raise WireFormatError(
+                f"bucket {index} came in slot {got.slot}; it belongs in {index % 2}"
+            )
+        if (
+            got.header_at + got.header_bytes > self.plan.bucket_bytes
+            or got.data_bytes > got.header_at
+        ):
+            raise WireFormatError(
+                f"bucket {index}'s header lies outside its {self.plan.bucket_bytes} bytes"
+            )
+        return got
+
+    async def _relay(self, msg: Bucket) -> list[tuple[str, Handle]]:
+        out: list[tuple[str, Handle]] = []
+        waiting = [c for c in self.children if not self.inbox.may_write(c, msg.index)]
+        if waiting:
+
+            def ready() -> bool | None:
+                return True if all(self.inbox.may_write(c, msg.index) for c in waiting) else None
+
+            try:
+                await asyncio.to_thread(
+                    self.inbox.wait, ready, watch=lambda: waiting, timeout=self.timeout,
+                    what=f"a free slot for bucket {msg.index} at {', '.join(waiting)}",
+                )  # fmt: skip
+            except PeerGone as e:
+                self._drop(e.peer, e.why)
+            except TransportError as e:
+                for c in waiting:
+                    if not self.inbox.may_write(c, msg.index):
+                        self._drop(c, str(e))
+        src = self._slot(msg.slot)[: msg.header_at + msg.header_bytes]
+        core = self.transport.core
+        for child in list(self.children):
+            if not self.inbox.may_write(child, msg.index):
+                continue
+            try:
+                out.append((child, core.put_control_at(
+                    src, SLOTS, msg.slot * self.plan.bucket_bytes, child, CHANNEL, encode(msg),
+                    self.timeout,
+                )))  # fmt: skip
+            except TransportError as e:
+                self._drop(child, f"its relayed put failed ({e})")
+        return out
+
+    def _tell(self, peers: list[str], abort: Abort) -> None:
+        for peer in peers:
+            try:
+                self.transport.core.send_control(peer, CHANNEL, encode(abort))
+            except TransportError as e:
+                log.info("could not tell %s that update %s stopped: %s", peer, abort.token, e)
+
+    async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        self.assembler.begin()
+        index = 0
+        try:
+            while True:
+                msg = await self._bucket(index)
+                slot = self._slot(msg.slot)
+                raw = slot[msg.header_at : msg.header_at + msg.header_bytes].cpu().numpy().tobytes()
+                pieces = read_header(raw, msg.data_bytes)
+                relays = await self._relay(msg)
+                for name, tensor in self.assembler.tensors(slot, pieces):
+                    yield name, tensor
+                for child, handle in relays:
+                    try:
+                        await handle
+                    except TransportError as e:
+                        self._drop(child, f"its relayed put failed ({type(e).__name__}: {e})")
+                self.buckets += 1
+                if msg.last:
+                    self.assembler.check_complete()
+                    return
+                after = self.plan.sender_of(index + 2)
+                try:
+                    self.transport.core.send_control(
+                        after, CHANNEL, encode(Free(self.plan.token, index + 2))
+                    )
+                except TransportError as e:  # a gone sender is found while waiting for it
+                    log.info("could not free a slot at %s: %s", after, e)
+                index += 1
+        except (TransportError, asyncio.CancelledError, GeneratorExit) as e:
+            whole = isinstance(e, PeerGone) and e.peer in self.plan.trainers
+            why = str(e)[:MAX_REASON] or type(e).__name__
+            self._tell(list(self.plan.trainers) + self.children, Abort(self.plan.token, why, whole))
+            if isinstance(e, PeerGone) and e.peer in self.plan.trainers:
+                rank = self.plan.trainers.index(e.peer)
+                raise UpdateAborted(
+                    f"trainer rank {rank} ({e.peer}) is gone ({e.why}); this worker received "
+                    f"{self.buckets} buckets of the update, which is incomplete"
+                ) from e
+            raise

@@ -1,0 +1,115 @@
+"""Who sends what to whom in one update: the engines' introductions and the plan each one gets.
+
+verl calls ``prepare()`` on every engine (it returns an :class:`EngineInfo`), then the engine
+class's ``build_topology`` in the driver with all of them (trainer ranks first), then
+``init_process_group(plan=...)`` on every engine with the :class:`UpdatePlan` that
+:func:`build_plans` made for it.
+
+The plan: bucket ``k`` of an update is filled and sent by trainer rank ``k % trainers`` (every
+rank holds every tensor, so the ranks share the sending); it lands in slot ``k % 2`` of each
+receiver. Receivers form a tree of ``degree`` children per node (``degree == 0``: no relays, the
+trainer ranks write every rollout worker themselves); the roots take buckets from the trainer
+ranks, every other worker from its parent, which relays each bucket it received.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from transport.integrations.verl.messages import TOKEN_CHARS
+
+#: the relay degree that "auto" picks above this many rollout workers (direct at or below)
+AUTO_DIRECT_MAX = 4
+AUTO_DEGREE = 4
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine tells the others in ``prepare()``: its peer name in the store, the store's
+    URL if it hosts it (or was given one), the bucket size and relay degree it was built with."""
+
+    name: str
+    store: str | None
+    bucket_bytes: int
+    degree: int | None
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """One engine's part of one update (see the module docstring for the rules).
+
+    ``role`` is ``"trainer"`` or ``"rollout"``; ``rank`` its index among its role; ``trainers``
+    every trainer rank's peer name by rank; ``targets`` the peers this engine writes (a trainer
+    rank: the tree's roots; a rollout worker: its children); ``parent`` where a rollout worker's
+    buckets come from (None: from the trainer ranks)."""
+
+    token: str
+    role: str
+    rank: int
+    store: str
+    bucket_bytes: int
+    trainers: tuple[str, ...]
+    targets: tuple[str, ...]
+    parent: str | None
+
+    def sender_of(self, index: int) -> str:
+        """The peer that writes bucket ``index`` to this rollout worker."""
+        return self.parent if self.parent is not None else self.trainers[index % len(self.trainers)]
+
+    def sends(self, index: int) -> bool:
+        """Whether this trainer rank fills and sends bucket ``index``."""
+        return index % len(self.trainers) == self.rank
+
+
+def build_plans(
+    trainers: int, rollouts: int, infos: list[EngineInfo]
+) -> tuple[list[UpdatePlan], list[UpdatePlan]]:
+    """Every trainer rank's and rollout worker's plan from their introductions (trainer ranks
+    first, as verl lists them)."""
+    if trainers < 1 or rollouts < 0 or len(infos) != trainers + rollouts:
+        raise ValueError(
+            f"build_topology: {len(infos)} engines introduced themselves for {trainers} trainer "
+            f"ranks and {rollouts} rollout workers"
+        )
+    if not all(isinstance(i, EngineInfo) for i in infos):
+        kinds = sorted({type(i).__name__ for i in infos})
+        raise TypeError(
+            f"build_topology: every engine must be a transport engine (got {kinds}); set "
+            "checkpoint_engine.backend=transport on the trainer and the rollout side alike"
+        )
+    stores = {i.store for i in infos if i.store is not None}
+    if len(stores) != 1:
+        raise ValueError(
+            "build_topology: the engines name "
+            + (f"{len(stores)} different stores {sorted(stores)}" if stores else "no store")
+            + "; give every engine the same store (engine_kwargs.transport.store or "
+            "$TRANSPORT_STORE), or let trainer rank 0 (is_master=True) host one"
+        )
+    sizes = {i.bucket_bytes for i in infos}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"build_topology: the engines have different bucket sizes {sorted(sizes)}; give them "
+            "all the same update_weights_bucket_megabytes"
+        )
+    (store,) = stores
+    (bucket,) = sizes
+    degree = infos[0].degree
+    if degree is None:
+        degree = 0 if rollouts <= AUTO_DIRECT_MAX else AUTO_DEGREE
+    token = secrets.token_hex(TOKEN_CHARS // 2)
+    names = [i.name for i in infos]
+    if len(set(names)) != len(names):
+        raise ValueError(f"build_topology: two engines share a peer name: {names}")
+    t_names, r_names = tuple(names[:trainers]), names[trainers:]
+    roots = r_names if degree == 0 else r_names[:degree]
+    t_plans = [
+        UpdatePlan(token, "trainer", r, store, bucket, t_names, tuple(roots), None)
+        for r in range(trainers)
+    ]
+    r_plans = []
+    for i in range(len(r_names)):
+        children = () if degree == 0 else tuple(r_names[(i + 1) * degree : (i + 2) * degree])
+        parent = None if degree == 0 or i < degree else r_names[i // degree - 1]
+        r_plans.append(UpdatePlan(token, "rollout", i, store, bucket, t_names, children, parent))
+    return t_plans, r_plans
