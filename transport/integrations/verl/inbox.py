@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from transport import Transport
-from transport.errors import TransferTimeout, TransportError, WireFormatError
+from transport.errors import PeerNotFoundError, TransferTimeout, TransportError, WireFormatError
 from transport.integrations.verl.messages import CHANNEL, Abort, Bucket, Free, decode
 
 log = logging.getLogger("transport.verl")
@@ -97,6 +97,8 @@ class Inbox:
                 if gen is None:
                     gen = self._generations[peer] = core.peer(peer).generation
                 why = core.suspect(peer, gen)
+            except PeerNotFoundError:
+                why = "it left the store (its record is gone)"
             except TransportError as e:
                 why = f"{type(e).__name__}: {e}"
             if why:

@@ -180,13 +180,18 @@ class BucketReceiver:
                     log.info("could not free a slot at %s: %s", after, e)
                 index += 1
         except (TransportError, asyncio.CancelledError, GeneratorExit) as e:
+            error: BaseException = e
             whole = isinstance(e, PeerGone) and e.peer in self.plan.trainers
-            why = str(e)[:MAX_REASON] or type(e).__name__
-            self._tell(list(self.plan.trainers) + self.children, Abort(self.plan.token, why, whole))
-            if isinstance(e, PeerGone) and e.peer in self.plan.trainers:
+            if isinstance(e, PeerGone) and whole:
                 rank = self.plan.trainers.index(e.peer)
-                raise UpdateAborted(
-                    f"trainer rank {rank} ({e.peer}) is gone ({e.why}); this worker received "
-                    f"{self.buckets} buckets of the update, which is incomplete"
-                ) from e
-            raise
+                error = UpdateAborted(
+                    f"trainer rank {rank} ({e.peer}) is gone ({e.why}); {self.transport.name} "
+                    f"received {self.buckets} buckets of the update, which is incomplete"
+                )
+            elif isinstance(e, PeerGone):
+                error = UpdateAborted(f"relay {e.peer}, this worker's parent, is gone ({e.why})")
+            why = str(error)[:MAX_REASON] or type(e).__name__
+            self._tell(list(self.plan.trainers) + self.children, Abort(self.plan.token, why, whole))
+            if error is e:
+                raise
+            raise error from e

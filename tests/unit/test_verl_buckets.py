@@ -1,0 +1,293 @@
+"""The verl engine's bucket protocol on the loopback backend: packing and headers (every rule of
+a header a peer wrote), trainer ranks sharing the sending, relays, a receiver slower than the
+sender (double buffering: a slot in use is never written), and a receiver that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+
+from helpers.loopback_net import pattern
+from helpers.polling import wait_until
+from transport.errors import WireFormatError
+from transport.integrations.verl.buckets import ALIGN, Assembler, Packer, Piece, Planned, read_header
+from transport.integrations.verl.inbox import Inbox
+from transport.integrations.verl.messages import Abort, Bucket, Free, decode, encode
+from transport.integrations.verl.receiver import BucketReceiver
+from transport.integrations.verl.sender import SLOTS, BucketSender, UpdateAborted
+from transport.integrations.verl.topology import EngineInfo, build_plans
+
+pytestmark = pytest.mark.timeout(120)
+
+KIB = 1024
+
+
+def model(count: int = 120, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors of the shapes and dtypes of a small transformer, a large one, odd sizes, a
+    zero-size one and a scalar."""
+    out: dict[str, torch.Tensor] = {}
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.bool, torch.uint8]
+    for i in range(count):
+        dtype = dtypes[i % len(dtypes)]
+        n = [1, 7, 300, 1000, 4099, 17][i % 6] * (1 + i % 5)
+        t = pattern(n, seed * 1000 + i, torch.uint8 if dtype == torch.bool else dtype)
+        out[f"model.layers.{i}.w"] = (t % 2).bool() if dtype == torch.bool else t
+    out["lm_head.weight"] = pattern(150 * KIB, seed + 7, torch.float32).view(300, 512)  # > a bucket
+    out["empty"] = torch.empty(0, 4, dtype=torch.bfloat16)
+    out["scalar"] = torch.tensor(3.5, dtype=torch.float32)
+    return out
+
+
+def unpack_all(weights: dict[str, torch.Tensor], bucket: int) -> dict[str, torch.Tensor]:
+    """Pack ``weights`` and read every bucket back the way a receiver does."""
+    packer = Packer(bucket)
+    buf = torch.zeros(bucket, dtype=torch.uint8)
+    asm = Assembler("cpu")
+    got: dict[str, torch.Tensor] = {}
+
+    def read(planned: Planned) -> None:
+        assert planned.nbytes <= bucket
+        buf[planned.header_at : planned.nbytes] = torch.frombuffer(bytearray(planned.header), dtype=torch.uint8)
+        pieces = read_header(bytes(buf[planned.header_at : planned.nbytes].numpy()), planned.data_bytes)
+        for name, t in asm.tensors(buf, pieces):
+            got[name] = t.clone()
+
+    for name, t in weights.items():
+        for item in packer.add(name, t):
+            if isinstance(item, Planned):
+                read(item)
+            else:
+                piece, data = item
+                buf[piece.offset : piece.offset + piece.nbytes] = data
+    read(packer.finish())
+    asm.check_complete()
+    return got
+
+
+def test_packing_and_reading_back_gives_every_tensor_bit_for_bit() -> None:
+    weights = model()
+    got = unpack_all(weights, 64 * KIB)
+    assert list(got) == list(weights)
+    for name, t in weights.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def test_a_header_that_breaks_a_rule_is_refused_naming_the_tensor() -> None:
+    good = ["w", "float32", [4], 0, 16, 0]
+    assert read_header(msgpack.packb([good]), 16) == [Piece("w", "float32", (4,), 0, 16, 0)]
+    cases = {
+        "dtype 'complex'": ["w", "complex", [4], 0, 16, 0],
+        "not an aligned run": ["w", "float32", [4], ALIGN // 2, 16, 0],
+        "inside the bucket's 16 bytes": ["w", "float32", [8], 0, 32, 0],
+        "lies outside its 16 bytes": ["w", "float32", [4], 0, 16, 8],
+        "not a list of ints": ["w", "float32", [-1], 0, 0, 0],
+        "offset must be an int": ["w", "float32", [4], "0", 16, 0],
+        "1 to 1024 characters": ["", "float32", [4], 0, 16, 0],
+        "has 6 fields": ["w", "float32", [4], 0, 16],
+    }
+    for rule, row in cases.items():
+        with pytest.raises(WireFormatError, match=rule):
+            read_header(msgpack.packb([row]), 16 if "32" not in str(row) else 16)
+    with pytest.raises(WireFormatError, match="not valid msgpack"):
+        read_header(b"\xc1garbage", 16)
+
+
+def test_a_tensor_that_changes_shape_or_is_cut_short_is_refused_with_its_name() -> None:
+    asm = Assembler("cpu")
+    bucket = torch.zeros(256, dtype=torch.uint8)
+    list(asm.tensors(bucket, [Piece("q_proj", "bfloat16", (4, 8), 0, 64, 0)]))
+    with pytest.raises(WireFormatError, match=r"q_proj arrived as bfloat16\[8, 4\] but was bfloat16\[4, 8\]"):
+        list(asm.tensors(bucket, [Piece("q_proj", "bfloat16", (8, 4), 0, 64, 0)]))
+    asm.begin()
+    list(asm.tensors(bucket, [Piece("big", "uint8", (100,), 0, 64, 0)]))
+    with pytest.raises(WireFormatError, match="big stopped at byte 64 of 100 and other"):
+        list(asm.tensors(bucket, [Piece("other", "uint8", (4,), 0, 4, 0)]))
+    asm.begin()
+    list(asm.tensors(bucket, [Piece("big", "uint8", (100,), 0, 64, 0)]))
+    with pytest.raises(WireFormatError, match="ended with tensor big at byte 64 of 100"):
+        asm.check_complete()
+
+
+def test_messages_round_trip_and_garbage_is_refused() -> None:
+    token = "0123456789abcdef"
+    for msg in (Bucket(token, 3, 1, 100, 128, 40, False), Free(token, 5), Abort(token, "why", True)):
+        assert decode(encode(msg)) == msg
+    for bad, rule in (
+        (msgpack.packb({"kind": "free", "token": token}), "has the fields"),
+        (msgpack.packb({"kind": "free", "token": "xyz", "index": 1}), "16 hex digits"),
+        (msgpack.packb({"kind": "free", "token": token, "index": -1}), "int >= 0"),
+        (msgpack.packb({"kind": "bucket", **{k: 0 for k in ("index", "data_bytes", "header_at", "header_bytes")},
+                        "token": token, "slot": 2, "last": False}), "slot is 0 or 1"),
+        (msgpack.packb({"kind": "nope"}), "unknown"),
+        (b"\x00" * 9000, "limit"),
+    ):  # fmt: skip
+        with pytest.raises(WireFormatError, match=rule):
+            decode(bad)
+
+
+# -- the protocol between loopback Transports --------------------------------------------------
+
+
+class Job:
+    """Trainer ranks and rollout workers of one update on loopback Transports, wired as the
+    engine wires them (plans from build_plans, slots exposed, send buffers registered)."""
+
+    def __init__(self, net, trainers: int, rollouts: int, bucket: int, degree: int = 0) -> None:
+        self.bucket = bucket
+        infos = []
+        self.t = []
+        for i in range(trainers + rollouts):
+            t = net.make(f"{'t' if i < trainers else 'r'}{i}", heartbeat_interval=0.2)
+            self.t.append(t)
+            infos.append(EngineInfo(t.name, "mem://" if i == 0 else None, bucket, degree))
+        self.tp, self.rp = build_plans(trainers, rollouts, infos)
+        self.inbox = [Inbox(t) for t in self.t]
+        for ib, p in zip(self.inbox, self.tp + self.rp):
+            ib.begin(p.token)
+        self.buffers = [[torch.empty(bucket, dtype=torch.uint8) for _ in range(2 if trainers == 1 else 1)]
+                        for _ in range(trainers)]  # fmt: skip
+        self.slots = [torch.zeros(2 * bucket, dtype=torch.uint8) for _ in range(rollouts)]
+        for t, s in zip(self.t[trainers:], self.slots):
+            t.expose(SLOTS, s, access="w")
+        self.senders = [BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0)
+                        for r, p in enumerate(self.tp)]  # fmt: skip
+        self.receivers = [
+            BucketReceiver(self.t[trainers + i], self.inbox[trainers + i], p, self.slots[i], Assembler("cpu"), 10.0)
+            for i, p in enumerate(self.rp)
+        ]  # fmt: skip
+
+    def send_all(self, weights: dict[str, torch.Tensor]) -> list[threading.Thread]:
+        self.send_errors: list[BaseException | None] = [None] * len(self.senders)
+
+        def run(i: int) -> None:
+            try:
+                asyncio.run(self.senders[i].send(iter(weights.items())))
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                self.send_errors[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.senders))]
+        for th in threads:
+            th.start()
+        return threads
+
+
+def collect(receiver: BucketReceiver, hold: threading.Event | None = None, at: int = -1,
+            held: list | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Everything ``receiver`` yields (cloned); at the ``at``-th tensor, keep a view and wait
+    for ``hold``."""
+
+    async def run() -> dict[str, torch.Tensor]:
+        out = {}
+        i = 0
+        async for name, t in receiver.receive():
+            if i == at and hold is not None and held is not None:
+                held.append((name, t, t.clone()))
+                await asyncio.to_thread(hold.wait, 60)
+            out[name] = t.clone()
+            i += 1
+        return out
+
+    return asyncio.run(run())
+
+
+def receive_all(job: Job) -> Iterator[dict[str, torch.Tensor]]:
+    results: list = [None] * len(job.receivers)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = collect(job.receivers[i])
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(job.receivers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    yield from results
+
+
+@pytest.mark.parametrize(("trainers", "rollouts", "degree"), [(1, 1, 0), (2, 3, 0), (2, 5, 2), (3, 4, 1)])
+def test_every_receiver_gets_every_tensor_in_order(loopback_net, trainers, rollouts, degree) -> None:
+    weights = model(200, seed=trainers * 10 + rollouts)
+    job = Job(loopback_net, trainers, rollouts, 64 * KIB, degree)
+    senders = job.send_all(weights)
+    for got in receive_all(job):
+        assert not isinstance(got, BaseException), got
+        assert list(got) == list(weights)
+        for name, t in weights.items():
+            assert torch.equal(got[name], t), name
+    for th in senders:
+        th.join(30)
+    assert job.send_errors == [None] * trainers
+    buckets = [s.report.buckets for s in job.senders]
+    assert sum(buckets) == job.receivers[0].buckets > 4  # the ranks shared the buckets
+    assert max(buckets) - min(buckets) <= 1
+
+
+def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_never_written(
+    loopback_net, monkeypatch
+) -> None:
+    weights = {f"w{i}": pattern(15 * KIB, i) for i in range(40)}  # 4 tensors per 64 KiB bucket
+    job = Job(loopback_net, 1, 1, 64 * KIB)
+    waits: list[str] = []
+    real_wait = Inbox.wait
+
+    def wait(self, ready, **kw):
+        waits.append(kw["what"])
+        return real_wait(self, ready, **kw)
+
+    monkeypatch.setattr(Inbox, "wait", wait)
+    hold, held, out = threading.Event(), [], {}
+    th = threading.Thread(target=lambda: out.update(collect(job.receivers[0], hold, at=13, held=held)))
+    th.start()  # tensor 13 lies in bucket 3 (slot 1)
+    senders = job.send_all(weights)
+    wait_until(lambda: any("free slot for bucket 5" in w for w in waits), 30, "the sender waiting for slot 1")
+    assert job.senders[0].report.buckets == 5  # buckets 0..4: the held bucket 3's slot is next
+    name, view, copy = held[0]
+    assert name == "w13" and torch.equal(view, copy) and torch.equal(view, weights["w13"])
+    hold.set()
+    th.join(30)
+    for s in senders:
+        s.join(30)
+    assert job.send_errors == [None] and list(out) == list(weights)
+    assert all(torch.equal(out[n], t) for n, t in weights.items())
+
+
+def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_complete(loopback_net) -> None:
+    weights = model(100)
+    job = Job(loopback_net, 2, 3, 32 * KIB)
+    gone = job.t[3]  # rollout worker 1
+    senders = job.send_all(weights)
+    gone.close()
+    results = list(receive_all(job))
+    for i in (0, 2):
+        assert not isinstance(results[i], BaseException), results[i]
+        assert all(torch.equal(results[i][n], t) for n, t in weights.items())
+    for th in senders:
+        th.join(30)
+    assert job.send_errors == [None, None]
+    for s in job.senders:
+        assert list(s.report.dropped) == [gone.name], s.report.dropped
+
+
+def test_a_trainer_rank_that_is_gone_fails_the_update_everywhere_naming_it(loopback_net) -> None:
+    weights = model(100)
+    job = Job(loopback_net, 2, 2, 32 * KIB)
+    gone = job.t[1].name
+    job.t[1].close()  # trainer rank 1 leaves: bucket 1 never comes
+    senders = job.send_all(weights)
+    results = list(receive_all(job))
+    for got in results:
+        assert isinstance(got, UpdateAborted), got
+        assert f"trainer rank 1 ({gone}) is gone" in str(got) and "received 1 buckets of the update" in str(got)
+    for th in senders[:1]:
+        th.join(30)
+    assert isinstance(job.send_errors[0], UpdateAborted), job.send_errors[0]
+    assert f"trainer rank 1 ({gone}) is gone" in str(job.send_errors[0])
