@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: sets up what the tests need on a fresh machine and runs them.
 #   - a virtualenv in .venv with the CPU build of torch and this package with its dev extras
-#   - vLLM's CPU build for the integration tests (examples/setup_vllm.sh)
+#   - vLLM's CPU build for the integration tests (examples/setup_vllm.sh), verl and Ray for the
+#     verl engine's (examples/setup_verl.sh)
 #   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
 #   - as root: Debian's iproute2 and nftables (installed when missing) for tests/hosts
@@ -22,6 +23,8 @@ fi
 }
 bash examples/setup_vllm.sh
 export TRANSPORT_TEST_VLLM=1  # the vLLM tests fail, not skip, without it
+bash examples/setup_verl.sh
+export TRANSPORT_TEST_VERL=1  # the verl tests fail, not skip, without it
 
 # The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
 # kernel lacks tc's netem, drop packets with nftables: install iproute2 and nftables when missing.

@@ -134,9 +134,9 @@ class TransportCheckpointEngine(CheckpointEngine):
         """This engine's introduction; trainer rank 0 hosts the job's store when none is given."""
         if self.store_url is None and self.is_master and self._hosted is None:
             self._hosted = TcpStore(node_address(), 0, hosting="yes")
-            host = node_address()
-            self.store_url = f"tcp://{host}:{self._hosted.port}?host=no"
-            self._join(self.store_url)
+            self.store_url = f"tcp://{node_address()}:{self._hosted.port}?host=no"
+        if self.store_url is not None:
+            self._join(self.store_url)  # an unreachable store fails here, naming it
         return EngineInfo(
             self.name, self.store_url if (self.is_master or self.store_url) else None,
             self.bucket_size, self.relay_degree,

@@ -101,7 +101,7 @@ class StandInTrainer(Worker):
     the checkpoint and yields all of it, as verl's FSDP engine does after its all-gathers. On an
     even ``global_steps`` it yields every weight negated (a test then sees that an update's bytes
     are fresh, not a bucket's leftovers). ``hold_at`` (set per rank) stops the stream at that
-    tensor until the :class:`Gate` opens."""
+    tensor until the :class:`Gate` opens; ``flatten_next`` sends one tensor in another shape."""
 
     def __init__(self, model_path: str, config: CheckpointEngineConfig) -> None:
         super().__init__()
@@ -109,6 +109,7 @@ class StandInTrainer(Worker):
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
         self.hold: tuple[int, Any] | None = None
+        self.flatten: str | None = None
         backend = config.backend
         kwargs = dict(config.engine_kwargs.get(backend, {}))
         if self.rank == 0:
@@ -123,6 +124,8 @@ class StandInTrainer(Worker):
             if self.hold is not None and i == self.hold[0]:
                 ray.get(self.hold[1].reach.remote())
                 self.hold = None
+            if name == self.flatten:
+                p = p.reshape(-1)
             yield name, (p if sign == 1 else -p)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -138,6 +141,11 @@ class StandInTrainer(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def hold_at(self, index: int, gate: Any) -> None:
         self.hold = (index, gate)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def flatten_next(self, name: str | None) -> None:
+        """Yield tensor ``name`` flattened from now on (None: as it is)."""
+        self.flatten = name
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self) -> int:

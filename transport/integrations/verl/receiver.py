@@ -73,8 +73,9 @@ class BucketReceiver:
             )
 
     def _abort_seen(self) -> Abort | None:
-        """An abort from whoever this worker depends on: its parent, or any trainer rank's
-        ``whole`` one (relayed by nobody: trainers do not abort receivers)."""
+        """An abort from whoever this worker depends on: its parent, or a trainer rank's
+        ``whole`` one (a trainer rank that failed tells its targets; a root relays nothing of
+        it, its children see their parent abort)."""
         for peer, abort in self.inbox.aborts:
             if peer == self.plan.parent or (abort.whole and peer in self.plan.trainers):
                 return abort

@@ -29,7 +29,7 @@ from transport import Handle, Transport
 from transport.errors import TransportError
 from transport.integrations.verl.buckets import Packer, Planned
 from transport.integrations.verl.inbox import Inbox, PeerGone
-from transport.integrations.verl.messages import CHANNEL, Bucket, encode
+from transport.integrations.verl.messages import CHANNEL, MAX_REASON, Abort, Bucket, encode
 from transport.integrations.verl.topology import UpdatePlan
 
 log = logging.getLogger("transport.verl")
@@ -187,7 +187,24 @@ class BucketSender:
         return self.buffers[b]
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> SendReport:
+        """Pack ``weights``, ship this rank's buckets, wait until they landed. On any failure
+        every target is told (``Abort``, whole: the update cannot complete) before it raises."""
         start = time.perf_counter()
+        try:
+            await self._send(weights)
+        except BaseException as e:
+            why = f"trainer rank {self.plan.rank} ({self.transport.name}) failed: {type(e).__name__}: {e}"
+            abort = encode(Abort(self.plan.token, why[:MAX_REASON], True))
+            for peer in self.targets:
+                try:
+                    self.transport.core.send_control(peer, CHANNEL, abort)
+                except TransportError as err:
+                    log.info("could not tell %s that update %s stopped: %s", peer, self.plan.token, err)
+            raise
+        self.report.seconds = time.perf_counter() - start
+        return self.report
+
+    async def _send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> None:
         packer = Packer(self.plan.bucket_bytes)
         async for name, tensor in aiter_of(weights):
             for item in packer.add(name, tensor):
@@ -202,5 +219,3 @@ class BucketSender:
         for b in range(len(self.buffers)):
             await self._land(b)
         self._aborts()
-        self.report.seconds = time.perf_counter() - start
-        return self.report
