@@ -62,7 +62,9 @@ class Job:
             custom_backend_module="transport.integrations.verl",
         )  # fmt: skip
         model_config = HFModelConfig(path=str(model), use_remove_padding=True)
-        rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=self.cfg)
+        rollout_config = RolloutConfig(
+            name="vllm", tensor_model_parallel_size=2, checkpoint_engine=self.cfg
+        )
         pool = RayResourcePool(process_on_nodes=[6], max_colocate_count=1, use_gpu=False)
         trainer_pool, rollout_pool = split_resource_pool(pool, [2, 4])
         self.actor = RayWorkerGroup(
@@ -73,10 +75,14 @@ class Job:
             create_rollout_worker_group(rollout_pool, model_config, rollout_config, True)
         )
         assert len(self.replicas) == 2 and len(self.rollout.workers) == 4
-        self.manager = CheckpointEngineManager(config=self.cfg, actor_wg=self.actor, replicas=[self.replicas[0]])
+        self.manager = CheckpointEngineManager(
+            config=self.cfg, actor_wg=self.actor, replicas=[self.replicas[0]]
+        )
 
     def update(self, step: int) -> dict:
-        return self.manager.update_weights(global_steps=step)  # verl makes it blocking outside a loop
+        return self.manager.update_weights(
+            global_steps=step
+        )  # verl makes it blocking outside a loop
 
     def check(self, workers) -> None:
         ray.get([w.check_weights.remote() for w in workers])
@@ -117,7 +123,10 @@ def test_a_tensor_of_another_shape_is_refused_with_its_name(job):
     job.actor.flatten_next("model.layers.1.self_attn.k_proj.weight")
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         job.update(7)
-    assert "model.layers.1.self_attn.k_proj.weight arrived as bfloat16[16384] but was bfloat16[64, 256]" in str(info.value)
+    assert (
+        "model.layers.1.self_attn.k_proj.weight arrived as bfloat16[16384] but was bfloat16[64, 256]"
+        in str(info.value)
+    )
     job.actor.flatten_next(None)
     job.update(9)
     job.check(job.rollout.workers)
@@ -154,7 +163,9 @@ def test_outsiders_can_neither_write_nor_read_a_worker(job):
     infos = ray.get(job.actor.execute_checkpoint_engine(["prepare"] * 2))
     worker = ray.get(job.rollout.workers[0].execute_checkpoint_engine.remote("prepare"))
     for secret in (None, "not-the-job-secret"):
-        with transport.Transport("mallory", store=infos[0].store, namespace="verl", secret=secret) as t:
+        with transport.Transport(
+            "mallory", store=infos[0].store, namespace="verl", secret=secret
+        ) as t:
             with pytest.raises(SignatureError):
                 t.put(torch.ones(BUCKET_MB << 20, dtype=torch.uint8), worker.name, "verl.slots")
             with pytest.raises(SignatureError):
@@ -181,7 +192,9 @@ def test_a_trainer_rank_killed_mid_update_fails_it_on_every_worker_naming_the_ra
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(refs[1])
     for ref in refs[2:]:
-        with pytest.raises(ray.exceptions.RayTaskError, match=r"trainer rank 1 \(verl-[0-9a-f]+\) is gone"):
+        with pytest.raises(
+            ray.exceptions.RayTaskError, match=r"trainer rank 1 \(verl-[0-9a-f]+\) is gone"
+        ):
             ray.get(ref)
 
 
@@ -193,8 +206,15 @@ def test_bad_settings_are_refused_naming_the_rule():
             TransportCheckpointEngine(bucket_size=size)
     with pytest.raises(ValueError, match="relay_degree is None or 0 to 64"):
         TransportCheckpointEngine(bucket_size=1 << 20, relay_degree=-2)
-    engine = TransportCheckpointEngine(bucket_size=1 << 20, store="tcp://127.0.0.1:9?host=no&timeout=2")
-    with pytest.raises(transport.StoreError, match=r"could not join store tcp://127.0.0.1:9\?host=no&timeout=2"):
+    engine = TransportCheckpointEngine(
+        bucket_size=1 << 20, store="tcp://127.0.0.1:9?host=no&timeout=2"
+    )
+    with pytest.raises(
+        transport.StoreError, match=r"could not join store tcp://127.0.0.1:9\?host=no&timeout=2"
+    ):
         engine.prepare()
-    with pytest.raises(TypeError, match="set checkpoint_engine.backend=transport on the trainer and the rollout side"):
+    with pytest.raises(
+        TypeError,
+        match="set checkpoint_engine.backend=transport on the trainer and the rollout side",
+    ):
         TransportCheckpointEngine.build_topology(1, 1, [{"agent": "nixl"}, {"agent": "nixl"}])

@@ -15,7 +15,14 @@ import torch
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
 from transport.errors import WireFormatError
-from transport.integrations.verl.buckets import ALIGN, Assembler, Packer, Piece, Planned, read_header
+from transport.integrations.verl.buckets import (
+    ALIGN,
+    Assembler,
+    Packer,
+    Piece,
+    Planned,
+    read_header,
+)
 from transport.integrations.verl.inbox import Inbox
 from transport.integrations.verl.messages import Abort, Bucket, Free, decode, encode
 from transport.integrations.verl.receiver import BucketReceiver
@@ -52,8 +59,12 @@ def unpack_all(weights: dict[str, torch.Tensor], bucket: int) -> dict[str, torch
 
     def read(planned: Planned) -> None:
         assert planned.nbytes <= bucket
-        buf[planned.header_at : planned.nbytes] = torch.frombuffer(bytearray(planned.header), dtype=torch.uint8)
-        pieces = read_header(bytes(buf[planned.header_at : planned.nbytes].numpy()), planned.data_bytes)
+        buf[planned.header_at : planned.nbytes] = torch.frombuffer(
+            bytearray(planned.header), dtype=torch.uint8
+        )
+        pieces = read_header(
+            bytes(buf[planned.header_at : planned.nbytes].numpy()), planned.data_bytes
+        )
         for name, t in asm.tensors(buf, pieces):
             got[name] = t.clone()
 
@@ -102,7 +113,9 @@ def test_a_tensor_that_changes_shape_or_is_cut_short_is_refused_with_its_name() 
     asm = Assembler("cpu")
     bucket = torch.zeros(256, dtype=torch.uint8)
     list(asm.tensors(bucket, [Piece("q_proj", "bfloat16", (4, 8), 0, 64, 0)]))
-    with pytest.raises(WireFormatError, match=r"q_proj arrived as bfloat16\[8, 4\] but was bfloat16\[4, 8\]"):
+    with pytest.raises(
+        WireFormatError, match=r"q_proj arrived as bfloat16\[8, 4\] but was bfloat16\[4, 8\]"
+    ):
         list(asm.tensors(bucket, [Piece("q_proj", "bfloat16", (8, 4), 0, 64, 0)]))
     asm.begin()
     list(asm.tensors(bucket, [Piece("big", "uint8", (100,), 0, 64, 0)]))
@@ -116,7 +129,11 @@ def test_a_tensor_that_changes_shape_or_is_cut_short_is_refused_with_its_name() 
 
 def test_messages_round_trip_and_garbage_is_refused() -> None:
     token = "0123456789abcdef"
-    for msg in (Bucket(token, 3, 1, 100, 128, 40, False), Free(token, 5), Abort(token, "why", True)):
+    for msg in (
+        Bucket(token, 3, 1, 100, 128, 40, False),
+        Free(token, 5),
+        Abort(token, "why", True),
+    ):
         assert decode(encode(msg)) == msg
     for bad, rule in (
         (msgpack.packb({"kind": "free", "token": token}), "has the fields"),
@@ -148,12 +165,12 @@ class Job:
             infos.append(EngineInfo(t.name, "mem://" if i == 0 else None, bucket, degree))
         self.tp, self.rp = build_plans(trainers, rollouts, infos)
         self.inbox = [Inbox(t) for t in self.t]
-        for ib, p in zip(self.inbox, self.tp + self.rp):
+        for ib, p in zip(self.inbox, self.tp + self.rp, strict=False):
             ib.begin(p.token)
         self.buffers = [[torch.empty(bucket, dtype=torch.uint8) for _ in range(2 if trainers == 1 else 1)]
                         for _ in range(trainers)]  # fmt: skip
         self.slots = [torch.zeros(2 * bucket, dtype=torch.uint8) for _ in range(rollouts)]
-        for t, s in zip(self.t[trainers:], self.slots):
+        for t, s in zip(self.t[trainers:], self.slots, strict=False):
             t.expose(SLOTS, s, access="w")
         self.senders = [BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0)
                         for r, p in enumerate(self.tp)]  # fmt: skip
@@ -171,7 +188,9 @@ class Job:
             except BaseException as e:  # noqa: BLE001 - the test reads it
                 self.send_errors[i] = e
 
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.senders))]
+        threads = [
+            threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.senders))
+        ]
         for th in threads:
             th.start()
         return threads
@@ -205,7 +224,9 @@ def receive_all(job: Job) -> Iterator[dict[str, torch.Tensor]]:
         except BaseException as e:  # noqa: BLE001 - the test reads it
             results[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(job.receivers))]
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(job.receivers))
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -213,8 +234,12 @@ def receive_all(job: Job) -> Iterator[dict[str, torch.Tensor]]:
     yield from results
 
 
-@pytest.mark.parametrize(("trainers", "rollouts", "degree"), [(1, 1, 0), (2, 3, 0), (2, 5, 2), (3, 4, 1)])
-def test_every_receiver_gets_every_tensor_in_order(loopback_net, trainers, rollouts, degree) -> None:
+@pytest.mark.parametrize(
+    ("trainers", "rollouts", "degree"), [(1, 1, 0), (2, 3, 0), (2, 5, 2), (3, 4, 1)]
+)
+def test_every_receiver_gets_every_tensor_in_order(
+    loopback_net, trainers, rollouts, degree
+) -> None:
     weights = model(200, seed=trainers * 10 + rollouts)
     job = Job(loopback_net, trainers, rollouts, 64 * KIB, degree)
     senders = job.send_all(weights)
@@ -245,10 +270,16 @@ def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_neve
 
     monkeypatch.setattr(Inbox, "wait", wait)
     hold, held, out = threading.Event(), [], {}
-    th = threading.Thread(target=lambda: out.update(collect(job.receivers[0], hold, at=13, held=held)))
+    th = threading.Thread(
+        target=lambda: out.update(collect(job.receivers[0], hold, at=13, held=held))
+    )
     th.start()  # tensor 13 lies in bucket 3 (slot 1)
     senders = job.send_all(weights)
-    wait_until(lambda: any("free slot for bucket 5" in w for w in waits), 30, "the sender waiting for slot 1")
+    wait_until(
+        lambda: any("free slot for bucket 5" in w for w in waits),
+        30,
+        "the sender waiting for slot 1",
+    )
     assert job.senders[0].report.buckets == 5  # buckets 0..4: the held bucket 3's slot is next
     name, view, copy = held[0]
     assert name == "w13" and torch.equal(view, copy) and torch.equal(view, weights["w13"])
@@ -260,7 +291,9 @@ def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_neve
     assert all(torch.equal(out[n], t) for n, t in weights.items())
 
 
-def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_complete(loopback_net) -> None:
+def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_complete(
+    loopback_net,
+) -> None:
     weights = model(100)
     job = Job(loopback_net, 2, 3, 32 * KIB)
     gone = job.t[3]  # rollout worker 1
@@ -286,7 +319,9 @@ def test_a_trainer_rank_that_is_gone_fails_the_update_everywhere_naming_it(loopb
     results = list(receive_all(job))
     for got in results:
         assert isinstance(got, UpdateAborted), got
-        assert f"trainer rank 1 ({gone}) is gone" in str(got) and "received 1 buckets of the update" in str(got)
+        assert f"trainer rank 1 ({gone}) is gone" in str(
+            got
+        ) and "received 1 buckets of the update" in str(got)
     for th in senders[:1]:
         th.join(30)
     assert isinstance(job.send_errors[0], UpdateAborted), job.send_errors[0]

@@ -130,7 +130,7 @@ class TransportCheckpointEngine(CheckpointEngine):
             self.inbox = Inbox(self.transport)
         return self.transport
 
-    def prepare(self) -> EngineInfo:
+    def prepare(self) -> EngineInfo:  # type: ignore[override]
         """This engine's introduction; trainer rank 0 hosts the job's store when none is given."""
         if self.store_url is None and self.is_master and self._hosted is None:
             self._hosted = TcpStore(node_address(), 0, hosting="yes")
@@ -149,7 +149,7 @@ class TransportCheckpointEngine(CheckpointEngine):
         trainers, rollouts = build_plans(actor_wg_world_size, rollout_world_size, list(metadata))
         return {"plan": list(trainers)}, {"plan": list(rollouts)}
 
-    def init_process_group(self, plan: UpdatePlan) -> None:
+    def init_process_group(self, plan: UpdatePlan) -> None:  # type: ignore[override]
         """Join the store (first update), allocate this role's buckets, start the update."""
         if not isinstance(plan, UpdatePlan):
             raise TypeError(
@@ -209,7 +209,7 @@ class TransportCheckpointEngine(CheckpointEngine):
         return report.metrics(plan.rank)
 
     @torch.no_grad()
-    async def receive_weights(
+    async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Each tensor of the update as soon as its bucket landed (a view of the bucket)."""

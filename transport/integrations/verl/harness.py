@@ -1,3 +1,4 @@
+# mypy: disable-error-code="attr-defined,assignment,arg-type"
 """verl's own checkpoint-engine harness around an engine, on machines without a GPU.
 
 verl ships ``tests/checkpoint_engine/test_utils.py``: a ``TrainingWorkerTest`` (verl's FSDP

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 import torch
 
@@ -92,9 +93,9 @@ class BucketReceiver:
                 return got[1] if got[0] == sender else None
             return self._abort_seen()
 
-        got = await asyncio.to_thread(
-            self.inbox.wait, ready, watch=lambda: [sender], timeout=self.timeout,
-            what=f"bucket {index} from {sender}",
+        got: Bucket | Abort = await asyncio.to_thread(  # type: ignore[assignment]
+            partial(self.inbox.wait, ready, watch=lambda: [sender], timeout=self.timeout,  # type: ignore[arg-type]
+                    what=f"bucket {index} from {sender}")
         )  # fmt: skip
         if isinstance(got, Abort):
             raise UpdateAborted(f"{self.plan.parent} stopped relaying: {got.reason}")

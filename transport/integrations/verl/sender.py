@@ -199,7 +199,9 @@ class BucketSender:
                 try:
                     self.transport.core.send_control(peer, CHANNEL, abort)
                 except TransportError as err:
-                    log.info("could not tell %s that update %s stopped: %s", peer, self.plan.token, err)
+                    log.info(
+                        "could not tell %s that update %s stopped: %s", peer, self.plan.token, err
+                    )
             raise
         self.report.seconds = time.perf_counter() - start
         return self.report

@@ -1,0 +1,159 @@
+"""verl's weight update with our checkpoint engine against verl's ``nixl`` engine, in one run.
+
+The same harness for both (transport/integrations/verl/harness.py): verl's
+``CheckpointEngineManager`` and rollout ``CheckpointEngineWorkerTest`` in Ray actors on the CPU,
+two stand-in trainer ranks yielding a Qwen2 checkpoint as verl's FSDP engine does (every full
+tensor on every rank), 2 and 4 rollout workers (TP=2 replicas). verl's nixl engine runs in its
+CPU mode (``device="cpu"``; on a torch without CUDA with the two words of
+``patch_nixl_for_cpu``). Per configuration: one warm-up update, then ``--updates`` timed ones
+(the manager's whole ``update_weights``, as a trainer sees it); memory is each process's peak resident set during the timed updates
+(VmHWM, reset after the warm-up) above its resident set before the first update: what the engine
+holds (ours keeps its buckets and its Transport between updates on the CPU; verl's nixl engine
+allocates its buckets in every ``prepare``) plus what an update adds at its peak. The first update is
+checked against the checkpoint for both engines (verl's mock adapter), the timed ones are not
+(the adapter would keep a copy of every weight).
+
+    python benchmarks/verl_update.py                 # ~3 min: 330 MB of bf16, 64 MiB buckets
+    python benchmarks/verl_update.py --hidden 512 --layers 4 --updates 3   # ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+import transformers
+from tests.checkpoint_engine.test_utils import create_rollout_worker_group
+from verl.checkpoint_engine import CheckpointEngineManager
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray.base import split_resource_pool
+from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+
+from transport.integrations.verl.harness import (
+    NIXL_ON_CPU,
+    StandInTrainer,
+    peak_rss_bytes,
+    rss_bytes,
+)
+
+ENGINES = {
+    "nixl": ({"device": "cpu"}, NIXL_ON_CPU),
+    "transport": ({}, "transport.integrations.verl"),
+}
+
+
+def make_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def pid_of(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def run_one(engine: str, workers: int, model: Path, bucket_mb: int, updates: int) -> dict:
+    kwargs, module = ENGINES[engine]
+    cfg = CheckpointEngineConfig(backend=engine, update_weights_bucket_megabytes=bucket_mb,
+                                 engine_kwargs={engine: kwargs}, custom_backend_module=module)  # fmt: skip
+    pool = RayResourcePool(process_on_nodes=[2 + workers], max_colocate_count=1, use_gpu=False)
+    trainer_pool, rollout_pool = split_resource_pool(pool, [2, workers])
+    actor = RayWorkerGroup(resource_pool=trainer_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
+        cls=ray.remote(StandInTrainer), model_path=str(model), config=cfg))  # fmt: skip
+    rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=cfg)
+    rollout, replicas = asyncio.run(create_rollout_worker_group(
+        rollout_pool, HFModelConfig(path=str(model)), rollout_config, True))  # fmt: skip
+    manager = CheckpointEngineManager(config=cfg, actor_wg=actor, replicas=replicas)
+    pids = {"trainer": actor.pid(), "rollout": [pid_of(w) for w in rollout.workers]}
+    before = {k: [rss_bytes(p) for p in v] for k, v in pids.items()}
+    manager.update_weights(global_steps=1)
+    rollout.check_weights()  # verl's mock adapter: every weight equal to the checkpoint
+    ray.get([w.__ray_call__.remote(lambda self: setattr(self.server_adapter, "check_allclose", False))
+             for w in rollout.workers])  # fmt: skip
+    manager.update_weights(global_steps=3)  # the warm-up
+    for pid in [*pids["trainer"], *pids["rollout"]]:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
+    times = []
+    for step in range(updates):
+        start = time.perf_counter()
+        manager.update_weights(global_steps=5 + 2 * step)
+        times.append(time.perf_counter() - start)
+    grew = {
+        k: max(peak_rss_bytes(p) - b for p, b in zip(v, before[k], strict=False))
+        for k, v in pids.items()
+    }
+    for handle in list(actor.workers) + list(rollout.workers):
+        ray.kill(handle)
+    return {
+        "engine": engine,
+        "workers": workers,
+        "update_s": statistics.median(times),
+        "update_s_all": times,
+        "trainer_mem": grew["trainer"],
+        "rollout_mem": grew["rollout"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--updates", type=int, default=5)
+    p.add_argument(
+        "--workers", default="2,4", help="comma list of rollout worker counts (even: TP=2 replicas)"
+    )
+    p.add_argument("--engines", default="nixl,transport")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            nbytes = make_model(Path(tmp), args.hidden, args.layers, args.vocab)
+            print(
+                f"model: {nbytes / 2**20:.0f} MiB of bf16, buckets of {args.bucket_mb} MiB, 2 trainer ranks"
+            )
+            for workers in (int(w) for w in args.workers.split(",")):
+                for engine in args.engines.split(","):
+                    row = run_one(engine, workers, Path(tmp), args.bucket_mb, args.updates)
+                    rows.append(row)
+                    print(
+                        f"{engine:>10} x{workers}: update {row['update_s'] * 1e3:8.1f} ms (median of "
+                        f"{args.updates}), memory grown: trainer rank {row['trainer_mem'] / 2**20:7.1f} MiB, "
+                        f"rollout worker {row['rollout_mem'] / 2**20:7.1f} MiB",
+                        flush=True,
+                    )
+    finally:
+        ray.shutdown()
+    by = {(r["engine"], r["workers"]): r for r in rows}
+    for workers in sorted({r["workers"] for r in rows}):
+        a, b = by.get(("nixl", workers)), by.get(("transport", workers))
+        if a and b:
+            print(
+                f"x{workers}: ours {a['update_s'] / b['update_s']:.2f}x faster than verl's nixl; memory "
+                f"ours/nixl: trainer {b['trainer_mem'] / max(a['trainer_mem'], 1):.2f}, "
+                f"rollout {b['rollout_mem'] / max(a['rollout_mem'], 1):.2f}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"model_bytes": nbytes, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
