@@ -326,3 +326,31 @@ def test_a_trainer_rank_that_is_gone_fails_the_update_everywhere_naming_it(loopb
         th.join(30)
     assert isinstance(job.send_errors[0], UpdateAborted), job.send_errors[0]
     assert f"trainer rank 1 ({gone}) is gone" in str(job.send_errors[0])
+
+
+def test_a_relay_that_leaves_costs_only_its_subtree_and_they_name_it(loopback_net) -> None:
+    weights = model(100)
+    job = Job(loopback_net, 1, 4, 32 * KIB, degree=1)  # a chain: trainer -> r0 -> r1 -> r2 -> r3
+    relay = job.t[2]  # rollout worker 1, the parent of worker 2
+    job.receivers[1] = None  # it never takes part: gone before the update
+    relay.close()
+    senders = job.send_all(weights)
+    results: list = [None] * 4
+
+    def run(i: int) -> None:
+        try:
+            results[i] = collect(job.receivers[i])
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 2, 3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert all(torch.equal(results[0][n], t) for n, t in weights.items())  # the root completes
+    assert isinstance(results[2], UpdateAborted) and f"relay {relay.name}, this worker's parent, is gone" in str(results[2])
+    assert isinstance(results[3], UpdateAborted) and "stopped relaying" in str(results[3])
+    for th in senders:
+        th.join(30)
+    assert job.send_errors == [None]
