@@ -7,11 +7,13 @@ tensor on every rank), 2 and 4 rollout workers (TP=2 replicas). verl's nixl engi
 CPU mode (``device="cpu"``; on a torch without CUDA with the two words of
 ``patch_nixl_for_cpu``). Per configuration: one warm-up update, then ``--updates`` timed ones
 (the manager's whole ``update_weights``, as a trainer sees it); memory is each process's peak resident set during the timed updates
-(VmHWM, reset after the warm-up) above its resident set before the first update: what the engine
-holds (ours keeps its buckets and its Transport between updates on the CPU; verl's nixl engine
-allocates its buckets in every ``prepare``) plus what an update adds at its peak. The first update is
-checked against the checkpoint for both engines (verl's mock adapter), the timed ones are not
-(the adapter would keep a copy of every weight).
+(VmHWM, reset after the warm-up) above its resident set before the first update, once every
+engine has its agent and no bucket (verl's nixl engine makes its agent when it is built; ours
+joins a store that the bench hosts in one ``prepare``, which allocates nothing): what the engine
+holds (ours keeps its buckets between updates on the CPU; verl's nixl engine allocates them in
+every ``prepare``) plus what an update adds at its peak. verl's mock adapter
+clones every weight it receives and drops it (it checks nothing here: checking keeps a copy of
+the model and loads the checkpoint; tests/integrations/test_verl.py checks every weight).
 
     python benchmarks/verl_update.py                 # ~3 min: 330 MB of bf16, 64 MiB buckets
     python benchmarks/verl_update.py --hidden 512 --layers 4 --updates 3   # ~1 min
@@ -38,12 +40,14 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 from verl.single_controller.ray.base import split_resource_pool
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 
+from transport.integrations.verl.engine import node_address
 from transport.integrations.verl.harness import (
     NIXL_ON_CPU,
     StandInTrainer,
     peak_rss_bytes,
     rss_bytes,
 )
+from transport.store.tcp import TcpStore
 
 ENGINES = {
     "nixl": ({"device": "cpu"}, NIXL_ON_CPU),
@@ -66,8 +70,12 @@ def pid_of(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
 
 
-def run_one(engine: str, workers: int, model: Path, bucket_mb: int, updates: int) -> dict:
+def run_one(
+    engine: str, workers: int, model: Path, bucket_mb: int, updates: int, store: str
+) -> dict:
     kwargs, module = ENGINES[engine]
+    if engine == "transport":
+        kwargs = {**kwargs, "store": store}  # so that prepare() joins it: see the docstring
     cfg = CheckpointEngineConfig(backend=engine, update_weights_bucket_megabytes=bucket_mb,
                                  engine_kwargs={engine: kwargs}, custom_backend_module=module)  # fmt: skip
     pool = RayResourcePool(process_on_nodes=[2 + workers], max_colocate_count=1, use_gpu=False)
@@ -76,21 +84,20 @@ def run_one(engine: str, workers: int, model: Path, bucket_mb: int, updates: int
         cls=ray.remote(StandInTrainer), model_path=str(model), config=cfg))  # fmt: skip
     rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=cfg)
     rollout, replicas = asyncio.run(create_rollout_worker_group(
-        rollout_pool, HFModelConfig(path=str(model)), rollout_config, True))  # fmt: skip
+        rollout_pool, HFModelConfig(path=str(model)), rollout_config, False))  # fmt: skip
     manager = CheckpointEngineManager(config=cfg, actor_wg=actor, replicas=replicas)
     pids = {"trainer": actor.pid(), "rollout": [pid_of(w) for w in rollout.workers]}
+    if engine == "transport":  # its Transport exists now, as verl's nixl agent does (no bucket yet)
+        ray.get(actor.execute_checkpoint_engine(["prepare"] * actor.world_size)
+                + rollout.execute_checkpoint_engine(["prepare"] * rollout.world_size))  # fmt: skip
     before = {k: [rss_bytes(p) for p in v] for k, v in pids.items()}
-    manager.update_weights(global_steps=1)
-    rollout.check_weights()  # verl's mock adapter: every weight equal to the checkpoint
-    ray.get([w.__ray_call__.remote(lambda self: setattr(self.server_adapter, "check_allclose", False))
-             for w in rollout.workers])  # fmt: skip
-    manager.update_weights(global_steps=3)  # the warm-up
+    manager.update_weights(global_steps=1)  # the warm-up
     for pid in [*pids["trainer"], *pids["rollout"]]:
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
     times = []
     for step in range(updates):
         start = time.perf_counter()
-        manager.update_weights(global_steps=5 + 2 * step)
+        manager.update_weights(global_steps=3 + 2 * step)
         times.append(time.perf_counter() - start)
     grew = {
         k: max(peak_rss_bytes(p) - b for p, b in zip(v, before[k], strict=False))
@@ -122,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False)
+    hosted = TcpStore(node_address(), 0, hosting="yes")
+    store = f"tcp://{node_address()}:{hosted.port}?host=no"
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for workers in (int(w) for w in args.workers.split(",")):
                 for engine in args.engines.split(","):
-                    row = run_one(engine, workers, Path(tmp), args.bucket_mb, args.updates)
+                    row = run_one(engine, workers, Path(tmp), args.bucket_mb, args.updates, store)
                     rows.append(row)
                     print(
                         f"{engine:>10} x{workers}: update {row['update_s'] * 1e3:8.1f} ms (median of "
@@ -141,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
     finally:
         ray.shutdown()
+        hosted.close()
     by = {(r["engine"], r["workers"]): r for r in rows}
     for workers in sorted({r["workers"] for r in rows}):
         a, b = by.get(("nixl", workers)), by.get(("transport", workers))
