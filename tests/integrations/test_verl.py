@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -87,6 +86,16 @@ class Job:
     def check(self, workers) -> None:
         ray.get([w.check_weights.remote() for w in workers])
 
+    def start_update(self, workers, step: int) -> tuple[RayWorkerGroup, list]:
+        """verl's manager's steps 4 and 5 (build the group, start every worker's update),
+        keeping each worker's result, which the manager's ray.get of them all does not."""
+        rollout = RayWorkerGroup(worker_handles=list(workers),
+                                 ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)))  # fmt: skip
+        self.manager.build_process_group(rollout)
+        return rollout, self.actor.update_weights(global_steps=step) + rollout.update_weights(
+            global_steps=step
+        )
+
     def pid(self, worker) -> int:
         return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
 
@@ -137,23 +146,17 @@ def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
     gate = Gate.remote()
     job.actor.hold_at(30, gate)  # of 39 tensors: most buckets are out, not all
     victim = job.pid(w[3])
-
-    outcome: list[BaseException | dict] = []
-
-    def update() -> None:  # verl's manager blocks its event loop in ray.get: a thread of its own
-        try:
-            outcome.append(job.update(11))
-        except BaseException as e:  # noqa: BLE001 - the test reads it
-            outcome.append(e)
-
-    th = threading.Thread(target=update, daemon=True)
-    th.start()
+    rollout, refs = job.start_update(w, 11)
     wait_until(lambda: ray.get(gate.count.remote()) == 2, 300, "both trainer ranks at the gate")
     os.kill(victim, signal.SIGKILL)
     ray.get(gate.open.remote())
-    th.join(300)
-    assert isinstance(outcome[0], ray.exceptions.RayActorError), outcome  # the killed worker's
-    job.check(w[:3])  # update 11, whole, on every worker that lives
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(refs[5])
+    ray.get(refs[2:5])  # the three that live took the whole update ...
+    for metrics in ray.get(refs[:2]):  # ... and each trainer rank dropped the dead one
+        rank = next(k for k in metrics if k.endswith("/dropped")).split("/")[1]
+        assert metrics[f"transport/{rank}/dropped"] == 1.0, metrics
+    job.check(w[:3])
     job.manager.remove_replicas([job.replicas[1]])
     job.update(13)
     job.check(w[:2])
@@ -178,12 +181,7 @@ def test_a_trainer_rank_killed_mid_update_fails_it_on_every_worker_naming_the_ra
     gate = Gate.remote()
     job.actor.hold_at(10, gate)
     victim = job.actor.pid()[1]
-    w = job.rollout.workers[:2]
-    rollout = RayWorkerGroup(worker_handles=list(w),
-                             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)))  # fmt: skip
-    job.manager.build_process_group(rollout)  # verl's own steps 4-5, keeping every worker's result
-    refs = job.actor.update_weights(global_steps=17) + rollout.update_weights(global_steps=17)
-
+    rollout, refs = job.start_update(job.rollout.workers[:2], 17)
     wait_until(lambda: ray.get(gate.count.remote()) == 2, 300, "both trainer ranks at the gate")
     os.kill(victim, signal.SIGKILL)
     ray.get(gate.open.remote())

@@ -46,7 +46,7 @@ class Inbox:
         self.transport = transport
         self._cond = threading.Condition()
         self._token: str | None = None
-        self.buckets: dict[int, tuple[str, Bucket]] = {}
+        self.buckets: dict[tuple[str, int], Bucket] = {}
         self.free: dict[str, int] = {}
         self.aborts: list[tuple[str, Abort]] = []
         self._generations: dict[str, int] = {}
@@ -78,7 +78,7 @@ class Inbox:
                 log.debug("dropping a message of another update from %s: %s", peer, msg)
                 return
             if isinstance(msg, Bucket):
-                self.buckets.setdefault(msg.index, (peer, msg))
+                self.buckets.setdefault((peer, msg.index), msg)
             elif isinstance(msg, Free):
                 self.free[peer] = max(self.free.get(peer, -1), msg.index)
             else:

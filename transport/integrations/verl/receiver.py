@@ -88,10 +88,8 @@ class BucketReceiver:
         sender = self.plan.sender_of(index)
 
         def ready() -> Bucket | Abort | None:
-            got = self.inbox.buckets.get(index)
-            if got is not None:
-                return got[1] if got[0] == sender else None
-            return self._abort_seen()
+            got = self.inbox.buckets.get((sender, index))
+            return got if got is not None else self._abort_seen()
 
         got: Bucket | Abort = await asyncio.to_thread(  # type: ignore[assignment]
             partial(self.inbox.wait, ready, watch=lambda: [sender], timeout=self.timeout,  # type: ignore[arg-type]
