@@ -26,7 +26,8 @@ from transport.integrations.verl.buckets import (
 from transport.integrations.verl.inbox import Inbox
 from transport.integrations.verl.messages import Abort, Bucket, Free, decode, encode
 from transport.integrations.verl.receiver import BucketReceiver
-from transport.integrations.verl.sender import SLOTS, BucketSender, UpdateAborted
+from transport.integrations.verl.sender import BucketSender, UpdateAborted
+from transport.integrations.verl.targets import SLOTS
 from transport.integrations.verl.topology import EngineInfo, build_plans
 
 pytestmark = pytest.mark.timeout(120)
@@ -349,7 +350,9 @@ def test_a_relay_that_leaves_costs_only_its_subtree_and_they_name_it(loopback_ne
     for th in threads:
         th.join(60)
     assert all(torch.equal(results[0][n], t) for n, t in weights.items())  # the root completes
-    assert isinstance(results[2], UpdateAborted) and f"relay {relay.name}, this worker's parent, is gone" in str(results[2])
+    assert isinstance(
+        results[2], UpdateAborted
+    ) and f"relay {relay.name}, this worker's parent, is gone" in str(results[2])
     assert isinstance(results[3], UpdateAborted) and "stopped relaying" in str(results[3])
     for th in senders:
         th.join(30)

@@ -21,7 +21,8 @@ from transport import Transport
 from transport.integrations.verl.buckets import Assembler
 from transport.integrations.verl.inbox import Inbox
 from transport.integrations.verl.receiver import BucketReceiver
-from transport.integrations.verl.sender import SLOTS, BucketSender
+from transport.integrations.verl.sender import BucketSender
+from transport.integrations.verl.targets import SLOTS
 from transport.integrations.verl.topology import EngineInfo, UpdatePlan, build_plans
 from transport.store.tcp import TcpStore
 

@@ -33,22 +33,22 @@ from verl.workers.config import CheckpointEngineConfig
 NIXL_ON_CPU = "transport.integrations.verl.harness"
 
 
-def peak_rss_bytes(pid: int | None = None) -> int:
-    """The peak resident memory of a process (VmHWM), in bytes."""
+def _status_bytes(field: str, pid: int | None) -> int:
     with open(f"/proc/{pid or 'self'}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/PID/status")
+    raise RuntimeError(f"no {field} in /proc/PID/status")
+
+
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """The peak resident memory of a process (VmHWM), in bytes."""
+    return _status_bytes("VmHWM", pid)
 
 
 def rss_bytes(pid: int | None = None) -> int:
     """The resident memory of a process now (VmRSS), in bytes."""
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/PID/status")
+    return _status_bytes("VmRSS", pid)
 
 
 def patch_nixl_for_cpu() -> None:

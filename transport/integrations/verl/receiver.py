@@ -27,7 +27,8 @@ from transport.errors import TransportError, WireFormatError
 from transport.integrations.verl.buckets import Assembler, read_header
 from transport.integrations.verl.inbox import Inbox, PeerGone
 from transport.integrations.verl.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
-from transport.integrations.verl.sender import SLOTS, UpdateAborted
+from transport.integrations.verl.sender import UpdateAborted
+from transport.integrations.verl.targets import Targets, tell
 from transport.integrations.verl.topology import UpdatePlan
 
 log = logging.getLogger("transport.verl")
@@ -53,35 +54,21 @@ class BucketReceiver:
         self.slots = slots
         self.assembler = assembler
         self.timeout = timeout
-        self.children = list(plan.targets)
-        self.dropped: dict[str, str] = {}
+        who = f"update {plan.token}: {transport.name}"
+        self.children = Targets(transport, inbox, plan.targets, timeout, who)
         self.buckets = 0
 
     def _slot(self, slot: int) -> torch.Tensor:
         b = self.plan.bucket_bytes
         return self.slots[slot * b : (slot + 1) * b]
 
-    def _drop(self, child: str, why: str) -> None:
-        if child in self.children:
-            self.children.remove(child)
-            self.dropped[child] = why
-            log.warning(
-                "update %s: %s drops its child %s: %s",
-                self.plan.token,
-                self.transport.name,
-                child,
-                why,
-            )
-
-    def _abort_seen(self) -> Abort | None:
-        """An abort from whoever this worker depends on: its parent, or a trainer rank's
-        ``whole`` one (a trainer rank that failed tells its targets; a root relays nothing of
-        it, its children see their parent abort)."""
+    def _upstream_abort(self) -> Abort | None:
+        """(under the inbox's lock) an abort from whoever this worker depends on: its parent, or
+        a trainer rank's ``whole`` one (a trainer rank that failed tells its targets; a root
+        relays nothing of it, its children see their parent abort)."""
         for peer, abort in self.inbox.aborts:
             if peer == self.plan.parent or (abort.whole and peer in self.plan.trainers):
                 return abort
-        for peer, _ in self.inbox.aborts:
-            self._drop(peer, "it aborted the update")
         return None
 
     async def _bucket(self, index: int) -> Bucket:
@@ -89,7 +76,7 @@ class BucketReceiver:
 
         def ready() -> Bucket | Abort | None:
             got = self.inbox.buckets.get((sender, index))
-            return got if got is not None else self._abort_seen()
+            return got if got is not None else self._upstream_abort()
 
         got: Bucket | Abort = await asyncio.to_thread(  # type: ignore[assignment]
             partial(self.inbox.wait, ready, watch=lambda: [sender], timeout=self.timeout,  # type: ignore[arg-type]
@@ -111,44 +98,13 @@ class BucketReceiver:
         return got
 
     async def _relay(self, msg: Bucket) -> list[tuple[str, Handle]]:
-        out: list[tuple[str, Handle]] = []
-        waiting = [c for c in self.children if not self.inbox.may_write(c, msg.index)]
-        if waiting:
-
-            def ready() -> bool | None:
-                return True if all(self.inbox.may_write(c, msg.index) for c in waiting) else None
-
-            try:
-                await asyncio.to_thread(
-                    self.inbox.wait, ready, watch=lambda: waiting, timeout=self.timeout,
-                    what=f"a free slot for bucket {msg.index} at {', '.join(waiting)}",
-                )  # fmt: skip
-            except PeerGone as e:
-                self._drop(e.peer, e.why)
-            except TransportError as e:
-                for c in waiting:
-                    if not self.inbox.may_write(c, msg.index):
-                        self._drop(c, str(e))
+        """Start the puts of bucket ``msg`` to every child that freed its slot for it."""
+        if not self.children.peers:
+            return []
+        await self.children.wait_free(msg.index)
+        self.children.take_aborts()
         src = self._slot(msg.slot)[: msg.header_at + msg.header_bytes]
-        core = self.transport.core
-        for child in list(self.children):
-            if not self.inbox.may_write(child, msg.index):
-                continue
-            try:
-                out.append((child, core.put_control_at(
-                    src, SLOTS, msg.slot * self.plan.bucket_bytes, child, CHANNEL, encode(msg),
-                    self.timeout,
-                )))  # fmt: skip
-            except TransportError as e:
-                self._drop(child, f"its relayed put failed ({e})")
-        return out
-
-    def _tell(self, peers: list[str], abort: Abort) -> None:
-        for peer in peers:
-            try:
-                self.transport.core.send_control(peer, CHANNEL, encode(abort))
-            except TransportError as e:
-                log.info("could not tell %s that update %s stopped: %s", peer, abort.token, e)
+        return self.children.post(src, msg, self.plan.bucket_bytes)
 
     async def receive(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         self.assembler.begin()
@@ -162,11 +118,7 @@ class BucketReceiver:
                 relays = await self._relay(msg)
                 for name, tensor in self.assembler.tensors(slot, pieces):
                     yield name, tensor
-                for child, handle in relays:
-                    try:
-                        await handle
-                    except TransportError as e:
-                        self._drop(child, f"its relayed put failed ({type(e).__name__}: {e})")
+                await self.children.land(relays)
                 self.buckets += 1
                 if msg.last:
                     self.assembler.check_complete()
@@ -191,7 +143,8 @@ class BucketReceiver:
             elif isinstance(e, PeerGone):
                 error = UpdateAborted(f"relay {e.peer}, this worker's parent, is gone ({e.why})")
             why = str(error)[:MAX_REASON] or type(e).__name__
-            self._tell(list(self.plan.trainers) + self.children, Abort(self.plan.token, why, whole))
+            tell(self.transport, [*self.plan.trainers, *self.children.peers],
+                 Abort(self.plan.token, why, whole))  # fmt: skip
             if error is e:
                 raise
             raise error from e

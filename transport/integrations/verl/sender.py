@@ -16,26 +16,19 @@ that reason.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
 from transport import Handle, Transport
 from transport.errors import TransportError
 from transport.integrations.verl.buckets import Packer, Planned
-from transport.integrations.verl.inbox import Inbox, PeerGone
-from transport.integrations.verl.messages import CHANNEL, MAX_REASON, Abort, Bucket, encode
+from transport.integrations.verl.inbox import Inbox
+from transport.integrations.verl.messages import MAX_REASON, Abort, Bucket
+from transport.integrations.verl.targets import Targets, tell
 from transport.integrations.verl.topology import UpdatePlan
-
-log = logging.getLogger("transport.verl")
-
-#: the region of a rollout worker that holds its two bucket slots
-SLOTS = "verl.slots"
 
 
 class UpdateAborted(TransportError):
@@ -83,108 +76,53 @@ class BucketSender:
         timeout: float,
     ) -> None:
         self.transport = transport
-        self.inbox = inbox
         self.plan = plan
         self.buffers = buffers
-        self.timeout = timeout
-        self.targets = list(plan.targets)
-        self.report = SendReport()
+        who = f"update {plan.token}: rank {plan.rank}"
+        self.targets = Targets(transport, inbox, plan.targets, timeout, who)
+        self.report = SendReport(dropped=self.targets.dropped)
         self._flying: list[list[tuple[str, Handle]]] = [[] for _ in buffers]
         self._filling: list[int] = [-1 for _ in buffers]
-        self._aborts_seen = 0
+
+    def _aborts(self) -> None:
+        """Read the new aborts; raise if one says that the whole update is lost."""
+        for peer, abort in self.targets.take_aborts():
+            if abort.whole:
+                raise UpdateAborted(f"{peer} aborted the update: {abort.reason}")
 
     def _buffer_of(self, index: int) -> int:
         return (index // len(self.plan.trainers)) % len(self.buffers)
 
-    def drop(self, peer: str, why: str) -> None:
-        if peer in self.targets:
-            self.targets.remove(peer)
-            self.report.dropped[peer] = why
-            log.warning(
-                "update %s: rank %d drops %s: %s", self.plan.token, self.plan.rank, peer, why
-            )
-
-    async def _land(self, b: int) -> None:
-        """Wait for the puts from buffer ``b``; a target whose put failed is dropped."""
-        for peer, handle in self._flying[b]:
-            try:
-                await handle
-            except TransportError as e:
-                self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")
-        self._flying[b] = []
-
-    def _aborts(self) -> None:
-        """Drop each target that aborted; raise if one says the whole update is lost."""
-        for peer, abort in self.inbox.aborts[self._aborts_seen :]:
-            self._aborts_seen += 1
-            if abort.whole:
-                raise UpdateAborted(f"{peer} aborted the update: {abort.reason}")
-            self.drop(peer, f"it aborted the update: {abort.reason}")
-
-    async def _credits(self, index: int) -> None:
-        """Wait until every target freed its slot for bucket ``index``."""
-        while True:
-            self._aborts()
-            waiting = [p for p in self.targets if not self.inbox.may_write(p, index)]
-            if not waiting:
-                return
-            try:
-                await asyncio.to_thread(
-                    self.inbox.wait, partial(self._freed, waiting, index),
-                    watch=partial(list, waiting), timeout=self.timeout,
-                    what=f"a free slot for bucket {index} at {', '.join(waiting)}",
-                )  # fmt: skip
-            except PeerGone as e:
-                self.drop(e.peer, e.why)
-            except TransportError as e:
-                for peer in waiting:
-                    if not self.inbox.may_write(peer, index):
-                        self.drop(peer, str(e))
-
-    def _freed(self, waiting: list[str], index: int) -> bool | None:
-        """(under the inbox's lock) whether the wait for ``waiting`` is over: all freed their
-        slot, or a new abort came."""
-        if len(self.inbox.aborts) > self._aborts_seen:
-            return True
-        return True if all(self.inbox.may_write(p, index) for p in waiting) else None
+    async def _buffer_for(self, index: int) -> torch.Tensor:
+        """The send buffer of bucket ``index``, its previous bucket's puts landed."""
+        b = self._buffer_of(index)
+        if self._filling[b] != index:
+            await self.targets.land(self._flying[b])
+            self._flying[b] = []
+            self._filling[b] = index
+        return self.buffers[b]
 
     async def _ship(self, planned: Planned, last: bool) -> None:
         if not self.plan.sends(planned.index):
             return
-        b = self._buffer_of(planned.index)
-        buf = self.buffers[b]
-        if self._filling[b] != planned.index:  # an empty bucket: nothing was copied into it
-            await self._land(b)
-            self._filling[b] = planned.index
+        buf = await self._buffer_for(planned.index)
         at = planned.header_at
         buf[at : at + len(planned.header)].copy_(
             torch.frombuffer(bytearray(planned.header), dtype=torch.uint8)
         )
-        await self._credits(planned.index)
-        slot = planned.index % 2
-        msg = encode(Bucket(self.plan.token, planned.index, slot, planned.data_bytes, at,
-                            len(planned.header), last))  # fmt: skip
+        inbox = self.targets.inbox
+        while not all(inbox.may_write(p, planned.index) for p in self.targets.peers):
+            await self.targets.wait_free(planned.index)  # freed, dropped, or an abort came
+            self._aborts()
         src = buf[: planned.nbytes]
         if src.is_cuda:  # the copies into it were queued on the current stream
             torch.cuda.current_stream(src.device).synchronize()
-        core = self.transport.core
-        for peer in list(self.targets):
-            try:
-                handle = core.put_control_at(src, SLOTS, slot * self.plan.bucket_bytes, peer,
-                                             CHANNEL, msg, self.timeout)  # fmt: skip
-            except TransportError as e:
-                self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")
-                continue
-            self._flying[b].append((peer, handle))
+        msg = Bucket(self.plan.token, planned.index, planned.index % 2, planned.data_bytes, at,
+                     len(planned.header), last)  # fmt: skip
+        flying = self.targets.post(src, msg, self.plan.bucket_bytes)
+        self._flying[self._buffer_of(planned.index)] += flying
         self.report.buckets += 1
-        self.report.bytes_sent += planned.nbytes * len(self._flying[b])
-
-    async def _buffer_for(self, index: int) -> torch.Tensor:
-        b = self._buffer_of(index)
-        if self._filling[b] != index:
-            await self._land(b)  # its previous bucket must have left before it is refilled
-            self._filling[b] = index
-        return self.buffers[b]
+        self.report.bytes_sent += planned.nbytes * len(flying)
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> SendReport:
         """Pack ``weights``, ship this rank's buckets, wait until they landed. On any failure
@@ -194,14 +132,7 @@ class BucketSender:
             await self._send(weights)
         except BaseException as e:
             why = f"trainer rank {self.plan.rank} ({self.transport.name}) failed: {type(e).__name__}: {e}"
-            abort = encode(Abort(self.plan.token, why[:MAX_REASON], True))
-            for peer in self.targets:
-                try:
-                    self.transport.core.send_control(peer, CHANNEL, abort)
-                except TransportError as err:
-                    log.info(
-                        "could not tell %s that update %s stopped: %s", peer, self.plan.token, err
-                    )
+            tell(self.transport, self.targets.peers, Abort(self.plan.token, why[:MAX_REASON], True))
             raise
         self.report.seconds = time.perf_counter() - start
         return self.report
@@ -218,6 +149,6 @@ class BucketSender:
                     buf = await self._buffer_for(packer.index)
                     buf[piece.offset : piece.offset + piece.nbytes].copy_(data, non_blocking=True)
         await self._ship(packer.finish(), last=True)
-        for b in range(len(self.buffers)):
-            await self._land(b)
+        for flying in self._flying:
+            await self.targets.land(flying)
         self._aborts()

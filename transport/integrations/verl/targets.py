@@ -1,0 +1,121 @@
+"""The peers one writer sends buckets to in one update: a trainer rank's roots, a relay's children.
+
+One mechanism for both writers: wait until each target freed the slot of a bucket (watching
+their heartbeats), post the bucket to those that did, wait for the posts to land, tell them an
+abort. A target that is gone, whose put fails or that aborted the update is dropped with its
+reason, and the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+
+from transport import Handle, Transport
+from transport.errors import TransportError
+from transport.integrations.verl.inbox import Inbox, PeerGone
+from transport.integrations.verl.messages import CHANNEL, Abort, Bucket, encode
+
+log = logging.getLogger("transport.verl")
+
+#: the region of a rollout worker that holds its two bucket slots
+SLOTS = "verl.slots"
+
+
+def tell(transport: Transport, peers: Iterable[str], abort: Abort) -> None:
+    """Send ``abort`` to each of ``peers`` (one that cannot be reached is logged)."""
+    payload = encode(abort)
+    for peer in peers:
+        try:
+            transport.core.send_control(peer, CHANNEL, payload)
+        except TransportError as e:
+            log.info("could not tell %s that update %s stopped: %s", peer, abort.token, e)
+
+
+class Targets:
+    """The targets of one writer in one update, and those it dropped (name -> why).
+
+    Rules: a bucket goes only to a target that freed its slot (:meth:`wait_free` first); the
+    aborts of the update are read once each (:meth:`take_aborts`), and a target's own abort
+    drops it."""
+
+    def __init__(
+        self, transport: Transport, inbox: Inbox, peers: Iterable[str], timeout: float, who: str
+    ) -> None:
+        self.transport = transport
+        self.inbox = inbox
+        self.peers = list(peers)
+        self.timeout = timeout
+        self.who = who
+        self.dropped: dict[str, str] = {}
+        self._aborts_read = 0
+
+    def drop(self, peer: str, why: str) -> None:
+        if peer in self.peers:
+            self.peers.remove(peer)
+            self.dropped[peer] = why
+            log.warning("%s drops %s: %s", self.who, peer, why)
+
+    def take_aborts(self) -> list[tuple[str, Abort]]:
+        """The aborts that came since the last call; each target among their senders is dropped."""
+        new = self.inbox.aborts[self._aborts_read :]
+        self._aborts_read += len(new)
+        for peer, abort in new:
+            self.drop(peer, f"it aborted the update: {abort.reason}")
+        return new
+
+    def _over(self, waiting: list[str], index: int) -> bool | None:
+        """(under the inbox's lock) every one of ``waiting`` freed its slot, or an abort came."""
+        if len(self.inbox.aborts) > self._aborts_read:
+            return True
+        return True if all(self.inbox.may_write(p, index) for p in waiting) else None
+
+    async def wait_free(self, index: int) -> None:
+        """Wait until each target freed its slot for bucket ``index`` or was dropped; returns
+        early when an abort comes (read it with :meth:`take_aborts`)."""
+        self.take_aborts()
+        waiting = [p for p in self.peers if not self.inbox.may_write(p, index)]
+        if not waiting:
+            return
+        try:
+            await asyncio.to_thread(partial(
+                self.inbox.wait, partial(self._over, waiting, index), watch=partial(list, waiting),
+                timeout=self.timeout, what=f"a free slot for bucket {index} at {', '.join(waiting)}",
+            ))  # fmt: skip
+        except PeerGone as e:
+            self.drop(e.peer, e.why)
+        except TransportError as e:
+            for peer in waiting:
+                if not self.inbox.may_write(peer, index):
+                    self.drop(peer, str(e))
+
+    def post(self, src: torch.Tensor, msg: Bucket, bucket_bytes: int) -> list[tuple[str, Handle]]:
+        """Put ``src`` into slot ``msg.slot`` of each target that freed it, ``msg`` its
+        notification; the handles, to :meth:`land`."""
+        payload = encode(msg)
+        core = self.transport.core
+        out = []
+        for peer in list(self.peers):
+            if not self.inbox.may_write(peer, msg.index):
+                continue
+            try:
+                out.append((peer, core.put_control_at(src, SLOTS, msg.slot * bucket_bytes, peer,
+                                                      CHANNEL, payload, self.timeout)))  # fmt: skip
+            except TransportError as e:
+                self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")
+        return out
+
+    async def land(self, flying: list[tuple[str, Handle]]) -> None:
+        """Wait for the puts of :meth:`post`; a target whose put failed is dropped."""
+        for peer, handle in flying:
+            try:
+                await handle
+            except TransportError as e:
+                self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")
+
+
+__all__ = ["SLOTS", "Targets", "tell"]
