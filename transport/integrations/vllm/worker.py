@@ -14,6 +14,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from transport import Transport, TransportError, VersionGoneError, WeightSubscriber
+from transport.integrations.vllm import experts
 from transport.integrations.vllm.checkpoint import checkpoint_spec
 from transport.integrations.vllm.infos import (
     CLOSED,
@@ -191,6 +192,13 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self, info: TransportInitInfo, spec: dict[str, torch.Tensor]
     ) -> tuple[WorkerLayout, str, str]:
         """The layout this worker declares, its mode, and why that mode."""
+        refused = experts.refusals(self.model)
+        if refused:  # no mode helps: every update reloads these layers
+            first = "; ".join(f"{n}: {why}" for n, why in list(refused.items())[:2])
+            raise ValueError(
+                f"transport: {len(refused)} mixture-of-experts layer(s) of this model cannot "
+                f"take a weight update exactly, so this worker does not join ({first})"
+            )
         asked = ", asked for by init_info mode"
         if info.mode == "whole":
             return whole(spec, "asked for by init_info"), "whole", asked[2:]
@@ -390,8 +398,10 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 failed = e
             finally:
                 # finish the reload even after a failed load: it started by moving the layers
-                # to the meta device
+                # to the meta device; then prepare the experts vLLM leaves unprepared
+                prepared = experts.reloaded(model)
                 finalize_layerwise_reload(model, self.model_config)
+                experts.redo(model, prepared)
         if failed is not None:
             if loaded == 0:
                 raise failed  # nothing of it reached the model
