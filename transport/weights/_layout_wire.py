@@ -28,7 +28,7 @@ from transport.wire import unpack
 
 #: the most destination tensors and pieces one subscriber may declare
 MAX_TENSORS = 1 << 18
-MAX_PIECES = 64
+MAX_PIECES = 4096  # a fused experts tensor from one tensor per expert matrix: 2 per expert
 MAX_DIMS = 8
 DTYPES = {
     dtype_name(d): d

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from transport.integrations.vllm.checkpoint import NAMES
+
 #: environment variable holding the namespace secret (never sent through vLLM's APIs)
 SECRET_ENV = "TRANSPORT_SECRET"
 #: the version a worker reports after an update that did not reach every layer
@@ -68,7 +70,10 @@ class TransportInitInfo(WeightTransferInitInfo):
     it waits for that load. A worker whose copies would not fit refuses to join and says what
     they need.
     ``name`` prefixes this worker's peer name (host, pid and rank follow). ``timeout`` bounds
-    joining the store. The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
+    joining the store. ``names`` says how the trainer names its tensors: ``"model"`` as
+    transformers holds the model in memory (experts fused: ``mlp.experts.gate_up_proj``),
+    ``"checkpoint"`` as its saved checkpoint does (one tensor per expert matrix); the trainer
+    engine tells (see checkpoint.py). The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
     vLLM's environment, never from this message."""
 
     store: str
@@ -81,8 +86,14 @@ class TransportInitInfo(WeightTransferInitInfo):
     mode: str = "auto"
     staging_gb: float | None = None
     staging_slots: int | None = None
+    names: str = "model"
 
     def __post_init__(self) -> None:
+        if self.names not in NAMES:
+            raise ValueError(
+                f"transport init_info: names is one of {NAMES} (how the trainer names its "
+                f"tensors), got {self.names!r}"
+            )
         if self.staging_slots not in (None, 1, 2):
             raise ValueError(
                 f"transport init_info: staging_slots is 1 or 2, got {self.staging_slots!r}"

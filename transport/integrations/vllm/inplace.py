@@ -65,12 +65,17 @@ def refusals(model: torch.nn.Module, layout: WorkerLayout) -> dict[str, str]:
 
 def live_tensors(model: torch.nn.Module, layout: WorkerLayout) -> dict[str, torch.Tensor]:
     """The tensors a worker in place receives into: each target's parameter (its leading rows
-    that the checkpoint fills; the padding rows stay as vLLM's loader left them, zero)."""
+    that the checkpoint fills; the padding rows stay as vLLM's loader left them, zero), in the
+    shape its layout declares."""
     out = {}
     for name, target in layout.targets.items():
         live, _ = _param(model, target.holders[0])
         assert live is not None  # refusals() said so
-        out[name] = live.data[: target.rows] if target.rows < live.shape[0] else live.data
+        shape = layout.dest[name].shape
+        if len(shape) != live.dim():  # received as a view with its leading dims merged
+            out[name] = live.data.view(shape)
+        else:
+            out[name] = live.data[: target.rows] if target.rows < live.shape[0] else live.data
     return out
 
 

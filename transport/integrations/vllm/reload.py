@@ -87,7 +87,11 @@ _NONE = object()  # a tensor without a weight_loader of its own
 
 def _direct_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """A parameter's loader for a tensor already in the parameter's format (its leading rows;
-    the rows past them are padding and become zero)."""
+    the rows past them are padding and become zero), or the whole parameter viewed with its
+    leading dims merged (experts received from one tensor per expert matrix)."""
+    if loaded_weight.dim() != param.dim():
+        param.data.view(loaded_weight.shape).copy_(loaded_weight)
+        return
     rows = loaded_weight.shape[0]
     param.data[:rows].copy_(loaded_weight)
     if rows < param.shape[0]:

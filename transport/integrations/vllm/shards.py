@@ -53,7 +53,9 @@ _LAYER = re.compile(r"\.(\d+)\.")
 class Target:
     """One parameter of vLLM's model filled from the checkpoint: ``holders``, the full names
     that hold it (tied parameters: several), its ``shape`` in the format vLLM's loaders write
-    and its ``dtype``; the checkpoint fills its first ``rows`` rows (the rest is padding, zero)."""
+    and its ``dtype``; the checkpoint fills its first ``rows`` rows (the rest is padding, zero).
+    Its destination tensor in the layout is those rows, or the whole parameter viewed with its
+    leading dims merged when it is made of tensors of fewer dims (one tensor per expert)."""
 
     holders: tuple[str, ...]
     shape: tuple[int, ...]
@@ -343,9 +345,10 @@ class _Judged:
             return
         ids = np.searchsorted(self.starts, flat[written].astype(np.int64), side="right") - 1
         self.fed_by[key] = {self.names[i] for i in np.unique(ids)}
+        fed = {self.spec[n].dim() for n in self.fed_by[key]}
         try:
             self.made[key] = _derive(
-                key, m, self.spec, self.names, self.starts, self.offsets, params
+                key, m, self.spec, self.names, self.starts, self.offsets, params, fed
             )
         except _Unmapped as e:
             self.bad[key] = str(e)
@@ -405,7 +408,12 @@ def _derive(
     starts: np.ndarray,
     offsets: dict[str, int],
     params: _Params,
+    fed: set[int],
 ) -> tuple[DestTensor, Target]:
+    """The parameter ``key`` (its replay map ``m``) as a stack of checkpoint slices along one
+    dim; fed by tensors of fewer dims (``fed``: their dims), such as one tensor per expert
+    matrix into vLLM's 3-D experts, as that stack over the parameter with its leading dims
+    merged (``[experts * 2 x intermediate, hidden]``): the same memory, received as that view."""
     template = params.template[key]
     shape = tuple(m.shape)
     if not shape:
@@ -424,11 +432,16 @@ def _derive(
     if rest.numel() and not bool(((rest == 0) | (rest == -1)).all()):
         raise _Unmapped("has rows past the checkpoint's that the loader filled")
     body = m[:rows].to(torch.int64)
-    for dim in range(len(shape)):
-        pieces = _pieces(body, dim, spec, names, starts, offsets)
-        if pieces is not None:
-            d = DestTensor((rows, *shape[1:]), template.dtype, tuple(pieces), dim)
-            return d, Target(tuple(params.names[key]), shape, template.dtype, rows)
+    views = [body]
+    if len(fed) == 1 and 0 < min(fed) < body.dim() and rows == shape[0]:
+        k = min(fed)
+        views.append(body.reshape(-1, *shape[len(shape) - k + 1 :]))
+    for view in views:
+        for dim in range(view.dim()):
+            pieces = _pieces(view, dim, spec, names, starts, offsets)
+            if pieces is not None:
+                d = DestTensor(tuple(view.shape), template.dtype, tuple(pieces), dim)
+                return d, Target(tuple(params.names[key]), shape, template.dtype, rows)
     raise _Unmapped("is no stack of checkpoint slices along one dim")
 
 

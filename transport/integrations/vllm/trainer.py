@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from transport import PublishResult, Transport, TransportError, WeightPublisher
+from transport.integrations.vllm.checkpoint import NAMES
 from transport.integrations.vllm.infos import OPEN, SECRET_ENV, mode_key, update_key
 from transport.integrations.vllm.plugin import BACKEND
 from transport.integrations.vllm.streamed import part_group
@@ -31,7 +33,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     checkpoints (its workers are told ``mode="whole"``). The workers get the store, namespace and
     group through ``init_weight_transfer_engine``, and ``dtype``, the dtype this trainer
     publishes (default: its tensors' dtype when they share one), ``mode``, ``staging_device``,
-    ``staging_gb`` and ``staging_slots`` when given (see TransportInitInfo). The secret, if any, comes from
+    ``staging_gb`` and ``staging_slots`` when given (see TransportInitInfo), and ``names``, how
+    the source names its tensors (default: told from them, see :func:`names_of`). The secret, if any, comes from
     ``$TRANSPORT_SECRET`` on both sides.
 
     ``layout`` (a :class:`~transport.weights.SourceLayout` of the checkpoint tensors, the same on
@@ -54,6 +57,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     mode: str = "auto"
     staging_gb: float | None = None
     staging_slots: int | None = None
+    names: str | None = None
 
     def worker_info(self) -> dict[str, Any]:
         """What each vLLM worker is told (small JSON)."""
@@ -71,6 +75,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
             info["staging_gb"] = self.staging_gb
         if self.staging_slots is not None:
             info["staging_slots"] = self.staging_slots
+        if self.names not in (None, "model"):
+            info["names"] = self.names
         mode = "whole" if self.fanout != "direct" and self.layout is None else self.mode
         if mode != "auto":
             info["mode"] = mode
@@ -147,6 +153,14 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                 "(or a mapping of checkpoint names to tensors)"
             )
         engine.tensors = {n: _own(t) for n, t in _items(source)}
+        if init_info.names is None:
+            init_info = replace(init_info, names=names_of(engine.tensors))
+            engine.info = init_info
+        elif init_info.names not in NAMES:
+            raise ValueError(
+                f"transport trainer: names is one of {NAMES} (how the source names its "
+                f"tensors), got {init_info.names!r}"
+            )
         if init_info.dtype is None:
             layout = init_info.layout
             dtypes = (
@@ -398,6 +412,17 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             pub.close()
         if t is not None:
             t.close()
+
+
+#: a tensor of one expert, as a saved checkpoint names it (``...mlp.experts.7.down_proj.weight``)
+_ONE_EXPERT = re.compile(r"\.experts\.[0-9]+\.")
+
+
+def names_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    """How a source names its tensors (checkpoint.NAMES): ``"checkpoint"`` when it holds
+    experts one tensor per expert matrix, as a saved checkpoint does; else ``"model"``, as
+    transformers holds the model in memory (experts fused, or no experts: then both agree)."""
+    return "checkpoint" if any(_ONE_EXPERT.search(n) for n in tensors) else "model"
 
 
 def _items(source: Any) -> Iterable[tuple[str, torch.Tensor]]:

@@ -126,7 +126,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 raise ValueError(
                     f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype"
                 )
-            spec = checkpoint_spec(self.model_config.hf_config, dtype)
+            spec = checkpoint_spec(self.model_config.hf_config, dtype, init_info.names)
             layout, mode, why = self._choose(init_info, spec)
             staging = init_info.staging_device or self.device
             if mode in ("inplace", "streamed"):
