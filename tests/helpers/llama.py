@@ -4,7 +4,12 @@ and transformers' greedy tokens on given weights, the reference vLLM must match 
 
 ``kind`` names the model: "llama" (untied embeddings, grouped-query attention), "llama-tied"
 (its input and output embeddings one tensor, as Llama 3.2 1B/3B), "qwen2-tied" (q/k/v biases,
-grouped-query attention, tied embeddings, as Qwen2.5 0.5B-3B)."""
+grouped-query attention, tied embeddings, as Qwen2.5 0.5B-3B), and mixtures of experts:
+"qwen3-moe" (8 experts per layer, top 2, q/k norms, grouped-query attention, as Qwen3-30B-A3B),
+"qwen2-moe" (a shared expert with its gate beside 8 routed ones, q/k/v biases, the first layer
+dense through ``mlp_only_layers``, as Qwen1.5/Qwen2-MoE). transformers holds experts fused
+(``mlp.experts.gate_up_proj``); their saved checkpoints hold one tensor per expert matrix
+(:func:`checkpoint_tensors`). A version's values are defined on the names in memory."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ PROMPTS = [list(range(4, 44)), [1, 17, 42, 99, 7, 200, 31]]
 NEW_TOKENS = 12
 
 
-KINDS = ("llama", "llama-tied", "qwen2-tied")
+KINDS = ("llama", "llama-tied", "qwen2-tied", "qwen3-moe", "qwen2-moe")
+MOE = ("qwen3-moe", "qwen2-moe")
 
 
 def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 256) -> object:
@@ -30,6 +36,22 @@ def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 
         head_dim=32, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=kind.endswith("-tied"), dtype="float32",
     )  # fmt: skip
+    if kind in MOE:
+        from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+
+        # vLLM's CPU experts kernel needs an intermediate size per rank that is a multiple of 32
+        common.update(
+            num_attention_heads=hidden // 32,
+            num_key_value_heads=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden,
+            norm_topk_prob=True,
+        )
+        if kind == "qwen3-moe":
+            return Qwen3MoeConfig(**common)
+        common.pop("head_dim")
+        return Qwen2MoeConfig(**common, shared_expert_intermediate_size=hidden, mlp_only_layers=[0])
     if kind.startswith("qwen2"):
         # Qwen2 derives the head size (hidden / heads): 2 query heads of 32 share 1 key/value head
         common.update(num_attention_heads=hidden // 32, num_key_value_heads=1)
@@ -71,6 +93,15 @@ def set_version(state: dict[str, torch.Tensor], version: int) -> None:
             t.copy_(noise * 0.2 if t.dim() >= 2 else 1.0 + 0.1 * noise)
 
 
+def checkpoint_tensors(model: object, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the names in memory of ``model``) under the names its saved checkpoint holds
+    (transformers' own conversion: one tensor per expert matrix), as contiguous copies."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    saved = revert_weight_conversion(model, dict(state))
+    return {n: t.contiguous().clone() for n, t in saved.items()}
+
+
 def hf_model(version: int, through: torch.dtype | None = None, kind: str = "llama") -> object:
     """The float32 model ``kind`` of ``version``; ``through``: its weights rounded to that dtype
     first (what a float32 model holds after loading a trainer's bfloat16 weights)."""
@@ -100,7 +131,8 @@ def greedy(model: object, prompts: list[list[int]] = PROMPTS) -> list[list[int]]
 def kept_bytes(kind: str, tp: int = 2) -> tuple[int, int]:
     """(bytes of one version a tensor-parallel worker keeps, of which replicated): from the
     checkpoint's tensors and tensor parallelism's rules (a tensor split in ``tp``, or whole on
-    every rank: 1-D norms, and key/value heads when there are fewer than ranks)."""
+    every rank: 1-D norms, key/value heads when there are fewer than ranks, and the routers of
+    a mixture of experts; every expert's matrices split along their intermediate size)."""
     cfg = config(kind)
     kv_split = cfg.num_key_value_heads % tp == 0  # type: ignore[attr-defined]
     total = replicated = 0
@@ -109,6 +141,7 @@ def kept_bytes(kind: str, tp: int = 2) -> tuple[int, int]:
             t.dim() == 1
             and "_proj" not in name
             or (("k_proj" in name or "v_proj" in name) and not kv_split)
+            or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))  # routers
         )
         n = t.numel() * t.element_size()
         total += n if whole else n // tp

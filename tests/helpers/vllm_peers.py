@@ -317,7 +317,7 @@ def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
     try:  # the imports first (seconds): the test starts this child while the server starts
         from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-        from helpers.llama import hf_model
+        from helpers.llama import checkpoint_tensors, hf_model
         from transport.integrations.vllm import register
         from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
 
@@ -328,26 +328,42 @@ def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
     conn.send(("ok", (0, os.getpid())))
     engines: list[Any] = []
     models: list[Any] = []
+    saved: list[dict[str, Any] | None] = []  # per engine: its source under checkpoint names
 
     def connect(
-        url: str, store: str, namespace: str, kwargs: dict[str, Any], kind: str = "llama"
+        url: str,
+        store: str,
+        namespace: str,
+        kwargs: dict[str, Any],
+        kind: str = "llama",
+        names: str = "model",
     ) -> None:
+        """``names="checkpoint"``: the source is a mapping of the model's tensors under the
+        names its saved checkpoint holds (one tensor per expert matrix), refreshed each send."""
         models.append(hf_model(0, kind=kind))
+        source: Any = ModuleSource(models[-1])
+        saved.append(None)
+        if names == "checkpoint":
+            saved[-1] = source = checkpoint_tensors(models[-1], models[-1].state_dict())
         info = TransportTrainerInitInfo(store, namespace=namespace, name=name, rank=0, **kwargs)
         engines.append(
-            WeightTransferTrainerFactory.trainer_init(
-                info, client=HTTPClient(url), source=ModuleSource(models[-1])
-            )
+            WeightTransferTrainerFactory.trainer_init(info, client=HTTPClient(url), source=source)
         )
 
-    def send(version: int) -> tuple[dict[str, str], dict[str, str]]:
+    def set_source(version: int) -> None:
         set_version(models[-1].state_dict(), version)  # the module's parameters, in place
+        if saved[-1] is not None:
+            for n, x in checkpoint_tensors(models[-1], models[-1].state_dict()).items():
+                saved[-1][n].copy_(x)
+
+    def send(version: int) -> tuple[dict[str, str], dict[str, str]]:
+        set_source(version)
         r = engines[-1].send_weights(version)
         return dict(r.status), dict(r.reasons)
 
     def publish(version: int, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, str]]:
         """Publish only: vLLM is not asked to load it."""
-        set_version(models[-1].state_dict(), version)
+        set_source(version)
         r = engines[-1].publisher.publish(version, timeout=timeout).wait(timeout + 30)
         return dict(r.status), dict(r.reasons)
 
@@ -361,8 +377,9 @@ def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
 class HttpTrainer(ChildProcess):
     """A trainer driving a vLLM server with the ``transport`` trainer engine, found by name in
     vLLM's WeightTransferTrainerFactory, over vLLM's HTTP client. ``env`` is set in the child
-    first. Commands: ``connect(url, store_url, namespace, init_kwargs, kind)`` (trainer_init of
-    the test model ``kind``), ``send(version)`` (sets the model's parameters to that version and
+    first. Commands: ``connect(url, store_url, namespace, init_kwargs, kind, names)``
+    (trainer_init of the test model ``kind``; its source named as in memory, or ``names=
+    "checkpoint"`` as its saved checkpoint), ``send(version)`` (sets the model's parameters to that version and
     sends them; returns the publish's (status, reasons)), ``publish(version)`` (only publishes),
     ``traffic`` (bytes written to each peer so far)."""
 

@@ -454,7 +454,9 @@ def _pieces(
     offsets: dict[str, int],
 ) -> list[Piece] | None:
     """The pieces along ``dim`` that make ``body`` (checkpoint element numbers), checked
-    element for element; None when no such pieces make it."""
+    element for element; None when no such pieces make it. A piece is a run of a source's
+    slabs along ``dim``, or a whole source cut along one other dim (a tensor-parallel slice of
+    one expert's matrix, stacked with the other experts' along ``dim``)."""
     slabs = body.movedim(dim, 0).reshape(body.shape[dim], -1)
     heads = slabs[:, 0].numpy()
     ids = np.searchsorted(starts, heads, side="right") - 1
@@ -463,10 +465,18 @@ def _pieces(
     while k < len(heads):
         src = names[int(ids[k])]
         shape = tuple(spec[src].shape)
-        if len(shape) != body.dim() or any(
-            a != b for j, (a, b) in enumerate(zip(shape, body.shape, strict=True)) if j != dim
-        ):
+        if len(shape) != body.dim():
             return None
+        cut = [
+            j for j, (a, b) in enumerate(zip(shape, body.shape, strict=True)) if j != dim and a != b
+        ]
+        if cut:
+            piece = _cut_piece(src, shape, body, dim, cut, int(heads[k]) - offsets[src], k)
+            if piece is None or k + shape[dim] > len(heads):
+                return None
+            pieces.append(piece)
+            k += shape[dim]
+            continue
         stride = math.prod(shape[dim + 1 :])
         row, within = divmod(int(heads[k]) - offsets[src], stride)
         if within or row >= shape[dim]:
@@ -485,6 +495,28 @@ def _pieces(
         k += n
     expect = torch.cat([_numbers(p, spec, offsets) for p in pieces], dim=dim)
     return pieces if torch.equal(expect, body) else None
+
+
+def _cut_piece(
+    src: str,
+    shape: tuple[int, ...],
+    body: torch.Tensor,
+    dim: int,
+    cut: list[int],
+    first: int,
+    at: int,
+) -> Piece | None:
+    """The piece of ``src`` that starts at its element ``first``: the whole source along
+    ``dim``, cut along the one other dim (``cut``) where it is larger than ``body``."""
+    if len(cut) != 1:
+        return None
+    (t,) = cut
+    coord = np.unravel_index(first, shape) if 0 <= first < math.prod(shape) else None
+    if coord is None or any(int(c) for j, c in enumerate(coord) if j != t):
+        return None
+    lo = int(coord[t])
+    hi = lo + int(body.shape[t])
+    return Piece(src, Slice(t, lo, hi), at) if hi <= shape[t] else None
 
 
 def _numbers(p: Piece, spec: Mapping[str, torch.Tensor], offsets: dict[str, int]) -> torch.Tensor:

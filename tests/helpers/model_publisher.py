@@ -1,0 +1,52 @@
+"""A trainer process holding one of the small test models in transformers (helpers.llama) and
+publishing its versions to a group with a ShardedPublisher of one rank (each worker gets only
+what it declares), under the names in memory (experts fused) or the names its saved checkpoint
+holds (one tensor per expert matrix, what a trainer exporting checkpoints sends)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from helpers.child import ChildProcess, serve
+from helpers.llama import checkpoint_tensors, hf_model, set_version
+
+
+def _child(conn: Any, name: str, store: str, kind: str, group: str, names: str) -> None:
+    import transport
+    from transport.weights import ShardedPublisher, SourceLayout
+
+    try:
+        t = transport.Transport(name, store=store, timeout=30)
+        model: Any = hf_model(0, kind=kind)
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        sent = state if names == "model" else checkpoint_tensors(model, state)
+        pub = ShardedPublisher(t, sent, SourceLayout.single(sent), 0, group=group)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    def publish(version: int, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, str]]:
+        set_version(state, version)
+        if sent is not state:
+            for n, x in checkpoint_tensors(model, state).items():
+                sent[n].copy_(x)
+        r = pub.publish(version, timeout=timeout).wait(timeout + 30)
+        return dict(r.status), dict(r.reasons)
+
+    def traffic() -> dict[str, int]:
+        return {n: x.written for n, x in t.traffic().items()}
+
+    handlers = {"publish": publish, "traffic": traffic, "count": lambda: len(sent)}
+    serve(conn, handlers, lambda: (pub.close(), t.close()))
+
+
+class ModelPublisher(ChildProcess):
+    """Publishes versions (helpers.llama.set_version) of the test model ``kind`` to ``group``,
+    its tensors named ``names`` ("model" or "checkpoint"). Commands: ``publish(version,
+    timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far),
+    ``count`` (how many tensors it publishes)."""
+
+    def __init__(self, name: str, store_url: str, kind: str, group: str, names: str = "model"):
+        super().__init__(name, _child, (store_url, kind, group, names), 90)

@@ -1,0 +1,92 @@
+"""Mixtures of experts served by vLLM (CPU build) and updated through the ``transport`` backend:
+after each version vLLM's greedy tokens equal transformers' on the same weights. vLLM's CPU
+build prepares (repacks) its experts after loading and skips that step on a weight update; the
+worker redoes it (integrations/vllm/experts.py), so these tests fail if vLLM ever computes
+with anything but the trainer's weights.
+
+The trainer holds the experts as transformers does (fused: ``mlp.experts.gate_up_proj``) or as a
+saved checkpoint does (one tensor per expert matrix); both land exactly, each mapped by the
+loader replay into vLLM's fused 3-D experts (nothing travels whole). Qwen3-MoE (q/k norms) and
+Qwen2-MoE (a shared expert with its gate, q/k/v biases, a dense first layer); the bytes the
+trainer wrote are counted against what the model's shapes say a worker keeps."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from helpers.llama import MOE, hf_model, kept_bytes
+from helpers.model_publisher import ModelPublisher
+from helpers.vllm_peers import HttpTrainer, VllmProcess, send_counting
+from helpers.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+def _model_bytes(kind: str) -> int:
+    return sum(t.numel() * t.element_size() for t in hf_model(0, kind=kind).parameters())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", MOE)
+def test_experts_fused_or_one_per_matrix_land_exactly(kind, store, model_dir_of, reference):
+    """One worker (TP = 1), two trainers in turn: experts fused, then one tensor per expert
+    matrix (the worker re-joins with the other names); three versions each."""
+    folder: Path = model_dir_of(kind)
+    whole = _model_bytes(kind)
+    with VllmProcess("vllm", folder) as vllm:
+        assert vllm.call("generate") == reference(0, kind=kind)
+        for names, versions in (("model", (1, 2, 3)), ("checkpoint", (4, 5, 6))):
+            group = f"{kind}-{names}"
+            vllm.call("init", {"store": store.url, "group": group, "timeout": 30, "names": names})
+            (state,) = vllm.call("engine_state")
+            assert state["mode"] == "sharded" and state["fallback"] == {}, state
+            assert state["version_bytes"] == whole
+            with ModelPublisher(f"trainer-{names}", store.url, kind, group, names) as trainer:
+                if names == "checkpoint":  # 3 matrices of 8 experts per MoE layer
+                    assert trainer.call("count") > 3 * 8
+                for version in versions:
+                    before = trainer.call("traffic")
+                    status, reasons = trainer.call("publish", version)
+                    assert set(status.values()) == {"done"}, reasons
+                    sent = {n: b - before.get(n, 0) for n, b in trainer.call("traffic").items()}
+                    assert list(sent.values()) == [whole], sent
+                    assert vllm.call("update", {"version": version}) == str(version)
+                    assert vllm.call("generate") == reference(version, kind=kind), (names, version)
+
+
+def test_each_tp_worker_receives_its_slice_of_every_expert(
+    store, model_dir_of, reference, tmp_path: Path
+):
+    """vLLM's server at TP = 2, the trainer through vLLM's own trainer factory with
+    ``ModuleSource(model)`` of the transformers model and vLLM's HTTP client (as the README
+    shows): each worker receives exactly its slice (half of every expert along the
+    intermediate size, the routers whole), about half the model; then a trainer whose source
+    names one tensor per expert matrix."""
+    kind = "qwen3-moe"
+    folder: Path = model_dir_of(kind)
+    want, _ = kept_bytes(kind)
+    assert want <= 0.55 * _model_bytes(kind)
+    trainer = HttpTrainer("trainer", wait=False)
+    with trainer, VllmServer(folder, tmp_path / "server.log", tp=2) as server:
+        assert server.generate() == reference(0, kind=kind)
+        trainer.started(120)
+        version = 0
+        for names, count in (("model", 3), ("checkpoint", 1)):
+            namespace = f"moe-{names}-{uuid.uuid4().hex[:6]}"
+            info = {"timeout": 60}
+            trainer.call(
+                "connect", server.url, store.url, namespace, info, kind, names, timeout=120
+            )
+            states = server.transport_state()
+            assert [s["mode"] for s in states] == ["sharded"] * 2, states
+            assert all(s["fallback"] == {} for s in states), [s["fallback"] for s in states]
+            assert [s["version_bytes"] for s in states] == [want] * 2
+            for _ in range(count):
+                version += 1
+                status, reasons, sent = send_counting(trainer, version)
+                assert len(status) == 2 and set(status.values()) == {"done"}, reasons
+                assert sent == dict.fromkeys(status, want), (sent, want)
+                assert server.get("weight_info") == {"weight_version": str(version)}
+                assert server.generate() == reference(version, kind=kind), (names, version)
