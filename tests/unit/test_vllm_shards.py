@@ -147,3 +147,52 @@ def test_expanded_probes_number_every_element_as_the_flat_numbering_does():
     )
     late = numbering.numbers([torch.full((2, H), -1.0, dtype=torch.float64), loader(1)[:2]])
     assert bool((late == 0.5).all())
+
+
+def test_one_tensor_per_expert_matrix_maps_into_fused_experts_at_tp_rank_1_of_2():
+    """A checkpoint with one tensor per expert matrix (gate and up [I, H], down [H, I]) into
+    vLLM's fused experts of TP rank 1 of 2: ``w13`` [E, I, H] (each expert's half of gate,
+    then of up) and ``w2`` [E, H, I/2] (each expert's half of down's columns). Both map, as
+    the parameter viewed with its leading dims merged, and move exactly what the loader put."""
+    experts, inter = 3, 4
+    half = inter // 2
+    spec: dict[str, torch.Tensor] = {}
+    for e in range(experts):
+        spec[f"experts.{e}.gate"] = torch.empty(inter, H, device="meta")
+        spec[f"experts.{e}.up"] = torch.empty(inter, H, device="meta")
+        spec[f"experts.{e}.down"] = torch.empty(H, inter, device="meta")
+    offsets, at = {}, 1
+    for n, t in spec.items():
+        offsets[n], at = at, at + t.numel()
+
+    def numbers(name: str) -> torch.Tensor:
+        t = spec[name]
+        return torch.arange(t.numel(), dtype=torch.float64).view(t.shape) + offsets[name]
+
+    maps = {
+        "w13": torch.stack(
+            [
+                torch.cat([numbers(f"experts.{e}.gate")[half:], numbers(f"experts.{e}.up")[half:]])
+                for e in range(experts)
+            ]
+        ),
+        "w2": torch.stack([numbers(f"experts.{e}.down")[:, half:] for e in range(experts)]),
+    }
+    layout = _layout(spec, offsets, _params(maps), maps, {})
+    assert layout.fallback == {}
+    w13, w2 = layout.dest["w13"], layout.dest["w2"]
+    assert w13.shape == (experts * inter, H) and w2.shape == (experts * H, half)
+    assert [(p.source, p.take, p.at) for p in w2.pieces] == [
+        (f"experts.{e}.down", Slice(1, half, inter), e * H) for e in range(experts)
+    ]
+    assert len(w13.pieces) == 2 * experts
+    assert layout.targets["w13"].shape == (experts, inter, H)  # vLLM's own shape
+    source = SourceLayout.single(
+        {n: torch.empty(t.shape, dtype=torch.float64) for n, t in spec.items()}
+    )
+    local = {n: numbers(n) for n in spec}
+    got = {n: torch.full(d.shape, -1.0, dtype=torch.float64) for n, d in layout.dest.items()}
+    dest = {n: type(d)(d.shape, torch.float64, d.pieces, d.dim) for n, d in layout.dest.items()}
+    apply_runs(plan(source, dest, 0), local, got)
+    for name, m in maps.items():
+        assert torch.equal(got[name].view(m.shape), m), name

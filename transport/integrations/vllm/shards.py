@@ -436,12 +436,14 @@ def _derive(
     if len(fed) == 1 and 0 < min(fed) < body.dim() and rows == shape[0]:
         k = min(fed)
         views.append(body.reshape(-1, *shape[len(shape) - k + 1 :]))
-    for view in views:
-        for dim in range(view.dim()):
-            pieces = _pieces(view, dim, spec, names, starts, offsets)
-            if pieces is not None:
-                d = DestTensor(tuple(view.shape), template.dtype, tuple(pieces), dim)
-                return d, Target(tuple(params.names[key]), shape, template.dtype, rows)
+    # slabs of sources along one dim first; then whole sources cut along another dim
+    for cut in (False, True):
+        for view in views:
+            for dim in range(view.dim()):
+                pieces = _pieces(view, dim, spec, names, starts, offsets, cut)
+                if pieces is not None:
+                    d = DestTensor(tuple(view.shape), template.dtype, tuple(pieces), dim)
+                    return d, Target(tuple(params.names[key]), shape, template.dtype, rows)
     raise _Unmapped("is no stack of checkpoint slices along one dim")
 
 
@@ -452,11 +454,13 @@ def _pieces(
     names: list[str],
     starts: np.ndarray,
     offsets: dict[str, int],
+    cut: bool = False,
 ) -> list[Piece] | None:
     """The pieces along ``dim`` that make ``body`` (checkpoint element numbers), checked
     element for element; None when no such pieces make it. A piece is a run of a source's
-    slabs along ``dim``, or a whole source cut along one other dim (a tensor-parallel slice of
-    one expert's matrix, stacked with the other experts' along ``dim``)."""
+    slabs along ``dim``, or (``cut``) a whole source cut along one other dim (a
+    tensor-parallel slice of one expert's matrix, stacked with the other experts' along
+    ``dim``)."""
     slabs = body.movedim(dim, 0).reshape(body.shape[dim], -1)
     heads = slabs[:, 0].numpy()
     ids = np.searchsorted(starts, heads, side="right") - 1
@@ -467,11 +471,13 @@ def _pieces(
         shape = tuple(spec[src].shape)
         if len(shape) != body.dim():
             return None
-        cut = [
+        cuts = [
             j for j, (a, b) in enumerate(zip(shape, body.shape, strict=True)) if j != dim and a != b
         ]
-        if cut:
-            piece = _cut_piece(src, shape, body, dim, cut, int(heads[k]) - offsets[src], k)
+        if cuts and not cut:
+            return None
+        if cuts:
+            piece = _cut_piece(src, shape, body, dim, cuts, int(heads[k]) - offsets[src], k)
             if piece is None or k + shape[dim] > len(heads):
                 return None
             pieces.append(piece)
