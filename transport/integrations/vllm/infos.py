@@ -59,16 +59,18 @@ class TransportInitInfo(WeightTransferInitInfo):
     keeps (its TP slice of every parameter, in vLLM's format) into staging memory,
     ``"inplace"`` the same straight into the parameters vLLM computes with (no staging; only
     where every parameter is used as stored, see inplace.py; written only inside
-    ``finish_weight_update``), ``"streamed"`` the same through two buckets of half of
-    ``staging_gb`` each, part by part, into vLLM's reload inside ``finish_weight_update`` (see
+    ``finish_weight_update``), ``"streamed"`` the same through two buckets of half the staging
+    bound each, part by part, into vLLM's reload inside ``finish_weight_update`` (see
     streamed.py), ``"whole"`` every checkpoint tensor whole (vLLM's loader shards them),
-    ``"auto"`` (default) sharded, or when one staging copy would not fit within ``staging_gb``
-    in place where it can and streamed where it cannot; whole when nothing could be mapped. ``staging_device`` is where the staging copies live
-    (default: the worker's device; ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds
-    them, ``staging_slots`` says how many (1 or 2; default: two if they fit within
-    ``staging_gb``, else one): with two, the next version lands while vLLM loads one; with one,
-    it waits for that load. A worker whose copies would not fit refuses to join and says what
-    they need.
+    ``"auto"`` (default) sharded, or when one staging copy would not fit within the bound in
+    place where it can and streamed where it cannot; whole when nothing could be mapped.
+    ``staging_device`` is where the staging copies live (default: the worker's device;
+    ``"cpu"`` keeps them out of GPU memory). ``staging_gb`` bounds them; without it the bound
+    is a share of the memory free on that device after vLLM's own allocation, measured when the
+    worker joins (room.py). ``staging_slots`` says how many (1 or 2; default: two if they fit
+    within the bound, else one): with two, the next version lands while vLLM loads one; with
+    one, it waits for that load. A worker whose copies would not fit refuses to join and says
+    what they need.
     ``name`` prefixes this worker's peer name (host, pid and rank follow). ``timeout`` bounds
     joining the store. ``names`` says how the trainer names its tensors: ``"model"`` as
     transformers holds the model in memory (experts fused: ``mlp.experts.gate_up_proj``),
@@ -157,7 +159,9 @@ class EngineState:
     ``incomplete`` version in staging; ``version_bytes``, the bytes of one version this worker
     receives; ``staging_slots`` and ``staging_bytes``, its staging copies and the memory they
     hold (counted from its buffers); ``fallback``, the checkpoint tensors that travel whole, with
-    why; ``parts``, the groups a version comes in (more than one: streamed, see streamed.py)."""
+    why; ``parts``, the groups a version comes in (more than one: streamed, see streamed.py);
+    ``staging_bound``, the most bytes it may stage (``staging_gb``, or the free memory it
+    measured at init: room.py)."""
 
     peer: str | None
     mode: str | None
@@ -170,6 +174,7 @@ class EngineState:
     staging_bytes: int
     fallback: dict[str, str]
     parts: int
+    staging_bound: int = 0
 
 
 def parse(cls: Any, given: Any, what: str) -> Any:

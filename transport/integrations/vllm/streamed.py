@@ -1,6 +1,6 @@
 """A version streamed through a bounded staging area, part by part, into vLLM's reload.
 
-When not even one staging copy of what a worker keeps fits within ``staging_gb`` and vLLM does
+When not even one staging copy of what a worker keeps fits within its staging bound and vLLM does
 not compute with its parameters as stored (so it cannot be written in place), the version comes
 in **parts**: the worker's layout cut, in its own order, into parts of at most half the bound,
 received into two buckets in turn. Part ``k`` is a group of its own (:func:`part_group`; part 0
@@ -50,7 +50,7 @@ def plan_parts(layout: WorkerLayout, bucket: int) -> list[list[str]]:
         if nbytes > bucket:
             raise ValueError(
                 f"tensor {name} ({nbytes / 2**20:.1f} MiB) is larger than one bucket of a streamed "
-                f"version ({bucket / 2**20:.1f} MiB: half of staging_gb); raise staging_gb to at "
+                f"version ({bucket / 2**20:.1f} MiB: half of the staging bound); raise staging_gb to at "
                 f"least {2 * nbytes / 2**30:.3f} GiB"
             )
         if used + nbytes > bucket:

@@ -37,6 +37,7 @@ from transport.integrations.vllm.reload import (
     tied_parameters,
     unloaded_layers,
 )
+from transport.integrations.vllm.room import Room, staging_room
 from transport.integrations.vllm.shards import WorkerLayout, learn, spec_of, whole
 from transport.integrations.vllm.streamed import Stream
 from transport.weights import Snapshot, WindowedSubscriber
@@ -56,7 +57,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     * **inplace**: the sharded layout, received straight into the parameters vLLM computes
       with (a :class:`~transport.weights.WindowedSubscriber`: no staging memory), only where
       every parameter is used as stored (:mod:`.inplace`: vLLM's GPU builds, unquantized).
-    * **streamed**: the sharded layout in parts through two buckets of half of ``staging_gb``
+    * **streamed**: the sharded layout in parts through two buckets of half the staging bound
       (:mod:`.streamed`), loaded into one layerwise reload inside ``finish_weight_update``.
     * **whole**: every checkpoint tensor whole (names, shapes, dtypes that transformers builds
       from vLLM's config on the meta device); vLLM's loader fuses and shards them.
@@ -72,7 +73,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
       vLLM's own load, copied into the tensors the model computes with), inside one worker call,
       so no engine step sees half-loaded weights. If it cannot reach every layer, finish fails
       naming them and the worker reports ``TORN`` (-2) until a whole version loads.
-    * Staging is one or two copies of what the worker receives, within ``staging_gb``; with one,
+    * Staging is one or two copies of what the worker receives, within ``staging_gb``, or
+      without it within the memory free on the staging device after vLLM's own (room.py); with one,
       the next version is written only after the last one was loaded (or dropped).
     * In place and streamed, publishers write only inside ``finish_weight_update`` (no engine
       step runs meanwhile), the version ``update_weights`` named; the model and the version
@@ -97,6 +99,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self.transport: Transport | None = None
         self.subscriber: WeightSubscriber | None = None
         self.info: TransportInitInfo | None = None
+        #: the staging bound chosen at init
+        self.room: Room | None = None
         self.layout: WorkerLayout | None = None
         #: "sharded" or "whole", once initialized
         self.mode: str | None = None
@@ -127,12 +131,13 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                     f"cannot tell the model's dtype from {dtype!r}: pass init_info dtype"
                 )
             spec = checkpoint_spec(self.model_config.hf_config, dtype, init_info.names)
-            layout, mode, why = self._choose(init_info, spec)
-            staging = init_info.staging_device or self.device
+            staging = torch.device(init_info.staging_device or self.device)
+            room = staging_room(init_info.staging_gb, staging)
+            layout, mode, why = self._choose(init_info, spec, room)
             if mode in ("inplace", "streamed"):
                 slots, why_slots = 0, "in place" if mode == "inplace" else "two buckets"
             else:
-                slots, why_slots = _slots(init_info, layout)
+                slots, why_slots = _slots(init_info, layout, room)
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
             t = Transport(
@@ -152,8 +157,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                         layout=layout.dest, source_shapes=shapes,
                     )  # fmt: skip
                 elif mode == "streamed":
-                    assert init_info.staging_gb is not None  # _choose said so
-                    bucket = int(init_info.staging_gb * 2**30) // 2
+                    bucket = room.bound // 2
                     stream = Stream(t, layout, init_info.group, staging, shapes, bucket)
                     sub = stream.subscribers[0]
                 else:
@@ -174,7 +178,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                     sub.close()
                 t.close()
                 raise
-            self.transport, self.subscriber, self.info = t, sub, init_info
+            self.transport, self.subscriber, self.info, self.room = t, sub, init_info, room
             self.layout, self.mode, self.stream = layout, mode, stream
             need = stream.nbytes if stream is not None else slots * layout.nbytes
             # which names are one tensor: learned before a reload (it gives each layer its own
@@ -189,7 +193,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             )  # fmt: skip
 
     def _choose(
-        self, info: TransportInitInfo, spec: dict[str, torch.Tensor]
+        self, info: TransportInitInfo, spec: dict[str, torch.Tensor], room: Room
     ) -> tuple[WorkerLayout, str, str]:
         """The layout this worker declares, its mode, and why that mode."""
         refused = experts.refusals(self.model)
@@ -218,18 +222,15 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         else:
             layout = whole(spec, "nothing mapped")
             mode, why = "whole", "no parameter could be mapped, so whole"
-        bound = None if info.staging_gb is None else info.staging_gb * 2**30
         if info.mode == "streamed":
-            if bound is None:
-                raise ValueError(
-                    "transport init_info: mode 'streamed' streams a version through two buckets "
-                    "of half of staging_gb each: give staging_gb"
-                )
             return layout, "streamed", why + asked
-        if info.mode != "inplace" and (info.mode != "auto" or not bound or layout.nbytes <= bound):
+        if info.mode != "inplace" and (info.mode != "auto" or layout.nbytes <= room.bound):
             return layout, mode, why + ("" if info.mode == "auto" else asked)
         # in place, asked for, or no staging copy fits
-        copy = f"one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit within staging_gb"
+        copy = (
+            f"one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit within "
+            f"{room.bound / 2**30:.3f} GiB ({room.how})"
+        )
         refused = refusals(self.model, layout)
         if not refused:
             return layout, "inplace", why + (
@@ -248,7 +249,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             "streamed",
             (
                 f"{why}; {copy}, and it cannot be written in place ({len(refused)} tensors are not "
-                f"used as stored, for example {first}): streamed in parts of half of staging_gb"
+                f"used as stored, for example {first}): streamed in parts of half of that bound"
             ),
         )
 
@@ -454,6 +455,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             else len(sub.staging),
             staging_bytes=sum(storages.values()),
             fallback={} if layout is None else dict(layout.fallback),
+            staging_bound=0 if self.room is None else self.room.bound,
             parts=len(self.stream.names) if self.stream is not None else int(sub is not None),
         )
 
@@ -474,10 +476,10 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             t.close()
 
 
-def _slots(info: TransportInitInfo, layout: WorkerLayout) -> tuple[int, str]:
+def _slots(info: TransportInitInfo, layout: WorkerLayout, room: Room) -> tuple[int, str]:
     """How many staging copies of ``layout``'s version this worker keeps, and why; ValueError
     (naming the need) when the bound does not allow what is asked, or even one."""
-    bound = None if info.staging_gb is None else info.staging_gb * 2**30
+    bound = room.bound
     one = layout.nbytes
     mode = "sharded" if layout.targets else "whole"
 
@@ -485,16 +487,16 @@ def _slots(info: TransportInitInfo, layout: WorkerLayout) -> tuple[int, str]:
         return ValueError(
             f"transport init_info: {slots} staging slot(s) of the {mode} mode need "
             f"{slots * one / 2**30:.3f} GiB ({one / 2**30:.3f} GiB each), more than "
-            f"staging_gb={info.staging_gb}; raise staging_gb, use one slot, or serve with more "
-            "tensor-parallel ranks"
+            f"{bound / 2**30:.3f} GiB ({room.how}); raise staging_gb, use one slot, or serve with "
+            "more tensor-parallel ranks"
         )
 
     if info.staging_slots is not None:
-        if bound is not None and info.staging_slots * one > bound:
+        if info.staging_slots * one > bound:
             raise refuse(info.staging_slots)
         return info.staging_slots, "asked for by init_info staging_slots"
-    if bound is None or 2 * one <= bound:
-        return 2, "two fit" if bound is not None else "no staging_gb bound"
+    if 2 * one <= bound:
+        return 2, f"two fit within {bound / 2**30:.3f} GiB ({room.how})"
     if one <= bound:
-        return 1, f"two would need {2 * one / 2**30:.3f} GiB, more than staging_gb"
+        return 1, f"two would need {2 * one / 2**30:.3f} GiB, more than {room.how}"
     raise refuse(1)
