@@ -50,3 +50,54 @@ class ModelPublisher(ChildProcess):
 
     def __init__(self, name: str, store_url: str, kind: str, group: str, names: str = "model"):
         super().__init__(name, _child, (store_url, kind, group, names), 90)
+
+
+def _rank_child(
+    conn: Any, name: str, store: str, kind: str, group: str, world: int, rank: int
+) -> None:
+    import transport
+    from transport.weights import ShardedPublisher, SourceLayout
+
+    try:
+        t = transport.Transport(name, store=store, timeout=30)
+        model: Any = hf_model(0, kind=kind)
+        full = {n: p.detach() for n, p in model.named_parameters()}
+        # expert-parallel training: each rank holds a range of whole experts (the fused 3-D
+        # tensors split along dim 0), every other tensor replicated
+        dims = {n: 0 if x.dim() == 3 else None for n, x in full.items()}
+        layout = SourceLayout.split(world, {n: (x.shape, x.dtype) for n, x in full.items()}, dims)
+
+        def mine() -> dict[str, Any]:
+            return {
+                n: full[n][tuple(slice(lo, hi) for lo, hi in s.held[rank].box(s.shape))].clone()
+                for n, s in layout.tensors.items()
+            }
+
+        shards = mine()
+        pub = ShardedPublisher(t, shards, layout, rank, group=group)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (t.generation, os.getpid())))
+
+    def publish(version: int, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, str]]:
+        set_version(full, version)  # the whole model's values of that version, then our part
+        for n, x in mine().items():
+            shards[n].copy_(x)
+        r = pub.publish(version, timeout=timeout).wait(timeout + 30)
+        return dict(r.status), dict(r.reasons)
+
+    def traffic() -> dict[str, int]:
+        return {n: x.written for n, x in t.traffic().items()}
+
+    serve(conn, {"publish": publish, "traffic": traffic}, lambda: (pub.close(), t.close()))
+
+
+class ExpertParallelRank(ChildProcess):
+    """Rank ``rank`` of a ``world``-rank expert-parallel trainer of the test model ``kind``: it
+    holds its range of whole experts and every other tensor, and publishes with a
+    ShardedPublisher (no gather). Commands: ``publish(version, timeout)`` -> (status,
+    reasons), ``traffic``."""
+
+    def __init__(self, name: str, store_url: str, kind: str, group: str, world: int, rank: int):
+        super().__init__(name, _rank_child, (store_url, kind, group, world, rank), 90, False)

@@ -2,8 +2,9 @@
 CheckpointEngineWorkerTest with the mock server adapter that checks every weight against the
 Hugging Face checkpoint, its replicas, all in Ray actors on the CPU; two trainer ranks of the
 stand-in for verl's FSDP trainer (transport/integrations/verl/harness.py says why and what it
-yields). A small Qwen2 (grouped-query attention, q/k/v biases, tied embeddings; the embedding is
-larger than a bucket), with a secret. The tests share one job and run in order: three updates to
+yields). A small mixture of experts, Qwen3-MoE (8 experts per layer, fused as transformers holds
+them; grouped-query attention, q/k norms, tied embeddings; the embedding is larger than a
+bucket), with a secret. The tests share one job and run in order: three updates to
 2 workers, a replica added (4 workers), a tensor of another shape, a worker killed mid-update, an
 outsider, a trainer rank killed mid-update."""
 
@@ -39,12 +40,23 @@ SECRET = "verl-job-secret-0123"
 BUCKET_MB = 1
 
 
-def make_qwen2(path: Path) -> Path:
-    cfg = transformers.Qwen2Config(
-        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+def make_qwen3_moe(path: Path) -> Path:
+    """A small Qwen3-MoE: 8 experts per layer (transformers holds them fused, 3-D), top 2,
+    grouped-query attention with q/k norms, tied embeddings larger than a bucket."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
@@ -102,7 +114,7 @@ class Job:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    model = make_qwen2(tmp_path_factory.mktemp("qwen2"))
+    model = make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"))
     ray.init(num_cpus=64, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"TRANSPORT_SECRET": SECRET}})  # fmt: skip
     try:
@@ -144,7 +156,7 @@ def test_a_tensor_of_another_shape_is_refused_with_its_name(job):
 def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
     w = job.rollout.workers
     gate = Gate.remote()
-    job.actor.hold_at(30, gate)  # of 39 tensors: most buckets are out, not all
+    job.actor.hold_at(30, gate)  # of 35 tensors: most buckets are out, not all
     victim = job.pid(w[3])
     rollout, refs = job.start_update(w, 11)
     wait_until(lambda: ray.get(gate.count.remote()) == 2, 300, "both trainer ranks at the gate")

@@ -18,11 +18,17 @@ from pathlib import Path
 import pytest
 
 from helpers.llama import MOE, hf_model, kept_bytes
-from helpers.model_publisher import ModelPublisher
+from helpers.model_publisher import ExpertParallelRank, ModelPublisher
 from helpers.vllm_peers import HttpTrainer, VllmProcess, send_counting
 from helpers.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+
+def _expert_bytes(kind: str) -> int:
+    """Bytes of the routed experts (transformers' fused 3-D tensors)."""
+    model = hf_model(0, kind=kind)
+    return sum(t.numel() * t.element_size() for t in model.parameters() if t.dim() == 3)  # type: ignore[attr-defined]
 
 
 def _model_bytes(kind: str) -> int:
@@ -31,8 +37,9 @@ def _model_bytes(kind: str) -> int:
 
 @pytest.mark.parametrize("kind", MOE)
 def test_experts_fused_or_one_per_matrix_land_exactly(kind, store, model_dir_of, reference):
-    """One worker (TP = 1), two trainers in turn: experts fused, then one tensor per expert
-    matrix (the worker re-joins with the other names); three versions each."""
+    """One worker (TP = 1), trainers in turn: experts fused, then one tensor per expert matrix
+    (the worker re-joins with the other names), three versions each; then an expert-parallel
+    trainer of two ranks."""
     folder: Path = model_dir_of(kind)
     whole = _model_bytes(kind)
     with VllmProcess("vllm", folder) as vllm:
@@ -54,6 +61,31 @@ def test_experts_fused_or_one_per_matrix_land_exactly(kind, store, model_dir_of,
                     assert list(sent.values()) == [whole], sent
                     assert vllm.call("update", {"version": version}) == str(version)
                     assert vllm.call("generate") == reference(version, kind=kind), (names, version)
+        # an expert-parallel trainer of two ranks, each holding half of the experts: each writes
+        # its own experts and its share of the rest, no gather, every byte once
+        group = f"{kind}-ep-trainer"
+        vllm.call("init", {"store": store.url, "group": group, "timeout": 30})
+        ranks = [ExpertParallelRank(f"ep-{r}", store.url, kind, group, 2, r) for r in range(2)]
+        try:
+            for r in ranks:
+                r.started(90)
+            for version in (7, 8):
+                before = [r.call("traffic") for r in ranks]
+                for r in ranks:
+                    r.begin("publish", version, 30.0)
+                for r in ranks:
+                    status, reasons = r.end("publish", 90)
+                    assert set(status.values()) == {"done"}, reasons
+                after = [r.call("traffic") for r in ranks]
+                sent = [
+                    sum(a.values()) - sum(b.values()) for a, b in zip(after, before, strict=True)
+                ]
+                assert sum(sent) == whole and min(sent) >= _expert_bytes(kind) // 2, sent
+                assert vllm.call("update", {"version": version}) == str(version)
+                assert vllm.call("generate") == reference(version, kind=kind), version
+        finally:
+            for r in ranks:
+                r.stop()
 
 
 def test_each_tp_worker_receives_its_slice_of_every_expert(
