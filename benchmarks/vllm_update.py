@@ -390,13 +390,24 @@ def main() -> None:
     ap.add_argument("--as-stored", action="store_true",
                     help="servers that compute with their parameters as stored (as vLLM's GPU "
                          "builds do), and the in-place mode next to the others")  # fmt: skip
+    ap.add_argument(
+        "--model",
+        choices=("llama", "qwen3-moe"),
+        default="llama",
+        help="a dense Llama, or a Qwen3 mixture of experts (transformers holds its experts "
+        "fused; vLLM's fused MoE layers take each TP rank's slice)",
+    )
+    ap.add_argument("--experts", type=int, default=16, help="experts per layer (qwen3-moe)")
+    ap.add_argument(
+        "--moe-intermediate", type=int, default=256, help="each expert's intermediate size"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tps = [int(x) for x in args.tp.split(",")]
     # a SIGTERM runs the finally blocks too (every server killed, temporary files removed)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     from transport.integrations.vllm import register
     from transport.store.tcp import TcpStore
@@ -407,14 +418,25 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="transport-bench-", dir="/dev/shm"))
     store = None
     try:
-        config = LlamaConfig(
+        common = dict(
             vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
             num_key_value_heads=args.hidden // 64, max_position_embeddings=256,
             tie_word_embeddings=False, dtype="float32",
         )  # fmt: skip
+        if args.model == "qwen3-moe":
+            config = Qwen3MoeConfig(
+                **common,
+                head_dim=64,
+                num_experts=args.experts,
+                num_experts_per_tok=2,
+                moe_intermediate_size=args.moe_intermediate,
+                norm_topk_prob=True,
+            )
+        else:
+            config = LlamaConfig(**common)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config).float()
+        model = AutoModelForCausalLM.from_config(config).float()
         state = {n: p.detach() for n, p in model.named_parameters()}
         nbytes = sum(x.numel() * x.element_size() for x in state.values())
         model.save_pretrained(work / "model", safe_serialization=True)
@@ -424,8 +446,11 @@ def main() -> None:
         store = TcpStore("127.0.0.1", 0, hosting="yes")
         ctx = {"model": model, "state": state, "shm": shm, "store": store, "work": work}
         results: dict[str, Any] = {
-            "model": {"mib": mib(nbytes), "tensors": len(state), "hidden": args.hidden,
-                      "layers": args.layers, "vocab": args.vocab, "dtype": "float32"},
+            "model": {"kind": args.model, "mib": mib(nbytes), "tensors": len(state),
+                      "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+                      "dtype": "float32",
+                      **({"experts": args.experts, "moe_intermediate": args.moe_intermediate}
+                         if args.model == "qwen3-moe" else {})},
             "argv": sys.argv[1:],
             "rounds_per_block": args.rounds,
             "blocks": args.blocks,
