@@ -22,11 +22,11 @@ ARGS = (
 class VllmServer(Server):
     def __init__(
         self, model_dir: Path, log: Path, tp: int = 1, port: int | None = None,
-        env: dict[str, str] | None = None, host: str = "127.0.0.1",
+        env: dict[str, str] | None = None, host: str = "127.0.0.1", args: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         cores = os.cpu_count() or 1
         super().__init__(
-            model_dir, log, port=port, host=host, tp=tp, args=(*ARGS, *EXTENSION), start_timeout=240,
+            model_dir, log, port=port, host=host, tp=tp, args=(*ARGS, *EXTENSION, *args), start_timeout=240,
             env={
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
                 "TOKENIZERS_PARALLELISM": "false",

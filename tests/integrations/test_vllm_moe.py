@@ -115,6 +115,8 @@ def test_each_tp_worker_receives_its_slice_of_every_expert(
             assert [s["mode"] for s in states] == ["sharded"] * 2, states
             assert all(s["fallback"] == {} for s in states), [s["fallback"] for s in states]
             assert [s["version_bytes"] for s in states] == [want] * 2
+            every = {f"model.layers.{k}.mlp.experts": list(range(8)) for k in range(2)}
+            assert all(s["experts"] == every for s in states), states  # a slice of each
             for _ in range(count):
                 version += 1
                 status, reasons, sent = send_counting(trainer, version)
@@ -122,3 +124,42 @@ def test_each_tp_worker_receives_its_slice_of_every_expert(
                 assert sent == dict.fromkeys(status, want), (sent, want)
                 assert server.get("weight_info") == {"weight_version": str(version)}
                 assert server.generate() == reference(version, kind=kind), (names, version)
+
+
+def test_expert_parallel_workers_receive_only_the_experts_they_host(
+    store, model_dir_of, reference, tmp_path: Path
+):
+    """vLLM's server at TP = 2 with ``--enable-expert-parallel``: each worker hosts half of the
+    experts, whole (vLLM's own expert map, read from the worker), receives exactly those (its
+    state says which), and nothing of the others; tokens equal transformers' after each
+    version."""
+    kind = "qwen3-moe"
+    folder: Path = model_dir_of(kind)
+    trainer = HttpTrainer("trainer", wait=False)
+    args = ("--enable-expert-parallel",)
+    with trainer, VllmServer(folder, tmp_path / "server.log", tp=2, args=args) as server:
+        assert server.generate() == reference(0, kind=kind)
+        trainer.started(120)
+        namespace = f"moe-ep-{uuid.uuid4().hex[:6]}"
+        trainer.call("connect", server.url, store.url, namespace, {"timeout": 60}, kind)
+        states = server.transport_state()
+        hosted = server.post("collective_rpc", {"method": "experts_hosted"})["results"]
+        assert all(s["fallback"] == {} for s in states), [s["fallback"] for s in states]
+        for state, mine in zip(states, hosted, strict=True):
+            want = {
+                f"model.layers.{k}.mlp.experts": mine[
+                    f"model.layers.{k}.mlp.experts.routed_experts"
+                ]
+                for k in range(2)
+            }
+            assert state["experts"] == want, (state["experts"], mine)
+            assert all(len(ids) == 4 for ids in want.values())
+        assert sorted(
+            sum((h["model.layers.0.mlp.experts.routed_experts"] for h in hosted), [])
+        ) == list(range(8))
+        want_bytes, _ = kept_bytes(kind)  # half of the experts whole: as many bytes as a slice
+        for version in (1, 2):
+            status, reasons, sent = send_counting(trainer, version)
+            assert set(status.values()) == {"done"}, reasons
+            assert sent == {s["peer"]: want_bytes for s in states}, sent
+            assert server.generate() == reference(version, kind=kind), version

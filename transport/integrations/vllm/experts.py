@@ -18,14 +18,20 @@ the trainer's, while the update reports success. This module is what the worker 
   experts padded for their kernel (vLLM's reload copies the unpadded weights into the padded
   tensors and fails). The worker refuses to join rather than serve what it cannot update.
 
+:func:`received` says which experts a worker's layout brings it (its state reports them).
+
 It reads the model's own modules (their ``quant_method``); nothing of the transport core.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from transport.integrations.vllm.shards import WorkerLayout
 
 #: the weights vLLM's fused MoE layers hold and its experts kernels prepare
 WEIGHTS = ("w13_weight", "w2_weight")
@@ -39,6 +45,19 @@ def moe_layers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, Any]]
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None:
             out[name] = (layer, experts)
+    return out
+
+
+def hosted(model: torch.nn.Module) -> dict[str, list[int]]:
+    """vLLM's own expert map: per fused MoE layer (its module name), the global experts it
+    hosts (every one where it has no expert map: no expert parallelism)."""
+    out = {}
+    for name, (layer, _) in moe_layers(model).items():
+        emap = getattr(layer, "expert_map", None)
+        if emap is None:
+            out[name] = list(range(int(getattr(layer, "global_num_experts", 0))))
+        else:
+            out[name] = [g for g, local in enumerate(emap.tolist()) if local >= 0]
     return out
 
 
@@ -120,3 +139,30 @@ def redo(model: torch.nn.Module, layers: list[str]) -> None:
     for name in layers:
         layer, experts = found[name]
         experts.process_weights_after_loading(layer)
+
+
+#: a checkpoint tensor of one expert: ``<layer>.mlp.experts.<id>.<matrix>`` (its experts prefix,
+#: its id)
+_ONE_EXPERT = re.compile(r"^(.+\.experts)\.([0-9]{1,6})\.")
+
+
+def received(layout: WorkerLayout, spec: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Per mixture-of-experts layer (its experts' checkpoint prefix, ``...mlp.experts``), the
+    experts of which this worker receives anything: all of them under tensor parallelism (a
+    slice of each), its own under expert parallelism (whole experts)."""
+    out: dict[str, set[int]] = {}
+    for d in layout.dest.values():
+        for p in d.pieces:
+            one = _ONE_EXPERT.match(p.source)
+            if one is not None:
+                out.setdefault(one.group(1), set()).add(int(one.group(2)))
+                continue
+            prefix, _, _ = p.source.rpartition(".")
+            if not prefix.endswith(".experts") or spec[p.source].dim() != 3:
+                continue  # not a fused experts tensor ([experts, ...])
+            if p.take.dim == 0:
+                ids = range(p.take.start, p.take.stop)
+            else:
+                ids = range(spec[p.source].shape[0])
+            out.setdefault(prefix, set()).update(ids)
+    return {k: sorted(v) for k, v in sorted(out.items())}

@@ -4,7 +4,8 @@ Start vLLM with ``--worker-extension-cls transport.integrations.vllm.extension.T
 (``worker_extension_cls=`` for ``LLM``); then ``llm.collective_rpc("transport_state")``, or
 ``POST /collective_rpc {"method": "transport_state"}`` on a server in dev mode, returns one
 dict per worker: :class:`~transport.integrations.vllm.infos.EngineState` (mode, the version
-the model holds, bytes per version, staging memory, what travels whole and why).
+the model holds, bytes per version, staging memory, what travels whole and why, the experts it
+receives); ``"experts_hosted"``, vLLM's own map of the experts each worker hosts (to compare).
 """
 
 from __future__ import annotations
@@ -21,3 +22,11 @@ class TransportState:
         engine = getattr(self, "weight_transfer_engine", None)
         state = getattr(engine, "state", None)
         return None if state is None else dataclasses.asdict(state())
+
+    def experts_hosted(self) -> dict[str, list[int]]:
+        """vLLM's own expert map of this worker: per fused MoE layer, the global experts it
+        hosts (every one without expert parallelism)."""
+        from transport.integrations.vllm.experts import hosted
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return hosted(model)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,9 +116,9 @@ class TransportInitInfo(WeightTransferInitInfo):
                     f"transport init_info: staging_device {self.staging_device!r} is not a device "
                     "(for example 'cpu' or 'cuda:0')"
                 ) from e
-        for field in ("store", "namespace", "group", "name"):
-            if not isinstance(getattr(self, field), str) or not getattr(self, field):
-                raise ValueError(f"transport init_info: {field} must be a non-empty string")
+        for name in ("store", "namespace", "group", "name"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"transport init_info: {name} must be a non-empty string")
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(
                 f"transport init_info: dtype {self.dtype!r} is not a torch dtype name "
@@ -161,7 +161,9 @@ class EngineState:
     hold (counted from its buffers); ``fallback``, the checkpoint tensors that travel whole, with
     why; ``parts``, the groups a version comes in (more than one: streamed, see streamed.py);
     ``staging_bound``, the most bytes it may stage (``staging_gb``, or the free memory it
-    measured at init: room.py)."""
+    measured at init: room.py); ``experts``, per mixture-of-experts layer (its experts'
+    checkpoint prefix), the experts it receives: all of them under tensor parallelism (a slice
+    of each), its own under expert parallelism."""
 
     peer: str | None
     mode: str | None
@@ -175,6 +177,7 @@ class EngineState:
     fallback: dict[str, str]
     parts: int
     staging_bound: int = 0
+    experts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def parse(cls: Any, given: Any, what: str) -> Any:

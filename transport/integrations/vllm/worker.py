@@ -109,6 +109,8 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         self._held: contextlib.ExitStack | None = None
         self._snapshot: Snapshot | None = None
         self._tied: dict[str, str] = {}
+        #: per MoE layer, the experts this worker receives (see experts.received)
+        self._experts: dict[str, list[int]] = {}
         self.stream: Stream | None = None
         #: in place or streamed: the update a finish receives
         self._wanted: TransportUpdateInfo | None = None
@@ -180,6 +182,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 raise
             self.transport, self.subscriber, self.info, self.room = t, sub, init_info, room
             self.layout, self.mode, self.stream = layout, mode, stream
+            self._experts = experts.received(layout, spec)
             need = stream.nbytes if stream is not None else slots * layout.nbytes
             # which names are one tensor: learned before a reload (it gives each layer its own
             # tensors while it runs, and puts the shared ones back after)
@@ -456,6 +459,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             staging_bytes=sum(storages.values()),
             fallback={} if layout is None else dict(layout.fallback),
             staging_bound=0 if self.room is None else self.room.bound,
+            experts=dict(self._experts),
             parts=len(self.stream.names) if self.stream is not None else int(sub is not None),
         )
 
