@@ -25,6 +25,16 @@ from helpers.vllm_server import VllmServer
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
+def _fused_experts(kind: str) -> list[str]:
+    """The names of the fused gate/up experts tensors of the test model ``kind`` (one per MoE
+    layer; a dense layer has none)."""
+    return [
+        n
+        for n, _ in hf_model(0, kind=kind).named_parameters()
+        if n.endswith("experts.gate_up_proj")
+    ]  # type: ignore[attr-defined]
+
+
 def _expert_bytes(kind: str) -> int:
     """Bytes of the routed experts (transformers' fused 3-D tensors)."""
     model = hf_model(0, kind=kind)
@@ -88,15 +98,15 @@ def test_experts_fused_or_one_per_matrix_land_exactly(kind, store, model_dir_of,
                 r.stop()
 
 
+@pytest.mark.parametrize("kind", MOE)
 def test_each_tp_worker_receives_its_slice_of_every_expert(
-    store, model_dir_of, reference, tmp_path: Path
+    kind, store, model_dir_of, reference, tmp_path: Path
 ):
     """vLLM's server at TP = 2, the trainer through vLLM's own trainer factory with
     ``ModuleSource(model)`` of the transformers model and vLLM's HTTP client (as the README
     shows): each worker receives exactly its slice (half of every expert along the
     intermediate size, the routers whole), about half the model; then a trainer whose source
     names one tensor per expert matrix."""
-    kind = "qwen3-moe"
     folder: Path = model_dir_of(kind)
     want, _ = kept_bytes(kind)
     assert want <= 0.55 * _model_bytes(kind)
@@ -115,7 +125,7 @@ def test_each_tp_worker_receives_its_slice_of_every_expert(
             assert [s["mode"] for s in states] == ["sharded"] * 2, states
             assert all(s["fallback"] == {} for s in states), [s["fallback"] for s in states]
             assert [s["version_bytes"] for s in states] == [want] * 2
-            every = {f"model.layers.{k}.mlp.experts": list(range(8)) for k in range(2)}
+            every = {n.rsplit(".", 1)[0]: list(range(8)) for n in _fused_experts(kind)}
             assert all(s["experts"] == every for s in states), states  # a slice of each
             for _ in range(count):
                 version += 1
