@@ -7,7 +7,8 @@ and transformers' greedy tokens on given weights, the reference vLLM must match 
 grouped-query attention, tied embeddings, as Qwen2.5 0.5B-3B), and mixtures of experts:
 "qwen3-moe" (8 experts per layer, top 2, q/k norms, grouped-query attention, as Qwen3-30B-A3B),
 "qwen2-moe" (a shared expert with its gate beside 8 routed ones, q/k/v biases, the first layer
-dense through ``mlp_only_layers``, as Qwen1.5/Qwen2-MoE). transformers holds experts fused
+dense through ``mlp_only_layers``, as Qwen1.5/Qwen2-MoE), "qwen3-moe-padded" (experts of an
+intermediate size that vLLM's CPU kernel pads). transformers holds experts fused
 (``mlp.experts.gate_up_proj``); their saved checkpoints hold one tensor per expert matrix
 (:func:`checkpoint_tensors`). A version's values are defined on the names in memory."""
 
@@ -22,7 +23,7 @@ PROMPTS = [list(range(4, 44)), [1, 17, 42, 99, 7, 200, 31]]
 NEW_TOKENS = 12
 
 
-KINDS = ("llama", "llama-tied", "qwen2-tied", "qwen3-moe", "qwen2-moe")
+KINDS = ("llama", "llama-tied", "qwen2-tied", "qwen3-moe", "qwen2-moe", "qwen3-moe-padded")
 MOE = ("qwen3-moe", "qwen2-moe")
 
 
@@ -36,7 +37,7 @@ def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 
         head_dim=32, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=kind.endswith("-tied"), dtype="float32",
     )  # fmt: skip
-    if kind in MOE:
+    if kind in (*MOE, "qwen3-moe-padded"):
         from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
         # vLLM's CPU experts kernel needs an intermediate size per rank that is a multiple of 32
@@ -45,10 +46,11 @@ def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 
             num_key_value_heads=1,
             num_experts=8,
             num_experts_per_tok=2,
-            moe_intermediate_size=hidden,
+            # padded: an intermediate size vLLM's CPU experts kernel pads (to a multiple of 32)
+            moe_intermediate_size=48 if kind.endswith("-padded") else hidden,
             norm_topk_prob=True,
         )
-        if kind == "qwen3-moe":
+        if kind.startswith("qwen3-moe"):
             return Qwen3MoeConfig(**common)
         common.pop("head_dim")
         return Qwen2MoeConfig(**common, shared_expert_intermediate_size=hidden, mlp_only_layers=[0])

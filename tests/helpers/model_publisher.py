@@ -12,8 +12,9 @@ from helpers.child import ChildProcess, serve
 from helpers.llama import checkpoint_tensors, hf_model, set_version
 
 
-def _child(conn: Any, name: str, store: str, kind: str, group: str, names: str) -> None:
+def _child(conn: Any, name: str, store: str, kind: str, group: str, names: str, parts: int) -> None:
     import transport
+    from transport.integrations.vllm.streamed import part_group
     from transport.weights import ShardedPublisher, SourceLayout
 
     try:
@@ -21,35 +22,54 @@ def _child(conn: Any, name: str, store: str, kind: str, group: str, names: str) 
         model: Any = hf_model(0, kind=kind)
         state = {n: p.detach() for n, p in model.named_parameters()}
         sent = state if names == "model" else checkpoint_tensors(model, state)
-        pub = ShardedPublisher(t, sent, SourceLayout.single(sent), 0, group=group)
+        layout = SourceLayout.single(sent)
+        # a streamed version's further parts are groups of their own (integrations/vllm/streamed)
+        groups = [group] + [part_group(group, k) for k in range(1, parts)]
+        pubs = [ShardedPublisher(t, sent, layout, 0, group=g) for g in groups]
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", (t.generation, os.getpid())))
 
     def publish(version: int, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, str]]:
+        """Every part's group; each worker's worst status over the parts, every reason."""
         set_version(state, version)
         if sent is not state:
             for n, x in checkpoint_tensors(model, state).items():
                 sent[n].copy_(x)
-        r = pub.publish(version, timeout=timeout).wait(timeout + 30)
-        return dict(r.status), dict(r.reasons)
+        status: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+        for h in [p.publish(version, timeout=timeout) for p in pubs]:
+            r = h.wait(timeout + 30)
+            for peer, said in r.status.items():
+                status[peer] = said if status.get(peer, "done") == "done" else status[peer]
+            reasons.update(r.reasons)
+        return status, reasons
 
     def traffic() -> dict[str, int]:
         return {n: x.written for n, x in t.traffic().items()}
 
     handlers = {"publish": publish, "traffic": traffic, "count": lambda: len(sent)}
-    serve(conn, handlers, lambda: (pub.close(), t.close()))
+    serve(conn, handlers, lambda: ([p.close() for p in pubs], t.close()))
 
 
 class ModelPublisher(ChildProcess):
     """Publishes versions (helpers.llama.set_version) of the test model ``kind`` to ``group``,
-    its tensors named ``names`` ("model" or "checkpoint"). Commands: ``publish(version,
-    timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far),
-    ``count`` (how many tensors it publishes)."""
+    its tensors named ``names`` ("model" or "checkpoint"); ``parts``: the groups of a streamed
+    version it publishes too. Commands: ``publish(version, timeout)`` -> (status, reasons),
+    ``traffic`` (bytes written to each peer so far), ``count`` (how many tensors it
+    publishes)."""
 
-    def __init__(self, name: str, store_url: str, kind: str, group: str, names: str = "model"):
-        super().__init__(name, _child, (store_url, kind, group, names), 90)
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        kind: str,
+        group: str,
+        names: str = "model",
+        parts: int = 1,
+    ) -> None:
+        super().__init__(name, _child, (store_url, kind, group, names, parts), 90)
 
 
 def _rank_child(

@@ -11,8 +11,12 @@ from typing import Any
 from helpers.llama import NEW_TOKENS, PROMPTS
 from transport.integrations.vllm.server import VllmServer as Server
 
-#: every worker reports its transport engine's state (collective_rpc "transport_state")
-EXTENSION = ("--worker-extension-cls", "transport.integrations.vllm.extension.TransportState")
+#: every worker reports its transport engine's state (collective_rpc "transport_state"), and its
+#: readers of vLLM's message queues can be made to sleep sooner (worker_ext/quiet_workers.py)
+EXTENSION = ("--worker-extension-cls", "quiet_workers.TestWorkers")
+WORKER_EXT = Path(__file__).parent / "worker_ext"
+#: how long a TP worker's readers spin after a message (vLLM: 1 s; see quiet_workers.py)
+READER_SPIN_S = 0.001
 ARGS = (
     "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--block-size", "32",
     "--seed", "0", "--skip-tokenizer-init",
@@ -25,14 +29,23 @@ class VllmServer(Server):
         env: dict[str, str] | None = None, host: str = "127.0.0.1", args: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         cores = os.cpu_count() or 1
+        env = dict(env or {})
+        paths = (str(WORKER_EXT), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH"))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         super().__init__(
             model_dir, log, port=port, host=host, tp=tp, args=(*ARGS, *EXTENSION, *args), start_timeout=240,
             env={
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
                 "TOKENIZERS_PARALLELISM": "false",
-                **(env or {}),
+                **env,
             },
         )  # fmt: skip
+        if tp > 1:  # spinning workers would hold both cores between the calls of an update
+            try:
+                self.post("collective_rpc", {"method": "reader_spin", "args": [READER_SPIN_S]})
+            except BaseException:
+                self.kill()
+                raise
 
     def transport_state(self) -> list[dict[str, Any]]:
         """Each worker's transport engine state (EngineState), in rank order."""

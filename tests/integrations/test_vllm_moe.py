@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.child import ChildError
 from helpers.llama import MOE, hf_model, kept_bytes
 from helpers.model_publisher import ExpertParallelRank, ModelPublisher
 from helpers.vllm_peers import HttpTrainer, VllmProcess, send_counting
@@ -48,8 +49,8 @@ def _model_bytes(kind: str) -> int:
 @pytest.mark.parametrize("kind", MOE)
 def test_experts_fused_or_one_per_matrix_land_exactly(kind, store, model_dir_of, reference):
     """One worker (TP = 1), trainers in turn: experts fused, then one tensor per expert matrix
-    (the worker re-joins with the other names), three versions each; then an expert-parallel
-    trainer of two ranks."""
+    (the worker re-joins with the other names), three versions each; an expert-parallel
+    trainer of two ranks; then room for less than a copy (streamed in parts)."""
     folder: Path = model_dir_of(kind)
     whole = _model_bytes(kind)
     with VllmProcess("vllm", folder) as vllm:
@@ -96,6 +97,40 @@ def test_experts_fused_or_one_per_matrix_land_exactly(kind, store, model_dir_of,
         finally:
             for r in ranks:
                 r.stop()
+        # room for less than a copy: each version streams in parts into vLLM's reload (buckets of
+        # 0.4 of a copy hold the largest tensor, one layer's fused gate/up experts)
+        group = f"{kind}-streamed"
+        room = 0.8 * whole / 2**30
+        info = {"store": store.url, "group": group, "timeout": 30, "staging_gb": room}
+        vllm.call("init", info)
+        (state,) = vllm.call("engine_state")
+        assert state["mode"] == "streamed" and state["parts"] > 2, state
+        with ModelPublisher("trainer-streamed", store.url, kind, group, parts=state["parts"]) as t:
+            for version in (9, 10):
+                t.begin("publish", version, 30.0)
+                try:
+                    assert vllm.call("update", {"version": version, "timeout": 30}) == str(version)
+                finally:
+                    status, reasons = t.end("publish", 90)
+                assert set(status.values()) == {"done"}, reasons
+                assert vllm.call("generate") == reference(version, kind=kind), version
+
+
+def test_experts_no_update_can_place_exactly_are_refused_before_a_byte_moves(store, model_dir_of):
+    """vLLM's CPU kernel pads experts of intermediate size 48 to 64; its weight reload cannot
+    copy into the padded tensors. The worker refuses to join, naming the layers and the way
+    out, in every mode: no trainer ever finds it, and vLLM keeps serving what it loaded."""
+    kind = "qwen3-moe-padded"
+    with VllmProcess("vllm", model_dir_of(kind)) as vllm:
+        before = vllm.call("generate")
+        for mode in ("auto", "whole"):
+            info = {"store": store.url, "group": f"padded-{mode}", "timeout": 30, "mode": mode}
+            with pytest.raises(
+                ChildError, match=r"2 mixture-of-experts layer\(s\).*multiple of 32"
+            ):
+                vllm.call("init", info)
+            assert vllm.call("engine_state")[0]["peer"] is None  # joined no group
+        assert vllm.call("generate") == before
 
 
 @pytest.mark.parametrize("kind", MOE)
