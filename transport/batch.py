@@ -17,6 +17,17 @@ Items = tuple[tuple[str, torch.Tensor], ...]
 Offset = int | tuple[int, ...]
 
 
+class Frozen(tuple):  # type: ignore[type-arg]
+    """A tuple that hashes its items once: a batch's signature and offsets key the plan cache at
+    every transfer, and hashing 100,000 entries each time would cost milliseconds."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """Named tensors frozen for repeated transfers (``Transport.batch``): checked once and their
@@ -42,7 +53,7 @@ def mapping_items(obj: Mapping[str, torch.Tensor]) -> tuple[Items, tuple[Any, ..
         raise ValueError("the dict of tensors is empty")
     items = tuple(obj.items())
     try:
-        sig = tuple([(k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items])
+        sig = Frozen([(k, t.data_ptr(), t.nbytes, t.dtype) for k, t in items])
         contiguous = all([t.is_contiguous() for _, t in items])
     except (AttributeError, TypeError, RuntimeError):
         contiguous = False
@@ -85,13 +96,13 @@ def make_batch(
         pairs.append((k, t))
         offsets.append(at)
     items = tuple(pairs)
-    sig = tuple(
+    sig = Frozen(
         [
             (k, t.data_ptr(), t.nbytes, t.dtype, at)
             for (k, t), at in zip(items, offsets, strict=True)
         ]
     )
-    return Batch(items, sig, tuple(offsets))
+    return Batch(items, sig, Frozen(offsets))
 
 
 def _check_item(k: object, t: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
+    from transport.batch import Items
     from transport.endpoint import Endpoint
 
 log = logging.getLogger("transport")
@@ -115,12 +116,12 @@ class LaneSet:
         self.lock = threading.Lock()
         self.lanes: list[Lane] = []
 
-    def split(self, plan: Plan, tensors: list[Any]) -> list[tuple[Plan, Lane | None]]:
+    def split(self, plan: Plan, items: Items) -> list[tuple[Plan, Lane | None]]:
         """``plan`` cut over the lanes (started now if need be): see :func:`split`."""
         with self.lock:
             if not self.lanes:
                 self._start()
-            return split(plan, self.lanes, self._ep.backend, tensors)
+            return split(plan, self.lanes, self._ep.backend, items)
 
     def _start(self) -> None:
         ep = self._ep
@@ -168,7 +169,7 @@ def cut(local: np.ndarray, remote: np.ndarray, n: int) -> list[tuple[np.ndarray,
 
 
 def split(
-    plan: Plan, lanes: list[Lane], main_backend: Backend, tensors: list[Any]
+    plan: Plan, lanes: list[Lane], main_backend: Backend, items: Items
 ) -> list[tuple[Plan, Lane | None]]:
     """The plan's shares: (share 0 on the Transport's agent, then one per lane); cached on the plan."""
     if plan.shares is not None:
@@ -199,7 +200,7 @@ def split(
                 out.append((p, None))
                 continue
             lane = lanes[i - 1]
-            keep = lane.mem.acquire_all(tensors)
+            keep = lane.mem.acquire_all([t for _, t in items])
             conn = lane.conn(plan.conn)
             p = Plan(lane.backend, conn, plan.op, lo, re, device, rdevice, chunk, keep)
             with conn.lock:

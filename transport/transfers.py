@@ -366,7 +366,7 @@ class Transfers:
     ) -> list[Op]:
         """The ops of one large transfer cut over the lanes: one group; the notification on the
         last part of share 0, after every other part of every share has landed."""
-        shares = self.lanes.split(plan, [t for _, t in items])
+        shares = self.lanes.split(plan, items)
         main = self._ep.engine
         group: list[Op] = []
         for share, lane in shares:

@@ -8,12 +8,22 @@ import pytest
 import torch
 
 import transport
+from transport.weights._pack import packable
 
-SHAPES = {f"layers.{i}.w": (256, 256) for i in range(16)}  # 4 MiB
+LARGE = {f"layers.{i}.w": (256, 256) for i in range(16)}  # 4 MiB
+# 16 large tensors among 512 small ones, which the publisher copies into one buffer at each
+# publish (weights/_pack.py): a pull reads that copy, never a state between two publishes
+MIXED = {
+    **{f"layers.{i}.{r}": (64 + i % 5,) for i in range(128) for r in ("q", "k", "norm", "bias")},
+    **LARGE,
+}
 
 
-def test_pull_reads_a_consistent_version_while_training_goes_on(tcp_store, trainer):
-    weights = {k: torch.zeros(s) for k, s in SHAPES.items()}
+@pytest.mark.parametrize("shapes", [LARGE, MIXED], ids=["large", "packed"])
+def test_pull_reads_a_consistent_version_while_training_goes_on(tcp_store, trainer, shapes):
+    weights = {k: torch.zeros(s) for k, s in shapes.items()}
+    if shapes is MIXED:
+        assert len(packable(weights)) == 512
     pub = transport.WeightPublisher(trainer, weights)
     stop, first = threading.Event(), threading.Event()
     steps = []
@@ -34,7 +44,7 @@ def test_pull_reads_a_consistent_version_while_training_goes_on(tcp_store, train
     th.start()
     try:
         with transport.Transport("late", store=tcp_store) as late:
-            sub = transport.WeightSubscriber(late, {k: torch.zeros(s) for k, s in SHAPES.items()})
+            sub = transport.WeightSubscriber(late, {k: torch.zeros(s) for k, s in shapes.items()})
             assert first.wait(30)
             seen = []
             for _ in range(100):

@@ -111,6 +111,25 @@ def check_fanout(fanout: object, degree: object) -> tuple[str, int]:
     return str(fanout), degree
 
 
+def fanout_tree(subs: list[Member], fanout: str, degree: int) -> dict[str, str]:
+    """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
+    publisher writes; none with ``"direct"``). The publisher writes the first; subscriber ``i``
+    goes under subscriber ``(i - 1) // k`` (``k`` = 1 for a chain, ``degree`` for a tree). Relays
+    come first, by name, so that every publish to the same members builds the same tree (and the
+    relays reuse their prepared transfers). A subscriber goes under a relay only if the relay
+    holds every tensor it takes."""
+    if fanout == "direct":
+        return {}
+    order = sorted(subs, key=lambda s: (not s.can_relay, s.name))
+    k = 1 if fanout == "chain" else degree
+    via = {}
+    for i in range(1, len(order)):
+        parent = order[(i - 1) // k]
+        if parent.can_relay and order[i].names <= parent.names:
+            via[order[i].name] = parent.name
+    return via
+
+
 class Roster:
     """The subscribers of one group as the publisher serves them: one :class:`Member` per
     subscriber incarnation, planned (connected afresh, its tensors matched) when it joins.

@@ -32,7 +32,7 @@ from transport.weights._delivery import (
     close_all,
 )
 from transport.weights._lease import PublisherLease
-from transport.weights._members import Member, Roster, SuspectWatch, check_fanout
+from transport.weights._members import Member, Roster, SuspectWatch, check_fanout, fanout_tree
 from transport.weights._messages import (
     Abort,
     Begin,
@@ -46,6 +46,7 @@ from transport.weights._messages import (
     decode_from,
     encode,
 )
+from transport.weights._pack import Pack
 from transport.weights._protocol import (
     HELLO_AGAIN,
     PUB_SLOT,
@@ -113,13 +114,16 @@ class WeightPublisher:
         self.transport = transport
         self.group = group
         self.tensors = tensors
+        # what is written and exposed: small separately allocated tensors through one buffer
+        self._pack = Pack(tensors)
+        self._sources = self._pack.sources
         # Late joiners read the newest version straight from here (see updating() and
         # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word
         # [seq, version] that is odd while the trainer changes them.
         self._seq = torch.tensor([0, -1], dtype=torch.int64)  # no version until the first publish
         self._updating = False
         self.version = -1
-        self._roster = Roster(transport, group, tensors)
+        self._roster = Roster(transport, group, self._sources)
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []
@@ -140,7 +144,7 @@ class WeightPublisher:
             # of the group on this Transport is refused there, and leaves nothing behind
             self._stop_control = transport.core.on_control(channel(group), self._on_message)
             self._lease.acquire()  # one publisher per group, whichever process it is in
-            exposed = {region(self.group, PUB_SLOT, n): t for n, t in self.tensors.items()}
+            exposed = {region(self.group, PUB_SLOT, n): t for n, t in self._sources.items()}
             exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="r")
@@ -232,6 +236,7 @@ class WeightPublisher:
             raise ValueError(f"versions only move forward: {version} after {self.version}")
         timeout = self.transport.timeout if timeout is None else timeout
         self.refresh()
+        self._fill()
         with self._lock:
             subs = list(self._subs.values())
             # their heartbeats (a store that fails raises here, before anything changed)
@@ -262,27 +267,22 @@ class WeightPublisher:
                     handle.settle(sub.name, EXCLUDED, why)
                     continue
                 direct.append(sub)
-            via = self._tree(direct) if self.fanout != "direct" else {}
+            via = fanout_tree(direct, self.fanout, self.degree)
             self._relays = set(via.values())
             for sub in direct:
                 self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
 
-    def _tree(self, subs: list[Member]) -> dict[str, str]:
-        """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
-        publisher writes). The publisher writes the first; subscriber ``i`` goes under subscriber
-        ``(i - 1) // k`` (``k`` = 1 for a chain, ``degree`` for a tree). Relays come first, by
-        name, so that every publish to the same members builds the same tree (and the relays
-        reuse their prepared transfers). A subscriber goes under a relay only if the relay holds
-        every tensor it takes."""
-        order = sorted(subs, key=lambda s: (not s.can_relay, s.name))
-        k = 1 if self.fanout == "chain" else self.degree
-        via = {}
-        for i in range(1, len(order)):
-            parent = order[(i - 1) // k]
-            if parent.can_relay and order[i].names <= parent.names:
-                via[order[i].name] = parent.name
-        return via
+    def _fill(self) -> None:
+        """The packed copies take the tensors' current values; a late joiner's pull() sees the
+        state as changing meanwhile (the sequence word is odd; within updating() it is already)."""
+        if self._pack.names:
+            odd = 0 if self._updating else 1
+            self._seq[0] += odd
+            try:
+                self._pack.fill()
+            finally:
+                self._seq[0] += odd
 
     def _release_children(self, relay: str, why: str) -> None:
         """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to
@@ -373,9 +373,9 @@ class WeightPublisher:
         segs = sub.segments.get(slot)
         if segs is None:
             names = sorted(sub.names)
-            bounds = segments({n: self.tensors[n] for n in names}, self._segment_bytes)
+            bounds = segments({n: self._sources[n] for n in names}, self._segment_bytes)
             segs = sub.segments[slot] = [
-                (a, b, {region(self.group, slot, n): self.tensors[n] for n in names[a:b]})
+                (a, b, {region(self.group, slot, n): self._sources[n] for n in names[a:b]})
                 for a, b in zip(bounds, bounds[1:], strict=False)
             ]
         write = SegmentedWrite(

@@ -45,6 +45,10 @@ SYNC = [
     ("--generators N", int, None, "receiving processes (default 2)"),
     ("--steps", int, None, "timed syncs per system (default 10; --quick 3)"),
     ("--mode", ("staging", "inplace"), "staging", "WeightSubscriber mode (default staging)"),
+    ("--experts", int, 0, "a mixture of experts in Hugging Face layout instead of the dense "
+     "shape: per layer attention (grouped-query), norms, a router and EXPERTS experts of one "
+     "gate, up and down matrix each, --params spread over them (--tensors follows from it)"),
+    ("--layers", int, 48, "with --experts: decoder layers (default 48)"),
     ("--layout", ("separate", "flat"), "separate", "the trainer's and generators' tensors: "
      "separately allocated (default), or views into one flat buffer per process, as Megatron "
      "and FSDP2 keep parameters"),

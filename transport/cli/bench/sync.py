@@ -66,6 +66,37 @@ def make_layout(params: int, tensors: int, dtypes: list[str]) -> list[tuple[str,
             for i, n in enumerate(sizes)]  # fmt: skip
 
 
+def make_moe_layout(
+    params: int, experts: int, layers: int, dtypes: list[str]
+) -> list[tuple[str, int, str]]:
+    """A mixture of experts as a trainer holds it in Hugging Face layout (Qwen3-MoE's names and
+    proportions: one tensor per expert matrix, expert intermediate 3/8 of hidden, four query
+    heads per key-value head, a vocabulary of 16 x hidden), its hidden size chosen so that it
+    holds about ``params`` elements."""
+    per_hidden_sq = layers * (2.5 + experts * 3 * 3 / 8) + 2 * 16
+    hidden = max(16, int((params / per_hidden_sq) ** 0.5) // 16 * 16)
+    inter, kv, vocab = max(8, hidden * 3 // 8 // 8 * 8), hidden // 4, 16 * hidden
+    shapes = [("model.embed_tokens.weight", vocab * hidden)]
+    for i in range(layers):
+        at = f"model.layers.{i}"
+        shapes += [
+            (f"{at}.input_layernorm.weight", hidden),
+            (f"{at}.self_attn.q_proj.weight", hidden * hidden),
+            (f"{at}.self_attn.k_proj.weight", kv * hidden),
+            (f"{at}.self_attn.v_proj.weight", kv * hidden),
+            (f"{at}.self_attn.o_proj.weight", hidden * hidden),
+            (f"{at}.self_attn.q_norm.weight", 64),
+            (f"{at}.self_attn.k_norm.weight", 64),
+            (f"{at}.post_attention_layernorm.weight", hidden),
+            (f"{at}.mlp.gate.weight", experts * hidden),
+        ]
+        for e in range(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                shapes.append((f"{at}.mlp.experts.{e}.{proj}.weight", inter * hidden))
+    shapes += [("model.norm.weight", hidden), ("lm_head.weight", vocab * hidden)]
+    return [(n, k, dtypes[i % len(dtypes)]) for i, (n, k) in enumerate(shapes)]
+
+
 def make_tensors(layout: list[tuple[str, int, str]], flat: bool = False) -> dict[str, torch.Tensor]:
     """Ones of the ``layout``: separately allocated, or (``flat``) views into one buffer."""
     out = {name: torch.ones(n, dtype=_dtype(d)) for name, n, d in layout}
@@ -131,6 +162,8 @@ class SyncWorkload(Workload):
     degree: int = 2
     layout: list[tuple[str, int, str]] = field(default_factory=list)
     flat: bool = False  # tensors as views into one flat buffer per process (--layout flat)
+    experts: int = 0  # a mixture of experts in Hugging Face layout (--experts; 0: dense)
+    layers: int = 48
     command = "sync"
     main_phase = "ours + raw"
     memcpy_watch = False
@@ -163,10 +196,30 @@ class SyncWorkload(Workload):
                            "--mode staging")  # fmt: skip
         if not 1 <= args.degree <= MAX_DEGREE:
             raise CliError(f"--degree must be from 1 to {MAX_DEGREE}, got {args.degree}")
-        return cls(params, tensors, dtypes, gens, steps, args.mode, parse_baselines(args.baselines),
-                   timeout=args.timeout, pin=args.pin, fanouts=fanouts, degree=args.degree,
-                   layout=make_layout(params, tensors, dtypes),
-                   flat=args.layout == "flat")  # fmt: skip
+        if args.experts < 0 or args.layers < 1:
+            raise CliError("--experts must be at least 0 and --layers at least 1")
+        if args.experts:
+            layout = make_moe_layout(params, args.experts, args.layers, dtypes)
+            tensors = len(layout)
+        else:
+            layout = make_layout(params, tensors, dtypes)
+        return cls(
+            params,
+            tensors,
+            dtypes,
+            gens,
+            steps,
+            args.mode,
+            parse_baselines(args.baselines),
+            timeout=args.timeout,
+            pin=args.pin,
+            fanouts=fanouts,
+            degree=args.degree,
+            layout=layout,
+            flat=args.layout == "flat",
+            experts=args.experts,
+            layers=args.layers,
+        )
 
     @property
     def readers(self) -> int:  # type: ignore[override]
@@ -186,9 +239,22 @@ class SyncWorkload(Workload):
         return n if fanout == "direct" else 1
 
     def reader_args(self) -> list[str]:
-        return ["--params", str(self.params), "--tensors", str(self.tensors), "--dtypes",
-                ",".join(self.dtypes), "--mode", self.mode, "--layout",
-                "flat" if self.flat else "separate"]  # fmt: skip
+        return [
+            "--params",
+            str(self.params),
+            "--tensors",
+            str(self.tensors),
+            "--dtypes",
+            ",".join(self.dtypes),
+            "--mode",
+            self.mode,
+            "--layout",
+            "flat" if self.flat else "separate",
+            "--experts",
+            str(self.experts),
+            "--layers",
+            str(self.layers),
+        ]
 
     def units(self) -> int:
         return 1 + sum(b in self.baselines for b in ("gloo", "nccl", "memcpy"))
