@@ -227,6 +227,7 @@ BAD = [
     (["bench", "put", "--lanes", "2,0"], "--lanes takes counts from 1 to 16, got '0'"),
     (["bench", "sync", "--mode", "inplace", "--fanout", "chain"], "needs --mode staging"),
     (["bench", "sync", "--fanout", "tree", "--degree", "0"], "--degree must be from 1 to 16"),
+    (["bench", "sync", "--experts", "-1"], "--experts must be at least 0"),
 ]
 
 
@@ -368,6 +369,22 @@ def test_sync_with_flat_layouts_verifies_thousands_of_tensors(tmp_path):
     systems = {r["system"]: r for r in doc["records"]}
     assert systems["ours"]["tensors"] == 3000 and {"ours", "raw-nixl"} <= set(systems)
     assert all(r["verified"] for r in doc["records"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sync_of_a_mixture_of_experts_in_hugging_face_layout_verifies_every_expert(tmp_path):
+    """One tensor per expert matrix, separately allocated: the trainer packs the small ones."""
+    out = cli(
+        "bench", "sync", "--quick", "--experts", "16", "--layers", "4", "--dtypes", "bfloat16",
+        "--baselines", "raw", "--json", str(tmp_path / "m.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "a mixture of 16 experts x 4 layers" in out.stdout
+    doc = json.loads((tmp_path / "m.json").read_text())
+    systems = {r["system"]: r for r in doc["records"]}
+    assert systems["ours"]["tensors"] == 4 * (9 + 16 * 3) + 3
+    assert all(r["verified"] for r in doc["records"]) and {"ours", "raw-nixl"} <= set(systems)
 
 
 @pytest.mark.slow

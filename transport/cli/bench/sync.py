@@ -230,6 +230,17 @@ class SyncWorkload(Workload):
         return [self.generators]
 
     @property
+    def count(self) -> int:
+        """Parameters in the state dict (a mixture of experts holds about ``params``)."""
+        return sum(n for _, n, _ in self.layout)
+
+    @property
+    def shape(self) -> str:
+        if not self.experts:
+            return ""
+        return f" (a mixture of {self.experts} experts x {self.layers} layers, Hugging Face layout)"
+
+    @property
     def nbytes(self) -> int:
         return sum(n * _dtype(d).itemsize for _, n, d in self.layout)
 
@@ -396,8 +407,8 @@ class SyncWorkload(Workload):
         cpu, gens = env["cpu"], f"{self.generators} generator{'s' if self.generators > 1 else ''}"
         _report.text(out, f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
                      f"{_report.ucx_summary(env['ucx'])}",
-                     f"\nweight sync: {self.params:,} parameters ({human_bytes(self.nbytes)} of "
-                     f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors to "
+                     f"\nweight sync: {self.count:,} parameters ({human_bytes(self.nbytes)} of "
+                     f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors{self.shape} to "
                      f"{gens}, {self.mode} mode; median of {self.steps} syncs (GB/s: bytes "
                      "delivered to all generators)")  # fmt: skip
         ours = next((r for r in res.records if r.system == "ours"), None)
