@@ -181,6 +181,26 @@ def _rows(array: np.ndarray, at: int, step: int, rows: int, width: int) -> np.nd
     return np.lib.stride_tricks.as_strided(array[at:], shape=(rows, width), strides=(step, 1))
 
 
+#: dtypes numpy has (a tensor of one becomes a numpy array in one call)
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """``t``'s bytes as a numpy array over its memory (no copy)."""
+    if t.dtype in _NUMPY_DTYPES and not t.requires_grad:
+        return t.numpy().ravel().view(np.uint8)
     return t.detach().reshape(-1).view(torch.uint8).numpy()
