@@ -196,3 +196,49 @@ def test_one_tensor_per_expert_matrix_maps_into_fused_experts_at_tp_rank_1_of_2(
     apply_runs(plan(source, dest, 0), local, got)
     for name, m in maps.items():
         assert torch.equal(got[name].view(m.shape), m), name
+
+
+def test_fsdp_shards_of_stacked_experts_write_each_tp_worker_only_the_intersection():
+    """A trainer holding the experts fused and stacked (transformers 5: ``gate_up_proj``
+    [E, 2I, H], ``down_proj`` [E, H, I]) as FSDP shards along the experts, unevenly over 3 ranks
+    (3, 3 and 2 experts), into TP rank 1 of 2's fused experts: every rank writes exactly the
+    elements of its own experts that the worker keeps, no gather, every element once."""
+    experts, inter = 8, 4
+    half = inter // 2
+    spec = {
+        "experts.gate_up_proj": torch.empty(experts, 2 * inter, H, device="meta"),
+        "experts.down_proj": torch.empty(experts, H, inter, device="meta"),
+    }
+    offsets = {"experts.gate_up_proj": 1, "experts.down_proj": 1 + experts * 2 * inter * H}
+
+    def numbers(name: str) -> torch.Tensor:
+        t = spec[name]
+        return torch.arange(t.numel(), dtype=torch.float64).view(t.shape) + offsets[name]
+
+    gate_up, down = numbers("experts.gate_up_proj"), numbers("experts.down_proj")
+    maps = {  # what vLLM's loader puts in TP rank 1's parameters
+        "w13": torch.cat([gate_up[:, half:inter], gate_up[:, inter + half :]], 1),
+        "w2": down[:, :, half:].contiguous(),
+    }
+    layout = _layout(spec, offsets, _params(maps), maps, {})
+    assert layout.fallback == {}
+    dest = {n: type(d)(d.shape, torch.float64, d.pieces, d.dim) for n, d in layout.dest.items()}
+    sizes = [3, 3, 2]
+    source = SourceLayout.split(
+        3,
+        {n: (tuple(t.shape), torch.float64) for n, t in spec.items()},
+        sizes={n: sizes for n in spec},
+    )
+    full = {n: numbers(n) for n in spec}
+    got = {n: torch.full(d.shape, -1.0, dtype=torch.float64) for n, d in dest.items()}
+    first = 0
+    for rank, count in enumerate(sizes):
+        box = slice(first, first + count)
+        local = {n: full[n][box].contiguous().view(-1) for n in spec}
+        runs = plan(source, dest, rank)
+        # the intersection: its experts' slices of the worker's w13 and w2, nothing else
+        assert sum(r.count for r in runs) == count * (inter * H + H * half)
+        apply_runs(runs, local, got)
+        first += count
+    for name, m in maps.items():
+        assert torch.equal(got[name].view(m.shape), m), name
