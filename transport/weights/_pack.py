@@ -54,10 +54,11 @@ class Pack:
     so tensors adjacent in a subscriber are adjacent here too and their writes merge.
 
     The copy: tensors of one role (``layers.3.q`` and ``layers.4.q``) that an allocator placed
-    evenly spaced (a model built layer by layer, expert by expert) are copied as one strided block
-    of rows, each row exactly one tensor's bytes; the rest in one numpy call per stretch of the
-    buffer (about half a microsecond a tensor). The pack holds the storages it copies from, and
-    the tensors must keep their memory (update them in place), as for any batch.
+    evenly spaced (a model built layer by layer in a fresh heap; an allocator that reuses freed
+    chunks seldom does) are copied as one strided block of rows, each row exactly one tensor's
+    bytes; the rest in one numpy call per stretch of the buffer (about half a microsecond a
+    tensor). The pack holds the storages it copies from, and the tensors must keep their memory
+    (update them in place), as for any batch.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
