@@ -5,18 +5,22 @@ Every namespace a cluster makes is named :data:`PREFIX`, its number, and a role;
 that owns the cluster, with that process's start time (a later process given the same number
 is not the owner). :func:`clean_leftovers` removes the clusters whose owner is gone: killing
 every process still in their namespaces, then the namespaces (their interfaces go with them).
+Cleaning and claiming a number hold one lock (a file in :data:`STATE_DIR`): a number is claimed
+again only once the removal of the dead cluster that held it is over, so a slower cleaner never
+removes the namespaces of a new cluster of the same number.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,10 +80,25 @@ def load_states() -> dict[int, State]:
     return out
 
 
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """Hold the lock of cleaning and claiming (released when the file closes, by a killed
+    process too)."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(STATE_DIR / "lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def clean_leftovers(everything: bool = False) -> list[int]:
     """Remove the clusters whose owner process is gone (``everything``: all of them, owned or
     not); returns their numbers. Namespaces of ours that no state file names (a run killed
     while it was saving) are removed too when no live cluster could be making them."""
+    with _locked():
+        return _clean(everything)
+
+
+def _clean(everything: bool) -> list[int]:
     removed: list[int] = []
     named: set[str] = set()
     live = False
@@ -129,14 +148,14 @@ def _namespaces() -> list[str]:
 
 def claim_number() -> int:
     """The smallest number no state file holds, claimed by creating its file."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    for number in range(1, 100000):
-        try:
-            fd = os.open(_state_file(number), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            continue
-        os.close(fd)
-        return number
+    with _locked():
+        for number in range(1, 100000):
+            try:
+                fd = os.open(_state_file(number), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                continue
+            os.close(fd)
+            return number
     raise ClusterError(f"no free cluster number in {STATE_DIR}: run `transport cluster down --all`")
 
 
