@@ -18,6 +18,7 @@ import torch
 import transport
 from transport.backends import loopback
 from transport.store import MemoryStore
+from transport.weights import flat_like
 from transport.wire import agent_name
 
 _nets = itertools.count()
@@ -75,6 +76,16 @@ class LoopbackNet:
         t = self.make(role, **options)
         t.expose_all(regions)
         return t
+
+    def flat_receiver(
+        self, role: str, named: dict[str, torch.Tensor]
+    ) -> tuple[transport.Transport, dict[str, torch.Tensor]]:
+        """A receiver of zeroed tensors shaped like ``named``, laid out by ``flat_like`` (views of
+        one buffer, as a subscriber's staging slot): (its Transport, the tensors)."""
+        dst = flat_like(named)
+        for t in dst.values():
+            t.zero_()
+        return self.receiver(role, dst), dst
 
     def close(self) -> None:
         for t in reversed(self.made):

@@ -42,10 +42,7 @@ def test_rows_of_two_registrations_or_devices_never_merge():
 def test_a_batch_between_two_flat_layouts_is_one_descriptor_and_every_byte_lands(loopback_net):
     shapes = [(64,), (3, 7), (5,), (128, 2), (1,)] * 200  # 1,000 tensors
     named = {f"t{i}": torch.zeros(s, dtype=torch.float32) for i, s in enumerate(shapes)}
-    dst = flat_like(named)
-    for t in dst.values():
-        t.zero_()
-    r = loopback_net.receiver("r", dst)
+    r, dst = loopback_net.flat_receiver("r", named)
     w = loopback_net.make("w")
     src = flat_like(named)
     for i, t in enumerate(src.values()):

@@ -77,10 +77,10 @@ def test_large_tensors_and_tensors_sharing_a_storage_are_left_as_they_are():
     assert packable(few) == [] and Pack(few).sources == few
 
 
-def test_evenly_spaced_tensors_of_one_role_are_copied_as_strided_blocks():
+def test_tensors_with_foreign_bytes_between_them_are_packed_without_those_bytes():
     """Experts allocated one after another (here: storages of their own placed 40 bytes apart,
-    with bytes between them that belong to nobody): each role's run is one block, and the bytes
-    between them are never copied."""
+    with bytes between them that belong to nobody): the pack holds exactly the tensors' bytes,
+    and the bytes between them are never copied."""
     width, step, experts = 24, 40, 64
     arena = np.full(experts * 3 * step, 0xEE, dtype=np.uint8)
     named = {}
@@ -94,7 +94,6 @@ def test_evenly_spaced_tensors_of_one_role_are_copied_as_strided_blocks():
         set_pattern(t, i)
     pack = Pack(named)
     assert len(pack.names) == experts * 3
-    assert len(pack.blocks) == 3 and pack.stretches == []  # one block per role
     pack.fill()
     assert all(same_bytes(pack.sources[n], t) for n, t in named.items())
     whole = torch.empty(0, dtype=torch.uint8).set_(pack.sources["experts.0.gate"].untyped_storage())
@@ -110,10 +109,7 @@ def test_evenly_spaced_tensors_of_one_role_are_copied_as_strided_blocks():
 
 def test_a_batch_of_packed_tensors_into_a_flat_layout_is_a_few_descriptors(loopback_net):
     named = loose(1000)
-    dst = flat_like(named)
-    for t in dst.values():
-        t.zero_()
-    r = loopback_net.receiver("r", dst)
+    r, dst = loopback_net.flat_receiver("r", named)
     w = loopback_net.make("w")
     pack = Pack(named)
     pack.fill()

@@ -94,12 +94,12 @@ def copy_runs(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) 
             continue
         first_d, first_s, last_d = run[0], run[1], run[-2]
         n = last_d.data_ptr() + last_d.numel() * last_d.element_size() - first_d.data_ptr()
-        dsts.append(_bytes(first_d, n))
-        srcs.append(_bytes(first_s, n))
+        dsts.append(storage_bytes(first_d, n))
+        srcs.append(storage_bytes(first_s, n))
     return dsts, srcs
 
 
-def _bytes(t: torch.Tensor, n: int) -> torch.Tensor:
+def storage_bytes(t: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` bytes of ``t``'s storage from where ``t`` starts, as a uint8 tensor."""
     whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
     at = t.storage_offset() * t.element_size()
