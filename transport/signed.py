@@ -61,16 +61,20 @@ def encode(keys: Keys | None, key: str, writer: str, generation: int, body: byte
     """The stored form of ``body`` written by ``writer`` (of ``generation``) under ``key``."""
     mac = keys.value_mac(key, writer, generation, body) if keys is not None else b""
     out: bytes = msgpack.packb(
-        {"v": ENVELOPE_VERSION, "kind": "signed", "writer": writer, "gen": generation,
-         "body": body, "mac": mac},  # fmt: skip
+        {
+            "v": ENVELOPE_VERSION,
+            "kind": "signed",
+            "writer": writer,
+            "gen": generation,
+            "body": body,
+            "mac": mac,
+        },  # fmt: skip
         use_bin_type=True,
     )
     return out
 
 
-def decode(
-    keys: Keys | None, key: str, raw: bytes, what: str, verify: bool = True
-) -> SignedValue:
+def decode(keys: Keys | None, key: str, raw: bytes, what: str, verify: bool = True) -> SignedValue:
     """The value stored under ``key`` (``what`` names it in errors): WireFormatError for a
     malformed envelope, SignatureError (with a secret) for one without a valid MAC. With
     ``verify=False`` the MAC is not looked at (an inspector's reading, never a decision)."""
@@ -172,7 +176,11 @@ class Inspector(SignedStore):
         return decode(None, key, raw, what, verify=False)
 
     def set(self, key: str, body: bytes) -> bytes:
-        raise TypeError("an inspector of the store is read-only; write through transport.core.signed")
+        raise TypeError(
+            "an inspector of the store is read-only; write through transport.core.signed"
+        )
 
     def compare_set(self, key: str, expected: bytes | None, body: bytes) -> bool:
-        raise TypeError("an inspector of the store is read-only; write through transport.core.signed")
+        raise TypeError(
+            "an inspector of the store is read-only; write through transport.core.signed"
+        )

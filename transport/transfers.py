@@ -255,9 +255,7 @@ class Transfers:
         try:
             for p in peers:
                 claimed.append(self._plans.get(op, p, items, sig, at, claim=True))
-            handle, ops, inline = self._ops(
-                op, claimed, items, sig, at, notif, deadline, timeout
-            )
+            handle, ops, inline = self._ops(op, claimed, items, sig, at, notif, deadline, timeout)
         except BaseException:
             self._plans.unclaim(claimed)
             raise
@@ -485,7 +483,9 @@ class Transfers:
 
     # -- retries after a peer restart --------------------------------------------------------
 
-    def _after_loss(self, lost: Op, items: Items, sig: tuple[Any, ...], offset: Offset) -> Op | None:
+    def _after_loss(
+        self, lost: Op, items: Items, sig: tuple[Any, ...], offset: Offset
+    ) -> Op | None:
         """A post to a peer failed because it is gone. If it has restarted under the same name,
         return an op for the new incarnation (nothing was sent to the old one), else None."""
         old = lost.plan.conn

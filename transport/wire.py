@@ -264,7 +264,11 @@ def decode_peer_record(
             raise WireFormatError(f"peer record has an invalid {key} {m[key][:40]!r}")
     if namespace is not None and m["ns"] != namespace:
         raise WireFormatError(f"peer record belongs to namespace {m['ns']!r}, not {namespace!r}")
-    if not 0 < m["gen"] < (1 << 62) or not 0 <= m["pid"] < (1 << 31) or not 0 < m["rev"] < (1 << 62):
+    if (
+        not 0 < m["gen"] < (1 << 62)
+        or not 0 <= m["pid"] < (1 << 31)
+        or not 0 < m["rev"] < (1 << 62)
+    ):
         raise WireFormatError("peer record has an out-of-range generation, pid or revision")
     metadata = inflate(m["md"], MAX_METADATA_BYTES, "peer record metadata")
     if not metadata:

@@ -375,10 +375,8 @@ def test_sync_with_flat_layouts_verifies_thousands_of_tensors(tmp_path):
 @pytest.mark.timeout(300)
 def test_sync_of_a_mixture_of_experts_in_hugging_face_layout_verifies_every_expert(tmp_path):
     """One tensor per expert matrix, separately allocated: the trainer packs the small ones."""
-    out = cli(
-        "bench", "sync", "--quick", "--experts", "16", "--layers", "4", "--dtypes", "bfloat16",
-        "--baselines", "raw", "--json", str(tmp_path / "m.json"),
-    )  # fmt: skip
+    args = ["--quick", "--experts", "16", "--layers", "4", "--dtypes", "bfloat16"]
+    out = cli("bench", "sync", *args, "--baselines", "raw", "--json", str(tmp_path / "m.json"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "a mixture of 16 experts x 4 layers" in out.stdout
     doc = json.loads((tmp_path / "m.json").read_text())

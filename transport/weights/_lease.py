@@ -69,8 +69,12 @@ class Lease:
     def encode(self) -> bytes:
         out: bytes = msgpack.packb(
             {
-                "v": 2, "name": self.name, "gen": self.generation, "rank": self.rank,
-                "world": self.world, "layout": self.layout,
+                "v": 2,
+                "name": self.name,
+                "gen": self.generation,
+                "rank": self.rank,
+                "world": self.world,
+                "layout": self.layout,
             }  # fmt: skip
         )
         return out

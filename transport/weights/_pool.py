@@ -246,7 +246,9 @@ def _quant_tensor(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> No
     out.view(x.shape).copy_((x.float() / scale).to(FP8))
 
 
-def _quant_blocks(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: torch.Tensor) -> None:
+def _quant_blocks(
+    x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: torch.Tensor
+) -> None:
     qx, sx = fp8_blockwise(x, block)
     q.view(qx.shape).copy_(qx)
     s.view(sx.shape).copy_(sx)

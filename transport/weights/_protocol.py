@@ -222,8 +222,12 @@ class GroupDirectory:
     def _entry_body(self, mode: str, slots: int, relay: bool) -> bytes:
         body: bytes = msgpack.packb(
             {
-                "v": 2, "gen": self.signed.generation, "inst": self.instance, "mode": mode,
-                "slots": slots, "relay": relay,
+                "v": 2,
+                "gen": self.signed.generation,
+                "inst": self.instance,
+                "mode": mode,
+                "slots": slots,
+                "relay": relay,
             }  # fmt: skip
         )
         return body

@@ -63,7 +63,9 @@ def fp8_blockwise(
     return (xf / full).to(FP8), scale
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+def fp8_dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
+) -> torch.Tensor:
     """The float32 tensor ``q`` (e4m3) and its scales stand for."""
     if block is None:
         return q.float() * scale

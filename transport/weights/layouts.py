@@ -119,7 +119,9 @@ class SourceLayout:
         DTensor places them: ``placements[name]`` is ``Shard(dim)`` or ``Replicate()`` (from
         ``torch.distributed.tensor``; an int dim or None say the same), split as DTensor splits
         (torch.chunk's rule)."""
-        dims = {n: _placement_dim(placements.get(n), n, len(tuple(s))) for n, (s, _) in tensors.items()}
+        dims = {
+            n: _placement_dim(placements.get(n), n, len(tuple(s))) for n, (s, _) in tensors.items()
+        }
         return cls.split(world, tensors, dims)
 
     @classmethod

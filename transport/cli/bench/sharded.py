@@ -60,7 +60,11 @@ class Model:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         h, f = self.hidden, self.ff
-        out: dict[str, tuple[int, ...]] = {"embed": (self.vocab, h), "head": (self.vocab, h), "norm": (h,)}
+        out: dict[str, tuple[int, ...]] = {
+            "embed": (self.vocab, h),
+            "head": (self.vocab, h),
+            "norm": (h,),
+        }
         for i in range(self.layers):
             p = f"l{i}."
             out |= {p + "q": (h, h), p + "k": (h, h), p + "v": (h, h), p + "o": (h, h),
@@ -108,7 +112,9 @@ def source_layout(c: Config) -> Any:
     from transport.weights import SourceLayout
 
     shapes = c.model.shapes()
-    return SourceLayout.split(c.ranks, {n: (s, torch.float32) for n, s in shapes.items()}, c.model.dims(c.source_shards))
+    return SourceLayout.split(
+        c.ranks, {n: (s, torch.float32) for n, s in shapes.items()}, c.model.dims(c.source_shards)
+    )
 
 
 def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]:
@@ -317,7 +323,9 @@ def _gen_main(conn: Any, c: Config, g: int, store_url: str) -> None:
             else:
                 want = _reference(c, g, full, system != "ours-noconv", fp8_blockwise)
             out[system] = all(
-                torch.equal(live[n].reshape(-1).view(torch.uint8), want[n].reshape(-1).view(torch.uint8))
+                torch.equal(
+                    live[n].reshape(-1).view(torch.uint8), want[n].reshape(-1).view(torch.uint8)
+                )
                 for n in want
             )
         conn.send(out)
@@ -326,7 +334,9 @@ def _gen_main(conn: Any, c: Config, g: int, store_url: str) -> None:
     t.close()
 
 
-def _reference(c: Config, g: int, full: dict[str, torch.Tensor], quantize: bool, blockwise: Any) -> dict[str, torch.Tensor]:
+def _reference(
+    c: Config, g: int, full: dict[str, torch.Tensor], quantize: bool, blockwise: Any
+) -> dict[str, torch.Tensor]:
     """Generator ``g``'s tensors built from the full weights in this process, tensor by tensor:
     each destination's pieces sliced out of the full tensors and concatenated (torch's cat, not
     the runs the ranks write), then converted."""
@@ -390,7 +400,9 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
                 took = time.perf_counter() - t0
                 done = [r["done"] for r in replies if r["done"]]
                 if any(len(d) != gens for d in done):
-                    raise CliError(f"{system}: not every generator got the version: {replies[0]['why']}")
+                    raise CliError(
+                        f"{system}: not every generator got the version: {replies[0]['why']}"
+                    )
                 if step:
                     times.setdefault(system, []).append(took)
                     extra.setdefault(system, []).append(max(r["extra"] for r in replies))
