@@ -471,8 +471,15 @@ class Transport(Closing):
         return self._peers.traffic_of()
 
     def _suspect(self, name: str, generation: int) -> str | None:
-        """transport.core.suspect: one heartbeat read, judged as peers() judges it."""
-        hb = self._ep.directory.last_heartbeat(name)
+        """transport.core.suspect: one heartbeat read, judged as peers() judges it; with no
+        heartbeat of that incarnation, a second read says whether it closed (it left the
+        namespace: its heartbeat and record are gone, and nothing will bring them back)."""
+        directory = self._ep.directory
+        hb = directory.last_heartbeat(name)
+        if hb is None or hb[0] < generation:
+            gone = directory.left(name)
+            if gone is not None and gone >= generation:
+                return f"it closed (generation {gone} left the namespace)"
         return suspicion(hb, generation, self._ep.settings.heartbeat_interval)
 
     def wait_for_peer(

@@ -58,9 +58,9 @@ class CoreLink:
     * ``put_control_at(tensor, key, offset, peer, channel, payload, timeout)``: the same for one
       tensor at ``offset`` elements of region ``key``.
     * ``suspect(name, generation)``: why that incarnation of peer ``name`` is suspect, or None
-      (transport/liveness.py, judged with this Transport's heartbeat interval): one store read,
-      its heartbeat, so a layer may ask it before every round of work; StoreError if the store
-      cannot be reached.
+      (transport/liveness.py, judged with this Transport's heartbeat interval), or that it
+      closed: one store read, its heartbeat (a second when there is none: whether it left), so
+      a layer may ask it before every round of work; StoreError if the store cannot be reached.
     * ``poll_at_least(interval)``: keep the engine's idle polling at or below ``interval``
       seconds (None: back to its default), for a layer that expects control messages any time.
     * ``waiting(delta)``: a thread starts (+1) or stops (-1) waiting for a control message, so

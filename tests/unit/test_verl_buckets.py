@@ -292,13 +292,31 @@ def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_neve
     assert all(torch.equal(out[n], t) for n, t in weights.items())
 
 
+@pytest.mark.parametrize("when", ["at once", "while the ranks wait for its slot"])
 def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_complete(
-    loopback_net,
+    loopback_net, monkeypatch, when
 ) -> None:
     weights = model(100)
     job = Job(loopback_net, 2, 3, 32 * KIB)
     gone = job.t[3]  # rollout worker 1
+    waits: list[str] = []
+    real_wait = Inbox.wait
+
+    def wait(self, ready, **kw):
+        waits.append(kw["what"])
+        return real_wait(self, ready, **kw)
+
+    monkeypatch.setattr(Inbox, "wait", wait)
     senders = job.send_all(weights)
+    if when != "at once":
+        # no receiver runs yet: each rank posted its first bucket to every worker (so it holds a
+        # connection to the one that leaves) and waits for the slot of its second one
+        for index in (2, 3):
+            wait_until(
+                lambda index=index: any(f"free slot for bucket {index} at" in w for w in waits),
+                30,
+                f"a rank waiting for the slots of bucket {index}",
+            )
     gone.close()
     results = list(receive_all(job))
     for i in (0, 2):
@@ -309,6 +327,8 @@ def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_comple
     assert job.send_errors == [None, None]
     for s in job.senders:
         assert list(s.report.dropped) == [gone.name], s.report.dropped
+        if when != "at once":  # seen to have closed, not waited for until the deadline
+            assert "it closed" in s.report.dropped[gone.name], s.report.dropped
 
 
 def test_a_trainer_rank_that_is_gone_fails_the_update_everywhere_naming_it(loopback_net) -> None:

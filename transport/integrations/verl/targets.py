@@ -84,7 +84,7 @@ class Targets:
         try:
             await asyncio.to_thread(partial(
                 self.inbox.wait, partial(self._over, waiting, index), watch=partial(list, waiting),
-                timeout=self.timeout, what=f"a free slot for bucket {index} at {', '.join(waiting)}",
+                timeout=self.timeout, what=f"free slot for bucket {index} at {', '.join(waiting)}",
             ))  # fmt: skip
         except PeerGone as e:
             self.drop(e.peer, e.why)
