@@ -205,23 +205,19 @@ class ControlChannel:
 
     def check_senders(self) -> None:
         """Housekeeping (without a secret): look up each agent whose frames wait; if its peer's
-        record in the store names that agent, its frames are released to the engine thread,
-        which delivers them in order before any later frame of it; else they are dropped,
-        saying why. Nothing is delivered on this thread."""
+        record in the store names that agent, or the store shows that this very incarnation
+        closed since (no record, and its ``left`` mark: what it sent before it went is its own,
+        and a put it was told had landed keeps its notification), its frames are released to
+        the engine thread, which delivers them in order before any later frame of it; else they
+        are dropped, saying why. Nothing is delivered on this thread."""
         proven = False
         for agent in self._senders.waiting():
             who = peer_of_agent(agent)
             assert who is not None  # route held only parseable agents
-            peer = who[0]
             try:
-                rec = self._ep.directory.fetch(peer)
+                verdict = self._verdict(agent, *who)
             except (StoreError, WireFormatError) as e:
                 verdict = f"whose record cannot be read ({e})"
-            else:
-                verdict = (
-                    "" if rec is not None and rec.agent == agent
-                    else f"that is not peer {peer!r} as the store knows it"
-                )  # fmt: skip
             if verdict:
                 self._refuse(self._senders.forget(agent), f"from agent {agent[:80]!r} {verdict}")
             else:
@@ -229,6 +225,19 @@ class ControlChannel:
                 proven = True
         if proven:
             self._ep.engine.wake()
+
+    def _verdict(self, agent: str, peer: str, generation: int) -> str:
+        """Why ``agent`` is not incarnation ``generation`` of ``peer`` as the store knows it
+        ("" when it is). An incarnation that closed counts only while no newer one has a record:
+        the layers name peers, not incarnations, and must not take an old one's messages for
+        the new one's."""
+        directory = self._ep.directory
+        rec = directory.fetch(peer)
+        if rec is not None and rec.agent == agent:
+            return ""
+        if rec is None and directory.left(peer) == generation:
+            return ""
+        return f"that is not peer {peer!r} as the store knows it"
 
     @property
     def releasable(self) -> bool:

@@ -218,11 +218,17 @@ class PeerTable:
                      conn.name, rec.generation, conn.generation)  # fmt: skip
             self.drop(conn)
 
-    def restarted(self, old: PeerConn, timeout: float = RESTART_LOOKUP_S) -> PeerRecord | None:
+    def restarted(self, old: PeerConn, timeout: float | None = None) -> PeerRecord | None:
         """The record of a newer incarnation of ``old``'s peer, if the store shows one within
-        ``timeout`` seconds. The lookup runs on a thread of its own: a store that hangs (the
+        ``timeout`` seconds (default :data:`RESTART_LOOKUP_S`). The lookup runs on a thread of its own: a store that hangs (the
         process hosting it died with the peer) costs the caller ``timeout``, never the store's
-        own connect timeouts, and a loss the backend already reported is reported then."""
+        own connect timeouts, and a loss the backend already reported is reported then. A
+        peer that served the store itself took the store with it: nothing is asked, and the
+        loss is reported at once."""
+        if old.record.hosts_store:
+            log.info("peer %s#%d was lost with the store it served; reporting the loss",
+                     old.name, old.generation)  # fmt: skip
+            return None
         with self._lookup_lock:
             if self._lookups is None:
                 self._lookups = ThreadPoolExecutor(
@@ -232,6 +238,8 @@ class PeerTable:
                 future = self._lookups.submit(self._ep.directory.fetch, old.name)
             except RuntimeError:  # closed
                 return None
+        if timeout is None:
+            timeout = RESTART_LOOKUP_S
         try:
             rec = future.result(timeout)
         except FutureTimeout:

@@ -161,7 +161,9 @@ class Directory:
         return rec
 
     def leave(self, name: str, generation: int) -> None:
-        """Remove our record, unless a newer incarnation of the name has replaced it."""
+        """Remove our record, unless a newer incarnation of the name has replaced it. The
+        ``left`` mark goes first: a reader that finds no record finds the mark (the
+        notifications this incarnation sent before it went are still its own)."""
         key = self.key("peers", name)
         raw = self.store.try_get(key)
         if raw is None:
@@ -171,10 +173,10 @@ class Directory:
         except WireFormatError:
             current = generation
         if current == generation:
+            gone = self.key("left", name)
+            self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
             self.store.delete(key)
         self.store.delete(self.key("hb", name))
-        gone = self.key("left", name)
-        self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
 
     def left(self, name: str) -> int | None:
         """The generation of ``name`` that last left the namespace by closing (None: none did,

@@ -233,6 +233,7 @@ class Regions:
                 pid=os.getpid(), version=__version__, created=ep.created,
                 regions=tuple(info for _, info in self._regions.values()),
                 registrations=regs, revision=self.record.revision + 1 if self.record else 1,
+                hosts_store=bool(getattr(ep.store, "is_host", False)),
             )  # fmt: skip
             ep.directory.publish(rec)
             self.record = rec

@@ -6,7 +6,7 @@ fields; every field is type-checked and size-limited. Nothing is ever unpickled.
 
 A stored peer record is an *envelope*::
 
-    {"v": 4, "kind": "peer", "body": <bytes>, "sealed": <bool>}
+    {"v": 6, "kind": "peer", "body": <bytes>, "sealed": <bool>}
 
 Without a secret the body is the record's msgpack map; with one it is that map sealed with
 AES-256-GCM under a key derived from the secret and namespace (``sealing.py``): nobody without
@@ -28,7 +28,7 @@ from transport.errors import SignatureError, WireFormatError
 from transport.region_table import MAX_REGIONS, decode_memory_map, encode_memory_map, inflate
 from transport.sealing import keys_for
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 # torch's TCPStore (libuv) refuses values over 8 MiB and drops the connection: records stay below
 MAX_RECORD_BYTES = 6 << 20
@@ -133,6 +133,9 @@ class PeerRecord:
     #: counts the records one incarnation published (every expose or withdrawal writes the next):
     #: a reader that knows a revision never goes back to an older one put back in the store
     revision: int = 1
+    #: this incarnation serves the namespace's store (the embedded one): when it is lost, the
+    #: store is lost with it, and nobody waits on the store to learn whether it restarted
+    hosts_store: bool = False
 
     def region_map(self) -> dict[str, RegionInfo]:
         return {r.name: r for r in self.regions}
@@ -141,6 +144,7 @@ class PeerRecord:
 _PEER_FIELDS = {
     "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
     "host": str, "pid": int, "version": str, "created": float, "memory": bytes, "rev": int,
+    "store": bool,
 }  # fmt: skip
 _ENVELOPE_FIELDS = {"v": int, "kind": str, "body": bytes, "sealed": bool}
 
@@ -206,7 +210,7 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
             "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,
             "backend": rec.backend, "md": zlib.compress(rec.metadata, 6), "host": rec.host, "pid": rec.pid,
             "version": rec.version, "created": float(rec.created), "rev": rec.revision,
-            "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
+            "store": rec.hosts_store, "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
         },
         use_bin_type=True,
     )  # fmt: skip
@@ -284,7 +288,7 @@ def decode_peer_record(
         name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
         metadata=metadata, host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
         regions=regions, registrations=regs, stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
-        revision=m["rev"],
+        revision=m["rev"], hosts_store=m["store"],
     )  # fmt: skip
 
 

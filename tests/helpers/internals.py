@@ -271,3 +271,20 @@ def count_control_messages(t: transport.Transport, channel: str) -> Callable[[],
 
     control.send_control = counting
     return lambda: count[0]
+
+
+def hold_sender_checks(t: transport.Transport) -> tuple[Callable[[], int], threading.Event]:
+    """Without a secret: hold ``t``'s housekeeping thread before it checks the senders of the
+    notifications it holds (in the store), until the returned event is set, so that a test
+    orders a sender's departure before that check. Also returns how many frames wait for it."""
+    control = t._control
+    real = control.check_senders
+    gate = threading.Event()
+
+    def gated() -> None:
+        if control._senders.waiting():
+            gate.wait(120)
+        real()
+
+    control.check_senders = gated  # type: ignore[method-assign]
+    return lambda: control._senders._frames, gate

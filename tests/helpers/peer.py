@@ -52,9 +52,11 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         n = t.wait_notification(timeout)
         return n.peer, n.payload, {r: sha(bufs[r]) for r in names}
 
-    def put_pattern(peer: str, key: str, nbytes: int, seed: int, timeout: float) -> str:
+    def put_pattern(
+        peer: str, key: str, nbytes: int, seed: int, timeout: float, notify: bytes | None = None
+    ) -> str:
         src = pattern(nbytes, seed)
-        t.put(src, peer, key).wait(timeout)
+        t.put(src, peer, key, notify=notify).wait(timeout)
         return sha(src)
 
     loop: dict[str, Any] = {}
@@ -110,6 +112,7 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         "queued_notifications": lambda: internals.queued_notifications(t),
         "refused_notifications": lambda: t.refused_notifications,
         "notify": lambda peer, payload: t.notify(peer, payload),
+        "send_control": lambda peer, channel, payload: t.core.send_control(peer, channel, payload),
         "notification": lambda timeout: (lambda n: (n.peer, n.payload))(
             t.wait_notification(timeout)
         ),
