@@ -210,7 +210,9 @@ def test_a_large_put_to_the_dead_store_host_fails_with_its_loss_not_a_timeout(mo
                 with pytest.raises(transport.PeerLostError, match="host"):
                     w.put(src, "host", "buf").wait(12)
                 if i == 0:
-                    print(f"\nthe store host's loss: {time.monotonic() - killed:.3f} s after the kill")
+                    print(
+                        f"\nthe store host's loss: {time.monotonic() - killed:.3f} s after the kill"
+                    )
     finally:
         host.kill()
 
