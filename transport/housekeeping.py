@@ -1,4 +1,4 @@
-"""Housekeeping: the background thread of one Transport."""
+"""Housekeeping: the background threads of one Transport."""
 
 from __future__ import annotations
 
@@ -18,15 +18,17 @@ log = logging.getLogger("transport")
 
 
 class Housekeeping:
-    """The thread ``transport-control-<name>`` of one Transport, from :meth:`start` until the
-    Transport closes (``ep.stopping``).
+    """The threads ``transport-control-<name>`` and ``transport-heartbeat-<name>`` of one
+    Transport, from :meth:`start` until the Transport closes (``ep.stopping``).
 
-    It owns no state of its own; it runs the other parts' slow work off the hot paths: at once
-    when woken (``ep.wake``: senders of notifications to check, dumps, withdrawals), and
-    every ``heartbeat_interval``: the heartbeat, restoring our record if the store lost it, the
-    namespace's dump requests, dropping connections to peers that restarted, letting go of the
-    plans of dropped connections. Rules: it never holds a lock across parts; a store that is down
-    costs a warning per round, never the thread.
+    It owns no state of its own. The heartbeat thread only writes the heartbeat, every
+    ``heartbeat_interval``: nothing a peer or the store supplies is decoded there, so no record,
+    however large, and no slow store read makes this Transport look gone. The control thread
+    runs the other parts' slow work off the hot paths: at once when woken (``ep.wake``: senders
+    of notifications to check, dumps, withdrawals), and every ``heartbeat_interval``: restoring
+    our record if the store lost it, the namespace's dump requests, dropping connections to
+    peers that restarted, letting go of the plans of dropped connections. Rules: it never holds
+    a lock across parts; a store that is down costs a warning per round, never a thread.
     """
 
     def __init__(
@@ -46,16 +48,31 @@ class Housekeeping:
         self._transfers = transfers
         self._dumps = dumps
         self._control = control
-        self._thread = threading.Thread(
-            target=self._loop, name=f"transport-control-{ep.name}", daemon=True
+        self._threads = (
+            threading.Thread(target=self._loop, name=f"transport-control-{ep.name}", daemon=True),
+            threading.Thread(
+                target=self._heartbeats, name=f"transport-heartbeat-{ep.name}", daemon=True
+            ),
         )
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def join(self, timeout: float) -> None:
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _heartbeats(self) -> None:
+        ep = self._ep
+        interval = ep.settings.heartbeat_interval
+        while not ep.stopping.wait(interval):
+            try:
+                ep.directory.heartbeat(ep.name, ep.generation)
+            except Exception as e:  # the store may be down; transfers go on without it
+                log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
 
     def _loop(self) -> None:
         ep = self._ep
@@ -75,14 +92,13 @@ class Housekeeping:
                 continue
             next_beat = time.monotonic() + ep.settings.heartbeat_interval
             try:
-                self._beat()
+                self._round()
             except Exception as e:  # the store may be down; transfers go on without it
-                log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
+                log.warning("transport %s: store unavailable for housekeeping: %s", ep.name, e)
 
-    def _beat(self) -> None:
+    def _round(self) -> None:
         ep = self._ep
         self._dumps.check_requests()
-        ep.directory.heartbeat(ep.name, ep.generation)
         if self._regions.restore():
             log.warning(
                 "transport %s: the store had lost or replaced its record; published it again",

@@ -29,14 +29,18 @@ from transport.wire import (
     decode_peer_record,
     encode_heartbeat,
     encode_peer_record,
+    record_generation,
 )
 
 log = logging.getLogger("transport.peers")
 
 #: decoded records kept (by their stored bytes) for the peers fetched most recently, and the
-#: regions they may hold together (a decoded region takes about 200 bytes of memory)
+#: memory they may hold together (estimated by :func:`decoded_bytes`; the newest is always kept)
 DECODED_RECORDS = 64
-DECODED_REGIONS = 1 << 20
+DECODED_BYTES = 256 << 20
+#: memory of one decoded region besides its name (its RegionInfo, shape and numbers; measured
+#: with tracemalloc, 4-dimensional shapes)
+REGION_BYTES = 250
 #: our own records larger than this are read back whole only every FULL_CHECK_EVERY checks (and
 #: checked to exist at every one): a model's record is a megabyte, a heartbeat a second
 SMALL_RECORD = 64 << 10
@@ -67,7 +71,7 @@ class Directory:
         # the bytes we last wrote for each of our records, and the last records decoded (by
         # their stored bytes): a model's record is megabytes, decoded once, not every heartbeat
         self._written: dict[str, bytes] = {}
-        self._decoded: OrderedDict[str, tuple[bytes, PeerRecord]] = OrderedDict()
+        self._decoded: OrderedDict[str, tuple[bytes, PeerRecord, int]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._checks: dict[str, int] = {}  # restore() calls per record name
         self.keys: Keys | None = keys_for(secret, namespace) if secret else None
@@ -149,15 +153,16 @@ class Directory:
                 self._decoded.move_to_end(name)
                 return hit[1]
         rec = decode_peer_record(raw, self.secret, self.namespace)
+        cost = decoded_bytes(rec)
         with self._cache_lock:
-            self._decoded[name] = (raw, rec)
+            self._decoded[name] = (raw, rec, cost)
             self._decoded.move_to_end(name)
-            held = sum(len(r.regions) for _, r in self._decoded.values())
+            held = sum(c for _, _, c in self._decoded.values())
             while len(self._decoded) > 1 and (
-                len(self._decoded) > DECODED_RECORDS or held > DECODED_REGIONS
+                len(self._decoded) > DECODED_RECORDS or held > DECODED_BYTES
             ):
-                _, (_, old) = self._decoded.popitem(last=False)
-                held -= len(old.regions)
+                _, (_, _, dropped) = self._decoded.popitem(last=False)
+                held -= dropped
         return rec
 
     def leave(self, name: str, generation: int) -> None:
@@ -240,14 +245,16 @@ class Directory:
         if raw is not None and raw == written:
             return False  # what we wrote: nothing to decode
         if raw is not None:
+            # not the bytes we wrote: only its generation is read (never the memory map it
+            # lists: a record a store writer made as large as the limits allow costs nothing)
             try:
-                stored = self._decode(record.name, raw)
+                stored = record_generation(raw, self.secret, self.namespace)
             except WireFormatError as e:
                 log.warning("the record of %s in the store is not valid (%s); writing ours again",
                             record.name, e)  # fmt: skip
             else:
-                if stored == record or stored.generation > record.generation:
-                    return False  # ours, or a newer incarnation of the name: not ours to replace
+                if stored > record.generation:
+                    return False  # a newer incarnation of the name: not ours to replace
                 log.warning("the record of %s in the store is not the one it wrote; writing it "
                             "again", record.name)  # fmt: skip
         # Our record is missing, garbage or an older incarnation's, so ours is the newest
@@ -286,6 +293,12 @@ class Directory:
             log.warning("ignoring the heartbeat of %s: %s", name, e)
             return None
         return gen, t
+
+
+def decoded_bytes(rec: PeerRecord) -> int:
+    """About how much memory ``rec`` holds once decoded (what the cache of records counts)."""
+    names = sum(len(r.name) for r in rec.regions)
+    return rec.stored_bytes + len(rec.metadata) + names + REGION_BYTES * len(rec.regions)
 
 
 __all__ = ["Directory", "StoreError"]

@@ -46,12 +46,19 @@ import numpy as np
 
 from transport.errors import WireFormatError
 
-#: regions (and registrations) one peer may list: far above any model (DeepSeek-V3 has about
-#: 91,000 tensors, so a subscriber with two staging slots about 182,000); the bound is there for
-#: the reader's memory, not the wire
-MAX_REGIONS = 1 << 20
-#: what a map may inflate to: a peer's compressed map cannot make us allocate more
-MAX_MAP_BYTES = 256 << 20
+# The budget of one record, for its reader: what the largest real model needs, not what the wire
+# could carry. DeepSeek-V3 has about 91,000 tensors, so a subscriber with two staging slots lists
+# about 182,000 regions, of four dimensions at most, named in about 60 bytes each (a map of about
+# 18 MiB). A record within these bounds costs a reader at most the memory and CPU time
+# benchmarks/README.md gives ("What a record costs its reader"), whoever wrote it; the counts are
+# checked before anything is built per region.
+#: regions (and registrations) one peer may list
+MAX_REGIONS = 1 << 18
+#: dimensions of all of a record's regions together (four per region, at the most regions)
+MAX_TOTAL_DIMS = 1 << 20
+#: what a map may inflate to (names, then the packed columns): a peer's compressed map cannot
+#: make us allocate more
+MAX_MAP_BYTES = 48 << 20
 _MAX_U64 = (1 << 64) - 1
 _MAX_EXTENT = 1 << 56
 _COLUMNS = ("ra", "rn", "rd", "names", "reg", "off", "dt", "acc", "nd", "dims")
@@ -111,6 +118,13 @@ def encode_memory_map(
          "dims": _pack(dims, _U64)},
         use_bin_type=True,
     )  # fmt: skip
+    if len(dims) > MAX_TOTAL_DIMS or len(packed) > MAX_MAP_BYTES:
+        raise ValueError(
+            f"{len(regions)} regions of {len(dims)} dimensions in all, {len(packed)} bytes of "
+            f"names and columns, are over a record's budget ({MAX_TOTAL_DIMS} dimensions, "
+            f"{MAX_MAP_BYTES} bytes); expose fewer, larger regions (for example one flat buffer "
+            "with views), or shorter names"
+        )
     return zlib.compress(packed, 6)
 
 
@@ -163,6 +177,10 @@ def decode_memory_map(
     _refuse(dt_a >= len(dtypes), names, "has an unknown dtype")
     _refuse(acc_a >= len(accesses), names, "has an unknown access")
     _refuse(nd_a > max_dims, names, "has a bad shape")
+    if int(nd_a.sum()) > MAX_TOTAL_DIMS:
+        raise WireFormatError(
+            f"peer record's regions have more than {MAX_TOTAL_DIMS} dimensions in all"
+        )
     # at most n * max_dims dimensions: the count is checked before a byte of them is read
     dims_a = _packed(
         m, "dims", _U64, int(nd_a.sum()),

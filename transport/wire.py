@@ -236,6 +236,35 @@ def decode_peer_record(
     SignatureError; without one, a sealed record does. With ``namespace``, a record of another
     namespace is rejected.
     """
+    m = _record_body(data, secret, namespace)
+    metadata = inflate(m["md"], MAX_METADATA_BYTES, "peer record metadata")
+    if not metadata:
+        raise WireFormatError("peer record metadata is empty")
+    for key in ("agent", "backend", "host", "version"):
+        if not m[key] or len(m[key]) > 256:
+            raise WireFormatError(f"peer record field {key!r} is empty or too long")
+    regs, table = decode_memory_map(
+        m["memory"], _DTYPES, DTYPE_SIZES, ACCESS_MODES, MAX_REGION_NAME, MAX_DIMS, RegionInfo
+    )
+    regions = tuple(table)
+    return PeerRecord(
+        name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
+        metadata=metadata, host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
+        regions=regions, registrations=regs, stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
+        revision=m["rev"], hosts_store=m["store"],
+    )  # fmt: skip
+
+
+def record_generation(
+    data: object, secret: bytes | None = None, namespace: str | None = None
+) -> int:
+    """The generation of a stored peer record, checked as :func:`decode_peer_record` checks it
+    but without building its memory map or its metadata (a fixed cost, whatever it lists)."""
+    return int(_record_body(data, secret, namespace)["gen"])
+
+
+def _record_body(data: object, secret: bytes | None, namespace: str | None) -> dict[str, Any]:
+    """The checked body of a stored peer record; its memory map and metadata still packed."""
     env = unpack(data, "peer record", MAX_RECORD_BYTES)
     if isinstance(env, dict) and env.get("v") != FORMAT_VERSION:
         raise WireFormatError(
@@ -274,22 +303,7 @@ def decode_peer_record(
         or not 0 < m["rev"] < (1 << 62)
     ):
         raise WireFormatError("peer record has an out-of-range generation, pid or revision")
-    metadata = inflate(m["md"], MAX_METADATA_BYTES, "peer record metadata")
-    if not metadata:
-        raise WireFormatError("peer record metadata is empty")
-    for key in ("agent", "backend", "host", "version"):
-        if not m[key] or len(m[key]) > 256:
-            raise WireFormatError(f"peer record field {key!r} is empty or too long")
-    regs, table = decode_memory_map(
-        m["memory"], _DTYPES, DTYPE_SIZES, ACCESS_MODES, MAX_REGION_NAME, MAX_DIMS, RegionInfo
-    )
-    regions = tuple(table)
-    return PeerRecord(
-        name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
-        metadata=metadata, host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
-        regions=regions, registrations=regs, stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
-        revision=m["rev"], hosts_store=m["store"],
-    )  # fmt: skip
+    return m
 
 
 # --- heartbeats -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 from typing import Any
 
 import torch
@@ -119,6 +120,7 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         "put_pattern": put_pattern,
         "wait_for_peer": lambda peer, timeout: t.wait_for_peer(peer, timeout).generation,
         "count_engine_polls": lambda n, timeout: internals.count_engine_polls(t, n, timeout),
+        "max_rss_mib": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     serve(conn, handlers, t.close)
 

@@ -93,6 +93,7 @@ def _sub_child(
     mode: str,
     relay: bool,
     kwargs: dict[str, Any],
+    slots: int = 2,
 ) -> None:
     import transport
     from transport.weights._messages import Begin, decode
@@ -108,7 +109,7 @@ def _sub_child(
         else:
             sub = transport.WeightSubscriber(
                 t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update,
-                relay=relay,
+                relay=relay, **({"slots": slots} if mode == "staging" else {}),
             )  # fmt: skip
 
         def spy(original: Any, peer: str, payload: bytes) -> None:
@@ -353,10 +354,15 @@ class SubscriberProcess(ChildProcess):
         start_timeout: float = 60,
         wait: bool = True,
         relay: bool = True,
+        slots: int = 2,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            name, _sub_child, (store_url, spec, group, mode, relay, kwargs), start_timeout, wait
+            name,
+            _sub_child,
+            (store_url, spec, group, mode, relay, kwargs, slots),
+            start_timeout,
+            wait,
         )
 
     def live_values(self) -> dict[str, tuple[float, float]]:

@@ -136,6 +136,44 @@ def test_a_forged_entry_never_makes_the_publisher_write_a_staging_slot_in_place(
     assert a.call("violations") == [] and b.call("violations") == []
 
 
+def test_without_a_secret_a_forged_in_place_entry_of_a_one_slot_subscriber_is_refused(
+    tcp_store, spawn, outsider, caplog
+):
+    """No secret: a store writer rewrites a one-slot staging subscriber's entry to in place,
+    with its own generation and instance (one slot: as many as its record exposes), before the
+    publisher first plans it. Only a record that marks its memory in place is written in place:
+    the subscriber is left out, saying why, until its own entry is back, and every version it
+    then holds (and applies) is whole."""
+    a = spawn("sub", "gen-a", SPEC, wait=False, slots=1)
+    b = spawn("sub", "gen-b", SPEC, wait=False)
+    a.started()
+    b.started()
+    key = PREFIX + "sub/gen-a"
+    own = outsider.try_get(key)
+    assert own is not None
+    body = msgpack.unpackb(signed.decode(None, key, own, "its entry").body)
+    assert body["mode"] == "staging" and body["slots"] == 1, body
+    forged = signed.encode(
+        None, key, "gen-a", a.generation, msgpack.packb(body | {"mode": "inplace"})
+    )
+    a.signal(signal.SIGSTOP)  # it cannot put its own entry back meanwhile
+    outsider.set(key, forged)
+    tensors = make_tensors(SPEC)
+    with transport.Transport("trainer", store=tcp_store, timeout=30) as t:
+        with transport.WeightPublisher(t, tensors, group="policy") as pub:
+            with caplog.at_level(logging.ERROR, "transport"):
+                r = _publish_plain(pub, tensors, 1, timeout=5)
+            assert r.status == {"gen-a": "excluded", "gen-b": "done"}, r.reasons
+            why = r.reasons["gen-a"]
+            assert "group entry says inplace, its record exposes staging slots" in why, why
+            a.signal(signal.SIGCONT)
+            wait_until(lambda: outsider.try_get(key) != forged, 20, "its own entry back")
+            wait_until(lambda: _member(pub, "gen-a") and not pub.refresh(), 20, "it planned again")
+            for version in (2, 3, 4):
+                _served_plain(pub, tensors, version, [a, b])
+    assert a.call("violations") == [] and b.call("violations") == []
+
+
 def test_an_entry_of_an_older_incarnation_put_back_is_refused_and_replaced(
     trainer, spawn, outsider
 ):
@@ -176,7 +214,9 @@ def _publish_sharded(src: Any, shards: dict[str, Any], pub: Any, version: int,
     return pub.publish(version, timeout=timeout).wait(timeout + 10)
 
 
-def _served_sharded(src: Any, shards: dict[str, Any], pub: Any, version: int, gens: list[Any]) -> None:
+def _served_sharded(
+    src: Any, shards: dict[str, Any], pub: Any, version: int, gens: list[Any]
+) -> None:
     r = _publish_sharded(src, shards, pub, version)
     assert r.done == sorted(g.name for g in gens), r.reasons
     for g in gens:
@@ -185,7 +225,10 @@ def _served_sharded(src: Any, shards: dict[str, Any], pub: Any, version: int, ge
 
 
 def test_a_forged_layout_never_maps_one_tensor_from_another(trainer, generators, outsider, caplog):
-    full, tp = generators("gen-full", "full", wait=False), generators("gen-tp", "tp0of2", wait=False)
+    full, tp = (
+        generators("gen-full", "full", wait=False),
+        generators("gen-tp", "tp0of2", wait=False),
+    )
     full.started(120)
     tp.started(120)
     for g in (full, tp):
@@ -196,7 +239,9 @@ def test_a_forged_layout_never_maps_one_tensor_from_another(trainer, generators,
     swapped = encode_dest(full_copy(src, rest, rename={"l0.q": "l0.o", "l0.o": "l0.q"}))
     # the other TP rank's shards (the same shapes), as an envelope without a MAC
     key = PREFIX + "layout/gen-tp"
-    other = signed.encode(None, key, "gen-tp", tp.generation, encode_dest(dest_layout(MODEL, "tp1of2")))
+    other = signed.encode(
+        None, key, "gen-tp", tp.generation, encode_dest(dest_layout(MODEL, "tp1of2"))
+    )
     forged = {PREFIX + "layout/gen-full": swapped, key: other}
     for k, raw in forged.items():
         outsider.set(k, raw)
@@ -219,7 +264,9 @@ def test_a_forged_layout_never_maps_one_tensor_from_another(trainer, generators,
         pub.close()
 
 
-def test_a_layout_of_an_older_incarnation_put_back_is_ignored(trainer, generators, outsider, caplog):
+def test_a_layout_of_an_older_incarnation_put_back_is_ignored(
+    trainer, generators, outsider, caplog
+):
     key = PREFIX + "layout/gen-tp"
     old = generators("gen-tp", "tp0of2")
     replay = outsider.try_get(key)  # its layout, validly signed: TP rank 0 of 2

@@ -21,6 +21,7 @@ from transport.weights._protocol import (
     GroupDirectory,
     channel,
     exposed_slots,
+    inplace_mark,
     match_regions,
     region,
 )
@@ -46,6 +47,7 @@ class Member:
     ) -> None:
         self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
         self.instance = instance  # which subscriber of that incarnation (its group entry says)
+        self.entry = (generation, instance, mode, slots, relay)  # as its group entry said
         self.can_relay = relay and mode == "staging"
         self.names: frozenset[str] = frozenset()
         self.batches: list[Batch] = []
@@ -196,11 +198,8 @@ class Roster:
                 continue  # died without leaving the group
             seen.add(name)
             sub = self.members.get(name)
-            if (
-                sub is None
-                or (sub.generation, sub.instance) != (entry["gen"], entry["inst"])
-                or sub.error
-            ):
+            fields = (entry["gen"], entry["inst"], entry["mode"], entry["slots"], entry["relay"])
+            if sub is None or sub.entry != fields or sub.error:  # any change: planned again
                 self.members[name] = self.plan(name, entry, sub)
             else:
                 sub.vanished = None  # back in the group
@@ -256,6 +255,19 @@ class Roster:
             )
             return sub
         exposed = exposed_slots(conn.regions, self.group)
+        marked = inplace_mark(self.group) in conn.regions
+        if exposed and marked != (sub.mode == "inplace"):
+            # only its record says that its memory is written in place: an entry that says
+            # otherwise is not its own (a store writer's), and writing in place a slot it reads
+            # would tear what it reads
+            says = "marks it in place" if marked else "exposes staging slots"
+            sub.error = (
+                f"its group entry says {sub.mode}, its record {says} (tried again at the next "
+                "publish)"
+            )
+            if before is None or before.error != sub.error:
+                log.error("group %s: subscriber %r: %s", self.group, name, sub.error)
+            return sub
         if exposed and exposed != sub.slots:
             # the entry is its own (signed), but of another subscriber of this incarnation, put
             # back: writing slots it does not expose, or its only slot in place, would fail or

@@ -159,6 +159,14 @@ def exposed_slots(regions: Mapping[str, Any], group: str) -> int:
     return slots
 
 
+def inplace_mark(group: str) -> str:
+    """The region an in-place subscriber of ``group`` exposes (one byte nobody reads) to say so
+    in its own record: a publisher writes a member in place only when its record has it, so a
+    store writer cannot have a staging subscriber's slot written in place by rewriting its
+    group entry (it would have to take over the subscriber's record too)."""
+    return region(group, "mode", "inplace")
+
+
 def channel(group: str) -> str:
     return f"ws/{group}"
 

@@ -55,7 +55,8 @@ def leftovers(transport: Transport, group: str) -> None:
     stale = []
     for name in transport.regions():
         slot, sep, _ = name[len(prefix) :].partition("/")
-        if name.startswith(prefix) and sep and (slot == "pub" or slot.isascii() and slot.isdigit()):
+        ours = slot in ("pub", "mode") or slot.isascii() and slot.isdigit()
+        if name.startswith(prefix) and sep and ours:
             stale.append(name)
     if stale:
         withdraw(transport, stale, f"group {group} (what a closed member left)")

@@ -41,6 +41,7 @@ from transport.weights._protocol import (
     SEQ_NAME,
     GroupDirectory,
     channel,
+    inplace_mark,
     region,
 )
 from transport.weights._ranks import RankParts
@@ -192,6 +193,8 @@ class WeightSubscriber(Closing):
                 for k, slot in enumerate(self.staging)
                 for n, t in slot.items()
             }
+            if self._entry == "inplace":  # its record says so (see _protocol.inplace_mark)
+                exposed[inplace_mark(group)] = torch.zeros(1, dtype=torch.uint8)
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="w")
             self._exposed = list(exposed)
