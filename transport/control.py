@@ -20,7 +20,7 @@ from transport.errors import (
 )
 from transport.peer_table import PeerTable
 from transport.sealing import FrameOpener
-from transport.senders import Senders
+from transport.senders import HOLD_S, REFUSE_S, Senders
 from transport.wire import (
     TAG_CONTROL,
     check_name,
@@ -166,10 +166,16 @@ class ControlChannel:
         if self._opener is not None:
             frames = self._open(agent, peer, frames)
         elif self._senders.holding(agent) or not self._trusted(agent, peer):
-            refused = self._senders.hold(agent, frames)
+            now = time.monotonic()
+            if self._senders.refused(agent, now):
+                self._refuse(len(frames), f"from agent {agent[:80]!r}, refused lately")
+                return
+            new = not self._senders.holding(agent)
+            refused = self._senders.hold(agent, frames, now)
             if refused:
                 self._refuse(refused, f"from {agent[:80]!r}: too many wait to be checked")
-            self._ep.wake.set()
+            if new:  # checked at once; held ones are checked again by the housekeeping rounds
+                self._ep.wake.set()
             return
         self._deliver(peer, frames, out)
 
@@ -208,36 +214,50 @@ class ControlChannel:
         record in the store names that agent, or the store shows that this very incarnation
         closed since (no record, and its ``left`` mark: what it sent before it went is its own,
         and a put it was told had landed keeps its notification), its frames are released to
-        the engine thread, which delivers them in order before any later frame of it; else they
-        are dropped, saying why. Nothing is delivered on this thread."""
+        the engine thread, which delivers them in order before any later frame of it. If the
+        record names another agent they are dropped, saying why, and that agent's frames are
+        refused on receipt for ``REFUSE_S``; if the store has no record of it (or cannot be
+        read), they wait, asked again once a heartbeat interval, for ``HOLD_S``. Nothing is
+        delivered on this thread (``senders.Senders`` bounds what all this costs)."""
         proven = False
-        for agent in self._senders.waiting():
+        senders = self._senders
+        now = time.monotonic()
+        for agent in senders.due(now, self._ep.settings.heartbeat_interval):
             who = peer_of_agent(agent)
             assert who is not None  # route held only parseable agents
             try:
-                verdict = self._verdict(agent, *who)
+                verdict, final = self._verdict(agent, *who)
             except (StoreError, WireFormatError) as e:
-                verdict = f"whose record cannot be read ({e})"
-            if verdict:
-                self._refuse(self._senders.forget(agent), f"from agent {agent[:80]!r} {verdict}")
-            else:
-                self._senders.prove(agent)
+                verdict, final = f"whose record cannot be read ({e})", False
+            if not verdict:
+                senders.prove(agent)
                 proven = True
+            elif final:  # the store shows someone else: refused, and on receipt for a while
+                self._refuse(
+                    senders.forget(agent, now + REFUSE_S), f"from agent {agent[:80]!r} {verdict}"
+                )
+            elif senders.expired(agent, now):
+                self._refuse(
+                    senders.forget(agent), f"from agent {agent[:80]!r} {verdict} ({HOLD_S:g} s)"
+                )
         if proven:
             self._ep.engine.wake()
 
-    def _verdict(self, agent: str, peer: str, generation: int) -> str:
+    def _verdict(self, agent: str, peer: str, generation: int) -> tuple[str, bool]:
         """Why ``agent`` is not incarnation ``generation`` of ``peer`` as the store knows it
-        ("" when it is). An incarnation that closed counts only while no newer one has a record:
-        the layers name peers, not incarnations, and must not take an old one's messages for
-        the new one's."""
+        ("" when it is), and whether that is final: a record that names another agent is; no
+        record may be a store that restarted empty (the owner puts it back within a heartbeat).
+        An incarnation that closed counts only while no newer one has a record: the layers name
+        peers, not incarnations, and must not take an old one's messages for the new one's."""
         directory = self._ep.directory
         rec = directory.fetch(peer)
         if rec is not None and rec.agent == agent:
-            return ""
-        if rec is None and directory.left(peer) == generation:
-            return ""
-        return f"that is not peer {peer!r} as the store knows it"
+            return "", True
+        if rec is not None:
+            return f"that is not peer {peer!r} as the store knows it ({rec.agent})", True
+        if directory.left(peer) == generation:
+            return "", True
+        return f"whose peer {peer!r} has no record in the store", False
 
     @property
     def releasable(self) -> bool:

@@ -13,6 +13,14 @@ MAX_HELD_FRAMES = 1 << 16
 MAX_HELD_BYTES = 64 << 20
 #: agents found to be who they say (the oldest is forgotten first, then checked again)
 MAX_KNOWN = 4096
+#: how long the frames of an agent the store does not show yet are held, checked again once a
+#: heartbeat interval: a store that restarted empty has every live record back within one
+HOLD_S = 5.0
+#: how long an agent the store shows to be someone else (its peer's record names another agent)
+#: is refused on receipt, without a store read; at most MAX_KNOWN of them are remembered
+REFUSE_S = 10.0
+#: store reads one round of checks makes at most (the agents that waited longest first)
+CHECKS_PER_ROUND = 256
 
 
 class Senders:
@@ -20,23 +28,29 @@ class Senders:
     not checked yet.
 
     It owns the held frames, per agent in arrival order, bounded by :data:`MAX_HELD_FRAMES` and
-    :data:`MAX_HELD_BYTES`, the agents checked and found to be who they say whose frames still
-    wait (``proven``), and the agents known (at most :data:`MAX_KNOWN`). Threads and order: the
-    engine thread holds frames (:meth:`hold`) and delivers them (:meth:`release`); the
-    housekeeping thread only checks (:meth:`waiting`, then :meth:`prove` or :meth:`forget`), so
-    every frame is delivered on the engine thread, and an agent's frames in the order they
-    came: while an agent has an entry, each new frame of it is held behind the others, and the
-    entry ends (the agent is known) only when :meth:`release` hands over the last of them.
-    One lock.
+    :data:`MAX_HELD_BYTES`, when each agent's frames were first held and last checked, the
+    agents checked and found to be who they say whose frames still wait (``proven``), the agents
+    known (at most :data:`MAX_KNOWN`) and those refused lately (likewise, for :data:`REFUSE_S`).
+    Threads and order: the engine thread holds frames (:meth:`hold`) and delivers them
+    (:meth:`release`); the housekeeping thread only checks (:meth:`due`, then :meth:`prove`,
+    :meth:`forget` or nothing: checked again later), so every frame is delivered on the engine
+    thread, and an agent's frames in the order they came: while an agent has an entry, each new
+    frame of it is held behind the others, and the entry ends (the agent is known) only when
+    :meth:`release` hands over the last of them. What a flood of agents costs is bounded: the
+    frames held, one store read per agent when it comes and at most one per heartbeat interval
+    after (for :data:`HOLD_S`), at most :data:`CHECKS_PER_ROUND` reads a round. One lock.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._since: dict[str, float] = {}  # agent -> when its first held frame came
+        self._checked: dict[str, float] = {}  # agent -> when the store was last asked
         self._proven: set[str] = set()
         self._frames = 0
         self._bytes = 0
         self._known: OrderedDict[str, None] = OrderedDict()
+        self._refused: OrderedDict[str, float] = OrderedDict()  # agent -> refused until
 
     def known(self, agent: str) -> bool:
         return agent in self._known
@@ -44,16 +58,22 @@ class Senders:
     def holding(self, agent: str) -> bool:
         return agent in self._held
 
+    def refused(self, agent: str, now: float) -> bool:
+        """Whether ``agent`` was found to be someone else within the last :data:`REFUSE_S`."""
+        until = self._refused.get(agent)
+        return until is not None and now < until
+
     @property
     def releasable(self) -> bool:
         """Whether some proven agent's frames wait for :meth:`release` (read without the lock:
         the engine asks it every round)."""
         return bool(self._proven)
 
-    def hold(self, agent: str, frames: list[bytes]) -> int:
+    def hold(self, agent: str, frames: list[bytes], now: float) -> int:
         """Hold ``frames`` of ``agent`` until it is checked; the number refused for space."""
         with self._lock:
             held = self._held.setdefault(agent, [])
+            self._since.setdefault(agent, now)
             for i, frame in enumerate(frames):
                 if self._frames >= MAX_HELD_FRAMES or self._bytes + len(frame) > MAX_HELD_BYTES:
                     return len(frames) - i
@@ -62,10 +82,24 @@ class Senders:
                 self._bytes += len(frame)
             return 0
 
-    def waiting(self) -> list[str]:
-        """The agents whose frames wait to be checked (not yet proven)."""
+    def due(self, now: float, interval: float) -> list[str]:
+        """The agents to check now: not proven, never checked or not within ``interval``
+        seconds; those that waited longest first, at most :data:`CHECKS_PER_ROUND`. Each is
+        marked checked."""
         with self._lock:
-            return [agent for agent in self._held if agent not in self._proven]
+            out = []
+            for agent in self._held:
+                if agent in self._proven or now - self._checked.get(agent, -1e18) < interval:
+                    continue
+                self._checked[agent] = now
+                out.append(agent)
+                if len(out) >= CHECKS_PER_ROUND:
+                    break
+            return out
+
+    def expired(self, agent: str, now: float) -> bool:
+        """Whether ``agent``'s frames have waited :data:`HOLD_S` for the store to show it."""
+        return now - self._since.get(agent, now) >= HOLD_S
 
     def prove(self, agent: str) -> None:
         """Housekeeping found ``agent`` to be who it says: its frames go at the next release."""
@@ -79,10 +113,7 @@ class Senders:
         with self._lock:
             out = []
             for agent in self._proven:
-                frames = self._held.pop(agent, [])
-                self._frames -= len(frames)
-                self._bytes -= sum(len(f) for f in frames)
-                out.append((agent, frames))
+                out.append((agent, self._drop(agent)))
                 self._known[agent] = None
                 self._known.move_to_end(agent)
                 if len(self._known) > MAX_KNOWN:
@@ -90,11 +121,22 @@ class Senders:
             self._proven.clear()
             return out
 
-    def forget(self, agent: str) -> int:
-        """Drop ``agent``'s entry (it is not who it says); the number of frames it held."""
+    def forget(self, agent: str, refuse_until: float | None = None) -> int:
+        """Drop ``agent``'s entry (it is not who it says); the number of frames it held. With
+        ``refuse_until``, its frames are refused on receipt until then."""
         with self._lock:
-            frames = self._held.pop(agent, [])
             self._proven.discard(agent)
-            self._frames -= len(frames)
-            self._bytes -= sum(len(f) for f in frames)
-            return len(frames)
+            if refuse_until is not None:
+                self._refused[agent] = refuse_until
+                self._refused.move_to_end(agent)
+                if len(self._refused) > MAX_KNOWN:
+                    self._refused.popitem(last=False)
+            return len(self._drop(agent))
+
+    def _drop(self, agent: str) -> list[bytes]:
+        frames = self._held.pop(agent, [])
+        self._since.pop(agent, None)
+        self._checked.pop(agent, None)
+        self._frames -= len(frames)
+        self._bytes -= sum(len(f) for f in frames)
+        return frames

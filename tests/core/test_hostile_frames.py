@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import transport
+from helpers import internals
 from helpers.outsider import Outsider
 from helpers.peer import Peer, pattern, sha
 from helpers.polling import wait_until
+from transport.senders import HOLD_S
 from transport.wire import (
     TAG_USER,
     decode_peer_record,
@@ -139,6 +141,52 @@ def test_with_a_secret_frames_under_a_live_peers_exact_agent_name_are_refused(tc
         finally:
             out.close()
         _an_honest_put_lands(friend, victim, 12)
+
+
+def test_a_flood_of_raw_agents_costs_the_victim_bounded_store_reads_and_memory(tcp_store):
+    """No secret. Raw agents the store has never heard of (``flood-k#1``) each send a burst of
+    notifications: their frames wait (a store that restarted empty would show a live sender's
+    record again within a heartbeat), the victim asks the store about each at most once a
+    heartbeat interval until it gives up on it, and delivers nothing. An agent under a newer
+    generation of a live peer's name is refused once the store shows that peer, and its next
+    burst is refused on receipt, without asking the store again. Then an honest put lands."""
+    agents, burst = 16, 40
+    with (
+        transport.Transport("victim", store=tcp_store.url) as victim,
+        transport.Transport("friend", store=tcp_store) as friend,
+    ):
+        inbox = torch.zeros(N, dtype=torch.uint8)
+        victim.expose("staging", inbox, access="w")
+        reads = internals.count_record_reads(victim)
+        rec = decode_peer_record(tcp_store.get("transport/default/peers/victim"))
+        outsiders = [Outsider(f"flood-{k}#1") for k in range(agents)]
+        outsiders.append(Outsider(f"friend#{friend.generation + 50}"))
+        try:
+            for out in outsiders:
+                agent = out.load(rec.metadata)
+                for _ in range(burst):
+                    out.notify(agent, frame_user_notification(b"forged"))
+            sent = burst * len(outsiders)
+            wait_until(lambda: victim.refused_notifications >= sent, 60, f"{sent} refusals")
+            asked = dict(reads)
+            # once when each came, then at most once a heartbeat interval until given up on
+            bound = 2 + int(HOLD_S / victim.heartbeat_interval)
+            assert all(asked.get(f"flood-{k}", 0) <= bound for k in range(agents)), asked
+            assert asked.get("friend") == 1, asked  # someone else at once: one read
+            impostor = outsiders[-1]
+            for _ in range(burst):
+                impostor.notify(rec.agent, frame_user_notification(b"again"))
+            wait_until(lambda: victim.refused_notifications >= sent + burst, 60, "refusals")
+            assert reads.get("friend") == 1, dict(reads)  # refused on receipt: no store read
+            assert list(victim.notifications(0.0)) == []
+            assert internals.held_frames(victim) == 0
+        finally:
+            for out in outsiders:
+                out.close()
+        src = pattern(N, 21)
+        friend.put(src, "victim", "staging", notify=b"honest").wait(30)
+        n = victim.wait_notification(30)
+        assert (n.peer, n.payload) == ("friend", b"honest") and sha(inbox) == sha(src)
 
 
 def test_a_handler_that_raises_drops_its_frames_and_the_engine_goes_on(tcp_store):

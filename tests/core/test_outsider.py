@@ -19,6 +19,7 @@ import transport
 from helpers.outsider import Outsider
 from helpers.peer import Peer, sha
 from helpers.polling import wait_until
+from transport import signed
 from transport.errors import SignatureError, TransportError
 from transport.sealing import keys_for
 from transport.wire import agent_name, decode_peer_record, frame_user_notification
@@ -198,3 +199,25 @@ def test_without_a_secret_an_agent_named_exactly_like_a_live_peer_is_taken_for_i
             assert victim.call("notification", 30.0) == ("gen-0", b"forged")
         finally:
             out.close()
+
+
+def test_without_a_secret_a_forged_left_mark_changes_nothing_while_its_peer_beats(any_store):
+    """A store writer marks a live peer as having left (``left/<name>`` with its generation,
+    as the peer itself writes it when it closes): while the peer's heartbeat of that
+    incarnation is in the store nobody takes it for closed; a put and a notification still
+    reach it. (Deleting its heartbeat too makes it look closed until its next beat: the denial
+    the README lists.)"""
+    ns = "left-ns"
+    with (
+        _victim(any_store, ns, None) as victim,
+        transport.Transport("writer", store=any_store, namespace=ns) as w,
+    ):
+        key = f"transport/{ns}/left/victim"
+        any_store.set(key, signed.encode(None, key, "victim", victim.generation, b""))
+        assert w.core.suspect("victim", victim.generation) is None
+        src = torch.arange(N, dtype=torch.int32).to(torch.uint8)
+        w.put(src, "victim", "staging", notify=b"after the mark").wait(30)
+        assert victim.call("notification", 30.0) == ("writer", b"after the mark")
+        assert victim.call("sha", "staging") == sha(src)
+        (info,) = [p for p in w.peers() if p.name == "victim"]
+        assert info.suspect is None

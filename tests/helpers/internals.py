@@ -282,9 +282,33 @@ def hold_sender_checks(t: transport.Transport) -> tuple[Callable[[], int], threa
     gate = threading.Event()
 
     def gated() -> None:
-        if control._senders.waiting():
+        if control._senders._held:
             gate.wait(120)
         real()
 
     control.check_senders = gated  # type: ignore[method-assign]
-    return lambda: control._senders._frames, gate
+    return lambda: held_frames(t), gate
+
+
+def count_record_reads(t: transport.Transport) -> dict[str, int]:
+    """Count the reads of peer records ``t``'s store client makes from now on (peer name ->
+    reads): what a flood of agents costs it in store round trips."""
+    directory = t._ep.directory
+    store = directory.store
+    real = store.try_get
+    counts: dict[str, int] = {}
+    prefix = directory.key("peers", "")
+
+    def counting(key: str) -> bytes | None:
+        if key.startswith(prefix):
+            name = key[len(prefix) :]
+            counts[name] = counts.get(name, 0) + 1
+        return real(key)
+
+    store.try_get = counting  # type: ignore[method-assign]
+    return counts
+
+
+def held_frames(t: transport.Transport) -> int:
+    """Notification frames ``t`` holds while it checks their senders (no secret)."""
+    return t._control._senders._frames
