@@ -312,3 +312,37 @@ def count_record_reads(t: transport.Transport) -> dict[str, int]:
 def held_frames(t: transport.Transport) -> int:
     """Notification frames ``t`` holds while it checks their senders (no secret)."""
     return t._control._senders._frames
+
+
+def rank_parts(sub: transport.WeightSubscriber) -> list[tuple[int, list[int]]]:
+    """Under the subscriber's lock: each version of a sharded trainer some of whose ranks'
+    parts landed, with those ranks (a version is dropped from this once it completes)."""
+    with sub._lock:
+        return sorted((version, sorted(ranks)) for (version, _), ranks in sub._ranks.parts.items())
+
+
+def after_lease_ensure(pub: transport.weights.ShardedPublisher, then: Callable[[], None]) -> None:
+    """Call ``then`` right after ``pub`` puts its lease back at each publish: where a store
+    writer racing the publisher writes its forgery."""
+    lease = pub._lease
+    real = lease.ensure
+
+    def ensure() -> None:
+        real()
+        then()
+
+    lease.ensure = ensure  # type: ignore[method-assign]
+
+
+def upstream_ranks(sub: transport.WeightSubscriber) -> dict[str, int]:
+    """The publishers the subscriber believes, with their ranks, as its last read of the
+    group's leases left them."""
+    upstream = sub._upstream
+    with upstream._lock:
+        return dict(upstream._ranks)
+
+
+def upstream_reads(sub: transport.WeightSubscriber) -> float:
+    """When the subscriber's next read of its group's leases is due: it changes as each read
+    starts, and the reads run one after the other on the subscriber's worker."""
+    return sub._upstream._next_refresh

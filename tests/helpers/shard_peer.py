@@ -36,7 +36,9 @@ def model_spec(hidden: int, layers: int, vocab: int) -> dict[str, tuple[int, ...
 
 def source_dims(spec: dict[str, tuple[int, ...]]) -> dict[str, int | None]:
     """dim 0 shards for most tensors, dim 1 for the row-parallel ones, norms replicated."""
-    return {n: (None if n.endswith("norm") else 1 if n.endswith((".o", ".down")) else 0) for n in spec}
+    return {
+        n: (None if n.endswith("norm") else 1 if n.endswith((".o", ".down")) else 0) for n in spec
+    }
 
 
 def full_weights(spec: dict[str, tuple[int, ...]], version: int) -> dict[str, torch.Tensor]:
@@ -124,8 +126,10 @@ def reference(spec: dict[str, tuple[int, ...]], kind: str, version: int) -> dict
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same shape, dtype and bytes (fp8 included)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
@@ -202,7 +206,17 @@ def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str
         t.close()
 
     conn.send(("ok", (t.generation, 0)))
-    serve(conn, {"check": check, "held": held}, close)
+    serve(
+        conn,
+        {
+            "check": check,
+            "held": held,
+            "parts": lambda: internals.rank_parts(sub),
+            "upstream_ranks": lambda: internals.upstream_ranks(sub),
+            "upstream_reads": lambda: internals.upstream_reads(sub),
+        },
+        close,
+    )
 
 
 class RankProcess(ChildProcess):

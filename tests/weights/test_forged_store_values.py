@@ -26,6 +26,7 @@ import msgpack
 import pytest
 
 import transport
+from helpers import internals
 from helpers.polling import wait_until
 from helpers.shard_peer import (
     GeneratorProcess,
@@ -40,6 +41,7 @@ from transport import signed
 from transport.store import Store, store_from_url
 from transport.weights import ShardedPublisher, full_copy
 from transport.weights._layout_wire import encode_dest
+from transport.weights._lease import Lease
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,6 +224,66 @@ def _served_sharded(
     for g in gens:
         got = g.call("check", version, 30)
         assert got["version"] == version and got["bad"] == [], (g.name, got)
+
+
+def test_without_a_secret_forged_leases_never_complete_a_version_with_fewer_ranks_parts(
+    tcp_store, outsider
+):
+    """No secret, a trainer of two ranks. Right after rank 0 puts its lease back at a publish,
+    a store writer rewrites it to say the trainer has one rank, and deletes rank 1's lease and
+    the count of ranks. The generator takes the number of ranks from the ranks' own records
+    (each marks which rank of how many it is): rank 0's parts alone never make version 1, even
+    when the generator read the forged leases before they landed; once rank 1 publishes it
+    too, it completes, every tensor right."""
+    src = source_layout(MODEL, 2)
+    ns = "transport/default/groups/policy/"
+    with (
+        transport.Transport("trainer-0", store=tcp_store, timeout=30) as t0,
+        transport.Transport("trainer-1", store=tcp_store, timeout=30) as t1,
+    ):
+        shards = [shard_of(src, full_weights(MODEL, 0), r) for r in range(2)]
+        pubs = [
+            ShardedPublisher(t, shards[r], src, r, group="policy") for r, t in enumerate((t0, t1))
+        ]
+        gen = GeneratorProcess("gen-full", tcp_store.url, MODEL, "full")
+        try:
+            one_rank = Lease("trainer-0", t0.generation, 0, 1, pubs[0].digest).encode()
+
+            forged: list[bool] = []
+
+            def forge() -> None:
+                if forged:  # once: rank 0's later checks put its own values back
+                    return
+                forged.append(True)
+                key = ns + "lease"
+                outsider.set(key, signed.encode(None, key, "trainer-0", t0.generation, one_rank))
+                outsider.delete(ns + "lease/1")
+                outsider.delete(ns + "ranks")
+                # rank 0 writes only once the generator has read the forged leases: a read that
+                # started after the forgery, and ended (the next one started)
+                for _ in range(2):
+                    due = gen.call("upstream_reads")
+                    wait_until(lambda d=due: gen.call("upstream_reads") != d, 30, "a read")
+                assert gen.call("upstream_ranks") == {"trainer-0": 0}
+
+            internals.after_lease_ensure(pubs[0], forge)
+            for r in range(2):
+                for n, x in shard_of(src, full_weights(MODEL, 1), r).items():
+                    shards[r][n].copy_(x)
+            first = pubs[0].publish(1, timeout=60)
+            wait_until(lambda: gen.call("parts") == [(1, [0])], 30, "rank 0's parts of version 1")
+            assert gen.call("held")["version"] == -1  # not complete: rank 1's parts are missing
+            pubs[0].refresh()  # rank 0 puts back its lease and the count (rank 1 checks them)
+            second = pubs[1].publish(1, timeout=60)  # rank 1 puts its lease back, then writes
+            for handle in (first, second):
+                r = handle.wait(90)
+                assert r.done == ["gen-full"], r.reasons
+            got = gen.call("check", 1, 30)
+            assert got["version"] == 1 and got["bad"] == [], got
+        finally:
+            gen.stop()
+            for pub in pubs:
+                pub.close()
 
 
 def test_a_forged_layout_never_maps_one_tensor_from_another(trainer, generators, outsider, caplog):

@@ -39,12 +39,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgpack
+import torch
 
-from transport.errors import GroupBusyError, PeerNotFoundError, StoreError, WireFormatError
+from transport.errors import (
+    GroupBusyError,
+    PeerNotFoundError,
+    StoreError,
+    TransportError,
+    WireFormatError,
+)
 from transport.liveness import GONE_BEATS, GONE_MIN_S, staleness
 from transport.signed import SignedStore
 from transport.store import Store
-from transport.weights._protocol import reader
+from transport.weights._protocol import marked_rank, rank_mark, reader
+from transport.weights._withdraw import withdraw
 from transport.wire import unpack
 
 if TYPE_CHECKING:
@@ -134,13 +142,17 @@ class PublisherLease:
         self._ours = self.signed.encode(self.key, self.mine.encode())
         self.what = f"group {group!r}" + (f" rank {rank}" if world > 1 else "")
         self.held = False
+        self._mark = rank_mark(group, rank, world)
 
     def acquire(self) -> None:
         """Take the lease (construction): GroupBusyError while a live publisher holds it. Rank 0
-        then says how many ranks publish the group (``ranks``)."""
+        then says how many ranks publish the group (``ranks``), and a rank of a sharded trainer
+        says in its own record which rank of how many it is (``_protocol.rank_mark``)."""
         self._claim(first=True)
         if self.mine.rank == 0:
             self.signed.set(self._ranks_key, str(self.mine.world).encode())
+        if self.mine.world > 1 and self._mark not in self.transport.regions():
+            self.transport.expose(self._mark, torch.zeros(1, dtype=torch.uint8), access="r")
 
     def _claim(self, first: bool) -> None:
         """Write our lease where the store has none, a free one, one that is not valid, or the
@@ -223,6 +235,8 @@ class PublisherLease:
                 self.signed.set(self._ranks_key, body)
 
     def release(self) -> None:
+        if self.mine.world > 1:
+            withdraw(self.transport, [self._mark], f"{self.what} (its rank's mark)")
         if not self.held:
             return
         self.held = False
@@ -301,12 +315,15 @@ class GroupLeases:
         self._live: dict[int, Lease] = {}
         self._warned: dict[str, bytes] = {}
 
-    def read(self, at_least: int = 1, live: bool = True) -> Publishers:
+    def read(self, at_least: int = 1, live: bool = True, marks: bool = False) -> Publishers:
         """The group's publishers now, reading the leases of at least ``at_least`` ranks (a
         rank knows its world even when the store says nothing of it), up to the world that
         rank 0's lease, ``ranks`` or any lease read says; while rank 0's lease does not count,
         also of the rank after each one whose key holds something (a lease that does not count
-        must not hide the ranks after it)."""
+        must not hide the ranks after it). With ``marks`` (a subscriber, which completes a
+        version once ``world`` ranks' parts landed), each holder's own record must say the
+        same rank (``_protocol.rank_mark``; a plain publisher's says none), and ``world`` is
+        at least what any of them says: the store's values alone never lower it."""
         first, held = self._lease(0, live)
         probe = first is None
         ranks = self._ranks(first)
@@ -322,7 +339,41 @@ class GroupLeases:
                 world = max(world, lease.world)
             rank += 1
         said = [ranks or 1, *(x.world for x in leases.values())]
+        if marks:
+            leases, marked = self._marked(leases)
+            said.append(marked)
         return Publishers(max(said), ranks, leases)
+
+    def _marked(self, leases: dict[int, Lease]) -> tuple[dict[int, Lease], int]:
+        """The leases whose holder's record marks the lease's rank (or none, for a plain
+        publisher's), and the largest world a mark says (1 if none). A holder whose record
+        cannot be read, or says otherwise, is not a publisher for now (logged)."""
+        kept, world = {}, 1
+        for rank, lease in leases.items():
+            try:
+                view = self.transport.core.peer(lease.name)
+                if view.generation != lease.generation:
+                    view = self.transport.core.peer(lease.name, refresh=True)
+                mark = marked_rank(view.regions, self.group)
+            except TransportError as e:
+                log.info("group %s: cannot read the record of %s: %s", self.group, lease, e)
+                continue
+            says = mark or (0, 1)
+            if (
+                view.generation != lease.generation
+                or says[0] != rank
+                or (mark is None and lease.world > 1)
+            ):
+                self._warn(
+                    f"mark/{rank}",
+                    f"{lease}: {view.generation} {mark}".encode(),
+                    f"the lease of rank {rank} ({lease}): its holder's record says "
+                    + (f"rank {says[0]} of {says[1]}" if mark else "no rank of a sharded trainer"),
+                )
+                continue
+            kept[rank] = lease
+            world = max(world, says[1])
+        return kept, world
 
     def _ranks(self, first: Lease | None) -> int | None:
         key = ranks_key(self._namespace, self.group)

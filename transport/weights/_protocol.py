@@ -167,6 +167,31 @@ def inplace_mark(group: str) -> str:
     return region(group, "mode", "inplace")
 
 
+def rank_mark(group: str, rank: int, world: int) -> str:
+    """The region a sharded trainer's rank exposes (one byte nobody reads) to say in its own
+    record which rank of how many it publishes: a subscriber takes the number of ranks whose
+    parts make a version from the records of the ranks it hears, so a store writer cannot make
+    it complete a version with fewer ranks' parts by rewriting leases (it would have to take
+    over the ranks' records too)."""
+    return region(group, "rank", f"{rank}-of-{world}")
+
+
+def marked_rank(regions: Mapping[str, Any], group: str) -> tuple[int, int] | None:
+    """(rank, world) as a record's :func:`rank_mark` says (the largest world if it lists
+    several: a leftover of an earlier rank of this Transport); None if it has none."""
+    prefix, found = region(group, "rank", ""), None
+    for name in regions:
+        if not name.startswith(prefix):
+            continue
+        rank, sep, world = name[len(prefix) :].partition("-of-")
+        if not (sep and rank.isascii() and rank.isdigit() and world.isascii() and world.isdigit()):
+            continue
+        mark = (int(rank), int(world))
+        if found is None or mark[1] > found[1]:
+            found = mark
+    return found
+
+
 def channel(group: str) -> str:
     return f"ws/{group}"
 

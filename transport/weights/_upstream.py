@@ -165,7 +165,7 @@ class Upstream:
         """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is
         believed from now on); None if the store could not be read."""
         try:
-            found = self._leases.read()
+            found = self._leases.read(marks=True)
             world, leases = found.world, found.leases
             ranks = {lease.name: r for r, lease in leases.items()}
             publishers = frozenset(ranks)
@@ -200,7 +200,7 @@ class Upstream:
             return self._next_refresh - now
         self._next_refresh = now + REFRESH_S
         try:
-            found = self._leases.read()
+            found = self._leases.read(marks=True)
             world, leases = found.world, found.leases
             # only the relays that wrote to us: one read each, not the whole group's entries
             relays = {n for n in self._relays if self._is_relay(n)}

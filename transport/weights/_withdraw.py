@@ -55,7 +55,7 @@ def leftovers(transport: Transport, group: str) -> None:
     stale = []
     for name in transport.regions():
         slot, sep, _ = name[len(prefix) :].partition("/")
-        ours = slot in ("pub", "mode") or slot.isascii() and slot.isdigit()
+        ours = slot in ("pub", "mode", "rank") or slot.isascii() and slot.isdigit()
         if name.startswith(prefix) and sep and ours:
             stale.append(name)
     if stale:
