@@ -167,6 +167,17 @@ def inplace_mark(group: str) -> str:
     return region(group, "mode", "inplace")
 
 
+def slot_regions(
+    group: str, slots: list[dict[str, torch.Tensor]], mode: str
+) -> dict[str, torch.Tensor]:
+    """The regions a subscriber of ``group`` exposes: each tensor of each slot, and, when its
+    entry says ``mode`` "inplace", the mark that its own record says so too."""
+    out = {region(group, k, n): t for k, slot in enumerate(slots) for n, t in slot.items()}
+    if mode == "inplace":
+        out[inplace_mark(group)] = torch.zeros(1, dtype=torch.uint8)
+    return out
+
+
 def rank_mark(group: str, rank: int, world: int) -> str:
     """The region a sharded trainer's rank exposes (one byte nobody reads) to say in its own
     record which rank of how many it publishes: a subscriber takes the number of ranks whose

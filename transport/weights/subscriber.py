@@ -41,8 +41,8 @@ from transport.weights._protocol import (
     SEQ_NAME,
     GroupDirectory,
     channel,
-    inplace_mark,
     region,
+    slot_regions,
 )
 from transport.weights._ranks import RankParts
 from transport.weights._relay import Relay, RelayHost
@@ -188,13 +188,7 @@ class WeightSubscriber(Closing):
         self._exposed: list[str] = []
         try:
             self._stop_control = transport.core.on_control(channel(group), self._admit)
-            exposed = {
-                region(group, k, n): t
-                for k, slot in enumerate(self.staging)
-                for n, t in slot.items()
-            }
-            if self._entry == "inplace":  # its record says so (see _protocol.inplace_mark)
-                exposed[inplace_mark(group)] = torch.zeros(1, dtype=torch.uint8)
+            exposed = slot_regions(group, self.staging, self._entry)
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="w")
             self._exposed = list(exposed)
