@@ -148,11 +148,12 @@ class PublisherLease:
         """Take the lease (construction): GroupBusyError while a live publisher holds it. Rank 0
         then says how many ranks publish the group (``ranks``), and a rank of a sharded trainer
         says in its own record which rank of how many it is (``_protocol.rank_mark``)."""
+        if self.mine.world > 1 and self._mark not in self.transport.regions():
+            # before the lease: a subscriber that reads the lease finds the mark in the record
+            self.transport.expose(self._mark, torch.zeros(1, dtype=torch.uint8), access="r")
         self._claim(first=True)
         if self.mine.rank == 0:
             self.signed.set(self._ranks_key, str(self.mine.world).encode())
-        if self.mine.world > 1 and self._mark not in self.transport.regions():
-            self.transport.expose(self._mark, torch.zeros(1, dtype=torch.uint8), access="r")
 
     def _claim(self, first: bool) -> None:
         """Write our lease where the store has none, a free one, one that is not valid, or the
@@ -352,9 +353,12 @@ class GroupLeases:
         for rank, lease in leases.items():
             try:
                 view = self.transport.core.peer(lease.name)
-                if view.generation != lease.generation:
-                    view = self.transport.core.peer(lease.name, refresh=True)
                 mark = marked_rank(view.regions, self.group)
+                if view.generation != lease.generation or (mark is None and lease.world > 1):
+                    # what the connection knows may predate the lease (a rank that joined
+                    # this group after we connected to it, a restart): read its record afresh
+                    view = self.transport.core.peer(lease.name, refresh=True)
+                    mark = marked_rank(view.regions, self.group)
             except TransportError as e:
                 log.info("group %s: cannot read the record of %s: %s", self.group, lease, e)
                 continue
