@@ -14,6 +14,15 @@ from transport.weights._pack import PACK_MIN_TENSORS, PACK_TENSOR_BYTES, Pack, p
 
 pytestmark = pytest.mark.timeout(60)
 
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def copier(request, monkeypatch):
+    """Every test with the compiled copies and without them (a machine with no C compiler)."""
+    if request.param == "numpy":
+        monkeypatch.setattr("transport.weights._pack.native", lambda: None)
+    return request.param
+
+
 DTYPES = (
     torch.float32,
     torch.bfloat16,
@@ -73,6 +82,8 @@ def test_large_tensors_and_tensors_sharing_a_storage_are_left_as_they_are():
     assert packable(named) == [f"s{i}" for i in range(PACK_MIN_TENSORS)]
     pack = Pack(named)
     assert pack.sources["big"] is big and all(pack.sources[n] is t for n, t in flat.items())
+    transposed = {f"t{i}": torch.zeros(4, 2).t() for i in range(PACK_MIN_TENSORS)}
+    assert packable(transposed) == []  # the batch refuses them, naming the rule
     few = {f"s{i}": torch.zeros(8) for i in range(PACK_MIN_TENSORS - 1)}
     assert packable(few) == [] and Pack(few).sources == few
 

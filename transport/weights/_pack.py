@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from transport.host_copy import HostCopies, native
 from transport.weights._flat import flat_like, storage_bytes
 
 #: tensors of at most this many bytes are packed: below it, one descriptor per subscriber costs
@@ -24,15 +25,16 @@ class Pack:
     and exposes (each packed name a view into one host buffer, every other name its own tensor),
     :meth:`fill` copies the tensors' current values into the buffer.
 
-    Rules: a tensor is packed when it is in host memory, holds at most ``PACK_TENSOR_BYTES`` and
-    shares its storage with neither of its neighbours in the publisher's order (tensors laid out
-    in one flat buffer already merge into few descriptors; they are left alone). The buffer is
-    laid out in the publisher's order, packed as ``flat_like`` packs a subscriber's staging slot,
-    so tensors adjacent in a subscriber are adjacent here too and their writes merge. The copy is
-    one numpy call for all of them (about a third of a microsecond a tensor, plus the bytes; the
-    alignment gaps between tensors of two dtypes filled with zeros). The pack holds the storages
-    it copies from, and the tensors must keep their memory (update them in place), as for any
-    batch.
+    Rules: a tensor is packed when it is in host memory, contiguous, holds at most
+    ``PACK_TENSOR_BYTES`` and shares its storage with neither of its neighbours in the publisher's
+    order (tensors laid out in one flat buffer already merge into few descriptors; they are left
+    alone). The buffer is laid out in the publisher's order, packed as ``flat_like`` packs a
+    subscriber's staging slot, so tensors adjacent in a subscriber are adjacent here too and their
+    writes merge; the alignment gaps between tensors of two dtypes hold zeros. The copy is one call
+    for all of them: the compiled :class:`~transport.host_copy.HostCopies` (a memcpy a tensor),
+    or one numpy call where it was not built (about a third of a microsecond a tensor more). The
+    pack holds the storages it copies from, and the tensors must keep their memory (update them in
+    place), as for any batch.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -43,23 +45,39 @@ class Pack:
         self.nbytes = 0
         self._parts: list[np.ndarray] = []  # the sources' bytes, and the gaps, in buffer order
         self._out: np.ndarray | None = None
+        self._copies: HostCopies | None = None
         # the memory copied from, held while the pack lives
         self._keep = [tensors[n].untyped_storage() for n in chosen]
         if not chosen:
             return
         first = views[chosen[0]]
         base = first.data_ptr()
+        ends = [views[n].data_ptr() - base + tensors[n].nbytes for n in chosen]
+        self.nbytes = max(ends)
+        buffer = storage_bytes(first, self.nbytes)
+        if native() is not None:
+            buffer.zero_()  # the gaps; the copies never write them
+            self._copies = HostCopies(
+                [views[n].data_ptr() for n in chosen],
+                [tensors[n].data_ptr() for n in chosen],
+                [tensors[n].nbytes for n in chosen],
+                keep=(buffer, self._keep),
+            )
+            return
+        end = 0
         for n in chosen:
             at = views[n].data_ptr() - base
-            if at > self.nbytes:
-                self._parts.append(np.zeros(at - self.nbytes, dtype=np.uint8))
+            if at > end:
+                self._parts.append(np.zeros(at - end, dtype=np.uint8))
             self._parts.append(_array(tensors[n]))
-            self.nbytes = at + tensors[n].nbytes
-        self._out = storage_bytes(first, self.nbytes).numpy()
+            end = at + tensors[n].nbytes
+        self._out = buffer.numpy()
 
     def fill(self) -> None:
         """Copy every packed tensor's current value into its place in the buffer."""
-        if self._out is not None:
+        if self._copies is not None:
+            self._copies.run()
+        elif self._out is not None:
             np.concatenate(self._parts, out=self._out)
 
 
@@ -70,7 +88,7 @@ def packable(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     out, total = [], 0
     for i, (name, t) in enumerate(items):
         nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or not 0 < nbytes <= PACK_TENSOR_BYTES:
+        if t.device.type != "cpu" or not 0 < nbytes <= PACK_TENSOR_BYTES or not t.is_contiguous():
             continue
         before = i > 0 and storages[i - 1] == storages[i]
         after = i + 1 < len(items) and storages[i] == storages[i + 1]

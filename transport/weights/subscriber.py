@@ -20,7 +20,7 @@ from transport.errors import (
     TransportError,
     VersionGoneError,
 )
-from transport.weights._flat import copy_all, copy_runs, flat_like
+from transport.weights._flat import copy_runs, flat_like
 from transport.weights._given import Snapshot, check_given
 from transport.weights._lease import GroupLeases
 from transport.weights._messages import (
@@ -492,7 +492,7 @@ class WeightSubscriber(Closing):
             self._hold(slot)
             version = self._slot_version[slot]
         try:
-            copy_all(self._runs[slot])
+            self._runs[slot].run()
         finally:
             self._release(version)
         return version
