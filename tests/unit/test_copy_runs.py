@@ -58,3 +58,14 @@ def test_separately_allocated_tensors_copy_one_by_one():
     runs.run()
     for k in src:
         assert torch.equal(dst[k], src[k])
+
+
+def test_a_live_tensor_that_is_not_contiguous_takes_its_elements_in_order():
+    dst = {"t": torch.zeros(5, 3).t(), **{k: torch.zeros_like(v) for k, v in named(20).items()}}
+    src = flat_like({"t": torch.empty(3, 5), **named(20)})
+    src["t"].copy_(pattern(15, 9, torch.float32).view(3, 5))
+    for k, v in named(20).items():
+        src[k].copy_(v)
+    copy_runs(dst, src).run()
+    for k in src:
+        assert torch.equal(dst[k], src[k]), k

@@ -109,8 +109,16 @@ class CopyRuns:
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         self.dsts, self.srcs = dsts, srcs
-        host = all(t.device.type == "cpu" for t in (*dsts, *srcs))
-        self._host = HostCopies.between(dsts, srcs) if host and native() else None
+        self._host: HostCopies | None = None
+        both = (*dsts, *srcs)
+        if native() and all(t.device.type == "cpu" and t.is_contiguous() for t in both):
+            # the runs are pairs of one size by construction: their addresses, unchecked again
+            self._host = HostCopies(
+                [d.data_ptr() for d in dsts],
+                [s.data_ptr() for s in srcs],
+                [d.nbytes for d in dsts],
+                keep=both,
+            )
 
     def run(self) -> None:
         """Copy every run."""
