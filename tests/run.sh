@@ -83,6 +83,4 @@ if [ "$WORKERS" = "0" ]; then
     .venv/bin/python -m pytest --durations=25 "$@"
     exit 0
 fi
-# --no-loadscope-reorder: files in the order tests/conftest.py gives them (the long ones first),
-# not xdist's default of the files with the most tests first
-.venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=25 "$@"
+.venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --durations=25 "$@"
