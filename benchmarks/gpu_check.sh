@@ -48,7 +48,7 @@ fi
 # 2. This tree, in editable mode, so that every process (the spawned peers too) imports it.
 from_tree='import os, sys, transport.backends as b; sys.exit(not b.__file__.startswith(os.getcwd() + os.sep))'
 if ! "$PY" -c "$from_tree" >/dev/null 2>&1; then
-    build=(--no-build-isolation)  # the machine's own setuptools (70.1 or newer)
+    build=(--no-build-isolation)  # the machine's own setuptools (74.1 or newer: ext-modules)
     builders=("$WHEELS"/build/*.whl)
     [ ${#builders[@]} -gt 0 ] && build=(--find-links "$WHEELS/build")  # the carried one
     "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps "${build[@]}" -e . \
