@@ -31,31 +31,13 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
             conn.send(("ok", result))
 
 
-#: what the fork server imports once, so that a child forked from it starts at once instead of
-#: importing torch and transport again (about 2.4 s of CPU per child on a 2-core machine)
-PRELOAD = ["torch", "numpy", "transport", "transport.weights", "helpers.peer", "helpers.ws_peer"]
-
-
-def _run(env: dict[str, str], target: Any, *args: Any) -> None:
-    """In the child: the parent's environment as it was at the start, then the target."""
-    os.environ.clear()
-    os.environ.update(env)
-    target(*args)
-
-
 class ChildError(RuntimeError):
     """The child failed a command (its exception's message), or died."""
 
 
 class ChildProcess:
     """Starts the child; with ``wait=False`` the constructor returns at once and :meth:`started`
-    waits for the child to be ready (children start in parallel).
-
-    Children are forked from a fork server that imported ``PRELOAD`` once (``start_method``;
-    children that must start from a fresh interpreter, vLLM's, say "spawn"); either way a child
-    runs with the environment the parent had when it started it."""
-
-    start_method = "forkserver"
+    waits for the child to be ready (children start in parallel)."""
 
     def __init__(
         self,
@@ -67,15 +49,16 @@ class ChildProcess:
     ) -> None:
         self.name = name
         self.generation = self.pid = -1
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, the first time
+        ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        self.proc = ctx.Process(
-            target=_run, args=(env, target, child_conn, name, *args), daemon=True
-        )
-        self.proc.start()
+        env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        try:
+            self.proc = ctx.Process(target=target, args=(child_conn, name, *args), daemon=True)
+            self.proc.start()
+        finally:
+            if env_backup is None:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         child_conn.close()
         if wait:
             self.started(start_timeout)

@@ -210,8 +210,6 @@ class VllmProcess(ChildProcess):
     ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update).
     ``as_stored``: the engine computes with its parameters as stored (compute_as_stored)."""
 
-    start_method = "spawn"  # vLLM and transformers in a fresh interpreter
-
     def __init__(
         self, name: str, model_dir: Path, start_timeout: float = 180, as_stored: bool = False
     ) -> None:
@@ -295,8 +293,6 @@ class LlamaPublisher(ChildProcess):
     a streamed version it publishes too (integrations/vllm/streamed.py). Commands:
     ``publish(version, timeout)`` -> (status, reasons), ``publish_nowait``,
     ``hold_notified_parts(let_through=0)``, ``subscribers``."""
-
-    start_method = "spawn"  # vLLM and transformers in a fresh interpreter
 
     def __init__(
         self,
@@ -387,8 +383,6 @@ class HttpTrainer(ChildProcess):
     sends them; returns the publish's (status, reasons)), ``publish(version)`` (only publishes),
     ``traffic`` (bytes written to each peer so far)."""
 
-    start_method = "spawn"  # vLLM and transformers in a fresh interpreter
-
     def __init__(
         self, name: str, env: dict[str, str] | None = None, start_timeout: float = 120,
         wait: bool = True,
@@ -448,8 +442,6 @@ class ShardedLlamaRank(ChildProcess):
     """Rank ``rank`` of a ``world``-rank trainer of the small Llama (tensor-parallel shards),
     publishing with a ShardedPublisher into vLLM's workers. Commands: ``publish(version,
     timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far)."""
-
-    start_method = "spawn"  # vLLM and transformers in a fresh interpreter
 
     def __init__(self, name: str, store_url: str, model_dir: Path, group: str, world: int,
                  rank: int, wait: bool = True) -> None:  # fmt: skip
@@ -512,8 +504,6 @@ class ShardedTrainer(ChildProcess):
     engine. Commands: ``send(version)`` -> (publish status, vLLM's tokens on rank 0),
     ``engine_state`` (rank 0). ``as_stored``: the engine computes with its parameters as
     stored (compute_as_stored); ``info`` goes into the trainer's init info (mode, staging_gb)."""
-
-    start_method = "spawn"  # vLLM and transformers in a fresh interpreter
 
     def __init__(self, name: str, store_url: str, model_dir: Path, world: int, rank: int,
                  wait: bool = True, as_stored: bool = False, **info: Any) -> None:  # fmt: skip
