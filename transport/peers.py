@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 
 from transport import signed
+from transport.bulk import bulk
 from transport.errors import StoreError, WireFormatError
 from transport.sealing import Keys, keys_for
 from transport.store.base import Store
@@ -144,6 +145,7 @@ class Directory:
         self.store.set(self.key("peers", record.name), raw)
         self._written[record.name] = raw
 
+    @bulk
     def _decode(self, name: str, raw: bytes) -> PeerRecord:
         """``raw`` (the stored record of ``name``) decoded, from the cache when it is the same
         bytes as last time (a record only changes when its peer exposes more or restarts)."""

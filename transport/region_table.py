@@ -34,8 +34,6 @@ the regions; tests/unit/test_region_table_bounds.py keeps such maps.)
 
 from __future__ import annotations
 
-import bisect
-import gc
 import re
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +42,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
+from transport.bulk import paused_gc
 from transport.errors import WireFormatError
 
 # The budget of one record, for its reader: what the largest real model needs, not what the wire
@@ -89,35 +88,49 @@ def encode_memory_map(
         )
     dcode = {d: i for i, d in enumerate(dtypes)}
     acode = {a: i for i, a in enumerate(accesses)}
-    spans = sorted((addr, addr + n, dev, i) for i, (addr, n, dev) in enumerate(registrations))
-    starts = [s[0] for s in spans]
-    names, reg, off, dims = [], [], [], []
-    dt, acc, nd = bytearray(), bytearray(), bytearray()
-    for r in regions:
-        k = bisect.bisect_right(starts, r.addr) - 1
-        # registrations of two devices may share an address: look back for this one's device
-        while k >= 0 and spans[k][2] != r.device:
-            k -= 1
-        if k < 0 or r.addr + r.nbytes > spans[k][1]:
-            raise ValueError(
-                f"region {r.name!r} ({r.nbytes} bytes at {r.addr:#x} on {r.device}) lies outside "
-                "the memory this peer registered"
-            )
-        names.append(r.name)
-        reg.append(spans[k][3])
-        off.append(r.addr - spans[k][0])
-        dt.append(dcode[r.dtype])
-        acc.append(acode[r.access])
-        nd.append(len(r.shape))
-        dims.extend(r.shape)
+    names = [r.name for r in regions]
+    addr = np.fromiter((r.addr for r in regions), np.uint64, len(regions))
+    ends = addr + np.fromiter((r.nbytes for r in regions), np.uint64, len(regions))
+    wraps = ends < addr  # past the top of the address space: in no registration
+    reg = np.full(len(regions), -1, np.int64)
+    off = np.zeros(len(regions), np.uint64)
+    # each region in the registration of its device whose span holds its start (registrations
+    # of two devices may share an address)
+    devices = np.array([r.device for r in regions], dtype=object)
+    for dev in set(devices.tolist()):
+        mine = np.flatnonzero(devices == dev)
+        spans = sorted((a, a + n, i) for i, (a, n, d) in enumerate(registrations) if d == dev)
+        if not spans:
+            continue
+        starts = np.array([sp[0] for sp in spans], np.uint64)
+        k = np.searchsorted(starts, addr[mine], side="right").astype(np.int64) - 1
+        inside = (k >= 0) & ~wraps[mine]
+        k = np.maximum(k, 0)
+        inside &= ends[mine] <= np.array([sp[1] for sp in spans], np.uint64)[k]
+        reg[mine[inside]] = np.array([sp[2] for sp in spans], np.int64)[k[inside]]
+        off[mine[inside]] = addr[mine[inside]] - starts[k[inside]]
+    if (reg < 0).any():
+        r = regions[int(np.flatnonzero(reg < 0)[0])]
+        raise ValueError(
+            f"region {r.name!r} ({r.nbytes} bytes at {r.addr:#x} on {r.device}) lies outside "
+            "the memory this peer registered"
+        )
+    dims = [d for r in regions for d in r.shape]
     packed: bytes = msgpack.packb(
-        {"ra": _pack([r[0] for r in registrations], _U64),
-         "rn": _pack([r[1] for r in registrations], _U64),
-         "rd": [r[2] for r in registrations], "names": names, "reg": _pack(reg, _U32),
-         "off": _pack(off, _U64), "dt": bytes(dt), "acc": bytes(acc), "nd": bytes(nd),
-         "dims": _pack(dims, _U64)},
+        {
+            "ra": _pack([r[0] for r in registrations], _U64),
+            "rn": _pack([r[1] for r in registrations], _U64),
+            "rd": [r[2] for r in registrations],
+            "names": names,
+            "reg": reg.astype(_U32).tobytes(),
+            "off": off.astype(_U64).tobytes(),
+            "dt": bytes([dcode[r.dtype] for r in regions]),
+            "acc": bytes([acode[r.access] for r in regions]),
+            "nd": bytes([len(r.shape) for r in regions]),
+            "dims": _pack(dims, _U64),
+        },
         use_bin_type=True,
-    )  # fmt: skip
+    )
     if len(dims) > MAX_TOTAL_DIMS or len(packed) > MAX_MAP_BYTES:
         raise ValueError(
             f"{len(regions)} regions of {len(dims)} dimensions in all, {len(packed)} bytes of "
@@ -210,9 +223,7 @@ def decode_memory_map(
     access = [accesses[a] for a in acc_a.tolist()]
     out: list[T] = []
     st, en, dtype_of, dims = starts.tolist(), ends.tolist(), dt_a.tolist(), dims_i.tolist()
-    enabled = gc.isenabled()
-    gc.disable()  # 200,000 new objects would start many collections, each scanning them all
-    try:
+    with paused_gc():  # 200,000 new objects would start many collections, each scanning them all
         for i, (k, o, b) in enumerate(
             zip(reg_a.tolist(), off_a.tolist(), nbytes.tolist(), strict=True)
         ):
@@ -220,9 +231,6 @@ def decode_memory_map(
             out.append(
                 make(names[i], base[k] + o, b, dtypes[dtype_of[i]], shape, access[i], dev[k])
             )
-    finally:
-        if enabled:
-            gc.enable()
     return regs, out
 
 

@@ -24,6 +24,7 @@ import msgpack
 import torch
 
 from transport._version import __version__
+from transport.bulk import bulk
 from transport.endpoint import Endpoint
 from transport.errors import StoreError, TransportError, WireFormatError
 from transport.memory import check_tensor, dtype_name
@@ -173,6 +174,7 @@ class Regions:
 
     # -- exposing and registering ------------------------------------------------------------
 
+    @bulk
     def expose_all(self, tensors: Mapping[str, torch.Tensor], access: str) -> dict[str, RegionInfo]:
         ep = self._ep
         ep.check_open()
@@ -198,12 +200,15 @@ class Regions:
         out = {}
         with self.lock:
             regs = ep.mem.ensure_all(checked)
+            spans = {id(reg): (reg.base, reg.nbytes, reg.device) for reg in set(regs)}
             for (name, t), reg in zip(checked, regs, strict=True):
-                info = RegionInfo(name, t.data_ptr(), t.nbytes, dtype_name(t.dtype),
-                                  tuple(t.shape), access, reg.device)  # fmt: skip
+                addr, nbytes = t.data_ptr(), t.nbytes
+                info = RegionInfo(
+                    name, addr, nbytes, dtype_name(t.dtype), tuple(t.shape), access, reg.device
+                )
                 self._regions[name] = (t, info)
-                self._under[name] = (reg.base, reg.nbytes, reg.device)
-                self.local_names[(t.data_ptr(), t.nbytes)] = name
+                self._under[name] = spans[id(reg)]
+                self.local_names[(addr, nbytes)] = name
                 out[name] = info
             self.publish()
         return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -81,9 +81,10 @@ def check_region_name(name: object) -> str:
     return name
 
 
-@dataclass(frozen=True, slots=True)
-class RegionInfo:
-    """One exposed memory region of a peer, as its record describes it."""
+class RegionInfo(NamedTuple):
+    """One exposed memory region of a peer, as its record describes it (immutable; a named tuple
+    rather than a dataclass since a peer of 100,000 tensors builds 200,000 of them, at a fifth of
+    the cost)."""
 
     name: str
     addr: int

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+import numpy as np
 import torch
 
+from transport.bulk import bulk
 from transport.host_copy import HostCopies, native
 
 
+@bulk
 def flat_like(
     named: Mapping[str, torch.Tensor], device: torch.device | str | None = None
 ) -> dict[str, torch.Tensor]:
@@ -61,64 +64,70 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+@bulk
 def copy_runs(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> CopyRuns:
     """The byte runs that copy every tensor of ``src`` into the tensor of the same name in
-    ``dst`` (same shapes and dtypes, contiguous): tensors adjacent in both memories (in the same
+    ``dst`` (same shapes and dtypes): tensors adjacent in both memories (contiguous, in the same
     storages, with nothing between them), in ``dst``'s order, merge into one run, so between two
-    flat layouts of one model the copy is one run per buffer, not one per tensor."""
-    runs: list[list[torch.Tensor]] = []  # the (dst, src) tensors of each run
-    end: tuple[int, ...] = ()  # of the open run: dst storage, dst end, src storage, src end
-    for name, d in dst.items():
-        s = src[name]
-        n = int(d.numel()) * d.element_size()
-        if n == 0:
-            continue
-        da, sa = d.data_ptr(), s.data_ptr()
-        # a storage is known by its start: where the tensor starts less its offset
-        dst_st, src_st = (
-            da - int(d.storage_offset()) * d.element_size(),
-            sa - int(s.storage_offset()) * s.element_size(),
-        )
-        if runs and end == (dst_st, da, src_st, sa):
-            runs[-1].extend((d, s))
-        else:
-            runs.append([d, s])
-        end = (dst_st, da + n, src_st, sa + n)
+    flat layouts of one model the copy is one run per buffer, not one per tensor. Worked out on
+    arrays of addresses: a model of 100,000 tensors costs a few calls per tensor, once."""
+    pairs = [(d, src[name]) for name, d in dst.items() if d.numel()]
+    if not pairs:
+        return CopyRuns([], [])
+    ds = [d for d, _ in pairs]
+    ss = [s for _, s in pairs]
+    d_at, s_at = _column(d.data_ptr() for d in ds), _column(s.data_ptr() for s in ss)
+    d_base = _column(d.untyped_storage().data_ptr() for d in ds)
+    s_base = _column(s.untyped_storage().data_ptr() for s in ss)
+    nbytes = _column(d.nbytes for d in ds)
+    dense = np.array([d.is_contiguous() and s.is_contiguous() for d, s in pairs])
+    # a tensor continues the run before it where both sides continue it, byte for byte
+    joins = np.zeros(len(pairs), dtype=bool)
+    joins[1:] = (
+        dense[1:]
+        & dense[:-1]
+        & (d_base[1:] == d_base[:-1])
+        & (s_base[1:] == s_base[:-1])
+        & (d_at[1:] == d_at[:-1] + nbytes[:-1])
+        & (s_at[1:] == s_at[:-1] + nbytes[:-1])
+    )
+    starts = np.flatnonzero(~joins)
+    sizes = np.add.reduceat(nbytes, starts)
+    if native() and dense.all() and all(t.is_cpu for t in (*ds, *ss)):
+        # the runs are pairs of one size by construction: their addresses, unchecked again
+        host = HostCopies(d_at[starts], s_at[starts], sizes, keep=(ds, ss))
+        return CopyRuns([], [], host)
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    for run in runs:
-        if len(run) == 2:
-            dsts.append(run[0])
-            srcs.append(run[1])
-            continue
-        first_d, first_s, last_d = run[0], run[1], run[-2]
-        n = last_d.data_ptr() + last_d.numel() * last_d.element_size() - first_d.data_ptr()
-        dsts.append(storage_bytes(first_d, n))
-        srcs.append(storage_bytes(first_s, n))
+    for first, n, alone in zip(
+        starts.tolist(),
+        sizes.tolist(),
+        (np.diff(starts, append=len(ds)) == 1).tolist(),
+        strict=True,
+    ):
+        dsts.append(ds[first] if alone else storage_bytes(ds[first], n))
+        srcs.append(ss[first] if alone else storage_bytes(ss[first], n))
     return CopyRuns(dsts, srcs)
 
 
+def _column(values: Iterable[int]) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int64)
+
+
 class CopyRuns:
-    """A copy plan made once and run at every copy: each of ``dsts`` takes the bytes of the
-    source at its index (byte runs of the same size, contiguous).
+    """A copy plan made once and run at every copy: :attr:`count` runs of bytes.
 
     It owns the runs. Rules: where every run is in host memory and the compiled helper is there,
-    the runs are one call of :class:`~transport.host_copy.HostCopies` (a memcpy a run); else one
-    call into torch for all of them (a fraction of a microsecond more per run, and device copies).
+    the runs are ``host``, one call of :class:`~transport.host_copy.HostCopies` (a memcpy a run);
+    else each of ``dsts`` takes the bytes of the source at its index, in one call into torch for
+    all of them (a fraction of a microsecond more per run, and device copies).
     """
 
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        self.dsts, self.srcs = dsts, srcs
-        self._host: HostCopies | None = None
-        both = (*dsts, *srcs)
-        if native() and all(t.device.type == "cpu" and t.is_contiguous() for t in both):
-            # the runs are pairs of one size by construction: their addresses, unchecked again
-            self._host = HostCopies(
-                [d.data_ptr() for d in dsts],
-                [s.data_ptr() for s in srcs],
-                [d.nbytes for d in dsts],
-                keep=both,
-            )
+    def __init__(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], host: HostCopies | None = None
+    ) -> None:
+        self.dsts, self.srcs, self._host = dsts, srcs, host
+        self.count = host.count if host is not None else len(dsts)
 
     def run(self) -> None:
         """Copy every run."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from transport.batch import Batch
+from transport.bulk import bulk
 from transport.errors import TransportError
 from transport.liveness import stale_after
 from transport.weights._delivery import EXCLUDED, Delivery
@@ -234,6 +235,7 @@ class Roster:
         self.reread = True
         return True
 
+    @bulk
     def plan(self, name: str, entry: dict[str, Any], before: Member | None) -> Member:
         """A new Member for ``entry``: connected afresh, its tensors matched (``error`` says why
         it cannot be served; ``before``, the member it replaces, keeps a repeated error from

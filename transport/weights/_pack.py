@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from transport.bulk import bulk
 from transport.host_copy import HostCopies, native
 from transport.weights._flat import flat_like, storage_bytes
 
@@ -37,6 +38,7 @@ class Pack:
     place), as for any batch.
     """
 
+    @bulk
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         chosen = packable(tensors)
         views = flat_like({n: tensors[n] for n in chosen}) if chosen else {}

@@ -94,6 +94,7 @@ from typing import Any
 import msgpack
 import torch
 
+from transport.bulk import bulk
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.signed import Inspector, SignedStore
@@ -115,6 +116,7 @@ PUB_SLOT = "pub"
 SEQ_NAME = "__seq"
 
 
+@bulk
 def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
     """The tensors of a publisher or subscriber, checked before anything is registered (a
     subscriber's may be meta tensors: shapes and dtypes, whose staging lives elsewhere)."""
@@ -128,6 +130,7 @@ def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[st
     return dict(named)
 
 
+@bulk
 def match_regions(
     regions: Mapping[str, Any], group: str, tensors: Mapping[str, torch.Tensor], role: str
 ) -> tuple[list[str], list[str]]:
