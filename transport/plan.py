@@ -18,12 +18,13 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from transport.backends.base import READ, WRITE, Backend, device_parts
 from transport.batch import Offset
+from transport.bulk import bulk
 from transport.errors import RegionError
 from transport.memory import LocalMemory, Registration, check_tensor, device_of, dtype_name
 from transport.wire import PeerRecord, RegionInfo
@@ -321,6 +322,7 @@ def _cut_at(
     return ll, lr, rl, rr
 
 
+@bulk
 def build_plan(
     backend: Backend,
     mem: LocalMemory,
@@ -332,67 +334,97 @@ def build_plan(
 ) -> Plan:
     """Check a put or get of ``items`` (region name, tensor) at ``offset`` elements (one for
     all, or one per item) against ``conn``'s regions and make its plan; every rule is checked
-    here, before any byte moves."""
-    lrows: list[tuple[int, int, int]] = []
-    rrows: list[tuple[int, int, int]] = []
-    keep: list[Registration] = []
-    # per storage: its registration (acquired once however many tensors view it) and device
-    seen: dict[int, tuple[Registration, tuple[str, int]]] = {}
-    devices, rdevices = set(), set()
-    regions = conn.regions
-    try:
-        for i, (key, t) in enumerate(items):
-            at = offset if isinstance(offset, int) else offset[i]
-            if not isinstance(key, str):
-                raise TypeError(f"dict keys must be region names (str), got {type(key).__name__}")
-            check_tensor(t, f"tensor {key!r}")
-            region = regions.get(key)
-            if region is None:
-                raise RegionError(_missing_region(conn, key))
+    here, before any byte moves. Each rule is checked over all items at once (a batch of
+    100,000 tensors is planned for each peer it goes to), and the first item that breaks it
+    is named."""
+    keys = [key for key, _ in items]
+    tensors = [t for _, t in items]
+    for key in keys:
+        if not isinstance(key, str):
+            raise TypeError(f"dict keys must be region names (str), got {type(key).__name__}")
+    for key, t in items:
+        try:
+            check_tensor(t)
+        except (TypeError, ValueError):
+            check_tensor(t, f"tensor {key!r}")  # the same error, naming the tensor
+    regions = [conn.regions.get(key) for key in keys]
+    for key, region in zip(keys, regions, strict=True):
+        if region is None:
+            raise RegionError(_missing_region(conn, key))
+    found = cast("list[RegionInfo]", regions)
+    allowed = "w" if op == WRITE else "r"
+    for key, region in zip(keys, found, strict=True):
+        if allowed not in region.access:
             _check_access(op, conn, key, region)
+    for key, t, region in zip(keys, tensors, found, strict=True):
+        if dtype_name(t.dtype) != region.dtype:
             dt = dtype_name(t.dtype)
-            if dt != region.dtype:
-                raise RegionError(
-                    f"dtype mismatch for region {key!r} of peer {conn.name!r}: the tensor is {dt}, the region "
-                    f"is {region.dtype}; convert with .to(torch.{region.dtype}) or view the bytes with .view()"
-                )
-            start = at * region.itemsize
-            nbytes = t.nbytes
-            if start + nbytes > region.nbytes:
-                raise RegionError(
-                    f"{t.numel()} elements at offset {at} do not fit region {key!r} of peer {conn.name!r} "
-                    f"({region.numel} elements of {region.dtype}, shape {list(region.shape)}); "
-                    "send a smaller slice or a smaller offset"
-                )
-            if nbytes == 0:
-                continue
-            st = t.untyped_storage().data_ptr()
-            hit = seen.get(st)
-            if hit is None:
-                reg = mem.acquire(t)
-                keep.append(reg)
-                hit = seen[st] = (reg, device_parts(device_of(t)))
-            dev, rdev = hit[1], device_parts(region.device)
-            devices.add(dev[0])
-            rdevices.add(rdev[0])
-            lrows.append((t.data_ptr(), nbytes, dev[1]))
-            rrows.append((region.addr + start, nbytes, rdev[1]))
-        if not lrows:
-            raise ValueError("every tensor is empty; there is nothing to transfer")
-        if len(devices) > 1 or len(rdevices) > 1:
-            raise ValueError(
-                "one transfer cannot mix CPU and CUDA memory; split the batch by device"
+            raise RegionError(
+                f"dtype mismatch for region {key!r} of peer {conn.name!r}: the tensor is {dt}, the region "
+                f"is {region.dtype}; convert with .to(torch.{region.dtype}) or view the bytes with .view()"
             )
-        device = "cpu" if "DRAM" in devices else "cuda:0"
-        rdevice = "cpu" if "DRAM" in rdevices else "cuda:0"
-        local = np.array(lrows, dtype=np.uint64).reshape(-1, 3)
-        remote = np.array(rrows, dtype=np.uint64).reshape(-1, 3)
+    ats = (
+        np.full(len(items), offset, np.int64)
+        if isinstance(offset, int)
+        else np.array(offset, np.int64)
+    )
+    starts = ats * np.fromiter((r.itemsize for r in found), np.int64, len(found))
+    nbytes = np.fromiter((t.nbytes for t in tensors), np.int64, len(tensors))
+    over = np.flatnonzero(
+        starts + nbytes > np.fromiter((r.nbytes for r in found), np.int64, len(found))
+    )
+    if len(over):
+        i = int(over[0])
+        key, t, region = keys[i], tensors[i], found[i]
+        raise RegionError(
+            f"{t.numel()} elements at offset {int(ats[i])} do not fit region {key!r} of peer {conn.name!r} "
+            f"({region.numel} elements of {region.dtype}, shape {list(region.shape)}); "
+            "send a smaller slice or a smaller offset"
+        )
+    moving = np.flatnonzero(nbytes > 0).tolist()
+    if not moving:
+        raise ValueError("every tensor is empty; there is nothing to transfer")
+    rdevices = {found[i].device for i in moving}
+    # per storage: its registration (acquired once however many tensors view it) and device
+    storages: dict[int, torch.Tensor] = {}
+    for i in moving:
+        storages.setdefault(tensors[i].untyped_storage().data_ptr(), tensors[i])
+    devices = {device_of(t) for t in storages.values()}
+    if (
+        len({device_parts(d)[0] for d in devices}) > 1
+        or len({device_parts(d)[0] for d in rdevices}) > 1
+    ):
+        raise ValueError("one transfer cannot mix CPU and CUDA memory; split the batch by device")
+    keep: list[Registration] = []
+    try:
+        for t in storages.values():
+            keep.append(mem.acquire(t))
+        local_dev = {d: device_parts(d)[1] for d in devices}
+        remote_dev = {d: device_parts(d)[1] for d in rdevices}
+        local = np.array(
+            [
+                (
+                    tensors[i].data_ptr(),
+                    tensors[i].nbytes,
+                    local_dev[device_of(tensors[i])],
+                )
+                for i in moving
+            ],
+            dtype=np.uint64,
+        ).reshape(-1, 3)
+        remote = np.array(
+            [(found[i].addr, 0, remote_dev[found[i].device]) for i in moving], dtype=np.uint64
+        ).reshape(-1, 3)
+        remote[:, 0] += starts[moving].astype(np.uint64)
+        remote[:, 1] = local[:, 1]
+        device = "cpu" if devices == {"cpu"} else "cuda:0"
+        rdevice = "cpu" if rdevices == {"cpu"} else "cuda:0"
         plan = Plan(backend, conn, op, local, remote, device, rdevice, chunk_bytes, tuple(keep))
     except BaseException:
         for reg in keep:
             reg.users -= 1
         raise
-    plan.regions = frozenset(key for key, _ in items)
+    plan.regions = frozenset(keys)
     return plan
 
 

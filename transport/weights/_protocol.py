@@ -156,8 +156,12 @@ def match_regions(
 
 def exposed_slots(regions: Mapping[str, Any], group: str) -> int:
     """How many slots of ``group`` a subscriber's regions hold (slot 0, then 0 and 1, ...)."""
+    head, seen = region(group, "", "")[:-1], set()  # "<group>@", then the slot, then "/"
+    for r in regions:
+        if r.startswith(head):
+            seen.add(r[len(head) :].partition("/")[0])
     slots = 0
-    while any(r.startswith(region(group, slots, "")) for r in regions):
+    while str(slots) in seen:
         slots += 1
     return slots
 

@@ -115,7 +115,7 @@ class Workload(ABC):
     alike from the command line in the writer and in every reader. The writer: :meth:`setup` in
     a session, then the turns of :meth:`main_turns`, :meth:`dist_turns` (gloo, NCCL) and
     :meth:`memcpy_turns` (:meth:`units` in all), :meth:`close` in any case, then :meth:`ratios`,
-    :meth:`report` and :meth:`plot`. A reader: :meth:`open_reader`, then at the writer's "setup"
+    :meth:`report` and :meth:`plot`. A reader: :meth:`prepare_reader`, :meth:`open_reader`, then at the writer's "setup"
     :meth:`expose`; commands name tensors by a ``spec`` (:meth:`select`); then :meth:`close`."""
 
     command: str = ""
@@ -128,6 +128,10 @@ class Workload(ABC):
     def reader_args(self) -> list[str]:
         """The flags local readers need to build the same workload."""
         return []
+
+    def prepare_reader(self) -> None:  # noqa: B027 - a hook
+        """The reader's data, made before it joins (what a user holds before it syncs: not
+        part of any setup the writer measures)."""
 
     def open_reader(self, t: Transport) -> None:  # noqa: B027 - a hook
         """The reader's side, as soon as it has joined."""

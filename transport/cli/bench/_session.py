@@ -291,6 +291,16 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
 # -- the reader -----------------------------------------------------------------------------------
 
 
+def _present(t: Transport, name: str) -> bool:
+    """Whether ``name`` has a record: its own, not every peer's (the records of peers that
+    expose 100,000 regions cost a reader seconds to decode)."""
+    try:
+        t.wait_for_peer(name, timeout=0)
+    except PeerWaitTimeout:
+        return False
+    return True
+
+
 @dataclass
 class Reader:
     """A reader: serves the writer's commands (``on_<cmd>``) over what its workload exposes
@@ -323,7 +333,7 @@ class Reader:
                     if writer is None and now - start > wait_s:
                         late = f"no writer contacted reader {t.name!r} within {wait_s:.0f} s"
                         raise CliError(late) from None
-                    if writer is not None and writer not in {p.name for p in t.peers()}:
+                    if writer is not None and not _present(t, writer):
                         raise CliError(f"the writer {writer!r} went away") from None
                 continue
             if (writer is not None and n.peer != writer) or n.payload == NOTE:
@@ -418,6 +428,7 @@ def run_reader(args: argparse.Namespace, w: Workload) -> int:
     saved = _util.affinity()
     torch.set_num_threads(1)  # helper ops need no pool; its threads would compete with the writer
     _util.pin_to(args.cpu)
+    w.prepare_reader()
     with Transport(
         args.name,
         store=args.store,

@@ -120,8 +120,39 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def zero_all(tensors: Sequence[torch.Tensor]) -> None:
+    """Zero every byte of ``tensors`` and nothing else: views that lie next to each other in one
+    buffer (a flat layout) in one call per run of them, not one per view."""
+    spans: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[int, int]]]] = {}
     for x in tensors:
-        as_bytes(x).zero_()
+        if not x.is_contiguous():
+            x.zero_()
+            continue
+        start = x.storage_offset() * x.element_size()
+        key = (x.untyped_storage().data_ptr(), str(x.device))
+        spans.setdefault(key, (x, []))[1].append((start, start + x.nbytes))
+    for x, found in spans.values():
+        whole = torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage())
+        found.sort()
+        a, b = found[0]
+        for c, d in found[1:]:
+            if c > b:
+                whole[a:b].zero_()
+                a = c
+            b = max(b, d)
+        whole[a:b].zero_()
+
+
+def zero_storages(tensors: Sequence[torch.Tensor]) -> None:
+    """Zero every byte of the memory under ``tensors``: the whole of each storage (a buffer the
+    caller owns, such as a flat layout's), once however many views of it there are."""
+    whole: dict[tuple[int, str], torch.Tensor] = {}
+    for x in tensors:
+        storage = x.untyped_storage()
+        key = (storage.data_ptr(), str(x.device))
+        if key not in whole:
+            whole[key] = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage)
+    for buffer in whole.values():
+        buffer.zero_()
 
 
 # -- CPUs -----------------------------------------------------------------------------------------

@@ -276,11 +276,14 @@ class SyncWorkload(Workload):
     # -- a generator: its live tensors and a WeightSubscriber over them, subscribed at once (the
     # trainer's first contact must find its regions); a check of a ``version`` applies it first
 
-    def open_reader(self, t: transport.Transport) -> None:
+    def prepare_reader(self) -> None:
         self.live = make_tensors(self.layout, self.flat)
+
+    def open_reader(self, t: transport.Transport) -> None:
         self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=self.mode)
         for slot in self.sub.staging if self.mode == "staging" else []:
-            _util.zero_all(list(slot.values()))  # touch them now, not inside a timed step
+            # touch them now, not inside a timed step: each slot is one buffer per device
+            _util.zero_storages(list(slot.values()))
 
     def expose(self, t: transport.Transport, m: dict[str, Any]) -> tuple[list[torch.Tensor], dict]:
         return list(self.live.values()), {"addrs": [x.data_ptr() for x in self.live.values()]}
