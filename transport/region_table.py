@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from transport.bulk import paused_gc
+from transport.bulk import bulk
 from transport.errors import WireFormatError
 
 # The budget of one record, for its reader: what the largest real model needs, not what the wire
@@ -145,6 +145,7 @@ def _pack(values: list[int], dtype: np.dtype) -> bytes:
     return np.asarray(values, dtype).tobytes()
 
 
+@bulk  # 200,000 new objects would start many collections, each scanning them all
 def decode_memory_map(
     data: bytes,
     dtypes: Sequence[str],
@@ -218,19 +219,22 @@ def decode_memory_map(
         names,
         "lies outside the memory its peer registered",
     )
-    base = [r[0] for r in regs]
-    dev = [r[2] for r in regs]
-    access = [accesses[a] for a in acc_a.tolist()]
-    out: list[T] = []
-    st, en, dtype_of, dims = starts.tolist(), ends.tolist(), dt_a.tolist(), dims_i.tolist()
-    with paused_gc():  # 200,000 new objects would start many collections, each scanning them all
-        for i, (k, o, b) in enumerate(
-            zip(reg_a.tolist(), off_a.tolist(), nbytes.tolist(), strict=True)
-        ):
-            shape = tuple(dims[st[i] : en[i]])
-            out.append(
-                make(names[i], base[k] + o, b, dtypes[dtype_of[i]], shape, access[i], dev[k])
-            )
+    base = np.array([r[0] for r in regs], np.uint64)
+    dev = np.array([r[2] for r in regs] or [""], object)
+    # the regions' columns as lists, then one object per region (no work per region in Python
+    # but building it)
+    addrs = (base[reg_a] + off_a).tolist() if regs else []
+    shapes = [tuple(row[:k]) for row, k in zip(grid.tolist(), nd_a.tolist(), strict=True)]
+    columns = (
+        names,
+        addrs,
+        nbytes.tolist(),
+        np.array(dtypes, object)[dt_a].tolist(),
+        shapes,
+        np.array(accesses, object)[acc_a].tolist(),
+        dev[reg_a].tolist() if regs else [],
+    )
+    out: list[T] = list(map(make, *columns))
     return regs, out
 
 
