@@ -45,9 +45,9 @@ class HostCopies:
 
     def __init__(
         self,
-        dsts: Sequence[int],
-        srcs: Sequence[int],
-        nbytes: Sequence[int],
+        dsts: Sequence[int] | np.ndarray,
+        srcs: Sequence[int] | np.ndarray,
+        nbytes: Sequence[int] | np.ndarray,
         *,
         keep: object,
     ) -> None:

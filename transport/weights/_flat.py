@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -22,37 +22,56 @@ def flat_like(
     between two such layouts of the same tensors is a handful of descriptors (plan.coalesce merges
     what is adjacent at both ends). A tensor without elements gets a buffer of its own (nothing to
     register)."""
+    return flat_copies(named, 1, device)[0]
+
+
+@bulk
+def flat_copies(
+    named: Mapping[str, torch.Tensor], count: int, device: torch.device | str | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` layouts of :func:`flat_like`, each in buffers of its own (a subscriber's staging
+    slots), laid out once."""
     to = None if device is None else torch.device(device)
     sizes: dict[torch.device, int] = {}
-    place: dict[str, tuple[torch.device, int]] = {}
-    for name, t in named.items():
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0:
-            continue
-        size = t.element_size()
-        dev = t.device if to is None else to
-        at = -(-sizes.get(dev, 0) // size) * size
-        place[name] = (dev, at)
-        sizes[dev] = at + nbytes
-    buffers = {dev: torch.empty(-(-n // 16) * 16, dtype=torch.uint8, device=dev)
-               for dev, n in sizes.items()}  # fmt: skip
-    typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
     strides: dict[torch.Size, tuple[int, ...]] = {}  # a model has few distinct shapes
-    out = {}
+    # per tensor: its device and dtype, shape, strides and offset in elements (None: no elements)
+    places: list[tuple[str, torch.device, torch.dtype, torch.Size, tuple[int, ...], int] | None]
+    places, empty = [], {}
     for name, t in named.items():
-        if name not in place:
-            out[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device if to is None else to)
+        size = t.element_size()
+        nbytes = t.numel() * size
+        dev = t.device if to is None else to
+        if nbytes == 0:
+            empty[name] = (t.shape, t.dtype, dev)
+            places.append(None)
             continue
-        dev, at = place[name]
-        view = typed.get((dev, t.dtype))
-        if view is None:
-            view = typed[(dev, t.dtype)] = buffers[dev].view(t.dtype)
-        # one view per tensor (slicing, then viewing twice, costs three)
+        at = -(-sizes.get(dev, 0) // size) * size
+        sizes[dev] = at + nbytes
         shape = t.shape
         stride = strides.get(shape)
         if stride is None:
             stride = strides[shape] = _contiguous(shape)
-        out[name] = view.as_strided(shape, stride, at // t.element_size())
+        places.append((name, dev, t.dtype, shape, stride, at // size))
+    out = []
+    for _ in range(count):
+        buffers = {
+            dev: torch.empty(-(-n // 16) * 16, dtype=torch.uint8, device=dev)
+            for dev, n in sizes.items()
+        }
+        typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        views: dict[str, torch.Tensor] = {}
+        for name, place in zip(named, places, strict=True):
+            if place is None:
+                shape, dtype, dev = empty[name]
+                views[name] = torch.empty(shape, dtype=dtype, device=dev)
+                continue
+            _, dev, dtype, shape, stride, offset = place
+            view = typed.get((dev, dtype))
+            if view is None:
+                view = typed[(dev, dtype)] = buffers[dev].view(dtype)
+            # one view per tensor (slicing, then viewing twice, costs three)
+            views[name] = view.as_strided(shape, stride, offset)
+        out.append(views)
     return out
 
 
@@ -71,42 +90,60 @@ def copy_runs(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) 
     storages, with nothing between them), in ``dst``'s order, merge into one run, so between two
     flat layouts of one model the copy is one run per buffer, not one per tensor. Worked out on
     arrays of addresses: a model of 100,000 tensors costs a few calls per tensor, once."""
-    pairs = [(d, src[name]) for name, d in dst.items() if d.numel()]
-    if not pairs:
+    return copy_runs_from(dst, [src])[0]
+
+
+@bulk
+def copy_runs_from(
+    dst: Mapping[str, torch.Tensor], srcs: Sequence[Mapping[str, torch.Tensor]]
+) -> list[CopyRuns]:
+    """:func:`copy_runs` into ``dst`` from each of ``srcs`` (a subscriber's staging slots into
+    its live tensors), ``dst``'s addresses read once."""
+    names = [name for name, d in dst.items() if d.numel()]
+    ds = [dst[name] for name in names]
+    into = _Side(ds)
+    return [_runs(ds, into, [src[name] for name in names]) for src in srcs]
+
+
+class _Side:
+    """One side of a copy, by column: each tensor's address, its storage's, its bytes, and
+    whether it is contiguous."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.at = _column(t.data_ptr() for t in tensors)
+        self.base = _column(t.untyped_storage().data_ptr() for t in tensors)
+        self.nbytes = _column(t.nbytes for t in tensors)
+        self.dense = np.fromiter((t.is_contiguous() for t in tensors), bool, len(tensors))
+        self.host = all(t.is_cpu for t in tensors)
+
+
+def _runs(ds: list[torch.Tensor], d: _Side, ss: list[torch.Tensor]) -> CopyRuns:
+    if not ds:
         return CopyRuns([], [])
-    ds = [d for d, _ in pairs]
-    ss = [s for _, s in pairs]
-    d_at, s_at = _column(d.data_ptr() for d in ds), _column(s.data_ptr() for s in ss)
-    d_base = _column(d.untyped_storage().data_ptr() for d in ds)
-    s_base = _column(s.untyped_storage().data_ptr() for s in ss)
-    nbytes = _column(d.nbytes for d in ds)
-    dense = np.array([d.is_contiguous() and s.is_contiguous() for d, s in pairs])
+    s = _Side(ss)
+    nbytes, dense = d.nbytes, d.dense & s.dense
     # a tensor continues the run before it where both sides continue it, byte for byte
-    joins = np.zeros(len(pairs), dtype=bool)
+    joins = np.zeros(len(ds), dtype=bool)
     joins[1:] = (
         dense[1:]
         & dense[:-1]
-        & (d_base[1:] == d_base[:-1])
-        & (s_base[1:] == s_base[:-1])
-        & (d_at[1:] == d_at[:-1] + nbytes[:-1])
-        & (s_at[1:] == s_at[:-1] + nbytes[:-1])
+        & (d.base[1:] == d.base[:-1])
+        & (s.base[1:] == s.base[:-1])
+        & (d.at[1:] == d.at[:-1] + nbytes[:-1])
+        & (s.at[1:] == s.at[:-1] + nbytes[:-1])
     )
     starts = np.flatnonzero(~joins)
     sizes = np.add.reduceat(nbytes, starts)
-    if native() and dense.all() and all(t.is_cpu for t in (*ds, *ss)):
+    if native() and dense.all() and d.host and s.host:
         # the runs are pairs of one size by construction: their addresses, unchecked again
-        host = HostCopies(d_at[starts], s_at[starts], sizes, keep=(ds, ss))
+        host = HostCopies(d.at[starts], s.at[starts], sizes, keep=(ds, ss))
         return CopyRuns([], [], host)
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    for first, n, alone in zip(
-        starts.tolist(),
-        sizes.tolist(),
-        (np.diff(starts, append=len(ds)) == 1).tolist(),
-        strict=True,
-    ):
-        dsts.append(ds[first] if alone else storage_bytes(ds[first], n))
-        srcs.append(ss[first] if alone else storage_bytes(ss[first], n))
+    alone = (np.diff(starts, append=len(ds)) == 1).tolist()
+    for first, n, one in zip(starts.tolist(), sizes.tolist(), alone, strict=True):
+        dsts.append(ds[first] if one else storage_bytes(ds[first], n))
+        srcs.append(ss[first] if one else storage_bytes(ss[first], n))
     return CopyRuns(dsts, srcs)
 
 

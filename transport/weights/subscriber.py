@@ -20,7 +20,7 @@ from transport.errors import (
     TransportError,
     VersionGoneError,
 )
-from transport.weights._flat import copy_runs, flat_like
+from transport.weights._flat import copy_runs_from, flat_copies
 from transport.weights._given import Snapshot, check_given
 from transport.weights._lease import GroupLeases
 from transport.weights._messages import (
@@ -135,11 +135,9 @@ class WeightSubscriber(Closing):
         self.slots = given.slots
         if mode == "staging":
             # each slot one flat buffer per device (views for the tensors): registered once
-            self.staging = [flat_like(self.live, staging_device) for _ in range(self.slots)]
+            self.staging = flat_copies(self.live, self.slots, staging_device)
             # apply() copies by byte runs: one per buffer when the live tensors are flat too
-            self._runs = (
-                [] if self.spec_only else [copy_runs(self.live, slot) for slot in self.staging]
-            )
+            self._runs = [] if self.spec_only else copy_runs_from(self.live, self.staging)
         else:
             self.staging = [self.live]
         self._lock = threading.Condition()

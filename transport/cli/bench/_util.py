@@ -127,7 +127,7 @@ def zero_all(tensors: Sequence[torch.Tensor]) -> None:
         if not x.is_contiguous():
             x.zero_()
             continue
-        start = x.storage_offset() * x.element_size()
+        start = int(x.storage_offset()) * x.element_size()
         key = (x.untyped_storage().data_ptr(), str(x.device))
         spans.setdefault(key, (x, []))[1].append((start, start + x.nbytes))
     for x, found in spans.values():
