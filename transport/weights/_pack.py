@@ -54,15 +54,16 @@ class Pack:
             return
         first = views[chosen[0]]
         base = first.data_ptr()
-        ends = [views[n].data_ptr() - base + tensors[n].nbytes for n in chosen]
-        self.nbytes = max(ends)
+        into = np.fromiter((views[n].data_ptr() for n in chosen), np.int64, len(chosen))
+        sizes = np.fromiter((tensors[n].nbytes for n in chosen), np.int64, len(chosen))
+        self.nbytes = int((into + sizes).max()) - base
         buffer = storage_bytes(first, self.nbytes)
         if native() is not None:
             buffer.zero_()  # the gaps; the copies never write them
             self._copies = HostCopies(
-                [views[n].data_ptr() for n in chosen],
-                [tensors[n].data_ptr() for n in chosen],
-                [tensors[n].nbytes for n in chosen],
+                into,
+                np.fromiter((tensors[n].data_ptr() for n in chosen), np.int64, len(chosen)),
+                sizes,
                 keep=(buffer, self._keep),
             )
             return
@@ -89,8 +90,8 @@ def packable(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     storages = [(t.device, t.untyped_storage().data_ptr()) for _, t in items]
     out, total = [], 0
     for i, (name, t) in enumerate(items):
-        nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or not 0 < nbytes <= PACK_TENSOR_BYTES or not t.is_contiguous():
+        nbytes = t.nbytes
+        if not t.is_cpu or not 0 < nbytes <= PACK_TENSOR_BYTES or not t.is_contiguous():
             continue
         before = i > 0 and storages[i - 1] == storages[i]
         after = i + 1 < len(items) and storages[i] == storages[i + 1]
