@@ -11,6 +11,7 @@ timeout, the owner deregisters the memory (unless another exposed region shares 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -184,34 +185,48 @@ class Regions:
             raise TypeError(
                 f"expose_all takes a mapping of name -> tensor, got {type(tensors).__name__}"
             )
-        checked = []
-        for name, t in tensors.items():
+        checked = list(tensors.items())
+        for name, t in checked:
             check_region_name(name)
-            check_tensor(t, f"region {name!r}")
-            if t.numel() == 0:
+            try:
+                check_tensor(t)
+            except (TypeError, ValueError):
+                check_tensor(t, f"region {name!r}")  # the same error, naming the region
+        # each rule over every region (a subscriber of 100,000 tensors exposes 200,000 at once)
+        names = [name for name, _ in checked]
+        views = [t for _, t in checked]
+        for name, t in checked:
+            if not t.numel():
                 raise ValueError(
                     f"region {name!r} is empty; expose a tensor with at least one element"
                 )
+        for name in names:
             if name in self._regions:
                 raise ValueError(
                     f"region {name!r} is already exposed by {ep.name!r}; expose it under another name"
                 )
-            checked.append((name, t))
-        out = {}
         with self.lock:
             regs = ep.mem.ensure_all(checked)
             spans = {id(reg): (reg.base, reg.nbytes, reg.device) for reg in set(regs)}
-            for (name, t), reg in zip(checked, regs, strict=True):
-                addr, nbytes = t.data_ptr(), t.nbytes
-                info = RegionInfo(
-                    name, addr, nbytes, dtype_name(t.dtype), tuple(t.shape), access, reg.device
+            addrs = [t.data_ptr() for t in views]
+            sizes = [t.nbytes for t in views]
+            infos = list(
+                map(
+                    RegionInfo,
+                    names,
+                    addrs,
+                    sizes,
+                    [dtype_name(t.dtype) for t in views],
+                    [tuple(t.shape) for t in views],
+                    itertools.repeat(access),
+                    [reg.device for reg in regs],
                 )
-                self._regions[name] = (t, info)
-                self._under[name] = spans[id(reg)]
-                self.local_names[(addr, nbytes)] = name
-                out[name] = info
+            )
+            self._regions.update(zip(names, zip(views, infos, strict=True), strict=True))
+            self._under.update(zip(names, [spans[id(reg)] for reg in regs], strict=True))
+            self.local_names.update(zip(zip(addrs, sizes, strict=True), names, strict=True))
             self.publish()
-        return out
+        return dict(zip(names, infos, strict=True))
 
     def register(self, tensor: torch.Tensor, name: str | None) -> None:
         self._ep.check_open()
