@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from transport.errors import TransportError
 
 
-class CliError(Exception):
+class CliError(TransportError):
     """A failure to report in one line (exit status 1)."""
 
 

@@ -13,6 +13,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+from transport.errors import TransportError
+
 _RATE = re.compile(r"\A(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)\Z")
 _DELAY = re.compile(r"\A\d+(\.\d+)?(us|ms|s)\Z")
 _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -20,7 +22,7 @@ _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 LOSS_TABLE = "transport_loss"
 
 
-class ClusterError(RuntimeError):
+class ClusterError(TransportError, RuntimeError):
     """A cluster could not be made or changed; the message says what it needs."""
 
 

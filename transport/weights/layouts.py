@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from transport.errors import TransportError
 from transport.weights import _layout_rules
 from transport.weights._flat import flat_like
 from transport.weights._layout_rules import scale_shape
 from transport.weights.convert import FP8
 
 
-class LayoutError(ValueError):
+class LayoutError(TransportError, ValueError):
     """A source and a destination layout do not fit; ``problems`` lists every mismatch by name."""
 
     def __init__(self, problems: Sequence[str]) -> None:
