@@ -114,9 +114,15 @@ def _load() -> tuple[ModuleType, ModuleType]:
             # with the verbs library installed but no RDMA device, UCX's ib module crashes the
             # process as it exits (SIGSEGV after a clean run); without devices it has no use
             os.environ.setdefault("UCX_MODULES", "^ib")
-        candidates = [os.environ["TRANSPORT_NIXL_MODULE"]] if os.environ.get("TRANSPORT_NIXL_MODULE") else [
-            "nixl", "nixl_cu13", "nixl_cu12",
-        ]  # fmt: skip
+        candidates = (
+            [os.environ["TRANSPORT_NIXL_MODULE"]]
+            if os.environ.get("TRANSPORT_NIXL_MODULE")
+            else [
+                "nixl",
+                "nixl_cu13",
+                "nixl_cu12",
+            ]
+        )
         saved = logging.raiseExceptions
         errors = []
         try:

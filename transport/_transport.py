@@ -134,9 +134,14 @@ class Transport(Closing):
             )
         budget = default_budget() if max_registered_bytes is None else max_registered_bytes
         settings = Settings(
-            timeout, chunk_bytes, inline_bytes, idle_interval, heartbeat_interval,
-            default_lanes() if lanes is None else check_lanes(lanes), lane_bytes,
-        )  # fmt: skip
+            timeout,
+            chunk_bytes,
+            inline_bytes,
+            idle_interval,
+            heartbeat_interval,
+            default_lanes() if lanes is None else check_lanes(lanes),
+            lane_bytes,
+        )
         # the flight recorder; automatic dumps (errors, requests of the namespace, SIGUSR1) go to
         # trace_dir, or $TRANSPORT_TRACE_DIR, and nowhere without one
         self.recorder = FlightRecorder(trace_capacity)
@@ -158,10 +163,19 @@ class Transport(Closing):
             raise
         self._owns_store = owns_store
         ep = self._ep = Endpoint(
-            self.name, self.namespace, self.generation, secret, be, backend,
+            self.name,
+            self.namespace,
+            self.generation,
+            secret,
+            be,
+            backend,
             LocalMemory(be, budget=budget),
-            directory, self.store, self.recorder, settings, time.time(),
-        )  # fmt: skip
+            directory,
+            self.store,
+            self.recorder,
+            settings,
+            time.time(),
+        )
         self._peers = PeerTable(ep)
         self._plans = PlanCache(ep, self._peers)
         self._control = ControlChannel(ep, self._peers)
@@ -179,9 +193,13 @@ class Transport(Closing):
         )
         retries = self._transfers.retries
         ep.engine = self._engine = Engine(
-            be, self.name, self._control.route, self._peers.on_lost, retries.on_retry,
+            be,
+            self.name,
+            self._control.route,
+            self._peers.on_lost,
+            retries.on_retry,
             idle_interval=idle_interval,
-        )  # fmt: skip
+        )
         self._engine.pending = lambda: self._control.releasable
         self._engine.start()
         #: the internal contract of the library's own layers (weights/, cuda/): see contract.py
@@ -206,8 +224,13 @@ class Transport(Closing):
             self.close()
             raise
         self._housekeeping.start()
-        log.info("transport %s#%d joined namespace %s on %s",
-                 self.name, self.generation, self.namespace, self.store)  # fmt: skip
+        log.info(
+            "transport %s#%d joined namespace %s on %s",
+            self.name,
+            self.generation,
+            self.namespace,
+            self.store,
+        )
 
     # -- settings -----------------------------------------------------------------------------
 
@@ -395,15 +418,25 @@ class Transport(Closing):
         return tr.transfer(READ, dst, peer, key, offset, None, timeout, stream)
 
     def _put_control(
-        self, src: Mapping[str, torch.Tensor] | Batch, peer: str, channel: str, payload: bytes,
+        self,
+        src: Mapping[str, torch.Tensor] | Batch,
+        peer: str,
+        channel: str,
+        payload: bytes,
         timeout: float | None,
-    ) -> Handle:  # fmt: skip
+    ) -> Handle:
         return self._transfers.control(src, None, 0, peer, channel, payload, timeout)
 
     def _put_control_at(
-        self, src: torch.Tensor, key: str, offset: int, peer: str, channel: str, payload: bytes,
+        self,
+        src: torch.Tensor,
+        key: str,
+        offset: int,
+        peer: str,
+        channel: str,
+        payload: bytes,
         timeout: float | None,
-    ) -> Handle:  # fmt: skip
+    ) -> Handle:
         return self._transfers.control(src, key, offset, peer, channel, payload, timeout)
 
     def check(self) -> None:

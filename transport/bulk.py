@@ -3,8 +3,9 @@
 Setting up a model of 100,000 tensors builds hundreds of thousands of Python objects (views,
 region descriptors, plan entries) while hundreds of thousands more are alive. CPython's collector
 runs a pass every few hundred new objects and a full pass whenever the objects that survived grew
-by a quarter, and every full pass walks everything alive: a subscriber of 100,000 tensors spent
-about 40% of its setup in them, collecting nothing (the objects are kept, not garbage).
+by a quarter, and every full pass walks everything alive: a large part of a subscriber's setup
+went to passes that collected nothing (the objects are kept, not garbage; benchmarks/README.md
+has the figures).
 :func:`paused_gc` holds the collector off for such a piece of work; it runs again when the last
 piece ends, and catches up on what it missed then.
 """

@@ -301,8 +301,11 @@ class ControlChannel:
             log.warning(
                 "dropped %d notifications (%d in all): %d of %d bytes are queued unread, the "
                 "most this Transport holds; read them with notifications() or wait_notification()",
-                lost, self.dropped, len(self._queue), self._queued_bytes,
-            )  # fmt: skip
+                lost,
+                self.dropped,
+                len(self._queue),
+                self._queued_bytes,
+            )
 
     # -- reading (user threads) --------------------------------------------------------------
 

@@ -69,8 +69,13 @@ class Dumps:
 
     def _header(self, reason: str) -> dict[str, Any]:
         ep = self._ep
-        return {"name": ep.name, "generation": ep.generation, "namespace": ep.namespace,
-                "reason": reason, "inline_completed": self._inline()}  # fmt: skip
+        return {
+            "name": ep.name,
+            "generation": ep.generation,
+            "namespace": ep.namespace,
+            "reason": reason,
+            "inline_completed": self._inline(),
+        }
 
     def on_transfer_error(self, kind: str) -> None:
         """A transfer failed (any thread, often the engine's): dump, and ask the namespace to."""

@@ -86,8 +86,11 @@ class Housekeeping:
                 try:
                     step()
                 except Exception:  # a bug, or what a peer sent: logged, the thread goes on
-                    log.exception("transport %s: housekeeping step %s failed", ep.name,
-                                  getattr(step, "__name__", step))  # fmt: skip
+                    log.exception(
+                        "transport %s: housekeeping step %s failed",
+                        ep.name,
+                        getattr(step, "__name__", step),
+                    )
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + ep.settings.heartbeat_interval

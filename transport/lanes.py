@@ -193,8 +193,19 @@ def split(
                 # beside it)
                 size = int(lo[:, 1].sum())
                 edge = min(EDGE_BYTES, size // 3)
-                p = Plan(main_backend, plan.conn, plan.op, lo, re, device, rdevice, chunk,
-                         plan.keep, edge, edge)  # fmt: skip
+                p = Plan(
+                    main_backend,
+                    plan.conn,
+                    plan.op,
+                    lo,
+                    re,
+                    device,
+                    rdevice,
+                    chunk,
+                    plan.keep,
+                    edge,
+                    edge,
+                )
                 for reg in plan.keep:
                     reg.users += 1
                 out.append((p, None))

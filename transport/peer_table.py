@@ -62,10 +62,18 @@ class PeerTraffic:
 def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) -> PeerInfo:
     """``rec`` and the heartbeat stored under its name, judged with ``interval`` (the reader's)."""
     return PeerInfo(
-        rec.name, rec.generation, rec.host, rec.pid, rec.version, len(rec.regions),
-        sum(r.nbytes for r in rec.regions), hb[1] if hb and hb[0] == rec.generation else None,
-        suspicion(hb, rec.generation, interval), len(rec.registrations), rec.stored_bytes,
-    )  # fmt: skip
+        rec.name,
+        rec.generation,
+        rec.host,
+        rec.pid,
+        rec.version,
+        len(rec.regions),
+        sum(r.nbytes for r in rec.regions),
+        hb[1] if hb and hb[0] == rec.generation else None,
+        suspicion(hb, rec.generation, interval),
+        len(rec.registrations),
+        rec.stored_bytes,
+    )
 
 
 class PeerTable:
@@ -146,8 +154,11 @@ class PeerTable:
                 # replaying it): it may list regions withdrawn since, whose memory is freed
                 log.warning(
                     "ignoring an older record of %s#%d (revision %d; we know revision %d)",
-                    peer, rec.generation, rec.revision, conn.record.revision,
-                )  # fmt: skip
+                    peer,
+                    rec.generation,
+                    rec.revision,
+                    conn.record.revision,
+                )
                 return conn
             if rec != conn.record:
                 ep.backend.add_peer(rec.metadata)  # same agent, more registered memory
@@ -214,8 +225,12 @@ class PeerTable:
             rec = self.restarted(conn)
             if rec is None:
                 continue
-            log.info("peer %s restarted (generation %d); dropping generation %d",
-                     conn.name, rec.generation, conn.generation)  # fmt: skip
+            log.info(
+                "peer %s restarted (generation %d); dropping generation %d",
+                conn.name,
+                rec.generation,
+                conn.generation,
+            )
             self.drop(conn)
 
     def restarted(self, old: PeerConn, timeout: float | None = None) -> PeerRecord | None:
@@ -226,8 +241,11 @@ class PeerTable:
         peer that served the store itself took the store with it: nothing is asked, and the
         loss is reported at once."""
         if old.record.hosts_store:
-            log.info("peer %s#%d was lost with the store it served; reporting the loss",
-                     old.name, old.generation)  # fmt: skip
+            log.info(
+                "peer %s#%d was lost with the store it served; reporting the loss",
+                old.name,
+                old.generation,
+            )
             return None
         with self._lookup_lock:
             if self._lookups is None:
@@ -245,8 +263,11 @@ class PeerTable:
         except FutureTimeout:
             log.warning(
                 "peer %s#%d was lost, and the store did not say within %.3g s whether it "
-                "restarted; reporting the loss", old.name, old.generation, timeout,
-            )  # fmt: skip
+                "restarted; reporting the loss",
+                old.name,
+                old.generation,
+                timeout,
+            )
             return None
         except (StoreError, WireFormatError):
             return None

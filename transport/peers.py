@@ -18,7 +18,6 @@ import time
 from collections import OrderedDict
 
 from transport import signed
-from transport.bulk import bulk
 from transport.errors import StoreError, WireFormatError
 from transport.sealing import Keys, keys_for
 from transport.store.base import Store
@@ -145,7 +144,6 @@ class Directory:
         self.store.set(self.key("peers", record.name), raw)
         self._written[record.name] = raw
 
-    @bulk
     def _decode(self, name: str, raw: bytes) -> PeerRecord:
         """``raw`` (the stored record of ``name``) decoded, from the cache when it is the same
         bytes as last time (a record only changes when its peer exposes more or restarts)."""
@@ -221,8 +219,11 @@ class Directory:
             if not NAME_RE.match(name):
                 log.warning(
                     "skipping member %d of namespace %s: %r is not a peer name (key %s)",
-                    i, self.namespace, name[:80], self.key("members", str(i)),
-                )  # fmt: skip
+                    i,
+                    self.namespace,
+                    name[:80],
+                    self.key("members", str(i)),
+                )
                 continue
             if name not in out:
                 out.append(name)
@@ -252,13 +253,18 @@ class Directory:
             try:
                 stored = record_generation(raw, self.secret, self.namespace)
             except WireFormatError as e:
-                log.warning("the record of %s in the store is not valid (%s); writing ours again",
-                            record.name, e)  # fmt: skip
+                log.warning(
+                    "the record of %s in the store is not valid (%s); writing ours again",
+                    record.name,
+                    e,
+                )
             else:
                 if stored > record.generation:
                     return False  # a newer incarnation of the name: not ours to replace
-                log.warning("the record of %s in the store is not the one it wrote; writing it "
-                            "again", record.name)  # fmt: skip
+                log.warning(
+                    "the record of %s in the store is not the one it wrote; writing it again",
+                    record.name,
+                )
         # Our record is missing, garbage or an older incarnation's, so ours is the newest
         # incarnation the store shows: garbage in the counter is set to our generation (a joiner
         # takes the next one after it), and the membership index gets us back. (A store that lost

@@ -146,9 +146,11 @@ class Plan:
         self.backend = backend
         self.keep = keep  # registrations (and tensors) that must outlive the plan
         local, remote = coalesce(
-            local, remote, [r.base for r in keep if isinstance(r, Registration)],
+            local,
+            remote,
+            [r.base for r in keep if isinstance(r, Registration)],
             [addr for addr, _, _ in conn.record.registrations],
-        )  # fmt: skip
+        )
         self.rows = Descriptors(local, remote, device, remote_device, chunk_bytes)
         self.shares: list[Plan] | None = None  # the same transfer cut over lanes (lanes.py)
         local, remote, bounds = split_descs(local, remote, chunk_bytes, head, tail)

@@ -7,7 +7,6 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from transport.batch import Offset
-from transport.bulk import bulk
 from transport.endpoint import Endpoint
 from transport.errors import PeerLostError, RegionError, RegistrationBudgetError
 from transport.peer_table import PeerTable
@@ -117,7 +116,6 @@ class PlanCache:
             with plan.conn.lock:
                 plan.claims -= 1
 
-    @bulk
     def _build(
         self, op: str, conn: PeerConn, items: tuple[tuple[str, torch.Tensor], ...], offset: Offset
     ) -> Plan:

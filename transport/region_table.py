@@ -197,9 +197,12 @@ def decode_memory_map(
         )
     # at most n * max_dims dimensions: the count is checked before a byte of them is read
     dims_a = _packed(
-        m, "dims", _U64, int(nd_a.sum()),
+        m,
+        "dims",
+        _U64,
+        int(nd_a.sum()),
         "peer record's region table has the wrong number of dimensions",
-    )  # fmt: skip
+    )
     _refuse(dims_a >= _MAX_EXTENT, None, "a region has a bad shape dimension")
     dims_i = dims_a.astype(np.int64)
     # the byte count of every region: its shape's product times its dtype's size (in floats
@@ -345,16 +348,21 @@ def _inflate(data: bytes, max_name: int, max_dims: int) -> dict[str, Any]:
     hooks = _Containers()
     try:
         m = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, use_list=True,
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
             # a name in UTF-8 (keys and devices are shorter)
             max_str_len=4 * max_name,
             # the largest column: every region's dimensions
             max_bin_len=MAX_REGIONS * max_dims * _U64.itemsize,
             # names and rd; one over, so that a list too long is refused by the rule
             max_array_len=MAX_REGIONS + 1,
-            max_map_len=16, max_ext_len=0,
-            list_hook=hooks.list_hook, object_hook=hooks.object_hook,
-        )  # fmt: skip
+            max_map_len=16,
+            max_ext_len=0,
+            list_hook=hooks.list_hook,
+            object_hook=hooks.object_hook,
+        )
     except WireFormatError:
         raise
     except Exception as e:  # msgpack raises many types on garbage; all mean the same to us

@@ -70,8 +70,14 @@ class Withdraw:
 
     @classmethod
     def decode(cls, payload: bytes) -> Withdraw:
-        m = unpack(payload, "withdraw message", MAX_NOTIFY_BYTES, max_str=MAX_REGION_NAME * 4,
-                   max_array=MAX_NOTIFY_BYTES // 2, max_map=4)  # fmt: skip
+        m = unpack(
+            payload,
+            "withdraw message",
+            MAX_NOTIFY_BYTES,
+            max_str=MAX_REGION_NAME * 4,
+            max_array=MAX_NOTIFY_BYTES // 2,
+            max_map=4,
+        )
         if (
             not isinstance(m, dict)
             or set(m) != {"k", "r", "g"}
@@ -188,23 +194,18 @@ class Regions:
         checked = list(tensors.items())
         for name, t in checked:
             check_region_name(name)
-            try:
-                check_tensor(t)
-            except (TypeError, ValueError):
-                check_tensor(t, f"region {name!r}")  # the same error, naming the region
-        # each rule over every region (a subscriber of 100,000 tensors exposes 200,000 at once)
-        names = [name for name, _ in checked]
-        views = [t for _, t in checked]
-        for name, t in checked:
+            check_tensor(t, f"region {name!r}")
             if not t.numel():
                 raise ValueError(
                     f"region {name!r} is empty; expose a tensor with at least one element"
                 )
-        for name in names:
             if name in self._regions:
                 raise ValueError(
                     f"region {name!r} is already exposed by {ep.name!r}; expose it under another name"
                 )
+        # the regions' descriptors by column (a subscriber of 100,000 tensors exposes 200,000)
+        names = [name for name, _ in checked]
+        views = [t for _, t in checked]
         with self.lock:
             regs = ep.mem.ensure_all(checked)
             spans = {id(reg): (reg.base, reg.nbytes, reg.device) for reg in set(regs)}
@@ -247,14 +248,21 @@ class Regions:
         with self.lock:
             regs = self._exposed_registrations()
             rec = PeerRecord(
-                name=ep.name, namespace=ep.namespace, generation=ep.generation,
-                agent=agent_name(ep.name, ep.generation), backend=ep.backend.name,
-                metadata=ep.backend.metadata(regs), host=socket.gethostname()[:255] or "?",
-                pid=os.getpid(), version=__version__, created=ep.created,
+                name=ep.name,
+                namespace=ep.namespace,
+                generation=ep.generation,
+                agent=agent_name(ep.name, ep.generation),
+                backend=ep.backend.name,
+                metadata=ep.backend.metadata(regs),
+                host=socket.gethostname()[:255] or "?",
+                pid=os.getpid(),
+                version=__version__,
+                created=ep.created,
                 regions=tuple(info for _, info in self._regions.values()),
-                registrations=regs, revision=self.record.revision + 1 if self.record else 1,
+                registrations=regs,
+                revision=self.record.revision + 1 if self.record else 1,
                 hosts_store=bool(getattr(ep.store, "is_host", False)),
-            )  # fmt: skip
+            )
             ep.directory.publish(rec)
             self.record = rec
 
@@ -313,8 +321,12 @@ class Regions:
             except TransportError:
                 continue  # not there (left, or never connected to a live incarnation)
             asked.append(peer)
-        ep.recorder.record("withdraw", peers=tuple(asked), nbytes=nbytes,
-                           keys=names[0] if len(names) == 1 else f"{len(names)} regions")  # fmt: skip
+        ep.recorder.record(
+            "withdraw",
+            peers=tuple(asked),
+            nbytes=nbytes,
+            keys=names[0] if len(names) == 1 else f"{len(names)} regions",
+        )
         deadline = time.monotonic() + timeout
         with self._cond:
             call.asked(asked)
@@ -330,8 +342,9 @@ class Regions:
             log.warning(
                 "%s withdrawn; %s did not confirm within %.3g s and may still write there",
                 f"region {names[0]}" if len(names) == 1 else f"{len(names)} regions",
-                ", ".join(silent), timeout,
-            )  # fmt: skip
+                ", ".join(silent),
+                timeout,
+            )
         with self.lock:
             still = [x for x, _ in self._regions.values()]
             for tensor in tensors:
@@ -395,8 +408,12 @@ class Regions:
                 try:
                     self._control.send_control(job.owner, CHANNEL, answer)
                 except TransportError as e:
-                    log.info("could not confirm the withdrawal of %d regions to %s: %s",
-                             len(job.regions), job.owner, e)  # fmt: skip
+                    log.info(
+                        "could not confirm the withdrawal of %d regions to %s: %s",
+                        len(job.regions),
+                        job.owner,
+                        e,
+                    )
             else:
                 later.append(job)
         if later:

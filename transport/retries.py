@@ -93,8 +93,11 @@ class Retries:
                         new_ops[-1].after = new_ops[:-1]
                     for o in new_ops:
                         o.group = new_ops
-                    log.info("peer %s restarted (generation %d); retrying on it",
-                             old.name, rec.generation)  # fmt: skip
+                    log.info(
+                        "peer %s restarted (generation %d); retrying on it",
+                        old.name,
+                        rec.generation,
+                    )
             except Exception as e:  # the store or the new peer failed us: report the loss
                 log.warning("could not retry a transfer to %s: %s", old.name, e)
                 new_ops = []

@@ -68,7 +68,7 @@ def encode(keys: Keys | None, key: str, writer: str, generation: int, body: byte
             "gen": generation,
             "body": body,
             "mac": mac,
-        },  # fmt: skip
+        },
         use_bin_type=True,
     )
     return out

@@ -201,5 +201,9 @@ def analyze(dumps: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> dict[st
         else:
             continue
         silent.append({"peer": peer, "why": why, "transfers": len(evs), "since": since})
-    return {"timeline": timeline, "unfinished": unfinished, "silent": silent,
-            "dumps": [h for h, _ in dumps]}  # fmt: skip
+    return {
+        "timeline": timeline,
+        "unfinished": unfinished,
+        "silent": silent,
+        "dumps": [h for h, _ in dumps],
+    }

@@ -292,8 +292,14 @@ class Transfers:
         handle = Handle("put" if op == WRITE else "get", peers, sum(p.nbytes for p in claimed), 0)
         handle.recorder = ep.recorder
         # names only (the signature holds no tensor): the ring must not keep memory alive
-        ep.recorder.record("post", handle.id, handle.op, peers, handle.nbytes,
-                           items[0][0] if len(items) == 1 else sig)  # fmt: skip
+        ep.recorder.record(
+            "post",
+            handle.id,
+            handle.op,
+            peers,
+            handle.nbytes,
+            items[0][0] if len(items) == 1 else sig,
+        )
         ops: list[Op] = []
         inline = True
         settings = ep.settings
@@ -392,8 +398,15 @@ class Transfers:
             o.group = group
         rec = self._ep.recorder
         if rec.append is not None:
-            rec.record("lanes", handle.id, handle.op, plan.conn.name, plan.nbytes, None,
-                       f"{len(shares)} shares")  # fmt: skip
+            rec.record(
+                "lanes",
+                handle.id,
+                handle.op,
+                plan.conn.name,
+                plan.nbytes,
+                None,
+                f"{len(shares)} shares",
+            )
         return group
 
     def items(

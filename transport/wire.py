@@ -50,12 +50,26 @@ ACCESS_MODES = ("rw", "w", "r")
 
 #: dtype name -> element size; the dtypes a region may have
 DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+}
 _DTYPES = tuple(DTYPE_SIZES)
 
 
@@ -83,8 +97,8 @@ def check_region_name(name: object) -> str:
 
 class RegionInfo(NamedTuple):
     """One exposed memory region of a peer, as its record describes it (immutable; a named tuple
-    rather than a dataclass since a peer of 100,000 tensors builds 200,000 of them, at a fifth of
-    the cost)."""
+    rather than a dataclass: a peer of 100,000 tensors builds 200,000 of them, and a named tuple
+    is the cheaper to build)."""
 
     name: str
     addr: int
@@ -143,10 +157,20 @@ class PeerRecord:
 
 
 _PEER_FIELDS = {
-    "name": str, "ns": str, "gen": int, "agent": str, "backend": str, "md": bytes,
-    "host": str, "pid": int, "version": str, "created": float, "memory": bytes, "rev": int,
+    "name": str,
+    "ns": str,
+    "gen": int,
+    "agent": str,
+    "backend": str,
+    "md": bytes,
+    "host": str,
+    "pid": int,
+    "version": str,
+    "created": float,
+    "memory": bytes,
+    "rev": int,
     "store": bool,
-}  # fmt: skip
+}
 _ENVELOPE_FIELDS = {"v": int, "kind": str, "body": bytes, "sealed": bool}
 
 
@@ -208,13 +232,22 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
     """The stored form of ``rec``: sealed (see the module docstring) when ``secret`` is given."""
     body = msgpack.packb(
         {
-            "name": rec.name, "ns": rec.namespace, "gen": rec.generation, "agent": rec.agent,
-            "backend": rec.backend, "md": zlib.compress(rec.metadata, 6), "host": rec.host, "pid": rec.pid,
-            "version": rec.version, "created": float(rec.created), "rev": rec.revision,
-            "store": rec.hosts_store, "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
+            "name": rec.name,
+            "ns": rec.namespace,
+            "gen": rec.generation,
+            "agent": rec.agent,
+            "backend": rec.backend,
+            "md": zlib.compress(rec.metadata, 6),
+            "host": rec.host,
+            "pid": rec.pid,
+            "version": rec.version,
+            "created": float(rec.created),
+            "rev": rec.revision,
+            "store": rec.hosts_store,
+            "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
         },
         use_bin_type=True,
-    )  # fmt: skip
+    )
     if secret:
         body = keys_for(secret, rec.namespace).seal_record(body)
     out: bytes = msgpack.packb(
@@ -249,11 +282,22 @@ def decode_peer_record(
     )
     regions = tuple(table)
     return PeerRecord(
-        name=m["name"], namespace=m["ns"], generation=m["gen"], agent=m["agent"], backend=m["backend"],
-        metadata=metadata, host=m["host"], pid=m["pid"], version=m["version"], created=float(m["created"]),
-        regions=regions, registrations=regs, stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
-        revision=m["rev"], hosts_store=m["store"],
-    )  # fmt: skip
+        name=m["name"],
+        namespace=m["ns"],
+        generation=m["gen"],
+        agent=m["agent"],
+        backend=m["backend"],
+        metadata=metadata,
+        host=m["host"],
+        pid=m["pid"],
+        version=m["version"],
+        created=float(m["created"]),
+        regions=regions,
+        registrations=regs,
+        stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
+        revision=m["rev"],
+        hosts_store=m["store"],
+    )
 
 
 def record_generation(

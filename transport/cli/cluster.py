@@ -17,16 +17,24 @@ from transport.cluster.leftovers import load_states
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("cluster", help="hosts on this machine: namespaces on shaped links",
-                       description=__doc__)  # fmt: skip
+    p = sub.add_parser(
+        "cluster", help="hosts on this machine: namespaces on shaped links", description=__doc__
+    )
     cmd = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
     up = cmd.add_parser("up", help="make a cluster and hold it until Ctrl-C or SIGTERM")
     up.add_argument("--generators", type=int, default=2, help="generator hosts (default 2)")
-    up.add_argument("--link", type=Link.parse, default=Link(),
-                    help="every link's shape: RATE[,DELAY[,LOSS%%]], such as 2gbit,100us "
-                         "(default: unshaped)")  # fmt: skip
-    up.add_argument("--store", choices=("tcp", "redis", "none"), default="tcp",
-                    help="the store the store host runs (default: the embedded store)")  # fmt: skip
+    up.add_argument(
+        "--link",
+        type=Link.parse,
+        default=Link(),
+        help="every link's shape: RATE[,DELAY[,LOSS%%]], such as 2gbit,100us (default: unshaped)",
+    )
+    up.add_argument(
+        "--store",
+        choices=("tcp", "redis", "none"),
+        default="tcp",
+        help="the store the store host runs (default: the embedded store)",
+    )
     up.add_argument("--json", action="store_true", help="print the cluster as one JSON line")
     up.set_defaults(run=run_up)
     ex = cmd.add_parser("exec", help="run a command in a host of a cluster (UCX kept to TCP)")
@@ -47,18 +55,28 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Cluster(args.generators, args.link) as cluster:
         url = None if args.store == "none" else cluster.start_store(args.store)
-        hosts = {h.role: {"namespace": h.namespace, "address": h.address}
-                 for h in cluster.hosts.values()}  # fmt: skip
+        hosts = {
+            h.role: {"namespace": h.namespace, "address": h.address} for h in cluster.hosts.values()
+        }
         if args.json:
-            print(json.dumps({"number": cluster.number, "store": url, "link": str(args.link),
-                              "hosts": hosts}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {"number": cluster.number, "store": url, "link": str(args.link), "hosts": hosts}
+                ),
+                flush=True,
+            )
         else:
-            print(f"cluster {cluster.number} up: {args.generators} generator(s), links "
-                  f"{args.link}; store {url or 'none'}")  # fmt: skip
+            print(
+                f"cluster {cluster.number} up: {args.generators} generator(s), links "
+                f"{args.link}; store {url or 'none'}"
+            )
             for role, h in hosts.items():
                 print(f"  {role:8} {h['address']:13} {h['namespace']}")
-            print(f"run a command in a host: transport cluster exec {cluster.number} ROLE -- CMD; "
-                  "Ctrl-C takes it down", flush=True)  # fmt: skip
+            print(
+                f"run a command in a host: transport cluster exec {cluster.number} ROLE -- CMD; "
+                "Ctrl-C takes it down",
+                flush=True,
+            )
         try:
             while not stop.wait(1.0):
                 pass
@@ -93,6 +111,9 @@ def run_list(args: argparse.Namespace) -> int:
     if not states:
         print("no cluster")
     for number, state in sorted(states.items()):
-        print(f"cluster {number}: owner {state.owner} ({'alive' if state.alive else 'gone'}), "
-              f"{len(state.namespaces)} namespaces", file=sys.stdout)  # fmt: skip
+        print(
+            f"cluster {number}: owner {state.owner} ({'alive' if state.alive else 'gone'}), "
+            f"{len(state.namespaces)} namespaces",
+            file=sys.stdout,
+        )
     return 0

@@ -72,13 +72,20 @@ def collect(
                 continue
             hb = d.last_heartbeat(name)
             beat = hb[1] if hb and hb[0] == rec.generation else None
-            rows.append({
-                "name": rec.name, "generation": rec.generation, "host": rec.host, "pid": rec.pid,
-                "regions": len(rec.regions), "bytes": sum(r.nbytes for r in rec.regions),
-                "last_heartbeat": beat, "heartbeat_age_s": None if beat is None else round(now - beat, 3),
-                "version": rec.version,
-                "suspect": suspicion(hb, rec.generation, heartbeat_interval, now),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "name": rec.name,
+                    "generation": rec.generation,
+                    "host": rec.host,
+                    "pid": rec.pid,
+                    "regions": len(rec.regions),
+                    "bytes": sum(r.nbytes for r in rec.regions),
+                    "last_heartbeat": beat,
+                    "heartbeat_age_s": None if beat is None else round(now - beat, 3),
+                    "version": rec.version,
+                    "suspect": suspicion(hb, rec.generation, heartbeat_interval, now),
+                }
+            )
         return rows
     finally:
         store.close()
@@ -105,8 +112,18 @@ def run(args: argparse.Namespace) -> int:
         age = "never" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.1f} s ago"
         if r["suspect"]:
             age += " (suspect)"
-        table.append((r["name"], str(r["generation"]), r["host"], str(r["pid"]), str(r["regions"]),
-                      _human(r["bytes"]), age, r["version"]))  # fmt: skip
+        table.append(
+            (
+                r["name"],
+                str(r["generation"]),
+                r["host"],
+                str(r["pid"]),
+                str(r["regions"]),
+                _human(r["bytes"]),
+                age,
+                r["version"],
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

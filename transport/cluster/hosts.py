@@ -145,8 +145,12 @@ class Cluster:
         ends = {"store": 1, "trainer": 2} | {f"gen{i}": 10 + i for i in range(self.generators)}
         for role in roles:
             short = role[0] if role in ("store", "trainer") else f"g{role[3:]}"
-            self.hosts[role] = Host(role, f"{PREFIX}{self.number}-{role}",
-                                    f"{NETWORK}.{ends[role]}", f"{PREFIX}{self.number}{short}")  # fmt: skip
+            self.hosts[role] = Host(
+                role,
+                f"{PREFIX}{self.number}-{role}",
+                f"{NETWORK}.{ends[role]}",
+                f"{PREFIX}{self.number}{short}",
+            )
         self._save()
         try:
             ip("netns", "add", self.switch)
@@ -164,8 +168,20 @@ class Cluster:
     def _plug(self, host: Host) -> None:
         """Make ``host``'s namespace and its link to the switch, shaped both ways."""
         ip("netns", "add", host.namespace)
-        ip("-n", host.namespace, "link", "add", "eth0", "type", "veth", "peer", "name", host.port,
-            "netns", self.switch)  # fmt: skip
+        ip(
+            "-n",
+            host.namespace,
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            host.port,
+            "netns",
+            self.switch,
+        )
         ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
         ip("-n", host.namespace, "link", "set", "lo", "up")
         ip("-n", host.namespace, "link", "set", "eth0", "up")
@@ -187,19 +203,33 @@ class Cluster:
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment of a process in a host: the machine's, with UCX kept to TCP over
         the host's link (and gloo on it)."""
-        return {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
-                "GLOO_SOCKET_IFNAME": "eth0", **(extra or {})}  # fmt: skip
+        return {
+            **os.environ,
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": "eth0",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            **(extra or {}),
+        }
 
     def start(
-        self, host: Host, argv: Sequence[str], env: Mapping[str, str] | None = None,
-        stdin: int | IO[Any] | None = subprocess.DEVNULL, stdout: int | IO[Any] | None = None,
+        self,
+        host: Host,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        stdin: int | IO[Any] | None = subprocess.DEVNULL,
+        stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
-    ) -> subprocess.Popen[Any]:  # fmt: skip
+    ) -> subprocess.Popen[Any]:
         """Start ``argv`` in ``host`` (a process group of its own); :meth:`close` kills it."""
         proc = subprocess.Popen(
-            host.command(argv), env=self.env(env), stdin=stdin, stdout=stdout, stderr=stderr,
-            start_new_session=True, text=True,
-        )  # fmt: skip
+            host.command(argv),
+            env=self.env(env),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            text=True,
+        )
         self.processes.append(proc)
         return proc
 
@@ -214,21 +244,45 @@ class Cluster:
         elif kind == "redis":
             if shutil.which("redis-server") is None:
                 raise ClusterError("a Redis store needs redis-server: apt-get install redis-server")
-            argv = ["redis-server", "--bind", host.address, "--port", str(REDIS_PORT), "--save", "",
-                    "--appendonly", "no", "--protected-mode", "no"]  # fmt: skip
+            argv = [
+                "redis-server",
+                "--bind",
+                host.address,
+                "--port",
+                str(REDIS_PORT),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ]
             url = f"redis://{host.address}:{REDIS_PORT}/0"
         else:
             raise ValueError(f"a cluster's store is 'tcp' or 'redis', got {kind!r}")
         proc = self.start(host, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # listening: a connection from the trainer's host (through the links) is accepted
-        probe = [sys.executable, "-c", _PROBE, host.address,
-                 str(STORE_PORT if kind == "tcp" else REDIS_PORT), str(timeout)]  # fmt: skip
-        done = subprocess.run(self.trainer.command(probe), env=self.env(), capture_output=True,
-                              text=True, timeout=timeout + 30)  # fmt: skip
+        probe = [
+            sys.executable,
+            "-c",
+            _PROBE,
+            host.address,
+            str(STORE_PORT if kind == "tcp" else REDIS_PORT),
+            str(timeout),
+        ]
+        done = subprocess.run(
+            self.trainer.command(probe),
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout + 30,
+        )
         if done.returncode != 0 or proc.poll() is not None:
             err = proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
-            raise ClusterError(f"the {kind} store did not start in {host.namespace}: "
-                               f"{(err or done.stderr).strip()[-500:]}")  # fmt: skip
+            raise ClusterError(
+                f"the {kind} store did not start in {host.namespace}: "
+                f"{(err or done.stderr).strip()[-500:]}"
+            )
         return url
 
     def traffic(self) -> dict[str, Traffic]:

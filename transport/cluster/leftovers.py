@@ -128,8 +128,9 @@ def _remove_namespace(namespace: str) -> None:
     """Kill the processes in ``namespace`` and remove it."""
     if namespace not in _namespaces():
         return
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True,
-                          timeout=30).stdout.split()  # fmt: skip
+    pids = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30
+    ).stdout.split()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
@@ -190,8 +191,11 @@ def run(argv: list[str]) -> str:
 
 def save_state(number: int, namespaces: Sequence[str]) -> None:
     """Name cluster ``number``'s namespaces and this process as their owner (atomically)."""
-    state = {"owner": os.getpid(), "started": _boot_time_of(os.getpid()),
-             "namespaces": list(namespaces)}  # fmt: skip
+    state = {
+        "owner": os.getpid(),
+        "started": _boot_time_of(os.getpid()),
+        "namespaces": list(namespaces),
+    }
     path = _state_file(number)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))

@@ -100,8 +100,21 @@ class Shaper:
             bits = link.bits_per_s or 0
             # a burst of 4 ms at the rate, at least 64 KiB (one segment of TCP's offload)
             burst = max(64 << 10, int(bits / 8 * 0.004))
-            done = _tc(namespace, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", link.rate,
-                       "burst", str(burst), "latency", "100ms")  # fmt: skip
+            done = _tc(
+                namespace,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                link.rate,
+                "burst",
+                str(burst),
+                "latency",
+                "100ms",
+            )
             if done.returncode != 0:
                 raise ClusterError(f"tc tbf on {dev} in {namespace}: {done.stderr.strip()}")
         else:
@@ -118,10 +131,30 @@ class Shaper:
         per_10k = str(int(round(loss * 100)))
         _nft(namespace, "add", "table", "inet", LOSS_TABLE)
         for chain, hook in (("out", "output"), ("in", "input")):
-            _nft(namespace, "add", "chain", "inet", LOSS_TABLE, chain,
-                 f"{{ type filter hook {hook} priority 0; }}")  # fmt: skip
-            _nft(namespace, "add", "rule", "inet", LOSS_TABLE, chain, "numgen", "random", "mod",
-                 "10000", "<", per_10k, "drop")  # fmt: skip
+            _nft(
+                namespace,
+                "add",
+                "chain",
+                "inet",
+                LOSS_TABLE,
+                chain,
+                f"{{ type filter hook {hook} priority 0; }}",
+            )
+            _nft(
+                namespace,
+                "add",
+                "rule",
+                "inet",
+                LOSS_TABLE,
+                chain,
+                "numgen",
+                "random",
+                "mod",
+                "10000",
+                "<",
+                per_10k,
+                "drop",
+            )
 
 
 def _tc(namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -132,8 +165,12 @@ def _tc(namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _nft(namespace: str, *args: str, check: bool = True) -> None:
     try:
-        done = subprocess.run(["ip", "netns", "exec", namespace, "nft", *args],
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        done = subprocess.run(
+            ["ip", "netns", "exec", namespace, "nft", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except OSError as e:
         raise ClusterError(f"nft: {e}") from e
     if check and done.returncode != 0:

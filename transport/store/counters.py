@@ -80,9 +80,12 @@ def index_counter(store: Store, prefix: str, what: str) -> Counter:
     the count must never fall below an index in use, or the next joiner would overwrite that
     member's name and it would vanish from the index; the gaps above are skipped by readers."""
     return Counter(
-        store, prefix + "count", what,
-        lambda: min(MAX_MEMBERS, last_index(store, prefix) + INDEX_MARGIN), MAX_MEMBERS,
-    )  # fmt: skip
+        store,
+        prefix + "count",
+        what,
+        lambda: min(MAX_MEMBERS, last_index(store, prefix) + INDEX_MARGIN),
+        MAX_MEMBERS,
+    )
 
 
 class Counter:
@@ -194,8 +197,13 @@ class Counter:
             self._warned = raw
             log.warning(
                 "store key %s holds %s, not a value the counter of %s can go on from (a decimal "
-                "integer from 0 to %d); %s", self.key, _shown(raw), self.what, self.limit, action,
-            )  # fmt: skip
+                "integer from 0 to %d); %s",
+                self.key,
+                _shown(raw),
+                self.what,
+                self.limit,
+                action,
+            )
 
     def _unstable(self) -> StoreError:
         return StoreError(

@@ -140,6 +140,13 @@ class Delivery:
         self.handle = PublishHandle(self)
         self._dispatch = dispatch
 
+    def time_left(self) -> float:
+        """Seconds to the version's deadline; TransferTimeout once it passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout("the deadline of the version passed")
+        return left
+
     def _call(self, callbacks: list[Callable[[PublishHandle], Any]]) -> None:
         if not callbacks:
             return
@@ -246,3 +253,23 @@ class PublishHandle:
             if d.error is not None:
                 raise d.error
         return d.result
+
+
+class Landing:
+    """The writes of one version to one subscriber: how many are still in flight (and the
+    posting itself) and the first error; finished once all were posted and every one landed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._left = 1  # the posting
+        self._error: BaseException | None = None
+
+    def posting(self) -> None:
+        with self._lock:
+            self._left += 1
+
+    def landed(self, error: BaseException | None) -> tuple[bool, BaseException | None]:
+        with self._lock:
+            self._error = self._error or error
+            self._left -= 1
+            return self._left == 0, self._error

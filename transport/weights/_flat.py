@@ -11,7 +11,6 @@ from transport.bulk import bulk
 from transport.host_copy import HostCopies, native
 
 
-@bulk
 def flat_like(
     named: Mapping[str, torch.Tensor], device: torch.device | str | None = None
 ) -> dict[str, torch.Tensor]:
@@ -35,7 +34,7 @@ def flat_copies(
     sizes: dict[torch.device, int] = {}
     strides: dict[torch.Size, tuple[int, ...]] = {}  # a model has few distinct shapes
     # per tensor: its device and dtype, shape, strides and offset in elements (None: no elements)
-    places: list[tuple[str, torch.device, torch.dtype, torch.Size, tuple[int, ...], int] | None]
+    places: list[tuple[torch.device, torch.dtype, torch.Size, tuple[int, ...], int] | None]
     places, empty = [], {}
     for name, t in named.items():
         size = t.element_size()
@@ -51,7 +50,7 @@ def flat_copies(
         stride = strides.get(shape)
         if stride is None:
             stride = strides[shape] = _contiguous(shape)
-        places.append((name, dev, t.dtype, shape, stride, at // size))
+        places.append((dev, t.dtype, shape, stride, at // size))
     out = []
     for _ in range(count):
         buffers = {
@@ -65,7 +64,7 @@ def flat_copies(
                 shape, dtype, dev = empty[name]
                 views[name] = torch.empty(shape, dtype=dtype, device=dev)
                 continue
-            _, dev, dtype, shape, stride, offset = place
+            dev, dtype, shape, stride, offset = place
             view = typed.get((dev, dtype))
             if view is None:
                 view = typed[(dev, dtype)] = buffers[dev].view(dtype)
@@ -83,7 +82,6 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@bulk
 def copy_runs(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> CopyRuns:
     """The byte runs that copy every tensor of ``src`` into the tensor of the same name in
     ``dst`` (same shapes and dtypes): tensors adjacent in both memories (contiguous, in the same

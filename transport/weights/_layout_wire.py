@@ -33,10 +33,19 @@ MAX_DIMS = 8
 DTYPES = {
     dtype_name(d): d
     for d in (
-        torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn,
-        torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
     )
-}  # fmt: skip
+}
 
 
 def encode_dest(
@@ -68,8 +77,9 @@ def encode_dest(
 def decode_sources(raw: bytes, limit: int = 64 << 20) -> dict[str, tuple[int, ...]]:
     """The source shapes a declared layout expects (empty when it states none), or
     WireFormatError naming the broken rule."""
-    m = unpack(raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS,
-               max_map=MAX_TENSORS)  # fmt: skip
+    m = unpack(
+        raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS, max_map=MAX_TENSORS
+    )
     given = m.get("s", {}) if isinstance(m, dict) else None
     if not isinstance(given, dict) or len(given) > MAX_TENSORS:
         raise WireFormatError("a layout's source shapes are {name: [sizes]}")
@@ -87,8 +97,9 @@ def decode_sources(raw: bytes, limit: int = 64 << 20) -> dict[str, tuple[int, ..
 
 def decode_dest(raw: bytes, limit: int = 64 << 20) -> dict[str, DestTensor]:
     """A peer's declared destination layout, or WireFormatError naming the broken rule."""
-    m = unpack(raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS,
-               max_map=MAX_TENSORS)  # fmt: skip
+    m = unpack(
+        raw, "destination layout", limit, max_str=1024, max_array=MAX_TENSORS, max_map=MAX_TENSORS
+    )
     if not isinstance(m, dict) or not {"v", "t"} <= set(m) <= {"v", "t", "s"} or m["v"] != 1:
         raise WireFormatError("a destination layout is {'v': 1, 't': {name: ...}, 's': ...}")
     tensors = m["t"]
@@ -166,7 +177,7 @@ def source_digest(layout: SourceLayout) -> str:
             list(t.shape),
             dtype_name(t.dtype),
             sorted([r, s.dim, s.start, s.stop] for r, s in t.held.items()),
-        ]  # fmt: skip
+        ]
         for name, t in sorted(layout.tensors.items())
     ]
     packed = msgpack.packb([layout.world, rows])

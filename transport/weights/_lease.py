@@ -83,7 +83,7 @@ class Lease:
                 "rank": self.rank,
                 "world": self.world,
                 "layout": self.layout,
-            }  # fmt: skip
+            }
         )
         return out
 
@@ -180,8 +180,12 @@ class PublisherLease:
             ):
                 # held by us, yet not this lease: an earlier publisher's of this Transport put
                 # back (or, without a secret, a forgery): ours to overwrite
-                log.warning("group %s: replacing a lease of this incarnation that is not this "
-                            "publisher's (%s; a value put back?)", self.group, holder)  # fmt: skip
+                log.warning(
+                    "group %s: replacing a lease of this incarnation that is not this "
+                    "publisher's (%s; a value put back?)",
+                    self.group,
+                    holder,
+                )
                 holder = None
             if holder is not None:
                 why = self._alive(holder)
@@ -198,17 +202,22 @@ class PublisherLease:
                         "publish to another group"
                     )
                 if first:
-                    log.warning("group %s: taking over the lease of %s, which is gone",
-                                self.group, holder)  # fmt: skip
+                    log.warning(
+                        "group %s: taking over the lease of %s, which is gone", self.group, holder
+                    )
                 else:
                     log.warning(
                         "group %s: the store holds the lease of %s, which is gone, in place of "
-                        "ours (a value put back?); taking it back", self.group, holder,
-                    )  # fmt: skip
+                        "ours (a value put back?); taking it back",
+                        self.group,
+                        holder,
+                    )
             if store.compare_set(self.key, raw, self._ours):
                 if not first and (raw is None or raw == FREE):
-                    log.warning("group %s: the store had lost the publisher lease; wrote it back",
-                                self.group)  # fmt: skip
+                    log.warning(
+                        "group %s: the store had lost the publisher lease; wrote it back",
+                        self.group,
+                    )
                 self.held = True
                 return
         raise GroupBusyError(f"{self.what}: the publisher lease kept changing; try again")
@@ -231,8 +240,12 @@ class PublisherLease:
             if self.transport.store.try_get(self._ranks_key) != self.signed.encode(
                 self._ranks_key, body
             ):
-                log.warning("group %s: the store lost the count of ranks %s (or holds one that "
-                            "is not ours); wrote it back", self.group, self._ranks_key)  # fmt: skip
+                log.warning(
+                    "group %s: the store lost the count of ranks %s (or holds one that "
+                    "is not ours); wrote it back",
+                    self.group,
+                    self._ranks_key,
+                )
                 self.signed.set(self._ranks_key, body)
 
     def release(self) -> None:

@@ -95,9 +95,11 @@ class Member:
         if not self.fenced:
             return f"no free slot within the deadline of version {version} (a slow apply?)"
         cut = ", ".join(f"{r} (since version {v})" for r, v in sorted(self.fenced.values()))
-        return (f"no free slot within the deadline of version {version}: one is fenced for "
-                f"relay {cut}, cut off while writing it, until it reports or is gone; the other "
-                "holds its newest version, which it had not applied (so it could not lend it)")  # fmt: skip
+        return (
+            f"no free slot within the deadline of version {version}: one is fenced for "
+            f"relay {cut}, cut off while writing it, until it reports or is gone; the other "
+            "holds its newest version, which it had not applied (so it could not lend it)"
+        )
 
 
 FANOUTS = ("direct", "chain", "tree")
@@ -212,8 +214,11 @@ class Roster:
                 log.warning(
                     "group %s: the store lost the group (its epoch went back from %d to %d: a "
                     "store that restarted empty?); serving %s until it joins again",
-                    self.group, last, epoch, name,
-                )  # fmt: skip
+                    self.group,
+                    last,
+                    epoch,
+                    name,
+                )
                 sub.vanished = now
             elif sub.vanished is None or now - sub.vanished > self.grace():
                 log.info("subscriber %s left group %s", name, self.group)

@@ -136,8 +136,12 @@ class Piece:
     nbytes: int
     KIND: ClassVar[str] = "part"
     WIRE: ClassVar[dict[str, str]] = {
-        "version": "v", "slot": "s", "index": "a", "offset": "o", "nbytes": "n",
-    }  # fmt: skip
+        "version": "v",
+        "slot": "s",
+        "index": "a",
+        "offset": "o",
+        "nbytes": "n",
+    }
 
 
 @dataclass(frozen=True)
@@ -176,8 +180,9 @@ def encode(msg: Message) -> bytes:
 
 def decode(payload: bytes) -> Message:
     """A peer's bytes as a message, or :class:`WireFormatError` naming the broken rule."""
-    m = unpack(payload, "weight-sync message", 1 << 16, max_str=1024, max_array=MAX_DEGREE * 2,
-               max_map=8)  # fmt: skip
+    m = unpack(
+        payload, "weight-sync message", 1 << 16, max_str=1024, max_array=MAX_DEGREE * 2, max_map=8
+    )
     kind = m.get("k") if isinstance(m, dict) else None
     cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None or set(m) != set(cls.WIRE.values()) | {"k"}:

@@ -106,8 +106,17 @@ class WritePlanner:
                 if not self.items:  # a single row larger than a chunk: its own runs
                     for i in range(top, g.rows):
                         at = g.first.src_at + i * g.step
-                        self.run(Run(g.first.source, at, g.first.dest,
-                                     g.first.dst_at + i * g.width, g.width), src, dtype)  # fmt: skip
+                        self.run(
+                            Run(
+                                g.first.source,
+                                at,
+                                g.first.dest,
+                                g.first.dst_at + i * g.width,
+                                g.width,
+                            ),
+                            src,
+                            dtype,
+                        )
                     return
                 self.close()
                 continue

@@ -94,7 +94,6 @@ from typing import Any
 import msgpack
 import torch
 
-from transport.bulk import bulk
 from transport.errors import TransferTimeout, WireFormatError
 from transport.memory import check_tensor, dtype_name
 from transport.signed import Inspector, SignedStore
@@ -116,7 +115,6 @@ PUB_SLOT = "pub"
 SEQ_NAME = "__seq"
 
 
-@bulk
 def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
     """The tensors of a publisher or subscriber, checked before anything is registered (a
     subscriber's may be meta tensors: shapes and dtypes, whose staging lives elsewhere)."""
@@ -130,7 +128,6 @@ def check_named_tensors(named: Mapping[str, torch.Tensor], role: str) -> dict[st
     return dict(named)
 
 
-@bulk
 def match_regions(
     regions: Mapping[str, Any], group: str, tensors: Mapping[str, torch.Tensor], role: str
 ) -> tuple[list[str], list[str]]:
@@ -279,7 +276,7 @@ class GroupDirectory:
                 "mode": mode,
                 "slots": slots,
                 "relay": relay,
-            }  # fmt: skip
+            }
         )
         return body
 
@@ -364,8 +361,11 @@ class GroupDirectory:
         if value.generation != generation:
             log.warning(
                 "ignoring the declared layout %s: it is of generation %d, the subscriber's is %d "
-                "(an older incarnation's value, put back?)", key, value.generation, generation,
-            )  # fmt: skip
+                "(an older incarnation's value, put back?)",
+                key,
+                value.generation,
+                generation,
+            )
             return None
         return value.body
 
@@ -396,8 +396,10 @@ class GroupDirectory:
         if m["gen"] != value.generation:
             log.warning(
                 "ignoring the group entry %s: it names generation %d, but generation %d signed it",
-                key, m["gen"], value.generation,
-            )  # fmt: skip
+                key,
+                m["gen"],
+                value.generation,
+            )
             return None
         return m
 

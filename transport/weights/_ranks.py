@@ -26,8 +26,13 @@ class RankParts:
         if world == 1:
             return True
         if rank is None:
-            log.warning("group %s: ignoring version %d from %s: it publishes no rank of the "
-                        "group's %d", self.group, version, peer, world)  # fmt: skip
+            log.warning(
+                "group %s: ignoring version %d from %s: it publishes no rank of the group's %d",
+                self.group,
+                version,
+                peer,
+                world,
+            )
             return False
         if version <= self.settled:
             return False  # done with: complete already, or given up
@@ -51,5 +56,8 @@ class RankParts:
             missing = sorted(set(range(world)) - set(ranks))
             log.warning(
                 "group %s: version %d given up (%s): the parts of rank(s) %s never landed",
-                self.group, version, why, missing,
-            )  # fmt: skip
+                self.group,
+                version,
+                why,
+                missing,
+            )

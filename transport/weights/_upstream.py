@@ -157,9 +157,12 @@ class Upstream:
         if count and (before == 0 or before.bit_length() < self.refused.bit_length()):
             log.warning(
                 "group %s: ignored %d weight-sync message(s) from %s (%d so far): %s",
-                self._group, count, peer, self.refused,
+                self._group,
+                count,
+                peer,
+                self.refused,
                 why or "it is neither the group's publisher nor one of its relays",
-            )  # fmt: skip
+            )
 
     def _is_upstream(self, peer: str) -> bool | None:
         """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is

@@ -101,8 +101,10 @@ class Worker:
             log.warning(
                 "%s: dropped work a peer's message asked for (%d so far): %d pieces wait, the "
                 "most peers' messages may queue (a peer floods us?)",
-                self._name, self.dropped, self._limit,
-            )  # fmt: skip
+                self._name,
+                self.dropped,
+                self._limit,
+            )
 
     def _run(self) -> None:
         wait: float | None = None if self._tick is None else 0.0

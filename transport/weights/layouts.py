@@ -166,10 +166,12 @@ def _placement_dim(p: object, name: str, ndim: int) -> int | None:
     if type(p).__name__ == "Shard" and isinstance(getattr(p, "dim", None), int):
         dim = p.dim  # type: ignore[attr-defined]
     if dim is None or not -ndim <= dim < ndim:
-        raise LayoutError([
-            f"source {name!r}: placement {p!r} is not Shard(dim) of one of its {ndim} dims or "
-            "Replicate() (Partial, strided and 2-D placements are not supported)"
-        ])  # fmt: skip
+        raise LayoutError(
+            [
+                f"source {name!r}: placement {p!r} is not Shard(dim) of one of its {ndim} dims or "
+                "Replicate() (Partial, strided and 2-D placements are not supported)"
+            ]
+        )
     return dim % ndim
 
 
@@ -399,8 +401,11 @@ def check_dest(
     return dict(layout)
 
 
-def full_copy(source: SourceLayout, names: Sequence[str] | None = None,
-              rename: Mapping[str, str] | None = None) -> dict[str, DestTensor]:  # fmt: skip
+def full_copy(
+    source: SourceLayout,
+    names: Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+) -> dict[str, DestTensor]:
     """A destination of whole tensors (``rename``: destination name -> source name)."""
     pairs = [(n, n) for n in (names or list(source.tensors))] + list((rename or {}).items())
     return {
@@ -458,3 +463,27 @@ def tensors_for(
     for t in out.values():
         t.zero_()
     return out
+
+
+def check_shards(
+    shards: Mapping[str, torch.Tensor], layout: SourceLayout, rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shards checked against ``layout`` (every name, its local shape and dtype;
+    LayoutError lists every mismatch), flat."""
+    problems = []
+    for name in sorted(set(shards) | set(layout.tensors)):
+        t, s = shards.get(name), layout.tensors.get(name)
+        if s is None:
+            problems.append(f"shard {name!r} is not in the source layout")
+        elif t is None:
+            problems.append(f"rank {rank} has no shard of {name!r}")
+        elif not isinstance(t, torch.Tensor) or not t.is_contiguous():
+            problems.append(f"shard {name!r} must be a contiguous tensor")
+        elif tuple(t.shape) != layout.local_shape(rank, name) or t.dtype != s.dtype:
+            problems.append(
+                f"shard {name!r} is {tuple(t.shape)} {t.dtype}; the layout says rank {rank} holds "
+                f"{layout.local_shape(rank, name)} {s.dtype}"
+            )
+    if problems:
+        raise LayoutError(problems)
+    return {n: t.reshape(-1) for n, t in shards.items()}

@@ -59,6 +59,7 @@ from transport.weights._protocol import (
     region,
     segments,
 )
+from transport.weights._seqword import SeqWord
 from transport.weights._withdraw import leftovers, withdraw
 from transport.weights._worker import Worker
 
@@ -120,8 +121,7 @@ class WeightPublisher:
         # Late joiners read the newest version straight from here (see updating() and
         # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word
         # [seq, version] that is odd while the trainer changes them.
-        self._seq = torch.tensor([0, -1], dtype=torch.int64)  # no version until the first publish
-        self._updating = False
+        self._word = SeqWord()
         self.version = -1
         self._roster = Roster(transport, group, self._sources)
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
@@ -130,9 +130,12 @@ class WeightPublisher:
         self._callbacks = Callbacks(f"transport-ws-pub-{group}-callbacks")
         self._relays: set[str] = set()  # the subscribers that forward the current version
         self._watch = SuspectWatch(
-            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval,
+            self._roster,
+            self._lock,
+            lambda: self._handles,
+            transport.heartbeat_interval,
             self._close_gap,
-        )  # fmt: skip
+        )
         self._worker = Worker(
             f"transport-ws-pub-{group}", tick=self._expire, until=lambda: transport.closed
         )
@@ -145,7 +148,7 @@ class WeightPublisher:
             self._stop_control = transport.core.on_control(channel(group), self._on_message)
             self._lease.acquire()  # one publisher per group, whichever process it is in
             exposed = {region(self.group, PUB_SLOT, n): t for n, t in self._sources.items()}
-            exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._seq
+            exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._word.word
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="r")
             self._exposed = list(exposed)
@@ -178,18 +181,10 @@ class WeightPublisher:
         """Wrap every change of the tensors (the optimizer step) in it, so that a late joiner's
         :meth:`WeightSubscriber.pull` never takes a half-updated state; the trainer never waits
         for a joiner. Without it, pull() refuses (it cannot tell a stable state from a changing one)."""
-        if self._updating:
-            raise RuntimeError("updating() is already active")
-        self._updating = True
-        self._seq[0] += 1  # odd: changing
-        self._seq[1] = -1  # the new state has no version until publish() names it
-        try:
+        with self._word.changing():
             yield
             if any(t.is_cuda for t in self.tensors.values()):
                 torch.cuda.synchronize()  # the change must have happened before we say so
-        finally:
-            self._seq[0] += 1  # even: stable
-            self._updating = False
 
     @overload
     def publish(
@@ -236,14 +231,15 @@ class WeightPublisher:
             raise ValueError(f"versions only move forward: {version} after {self.version}")
         timeout = self.transport.timeout if timeout is None else timeout
         self.refresh()
-        self._fill()
+        if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
+            with self._word.filling():
+                self._pack.fill()
         with self._lock:
             subs = list(self._subs.values())
             # their heartbeats (a store that fails raises here, before anything changed)
             suspects = self._roster.suspects(s for s in subs if not s.error)
             self.version = version
-            if not self._updating and int(self._seq[0]) % 2 == 0:
-                self._seq[1] = version  # what the stable state is, for pull()
+            self._word.stamp(version)
             handle = Delivery(
                 version,
                 [s.name for s in subs],
@@ -272,17 +268,6 @@ class WeightPublisher:
             for sub in direct:
                 self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
-
-    def _fill(self) -> None:
-        """The packed copies take the tensors' current values; a late joiner's pull() sees the
-        state as changing meanwhile (the sequence word is odd; within updating() it is already)."""
-        if self._pack.names:
-            odd = 0 if self._updating else 1
-            self._seq[0] += odd
-            try:
-                self._pack.fill()
-            finally:
-                self._seq[0] += odd
 
     def _release_children(self, relay: str, why: str) -> None:
         """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to

@@ -17,7 +17,6 @@ from transport.errors import (
     ClosedError,
     PeerLostError,
     PeerNotFoundError,
-    TransferTimeout,
     TransportError,
     WireFormatError,
 )
@@ -30,6 +29,7 @@ from transport.weights._delivery import (
     SUSPECT,
     Callbacks,
     Delivery,
+    Landing,
     PublishHandle,
     close_all,
 )
@@ -50,6 +50,7 @@ from transport.weights.layouts import (
     LayoutError,
     SourceLayout,
     check,
+    check_shards,
     full_copy,
     plan_all,
 )
@@ -109,7 +110,7 @@ class ShardedPublisher:
         if not 0 < chunk_bytes <= pool_bytes:
             raise ValueError("chunk_bytes must be positive and at most pool_bytes")
         check(layout, {})  # gaps and overlaps of the source itself
-        self._local = _check_shards(shards, layout, rank)
+        self._local = check_shards(shards, layout, rank)
         self.transport, self.group, self.layout, self.rank = transport, group, layout, rank
         self.world = layout.world
         self.digest = source_digest(layout)
@@ -157,10 +158,12 @@ class ShardedPublisher:
         try:
             raw = self._dir.layout(sub.name, sub.generation)
             if raw is None:
-                raise LayoutError([
-                    f"it has no declared layout of its generation {sub.generation} in the store "
-                    "(missing, or not valid: see the log)"
-                ])  # fmt: skip
+                raise LayoutError(
+                    [
+                        f"it has no declared layout of its generation {sub.generation} in the store "
+                        "(missing, or not valid: see the log)"
+                    ]
+                )
             regions = conn.regions  # type: ignore[attr-defined]
             prefix = region(self.group, 0, "")
             exposed = {k[len(prefix) :]: v for k, v in regions.items() if k.startswith(prefix)}
@@ -181,14 +184,18 @@ class ShardedPublisher:
                         f"{name!r}: in the layout, but the subscriber exposes no such tensor"
                     )
                 elif tuple(info.shape) != tuple(d.shape) or info.dtype != dtype_name(d.dtype):
-                    problems.append(f"{name!r}: the layout says {tuple(d.shape)} {dtype_name(d.dtype)}, "
-                                    f"the subscriber exposes {tuple(info.shape)} {info.dtype}")  # fmt: skip
+                    problems.append(
+                        f"{name!r}: the layout says {tuple(d.shape)} {dtype_name(d.dtype)}, "
+                        f"the subscriber exposes {tuple(info.shape)} {info.dtype}"
+                    )
             if raw != WHOLE:
                 for n, shape in expected.items():
                     have = self.layout.tensors.get(n)
                     if have is not None and tuple(have.shape) != shape:
-                        problems.append(f"{n!r}: the subscriber was built for {shape}, this "
-                                        f"trainer holds {tuple(have.shape)} (another model?)")  # fmt: skip
+                        problems.append(
+                            f"{n!r}: the subscriber was built for {shape}, this "
+                            f"trainer holds {tuple(have.shape)} (another model?)"
+                        )
             if not dest:
                 problems.append("it takes none of the trainer's tensors")
             if problems:
@@ -202,7 +209,7 @@ class ShardedPublisher:
                     runs,
                     boxes,
                     dest,
-                )  # fmt: skip
+                )
                 for k in range(sub.slots)
             ]
         except (LayoutError, WireFormatError) as e:
@@ -320,7 +327,7 @@ class ShardedPublisher:
         """Writer thread: post this rank's writes of ``version`` into ``slot`` (converting through
         the pool), then ``ver`` once all of them landed."""
         writes: SlotWrites = sub.writes[slot]
-        state = _Landing()
+        state = Landing()
         done = functools.partial(self._landed, sub, slot, version, handle, state)
 
         def on_done(h: Handle) -> None:  # engine thread: hand it to the worker
@@ -330,18 +337,18 @@ class ShardedPublisher:
             if writes.direct is not None:
                 state.posting()
                 self.transport.put(
-                    writes.direct, sub.name, timeout=_left(handle)
+                    writes.direct, sub.name, timeout=handle.time_left()
                 ).add_done_callback(on_done)
             for chunk in writes.chunks:
                 busy = self._pool_busy[chunk.buffer]
                 if busy is not None:  # the pool is bounded: wait for the buffer's last put
-                    busy.exception(_left(handle))
+                    busy.exception(handle.time_left())
                 for fill in chunk.fill:
                     fill()
                 if self._on_cuda:  # the conversion kernels must have run before the put reads
                     torch.cuda.current_stream(self._pool[0].device).synchronize()
                 state.posting()
-                h = self.transport.put(chunk.batch, sub.name, timeout=_left(handle))
+                h = self.transport.put(chunk.batch, sub.name, timeout=handle.time_left())
                 self._pool_busy[chunk.buffer] = h
                 h.add_done_callback(on_done)
         except Exception as e:
@@ -349,9 +356,14 @@ class ShardedPublisher:
         done(None)  # the end of posting
 
     def _landed(
-        self, sub: Member, slot: int, version: int, handle: Delivery, state: _Landing,
+        self,
+        sub: Member,
+        slot: int,
+        version: int,
+        handle: Delivery,
+        state: Landing,
         error: BaseException | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A write of ``version`` landed (or all were posted): ``ver`` once everything did."""
         finished, err = state.landed(error)
         if not finished:
@@ -408,8 +420,11 @@ class ShardedPublisher:
                 handle.settle(sub.name, DONE)
             elif sub.settled >= version:
                 sub.acked = None
-                handle.settle(sub.name, EXCLUDED,
-                              f"version {version} was given up there; {self._missing(version)}")  # fmt: skip
+                handle.settle(
+                    sub.name,
+                    EXCLUDED,
+                    f"version {version} was given up there; {self._missing(version)}",
+                )
         if sub.acked is None:
             self._next(sub)
 
@@ -432,12 +447,16 @@ class ShardedPublisher:
                     continue
                 newest = self._newest_of(r, lease)
                 if newest < version:
-                    out.append(f"rank {r} ({lease.name}) has not published version {version} "
-                               f"(its newest: {newest})")  # fmt: skip
+                    out.append(
+                        f"rank {r} ({lease.name}) has not published version {version} "
+                        f"(its newest: {newest})"
+                    )
                     continue
                 suspect = self.transport.core.suspect(lease.name, lease.generation)
-                out.append(f"rank {r} ({lease.name}) began it, but its parts did not complete"
-                           + (f" (suspect: {suspect})" if suspect else ""))  # fmt: skip
+                out.append(
+                    f"rank {r} ({lease.name}) began it, but its parts did not complete"
+                    + (f" (suspect: {suspect})" if suspect else "")
+                )
         except TransportError as e:
             return f"the other ranks could not be read: {e}"
         return "other ranks: " + "; ".join(out) if out else "this rank is the only one"
@@ -477,9 +496,12 @@ class ShardedPublisher:
                     version, slot, handle = sub.acked
                     sub.acked = None
                     self._give_up(sub, version, slot)
-                    handle.settle(sub.name, EXCLUDED,
-                                  f"version {version} did not complete within the deadline; "
-                                  f"{self._missing(version)}")  # fmt: skip
+                    handle.settle(
+                        sub.name,
+                        EXCLUDED,
+                        f"version {version} did not complete within the deadline; "
+                        f"{self._missing(version)}",
+                    )
                     self._next(sub)
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
@@ -548,53 +570,3 @@ class ShardedPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Landing:
-    """The writes of one version to one subscriber: how many are still in flight (and the
-    posting itself) and the first error; finished once all were posted and every one landed."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._left = 1  # the posting
-        self._error: BaseException | None = None
-
-    def posting(self) -> None:
-        with self._lock:
-            self._left += 1
-
-    def landed(self, error: BaseException | None) -> tuple[bool, BaseException | None]:
-        with self._lock:
-            self._error = self._error or error
-            self._left -= 1
-            return self._left == 0, self._error
-
-
-def _left(handle: Delivery) -> float:
-    left = handle.deadline - time.monotonic()
-    if left <= 0:
-        raise TransferTimeout("the deadline of the version passed")
-    return left
-
-
-def _check_shards(
-    shards: Mapping[str, torch.Tensor], layout: SourceLayout, rank: int
-) -> dict[str, torch.Tensor]:
-    """This rank's shards, flat, against the layout: every name, the local shape and dtype."""
-    problems = []
-    for name in sorted(set(shards) | set(layout.tensors)):
-        t, s = shards.get(name), layout.tensors.get(name)
-        if s is None:
-            problems.append(f"shard {name!r} is not in the source layout")
-        elif t is None:
-            problems.append(f"rank {rank} has no shard of {name!r}")
-        elif not isinstance(t, torch.Tensor) or not t.is_contiguous():
-            problems.append(f"shard {name!r} must be a contiguous tensor")
-        elif tuple(t.shape) != layout.local_shape(rank, name) or t.dtype != s.dtype:
-            problems.append(
-                f"shard {name!r} is {tuple(t.shape)} {t.dtype}; the layout says rank {rank} holds "
-                f"{layout.local_shape(rank, name)} {s.dtype}"
-            )
-    if problems:
-        raise LayoutError(problems)
-    return {n: t.reshape(-1) for n, t in shards.items()}

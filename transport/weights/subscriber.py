@@ -256,8 +256,13 @@ class WeightSubscriber(Closing):
         with self._lock:
             if self._aborted.get(slot) == version:
                 # given up by its publisher, whose next credit may already hand this slot out
-                log.info("group %s: ignoring version %d in slot %d: %s gave it up",
-                         self.group, version, slot, peer)  # fmt: skip
+                log.info(
+                    "group %s: ignoring version %d in slot %d: %s gave it up",
+                    self.group,
+                    version,
+                    slot,
+                    peer,
+                )
                 return
             rank, world = self._upstream.rank_of(peer), self._upstream.world
             if not self._ranks.landed(peer, rank, world, version, slot):

@@ -55,9 +55,16 @@ class WindowedSubscriber(WeightSubscriber):
         self._receiving = threading.Lock()
         self._shut = False  # shut() was called on the open window
         super().__init__(
-            transport, named_tensors, group, mode="inplace", on_update=on_update,
-            poll_interval=poll_interval, relay=False, layout=layout, source_shapes=source_shapes,
-        )  # fmt: skip
+            transport,
+            named_tensors,
+            group,
+            mode="inplace",
+            on_update=on_update,
+            poll_interval=poll_interval,
+            relay=False,
+            layout=layout,
+            source_shapes=source_shapes,
+        )
 
     def _free_slots(self) -> list[int]:
         window = self._window  # open until any version completes in it

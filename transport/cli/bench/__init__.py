@@ -19,77 +19,189 @@ PUT_SIZES_QUICK = "4K,1M,64M"
 ON_OFF = argparse.BooleanOptionalAction
 
 # Flags as (FLAG [METAVAR], type | choices | action, default, help), in --help order.
-# fmt: off
 PUT = [
-    ("--sizes", str, None, f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})"),
+    (
+        "--sizes",
+        str,
+        None,
+        f"comma list of sizes (default {PUT_SIZES}; --quick: {PUT_SIZES_QUICK})",
+    ),
     ("--max-size", str, None, "drop sizes above this one, e.g. 64M"),
-    ("--batch COUNTxSIZE", str, None, "a batch of COUNT separate tensors in one transfer "
-     "(default 1000x64K; --quick: 100x64K; 'none' to skip)"),
+    (
+        "--batch COUNTxSIZE",
+        str,
+        None,
+        "a batch of COUNT separate tensors in one transfer "
+        "(default 1000x64K; --quick: 100x64K; 'none' to skip)",
+    ),
     ("--op", ("write", "read", "both"), "both", "WRITE (put), READ (get) or both (default)"),
     ("--receivers N", int, None, "fan out to N receivers: measures 1, 2, 4, .. and N (default 1)"),
-    ("--budget S", float, None, "seconds of timed cycles per configuration (default 1.5; --quick 0.2)"),
-    ("--block", int, 50, "iterations per turn below 1 MiB when systems are interleaved (default 50)"),
-    ("--lanes", str, None, "comma list of lane counts to compare, interleaved: the first is 'ours', "
-     "each other one 'ours-lanesN' (default: the Transport's default only)"),
-    ("--notify", "store_true", False, "each of our writes carries an 8-byte notification, which "
-     "the readers drain (with --secret: numbered and MACed)"),
-    ("--link RATE[,DELAY[,LOSS%]]", str, None, "across hosts on this machine (root): the writer "
-     "and each reader in a host of their own in a cluster of namespaces (transport cluster), "
-     "every link shaped so (e.g. 10gbit), UCX over TCP; reports the bytes on every link"),
+    (
+        "--budget S",
+        float,
+        None,
+        "seconds of timed cycles per configuration (default 1.5; --quick 0.2)",
+    ),
+    (
+        "--block",
+        int,
+        50,
+        "iterations per turn below 1 MiB when systems are interleaved (default 50)",
+    ),
+    (
+        "--lanes",
+        str,
+        None,
+        "comma list of lane counts to compare, interleaved: the first is 'ours', "
+        "each other one 'ours-lanesN' (default: the Transport's default only)",
+    ),
+    (
+        "--notify",
+        "store_true",
+        False,
+        "each of our writes carries an 8-byte notification, which "
+        "the readers drain (with --secret: numbered and MACed)",
+    ),
+    (
+        "--link RATE[,DELAY[,LOSS%]]",
+        str,
+        None,
+        "across hosts on this machine (root): the writer "
+        "and each reader in a host of their own in a cluster of namespaces (transport cluster), "
+        "every link shaped so (e.g. 10gbit), UCX over TCP; reports the bytes on every link",
+    ),
 ]
 SYNC = [
-    ("--params", str, None, "parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of "
-     "float32; --quick: 16M)"),
+    (
+        "--params",
+        str,
+        None,
+        "parameter count; K/M/G are powers of 1024 (default 256M = 1 GiB of float32; --quick: 16M)",
+    ),
     ("--tensors", int, None, "tensor count (default 300; --quick 50)"),
-    ("--dtypes", str, "float32", "comma list of dtypes, assigned to the tensors in turn (default float32)"),
+    (
+        "--dtypes",
+        str,
+        "float32",
+        "comma list of dtypes, assigned to the tensors in turn (default float32)",
+    ),
     ("--generators N", int, None, "receiving processes (default 2)"),
     ("--steps", int, None, "timed syncs per system (default 10; --quick 3)"),
     ("--mode", ("staging", "inplace"), "staging", "WeightSubscriber mode (default staging)"),
-    ("--experts", int, 0, "a mixture of experts in Hugging Face layout instead of the dense "
-     "shape: per layer attention (grouped-query), norms, a router and EXPERTS experts of one "
-     "gate, up and down matrix each, --params spread over them (--tensors follows from it)"),
+    (
+        "--experts",
+        int,
+        0,
+        "a mixture of experts in Hugging Face layout instead of the dense "
+        "shape: per layer attention (grouped-query), norms, a router and EXPERTS experts of one "
+        "gate, up and down matrix each, --params spread over them (--tensors follows from it)",
+    ),
     ("--layers", int, 48, "with --experts: decoder layers (default 48)"),
-    ("--layout", ("separate", "flat"), "separate", "the trainer's and generators' tensors: "
-     "separately allocated (default), or views into one flat buffer per process, as Megatron "
-     "and FSDP2 keep parameters"),
-    ("--fanout", str, "direct", "comma list of WeightPublisher fan-outs to compare, interleaved "
-     "step by step: direct (the trainer writes every generator), chain, tree (generators relay; "
-     "staging mode) (default direct)"),
+    (
+        "--layout",
+        ("separate", "flat"),
+        "separate",
+        "the trainer's and generators' tensors: "
+        "separately allocated (default), or views into one flat buffer per process, as Megatron "
+        "and FSDP2 keep parameters",
+    ),
+    (
+        "--fanout",
+        str,
+        "direct",
+        "comma list of WeightPublisher fan-outs to compare, interleaved "
+        "step by step: direct (the trainer writes every generator), chain, tree (generators relay; "
+        "staging mode) (default direct)",
+    ),
     ("--degree", int, 2, "generators each writer serves in a tree (default 2)"),
-    ("--hosts N[,N..]", str, None, "across hosts on this machine (root): a trainer host and N "
-     "generator hosts of a cluster of namespaces (transport cluster), for each N: ours per "
-     "--fanout (FANOUT@MIB: segments of MIB), gloo broadcast, the link floor, bytes on every "
-     "link (default --params 16M --tensors 32 --steps 5)"),
-    ("--link RATE[,DELAY[,LOSS%]]", str, "2gbit", "with --hosts: every link's shape (default 2gbit)"),
-    ("--trainer-ranks N", int, None, "a sharded trainer of N rank processes (ShardedPublisher), "
-     "against gathering to rank 0 with gloo and publishing from there"),
-    ("--source-shards", ("tp", "fsdp"), "tp", "with --trainer-ranks: how the ranks hold the "
-     "matrices: tp (column-parallel along dim 0, row-parallel o and down along dim 1) or fsdp "
-     "(all along dim 0) (default tp)"),
-    ("--strided", ("pack", "rows", "both"), "pack", "with --trainer-ranks: short runs strided in "
-     "a shard and adjacent at the generator are packed into the staging pool (one descriptor per "
-     "chunk), or written one descriptor per row, or both, interleaved (ours-rows) (default pack)"),
-    ("--dest-layout", ("full", "tp2-fused"), "full", "with --trainer-ranks: the generators' "
-     "layout: whole tensors, or TP=2 shards with fused qkv and gate_up (default full)"),
-    ("--dest-dtype", ("float32", "bfloat16", "fp8"), "float32", "with --trainer-ranks: the "
-     "generators' dtype of the matrices (fp8: e4m3 with 128x128 block scales) (default float32)"),
+    (
+        "--hosts N[,N..]",
+        str,
+        None,
+        "across hosts on this machine (root): a trainer host and N "
+        "generator hosts of a cluster of namespaces (transport cluster), for each N: ours per "
+        "--fanout (FANOUT@MIB: segments of MIB), gloo broadcast, the link floor, bytes on every "
+        "link (default --params 16M --tensors 32 --steps 5)",
+    ),
+    (
+        "--link RATE[,DELAY[,LOSS%]]",
+        str,
+        "2gbit",
+        "with --hosts: every link's shape (default 2gbit)",
+    ),
+    (
+        "--trainer-ranks N",
+        int,
+        None,
+        "a sharded trainer of N rank processes (ShardedPublisher), "
+        "against gathering to rank 0 with gloo and publishing from there",
+    ),
+    (
+        "--source-shards",
+        ("tp", "fsdp"),
+        "tp",
+        "with --trainer-ranks: how the ranks hold the "
+        "matrices: tp (column-parallel along dim 0, row-parallel o and down along dim 1) or fsdp "
+        "(all along dim 0) (default tp)",
+    ),
+    (
+        "--strided",
+        ("pack", "rows", "both"),
+        "pack",
+        "with --trainer-ranks: short runs strided in "
+        "a shard and adjacent at the generator are packed into the staging pool (one descriptor per "
+        "chunk), or written one descriptor per row, or both, interleaved (ours-rows) (default pack)",
+    ),
+    (
+        "--dest-layout",
+        ("full", "tp2-fused"),
+        "full",
+        "with --trainer-ranks: the generators' "
+        "layout: whole tensors, or TP=2 shards with fused qkv and gate_up (default full)",
+    ),
+    (
+        "--dest-dtype",
+        ("float32", "bfloat16", "fp8"),
+        "float32",
+        "with --trainer-ranks: the "
+        "generators' dtype of the matrices (fp8: e4m3 with 128x128 block scales) (default float32)",
+    ),
 ]
 COMMON = [
-    ("--baselines", str, ",".join(BASELINES), f"comma list out of {', '.join(BASELINES)}, or "
-     "'none' (default: all; nccl only runs where CUDA is present)"),
+    (
+        "--baselines",
+        str,
+        ",".join(BASELINES),
+        f"comma list out of {', '.join(BASELINES)}, or "
+        "'none' (default: all; nccl only runs where CUDA is present)",
+    ),
     ("--quick", "store_true", False, "a smoke test: small sizes, few iterations (< 30 s)"),
     ("--json FILE", str, None, "write results and the environment as JSON"),
     ("--plot FILE.png", str, None, "plot the results (needs matplotlib)"),
     ("--progress", ON_OFF, None, "progress bar on stderr (default: when stderr is a terminal)"),
-    ("--pin", ON_OFF, None, "pin the writer to one CPU per lane and each reader to a CPU of its "
-     "own while NIXL is measured (default: when the host has CPUs enough for all of them)"),
+    (
+        "--pin",
+        ON_OFF,
+        None,
+        "pin the writer to one CPU per lane and each reader to a CPU of its "
+        "own while NIXL is measured (default: when the host has CPUs enough for all of them)",
+    ),
     ("--timeout", float, 120.0, "seconds one transfer or reply may take"),
-    ("--secret", "store_true", False, "join with a shared secret (sealed records, MACs on "
-     "notifications): $TRANSPORT_SECRET, or a random one that a local run hands its readers"),
+    (
+        "--secret",
+        "store_true",
+        False,
+        "join with a shared secret (sealed records, MACs on "
+        "notifications): $TRANSPORT_SECRET, or a random one that a local run hands its readers",
+    ),
 ]
 HOSTS = [
-    ("--store URL", str, None, "join this existing store (tcp://, redis://) instead of spawning "
-     "local readers"),
+    (
+        "--store URL",
+        str,
+        None,
+        "join this existing store (tcp://, redis://) instead of spawning local readers",
+    ),
     ("--role", ("writer", "reader"), None, "with --store: this process's role"),
     ("--peers A,B", str, None, "writer: the names of the readers, comma separated"),
     ("--name", str, None, "this peer's name (reader: required; writer: bench-writer)"),
@@ -97,14 +209,21 @@ HOSTS = [
     ("--wait S", float, 120.0, "how long to wait for the other side (default 120 s)"),
 ]
 COMMANDS = {
-    "put": ("latency and bandwidth of put/get over sizes", PUT, "Latency and bandwidth of our put "
-            "(WRITE) and get (READ) over sizes, single tensors and batches, to 1..N receivers, "
-            "against raw NIXL, gloo, NCCL and memcpy."),
-    "sync": ("weight sync of a synthetic model to N generators", SYNC, "One trainer publishes a "
-             "synthetic state dict to N generators (WeightPublisher/WeightSubscriber), against raw "
-             "NIXL writing the same tensors, gloo broadcast, NCCL broadcast (CUDA) and memcpy."),
+    "put": (
+        "latency and bandwidth of put/get over sizes",
+        PUT,
+        "Latency and bandwidth of our put "
+        "(WRITE) and get (READ) over sizes, single tensors and batches, to 1..N receivers, "
+        "against raw NIXL, gloo, NCCL and memcpy.",
+    ),
+    "sync": (
+        "weight sync of a synthetic model to N generators",
+        SYNC,
+        "One trainer publishes a "
+        "synthetic state dict to N generators (WeightPublisher/WeightSubscriber), against raw "
+        "NIXL writing the same tensors, gloo broadcast, NCCL broadcast (CUDA) and memcpy.",
+    ),
 }
-# fmt: on
 
 
 def _flags(p: Any, rows: list[tuple[str, Any, Any, str]]) -> None:
@@ -122,8 +241,9 @@ def _flags(p: Any, rows: list[tuple[str, Any, Any, str]]) -> None:
 
 
 def add_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="benchmark puts and weight syncs against baselines",
-                           description=__doc__)  # fmt: skip
+    bench = sub.add_parser(
+        "bench", help="benchmark puts and weight syncs against baselines", description=__doc__
+    )
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for command, (summary, rows, description) in COMMANDS.items():
         p = bsub.add_parser(command, help=summary, description=description)

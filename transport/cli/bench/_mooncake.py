@@ -34,9 +34,11 @@ def unavailable() -> str | None:
     try:
         _engine_class()
     except ImportError as e:
-        return (f"Mooncake's engine does not load ({e}); pip install "
-                "mooncake-transfer-engine-non-cuda, and apt-get install libibverbs1 "
-                "libnl-route-3-200")  # fmt: skip
+        return (
+            f"Mooncake's engine does not load ({e}); pip install "
+            "mooncake-transfer-engine-non-cuda, and apt-get install libibverbs1 "
+            "libnl-route-3-200"
+        )
     return None
 
 
@@ -72,15 +74,24 @@ class Mooncake(System):
 
     family = "mooncake"
 
-    def __init__(self, engine: Engine, session: str, op: str, local: list[torch.Tensor],
-                 remote: list[int], route: Route) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        session: str,
+        op: str,
+        local: list[torch.Tensor],
+        remote: list[int],
+        route: Route,
+    ) -> None:
         super().__init__(MOONCAKE, route=route)
         self.engine, self.session = engine.engine, session
         self.call = (
             self.engine.transfer_sync_write if op == "write" else self.engine.transfer_sync_read
         )
-        self.pairs = [(x.data_ptr(), r, x.numel() * x.element_size())
-                      for x, r in zip(local, remote, strict=True)]  # fmt: skip
+        self.pairs = [
+            (x.data_ptr(), r, x.numel() * x.element_size())
+            for x, r in zip(local, remote, strict=True)
+        ]
 
     def step(self) -> None:
         for src, dst, n in self.pairs:

@@ -24,13 +24,30 @@ from rich.text import Text
 from transport.cli import CliError
 from transport.cli.bench._util import fmt_time
 
-SYSTEM_ORDER = ["memcpy", "gloo", "gloo-bcast", "nccl-bcast", "raw-nixl", "raw-nixl-repost",
-                "ours", "ours-single", "ours-chain", "ours-tree"]  # fmt: skip
+SYSTEM_ORDER = [
+    "memcpy",
+    "gloo",
+    "gloo-bcast",
+    "nccl-bcast",
+    "raw-nixl",
+    "raw-nixl-repost",
+    "ours",
+    "ours-single",
+    "ours-chain",
+    "ours-tree",
+]
 COLORS = {
-    "ours": "tab:red", "ours-single": "tab:pink", "raw-nixl": "tab:blue", "raw-nixl-repost": "tab:cyan",
-    "gloo": "tab:green", "gloo-bcast": "tab:olive", "nccl-bcast": "tab:purple", "memcpy": "tab:gray",
-    "ours-chain": "tab:orange", "ours-tree": "tab:brown",
-}  # fmt: skip
+    "ours": "tab:red",
+    "ours-single": "tab:pink",
+    "raw-nixl": "tab:blue",
+    "raw-nixl-repost": "tab:cyan",
+    "gloo": "tab:green",
+    "gloo-bcast": "tab:olive",
+    "nccl-bcast": "tab:purple",
+    "memcpy": "tab:gray",
+    "ours-chain": "tab:orange",
+    "ours-tree": "tab:brown",
+}
 
 
 def rank(system: str) -> int:
@@ -43,8 +60,12 @@ def progress(enabled: bool | None) -> Progress:
     removed from the screen when the run ends."""
     on = sys.stderr.isatty() if enabled is None else enabled
     console = Console(file=sys.stderr, force_terminal=on or None)
-    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.description}"))  # fmt: skip
+    columns = (
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
     return Progress(*columns, console=console, transient=True, disable=not on)
 
 
@@ -114,8 +135,13 @@ def ucx_probe() -> Callable[[], dict[str, Any]]:
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
     try:
         proc: subprocess.Popen[str] | None = subprocess.Popen(
-            [sys.executable, "-m", "transport.cli.bench._systems"], env=env, text=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+            [sys.executable, "-m", "transport.cli.bench._systems"],
+            env=env,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
     except OSError:
         proc = None
 
@@ -182,14 +208,19 @@ def code_info() -> dict[str, Any]:
     import transport
     import transport.backends
 
-    where, backends = (os.path.dirname(os.path.abspath(m.__file__ or ""))
-                       for m in (transport, transport.backends))  # fmt: skip
+    where, backends = (
+        os.path.dirname(os.path.abspath(m.__file__ or "")) for m in (transport, transport.backends)
+    )
     info: dict[str, Any] = {"transport": where, "backends": backends}
 
     def git(*args: str) -> str | None:
         try:
-            r = subprocess.run(["git", "-C", os.path.dirname(where), *args], capture_output=True,
-                               text=True, timeout=10)  # fmt: skip
+            r = subprocess.run(
+                ["git", "-C", os.path.dirname(where), *args],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return r.stdout if r.returncode == 0 else None
@@ -227,10 +258,29 @@ def environment(ucx: dict[str, Any]) -> dict[str, Any]:
         names = (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
         model = next(names, None)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpu = {"model": model or platform.processor() or None, "count": os.cpu_count(),
-           "usable": usable}  # fmt: skip
-    gpu = [{"index": i, "name": torch.cuda.get_device_name(i),
-            "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
-           for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else None  # fmt: skip
-    return {"versions": versions, "ucx": ucx, "cpu": cpu, "gpu": gpu, "host": socket.gethostname(),
-            "platform": platform.platform(), "code": code_info()}  # fmt: skip
+    cpu = {
+        "model": model or platform.processor() or None,
+        "count": os.cpu_count(),
+        "usable": usable,
+    }
+    gpu = (
+        [
+            {
+                "index": i,
+                "name": torch.cuda.get_device_name(i),
+                "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+            }
+            for i in range(torch.cuda.device_count())
+        ]
+        if torch.cuda.is_available()
+        else None
+    )
+    return {
+        "versions": versions,
+        "ucx": ucx,
+        "cpu": cpu,
+        "gpu": gpu,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "code": code_info(),
+    }

@@ -44,9 +44,16 @@ class Record:
     def json(self) -> dict[str, Any]:
         total = self.case.bytes * self.case.copies()
         paired = {"paired_time_ratio": self.paired_time_ratio} if self.paired_time_ratio else {}
-        return {"system": self.system, "family": self.family, **asdict(self.case),  # type: ignore[call-overload]
-                "total_bytes": total, **asdict(self.stats), "verified": self.verified,
-                **self.extra, **paired}  # fmt: skip
+        return {
+            "system": self.system,
+            "family": self.family,
+            **asdict(self.case),  # type: ignore[call-overload]
+            "total_bytes": total,
+            **asdict(self.stats),
+            "verified": self.verified,
+            **self.extra,
+            **paired,
+        }
 
 
 @dataclass(frozen=True)
@@ -67,8 +74,14 @@ class Ratio:
         head = {"name": self.name} if self.name else {}
         head.update(asdict(self.case) if self.case else {})  # type: ignore[call-overload]
         head.update({"metric": self.metric} if self.metric else {})
-        return {**head, "vs": self.vs, "ratio": self.ratio, "paired": self.paired,
-                "target": self.target, "pass": self.passed}  # fmt: skip
+        return {
+            **head,
+            "vs": self.vs,
+            "ratio": self.ratio,
+            "paired": self.paired,
+            "target": self.target,
+            "pass": self.passed,
+        }
 
 
 @dataclass
@@ -236,11 +249,14 @@ def run_phases(w: Workload, s: Session, res: Results, step: Callable[[str], None
             group.close(s)
 
     seeds = itertools.count(1007, 7)
-    for i, (name, turns, watch, skip) in enumerate([
-        (w.main_phase, w.main_turns, True, None), ("gloo", lambda: dist("gloo"), True, None),
-        ("nccl", lambda: dist("nccl"), False, s.nccl_unavailable()),
-        ("memcpy", w.memcpy_turns, w.memcpy_watch, None),
-    ]):  # fmt: skip
+    for i, (name, turns, watch, skip) in enumerate(
+        [
+            (w.main_phase, w.main_turns, True, None),
+            ("gloo", lambda: dist("gloo"), True, None),
+            ("nccl", lambda: dist("nccl"), False, s.nccl_unavailable()),
+            ("memcpy", w.memcpy_turns, w.memcpy_watch, None),
+        ]
+    ):
         if i and name not in w.baselines:
             continue
         if skip:
@@ -255,9 +271,11 @@ def run_phases(w: Workload, s: Session, res: Results, step: Callable[[str], None
         if watch and (other := busy_cpus()) is not None:
             res.phases.append({"phase": name, "other_cpus": other})
             if other > 0.15:
-                res.notes.append(f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU "
-                                 f"during {name}; on a small machine that moves the ratios, rerun "
-                                 "when it is quiet")  # fmt: skip
+                res.notes.append(
+                    f"BUSY MACHINE: other processes used {100 * other:.0f}% of a CPU "
+                    f"during {name}; on a small machine that moves the ratios, rerun "
+                    "when it is quiet"
+                )
 
 
 def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -> int:
@@ -288,10 +306,17 @@ def run_writer(args: argparse.Namespace, w: Workload, peers: list[str] | None) -
     _report.text(out, *(["\nnotes:", *(f"  {n}" for n in res.notes)] if res.notes else []))
     _report.text(out, f"total {total:.1f} s")
     if args.json:
-        doc = {"command": ["transport", *sys.argv[1:]], "config": asdict(w),  # type: ignore[call-overload]
-               "environment": env, "records": [r.json() for r in res.records],
-               "ratios": [x.json() for x in ratios], "skipped": res.skipped, "notes": res.notes,
-               "phases": res.phases, "total_s": total}  # fmt: skip
+        doc = {
+            "command": ["transport", *sys.argv[1:]],
+            "config": asdict(w),  # type: ignore[call-overload]
+            "environment": env,
+            "records": [r.json() for r in res.records],
+            "ratios": [x.json() for x in ratios],
+            "skipped": res.skipped,
+            "notes": res.notes,
+            "phases": res.phases,
+            "total_s": total,
+        }
         with open(args.json + ".tmp", "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(args.json + ".tmp", args.json)

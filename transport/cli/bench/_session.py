@@ -102,8 +102,14 @@ class LocalReaders:
     """A local run's reader processes, optionally pinned, running the very ``transport`` this
     process imported; each one's stderr goes to a log that is kept only when it failed."""
 
-    def __init__(self, command: Sequence[str], names: Sequence[str], store_url: str,
-                 namespace: str, cpus: Sequence[int | None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        command: Sequence[str],
+        names: Sequence[str],
+        store_url: str,
+        namespace: str,
+        cpus: Sequence[int | None],
+    ) -> None:
         import transport.backends
         from transport.cli.bench import _tree
 
@@ -113,8 +119,21 @@ class LocalReaders:
         self.procs: list[tuple[str, subprocess.Popen[bytes], str]] = []
         for name, cpu in zip(names, cpus, strict=True):
             fd, log = tempfile.mkstemp(prefix=f"{PREFIX}-{name}-", suffix=".log")
-            argv = [sys.executable, "-c", code, "bench", *command, "--role", "reader", "--store",
-                    store_url, "--name", name, "--namespace", namespace]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-c",
+                code,
+                "bench",
+                *command,
+                "--role",
+                "reader",
+                "--store",
+                store_url,
+                "--name",
+                name,
+                "--namespace",
+                namespace,
+            ]
             argv += ["--cpu", str(cpu)] if cpu is not None else []
             with os.fdopen(fd, "wb") as f:
                 p = subprocess.Popen(
@@ -175,9 +194,12 @@ class Session:
 
     def recv(self, peer: str, timeout: float | None = None) -> dict[str, Any]:
         limit = self.timeout if timeout is None else timeout
-        n = _poll(lambda: self.t.wait_notification(timeout=0.25, peer=peer), limit,
-                  self.local.check if self.local else None,
-                  f"reader {peer!r} did not answer within {limit:.0f} s")  # fmt: skip
+        n = _poll(
+            lambda: self.t.wait_notification(timeout=0.25, peer=peer),
+            limit,
+            self.local.check if self.local else None,
+            f"reader {peer!r} did not answer within {limit:.0f} s",
+        )
         if (msg := decode(n.payload))["cmd"] == "error":
             raise CliError(f"reader {peer!r} failed: {msg.get('msg', '?')}")
         if isinstance(msg.get("cpu"), float):
@@ -186,8 +208,13 @@ class Session:
             self.hosts[peer] = msg["host"]
         return msg
 
-    def ask(self, peers: Sequence[str], cmd: str, per_peer: Callable[[int], dict[str, Any]] | None = None,
-            **fields: Any) -> list[dict[str, Any]]:  # fmt: skip
+    def ask(
+        self,
+        peers: Sequence[str],
+        cmd: str,
+        per_peer: Callable[[int], dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> list[dict[str, Any]]:
         """Send ``cmd`` to every peer (``per_peer(i)`` adds fields), then collect every reply."""
         for i, p in enumerate(peers):
             self.send(p, cmd, **fields, **(per_peer(i) if per_peer else {}))
@@ -232,8 +259,9 @@ def bench_secret(args: argparse.Namespace, local: bool) -> str | None:
 
 
 @contextmanager
-def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
-                   peers: list[str] | None) -> Iterator[Session]:  # fmt: skip
+def writer_session(
+    args: argparse.Namespace, command: list[str], n_readers: int, peers: list[str] | None
+) -> Iterator[Session]:
     """The writer's session with local readers (``transport bench *command``) or the ``peers`` of
     a store. Leaving tells every reader done, then closes all (local readers killed on failure)."""
     from transport.cli.bench import names
@@ -257,13 +285,20 @@ def writer_session(args: argparse.Namespace, command: list[str], n_readers: int,
     try:
         if pin:
             _util.pin_to(0, writer_cpus)  # the engine threads (one per lane) and NIXL's inherit it
-        t = Transport(args.name or "bench-writer", store=store, namespace=args.namespace,
-                      timeout=args.timeout, secret=secret)  # fmt: skip
+        t = Transport(
+            args.name or "bench-writer",
+            store=store,
+            namespace=args.namespace,
+            timeout=args.timeout,
+            secret=secret,
+        )
         end = time.monotonic() + args.wait
         for name in readers:
-            late = (f"reader {name!r} did not join namespace {args.namespace!r} within "
-                    f"{args.wait:.0f} s; start it with: transport bench ... --role reader --name "
-                    f"{name} --store URL")  # fmt: skip
+            late = (
+                f"reader {name!r} did not join namespace {args.namespace!r} within "
+                f"{args.wait:.0f} s; start it with: transport bench ... --role reader --name "
+                f"{name} --store URL"
+            )
             wait = lambda n=name: t.wait_for_peer(n, timeout=0.5)  # type: ignore[union-attr]  # noqa: E731
             _poll(wait, end - time.monotonic(), local.check if local else None, late)
         s = Session(
@@ -344,8 +379,10 @@ class Reader:
                 return writer, bool(msg.get("failed"))
             try:
                 if (handler := getattr(self, "on_" + msg["cmd"].replace("-", "_"), None)) is None:
-                    raise CliError(f"unknown bench command {msg['cmd']!r} (writer and reader of "
-                                   "different versions?)")  # fmt: skip
+                    raise CliError(
+                        f"unknown bench command {msg['cmd']!r} (writer and reader of "
+                        "different versions?)"
+                    )
                 reply = handler(msg)
             except Exception as e:
                 with contextlib.suppress(Exception):
@@ -383,8 +420,11 @@ class Reader:
         self.mooncake = _mooncake.Engine(
             _mooncake.address_toward(urlsplit(self.store_url).hostname), self.mine
         )
-        return {"session": self.mooncake.session, "address": self.mooncake.address,
-                "buf": self.mine[0].data_ptr()}  # fmt: skip
+        return {
+            "session": self.mooncake.session,
+            "address": self.mooncake.address,
+            "buf": self.mine[0].data_ptr(),
+        }
 
     def on_raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
         self.agent.add_remote_agent(get_blob(self.t, m["writer"], "raw")["md"])
@@ -438,8 +478,11 @@ def run_reader(args: argparse.Namespace, w: Workload) -> int:
     ) as t:
         reader = Reader(t, w, saved, store_url=args.store)
         w.open_reader(t)
-        print(f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of "
-              f"{args.store}; waiting for a writer", flush=True)  # fmt: skip
+        print(
+            f"transport bench: reader {t.name!r} joined namespace {t.namespace!r} of "
+            f"{args.store}; waiting for a writer",
+            flush=True,
+        )
         try:
             writer, failed = reader.serve(args.wait)
         finally:

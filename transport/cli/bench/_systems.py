@@ -72,8 +72,9 @@ class System:
 
     family = "ours"
 
-    def __init__(self, name: str, fn: Callable[[], object] | None = None,
-                 route: Route | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, fn: Callable[[], object] | None = None, route: Route | None = None
+    ) -> None:
         self.name, self.fn, self.route = name, fn, route
 
     def setup(self) -> None:
@@ -155,8 +156,13 @@ class RawPath:
     addresses), prepared once; ``make_post`` and ``repost`` move the bytes once to (or from)
     every target, all posted then polled. Owns the lists and reposted handles until closed."""
 
-    def __init__(self, agent: Any, op: str, targets: Sequence[tuple[str, list[torch.Tensor], Sequence[int]]],
-                 notif: bytes = b"") -> None:  # fmt: skip
+    def __init__(
+        self,
+        agent: Any,
+        op: str,
+        targets: Sequence[tuple[str, list[torch.Tensor], Sequence[int]]],
+        notif: bytes = b"",
+    ) -> None:
         self.agent, self.op, self.notif, self.sides = agent, op, notif, []
         descs = lambda pairs: np.array([(a, n, 0) for a, n in pairs], dtype=np.uint64)  # noqa: E731
         for rname, xs, addrs in targets:
@@ -208,9 +214,13 @@ class RawPath:
             h.release()
             rel.append(clock() - t3)
         med = lambda xs: statistics.median(xs) / 1e9  # noqa: E731
-        return {"post_returned_done": immediate / k, "polls_per_xfer": polls / k,
-                "make_median_s": med(make), "transfer_call_median_s": med(post),
-                "release_median_s": med(rel)}  # fmt: skip
+        return {
+            "post_returned_done": immediate / k,
+            "polls_per_xfer": polls / k,
+            "make_median_s": med(make),
+            "transfer_call_median_s": med(post),
+            "release_median_s": med(rel),
+        }
 
     def close(self) -> None:
         for h in self.handles:
@@ -244,8 +254,9 @@ class RawLink:
         path.close()
         return time.perf_counter() - t0
 
-    def path(self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]],
-             notif: bytes = b"") -> RawPath:  # fmt: skip
+    def path(
+        self, op: str, pairs: Sequence[tuple[list[torch.Tensor], Sequence[int]]], notif: bytes = b""
+    ) -> RawPath:
         """``pairs[i]``: (local tensors, the addresses they pair with at reader ``i``)."""
         targets = [(name, xs, addrs) for name, (xs, addrs) in zip(self.names, pairs, strict=False)]
         return RawPath(self.agent, op, targets, notif)
@@ -262,8 +273,15 @@ class RawNixl(System):
 
     family = "raw"
 
-    def __init__(self, name: str, path: RawPath, route: Route, repost: bool = False,
-                 owns: bool = True, probe: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        path: RawPath,
+        route: Route,
+        repost: bool = False,
+        owns: bool = True,
+        probe: int = 0,
+    ) -> None:
         super().__init__(name, path.repost if repost else path.make_post, route)
         self.path, self.owns, self.probe = path, owns, probe
 
@@ -296,10 +314,17 @@ class Group:
         self.dist, self.rank, self.device, world = dist, m["rank"], torch.device(device), m["world"]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(m["backend"], init_method=f"tcp://{m['addr']}:{m['port']}", rank=self.rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
-        self.groups = {k: dist.new_group(list(range(k + 1))) if k + 1 < world else None
-                       for k in sorted(set(m["ks"]))}  # fmt: skip
+        dist.init_process_group(
+            m["backend"],
+            init_method=f"tcp://{m['addr']}:{m['port']}",
+            rank=self.rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        self.groups = {
+            k: dist.new_group(list(range(k + 1))) if k + 1 < world else None
+            for k in sorted(set(m["ks"]))
+        }
         self.ack = torch.zeros(1, dtype=torch.uint8, device=self.device)
 
     @classmethod
@@ -317,8 +342,13 @@ class Group:
                     addr = str(sock.getsockname()[0])
         except OSError:
             pass
-        m = {"backend": backend, "addr": addr, "port": port, "world": len(s.readers) + 1,
-             "ks": list(ks)}  # fmt: skip
+        m = {
+            "backend": backend,
+            "addr": addr,
+            "port": port,
+            "world": len(s.readers) + 1,
+            "ks": list(ks),
+        }
         for i, r in enumerate(s.readers):
             s.send(r, "dist-init", **m, rank=i + 1, device=s.device_of(i + 1))
         group = cls({**m, "rank": 0}, device_for(backend, s.device_of(0)))
@@ -369,8 +399,9 @@ class Dist(System):
     operation acked by the first ``len(route.peers)`` readers. :meth:`run` tells those readers
     how many operations come, then times the writer's side of each."""
 
-    def __init__(self, name: str, group: Group, mode: str, xs: list[torch.Tensor],
-                 route: Route) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, group: Group, mode: str, xs: list[torch.Tensor], route: Route
+    ) -> None:
         super().__init__(name, route=route)
         self.family, self.group, self.mode, self.xs = name.split("-")[0], group, mode, xs
 

@@ -120,26 +120,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def zero_all(tensors: Sequence[torch.Tensor]) -> None:
-    """Zero every byte of ``tensors`` and nothing else: views that lie next to each other in one
-    buffer (a flat layout) in one call per run of them, not one per view."""
-    spans: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[int, int]]]] = {}
     for x in tensors:
-        if not x.is_contiguous():
-            x.zero_()
-            continue
-        start = int(x.storage_offset()) * x.element_size()
-        key = (x.untyped_storage().data_ptr(), str(x.device))
-        spans.setdefault(key, (x, []))[1].append((start, start + x.nbytes))
-    for x, found in spans.values():
-        whole = torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage())
-        found.sort()
-        a, b = found[0]
-        for c, d in found[1:]:
-            if c > b:
-                whole[a:b].zero_()
-                a = c
-            b = max(b, d)
-        whole[a:b].zero_()
+        x.zero_()
 
 
 def zero_storages(tensors: Sequence[torch.Tensor]) -> None:

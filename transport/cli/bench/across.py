@@ -55,12 +55,18 @@ def run_across(args: argparse.Namespace, readers: int) -> int:
             url = c.start_store("tcp")
             roles = ["--store", url, "--namespace", args.namespace]
             for i, name in enumerate(names):
-                c.start(c.generator(i), [*base, *roles, "--role", "reader", "--name", name],
-                        stdout=subprocess.DEVNULL)  # fmt: skip
+                c.start(
+                    c.generator(i),
+                    [*base, *roles, "--role", "reader", "--name", name],
+                    stdout=subprocess.DEVNULL,
+                )
             before = c.traffic()
-            writer = c.start(c.trainer, [*base, *roles, "--role", "writer", "--name", WRITER,
-                                         "--peers", ",".join(names)], stdout=sys.stdout,
-                             stderr=sys.stderr)  # fmt: skip
+            writer = c.start(
+                c.trainer,
+                [*base, *roles, "--role", "writer", "--name", WRITER, "--peers", ",".join(names)],
+                stdout=sys.stdout,
+                stderr=sys.stderr,
+            )
             code = writer.wait()
             after = c.traffic()
     except ClusterError as e:

@@ -87,8 +87,9 @@ def gloo(args: argparse.Namespace) -> None:
     """Rank ``args.rank`` of a gloo group: each step, every tensor broadcast from rank 0."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29600", rank=args.rank,
-                            world_size=args.gens + 1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}:29600", rank=args.rank, world_size=args.gens + 1
+    )
     state = _tensors(args.mib, args.count)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -117,8 +118,12 @@ class Proc:
     """A process of this file in a host, one JSON line per command."""
 
     def __init__(self, cluster: Any, host: Any, *argv: str) -> None:
-        self.p = cluster.start(host, [sys.executable, "-m", __name__, *argv],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        self.p = cluster.start(
+            host,
+            [sys.executable, "-m", __name__, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
     def line(self, timeout: float = 600) -> dict[str, Any]:
         import select
@@ -156,8 +161,9 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
     with Cluster(n, link) as c:
         url = c.start_store("tcp")
         common = ["--store", url, "--mib", str(args.mib), "--count", str(args.count)]
-        gens = [Proc(c, c.generator(i), "--role", "gen", "--name", f"gen{i}", *common)
-                for i in range(n)]  # fmt: skip
+        gens = [
+            Proc(c, c.generator(i), "--role", "gen", "--name", f"gen{i}", *common) for i in range(n)
+        ]
         tr = Proc(c, c.trainer, "--role", "trainer", "--gens", str(n), *common)
         for p in [*gens, tr]:
             assert p.line(300) == {"ready": True}
@@ -170,13 +176,19 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
             per = {role: (after[role].sent - before[role].sent) / args.steps for role in after}
             busy = used / (wall * (os.cpu_count() or 1))
             out["systems"][name] = {
-                "median_s": statistics.median(times), "times_s": times,
-                "sent_per_sync": per, "trainer_link_models": per["trainer"] / model,
-                "cpu_s_per_sync": used / args.steps, "cpu_busy": busy,
-            }  # fmt: skip
-            print(f"N={n} {name}: {statistics.median(times) * 1e3:.0f} ms per sync, trainer's "
-                  f"link {per['trainer'] / model:.2f} models per sync, {used / args.steps:.2f} "
-                  f"CPU-s per sync ({100 * busy:.0f}% of the machine's CPUs)", flush=True)  # fmt: skip
+                "median_s": statistics.median(times),
+                "times_s": times,
+                "sent_per_sync": per,
+                "trainer_link_models": per["trainer"] / model,
+                "cpu_s_per_sync": used / args.steps,
+                "cpu_busy": busy,
+            }
+            print(
+                f"N={n} {name}: {statistics.median(times) * 1e3:.0f} ms per sync, trainer's "
+                f"link {per['trainer'] / model:.2f} models per sync, {used / args.steps:.2f} "
+                f"CPU-s per sync ({100 * busy:.0f}% of the machine's CPUs)",
+                flush=True,
+            )
 
         for system in args.fanout.split(","):
             fanout, _, seg = system.partition("@")  # chain@4: segments of 4 MiB
@@ -194,10 +206,37 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
             measured(f"ours-{fanout}" + (f"-seg{seg}M" if seg else ""), ours, [tr, *gens])
         if args.gloo:
             master = c.trainer.address
-            ranks = [Proc(c, c.trainer, "--role", "gloo", "--rank", "0", "--master", master,
-                          "--gens", str(n), *common)]  # fmt: skip
-            ranks += [Proc(c, c.generator(i), "--role", "gloo", "--rank", str(i + 1), "--master",
-                           master, "--gens", str(n), *common) for i in range(n)]  # fmt: skip
+            ranks = [
+                Proc(
+                    c,
+                    c.trainer,
+                    "--role",
+                    "gloo",
+                    "--rank",
+                    "0",
+                    "--master",
+                    master,
+                    "--gens",
+                    str(n),
+                    *common,
+                )
+            ]
+            ranks += [
+                Proc(
+                    c,
+                    c.generator(i),
+                    "--role",
+                    "gloo",
+                    "--rank",
+                    str(i + 1),
+                    "--master",
+                    master,
+                    "--gens",
+                    str(n),
+                    *common,
+                )
+                for i in range(n)
+            ]
             for p in ranks:
                 assert p.line(300) == {"ready": True}
             for p in ranks:  # a first step: connections made
@@ -263,12 +302,21 @@ def run_hosts(args: argparse.Namespace) -> int:
         raise CliError("--hosts takes generator host counts of at least 1, such as 1,2,4,8")
     params = parse_size(args.params or "16M", "--params")
     run = argparse.Namespace(
-        link=args.link, mib=max(1, params * 4 // MiB), count=args.tensors or 32,
-        steps=args.steps or 5, fanout=args.fanout, gloo="gloo" in parse_baselines(args.baselines),
-    )  # fmt: skip
+        link=args.link,
+        mib=max(1, params * 4 // MiB),
+        count=args.tensors or 32,
+        steps=args.steps or 5,
+        fanout=args.fanout,
+        gloo="gloo" in parse_baselines(args.baselines),
+    )
     t0 = time.perf_counter()
-    results: dict[str, Any] = {"link": run.link, "mib": run.mib, "tensors": run.count,
-                               "steps": run.steps, "runs": []}  # fmt: skip
+    results: dict[str, Any] = {
+        "link": run.link,
+        "mib": run.mib,
+        "tensors": run.count,
+        "steps": run.steps,
+        "runs": [],
+    }
     for n in counts:
         results["runs"].append(run_n(n, run))
     results["run_s"] = round(time.perf_counter() - t0, 1)
@@ -295,8 +343,9 @@ def table(results: dict[str, Any]) -> str:
             f"{r['floor_s']['direct']:.3f} / {r['floor_s']['relayed']:.3f}" for r in runs
         )
         lines.append(f"| floor direct / relayed | {floors} | |")
-    lines.append(f"(in brackets: models the trainer's link carried per sync); run "
-                 f"{results['run_s']:.0f} s")  # fmt: skip
+    lines.append(
+        f"(in brackets: models the trainer's link carried per sync); run {results['run_s']:.0f} s"
+    )
     return "\n".join(lines)
 
 

@@ -104,15 +104,24 @@ class PutWorkload(Workload):
         if bad := [x for x in names(args.lanes) if not x.isdigit() or not 1 <= int(x) <= 16]:
             raise CliError(f"--lanes takes counts from 1 to 16, got {bad[0]!r}")
         return cls(
-            sizes=sizes, batch=None if batch.lower() == "none" else parse_batch(batch),
-            ops=["write", "read"] if args.op == "both" else [args.op], ks=receiver_counts(n),
-            readers=n, baselines=parse_baselines(args.baselines),
-            budget_s=args.budget or (0.2 if q else 1.5), min_cycles=3 if q else 5,
-            max_cycles=20 if q else 100, block=args.block, dist_budget_s=0.2 if q else 1.0,
-            memcpy_budget_s=0.1 if q else 0.5, min_iters=3 if q else 5, timeout=args.timeout,
-            pin=args.pin, lanes=list(dict.fromkeys(int(x) for x in names(args.lanes))),
+            sizes=sizes,
+            batch=None if batch.lower() == "none" else parse_batch(batch),
+            ops=["write", "read"] if args.op == "both" else [args.op],
+            ks=receiver_counts(n),
+            readers=n,
+            baselines=parse_baselines(args.baselines),
+            budget_s=args.budget or (0.2 if q else 1.5),
+            min_cycles=3 if q else 5,
+            max_cycles=20 if q else 100,
+            block=args.block,
+            dist_budget_s=0.2 if q else 1.0,
+            memcpy_budget_s=0.1 if q else 0.5,
+            min_iters=3 if q else 5,
+            timeout=args.timeout,
+            pin=args.pin,
+            lanes=list(dict.fromkeys(int(x) for x in names(args.lanes))),
             notify=args.notify,
-        )  # fmt: skip
+        )
 
     def shapes(self) -> list[tuple[str, int]]:
         """("single", n) for every size, then ("batch", total) if a batch is measured."""
@@ -148,8 +157,10 @@ class PutWorkload(Workload):
         self.s, self.res, self.raw = s, res, None
         self.mooncake: tuple[Any, dict[str, Any]] | None = None  # (engine, the reader's answer)
         for r, m in zip(s.readers, s.ask(s.readers, "idle", s=IDLE_S), strict=True):
-            res.notes.append(f"{r} idle (its engine only, {IDLE_S:.0f} s): {100 * m['idle']:.2f}% "
-                             f"of a CPU; NIXL progress: {m['progress']}")  # fmt: skip
+            res.notes.append(
+                f"{r} idle (its engine only, {IDLE_S:.0f} s): {100 * m['idle']:.2f}% "
+                f"of a CPU; NIXL progress: {m['progress']}"
+            )
         big, count, size = max(self.sizes), *(self.batch or (0, 0))
         copies = max(self.ks) if "read" in self.ops and max(self.ks) > 1 else 1
         self.lbuf = [torch.ones(big, dtype=torch.uint8) for _ in range(copies)]
@@ -206,8 +217,9 @@ class PutWorkload(Workload):
         srcs: list[Any] = [self._local(i, op, kind, n) for i in range(k)]
         # a batch is made once (Transport.batch), as a loop sending the same tensors every step
         # does: checked and signed once, a put of it does no per-tensor work
-        srcs = [t.batch({f"b{j}": x for j, x in enumerate(xs)}) if key is None else xs[0]
-                for xs in srcs]  # fmt: skip
+        srcs = [
+            t.batch({f"b{j}": x for j, x in enumerate(xs)}) if key is None else xs[0] for xs in srcs
+        ]
         if op == "write":
             to = peers[0] if k == 1 else peers
             note = NOTE if self.notify else None
@@ -237,9 +249,13 @@ class PutWorkload(Workload):
         systems: list[System] = []
         route = self._route(op, k, kind, n)
         if self.raw is not None:
-            path = self.raw.path(op.upper(), [
-                (self._local(i, op, kind, n), b["batch"] if kind == "batch" else [b["buf"]])
-                for i, b in enumerate(self.raw.blobs[:k])])  # fmt: skip
+            path = self.raw.path(
+                op.upper(),
+                [
+                    (self._local(i, op, kind, n), b["batch"] if kind == "batch" else [b["buf"]])
+                    for i, b in enumerate(self.raw.blobs[:k])
+                ],
+            )
             probe = (200 if n <= MiB else 3) if k == 1 and n <= 64 * MiB else 0
             systems.append(RawNixl(RAW, path, route, probe=probe))
         ours = self._ours(op, k, kind, n)
@@ -249,20 +265,29 @@ class PutWorkload(Workload):
         if self.raw is not None:
             systems.append(RawNixl(REPOST, path, route, repost=True, owns=False))
         if kind == "batch" and n <= max(self.sizes) and (op == "write" or k == 1):
-            systems.append(System(SINGLE, self._ours(op, k, "single", n),
-                                self._route(op, k, "single", n)))  # fmt: skip
+            systems.append(
+                System(SINGLE, self._ours(op, k, "single", n), self._route(op, k, "single", n))
+            )
         for lanes in self.lanes[1:]:
             systems.append(System(f"ours-lanes{lanes}", self._with_lanes(lanes, ours), route))
         if self.mooncake is not None and k == 1 and kind == "single":
             from transport.cli.bench._mooncake import Mooncake
 
             engine, peer = self.mooncake
-            systems.append(Mooncake(engine, peer["session"], op, self._local(0, op, kind, n),
-                                    [peer["buf"]], route))  # fmt: skip
+            systems.append(
+                Mooncake(
+                    engine, peer["session"], op, self._local(0, op, kind, n), [peer["buf"]], route
+                )
+            )
         sched = [RAW, OURS, REPOST, OURS] if self.raw is not None else [OURS]
         sched += [x.name for x in systems if x.name not in sched]
-        timing = Timing(self.budget_s, self.min_cycles, self.max_cycles, self.warm,
-                        self.block if kind == "single" and n < MiB else 1)  # fmt: skip
+        timing = Timing(
+            self.budget_s,
+            self.min_cycles,
+            self.max_cycles,
+            self.warm,
+            self.block if kind == "single" and n < MiB else 1,
+        )
         case, pairs = self.case(op, k, kind, n), [(OURS, x.name) for x in systems if x.name != OURS]
         return Turn(f"raw+ours {op} {case.size} to {k}", case, systems, timing, sched, pairs)
 
@@ -282,8 +307,10 @@ class PutWorkload(Workload):
                 yield Turn(f"{name} {case.size} to {k}", case, [system], timing)
 
     def memcpy_turns(self) -> Iterator[Turn]:
-        self.res.notes.append(f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
-                              "thread(s) (CMA too is one copy by one thread)")  # fmt: skip
+        self.res.notes.append(
+            f"memcpy: dst.copy_(src) in the writer, {torch.get_num_threads()} "
+            "thread(s) (CMA too is one copy by one thread)"
+        )
         for kind, n in self.shapes():
             src = _ones(*self.batch) if kind == "batch" and self.batch else _ones(1, n)
             timing = Timing(self.memcpy_budget_s, self.min_iters, 5000, 2 if n < MiB else 1)
@@ -323,33 +350,51 @@ class PutWorkload(Workload):
         sizes = ", ".join(label_of(n) for n in self.sizes)
         batch = f"; batch {self.case('write', 1, 'batch', 0).size}" if self.batch else ""
         cpu = env["cpu"]
-        _report.text(out, f"transport bench put: {sizes}{batch}; ops {'+'.join(self.ops)}; "
-                     f"receivers {','.join(map(str, self.ks))}; {cpu['count']} CPUs "
-                     f"({cpu['model']}); {_report.ucx_summary(env['ucx'])}")  # fmt: skip
+        _report.text(
+            out,
+            f"transport bench put: {sizes}{batch}; ops {'+'.join(self.ops)}; "
+            f"receivers {','.join(map(str, self.ks))}; {cpu['count']} CPUs "
+            f"({cpu['model']}); {_report.ucx_summary(env['ucx'])}",
+        )
         blocks: dict[tuple[str, int], list[Record]] = {}
         for r in sorted(res.records, key=lambda r: r.family not in ("ours", "raw")):
             blocks.setdefault((r.case.op, r.case.receivers), []).append(r)
         for (op, k), rows in blocks.items():
             more = " (GB/s: bytes delivered to all receivers)" if k > 1 else ""
             _report.text(out, f"\n{op.upper()}, {k} receiver{'s' if k > 1 else ''}{more}")
-            _report.table(out, "size|<system|median|GB/s|vs raw-nixl|vs ours|p10..p90|iters|ok",
-                          _sections(rows))  # fmt: skip
+            _report.table(
+                out,
+                "size|<system|median|GB/s|vs raw-nixl|vs ours|p10..p90|iters|ok",
+                _sections(rows),
+            )
         if targets := [x for x in ratios if x.target is not None]:
-            _report.text(out, "\ntargets: ours against raw-nixl (make + post + poll + release per "
-                         "transfer), one receiver; ratio of medians [paired within cycles]")  # fmt: skip
+            _report.text(
+                out,
+                "\ntargets: ours against raw-nixl (make + post + poll + release per "
+                "transfer), one receiver; ratio of medians [paired within cycles]",
+            )
         for x in targets:
             rule = ("<=" if x.metric == "latency" else ">=") + f" {x.target}"
             paired = f" [{x.paired:.3f}]" if x.paired is not None else ""
             verdict = "PASS" if x.passed else "MISS"
-            _report.text(out, f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
-                         f"{x.ratio:.3f}{paired}  (target {rule})  {verdict}")  # fmt: skip
+            _report.text(
+                out,
+                f"  {x.case.op.upper():<5} {x.case.size:>8} {x.metric:<9} ours/raw = "
+                f"{x.ratio:.3f}{paired}  (target {rule})  {verdict}",
+            )
         dist = [x for x in ratios if x.vs in ("gloo", "gloo-bcast", "nccl-bcast")]
         if dist := [x for x in dist if x.case.kind == "single"]:
-            _report.text(out, "\nours against torch.distributed (send/recv or broadcast, each with a "
-                         "1-byte ack):")  # fmt: skip
+            _report.text(
+                out,
+                "\nours against torch.distributed (send/recv or broadcast, each with a "
+                "1-byte ack):",
+            )
         for x in dist:
-            what = (f"{x.vs}/ours latency = {1 / x.ratio:.1f}x" if x.metric == "latency"
-                    else f"ours/{x.vs} bandwidth = {x.ratio:.2f}x")  # fmt: skip
+            what = (
+                f"{x.vs}/ours latency = {1 / x.ratio:.1f}x"
+                if x.metric == "latency"
+                else f"ours/{x.vs} bandwidth = {x.ratio:.2f}x"
+            )
             c = x.case
             _report.text(out, f"  {c.op.upper():<5} {c.receivers} recv {c.size:>8}  {what}")
 
@@ -363,25 +408,34 @@ class PutWorkload(Workload):
         for system, op, k in sorted(lines, key=order):
             rs = sorted(lines[system, op, k], key=lambda r: r.case.bytes)
             label = system + ("" if op == "write" else f" ({op})") + ("" if k == 1 else f" x{k}")
-            style = dict(color=_report.COLORS.get(system), linestyle="-" if op == "write" else "--",
-                         marker="o", linewidth=2.2 if system == OURS else 1.4, label=label,
-                         alpha=1.0 if k == 1 else 0.6)  # fmt: skip
+            style = dict(
+                color=_report.COLORS.get(system),
+                linestyle="-" if op == "write" else "--",
+                marker="o",
+                linewidth=2.2 if system == OURS else 1.4,
+                label=label,
+                alpha=1.0 if k == 1 else 0.6,
+            )
             xs = [r.case.bytes for r in rs]
             sizes.update(xs)
             bw.plot(xs, [r.stats.gbps for r in rs], **style)
             lat.plot(xs, [r.stats.median_s * 1e6 for r in rs], **style)
         for ax in (bw, lat):
             ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted(sizes), [label_of(n).replace(" ", "") for n in sorted(sizes)],
-                          fontsize=8)  # fmt: skip
+            ax.set_xticks(
+                sorted(sizes), [label_of(n).replace(" ", "") for n in sorted(sizes)], fontsize=8
+            )
             ax.minorticks_off()
             ax.set_xlabel("transfer size (per receiver)")
             ax.grid(True, which="major", alpha=0.3)
         bw.set(ylabel="GB/s (median)", title="bandwidth")
         lat.set(ylabel="time per transfer (us, median)", yscale="log", title="latency")
         bw.legend(fontsize=8)
-        _report.save(fig, path, f"transport bench put: {env['cpu']['count']} CPUs, "
-                     f"{_report.ucx_summary(env['ucx'])}")  # fmt: skip
+        _report.save(
+            fig,
+            path,
+            f"transport bench put: {env['cpu']['count']} CPUs, {_report.ucx_summary(env['ucx'])}",
+        )
 
 
 def _sections(rows: list[Record]) -> list[list[list[str]]]:

@@ -34,8 +34,12 @@ import torch
 
 from transport.cli import CliError
 
-GROUPS = {"ours": "bench-ours", "gloo-gather": "bench-base", "ours-noconv": "bench-noconv",
-          "ours-rows": "bench-rows"}  # fmt: skip
+GROUPS = {
+    "ours": "bench-ours",
+    "gloo-gather": "bench-base",
+    "ours-noconv": "bench-noconv",
+    "ours-rows": "bench-rows",
+}
 MiB = 1 << 20
 
 
@@ -67,16 +71,26 @@ class Model:
         }
         for i in range(self.layers):
             p = f"l{i}."
-            out |= {p + "q": (h, h), p + "k": (h, h), p + "v": (h, h), p + "o": (h, h),
-                    p + "gate": (f, h), p + "up": (f, h), p + "down": (h, f), p + "norm": (h,)}  # fmt: skip
+            out |= {
+                p + "q": (h, h),
+                p + "k": (h, h),
+                p + "v": (h, h),
+                p + "o": (h, h),
+                p + "gate": (f, h),
+                p + "up": (f, h),
+                p + "down": (h, f),
+                p + "norm": (h,),
+            }
         return out
 
     def dims(self, shards: str = "tp") -> dict[str, int | None]:
         """Each tensor's shard dim: ``tp`` (column-parallel dim 0, row-parallel o and down dim 1)
         or ``fsdp`` (every matrix dim 0); norms replicated."""
         row = (".o", ".down") if shards == "tp" else ()
-        return {n: None if len(s) == 1 else 1 if n.endswith(row) else 0
-                for n, s in self.shapes().items()}  # fmt: skip
+        return {
+            n: None if len(s) == 1 else 1 if n.endswith(row) else 0
+            for n, s in self.shapes().items()
+        }
 
     def full(self) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(7)
@@ -135,15 +149,19 @@ def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]
             out |= {
                 p + "qkv_proj": tp_shard(src, p + "qkv_proj", [p + "q", p + "k", p + "v"], 0, 2, r),
                 p + "o_proj": tp_shard(src, p + "o_proj", [p + "o"], 1, 2, r),
-                p + "gate_up_proj": tp_shard(src, p + "gate_up_proj", [p + "gate", p + "up"], 0, 2, r),
+                p + "gate_up_proj": tp_shard(
+                    src, p + "gate_up_proj", [p + "gate", p + "up"], 0, 2, r
+                ),
                 p + "down_proj": tp_shard(src, p + "down_proj", [p + "down"], 1, 2, r),
                 p + "norm": full_copy(src, [p + "norm"])[p + "norm"],
-            }  # fmt: skip
+            }
     if dtype == "fp8" and quantize:
         return fp8(out, block=(128, 128))
     want = torch.float8_e4m3fn if dtype == "fp8" else getattr(torch, dtype)
-    return {n: DestTensor(d.shape, want if len(d.shape) == 2 else d.dtype, d.pieces, d.dim)
-            for n, d in out.items()}  # fmt: skip
+    return {
+        n: DestTensor(d.shape, want if len(d.shape) == 2 else d.dtype, d.pieces, d.dim)
+        for n, d in out.items()
+    }
 
 
 def full_converted(full: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
@@ -201,11 +219,14 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
     torch.set_num_threads(1)
     src = source_layout(c)
     full = c.model.full()
-    mine = {n: full[n][tuple(slice(lo, hi) for lo, hi in t.held[rank].box(t.shape))].contiguous()
-            for n, t in src.tensors.items()}  # fmt: skip
+    mine = {
+        n: full[n][tuple(slice(lo, hi) for lo, hi in t.held[rank].box(t.shape))].contiguous()
+        for n, t in src.tensors.items()
+    }
     del full
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                            world_size=c.ranks)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=c.ranks
+    )
     t = transport.Transport(f"bench-rank{rank}", store=store_url, timeout=c.timeout)
     made = time.perf_counter()
     pack = c.strided != "rows"
@@ -221,10 +242,13 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
         from transport.weights import SourceLayout
         from transport.weights.layouts import SourceTensor
 
-        nsrc = SourceLayout(src.world, {n: SourceTensor(s.shape, conv[n].dtype, s.held)
-                                        for n, s in src.tensors.items()})  # fmt: skip
-        noconv = ShardedPublisher(t, conv, nsrc, rank, group=GROUPS["ours-noconv"],
-                                  pack_strided=pack)  # fmt: skip
+        nsrc = SourceLayout(
+            src.world,
+            {n: SourceTensor(s.shape, conv[n].dtype, s.held) for n, s in src.tensors.items()},
+        )
+        noconv = ShardedPublisher(
+            t, conv, nsrc, rank, group=GROUPS["ours-noconv"], pack_strided=pack
+        )
     base = None
     if rank == 0:
         zeros = {n: torch.zeros(s) for n, s in c.model.shapes().items()}
@@ -238,8 +262,13 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
             t0 = time.perf_counter()
             r = pub.publish(versions[key], timeout=c.timeout).wait(c.timeout + 30)
             took = time.perf_counter() - t0
-        return {"s": took, "extra": peak.extra, "held": pub.pool_bytes, "done": r.done,
-                "why": r.reasons}  # fmt: skip
+        return {
+            "s": took,
+            "extra": peak.extra,
+            "held": pub.pool_bytes,
+            "done": r.done,
+            "why": r.reasons,
+        }
 
     def gather() -> dict[str, Any]:
         versions["gloo-gather"] += 1
@@ -342,8 +371,10 @@ def _reference(
     the runs the ranks write), then converted."""
     out = {}
     for n, d in dest_layout(c, g, c.dest_dtype, quantize=False).items():
-        parts = [full[p.source][tuple(slice(lo, hi) for lo, hi in p.take.box(full[p.source].shape))]
-                 for p in sorted(d.pieces, key=lambda p: p.at)]  # fmt: skip
+        parts = [
+            full[p.source][tuple(slice(lo, hi) for lo, hi in p.take.box(full[p.source].shape))]
+            for p in sorted(d.pieces, key=lambda p: p.at)
+        ]
         x = torch.cat(parts, d.dim) if len(parts) > 1 else parts[0]
         if x.dim() != 2 or c.dest_dtype == "float32":
             out[n] = x
@@ -366,9 +397,18 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
         raise CliError("--trainer-ranks runs its ranks and generators locally (no --store/--role)")
     params = parse_size(args.params or ("16M" if args.quick else "256M"), "--params")
     model = Model.sized(params, args.tensors or (50 if args.quick else 300))
-    c = Config(model, ranks, gens, args.dest_layout, args.dest_dtype,
-               args.steps or (3 if args.quick else 7), args.timeout, args.source_shards,
-               args.strided, args.mode)  # fmt: skip
+    c = Config(
+        model,
+        ranks,
+        gens,
+        args.dest_layout,
+        args.dest_dtype,
+        args.steps or (3 if args.quick else 7),
+        args.timeout,
+        args.source_shards,
+        args.strided,
+        args.mode,
+    )
     nbytes = sum(math.prod(s) * 4 for s in model.shapes().values())
     store = TcpStore("127.0.0.1", 0, hosting="yes")
     ctx = mp.get_context("spawn")
@@ -422,13 +462,26 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     med = {s: statistics.median(v) for s, v in times.items()}
     ok = {s: all(v[s] for v in verified) for s in med}
     label = f"{ranks} ranks ({c.source_shards} shards) -> {gens} generators ({c.dest_layout}, {c.dest_dtype})"
-    _report.text(out, f"bench sync --trainer-ranks: {label}; model {nbytes / MiB:.0f} MiB float32 in "
-                      f"{len(model.shapes())} tensors (hidden {model.hidden}, {model.layers} layers), "
-                      f"{c.steps} steps, interleaved")  # fmt: skip
-    rows = [[s, fmt_time(med[s]), f"{nbytes / med[s] / 1e9:.3f}", f"{held[s] / MiB:.0f} MiB",
-             f"{max(extra[s]) / MiB:.0f} MiB", "yes" if ok[s] else "NO"] for s in med]  # fmt: skip
-    _report.table(out, "<system|median|source GB/s|held beyond shards|peak while sending|verified",
-                  [rows])  # fmt: skip
+    _report.text(
+        out,
+        f"bench sync --trainer-ranks: {label}; model {nbytes / MiB:.0f} MiB float32 in "
+        f"{len(model.shapes())} tensors (hidden {model.hidden}, {model.layers} layers), "
+        f"{c.steps} steps, interleaved",
+    )
+    rows = [
+        [
+            s,
+            fmt_time(med[s]),
+            f"{nbytes / med[s] / 1e9:.3f}",
+            f"{held[s] / MiB:.0f} MiB",
+            f"{max(extra[s]) / MiB:.0f} MiB",
+            "yes" if ok[s] else "NO",
+        ]
+        for s in med
+    ]
+    _report.table(
+        out, "<system|median|source GB/s|held beyond shards|peak while sending|verified", [rows]
+    )
     ratios = {"gloo-gather/ours": med["gloo-gather"] / med["ours"]}
     if "ours-noconv" in med:
         ratios["ours/ours-noconv"] = med["ours"] / med["ours-noconv"]
@@ -437,10 +490,16 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     for k, v in ratios.items():
         _report.text(out, f"  {k}: {v:.2f}x")
     if args.json:
-        doc = {"config": {**asdict(c), "bytes": nbytes}, "median_s": med, "times_s": times,
-               "peak_extra_bytes": {s: max(v) for s, v in extra.items()}, "held_bytes": held,
-               "verified": ok,
-               "ratios": ratios, "environment": _report.environment({})}  # fmt: skip
+        doc = {
+            "config": {**asdict(c), "bytes": nbytes},
+            "median_s": med,
+            "times_s": times,
+            "peak_extra_bytes": {s: max(v) for s, v in extra.items()},
+            "held_bytes": held,
+            "verified": ok,
+            "ratios": ratios,
+            "environment": _report.environment({}),
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     if args.plot:

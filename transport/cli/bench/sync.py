@@ -49,8 +49,9 @@ class SyncCase:
 
 def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt := getattr(torch, name, None), torch.dtype):
-        raise CliError(f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, "
-                       "float16, int8")  # fmt: skip
+        raise CliError(
+            f"unknown dtype {name!r}; use torch's names, e.g. float32, bfloat16, float16, int8"
+        )
     return dt
 
 
@@ -62,8 +63,10 @@ def make_layout(params: int, tensors: int, dtypes: list[str]) -> list[tuple[str,
     sizes = [max(64, int(params * x / total) // 64 * 64) for x in w]
     sizes[max(range(tensors), key=lambda i: w[i])] += params - sum(sizes)
     roles = len(ROLES_IN_LAYER)
-    return [(f"layers.{i // roles}.{ROLES_IN_LAYER[i % roles]}", n, dtypes[i % len(dtypes)])
-            for i, n in enumerate(sizes)]  # fmt: skip
+    return [
+        (f"layers.{i // roles}.{ROLES_IN_LAYER[i % roles]}", n, dtypes[i % len(dtypes)])
+        for i, n in enumerate(sizes)
+    ]
 
 
 def make_moe_layout(
@@ -124,8 +127,9 @@ class Publish(System):
         w.pub.fanout, w.version = self.fanout, w.version + 1
         r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
         if len(r.done) != w.generators:
-            raise CliError(f"version {w.version} did not reach every generator: {r.status} "
-                           f"{r.reasons}")  # fmt: skip
+            raise CliError(
+                f"version {w.version} did not reach every generator: {r.status} {r.reasons}"
+            )
 
     def verify(self, seed: int) -> bool:
         s = self.w.s
@@ -184,16 +188,20 @@ class SyncWorkload(Workload):
         for d in dtypes:
             _dtype(d)
         if params < 64 * tensors:
-            raise CliError(f"--params {args.params} is too small for {tensors} tensors; give at "
-                           f"least {64 * tensors}")  # fmt: skip
+            raise CliError(
+                f"--params {args.params} is too small for {tensors} tensors; give at "
+                f"least {64 * tensors}"
+            )
         fanouts, known = list(dict.fromkeys(names(args.fanout))), ", ".join(FANOUTS)
         if bad := [f for f in fanouts if f not in FANOUTS]:
             raise CliError(f"unknown --fanout {bad[0]!r}; use a comma list of {known}")
         if not fanouts:
             raise CliError(f"--fanout is empty; give e.g. direct,chain ({known})")
         if args.mode == "inplace" and fanouts != ["direct"]:
-            raise CliError("relays forward from their staging slots: --fanout chain or tree needs "
-                           "--mode staging")  # fmt: skip
+            raise CliError(
+                "relays forward from their staging slots: --fanout chain or tree needs "
+                "--mode staging"
+            )
         if not 1 <= args.degree <= MAX_DEGREE:
             raise CliError(f"--degree must be from 1 to {MAX_DEGREE}, got {args.degree}")
         if args.experts < 0 or args.layers < 1:
@@ -313,8 +321,10 @@ class SyncWorkload(Workload):
             if problems := self.pub.refresh():
                 raise CliError("; ".join(f"{n}: {why}" for n, why in problems.items()))
             if time.monotonic() > end:
-                raise CliError(f"the generators did not join group {GROUP!r} within {s.wait:.0f} s "
-                               f"(joined: {self.pub.subscribers()})")  # fmt: skip
+                raise CliError(
+                    f"the generators did not join group {GROUP!r} within {s.wait:.0f} s "
+                    f"(joined: {self.pub.subscribers()})"
+                )
             time.sleep(0.02)
         joined = time.perf_counter()
         Publish(self, "direct").step()  # the first: plans for every generator are made here
@@ -331,9 +341,12 @@ class SyncWorkload(Workload):
         """What the setup of this many tensors took, and what it registered and stored."""
         peers = {p.name: p for p in self.s.t.peers()}
         me, gen = peers.get(self.s.t.name), peers.get(self.s.readers[0]) if self.s.readers else None
-        sides = [f"{who}: {p.regions} regions in {p.registrations} registrations, a record of "
-                 f"{human_bytes(p.record_bytes)}"
-                 for who, p in (("trainer", me), ("a generator", gen)) if p is not None]  # fmt: skip
+        sides = [
+            f"{who}: {p.regions} regions in {p.registrations} registrations, a record of "
+            f"{human_bytes(p.record_bytes)}"
+            for who, p in (("trainer", me), ("a generator", gen))
+            if p is not None
+        ]
         self.res.notes.append(
             f"setup of {self.tensors} tensors: the publisher {fmt_time(made)}, the generators "
             f"joining {fmt_time(joined)}, the first publish (its plans made) {fmt_time(first)}; "
@@ -358,13 +371,17 @@ class SyncWorkload(Workload):
         yield Turn(label, self.case(), systems, timing, [x.name for x in systems], pairs, False)
         if self.fanouts != ["direct"]:
             sends = ", ".join(f"{f}: {self.trainer_sends(f)}x" for f in self.fanouts)
-            self.res.notes.append(f"relayed fan-out (ours-chain, ours-tree): the trainer sends "
-                                  f"each version {sends} (tree degree {self.degree}); relays "
-                                  "forward each 32 MiB segment as it lands")  # fmt: skip
+            self.res.notes.append(
+                f"relayed fan-out (ours-chain, ours-tree): the trainer sends "
+                f"each version {sends} (tree degree {self.degree}); relays "
+                "forward each 32 MiB segment as it lands"
+            )
         if ours[-1].applies:
             took = fmt_time(statistics.median(ours[-1].applies))
-            self.res.notes.append(f"ours: a generator's apply() (staging -> live copy, off the "
-                                  f"trainer's path) took {took}")  # fmt: skip
+            self.res.notes.append(
+                f"ours: a generator's apply() (staging -> live copy, off the "
+                f"trainer's path) took {took}"
+            )
 
     def dist_turns(self, group: Group, backend: str) -> Iterator[Turn]:
         xs = [as_bytes(x.to(group.device)) for x in self.sd_list]
@@ -377,8 +394,9 @@ class SyncWorkload(Workload):
     def memcpy_turns(self) -> Iterator[Turn]:
         timing = Timing(0.0, self.steps, self.steps)
         yield Turn("memcpy", self.case(), [Memcpy(self.sd_list, self.generators)], timing)
-        self.res.notes.append(f"memcpy: the state dict copied {self.generators} time(s) in the "
-                              "trainer, one thread")  # fmt: skip
+        self.res.notes.append(
+            f"memcpy: the state dict copied {self.generators} time(s) in the trainer, one thread"
+        )
 
     # -- the report -----------------------------------------------------------------------------
 
@@ -408,12 +426,15 @@ class SyncWorkload(Workload):
 
     def report(self, res: Results, ratios: list[Ratio], env: dict[str, Any], out: IO[str]) -> None:
         cpu, gens = env["cpu"], f"{self.generators} generator{'s' if self.generators > 1 else ''}"
-        _report.text(out, f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
-                     f"{_report.ucx_summary(env['ucx'])}",
-                     f"\nweight sync: {self.count:,} parameters ({human_bytes(self.nbytes)} of "
-                     f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors{self.shape} to "
-                     f"{gens}, {self.mode} mode; median of {self.steps} syncs (GB/s: bytes "
-                     "delivered to all generators)")  # fmt: skip
+        _report.text(
+            out,
+            f"transport bench sync: {cpu['count']} CPUs ({cpu['model']}); "
+            f"{_report.ucx_summary(env['ucx'])}",
+            f"\nweight sync: {self.count:,} parameters ({human_bytes(self.nbytes)} of "
+            f"{','.join(dict.fromkeys(self.dtypes))}) in {self.tensors} tensors{self.shape} to "
+            f"{gens}, {self.mode} mode; median of {self.steps} syncs (GB/s: bytes "
+            "delivered to all generators)",
+        )
         ours = next((r for r in res.records if r.system == "ours"), None)
         rows = []
         for r in sorted(res.records, key=lambda r: _report.rank(r.system)):
@@ -438,9 +459,19 @@ class SyncWorkload(Workload):
         names, times = [r.system for r in records], [r.stats.median_s for r in records]
         ax.bar(names, times, color=[_report.COLORS.get(n, "tab:blue") for n in names])
         for i, r in enumerate(records):
-            ax.text(i, r.stats.median_s, f"{fmt_time(r.stats.median_s)}\n{r.stats.gbps:.2f} GB/s",
-                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+            ax.text(
+                i,
+                r.stats.median_s,
+                f"{fmt_time(r.stats.median_s)}\n{r.stats.gbps:.2f} GB/s",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_ylim(0, 1.2 * max(times, default=1.0))
         ax.set_ylabel("time per weight sync (s, median)")
-        _report.save(fig, path, f"transport bench sync: {human_bytes(self.nbytes)} in "
-                     f"{self.tensors} tensors to {self.generators} generators ({self.mode})")  # fmt: skip
+        _report.save(
+            fig,
+            path,
+            f"transport bench sync: {human_bytes(self.nbytes)} in "
+            f"{self.tensors} tensors to {self.generators} generators ({self.mode})",
+        )

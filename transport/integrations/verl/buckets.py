@@ -47,7 +47,7 @@ DTYPES: dict[str, torch.dtype] = {
         torch.bool,
         torch.float8_e4m3fn,
         torch.float8_e5m2,
-    )  # fmt: skip
+    )
 }
 #: the header of one piece takes at most this many bytes beyond its name and 9 per dimension
 PIECE_OVERHEAD = 96
@@ -190,8 +190,9 @@ class Packer:
 def read_header(raw: bytes, data_bytes: int, names: set[str] | None = None) -> list[Piece]:
     """The pieces of a header a peer wrote, each checked: a known dtype, a shape of ints >= 0,
     an aligned offset, its bytes inside the bucket's data and inside its tensor."""
-    rows = unpack(raw, "bucket header", len(raw), max_str=MAX_NAME * 4, max_array=1 << 20,
-                  max_map=0)  # fmt: skip
+    rows = unpack(
+        raw, "bucket header", len(raw), max_str=MAX_NAME * 4, max_array=1 << 20, max_map=0
+    )
     if not isinstance(rows, list):
         raise WireFormatError("a bucket header is a list of pieces")
     pieces = []

@@ -120,8 +120,12 @@ class TransportCheckpointEngine(CheckpointEngine):
     def _join(self, url: str) -> Transport:
         if self.transport is None:
             try:
-                self.transport = Transport(self.name, store=url, namespace=self.namespace,
-                                           secret=os.environ.get("TRANSPORT_SECRET") or None)  # fmt: skip
+                self.transport = Transport(
+                    self.name,
+                    store=url,
+                    namespace=self.namespace,
+                    secret=os.environ.get("TRANSPORT_SECRET") or None,
+                )
             except Exception as e:
                 raise type(e)(
                     f"transport checkpoint engine {self.name} could not join store {url}: {e} "
@@ -139,9 +143,11 @@ class TransportCheckpointEngine(CheckpointEngine):
         if self.store_url is not None:
             self._join(self.store_url)  # an unreachable store fails here, naming it
         return EngineInfo(
-            self.name, self.store_url if (self.is_master or self.store_url) else None,
-            self.bucket_size, self.relay_degree,
-        )  # fmt: skip
+            self.name,
+            self.store_url if (self.is_master or self.store_url) else None,
+            self.bucket_size,
+            self.relay_degree,
+        )
 
     @classmethod
     def build_topology(
@@ -161,8 +167,10 @@ class TransportCheckpointEngine(CheckpointEngine):
         if plan.role == "trainer":
             count = 2 if len(plan.trainers) == 1 else 1
             if len(self._buffers) != count:
-                self._buffers = [torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
-                                 for _ in range(count)]  # fmt: skip
+                self._buffers = [
+                    torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
+                    for _ in range(count)
+                ]
                 for buf in self._buffers:
                     t.register(buf)
         elif self._slots is None:
@@ -205,8 +213,13 @@ class TransportCheckpointEngine(CheckpointEngine):
         sender = BucketSender(self.transport, self.inbox, plan, self._buffers, self.timeout)
         report = await sender.send(weights)
         if report.dropped:
-            log.warning("update %s (step %s): rank %d dropped %s", plan.token, global_steps,
-                        plan.rank, report.dropped)  # fmt: skip
+            log.warning(
+                "update %s (step %s): rank %d dropped %s",
+                plan.token,
+                global_steps,
+                plan.rank,
+                report.dropped,
+            )
         return report.metrics(plan.rank)
 
     @torch.no_grad()
@@ -216,8 +229,9 @@ class TransportCheckpointEngine(CheckpointEngine):
         """Each tensor of the update as soon as its bucket landed (a view of the bucket)."""
         plan = self._plan_for("rollout")
         assert self.transport is not None and self.inbox is not None and self._slots is not None
-        receiver = BucketReceiver(self.transport, self.inbox, plan, self._slots, self.assembler,
-                                  self.timeout)  # fmt: skip
+        receiver = BucketReceiver(
+            self.transport, self.inbox, plan, self._slots, self.assembler, self.timeout
+        )
         async for item in receiver.receive():
             yield item
 

@@ -81,8 +81,9 @@ def encode(msg: Message) -> bytes:
 
 def decode(payload: bytes) -> Message:
     """A peer's bytes as a message, or WireFormatError naming the broken rule."""
-    m: Any = unpack(payload, "bucket-protocol message", 8192, max_str=MAX_REASON, max_array=0,
-                    max_map=10)  # fmt: skip
+    m: Any = unpack(
+        payload, "bucket-protocol message", 8192, max_str=MAX_REASON, max_array=0, max_map=10
+    )
     kind = m.get("kind") if isinstance(m, dict) else None
     cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:

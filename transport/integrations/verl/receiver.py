@@ -79,9 +79,14 @@ class BucketReceiver:
             return got if got is not None else self._upstream_abort()
 
         got: Bucket | Abort = await asyncio.to_thread(  # type: ignore[assignment]
-            partial(self.inbox.wait, ready, watch=lambda: [sender], timeout=self.timeout,  # type: ignore[arg-type]
-                    what=f"bucket {index} from {sender}")
-        )  # fmt: skip
+            partial(
+                self.inbox.wait,
+                ready,
+                watch=lambda: [sender],
+                timeout=self.timeout,  # type: ignore[arg-type]
+                what=f"bucket {index} from {sender}",
+            )
+        )
         if isinstance(got, Abort):
             raise UpdateAborted(f"{self.plan.parent} stopped relaying: {got.reason}")
         if got.slot != index % 2:
@@ -143,8 +148,11 @@ class BucketReceiver:
             elif isinstance(e, PeerGone):
                 error = UpdateAborted(f"relay {e.peer}, this worker's parent, is gone ({e.why})")
             why = str(error)[:MAX_REASON] or type(e).__name__
-            tell(self.transport, [*self.plan.trainers, *self.children.peers],
-                 Abort(self.plan.token, why, whole))  # fmt: skip
+            tell(
+                self.transport,
+                [*self.plan.trainers, *self.children.peers],
+                Abort(self.plan.token, why, whole),
+            )
             if error is e:
                 raise
             raise error from e

@@ -117,8 +117,15 @@ class BucketSender:
         src = buf[: planned.nbytes]
         if src.is_cuda:  # the copies into it were queued on the current stream
             torch.cuda.current_stream(src.device).synchronize()
-        msg = Bucket(self.plan.token, planned.index, planned.index % 2, planned.data_bytes, at,
-                     len(planned.header), last)  # fmt: skip
+        msg = Bucket(
+            self.plan.token,
+            planned.index,
+            planned.index % 2,
+            planned.data_bytes,
+            at,
+            len(planned.header),
+            last,
+        )
         flying = self.targets.post(src, msg, self.plan.bucket_bytes)
         self._flying[self._buffer_of(planned.index)] += flying
         self.report.buckets += 1

@@ -82,10 +82,15 @@ class Targets:
         if not waiting:
             return
         try:
-            await asyncio.to_thread(partial(
-                self.inbox.wait, partial(self._over, waiting, index), watch=partial(list, waiting),
-                timeout=self.timeout, what=f"free slot for bucket {index} at {', '.join(waiting)}",
-            ))  # fmt: skip
+            await asyncio.to_thread(
+                partial(
+                    self.inbox.wait,
+                    partial(self._over, waiting, index),
+                    watch=partial(list, waiting),
+                    timeout=self.timeout,
+                    what=f"free slot for bucket {index} at {', '.join(waiting)}",
+                )
+            )
         except PeerGone as e:
             self.drop(e.peer, e.why)
         except TransportError as e:
@@ -103,8 +108,20 @@ class Targets:
             if not self.inbox.may_write(peer, msg.index):
                 continue
             try:
-                out.append((peer, core.put_control_at(src, SLOTS, msg.slot * bucket_bytes, peer,
-                                                      CHANNEL, payload, self.timeout)))  # fmt: skip
+                out.append(
+                    (
+                        peer,
+                        core.put_control_at(
+                            src,
+                            SLOTS,
+                            msg.slot * bucket_bytes,
+                            peer,
+                            CHANNEL,
+                            payload,
+                            self.timeout,
+                        ),
+                    )
+                )
             except TransportError as e:
                 self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")
         return out

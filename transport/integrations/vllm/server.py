@@ -55,10 +55,21 @@ class VllmServer:
         self.url = f"http://{host}:{self.port}"
         self.log = Path(log)
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", host, "--port", str(self.port), "--tensor-parallel-size", str(tp),
-            "--weight-transfer-config", '{"backend": "transport"}', *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--tensor-parallel-size",
+            str(tp),
+            "--weight-transfer-config",
+            '{"backend": "transport"}',
+            *args,
+        ]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd,
@@ -96,9 +107,13 @@ class VllmServer:
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy token ids continuing each prompt (token ids), in one request."""
         body: dict[str, Any] = {
-            "model": self.model, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True,
-        }  # fmt: skip
+            "model": self.model,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         choices = sorted(self.post("v1/completions", body)["choices"], key=lambda c: c["index"])
         return [list(c["token_ids"]) for c in choices]
 

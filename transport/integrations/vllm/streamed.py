@@ -94,7 +94,7 @@ class Stream:
                         group=part_group(group, k),
                         layout={n: layout.dest[n] for n in names},
                         source_shapes=source_shapes,
-                    )  # fmt: skip
+                    )
                 )
         except BaseException:
             self.close()

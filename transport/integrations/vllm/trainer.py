@@ -290,8 +290,9 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         if failed is not None:
             said = "; ".join(
                 f"part {k}: done {r.done}, excluded {r.excluded}, lost {r.lost}, reasons "
-                f"{dict(r.reasons)}" for k, r in enumerate(results)
-            )  # fmt: skip
+                f"{dict(r.reasons)}"
+                for k, r in enumerate(results)
+            )
             raise UpdateError(
                 f"vLLM did not take version {v} ({failed}); the publish reported {said}; "
                 f"{self._name_torn()}; a worker that reports a torn model (transport_state) is "

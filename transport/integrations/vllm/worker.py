@@ -155,19 +155,27 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             try:
                 if mode == "inplace":
                     sub = WindowedSubscriber(
-                        t, live_tensors(self.model, layout), group=init_info.group,
-                        layout=layout.dest, source_shapes=shapes,
-                    )  # fmt: skip
+                        t,
+                        live_tensors(self.model, layout),
+                        group=init_info.group,
+                        layout=layout.dest,
+                        source_shapes=shapes,
+                    )
                 elif mode == "streamed":
                     bucket = room.bound // 2
                     stream = Stream(t, layout, init_info.group, staging, shapes, bucket)
                     sub = stream.subscribers[0]
                 else:
                     sub = WeightSubscriber(
-                        t, spec_of(layout), group=init_info.group, mode="staging",
-                        staging_device=staging, layout=layout.dest if layout.targets else None,
-                        source_shapes=shapes, slots=slots,
-                    )  # fmt: skip
+                        t,
+                        spec_of(layout),
+                        group=init_info.group,
+                        mode="staging",
+                        staging_device=staging,
+                        layout=layout.dest if layout.targets else None,
+                        source_shapes=shapes,
+                        slots=slots,
+                    )
                 # the trainer reads it (mode_key); signed: only this worker's holder writes it
                 said = f"streamed:{len(stream.names)}" if stream is not None else mode
                 t.core.signed.set(
@@ -190,10 +198,19 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             log.info(
                 "vLLM worker %s joined group %s of namespace %s in the %s mode (%s): %d tensors, "
                 "%.1f MiB per version%s; %d staging slot(s) (%s), %.1f MiB on %s",
-                name, init_info.group, init_info.namespace, self.mode, why, len(layout.dest),
-                layout.nbytes / 2**20, f" in {len(stream.names)} parts" if stream else "", slots,
-                why_slots, need / 2**20, staging,
-            )  # fmt: skip
+                name,
+                init_info.group,
+                init_info.namespace,
+                self.mode,
+                why,
+                len(layout.dest),
+                layout.nbytes / 2**20,
+                f" in {len(stream.names)} parts" if stream else "",
+                slots,
+                why_slots,
+                need / 2**20,
+                staging,
+            )
 
     def _choose(
         self, info: TransportInitInfo, spec: dict[str, torch.Tensor], room: Room
@@ -236,10 +253,16 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         )
         refused = refusals(self.model, layout)
         if not refused:
-            return layout, "inplace", why + (
-                asked if info.mode == "inplace" else
-                f"; {copy}, and vLLM computes with every parameter as stored"
-            )  # fmt: skip
+            return (
+                layout,
+                "inplace",
+                why
+                + (
+                    asked
+                    if info.mode == "inplace"
+                    else f"; {copy}, and vLLM computes with every parameter as stored"
+                ),
+            )
         first = ", ".join(f"{n} ({w})" for n, w in list(refused.items())[:4])
         if info.mode == "inplace":
             raise ValueError(
@@ -287,8 +310,10 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             if held is not None:
                 log.warning(
                     "vLLM worker dropped version %d of an update that was never finished; the "
-                    "model keeps version %d", held.version, self.version,
-                )  # fmt: skip
+                    "model keeps version %d",
+                    held.version,
+                    self.version,
+                )
             return
         sub = self.subscriber
         if sub is None:
@@ -369,8 +394,12 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             with stream.parts(wanted.version, wanted.timeout) as parts:
                 self._load(parts, wanted.version, group, len(stream.names))
             self.version = wanted.version
-            log.info("vLLM worker loaded version %d of group %s, streamed in %d parts",
-                     self.version, group, len(stream.names))  # fmt: skip
+            log.info(
+                "vLLM worker loaded version %d of group %s, streamed in %d parts",
+                self.version,
+                group,
+                len(stream.names),
+            )
         self._mark(CLOSED)
 
     def _load(
