@@ -16,8 +16,12 @@ import tempfile
 from pathlib import Path
 
 SYSTEMS = ["raw-nixl", "ours", "ours-chain", "ours-tree"]
-LABELS = {"raw-nixl": "raw NIXL (direct)", "ours": "direct", "ours-chain": "chain",
-          "ours-tree": "tree"}  # fmt: skip
+LABELS = {
+    "raw-nixl": "raw NIXL (direct)",
+    "ours": "direct",
+    "ours-chain": "chain",
+    "ours-tree": "tree",
+}
 
 
 def main() -> int:
@@ -35,10 +39,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
             out = Path(tmp) / f"g{n}.json"
-            cmd = [sys.executable, "-m", "transport.cli", "bench", "sync", "--generators", str(n),
-                   "--fanout", "direct,chain,tree", "--degree", args.degree, "--baselines", "raw",
-                   "--params", args.params, "--tensors", args.tensors, "--steps", args.steps,
-                   "--json", str(out), "--no-progress"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "transport.cli",
+                "bench",
+                "sync",
+                "--generators",
+                str(n),
+                "--fanout",
+                "direct,chain,tree",
+                "--degree",
+                args.degree,
+                "--baselines",
+                "raw",
+                "--params",
+                args.params,
+                "--tensors",
+                args.tensors,
+                "--steps",
+                args.steps,
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
             print(f"$ transport {' '.join(cmd[3:])}", flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
@@ -46,16 +70,21 @@ def main() -> int:
                 return done.returncode
             runs[n] = json.loads(out.read_text())
     print()
-    print(f"{'generators':>10}  " + "".join(f"{LABELS[s]:>20}" for s in SYSTEMS)
-          + f"  {'chain/direct':>13} {'tree/direct':>12}")  # fmt: skip
+    print(
+        f"{'generators':>10}  "
+        + "".join(f"{LABELS[s]:>20}" for s in SYSTEMS)
+        + f"  {'chain/direct':>13} {'tree/direct':>12}"
+    )
     for n, doc in runs.items():
         rec = {r["system"]: r for r in doc["records"]}
         cells = "".join(f"{rec[s]['median_s'] * 1e3:>17.1f} ms" for s in SYSTEMS)
         paired = {x["name"]: x.get("paired") for x in doc["ratios"]}
-        print(f"{n:>10}  {cells}  {rec['ours-chain']['median_s'] / rec['ours']['median_s']:>6.3f} "
-              f"[{paired.get('ours-chain/ours time') or 0:.3f}] "
-              f"{rec['ours-tree']['median_s'] / rec['ours']['median_s']:>5.3f} "
-              f"[{paired.get('ours-tree/ours time') or 0:.3f}]")  # fmt: skip
+        print(
+            f"{n:>10}  {cells}  {rec['ours-chain']['median_s'] / rec['ours']['median_s']:>6.3f} "
+            f"[{paired.get('ours-chain/ours time') or 0:.3f}] "
+            f"{rec['ours-tree']['median_s'] / rec['ours']['median_s']:>5.3f} "
+            f"[{paired.get('ours-tree/ours time') or 0:.3f}]"
+        )
     print("\n(median time per sync to every generator; [paired step by step])")
     if args.json:
         Path(args.json).write_text(json.dumps({str(n): d for n, d in runs.items()}, indent=1))
@@ -75,8 +104,9 @@ def main() -> int:
         ax.set_xlabel("generators")
         ax.set_ylabel("time per weight sync (s, median)")
         first = next(iter(runs.values()))["records"][0]
-        ax.set_title(f"fan-out of {first['bytes'] / 2**30:.2f} GiB in {first['tensors']} tensors",
-                     fontsize=9)  # fmt: skip
+        ax.set_title(
+            f"fan-out of {first['bytes'] / 2**30:.2f} GiB in {first['tensors']} tensors", fontsize=9
+        )
         ax.set_ylim(0, None)
         ax.legend()
         fig.tight_layout()

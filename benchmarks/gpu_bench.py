@@ -85,9 +85,15 @@ def bench_put(store_url: str, nbytes: int, iters: int) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 copy_s.append(time.perf_counter() - t0)
         put, copy = statistics.median(put_s), statistics.median(copy_s)
-        return {"bytes": nbytes, "put_s": put, "d2d_copy_s": copy,
-                "put_gbps": nbytes / put / 1e9, "copy_gbps": nbytes / copy / 1e9,
-                "put_over_copy_bandwidth": copy / put, "target": 0.7}  # fmt: skip
+        return {
+            "bytes": nbytes,
+            "put_s": put,
+            "d2d_copy_s": copy,
+            "put_gbps": nbytes / put / 1e9,
+            "copy_gbps": nbytes / copy / 1e9,
+            "put_over_copy_bandwidth": copy / put,
+            "target": 0.7,
+        }
 
 
 def bench_publish(store_url: str, tensors: int, params: int, iters: int) -> dict[str, Any]:
@@ -138,9 +144,16 @@ def bench_publish(store_url: str, tensors: int, params: int, iters: int) -> dict
                 steps.append(t2 - t0)
             pub.close()
         e, st, h = statistics.median(eager), statistics.median(steps), statistics.median(host)
-        return {"tensors": tensors, "bytes": params * 4, "eager_step_s": e, "graph_step_s": st,
-                "graph_host_s": h, "graph_over_eager_step": st / e, "host_target_s": 30e-6,
-                "step_target": 1.1}  # fmt: skip
+        return {
+            "tensors": tensors,
+            "bytes": params * 4,
+            "eager_step_s": e,
+            "graph_step_s": st,
+            "graph_host_s": h,
+            "graph_over_eager_step": st / e,
+            "host_target_s": 30e-6,
+            "step_target": 1.1,
+        }
 
 
 def main() -> int:
@@ -162,14 +175,20 @@ def main() -> int:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         out["put"] = bench_put(args.store, GiB, args.iters)
-        print(f"1 GiB put between two processes: {out['put']['put_gbps']:.1f} GB/s; "
-              f"device copy {out['put']['copy_gbps']:.1f} GB/s; ratio "
-              f"{out['put']['put_over_copy_bandwidth']:.2f} (target >= 0.7)", flush=True)  # fmt: skip
+        print(
+            f"1 GiB put between two processes: {out['put']['put_gbps']:.1f} GB/s; "
+            f"device copy {out['put']['copy_gbps']:.1f} GB/s; ratio "
+            f"{out['put']['put_over_copy_bandwidth']:.2f} (target >= 0.7)",
+            flush=True,
+        )
         out["publish"] = bench_publish(args.store, 300, 64 << 20, args.iters)
         p = out["publish"]
-        print(f"publish of 300 tensors: eager step {p['eager_step_s'] * 1e3:.2f} ms, graph step "
-              f"{p['graph_step_s'] * 1e3:.2f} ms ({p['graph_over_eager_step']:.2f}x, target <= 1.1); "
-              f"host time per replay {p['graph_host_s'] * 1e6:.1f} us (target <= 30)", flush=True)  # fmt: skip
+        print(
+            f"publish of 300 tensors: eager step {p['eager_step_s'] * 1e3:.2f} ms, graph step "
+            f"{p['graph_step_s'] * 1e3:.2f} ms ({p['graph_over_eager_step']:.2f}x, target <= 1.1); "
+            f"host time per replay {p['graph_host_s'] * 1e6:.1f} us (target <= 30)",
+            flush=True,
+        )
         # a submodule is an attribute only once imported: ask the import system
         present = importlib.util.find_spec("torch.distributed._transport") is not None
         out["torch_transport"] = (

@@ -57,10 +57,14 @@ ENGINES = {
 
 def make_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
     cfg = transformers.Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        tie_word_embeddings=False,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -76,20 +80,34 @@ def run_one(
     kwargs, module = ENGINES[engine]
     if engine == "transport":
         kwargs = {**kwargs, "store": store}  # so that prepare() joins it: see the docstring
-    cfg = CheckpointEngineConfig(backend=engine, update_weights_bucket_megabytes=bucket_mb,
-                                 engine_kwargs={engine: kwargs}, custom_backend_module=module)  # fmt: skip
+    cfg = CheckpointEngineConfig(
+        backend=engine,
+        update_weights_bucket_megabytes=bucket_mb,
+        engine_kwargs={engine: kwargs},
+        custom_backend_module=module,
+    )
     pool = RayResourcePool(process_on_nodes=[2 + workers], max_colocate_count=1, use_gpu=False)
     trainer_pool, rollout_pool = split_resource_pool(pool, [2, workers])
-    actor = RayWorkerGroup(resource_pool=trainer_pool, device_name="cpu", ray_cls_with_init=RayClassWithInitArgs(
-        cls=ray.remote(StandInTrainer), model_path=str(model), config=cfg))  # fmt: skip
+    actor = RayWorkerGroup(
+        resource_pool=trainer_pool,
+        device_name="cpu",
+        ray_cls_with_init=RayClassWithInitArgs(
+            cls=ray.remote(StandInTrainer), model_path=str(model), config=cfg
+        ),
+    )
     rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=cfg)
-    rollout, replicas = asyncio.run(create_rollout_worker_group(
-        rollout_pool, HFModelConfig(path=str(model)), rollout_config, False))  # fmt: skip
+    rollout, replicas = asyncio.run(
+        create_rollout_worker_group(
+            rollout_pool, HFModelConfig(path=str(model)), rollout_config, False
+        )
+    )
     manager = CheckpointEngineManager(config=cfg, actor_wg=actor, replicas=replicas)
     pids = {"trainer": actor.pid(), "rollout": [pid_of(w) for w in rollout.workers]}
     if engine == "transport":  # its Transport exists now, as verl's nixl agent does (no bucket yet)
-        ray.get(actor.execute_checkpoint_engine(["prepare"] * actor.world_size)
-                + rollout.execute_checkpoint_engine(["prepare"] * rollout.world_size))  # fmt: skip
+        ray.get(
+            actor.execute_checkpoint_engine(["prepare"] * actor.world_size)
+            + rollout.execute_checkpoint_engine(["prepare"] * rollout.world_size)
+        )
     before = {k: [rss_bytes(p) for p in v] for k, v in pids.items()}
     manager.update_weights(global_steps=1)  # the warm-up
     for pid in [*pids["trainer"], *pids["rollout"]]:

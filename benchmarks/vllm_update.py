@@ -173,17 +173,34 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
     model, state, shm, store = ctx["model"], ctx["state"], ctx["shm"], ctx["store"]
     cores = os.cpu_count() or 1
     here = str(Path(__file__).resolve().parent)
-    server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-                   "--block-size", "32", "--skip-tokenizer-init",
-                   "--worker-extension-cls", f"{Path(__file__).stem}.BenchState")  # fmt: skip
+    server_args = (
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--block-size",
+        "32",
+        "--skip-tokenizer-init",
+        "--worker-extension-cls",
+        f"{Path(__file__).stem}.BenchState",
+    )
     paths = [here, str(AS_STORED_PATH) if args.as_stored else "", os.environ.get("PYTHONPATH")]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
-           "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, paths))}  # fmt: skip
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, paths)),
+    }
     modes = AS_STORED_MODES if args.as_stored else MODES
     t_start = time.perf_counter()
-    server = VllmServer(ctx["work"] / "model", ctx["work"] / f"vllm-tp{tp}.log", tp=tp,
-                        args=server_args, env=env, start_timeout=600)  # fmt: skip
+    server = VllmServer(
+        ctx["work"] / "model",
+        ctx["work"] / f"vllm-tp{tp}.log",
+        tp=tp,
+        args=server_args,
+        env=env,
+        start_timeout=600,
+    )
     print(f"TP={tp}: server up in {time.perf_counter() - t_start:.0f} s", flush=True)
 
     def rpc(method: str) -> list[Any]:
@@ -207,8 +224,9 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
 
     def via_shm() -> None:
         save_file(state, str(shm / "model.safetensors"))
-        server.post("collective_rpc",
-                    {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}})  # fmt: skip
+        server.post(
+            "collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(shm)}}
+        )
 
     out: dict[str, Any] = {"tp": tp, "modes": {}}
     # streamed: room for half a copy of a worker's slice (the model over tp, the norms aside)
@@ -224,10 +242,14 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
         baseline = group_rss()
         for mode in modes:
             keys = [k for k in (mode, load_key(mode), "shm") if k is not None]
-            out["modes"][mode] = {"times_s": {k: [] for k in keys},
-                                  "other_cores": {k: [] for k in keys},
-                                  "loading_s": [], "publish_s": [], "first_two_s": [],
-                                  "blocks": []}  # fmt: skip
+            out["modes"][mode] = {
+                "times_s": {k: [] for k in keys},
+                "other_cores": {k: [] for k in keys},
+                "loading_s": [],
+                "publish_s": [],
+                "first_two_s": [],
+                "blocks": [],
+            }
         v = 0
         for block in range(args.blocks):
             for mode in modes:
@@ -235,12 +257,18 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                 before = group_rss()
                 trainer_before = rss(os.getpid())
                 new = WeightTransferTrainerFactory.trainer_init(  # a TransportTrainer
-                    TransportTrainerInitInfo(store.url, namespace=f"vllm-bench-tp{tp}-{mode}-{block}",
-                                             name=f"trainer-{mode}", rank=0, timeout=300, mode=mode,
-                                             staging_gb=half if mode == "streamed" else None),
+                    TransportTrainerInitInfo(
+                        store.url,
+                        namespace=f"vllm-bench-tp{tp}-{mode}-{block}",
+                        name=f"trainer-{mode}",
+                        rank=0,
+                        timeout=300,
+                        mode=mode,
+                        staging_gb=half if mode == "streamed" else None,
+                    ),
                     client=HTTPClient(server.url),
                     source=ModuleSource(model),
-                )  # fmt: skip
+                )
                 if engine is not None:  # the workers left its group for the new one
                     engine.shutdown()
                 engine = cast(TransportTrainer, new)
@@ -278,18 +306,27 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                     if only_load is not None:
                         timed(m, only_load, floor, v)
                     timed(m, "shm", via_shm)
-                    print(f"TP={tp} block {block} {mode} round {r}: " + ", ".join(
-                        f"{k} {x[-1] * 1e3:.0f} ms" for k, x in m["times_s"].items()), flush=True)  # fmt: skip
-                m["blocks"].append([
-                    {"peer": s["peer"], "mode": s["mode"],
-                     "written_per_version": sorted(set(written[s["peer"]])),
-                     "version_bytes": s["version_bytes"], "staging_bytes": s["staging_bytes"],
-                     "fallback": s["fallback"],
-                     "rss_server_start_mib": mib(baseline.get(pid, 0)),
-                     "rss_before_join_mib": mib(before.get(pid, 0)),
-                     "rss_after_two_versions_mib": mib(after[pid])}
-                    for s, pid in zip(st, pids, strict=True)
-                ])  # fmt: skip
+                    print(
+                        f"TP={tp} block {block} {mode} round {r}: "
+                        + ", ".join(f"{k} {x[-1] * 1e3:.0f} ms" for k, x in m["times_s"].items()),
+                        flush=True,
+                    )
+                m["blocks"].append(
+                    [
+                        {
+                            "peer": s["peer"],
+                            "mode": s["mode"],
+                            "written_per_version": sorted(set(written[s["peer"]])),
+                            "version_bytes": s["version_bytes"],
+                            "staging_bytes": s["staging_bytes"],
+                            "fallback": s["fallback"],
+                            "rss_server_start_mib": mib(baseline.get(pid, 0)),
+                            "rss_before_join_mib": mib(before.get(pid, 0)),
+                            "rss_after_two_versions_mib": mib(after[pid]),
+                        }
+                        for s, pid in zip(st, pids, strict=True)
+                    ]
+                )
         for m in out["modes"].values():
             m["time_stats_s"] = {k: spread(x) for k, x in m["times_s"].items()}
             m["other_cores_median"] = {k: statistics.median(x) for k, x in m["other_cores"].items()}
@@ -313,13 +350,17 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
         return statistics.mean(max(x[k]) if isinstance(x[k], list) else x[k] for x in m["workers"])
 
     inplace = res["modes"].get("inplace")
-    extra = {} if inplace is None else {
-        "shm_over_inplace_time": med(inplace, "shm") / med(inplace, "inplace"),
-        "inplace_over_floor_time": med(inplace, "inplace") / med(w, "floor"),
-        "sharded_over_inplace_time": med(s, "sharded") / med(inplace, "inplace"),
-        "inplace_over_sharded_written": per_worker(inplace, "written_per_version")
-        / per_worker(s, "written_per_version"),
-    }  # fmt: skip
+    extra = (
+        {}
+        if inplace is None
+        else {
+            "shm_over_inplace_time": med(inplace, "shm") / med(inplace, "inplace"),
+            "inplace_over_floor_time": med(inplace, "inplace") / med(w, "floor"),
+            "sharded_over_inplace_time": med(s, "sharded") / med(inplace, "inplace"),
+            "inplace_over_sharded_written": per_worker(inplace, "written_per_version")
+            / per_worker(s, "written_per_version"),
+        }
+    )
     streamed = res["modes"].get("streamed")
     if streamed is not None:
         extra |= {
@@ -344,8 +385,10 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
 
 
 def table(results: dict[str, Any]) -> str:
-    head = ("| TP | system | median s | min-max s | publish s | other cores | "
-            "written/worker MiB | version MiB | staging MiB | worker RSS start -> after MiB |")  # fmt: skip
+    head = (
+        "| TP | system | median s | min-max s | publish s | other cores | "
+        "written/worker MiB | version MiB | staging MiB | worker RSS start -> after MiB |"
+    )
     lines = [head, "|" + " --- |" * 10]
     for tp, res in results["tp"].items():
         for mode, m in res["modes"].items():
@@ -355,14 +398,21 @@ def table(results: dict[str, Any]) -> str:
                 return " / ".join(f(x) for x in ws)
 
             rows = [
-                (mode, cell(lambda x: f"{mib(max(x['written_per_version']))}"),
-                 cell(lambda x: f"{mib(x['version_bytes'])}"),
-                 cell(lambda x: f"{mib(x['staging_bytes'])}"),
-                 cell(lambda x: f"{x['rss_server_start_mib']:.0f} -> "
-                                f"{x['rss_after_two_versions_mib']:.0f}")),
+                (
+                    mode,
+                    cell(lambda x: f"{mib(max(x['written_per_version']))}"),
+                    cell(lambda x: f"{mib(x['version_bytes'])}"),
+                    cell(lambda x: f"{mib(x['staging_bytes'])}"),
+                    cell(
+                        lambda x: (
+                            f"{x['rss_server_start_mib']:.0f} -> "
+                            f"{x['rss_after_two_versions_mib']:.0f}"
+                        )
+                    ),
+                ),
                 (load_key(mode), "0", "", "", ""),
                 ("shm", "", "", "", ""),
-            ]  # fmt: skip
+            ]
             rows = [r for r in rows if r[0] is not None]
             for key, *rest in rows:
                 t = m["time_stats_s"][key]
@@ -383,13 +433,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per block")
     ap.add_argument("--blocks", type=int, default=2, help="blocks of each mode per server")
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes, one server each")
-    ap.add_argument("--worker-spin-s", type=float, default=None,
-                    help="seconds the TP workers' readers of vLLM's message queues spin after a "
-                         "message before sleeping (vLLM's default: 1 s; with as many workers as "
-                         "cores their spinning starves every other process of the update)")  # fmt: skip
-    ap.add_argument("--as-stored", action="store_true",
-                    help="servers that compute with their parameters as stored (as vLLM's GPU "
-                         "builds do), and the in-place mode next to the others")  # fmt: skip
+    ap.add_argument(
+        "--worker-spin-s",
+        type=float,
+        default=None,
+        help="seconds the TP workers' readers of vLLM's message queues spin after a "
+        "message before sleeping (vLLM's default: 1 s; with as many workers as "
+        "cores their spinning starves every other process of the update)",
+    )
+    ap.add_argument(
+        "--as-stored",
+        action="store_true",
+        help="servers that compute with their parameters as stored (as vLLM's GPU "
+        "builds do), and the in-place mode next to the others",
+    )
     ap.add_argument(
         "--model",
         choices=("llama", "qwen3-moe"),
@@ -419,11 +476,16 @@ def main() -> None:
     store = None
     try:
         common = dict(
-            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-            num_key_value_heads=args.hidden // 64, max_position_embeddings=256,
-            tie_word_embeddings=False, dtype="float32",
-        )  # fmt: skip
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.hidden // 64,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            dtype="float32",
+        )
         if args.model == "qwen3-moe":
             config = Qwen3MoeConfig(
                 **common,
@@ -446,18 +508,30 @@ def main() -> None:
         store = TcpStore("127.0.0.1", 0, hosting="yes")
         ctx = {"model": model, "state": state, "shm": shm, "store": store, "work": work}
         results: dict[str, Any] = {
-            "model": {"kind": args.model, "mib": mib(nbytes), "tensors": len(state),
-                      "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
-                      "dtype": "float32",
-                      **({"experts": args.experts, "moe_intermediate": args.moe_intermediate}
-                         if args.model == "qwen3-moe" else {})},
+            "model": {
+                "kind": args.model,
+                "mib": mib(nbytes),
+                "tensors": len(state),
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "vocab": args.vocab,
+                "dtype": "float32",
+                **(
+                    {"experts": args.experts, "moe_intermediate": args.moe_intermediate}
+                    if args.model == "qwen3-moe"
+                    else {}
+                ),
+            },
             "argv": sys.argv[1:],
             "rounds_per_block": args.rounds,
             "blocks": args.blocks,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "torch": torch.__version__},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+            },
             "tp": {},
-        }  # fmt: skip
+        }
         try:
             import vllm
 

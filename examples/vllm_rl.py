@@ -34,10 +34,19 @@ def make_model(folder: Path) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
     return model
@@ -75,8 +84,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm-rl-"))
     model = make_model(work / "model")
     t0 = time.monotonic()
-    server_args = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
-             "--block-size", "32", "--skip-tokenizer-init")  # fmt: skip
+    server_args = (
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "128",
+        "--block-size",
+        "32",
+        "--skip-tokenizer-init",
+    )
     with VllmServer(work / "model", work / "vllm.log", args=server_args) as server:
         url = server.url
         print(f"vLLM up in {time.monotonic() - t0:.0f} s (log: {server.log})", flush=True)
@@ -89,11 +106,15 @@ def main() -> None:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         g = torch.Generator().manual_seed(1)
         first = PROMPTS[0]
-        print(f"{len(PROMPTS)} prompts, the first {words(first)}: counting continues it with "
-              f"{words(list(range(first[-1] + 1, first[-1] + 1 + NEW_TOKENS)))}")  # fmt: skip
+        print(
+            f"{len(PROMPTS)} prompts, the first {words(first)}: counting continues it with "
+            f"{words(list(range(first[-1] + 1, first[-1] + 1 + NEW_TOKENS)))}"
+        )
         total = len(PROMPTS) * NEW_TOKENS
         got = server.complete(PROMPTS, NEW_TOKENS)
-        print(f"step   0 (random init)             vLLM: {words(got[0])}  ({right(got)}/{total} right)")
+        print(
+            f"step   0 (random init)             vLLM: {words(got[0])}  ({right(got)}/{total} right)"
+        )
         syncs = []
         for step in range(1, args.steps + 1):
             model.train()
@@ -106,21 +127,33 @@ def main() -> None:
             engine.send_weights(step)
             syncs.append(time.perf_counter() - t)
             got = server.complete(PROMPTS, NEW_TOKENS)
-            print(f"step {step:3d} loss {loss.item():5.2f} sync {syncs[-1] * 1e3:6.1f} ms "
-                  f"vLLM: {words(got[0])}  ({right(got)}/{total} right)", flush=True)  # fmt: skip
+            print(
+                f"step {step:3d} loss {loss.item():5.2f} sync {syncs[-1] * 1e3:6.1f} ms "
+                f"vLLM: {words(got[0])}  ({right(got)}/{total} right)",
+                flush=True,
+            )
         # the check: vLLM serves exactly the trainer's last weights
         model.eval()
         with torch.no_grad():
-            ref = model.generate(torch.tensor(PROMPTS), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            ref = model.generate(
+                torch.tensor(PROMPTS),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         ref_ids = ref[:, len(PROMPTS[0]) :].tolist()
         served = server.get("weight_info")["weight_version"]
         syncs.sort()
-        print(f"sync per step: median {syncs[len(syncs) // 2] * 1e3:.1f} ms, "
-              f"max {syncs[-1] * 1e3:.1f} ms over {len(syncs)} steps; vLLM serves version {served}")  # fmt: skip
+        print(
+            f"sync per step: median {syncs[len(syncs) // 2] * 1e3:.1f} ms, "
+            f"max {syncs[-1] * 1e3:.1f} ms over {len(syncs)} steps; vLLM serves version {served}"
+        )
         engine.shutdown()
         if got != ref_ids or served != str(args.steps):
-            sys.exit(f"vllm_rl: FAILED: vLLM served {got} (version {served}), transformers {ref_ids}")
+            sys.exit(
+                f"vllm_rl: FAILED: vLLM served {got} (version {served}), transformers {ref_ids}"
+            )
         print("vllm_rl: OK")
 
 

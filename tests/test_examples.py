@@ -12,9 +12,18 @@ from helpers.processes import REPO, free_port
 
 def run(script: str, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / script), "--store", f"tcp://127.0.0.1:{free_port()}", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "examples" / script),
+            "--store",
+            f"tcp://127.0.0.1:{free_port()}",
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -62,8 +71,11 @@ def test_rl_loop_with_generators_relaying_along_a_chain():
 def test_push_weights_rejects_bad_arguments():
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "push_weights.py"), "--generators", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "must be at least 1" in proc.stderr
 
 

@@ -27,10 +27,23 @@ def probe_wheel(folder: Path, work: Path) -> str:
         '[tool.setuptools]\npy-modules = ["transport_gpu_probe"]\n'
     )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index",
-         "--no-build-isolation", "-w", str(folder), str(src)],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "-w",
+            str(folder),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     (wheel,) = folder.glob("*.whl")
     return wheel.name
 
@@ -44,8 +57,12 @@ def gpu_check(out: Path, wheels: Path, *args: str, python: str = sys.executable)
     }
     return subprocess.run(
         ["bash", "benchmarks/gpu_check.sh", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
 
 
 @pytest.mark.slow
@@ -87,8 +104,11 @@ def test_the_dry_run_installs_the_carried_wheels_and_the_gpu_tests_skip_with_the
 def test_without_a_cuda_device_the_check_fails_at_once_naming_the_way_out(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "benchmarks/gpu_env.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert re.search(r"^gpu_check: torch \S+", r.stdout, re.M)  # the versions come first
     assert "missing CUDA device" in r.stderr and "--dry-run" in r.stderr, r.stderr

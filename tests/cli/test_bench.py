@@ -117,9 +117,21 @@ def test_sync_quick_measures_every_system_and_verifies_each(tmp_path):
 
 def test_sync_of_a_sharded_trainer_verifies_every_system(tmp_path):
     """2 rank processes into TP=2 fused fp8 generators, against gloo gather and no conversion."""
-    out = cli("bench", "sync", "--quick", "--trainer-ranks", "2", "--dest-layout", "tp2-fused",
-              "--dest-dtype", "fp8", "--json", str(tmp_path / "s.json"), "--plot",
-              str(tmp_path / "s.png"))  # fmt: skip
+    out = cli(
+        "bench",
+        "sync",
+        "--quick",
+        "--trainer-ranks",
+        "2",
+        "--dest-layout",
+        "tp2-fused",
+        "--dest-dtype",
+        "fp8",
+        "--json",
+        str(tmp_path / "s.json"),
+        "--plot",
+        str(tmp_path / "s.png"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "s.json").read_text())
     assert doc["verified"] == {"ours": True, "gloo-gather": True, "ours-noconv": True}
@@ -136,9 +148,22 @@ def test_sync_of_a_sharded_trainer_verifies_every_system(tmp_path):
 @pytest.mark.timeout(300)
 def test_put_compares_lane_settings(tmp_path):
     out = cli(
-        "bench", "put", "--quick", "--sizes", "4K,96M", "--op", "write", "--batch", "none",
-        "--baselines", "raw", "--lanes", "2,1", "--json", str(tmp_path / "p.json"),
-    )  # fmt: skip
+        "bench",
+        "put",
+        "--quick",
+        "--sizes",
+        "4K,96M",
+        "--op",
+        "write",
+        "--batch",
+        "none",
+        "--baselines",
+        "raw",
+        "--lanes",
+        "2,1",
+        "--json",
+        str(tmp_path / "p.json"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "p.json").read_text())
     got = {(r["system"], r["size"]) for r in doc["records"]}
@@ -151,9 +176,18 @@ def test_put_compares_lane_settings(tmp_path):
 @pytest.mark.timeout(300)
 def test_sync_compares_direct_and_relayed_fan_out(tmp_path):
     out = cli(
-        "bench", "sync", "--quick", "--generators", "3", "--fanout", "direct,chain,tree",
-        "--baselines", "raw", "--json", str(tmp_path / "s.json"),
-    )  # fmt: skip
+        "bench",
+        "sync",
+        "--quick",
+        "--generators",
+        "3",
+        "--fanout",
+        "direct,chain,tree",
+        "--baselines",
+        "raw",
+        "--json",
+        str(tmp_path / "s.json"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "s.json").read_text())
     systems = {r["system"]: r for r in doc["records"]}
@@ -176,20 +210,52 @@ def test_writer_and_reader_started_by_hand_meet_in_a_store(tmp_path):
     processes that only share the store URL."""
     url = f"tcp://127.0.0.1:{free_port()}"
     reader = subprocess.Popen(
-        [sys.executable, "-m", "transport.cli", "bench", "put", "--store", url, "--role", "reader",
-         "--name", "gen-a", "--wait", "120"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "bench",
+            "put",
+            "--store",
+            url,
+            "--role",
+            "reader",
+            "--name",
+            "gen-a",
+            "--wait",
+            "120",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert reader.stdout is not None
     lines = LineReader(reader.stdout)
     try:
         first = lines.next_line(timeout=60)  # it hosts the store now
         assert first is not None and "joined namespace 'bench'" in first, first
         out = cli(
-            "bench", "put", "--store", url, "--role", "writer", "--peers", "gen-a", "--quick",
-            "--sizes", "4K,1M", "--batch", "none", "--baselines", "raw,gloo", "--json",
-            str(tmp_path / "x.json"), "--wait", "120",
-        )  # fmt: skip
+            "bench",
+            "put",
+            "--store",
+            url,
+            "--role",
+            "writer",
+            "--peers",
+            "gen-a",
+            "--quick",
+            "--sizes",
+            "4K,1M",
+            "--batch",
+            "none",
+            "--baselines",
+            "raw,gloo",
+            "--json",
+            str(tmp_path / "x.json"),
+            "--wait",
+            "120",
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert reader.wait(timeout=60) == 0, reader.stderr.read() if reader.stderr else ""
     finally:
@@ -273,9 +339,21 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
 
 
 def test_sizes_parse_in_every_accepted_form():
-    assert [parse_size(s) for s in ("4096", "4K", "4k", "4KB", "4KiB", "64KiB", "1M", "1MiB", "1G", "1.5K")] == [
-        4096, 4096, 4096, 4096, 4096, 65536, 1 << 20, 1 << 20, 1 << 30, 1536,
-    ]  # fmt: skip
+    assert [
+        parse_size(s)
+        for s in ("4096", "4K", "4k", "4KB", "4KiB", "64KiB", "1M", "1MiB", "1G", "1.5K")
+    ] == [
+        4096,
+        4096,
+        4096,
+        4096,
+        4096,
+        65536,
+        1 << 20,
+        1 << 20,
+        1 << 30,
+        1536,
+    ]
     assert parse_sizes("1M,4K,4K") == [4096, 1 << 20]
     assert parse_batch("1000x64K") == (1000, 65536)
     for bad in ("4Q", "K", "-4K", "0", "4 KiBs", "0.3"):
@@ -343,15 +421,29 @@ def test_runner_records_interleaved_systems_with_paired_ratios_and_refuses_lost_
     a, b = Memcpy(_tensors()), Memcpy(_tensors())
     b.name = "memcpy-b"
     res, seeds = Results(), iter(range(1, 100, 7))
-    turn = Turn("two copies", case, [a, b], Timing(0.0, 3, 3, 1, 2), ["memcpy", "memcpy-b"],
-                [("memcpy", "memcpy-b")])  # fmt: skip
+    turn = Turn(
+        "two copies",
+        case,
+        [a, b],
+        Timing(0.0, 3, 3, 1, 2),
+        ["memcpy", "memcpy-b"],
+        [("memcpy", "memcpy-b")],
+    )
     measure(turn, res, seeds)
     first, second = (r.json() for r in res.records)
     assert first["verified"] and second["verified"]
     assert first["iters"] == 6 and first["cycles"] == 3 and first["block"] == 2
     assert set(first["paired_time_ratio"]) == {"memcpy-b"} and "paired_time_ratio" not in second
-    assert list(first)[:8] == ["system", "family", "op", "receivers", "kind", "size", "bytes",
-                               "total_bytes"]  # fmt: skip
+    assert list(first)[:8] == [
+        "system",
+        "family",
+        "op",
+        "receivers",
+        "kind",
+        "size",
+        "bytes",
+        "total_bytes",
+    ]
     lossy = Turn("lossy", case, [Lossy(_tensors())], Timing(0.0, 2, 2))
     with pytest.raises(CliError, match="did not land"):
         measure(lossy, Results(), seeds)
@@ -361,9 +453,18 @@ def test_runner_records_interleaved_systems_with_paired_ratios_and_refuses_lost_
 @pytest.mark.timeout(300)
 def test_sync_with_flat_layouts_verifies_thousands_of_tensors(tmp_path):
     out = cli(
-        "bench", "sync", "--quick", "--tensors", "3000", "--layout", "flat", "--baselines", "raw",
-        "--json", str(tmp_path / "s.json"),
-    )  # fmt: skip
+        "bench",
+        "sync",
+        "--quick",
+        "--tensors",
+        "3000",
+        "--layout",
+        "flat",
+        "--baselines",
+        "raw",
+        "--json",
+        str(tmp_path / "s.json"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "s.json").read_text())
     systems = {r["system"]: r for r in doc["records"]}
@@ -389,9 +490,22 @@ def test_sync_of_a_mixture_of_experts_in_hugging_face_layout_verifies_every_expe
 @pytest.mark.timeout(300)
 def test_put_with_a_secret_and_notifications_verifies_its_bytes(tmp_path):
     out = cli(
-        "bench", "put", "--quick", "--sizes", "4K,1M", "--op", "write", "--batch", "none",
-        "--baselines", "raw", "--secret", "--notify", "--json", str(tmp_path / "p.json"),
-    )  # fmt: skip
+        "bench",
+        "put",
+        "--quick",
+        "--sizes",
+        "4K,1M",
+        "--op",
+        "write",
+        "--batch",
+        "none",
+        "--baselines",
+        "raw",
+        "--secret",
+        "--notify",
+        "--json",
+        str(tmp_path / "p.json"),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "p.json").read_text())
     assert {r["system"] for r in doc["records"]} >= {"ours", "raw-nixl"}

@@ -71,8 +71,16 @@ def test_a_peer_whose_heartbeat_stopped_is_listed_as_suspect():
             assert any(line.startswith("quiet") and "(suspect)" in line for line in table), table
             assert not any(line.startswith("alive") and "suspect" in line for line in table)
             # peers said to beat every minute are not suspect two minutes after their last beat
-            slow = cli("peers", "--store", store.url, "--namespace", "job", "--json",
-                       "--heartbeat-interval", "60")  # fmt: skip
+            slow = cli(
+                "peers",
+                "--store",
+                store.url,
+                "--namespace",
+                "job",
+                "--json",
+                "--heartbeat-interval",
+                "60",
+            )
             assert {p["name"]: p for p in json.loads(slow.stdout)["peers"]}["quiet"][
                 "suspect"
             ] is None

@@ -257,9 +257,13 @@ def test_a_connection_dropped_while_a_put_plans_on_it_goes_to_the_new_incarnatio
     c = Cycler("cycler", tcp_store.url, nbytes)
     try:
         with transport.Transport(
-            "writer", store=tcp_store, heartbeat_interval=3600, timeout=30, lanes=2,
+            "writer",
+            store=tcp_store,
+            heartbeat_interval=3600,
+            timeout=30,
+            lanes=2,
             lane_bytes=1 * MiB,
-        ) as w:  # fmt: skip
+        ) as w:
             c.call("open")
             w.wait_for_peer("cycler", 30)
             w.put(pattern(nbytes, 1), "cycler", "buf").wait(30)
@@ -390,8 +394,10 @@ def test_a_flood_of_unread_notifications_costs_bounded_memory(tcp_store, writer)
         assert p.call("dropped_notifications") == n - kept
         assert p.call("refused_notifications") == 0
         after = rss_bytes(p.pid)
-        print(f"\n{n} unread notifications of 64 KiB: receiver RSS "
-              f"{before / MiB:.0f} -> {after / MiB:.0f} MiB")  # fmt: skip
+        print(
+            f"\n{n} unread notifications of 64 KiB: receiver RSS "
+            f"{before / MiB:.0f} -> {after / MiB:.0f} MiB"
+        )
         assert after - before < 160 * MiB, (before, after)
         got = p.call("notifications", 0)
         assert [payload[0] for _, payload in got] == [i % 251 for i in range(kept)]  # the oldest

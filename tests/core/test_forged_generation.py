@@ -27,9 +27,7 @@ def _heartbeats_after(t: transport.Transport, n: int) -> None:
     beats = Directory(t.store, t.namespace, SECRET)
     seen = [beats.last_heartbeat(t.name)]
     for _ in range(n):
-        wait_until(
-            lambda: beats.last_heartbeat(t.name) != seen[-1], 30, "a housekeeping round"
-        )
+        wait_until(lambda: beats.last_heartbeat(t.name) != seen[-1], 30, "a housekeeping round")
         seen.append(beats.last_heartbeat(t.name))
 
 

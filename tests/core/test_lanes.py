@@ -142,9 +142,13 @@ def test_small_transfers_never_start_a_lane(tcp_store):
 
 @pytest.mark.parametrize(
     "kwargs, rule",
-    [({"lanes": 0}, "lanes must be"), ({"lanes": 17}, "lanes must be"),
-     ({"lanes": True}, "lanes must be"), ({"lane_bytes": 4096}, "lane_bytes")],
-)  # fmt: skip
+    [
+        ({"lanes": 0}, "lanes must be"),
+        ({"lanes": 17}, "lanes must be"),
+        ({"lanes": True}, "lanes must be"),
+        ({"lane_bytes": 4096}, "lane_bytes"),
+    ],
+)
 def test_bad_lane_settings(tcp_store, kwargs, rule):
     with pytest.raises(ValueError, match=rule):
         transport.Transport("bad", store=tcp_store, **kwargs)

@@ -97,8 +97,9 @@ def test_with_a_secret_the_store_gives_an_outsider_nothing_to_connect_with(any_s
             with pytest.raises(SignatureError, match="this Transport has none"):
                 t.get(torch.zeros(N, dtype=torch.uint8), "victim", "staging")
         assert victim.call("shas", ["weights", "staging"]) == {
-            "weights": weights, "staging": staging,
-        }  # fmt: skip
+            "weights": weights,
+            "staging": staging,
+        }
 
 
 def _leaked_agent(store, ns: str, name: str) -> tuple[str, bytes]:

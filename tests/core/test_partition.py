@@ -94,8 +94,13 @@ def test_a_partition_times_out_puts_and_healing_brings_them_back(two_hosts):
     recv = None
     try:
         assert json.loads(writer.expect_line(60)) == {"ready": True}
-        recv = PythonProcess(RECEIVER, f"tcp://{ADDR_A}:{port}?host=no", ADDR_B,
-                             prefix=("ip", "netns", "exec", b), env=env)  # fmt: skip
+        recv = PythonProcess(
+            RECEIVER,
+            f"tcp://{ADDR_A}:{port}?host=no",
+            ADDR_B,
+            prefix=("ip", "netns", "exec", b),
+            env=env,
+        )
         assert json.loads(recv.expect_line(60)) == {"ready": True}
 
         def put(i: int, timeout: float) -> dict:
@@ -130,8 +135,10 @@ def test_a_partition_times_out_puts_and_healing_brings_them_back(two_hosts):
             assert time.monotonic() - healed_at < 60, f"not back a minute after healing: {r}"
         else:
             raise AssertionError("no put succeeded after healing")
-        print(f"\npartition: put failed after {cut['s']} s ({cut['error']}); back "
-              f"{time.monotonic() - healed_at:.2f} s after healing")  # fmt: skip
+        print(
+            f"\npartition: put failed after {cut['s']} s ({cut['error']}); back "
+            f"{time.monotonic() - healed_at:.2f} s after healing"
+        )
     finally:
         writer.kill()
         if recv is not None:

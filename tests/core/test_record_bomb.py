@@ -41,11 +41,20 @@ def _bomb(own: PeerRecord, variant: int) -> bytes:
         for i in range(MAX_REGIONS)
     )
     forged = PeerRecord(
-        name=own.name, namespace=own.namespace, generation=own.generation, agent=own.agent,
-        backend=own.backend, metadata=own.metadata, host=own.host, pid=own.pid,
-        version=own.version, created=own.created, regions=regions,
-        registrations=own.registrations[:1], revision=own.revision + 1 + variant,
-    )  # fmt: skip
+        name=own.name,
+        namespace=own.namespace,
+        generation=own.generation,
+        agent=own.agent,
+        backend=own.backend,
+        metadata=own.metadata,
+        host=own.host,
+        pid=own.pid,
+        version=own.version,
+        created=own.created,
+        regions=regions,
+        registrations=own.registrations[:1],
+        revision=own.revision + 1 + variant,
+    )
     return encode_peer_record(forged)
 
 
@@ -72,8 +81,10 @@ def test_the_largest_valid_record_under_a_peers_own_key_costs_it_nothing(tcp_sto
             assert raw.try_get(key) == own
             ages.append(_heartbeat_age(raw, hb))
         grew = victim.call("max_rss_mib") - before
-        print(f"\nvictim's peak memory grew {grew:.1f} MiB over {ROUNDS} records of "
-              f"{len(bombs[0])} bytes; its heartbeat at most {max(ages):.2f} s old")  # fmt: skip
+        print(
+            f"\nvictim's peak memory grew {grew:.1f} MiB over {ROUNDS} records of "
+            f"{len(bombs[0])} bytes; its heartbeat at most {max(ages):.2f} s old"
+        )
         assert grew < 64, grew  # the forgery's memory map was never built
         with transport.Transport("writer", store=tcp_store.url) as w:
             w.put(pattern(MiB, 5), "victim", "buf").wait(30)

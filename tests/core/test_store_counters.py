@@ -91,10 +91,11 @@ def test_an_owner_restores_its_record_over_garbage_counters(any_store):
     record, sets its counter to its own generation (so nobody takes it for restarted) and joins
     the index again."""
     with (
-        Peer("recv", any_store.url, {"buf": ("uint8", 64 * KiB, "w")}, heartbeat_interval=0.05)
-        as recv,
+        Peer(
+            "recv", any_store.url, {"buf": ("uint8", 64 * KiB, "w")}, heartbeat_interval=0.05
+        ) as recv,
         transport.Transport("writer", store=any_store, timeout=30) as w,
-    ):  # fmt: skip
+    ):
         w.put(pattern(64 * KiB, 1), "recv", "buf").wait(30)
         gen_key = NS + "gen/recv"
         any_store.set(gen_key, b"\xc1garbage")
@@ -131,8 +132,9 @@ def test_garbage_in_the_dump_requests_stops_no_transport_and_requests_still_reac
             # the writer repairs the counter as it asks; "other" answers the request
             wait_until(
                 lambda: {f.name.split(".")[1] for f in d.glob("*.jsonl")} >= {"writer", "other"},
-                30, "dumps of the writer and of the peer it asked",
-            )  # fmt: skip
+                30,
+                "dumps of the writer and of the peer it asked",
+            )
     finally:
         victim.kill()
         other.stop()

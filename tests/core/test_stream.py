@@ -33,7 +33,7 @@ def test_stream_without_cuda_is_a_clear_error_and_sends_nothing(tcp_store, write
             lambda: writer.put(pattern(4 * KiB, 1), "target", "buf", stream=object()),
             lambda: writer.get(
                 torch.zeros(4 * KiB, dtype=torch.uint8), "target", "buf", stream=object()
-            ),  # fmt: skip
+            ),
         ):
             with pytest.raises(RuntimeError, match=r"no CUDA device.*without stream="):
                 call()
@@ -179,8 +179,9 @@ def test_bad_stream_input_is_checked_before_anything_is_enqueued(tcp_store, writ
         with pytest.raises(transport.PeerNotFoundError):
             writer.put(torch.zeros(4 * KiB, dtype=torch.uint8), "nobody", "buf", stream="s0")
         with pytest.raises(ValueError, match="timeout"):
-            writer.put(torch.zeros(4 * KiB, dtype=torch.uint8), "target", "buf", stream="s0",
-                       timeout=-1)  # fmt: skip
+            writer.put(
+                torch.zeros(4 * KiB, dtype=torch.uint8), "target", "buf", stream="s0", timeout=-1
+            )
         assert ops.proxy.slots == []
         assert p.call("sha", "buf") == before
 
@@ -213,8 +214,10 @@ def test_a_stream_ordered_publish_sends_the_next_version_each_time(tcp_store, wr
 def test_every_cuda_source_compiles_to_ptx(source: Path, tmp_path):
     out = subprocess.run(
         ["nvcc", "--ptx", "-arch=sm_90", str(source), "-o", str(tmp_path / "out.ptx")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     ptx = (tmp_path / "out.ptx").read_text()
     for kernel in ("transport_ring", "transport_wait"):

@@ -137,12 +137,18 @@ def test_an_error_makes_every_live_peer_dump_and_trace_names_the_silent_one(tcp_
                 assert not any(".frozen." in f.name for f in files)
                 out = subprocess.run(
                     [sys.executable, "-m", "transport.cli", "trace", str(d)],
-                    cwd=REPO, capture_output=True, text=True, timeout=60,
-                )  # fmt: skip
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 js = subprocess.run(
                     [sys.executable, "-m", "transport.cli", "trace", str(d), "--json"],
-                    cwd=REPO, capture_output=True, text=True, timeout=60,
-                )  # fmt: skip
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 assert not stuck.done()
             finally:
                 frozen.signal(signal.SIGCONT)
@@ -186,7 +192,10 @@ def test_sigusr1_dumps_the_ring(tcp_store, tmp_path):
 def test_trace_command_errors_are_one_line(tmp_path, make, message):
     out = subprocess.run(
         [sys.executable, "-m", "transport.cli", "trace", str(make(tmp_path))],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and message in out.stderr
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1

@@ -29,7 +29,9 @@ pytestmark = [
 def test_two_cuda_ranks_into_bf16_and_fp8_cuda_generators(tcp_store):
     shapes = {"q": (512, 256), "o": (256, 512), "n": (256,)}
     full = {n: torch.randn(s, device="cuda") for n, s in shapes.items()}
-    src = SourceLayout.split(2, {n: (s, torch.float32) for n, s in shapes.items()}, {"o": 1, "n": None})
+    src = SourceLayout.split(
+        2, {n: (s, torch.float32) for n, s in shapes.items()}, {"o": 1, "n": None}
+    )
     bf16 = {n: DestTensor(d.shape, torch.bfloat16, d.pieces) for n, d in full_copy(src).items()}
     q8 = fp8(full_copy(src), ["q", "o"], block=(128, 128))
     opened = []

@@ -62,8 +62,12 @@ for line in sys.stdin:
 
 def start(cluster: Cluster, host: Host, code: str, *args: str) -> PythonProcess:
     """``code`` in ``host``, UCX kept to TCP over its link; ``close`` of the cluster kills it."""
-    return PythonProcess(code, *args, prefix=tuple(host.command([])),
-                         env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"})  # fmt: skip
+    return PythonProcess(
+        code,
+        *args,
+        prefix=tuple(host.command([])),
+        env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"},
+    )
 
 
 def ask(proc: PythonProcess, line: str, timeout: float = 180) -> dict[str, Any]:

@@ -235,9 +235,11 @@ def slot_state(
 
 
 def spy_on_messages(
-    sub: transport.WeightSubscriber, t: transport.Transport, channel: str,
+    sub: transport.WeightSubscriber,
+    t: transport.Transport,
+    channel: str,
     spy: Callable[[Callable[[str, bytes], None], str, bytes], None],
-) -> None:  # fmt: skip
+) -> None:
     """Put ``spy(original, peer, payload)`` in the subscriber's place on its control channel
     (``original`` checks the sender first, as the subscriber does)."""
     original = sub._admit

@@ -32,11 +32,20 @@ def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 
 
     # vLLM's CPU attention needs a head size of at least 32
     common = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=hidden // 16, num_key_value_heads=hidden // 32,
-        head_dim=32, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=kind.endswith("-tied"), dtype="float32",
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 16,
+        num_key_value_heads=hidden // 32,
+        head_dim=32,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=kind.endswith("-tied"),
+        dtype="float32",
+    )
     if kind in (*MOE, "qwen3-moe-padded"):
         from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
@@ -123,9 +132,12 @@ def greedy(model: object, prompts: list[list[int]] = PROMPTS) -> list[list[int]]
     with torch.no_grad():
         for p in prompts:
             ids = model.generate(  # type: ignore[attr-defined]
-                torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                torch.tensor([p]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             out.append(ids[0, len(p) :].tolist())
     return out
 

@@ -28,9 +28,16 @@ def model_spec(hidden: int, layers: int, vocab: int) -> dict[str, tuple[int, ...
     out: dict[str, tuple[int, ...]] = {"embed": (vocab, hidden)}
     for i in range(layers):
         p = f"l{i}."
-        out |= {p + "q": (hidden, hidden), p + "k": (kv, hidden), p + "v": (kv, hidden),
-                p + "o": (hidden, hidden), p + "gate": (ff, hidden), p + "up": (ff, hidden),
-                p + "down": (hidden, ff), p + "norm": (hidden,)}  # fmt: skip
+        out |= {
+            p + "q": (hidden, hidden),
+            p + "k": (kv, hidden),
+            p + "v": (kv, hidden),
+            p + "o": (hidden, hidden),
+            p + "gate": (ff, hidden),
+            p + "up": (ff, hidden),
+            p + "down": (hidden, ff),
+            p + "norm": (hidden,),
+        }
     return out
 
 
@@ -49,8 +56,9 @@ def full_weights(spec: dict[str, tuple[int, ...]], version: int) -> dict[str, to
 def source_layout(spec: dict[str, tuple[int, ...]], world: int, sizes: Any = None) -> Any:
     from transport.weights import SourceLayout
 
-    return SourceLayout.split(world, {n: (s, torch.float32) for n, s in spec.items()},
-                              source_dims(spec), sizes)  # fmt: skip
+    return SourceLayout.split(
+        world, {n: (s, torch.float32) for n, s in spec.items()}, source_dims(spec), sizes
+    )
 
 
 def shard_of(layout: Any, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
@@ -80,12 +88,16 @@ def dest_layout(spec: dict[str, tuple[int, ...]], kind: str) -> dict[str, Any] |
     for i in range(sum(n.endswith(".q") for n in spec)):
         p = f"l{i}."
         out |= {
-            p + "qkv_proj": tp_shard(src, p + "qkv_proj", [p + "q", p + "k", p + "v"], 0, degree, rank),
+            p + "qkv_proj": tp_shard(
+                src, p + "qkv_proj", [p + "q", p + "k", p + "v"], 0, degree, rank
+            ),
             p + "o_proj": tp_shard(src, p + "o_proj", [p + "o"], 1, degree, rank),
-            p + "gate_up_proj": tp_shard(src, p + "gate_up_proj", [p + "gate", p + "up"], 0, degree, rank),
+            p + "gate_up_proj": tp_shard(
+                src, p + "gate_up_proj", [p + "gate", p + "up"], 0, degree, rank
+            ),
             p + "down_proj": tp_shard(src, p + "down_proj", [p + "down"], 1, degree, rank),
             p + "norm": full_copy(src, [p + "norm"])[p + "norm"],
-        }  # fmt: skip
+        }
     return out
 
 
@@ -133,8 +145,16 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: int, sizes: Any,
-                kwargs: dict[str, Any]) -> None:  # fmt: skip
+def _rank_child(
+    conn: Any,
+    name: str,
+    store: str,
+    spec: Any,
+    world: int,
+    rank: int,
+    sizes: Any,
+    kwargs: dict[str, Any],
+) -> None:
     import transport
     from transport.weights import ShardedPublisher
 
@@ -170,12 +190,21 @@ def _rank_child(conn: Any, name: str, store: str, spec: Any, world: int, rank: i
         t.close()
 
     conn.send(("ok", (t.generation, 0)))
-    serve(conn, {"publish": publish, "publish_nowait": publish_nowait, "hold_ver": hold_ver,
-                 "wait_held": wait_held}, close)  # fmt: skip
+    serve(
+        conn,
+        {
+            "publish": publish,
+            "publish_nowait": publish_nowait,
+            "hold_ver": hold_ver,
+            "wait_held": wait_held,
+        },
+        close,
+    )
 
 
-def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str,
-               options: dict[str, Any]) -> None:  # fmt: skip
+def _gen_child(
+    conn: Any, name: str, store: str, spec: Any, kind: str, mode: str, options: dict[str, Any]
+) -> None:
     import transport
 
     layout = dest_layout(spec, kind)
@@ -198,8 +227,11 @@ def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str
         differ from it."""
         v = sub.apply() if mode == "staging" else sub.version
         want = reference(spec, kind, v) if v >= 0 else {}
-        return {"version": v, "bad": [n for n in want if not same(live[n], want[n])],
-                "incomplete": sub.incomplete}  # fmt: skip
+        return {
+            "version": v,
+            "bad": [n for n in want if not same(live[n], want[n])],
+            "incomplete": sub.incomplete,
+        }
 
     def close() -> None:
         sub.close()
@@ -222,8 +254,17 @@ def _gen_child(conn: Any, name: str, store: str, spec: Any, kind: str, mode: str
 class RankProcess(ChildProcess):
     """Trainer rank ``rank`` of ``world`` in a child: ``publish(version, timeout)`` -> its result."""
 
-    def __init__(self, name: str, store: str, spec: Any, world: int, rank: int, sizes: Any = None,
-                 wait: bool = True, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        store: str,
+        spec: Any,
+        world: int,
+        rank: int,
+        sizes: Any = None,
+        wait: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(name, _rank_child, (store, spec, world, rank, sizes, kwargs), 120, wait)
 
 
@@ -231,6 +272,14 @@ class GeneratorProcess(ChildProcess):
     """A generator of layout ``kind`` in a child: ``check(version, timeout)``; ``options`` go
     to its Transport (``secret=``)."""
 
-    def __init__(self, name: str, store: str, spec: Any, kind: str, mode: str = "staging",
-                 wait: bool = True, **options: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        store: str,
+        spec: Any,
+        kind: str,
+        mode: str = "staging",
+        wait: bool = True,
+        **options: Any,
+    ) -> None:
         super().__init__(name, _gen_child, (store, spec, kind, mode, options), 120, wait)

@@ -49,10 +49,15 @@ def send_counting(
 
 def llm_kwargs(model_dir: Path | str) -> dict[str, Any]:
     return {
-        "model": str(model_dir), "dtype": "float32", "enforce_eager": True, "max_model_len": 128,
-        "block_size": 32, "seed": 0, "skip_tokenizer_init": True,
+        "model": str(model_dir),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 128,
+        "block_size": 32,
+        "seed": 0,
+        "skip_tokenizer_init": True,
         "weight_transfer_config": {"backend": "transport"},
-    }  # fmt: skip
+    }
 
 
 def compute_as_stored() -> None:
@@ -164,8 +169,10 @@ def _skip_tied(worker: Any, skip: bool) -> None:
 
     def direct_but_head(model: Any, targets: dict[str, Any], tensors: Any) -> None:
         """The sharded mode's load, but the output head (tied to the embedding) takes nothing."""
-        kept = {n: replace(t, holders=tuple(h for h in t.holders if not h.startswith("lm_head")))
-                for n, t in targets.items()}  # fmt: skip
+        kept = {
+            n: replace(t, holders=tuple(h for h in t.holders if not h.startswith("lm_head")))
+            for n, t in targets.items()
+        }
         reload.load_direct(model, kept, tensors)
 
     module.load_tied = (lambda *args: None) if skip else reload.load_tied  # type: ignore[assignment]
@@ -217,9 +224,16 @@ class VllmProcess(ChildProcess):
 
 
 def _pub_child(
-    conn: Any, name: str, store: str, model_dir: str, group: str, mangle: str | None,
-    plain: bool, parts: int, kwargs: dict[str, Any],
-) -> None:  # fmt: skip
+    conn: Any,
+    name: str,
+    store: str,
+    model_dir: str,
+    group: str,
+    mangle: str | None,
+    plain: bool,
+    parts: int,
+    kwargs: dict[str, Any],
+) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -307,9 +321,11 @@ class LlamaPublisher(ChildProcess):
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            name, _pub_child, (store_url, str(model_dir), group, mangle, plain, parts, kwargs),
+            name,
+            _pub_child,
+            (store_url, str(model_dir), group, mangle, plain, parts, kwargs),
             start_timeout,
-        )  # fmt: skip
+        )
 
 
 def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
@@ -384,9 +400,12 @@ class HttpTrainer(ChildProcess):
     ``traffic`` (bytes written to each peer so far)."""
 
     def __init__(
-        self, name: str, env: dict[str, str] | None = None, start_timeout: float = 120,
+        self,
+        name: str,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 120,
         wait: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(name, _trainer_child, (env or {},), start_timeout, wait)
 
 
@@ -399,19 +418,24 @@ def _llama_shards(model_dir: str, world: int, rank: int) -> tuple[Any, Any, Any]
     from transport.weights import SourceLayout
 
     full = load_file(str(Path(model_dir) / "model.safetensors"))
-    dims = {n: None if x.dim() == 1 else 1 if ("o_proj" in n or "down_proj" in n) else 0
-            for n, x in full.items()}  # fmt: skip
+    dims = {
+        n: None if x.dim() == 1 else 1 if ("o_proj" in n or "down_proj" in n) else 0
+        for n, x in full.items()
+    }
     layout = SourceLayout.split(world, {n: (x.shape, x.dtype) for n, x in full.items()}, dims)
 
     def mine(state: dict[str, Any]) -> dict[str, Any]:
-        return {n: state[n][tuple(slice(lo, hi) for lo, hi in s.held[rank].box(s.shape))].contiguous()
-                for n, s in layout.tensors.items()}  # fmt: skip
+        return {
+            n: state[n][tuple(slice(lo, hi) for lo, hi in s.held[rank].box(s.shape))].contiguous()
+            for n, s in layout.tensors.items()
+        }
 
     return full, layout, mine
 
 
-def _rank_child(conn: Any, name: str, store: str, model_dir: str, group: str, world: int,
-                rank: int) -> None:  # fmt: skip
+def _rank_child(
+    conn: Any, name: str, store: str, model_dir: str, group: str, world: int, rank: int
+) -> None:
     import transport
     from transport.weights import ShardedPublisher
 
@@ -443,15 +467,31 @@ class ShardedLlamaRank(ChildProcess):
     publishing with a ShardedPublisher into vLLM's workers. Commands: ``publish(version,
     timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far)."""
 
-    def __init__(self, name: str, store_url: str, model_dir: Path, group: str, world: int,
-                 rank: int, wait: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        model_dir: Path,
+        group: str,
+        world: int,
+        rank: int,
+        wait: bool = True,
+    ) -> None:
         super().__init__(
             name, _rank_child, (store_url, str(model_dir), group, world, rank), 60, wait
         )
 
 
-def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, world: int,
-                           rank: int, as_stored: bool, kwargs: dict[str, Any]) -> None:  # fmt: skip
+def _sharded_trainer_child(
+    conn: Any,
+    name: str,
+    store: str,
+    model_dir: str,
+    world: int,
+    rank: int,
+    as_stored: bool,
+    kwargs: dict[str, Any],
+) -> None:
     """Rank ``rank`` of a sharded trainer through vLLM's own trainer factory; rank 0 also hosts
     the vLLM engine (offline, in this process) and drives its updates."""
     os.environ.update(VLLM_ENV)
@@ -473,8 +513,15 @@ def _sharded_trainer_child(conn: Any, name: str, store: str, model_dir: str, wor
             client = OfflineClient(llm)
         full, layout, mine = _llama_shards(model_dir, world, rank)
         shards = mine(full)
-        info = TransportTrainerInitInfo(store, group="sharded-trainer", name=name, timeout=30,
-                                        layout=layout, rank=rank, **kwargs)  # fmt: skip
+        info = TransportTrainerInitInfo(
+            store,
+            group="sharded-trainer",
+            name=name,
+            timeout=30,
+            layout=layout,
+            rank=rank,
+            **kwargs,
+        )
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=shards)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
@@ -505,7 +552,21 @@ class ShardedTrainer(ChildProcess):
     ``engine_state`` (rank 0). ``as_stored``: the engine computes with its parameters as
     stored (compute_as_stored); ``info`` goes into the trainer's init info (mode, staging_gb)."""
 
-    def __init__(self, name: str, store_url: str, model_dir: Path, world: int, rank: int,
-                 wait: bool = True, as_stored: bool = False, **info: Any) -> None:  # fmt: skip
-        super().__init__(name, _sharded_trainer_child,
-                         (store_url, str(model_dir), world, rank, as_stored, info), 180, wait)  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        store_url: str,
+        model_dir: Path,
+        world: int,
+        rank: int,
+        wait: bool = True,
+        as_stored: bool = False,
+        **info: Any,
+    ) -> None:
+        super().__init__(
+            name,
+            _sharded_trainer_child,
+            (store_url, str(model_dir), world, rank, as_stored, info),
+            180,
+            wait,
+        )

@@ -108,9 +108,14 @@ def _sub_child(
             )
         else:
             sub = transport.WeightSubscriber(
-                t, make_tensors(spec), group=group, mode=mode, on_update=watch.on_update,
-                relay=relay, **({"slots": slots} if mode == "staging" else {}),
-            )  # fmt: skip
+                t,
+                make_tensors(spec),
+                group=group,
+                mode=mode,
+                on_update=watch.on_update,
+                relay=relay,
+                **({"slots": slots} if mode == "staging" else {}),
+            )
 
         def spy(original: Any, peer: str, payload: bytes) -> None:
             try:

@@ -18,11 +18,33 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 def test_sync_across_two_hosts_counts_the_bytes_on_each_link(rights, tmp_path: Path):
     out = tmp_path / "hosts.json"
     done = subprocess.run(
-        [sys.executable, "-m", "transport.cli", "bench", "sync", "--hosts", "2", "--link", "1gbit",
-         "--params", "2M", "--tensors", "8", "--steps", "2", "--fanout", "direct,chain@1",
-         "--baselines", "gloo", "--json", str(out)],
-        capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "bench",
+            "sync",
+            "--hosts",
+            "2",
+            "--link",
+            "1gbit",
+            "--params",
+            "2M",
+            "--tensors",
+            "8",
+            "--steps",
+            "2",
+            "--fanout",
+            "direct,chain@1",
+            "--baselines",
+            "gloo",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = json.loads(out.read_text())["runs"]
     assert run["generators"] == 2

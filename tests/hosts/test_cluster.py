@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 #: four tensors of 4 MiB: 16 MiB a version
 TENSORS, NUMEL = 4, MiB
 
+
 def test_a_chained_publish_crosses_the_links_and_nothing_is_left(rights):
     model = TENSORS * NUMEL * 4
     procs: list[PythonProcess] = []
@@ -36,8 +37,10 @@ def test_a_chained_publish_crosses_the_links_and_nothing_is_left(rights):
             procs.append(start(cluster, host, code, *args))
             return procs[-1]
 
-        gens = [run(cluster.generator(i), GENERATOR, url, f"gen{i}", str(TENSORS), str(NUMEL))
-                for i in range(2)]  # fmt: skip
+        gens = [
+            run(cluster.generator(i), GENERATOR, url, f"gen{i}", str(TENSORS), str(NUMEL))
+            for i in range(2)
+        ]
         trainer = run(cluster.trainer, TRAINER, url, str(TENSORS), str(NUMEL), "2", "chain")
         for p in [*gens, trainer]:
             assert json.loads(p.expect_line(120)) == {"ready": True}
@@ -51,8 +54,10 @@ def test_a_chained_publish_crosses_the_links_and_nothing_is_left(rights):
         after = cluster.traffic()
         sent = {role: after[role].sent - before[role].sent for role in after}
         got = {role: after[role].received - before[role].received for role in after}
-        print(f"\nbytes over each link for 3 versions of {model / MiB:.0f} MiB: sent {sent}, "
-              f"received {got}")  # fmt: skip
+        print(
+            f"\nbytes over each link for 3 versions of {model / MiB:.0f} MiB: sent {sent}, "
+            f"received {got}"
+        )
         # a chain: the trainer's link carries each version once (plus TCP's framing and the
         # control messages), the first generator forwards it to the second
         assert 3 * model <= sent["trainer"] < 1.2 * 3 * model, sent
@@ -68,9 +73,21 @@ def test_a_chained_publish_crosses_the_links_and_nothing_is_left(rights):
 def test_without_the_rights_a_cluster_refuses_at_once_and_says_what_it_needs(rights):
     # a user namespace of its own: this process is nobody there
     done = subprocess.run(
-        ["unshare", "-U", sys.executable, "-m", "transport.cli", "cluster", "up", "--generators", "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            "unshare",
+            "-U",
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "cluster",
+            "up",
+            "--generators",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done
     assert "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN" in done.stderr, done.stderr
 
@@ -78,8 +95,10 @@ def test_without_the_rights_a_cluster_refuses_at_once_and_says_what_it_needs(rig
 def test_a_later_cluster_removes_what_a_killed_one_left(rights):
     up = subprocess.Popen(
         [sys.executable, "-m", "transport.cli", "cluster", "up", "--generators", "1", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert up.stdout is not None
         shown = json.loads(up.stdout.readline())
@@ -91,8 +110,12 @@ def test_a_later_cluster_removes_what_a_killed_one_left(rights):
         up.send_signal(signal.SIGKILL)  # no teardown: a crash
         up.wait(30)
     assert set(namespaces) <= set(_namespaces())  # left behind
-    done = subprocess.run([sys.executable, "-m", "transport.cli", "cluster", "down"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "transport.cli", "cluster", "down"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and f"[{shown['number']}]" in done.stdout, done
     assert not set(namespaces) & set(_namespaces())
     assert all(not Path(f"/proc/{pid}").exists() for pid in stores)
@@ -104,6 +127,7 @@ def _namespaces() -> list[str]:
 
 
 def _pids(namespace: str) -> list[str]:
-    out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True,
-                         timeout=30)  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30
+    )
     return out.stdout.split()

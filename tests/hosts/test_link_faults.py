@@ -33,10 +33,15 @@ def test_a_cut_link_excludes_whom_it_cuts_off_and_they_catch_up_when_it_heals(ri
     procs: list[PythonProcess] = []
     with Cluster(3, Link.parse("1gbit")) as cluster:
         url = cluster.start_store("tcp")
-        gens = [start(cluster, cluster.generator(i), GENERATOR, url, f"gen{i}", str(TENSORS),
-                      str(NUMEL)) for i in range(3)]  # fmt: skip
-        trainer = start(cluster, cluster.trainer, TRAINER, url, str(TENSORS), str(NUMEL), "3",
-                        "chain")  # fmt: skip
+        gens = [
+            start(
+                cluster, cluster.generator(i), GENERATOR, url, f"gen{i}", str(TENSORS), str(NUMEL)
+            )
+            for i in range(3)
+        ]
+        trainer = start(
+            cluster, cluster.trainer, TRAINER, url, str(TENSORS), str(NUMEL), "3", "chain"
+        )
         procs += [*gens, trainer]
         for p in procs:
             assert json.loads(p.expect_line(120)) == {"ready": True}

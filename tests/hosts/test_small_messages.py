@@ -71,8 +71,9 @@ def test_an_idle_receiver_completes_small_writes_over_tcp_without_a_call(rights)
         receiver = start(cluster, cluster.generator(0), RECEIVER)
         hello = json.loads(receiver.expect_line(120))
         assert hello["progress"] == "events"  # UCX kept to TCP: the agent wakes on traffic
-        writer = start(cluster, cluster.trainer, WRITER, hello["md"], str(hello["addr"]),
-                       str(WRITES))  # fmt: skip
+        writer = start(
+            cluster, cluster.trainer, WRITER, hello["md"], str(hello["addr"]), str(WRITES)
+        )
         # every write completed while the receiver made no call (30 s each at most)
         assert json.loads(writer.expect_line(240)) == {"done": WRITES}
         got = ask(receiver, "go")
@@ -83,11 +84,32 @@ def test_an_idle_receiver_completes_small_writes_over_tcp_without_a_call(rights)
 def test_bench_put_across_hosts_checks_every_system_and_counts_the_link(rights, tmp_path: Path):
     out = tmp_path / "put.json"
     done = subprocess.run(
-        [sys.executable, "-m", "transport.cli", "bench", "put", "--link", "1gbit",
-         "--sizes", "4K", "--batch", "none", "--op", "write", "--baselines", "raw,mooncake",
-         "--budget", "0.1", "--no-progress", "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "transport.cli",
+            "bench",
+            "put",
+            "--link",
+            "1gbit",
+            "--sizes",
+            "4K",
+            "--batch",
+            "none",
+            "--op",
+            "write",
+            "--baselines",
+            "raw,mooncake",
+            "--budget",
+            "0.1",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     systems = {r["system"]: r for r in results["records"]}

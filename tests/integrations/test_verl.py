@@ -68,10 +68,11 @@ class Job:
 
     def __init__(self, model: Path) -> None:
         self.cfg = CheckpointEngineConfig(
-            backend="transport", update_weights_bucket_megabytes=BUCKET_MB,
+            backend="transport",
+            update_weights_bucket_megabytes=BUCKET_MB,
             engine_kwargs={"transport": {"timeout": 60}},
             custom_backend_module="transport.integrations.verl",
-        )  # fmt: skip
+        )
         model_config = HFModelConfig(path=str(model), use_remove_padding=True)
         rollout_config = RolloutConfig(
             name="vllm", tensor_model_parallel_size=2, checkpoint_engine=self.cfg
@@ -79,9 +80,12 @@ class Job:
         pool = RayResourcePool(process_on_nodes=[6], max_colocate_count=1, use_gpu=False)
         trainer_pool, rollout_pool = split_resource_pool(pool, [2, 4])
         self.actor = RayWorkerGroup(
-            resource_pool=trainer_pool, device_name="cpu",
-            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(StandInTrainer), model_path=str(model), config=self.cfg),
-        )  # fmt: skip
+            resource_pool=trainer_pool,
+            device_name="cpu",
+            ray_cls_with_init=RayClassWithInitArgs(
+                cls=ray.remote(StandInTrainer), model_path=str(model), config=self.cfg
+            ),
+        )
         self.rollout, self.replicas = asyncio.run(
             create_rollout_worker_group(rollout_pool, model_config, rollout_config, True)
         )
@@ -101,8 +105,10 @@ class Job:
     def start_update(self, workers, step: int) -> tuple[RayWorkerGroup, list]:
         """verl's manager's steps 4 and 5 (build the group, start every worker's update),
         keeping each worker's result, which the manager's ray.get of them all does not."""
-        rollout = RayWorkerGroup(worker_handles=list(workers),
-                                 ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)))  # fmt: skip
+        rollout = RayWorkerGroup(
+            worker_handles=list(workers),
+            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)),
+        )
         self.manager.build_process_group(rollout)
         return rollout, self.actor.update_weights(global_steps=step) + rollout.update_weights(
             global_steps=step
@@ -115,8 +121,12 @@ class Job:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     model = make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"))
-    ray.init(num_cpus=64, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"TRANSPORT_SECRET": SECRET}})  # fmt: skip
+    ray.init(
+        num_cpus=64,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"TRANSPORT_SECRET": SECRET}},
+    )
     try:
         yield Job(model)
     finally:

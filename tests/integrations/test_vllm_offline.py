@@ -75,8 +75,10 @@ def test_a_sharded_trainer_of_two_ranks_updates_vllm(vllm, store, reference, mod
     """Each rank writes only its tensor-parallel shards of the checkpoint tensors into the
     worker's staging memory; vLLM loads a version once both ranks' parts landed."""
     vllm.call("init", init_info(store.url, "sharded"))
-    ranks = [ShardedLlamaRank(f"rank-{r}", store.url, model_dir, "sharded", 2, r, wait=False)
-             for r in range(2)]  # fmt: skip
+    ranks = [
+        ShardedLlamaRank(f"rank-{r}", store.url, model_dir, "sharded", 2, r, wait=False)
+        for r in range(2)
+    ]
     try:
         for r in ranks:
             r.started(60)

@@ -43,8 +43,13 @@ class Recorder:
 
 
 def _sent(client: Recorder, version: int) -> list[tuple[str, Any]]:
-    return [("init", None), ("start", None), ("update", {"version": version, "timeout": 30}),
-            ("finish", str(version)), ("reset", None)]  # fmt: skip
+    return [
+        ("init", None),
+        ("start", None),
+        ("update", {"version": version, "timeout": 30}),
+        ("finish", str(version)),
+        ("reset", None),
+    ]
 
 
 @pytest.mark.parametrize("mark", ["torn", "open", "forged", "closed"])

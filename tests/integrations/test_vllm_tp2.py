@@ -66,8 +66,13 @@ def placed(across: bool, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Ite
         monkeypatch.setenv(k, v)
     with Cluster(1, Link.parse("10gbit")) as cluster:
         host = cluster.generator(0)
-        yield Place(cluster.start_store("redis"), cluster.trainer.namespace, host.namespace,
-                    host.address, cluster)  # fmt: skip
+        yield Place(
+            cluster.start_store("redis"),
+            cluster.trainer.namespace,
+            host.namespace,
+            host.address,
+            cluster,
+        )
 
 
 @pytest.mark.parametrize(
@@ -75,9 +80,15 @@ def placed(across: bool, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Ite
     [pytest.param("llama", 2, True, marks=pytest.mark.hosts), ("qwen2-tied", 1, False)],
 )
 def test_each_tp_worker_receives_only_its_slice(
-    kind: str, slots: int, across: bool, model_dir_of, redis_url: str, reference, tmp_path: Path,
+    kind: str,
+    slots: int,
+    across: bool,
+    model_dir_of,
+    redis_url: str,
+    reference,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-):  # fmt: skip
+):
     """The staging bound lets two copies of a worker's slice fit for the Llama, one for the
     Qwen2: each worker chooses the slots from it."""
     folder = model_dir_of(kind)
@@ -91,14 +102,28 @@ def test_each_tp_worker_receives_only_its_slice(
             with inside(at.server):
                 server = VllmServer(folder, tmp_path / "server.log", tp=TP, host=at.address)
             with server:
-                run_updates(trainer, Within(server, at.server), at, kind, slots, staging_gb,
-                            namespace, reference)  # fmt: skip
+                run_updates(
+                    trainer,
+                    Within(server, at.server),
+                    at,
+                    kind,
+                    slots,
+                    staging_gb,
+                    namespace,
+                    reference,
+                )
 
 
 def run_updates(
-    trainer: Any, server: Any, at: Place, kind: str, slots: int, staging_gb: float,
-    namespace: str, reference: Any,
-) -> None:  # fmt: skip
+    trainer: Any,
+    server: Any,
+    at: Place,
+    kind: str,
+    slots: int,
+    staging_gb: float,
+    namespace: str,
+    reference: Any,
+) -> None:
     """Three updates, each worker's bytes and (across hosts) the trainer's link counted; then a
     trainer that dies between vLLM's update and finish calls."""
     want, _ = kept_bytes(kind)

@@ -27,14 +27,18 @@ def test_a_sharded_trainer_writes_each_tp_worker_only_the_intersection(
     (dealt round robin over the ranks) and the other worker only its share of those."""
     want, replicated = kept_bytes("llama")
     group = f"tp2-sharded-{uuid.uuid4().hex[:8]}"
-    ranks = [ShardedLlamaRank(f"rank-{r}", redis_url, model_dir, group, 2, r, wait=False)
-             for r in range(2)]  # fmt: skip
+    ranks = [
+        ShardedLlamaRank(f"rank-{r}", redis_url, model_dir, group, 2, r, wait=False)
+        for r in range(2)
+    ]
     try:
         with VllmServer(model_dir, tmp_path / "server.log", tp=TP) as server:
             for r in ranks:
                 r.started(60)
-            server.post("init_weight_transfer_engine", {"init_info": {"store": redis_url,
-                        "group": group, "timeout": 60}})  # fmt: skip
+            server.post(
+                "init_weight_transfer_engine",
+                {"init_info": {"store": redis_url, "group": group, "timeout": 60}},
+            )
             workers = [s["peer"] for s in server.transport_state()]
             assert all(w.endswith(f"-r{k}") for k, w in enumerate(workers)), workers
             before = [r.call("traffic") for r in ranks]

@@ -24,9 +24,15 @@ pytestmark = pytest.mark.timeout(30)
 # negative number on the next add), a number TCPStore parses and cuts short, leading zeros
 # (Redis refuses them), and the 0xFF mark that our TCPStore header starts with
 GARBAGE = [
-    b"not a number", b"", b"-5", b"99999999999999999999999", b"9223372036854775807",
-    b"12abc", b"007", b"\xff\x00junk",
-]  # fmt: skip
+    b"not a number",
+    b"",
+    b"-5",
+    b"99999999999999999999999",
+    b"9223372036854775807",
+    b"12abc",
+    b"007",
+    b"\xff\x00junk",
+]
 
 
 @pytest.mark.parametrize("garbage", GARBAGE)

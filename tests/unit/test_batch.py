@@ -56,7 +56,9 @@ def test_a_batch_of_triples_places_each_tensor_at_its_own_offset(loopback_net):
     w = loopback_net.make("w")
     rows = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 1  # columns 3..5 of rows 2..5
     tail = torch.full((4,), 7.0)
-    batch = transport.Transport.batch([("m", rows[i], (2 + i) * 6 + 3) for i in range(4)] + [("v", tail, 6)])
+    batch = transport.Transport.batch(
+        [("m", rows[i], (2 + i) * 6 + 3) for i in range(4)] + [("v", tail, 6)]
+    )
     assert len(batch) == 5 and batch.offsets == (15, 21, 27, 33, 6)
     w.put(batch, r.name, notify=b"x").wait(10)
     assert r.wait_notification(10, peer=w.name).payload == b"x"

@@ -29,8 +29,13 @@ def test_an_expose_past_the_budget_registers_nothing_and_says_how_to_raise_it(
     t = loopback_net.make("gen", max_registered_bytes=1024 * KiB)
     with pytest.raises(transport.RegistrationBudgetError) as e:
         t.expose_all({f"w{i}": torch.zeros(128 * KiB) for i in range(3)})  # 1.5 MiB of float32
-    for words in ("max_registered_bytes", "TRANSPORT_MAX_REGISTERED_BYTES", "'w0'", "1048576",
-                  "Nothing of this call was registered"):  # fmt: skip
+    for words in (
+        "max_registered_bytes",
+        "TRANSPORT_MAX_REGISTERED_BYTES",
+        "'w0'",
+        "1048576",
+        "Nothing of this call was registered",
+    ):
         assert words in str(e.value)
     assert len(internals.local_memory(t)) == 0 and t.regions() == {}
     # exactly the budget fits; one byte more does not, and what was exposed stays

@@ -32,8 +32,9 @@ def test_control_messages_reach_the_one_handler_of_their_channel_after_the_data(
         with pytest.raises(ValueError, match="already has a handler"):
             r.core.on_control("chan", handler)
         w.wait_for_peer("ctl-r", 5)
-        w.core.put_control({"buf": torch.full((4096,), 9, dtype=torch.uint8)}, "ctl-r", "chan",
-                           b"landed", 5).wait(5)  # fmt: skip
+        w.core.put_control(
+            {"buf": torch.full((4096,), 9, dtype=torch.uint8)}, "ctl-r", "chan", b"landed", 5
+        ).wait(5)
         assert arrived.wait(5)
         assert got == [("ctl-w", b"landed", True)]  # the data was there when the message came
         assert w.core.peer("ctl-r").regions["buf"].nbytes == 4096

@@ -30,9 +30,12 @@ def test_every_exception_class_of_the_library_is_a_transport_error():
     for name in package_modules():
         module = importlib.import_module(name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == name and issubclass(cls, BaseException):
-                if not issubclass(cls, TransportError):
-                    outside.append(f"{name}.{cls.__name__}")
+            if (
+                cls.__module__ == name
+                and issubclass(cls, BaseException)
+                and not issubclass(cls, TransportError)
+            ):
+                outside.append(f"{name}.{cls.__name__}")
     assert outside == []
 
 

@@ -55,10 +55,19 @@ def _seeds() -> list[tuple[str, bytes]]:
         for i in range(6)
     )
     rec = PeerRecord(
-        name="gen-0", namespace="ns", generation=7, agent="gen-0#7", backend="nixl",
-        metadata=bytes(range(256)) * 4, host="h", pid=1234, version="0.1.0", created=1.0,
-        regions=regions, registrations=((0x7F0000000000, 6 * 8192, "cpu"),),
-    )  # fmt: skip
+        name="gen-0",
+        namespace="ns",
+        generation=7,
+        agent="gen-0#7",
+        backend="nixl",
+        metadata=bytes(range(256)) * 4,
+        host="h",
+        pid=1234,
+        version="0.1.0",
+        created=1.0,
+        regions=regions,
+        registrations=((0x7F0000000000, 6 * 8192, "cpu"),),
+    )
     return [
         ("record", encode_peer_record(rec)),
         ("record-signed", encode_peer_record(rec, SECRET)),
@@ -102,8 +111,9 @@ def _mutate(rng: random.Random, data: bytes, others: list[bytes]) -> bytes:
             i = rng.randint(0, len(b))
             b[i:i] = rng.randbytes(rng.randint(1, 16))
         elif op == 3 and b:  # set an interesting byte (msgpack type markers, limits)
-            b[rng.randrange(len(b))] = rng.choice([0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xC4, 0xCC, 0xCF,
-                                                   0xD3, 0xDC, 0xDD, 0xDE, 0xDF, 0xFF])  # fmt: skip
+            b[rng.randrange(len(b))] = rng.choice(
+                [0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xC4, 0xCC, 0xCF, 0xD3, 0xDC, 0xDD, 0xDE, 0xDF, 0xFF]
+            )
         elif op == 4 and len(b) > 2:  # repeat a slice
             i = rng.randrange(len(b) - 1)
             j = rng.randint(i + 1, min(len(b), i + 64))
@@ -147,6 +157,8 @@ def test_a_minute_of_fuzzing_raises_only_wire_format_error():
             slowest = max(slowest, time.perf_counter() - t0)
             count += 1
     per_minute = count * 60 / SECONDS
-    print(f"\nfuzz: {count} inputs in {SECONDS:.0f} s ({per_minute:,.0f} per minute), "
-          f"{rejected} rejected, slowest {slowest * 1e3:.2f} ms")  # fmt: skip
+    print(
+        f"\nfuzz: {count} inputs in {SECONDS:.0f} s ({per_minute:,.0f} per minute), "
+        f"{rejected} rejected, slowest {slowest * 1e3:.2f} ms"
+    )
     assert rejected > count // 2  # the mutations do reach the checks

@@ -12,8 +12,11 @@ from transport.weights import DestTensor, Piece, Slice, SourceLayout, full_copy,
 from transport.weights._layout_wire import decode_dest, decode_sources, encode_dest, source_digest
 from transport.weights.layouts import fp8
 
-SRC = SourceLayout.split(2, {"q": ((64, 32), torch.float32), "k": ((32, 32), torch.float32),
-                             "n": ((32,), torch.float32)}, {"n": None})  # fmt: skip
+SRC = SourceLayout.split(
+    2,
+    {"q": ((64, 32), torch.float32), "k": ((32, 32), torch.float32), "n": ((32,), torch.float32)},
+    {"n": None},
+)
 
 
 def test_layouts_survive_the_trip():

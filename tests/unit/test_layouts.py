@@ -26,9 +26,17 @@ H, FF, V = 64, 96, 80  # hidden, intermediate, vocabulary: small, and uneven ove
 
 def _model(g: torch.Generator, dtype=torch.float32) -> dict[str, torch.Tensor]:
     shapes = {
-        "embed": (V, H), "q": (H, H), "k": (H // 2, H), "v": (H // 2, H), "o": (H, H),
-        "gate": (FF, H), "up": (FF, H), "down": (H, FF), "norm": (H,), "head": (V, H),
-    }  # fmt: skip
+        "embed": (V, H),
+        "q": (H, H),
+        "k": (H // 2, H),
+        "v": (H // 2, H),
+        "o": (H, H),
+        "gate": (FF, H),
+        "up": (FF, H),
+        "down": (H, FF),
+        "norm": (H,),
+        "head": (V, H),
+    }
     return {n: torch.randn(s, generator=g).to(dtype) for n, s in shapes.items()}
 
 
@@ -37,9 +45,7 @@ DIMS = {"o": 1, "down": 1, "norm": None}
 
 
 def _source(full, world, sizes=None):
-    return SourceLayout.split(
-        world, {n: (t.shape, t.dtype) for n, t in full.items()}, DIMS, sizes
-    )
+    return SourceLayout.split(world, {n: (t.shape, t.dtype) for n, t in full.items()}, DIMS, sizes)
 
 
 def _locals(src: SourceLayout, full, rank):
@@ -84,9 +90,12 @@ def _vllm_reference(full, degree, rank):
     return {
         "qkv_proj": torch.cat([chunk("q", 0), chunk("k", 0), chunk("v", 0)], 0),
         "gate_up_proj": torch.cat([chunk("gate", 0), chunk("up", 0)], 0),
-        "o_proj": chunk("o", 1), "down_proj": chunk("down", 1), "embed": chunk("embed", 0),
-        "lm_head": chunk("head", 0), "norm": full["norm"],
-    }  # fmt: skip
+        "o_proj": chunk("o", 1),
+        "down_proj": chunk("down", 1),
+        "embed": chunk("embed", 0),
+        "lm_head": chunk("head", 0),
+        "norm": full["norm"],
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -111,8 +120,9 @@ def test_two_tp_ranks_with_fused_parameters(world, sizes):
 
 def test_a_replicated_source_is_written_once_and_the_work_is_spread():
     full = {f"norm{i}": torch.randn(H) for i in range(6)}
-    src = SourceLayout.split(2, {n: (t.shape, t.dtype) for n, t in full.items()},
-                             dict.fromkeys(full))  # fmt: skip
+    src = SourceLayout.split(
+        2, {n: (t.shape, t.dtype) for n, t in full.items()}, dict.fromkeys(full)
+    )
     dest = full_copy(src)
     got = _deliver(src, full, dest)  # each byte exactly once (checked there)
     assert all(torch.equal(got[n], full[n]) for n in full)
@@ -141,8 +151,10 @@ def test_layouts_that_do_not_fit_are_refused_with_every_problem_named():
         "wrong_shape": DestTensor((8, 5), f32, (Piece("w"),)),
         "wrong_dtype": DestTensor((8, 4), torch.int32, (Piece("w"),)),  # floats convert, ints not
         "missing": DestTensor((8, 4), f32, (Piece("nothing"),)),
-        "overlapping": DestTensor((8, 4), f32, (Piece("w", Slice(0, 0, 8)), Piece("w", Slice(0, 0, 4), at=4))),
-    }  # fmt: skip
+        "overlapping": DestTensor(
+            (8, 4), f32, (Piece("w", Slice(0, 0, 8)), Piece("w", Slice(0, 0, 4), at=4))
+        ),
+    }
     with pytest.raises(LayoutError) as e:
         check(src, dest)
     text = "\n".join(e.value.problems)
@@ -163,7 +175,9 @@ def test_a_destination_of_another_float_dtype_gets_the_converted_values():
     g = torch.Generator().manual_seed(3)
     full = _model(g)
     src = _source(full, 2)
-    dest = {n: DestTensor(d.shape, torch.bfloat16, d.pieces, d.dim) for n, d in full_copy(src).items()}
+    dest = {
+        n: DestTensor(d.shape, torch.bfloat16, d.pieces, d.dim) for n, d in full_copy(src).items()
+    }
     got = _deliver(src, full, dest)
     assert all(torch.equal(got[n], full[n].to(torch.bfloat16)) for n in full)
 
@@ -189,7 +203,10 @@ def test_dtensors_on_a_mesh_give_the_layout_rank_and_shards():
     try:
         mesh = init_device_mesh("cpu", (1,))
         w, n = torch.randn(6, 4), torch.randn(4)
-        named = {"w": distribute_tensor(w, mesh, [Shard(1)]), "n": distribute_tensor(n, mesh, [Replicate()])}
+        named = {
+            "w": distribute_tensor(w, mesh, [Shard(1)]),
+            "n": distribute_tensor(n, mesh, [Replicate()]),
+        }
         layout, rank, shards = SourceLayout.from_dtensors(named)
         assert rank == 0 and layout.world == 1
         assert layout.tensors["w"].held[0] == Slice(1, 0, 4) and layout.tensors["n"].replicated

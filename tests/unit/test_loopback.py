@@ -114,8 +114,15 @@ def test_the_backend_refuses_memory_it_did_not_register():
         rows = lambda t, n: np.array([[t.data_ptr(), n, 0]], dtype=np.uint64)  # noqa: E731
         with pytest.raises(transport.RegionError):
             a.prep(None, rows(src, 65), "cpu")
-        x = a.make_xfer("WRITE", a.prep(None, rows(src, 64), "cpu"), np.array([0]),
-                        a.prep(peer, rows(dst, 64), "cpu"), np.array([0]), b"n", "b")  # fmt: skip
+        x = a.make_xfer(
+            "WRITE",
+            a.prep(None, rows(src, 64), "cpu"),
+            np.array([0]),
+            a.prep(peer, rows(dst, 64), "cpu"),
+            np.array([0]),
+            b"n",
+            "b",
+        )
         b.deregister(token)
         with pytest.raises(transport.PeerLostError):
             a.post(x, b"n", "b")

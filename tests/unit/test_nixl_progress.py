@@ -13,9 +13,17 @@ from transport.cli.bench.across import child_argv
 
 @pytest.mark.parametrize(
     ("tls", "mode"),
-    [("tcp", "events"), ("rc,tcp", "events"), ("", "poll"), ("tcp,cma", "poll"),
-     ("sm,tcp", "poll"), ("^cma", "poll"), ("all", "poll"), ("TCP, posix", "poll")],
-)  # fmt: skip
+    [
+        ("tcp", "events"),
+        ("rc,tcp", "events"),
+        ("", "poll"),
+        ("tcp,cma", "poll"),
+        ("sm,tcp", "poll"),
+        ("^cma", "poll"),
+        ("all", "poll"),
+        ("TCP, posix", "poll"),
+    ],
+)
 def test_auto_wakes_on_traffic_only_over_network_transports(tls, mode, monkeypatch):
     monkeypatch.delenv("TRANSPORT_PROGRESS", raising=False)
     assert progress_mode(None, tls) == mode

@@ -135,7 +135,9 @@ def test_one_slot_keeps_a_version_until_it_is_read_then_hands_it_back(loopback_n
     assert not second.done()
     with sub.read(1, timeout=10) as snap:
         assert _is(snap, 1)
-    with pytest.raises(transport.VersionGoneError, match="version 1 was applied and its slot reused"):
+    with pytest.raises(
+        transport.VersionGoneError, match="version 1 was applied and its slot reused"
+    ):
         with sub.read(1, timeout=1):
             pass
     assert second.wait(30).done

@@ -276,10 +276,28 @@ def test_devices_accepted(device):
 
 @pytest.mark.parametrize(
     "device",
-    ["cuda:²", "cuda:０", "cuda:1\n", "cuda:", "cuda:01", "cuda:9999999", "CPU", "cpu\n",
-     "cuda:-1", "cuda:+1", "cuda: 1", "cuda:1 ", "cuda", "cuda:1" + "0" * 5000, "", "mps",
-     b"cpu", 0, None],
-)  # fmt: skip
+    [
+        "cuda:²",
+        "cuda:０",
+        "cuda:1\n",
+        "cuda:",
+        "cuda:01",
+        "cuda:9999999",
+        "CPU",
+        "cpu\n",
+        "cuda:-1",
+        "cuda:+1",
+        "cuda: 1",
+        "cuda:1 ",
+        "cuda",
+        "cuda:1" + "0" * 5000,
+        "",
+        "mps",
+        b"cpu",
+        0,
+        None,
+    ],
+)
 def test_devices_refused(device):
     assert not device_ok(device)
 
@@ -301,8 +319,11 @@ def test_a_map_of_200000_regions_round_trips_exactly():
     access and device (three registrations). The decode time is printed (the older list format
     took about as long), not asserted."""
     dtypes = list(DTYPE_SIZES)
-    regs = ((0x7F0000000000, 1 << 40, "cpu"), (0x7E0000000000, 1 << 40, "cuda:0"),
-            (0x7E0000000000, 1 << 40, "cuda:17"))  # fmt: skip
+    regs = (
+        (0x7F0000000000, 1 << 40, "cpu"),
+        (0x7E0000000000, 1 << 40, "cuda:0"),
+        (0x7E0000000000, 1 << 40, "cuda:17"),
+    )
     shapes = [(), (7,), (3, 5), (2, 3, 4), (1, 2, 1, 9)]
     regions, cursor = [], [0, 0, 0]
     for i in range(200_000):
@@ -310,8 +331,16 @@ def test_a_map_of_200000_regions_round_trips_exactly():
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
         name = f"s{i % 2}/model.layers.{i // 384}.mlp.experts.{i // 3 % 128}.w{i % 3}.{i}"
         regions.append(
-            RegionInfo(name, regs[k][0] + cursor[k], nbytes, dtype, shape, ("rw", "w", "r")[i % 3], regs[k][2])
-        )  # fmt: skip
+            RegionInfo(
+                name,
+                regs[k][0] + cursor[k],
+                nbytes,
+                dtype,
+                shape,
+                ("rw", "w", "r")[i % 3],
+                regs[k][2],
+            )
+        )
         cursor[k] += nbytes + 64 * (i % 5)
     rec = record(regions=tuple(regions), registrations=regs)
     raw = encode_peer_record(rec)

@@ -23,9 +23,15 @@ pytestmark = pytest.mark.timeout(60)
 
 H, FF = 64, 96
 SHAPES = {
-    "q": (H, H), "k": (H // 2, H), "v": (H // 2, H), "o": (H, H),
-    "gate": (FF, H), "up": (FF, H), "down": (H, FF), "norm": (H,),
-}  # fmt: skip
+    "q": (H, H),
+    "k": (H // 2, H),
+    "v": (H // 2, H),
+    "o": (H, H),
+    "gate": (FF, H),
+    "up": (FF, H),
+    "down": (H, FF),
+    "norm": (H,),
+}
 DIMS = {"o": 1, "down": 1, "norm": None}
 
 
@@ -97,13 +103,25 @@ def test_every_rank_writes_its_shards_into_full_tp_and_bf16_subscribers(loopback
     for r in range(2):
         lay = _tp(src, 2, r)
         live = {n: torch.zeros(d.shape) for n, d in lay.items()}
-        tps.append((transport.WeightSubscriber(loopback_net.make(f"gen-tp{r}"), live, group="policy",
-                                               layout=lay, mode="inplace"), live))  # fmt: skip
+        tps.append(
+            (
+                transport.WeightSubscriber(
+                    loopback_net.make(f"gen-tp{r}"),
+                    live,
+                    group="policy",
+                    layout=lay,
+                    mode="inplace",
+                ),
+                live,
+            )
+        )
     blay = {n: DestTensor(d.shape, torch.bfloat16, d.pieces) for n, d in full_copy(src).items()}
     bf16 = transport.WeightSubscriber(
-        loopback_net.make("gen-bf16"), {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()},
-        group="policy", layout=blay,
-    )  # fmt: skip
+        loopback_net.make("gen-bf16"),
+        {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()},
+        group="policy",
+        layout=blay,
+    )
     subs = sorted(s.transport.name for s in (whole, bf16, tps[0][0], tps[1][0]))
     for version in (1, 2, 3):
         full = _step(src, shards, version)
@@ -147,7 +165,9 @@ def test_a_version_with_a_missing_rank_never_completes_and_names_it(loopback_net
 def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net):
     src, shards, pubs = _trainer(loopback_net, 2)
     bad = {
-        "qkv_proj": DestTensor((H, H), torch.float32, tp_shard(src, "x", ["q", "k"], 0, 2, 0).pieces),
+        "qkv_proj": DestTensor(
+            (H, H), torch.float32, tp_shard(src, "x", ["q", "k"], 0, 2, 0).pieces
+        ),
         "norm": DestTensor((H,), torch.int32, full_copy(src, ["norm"])["norm"].pieces),
     }
     live = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in bad.items()}
@@ -161,7 +181,9 @@ def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net)
         wrong = dict(shards[0], q=torch.zeros(3, H))
         ShardedPublisher(loopback_net.make("trainer-x"), wrong, src, 0, group="other")
     other = SourceLayout.split(2, {n: (s, torch.float32) for n, s in SHAPES.items()})  # all dim 0
-    rank1 = ShardedPublisher(loopback_net.make("trainer-y"), shard_of(other, _full(1), 1), other, 1, group="g2")
+    rank1 = ShardedPublisher(
+        loopback_net.make("trainer-y"), shard_of(other, _full(1), 1), other, 1, group="g2"
+    )
     rank0 = ShardedPublisher(loopback_net.make("trainer-z"), shards[0], src, 0, group="g2")
     with pytest.raises(LayoutError, match="rank 1 .* declares another source layout"):
         rank0.publish(1)
@@ -178,12 +200,18 @@ def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net
     blocks = fp8(full_copy(src), two_d, block=(16, 16))
     lay_b = dict(blocks)
     live_b = transport.weights.tensors_for(lay_b)  # one flat buffer, zeroed
-    assert all(t.dtype == lay_b[n].dtype and not t.view(torch.uint8).any() for n, t in live_b.items())
-    sub_b = transport.WeightSubscriber(loopback_net.make("gen-fp8"), live_b, group="policy", layout=lay_b)
+    assert all(
+        t.dtype == lay_b[n].dtype and not t.view(torch.uint8).any() for n, t in live_b.items()
+    )
+    sub_b = transport.WeightSubscriber(
+        loopback_net.make("gen-fp8"), live_b, group="policy", layout=lay_b
+    )
     # per tensor: only where one rank writes the whole tensor (the replicated norm here)
     lay_t = fp8(full_copy(src, ["norm"]), ["norm"], block=None)
     live_t = {n: torch.zeros(d.shape, dtype=d.dtype) for n, d in lay_t.items()}
-    sub_t = transport.WeightSubscriber(loopback_net.make("gen-fp8t"), live_t, group="policy", layout=lay_t)
+    sub_t = transport.WeightSubscriber(
+        loopback_net.make("gen-fp8t"), live_t, group="policy", layout=lay_t
+    )
     for version in (1, 2):
         full = _step(src, shards, version)
         for result in _publish_all(pubs, version):
@@ -204,7 +232,11 @@ def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net
     with pytest.raises(LayoutError) as e:
         from transport.weights.layouts import check
 
-        check(src, fp8(full_copy(src), ["gate", "q"], block=(32, 32)) | fp8(full_copy(src, ["o"]), ["o"], block=None))
+        check(
+            src,
+            fp8(full_copy(src), ["gate", "q"], block=(32, 32))
+            | fp8(full_copy(src, ["o"]), ["o"], block=None),
+        )
     text = str(e.value)
     assert "rank 0's part of 'gate' spans 0..48 of dim 0, across fp8 blocks of 32" in text, text
     assert "'o': a per-tensor fp8 scale needs the whole tensor from one rank" in text, text
@@ -223,14 +255,33 @@ def test_fsdp_row_shards_into_column_shards_packed_or_row_by_row(loopback_net, p
 
     src = SourceLayout.split(2, {n: (s, torch.float32) for n, s in SHAPES.items()}, {"norm": None})
     full = _full(4)
-    pubs = [ShardedPublisher(loopback_net.make(f"fsdp-{r}"), shard_of(src, full, r), src, r,
-                             group="fsdp", pack_strided=pack) for r in range(2)]  # fmt: skip
+    pubs = [
+        ShardedPublisher(
+            loopback_net.make(f"fsdp-{r}"),
+            shard_of(src, full, r),
+            src,
+            r,
+            group="fsdp",
+            pack_strided=pack,
+        )
+        for r in range(2)
+    ]
     subs = []
     for r in range(2):
         lay = _tp(src, 2, r)
         live = transport.weights.tensors_for(lay)
-        subs.append((transport.WeightSubscriber(loopback_net.make(f"fsdp-gen{r}"), live, group="fsdp",
-                                                layout=lay, mode="inplace"), live))  # fmt: skip
+        subs.append(
+            (
+                transport.WeightSubscriber(
+                    loopback_net.make(f"fsdp-gen{r}"),
+                    live,
+                    group="fsdp",
+                    layout=lay,
+                    mode="inplace",
+                ),
+                live,
+            )
+        )
     for result in _publish_all(pubs, 1):
         assert len(result.done) == 2, result
     for r, (sub, live) in enumerate(subs):
@@ -249,14 +300,21 @@ def test_a_mixture_of_experts_of_20000_tensors_from_two_ranks(loopback_net):
     """20,000 expert matrices (dim-0 shards) and replicated norms: planned once per subscriber
     (the loopback checks each of the 20,000 descriptors by bisection), every byte of two
     versions checked."""
-    shapes = {f"l{i // 1000}.e{i % 1000}.{w}": (32, 16) for i in range(10000) for w in ("up", "down")}
+    shapes = {
+        f"l{i // 1000}.e{i % 1000}.{w}": (32, 16) for i in range(10000) for w in ("up", "down")
+    }
     shapes |= {f"l{i}.norm": (16,) for i in range(10)}
-    src = SourceLayout.split(2, {n: (s, torch.float32) for n, s in shapes.items()},
-                             {n: None for n in shapes if n.endswith("norm")})  # fmt: skip
+    src = SourceLayout.split(
+        2,
+        {n: (s, torch.float32) for n, s in shapes.items()},
+        {n: None for n in shapes if n.endswith("norm")},
+    )
     full = {n: torch.zeros(s) for n, s in shapes.items()}
     mine = [shard_of(src, full, r) for r in range(2)]  # each rank's shards, updated in place
-    pubs = [ShardedPublisher(loopback_net.make(f"moe-{r}"), mine[r], src, r, group="moe")
-            for r in range(2)]  # fmt: skip
+    pubs = [
+        ShardedPublisher(loopback_net.make(f"moe-{r}"), mine[r], src, r, group="moe")
+        for r in range(2)
+    ]
     lay = full_copy(src)
     live = transport.weights.tensors_for(lay)
     sub = transport.WeightSubscriber(loopback_net.make("moe-gen"), live, group="moe", layout=lay)

@@ -45,9 +45,13 @@ def test_an_outsider_cannot_forge_move_or_alter_a_value():
         msgpack.packb([1, 2]),
         msgpack.packb({"v": 1}),
         msgpack.packb({"v": 2, "kind": "signed", "writer": "a", "gen": 1, "body": b"", "mac": b""}),
-        msgpack.packb({"v": 1, "kind": "signed", "writer": "a\n", "gen": 1, "body": b"", "mac": b""}),
+        msgpack.packb(
+            {"v": 1, "kind": "signed", "writer": "a\n", "gen": 1, "body": b"", "mac": b""}
+        ),
         msgpack.packb({"v": 1, "kind": "signed", "writer": "a", "gen": 0, "body": b"", "mac": b""}),
-        msgpack.packb({"v": 1, "kind": "signed", "writer": "a", "gen": True, "body": b"", "mac": b""}),
+        msgpack.packb(
+            {"v": 1, "kind": "signed", "writer": "a", "gen": True, "body": b"", "mac": b""}
+        ),
         msgpack.packb({"v": 1, "kind": "signed", "writer": "a", "gen": 1, "body": "s", "mac": b""}),
     ],
 )

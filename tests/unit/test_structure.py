@@ -1,6 +1,8 @@
 """The structure the next engineer relies on: one job per module (none much over 600 lines), every
-class says what it owns, no import cycles, and no module reaching into another's private members
-(ruff's SLF001; the tests' one exception is tests/helpers/internals.py)."""
+class says what it owns, no import cycles (every import counts: type-only and function-level ones
+too), no module reaching into another's private members (ruff's SLF001; the tests' one
+exception is tests/helpers/internals.py), and the formatter deciding every layout (ruff format,
+no markers that turn it off)."""
 
 from __future__ import annotations
 
@@ -28,35 +30,23 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def runtime_imports(path: Path, name: str, known: set[str]) -> set[str]:
-    """The package modules ``name`` imports when it is imported: module level, outside ``if
-    TYPE_CHECKING:`` (imports inside functions run later and cannot make a cycle at import)."""
-    tree = ast.parse(path.read_text())
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Every package module ``name`` imports anywhere in its file: at module level, under ``if
+    TYPE_CHECKING:``, inside functions and classes. A type-only or a deferred import is still a
+    dependency, and hiding one in a function does not remove it."""
     found: set[str] = set()
-    is_pkg = path.name == "__init__.py"
-    here = name if is_pkg else name.rsplit(".", 1)[0]
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If):
-                test = ast.unparse(node.test)
-                if "TYPE_CHECKING" not in test:
-                    visit(node.body)
-                    visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = here.split(".")
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join([*anchor, base] if base else anchor)
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
-
-    visit(tree.body)
+    here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
     return {m for m in found if m in known and m != name}
 
 
@@ -75,14 +65,16 @@ def test_every_class_of_the_package_has_a_docstring():
     assert missing == []
 
 
-def test_the_package_has_no_import_cycles():
-    mods = modules()
-    known = set(mods)
-    graph = {n: runtime_imports(p, n, known) for n, p in mods.items()}
-    # a package's __init__ importing its own submodules is how packages work, not a cycle
-    for n in graph:
-        graph[n] = {m for m in graph[n] if not m.startswith(n + ".")}
-    cycles: list[list[str]] = []
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Which of ``files`` (dotted name -> path) each one imports; a package's ``__init__``
+    importing its own submodules is how packages work, not a dependency that makes a cycle."""
+    graph = {n: imports(p, n, set(files)) for n, p in files.items()}
+    return {n: {m for m in deps if not m.startswith(n + ".")} for n, deps in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first walk of ``graph`` meets, each as its path back to its start."""
+    found: list[list[str]] = []
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -91,7 +83,7 @@ def test_the_package_has_no_import_cycles():
         stack.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                cycles.append([*stack[stack.index(m) :], m])
+                found.append([*stack[stack.index(m) :], m])
             elif m not in state:
                 walk(m)
         stack.pop()
@@ -100,28 +92,84 @@ def test_the_package_has_no_import_cycles():
     for n in sorted(graph):
         if n not in state:
             walk(n)
-    assert cycles == []
+    return found
+
+
+def test_the_package_has_no_import_cycles():
+    assert cycles(import_graph(modules())) == []
 
 
 def test_the_import_check_sees_a_cycle(tmp_path):
-    """The cycle check above can fail: two modules importing each other are found."""
-    a, b = tmp_path / "a.py", tmp_path / "b.py"
-    a.write_text("from pkg import b\n")
-    b.write_text(
-        "import pkg.a\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.c\n"
+    """The cycle check above can fail: a cycle closed by a type-only import and a function-level
+    one (inside a method) is found, while a package's ``__init__`` importing its submodule, which
+    imports the package back, is not a cycle."""
+    (tmp_path / "__init__.py").write_text("from pkg import a\n")
+    (tmp_path / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg.c import C\n"
     )
-    known = {"pkg.a", "pkg.b", "pkg.c"}
-    assert runtime_imports(a, "pkg.a", known) == {"pkg.b"}
-    assert runtime_imports(b, "pkg.b", known) == {"pkg.a"}
+    (tmp_path / "c.py").write_text("class C:\n    def f(self):\n        from . import a\n")
+    files = {"pkg": tmp_path / "__init__.py"}
+    files.update({f"pkg.{m}": tmp_path / f"{m}.py" for m in "abc"})
+    graph = import_graph(files)
+    assert graph == {
+        "pkg": set(),
+        "pkg.a": {"pkg", "pkg.b"},
+        "pkg.b": {"pkg.c"},
+        "pkg.c": {"pkg", "pkg.a"},
+    }
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
-                    reason="ruff is not installed (pip install -e '.[dev]')")  # fmt: skip
+RUFF = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+
+
+@pytest.mark.skipif(
+    not Path(RUFF).exists(), reason="ruff is not installed (pip install -e '.[dev]')"
+)
 def test_no_private_member_access_across_modules():
-    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     out = subprocess.run(
-        [ruff, "check", "--select", "SLF001", "--no-cache", "--output-format", "concise",
-         "transport", "backends", "tests"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            RUFF,
+            "check",
+            "--select",
+            "SLF001",
+            "--no-cache",
+            "--output-format",
+            "concise",
+            "transport",
+            "backends",
+            "tests",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+#: every folder of Python the repository holds
+SOURCES = ("transport", "backends", "tests", "examples", "benchmarks")
+
+
+@pytest.mark.skipif(
+    not Path(RUFF).exists(), reason="ruff is not installed (pip install -e '.[dev]')"
+)
+def test_the_formatter_decides_every_layout():
+    out = subprocess.run(
+        [RUFF, "format", "--check", "--no-cache", *SOURCES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    marker = "fmt: " + "skip", "fmt: " + "off"  # spelled apart so that this file has neither
+    held = [
+        str(path.relative_to(ROOT))
+        for folder in SOURCES
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if any(m in path.read_text() for m in marker)
+    ]
+    assert held == []

@@ -140,11 +140,21 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
         (msgpack.packb({"kind": "free", "token": token}), "has the fields"),
         (msgpack.packb({"kind": "free", "token": "xyz", "index": 1}), "16 hex digits"),
         (msgpack.packb({"kind": "free", "token": token, "index": -1}), "int >= 0"),
-        (msgpack.packb({"kind": "bucket", **{k: 0 for k in ("index", "data_bytes", "header_at", "header_bytes")},
-                        "token": token, "slot": 2, "last": False}), "slot is 0 or 1"),
+        (
+            msgpack.packb(
+                {
+                    "kind": "bucket",
+                    **{k: 0 for k in ("index", "data_bytes", "header_at", "header_bytes")},
+                    "token": token,
+                    "slot": 2,
+                    "last": False,
+                }
+            ),
+            "slot is 0 or 1",
+        ),
         (msgpack.packb({"kind": "nope"}), "unknown"),
         (b"\x00" * 9000, "limit"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(WireFormatError, match=rule):
             decode(bad)
 
@@ -168,17 +178,28 @@ class Job:
         self.inbox = [Inbox(t) for t in self.t]
         for ib, p in zip(self.inbox, self.tp + self.rp, strict=False):
             ib.begin(p.token)
-        self.buffers = [[torch.empty(bucket, dtype=torch.uint8) for _ in range(2 if trainers == 1 else 1)]
-                        for _ in range(trainers)]  # fmt: skip
+        self.buffers = [
+            [torch.empty(bucket, dtype=torch.uint8) for _ in range(2 if trainers == 1 else 1)]
+            for _ in range(trainers)
+        ]
         self.slots = [torch.zeros(2 * bucket, dtype=torch.uint8) for _ in range(rollouts)]
         for t, s in zip(self.t[trainers:], self.slots, strict=False):
             t.expose(SLOTS, s, access="w")
-        self.senders = [BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0)
-                        for r, p in enumerate(self.tp)]  # fmt: skip
+        self.senders = [
+            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0)
+            for r, p in enumerate(self.tp)
+        ]
         self.receivers = [
-            BucketReceiver(self.t[trainers + i], self.inbox[trainers + i], p, self.slots[i], Assembler("cpu"), 10.0)
+            BucketReceiver(
+                self.t[trainers + i],
+                self.inbox[trainers + i],
+                p,
+                self.slots[i],
+                Assembler("cpu"),
+                10.0,
+            )
             for i, p in enumerate(self.rp)
-        ]  # fmt: skip
+        ]
 
     def send_all(self, weights: dict[str, torch.Tensor]) -> list[threading.Thread]:
         self.send_errors: list[BaseException | None] = [None] * len(self.senders)
@@ -197,8 +218,12 @@ class Job:
         return threads
 
 
-def collect(receiver: BucketReceiver, hold: threading.Event | None = None, at: int = -1,
-            held: list | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def collect(
+    receiver: BucketReceiver,
+    hold: threading.Event | None = None,
+    at: int = -1,
+    held: list | None = None,
+) -> dict[str, torch.Tensor]:
     """Everything ``receiver`` yields (cloned); at the ``at``-th tensor, keep a view and wait
     for ``hold``."""
 

@@ -32,7 +32,9 @@ def test_importing_transport_and_its_vllm_package_imports_no_vllm():
 
 
 def test_the_entry_point_vllm_loads_names_the_register_function():
-    (ep,) = [e for e in metadata.entry_points(group="vllm.general_plugins") if e.name == "transport"]
+    (ep,) = [
+        e for e in metadata.entry_points(group="vllm.general_plugins") if e.name == "transport"
+    ]
     assert ep.value == "transport.integrations.vllm:register"
 
 

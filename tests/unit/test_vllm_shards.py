@@ -62,13 +62,16 @@ def test_tp_rank_1_of_2_fused_row_parallel_and_padded_maps_become_checked_pieces
     }
     qkv = layout.dest["qkv"]
     assert [(p.source, p.take, p.at) for p in qkv.pieces] == [
-        ("q", Slice(0, half, H), 0), ("k", Slice(0, 2, 4), half), ("v", Slice(0, 2, 4), half + 2)
-    ]  # fmt: skip
+        ("q", Slice(0, half, H), 0),
+        ("k", Slice(0, 2, 4), half),
+        ("v", Slice(0, 2, 4), half + 2),
+    ]
     assert layout.dest["o_part"].dim == 1
     assert layout.targets["embed_part"].rows == 3 and layout.dest["embed_part"].shape == (3, H)
     # the layout moves exactly what the loader put there
-    source = SourceLayout.split(1, {n: (tuple(t.shape), torch.float64) for n, t in SPEC.items()},
-                                dict.fromkeys(SPEC))  # fmt: skip
+    source = SourceLayout.split(
+        1, {n: (tuple(t.shape), torch.float64) for n, t in SPEC.items()}, dict.fromkeys(SPEC)
+    )
     local = {n: _numbers(n) for n in SPEC}
     got = {n: torch.full(d.shape, -1.0, dtype=torch.float64) for n, d in layout.dest.items()}
     dest = {n: d for n, d in layout.dest.items() if n in layout.targets}
@@ -90,7 +93,7 @@ def test_maps_no_slices_make_fall_back_named_with_every_tensor_sharing_a_paramet
                 torch.full((1, H), -1.0, dtype=torch.float64),
                 _numbers("embed")[2:3],
             ]
-        ),  # fmt: skip
+        ),
     }
     layout = _layout_of(maps, raised={"unused": "vLLM's loader raised ValueError: no"})
     assert layout.targets == {}  # qk shares k with the transposed kv_t: it falls back too

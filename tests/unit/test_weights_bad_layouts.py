@@ -54,7 +54,7 @@ BAD = {
         {
             "norm": DestTensor(
                 (H,), FP8, full_copy(SRC, ["norm"])["norm"].pieces, 0, Quant("norm_scale", (16, 16))
-            ),  # fmt: skip
+            ),
             "norm_scale": DestTensor((1,), torch.float32, (), 0, None, "norm"),
         },
         "block scales are for 2-D tensors",
@@ -103,19 +103,31 @@ def test_a_subscriber_whose_layout_breaks_a_rule_is_left_out_and_the_others_are_
 @pytest.mark.parametrize(
     ("dest", "rule"),
     [
-        ({"q": DestTensor((H, H), torch.float32, (Piece("q", Slice(5, 0, H)),))},
-         "takes dim 5, which is not one of its 2 dims"),
-        ({"q": DestTensor((H, H), torch.float32, WHOLE_Q.pieces, 7)},
-         "its stacking dim 7 is not one of its 2 dims"),
-        ({"q": DestTensor((H, H), FP8, WHOLE_Q.pieces, 0, Quant("s", (0, 16))),
-          "s": DestTensor((1, 2), torch.float32, (), 0, None, "q")},
-         "block scales are for 2-D tensors and blocks of two positive ints"),
-        ({"q": DestTensor((H, H), FP8, WHOLE_Q.pieces, 0, Quant("s", (16, 16, 16))),
-          "s": DestTensor((2, 2), torch.float32, (), 0, None, "q")},
-         "block scales are for 2-D tensors and blocks of two positive ints"),
+        (
+            {"q": DestTensor((H, H), torch.float32, (Piece("q", Slice(5, 0, H)),))},
+            "takes dim 5, which is not one of its 2 dims",
+        ),
+        (
+            {"q": DestTensor((H, H), torch.float32, WHOLE_Q.pieces, 7)},
+            "its stacking dim 7 is not one of its 2 dims",
+        ),
+        (
+            {
+                "q": DestTensor((H, H), FP8, WHOLE_Q.pieces, 0, Quant("s", (0, 16))),
+                "s": DestTensor((1, 2), torch.float32, (), 0, None, "q"),
+            },
+            "block scales are for 2-D tensors and blocks of two positive ints",
+        ),
+        (
+            {
+                "q": DestTensor((H, H), FP8, WHOLE_Q.pieces, 0, Quant("s", (16, 16, 16))),
+                "s": DestTensor((2, 2), torch.float32, (), 0, None, "q"),
+            },
+            "block scales are for 2-D tensors and blocks of two positive ints",
+        ),
         BAD["block-scales-of-a-vector"][:1] + ("block scales are for 2-D tensors",),
     ],
-)  # fmt: skip
+)
 def test_indices_out_of_range_are_layout_errors_naming_the_rule(dest, rule):
     with pytest.raises(LayoutError, match=rule):
         check(SRC, dest)
@@ -208,9 +220,11 @@ def test_a_subscriber_whose_planning_fails_in_any_way_is_left_out_with_the_error
     good = transport.WeightSubscriber(loopback_net.make("gen-good"), live, group="g")
     odd_live = {"odd": torch.zeros(H)}
     odd = transport.WeightSubscriber(
-        loopback_net.make("gen-odd"), odd_live, group="g",
+        loopback_net.make("gen-odd"),
+        odd_live,
+        group="g",
         layout={"odd": DestTensor((H,), torch.float32, (Piece("w"),))},
-    )  # fmt: skip
+    )
     result = pub.publish(1, timeout=20).wait(30)
     assert result.done == [good.transport.name], result
     why = result.reasons[odd.transport.name]
@@ -233,9 +247,12 @@ def test_a_trainer_of_another_model_is_refused_though_its_slices_would_fit(loopb
     pub = ShardedPublisher(loopback_net.make("trainer"), {"q": q}, bigger, 0, group="policy")
     half = {"q": DestTensor((H // 2, H), torch.float32, (Piece("q", Slice(0, 0, H // 2)),))}
     expects = transport.WeightSubscriber(
-        loopback_net.make("gen-expects"), {"q": torch.zeros(H // 2, H)}, group="policy",
-        layout=half, source_shapes={"q": (H, H)},
-    )  # fmt: skip
+        loopback_net.make("gen-expects"),
+        {"q": torch.zeros(H // 2, H)},
+        group="policy",
+        layout=half,
+        source_shapes={"q": (H, H)},
+    )
     says_nothing = transport.WeightSubscriber(
         loopback_net.make("gen-open"), {"q": torch.zeros(H // 2, H)}, group="policy", layout=half
     )

@@ -173,8 +173,18 @@ def test_without_a_secret_a_store_writer_sets_what_readers_believe_but_stops_nob
     # What it cannot do: garbage in every value of the group stops no publish and no
     # subscriber; each is skipped with a warning, and its writer puts its own value back.
     garbage = b"\xc1garbage"
-    keys = ["ranks", "lease", "lease/1", "published/0", "published/1", f"sub/{gen_a.name}",
-            f"layout/{gen_a.name}", "epoch", "members/count", "members/1"]  # fmt: skip
+    keys = [
+        "ranks",
+        "lease",
+        "lease/1",
+        "published/0",
+        "published/1",
+        f"sub/{gen_a.name}",
+        f"layout/{gen_a.name}",
+        "epoch",
+        "members/count",
+        "members/1",
+    ]
     for key in keys:
         store.set(prefix + key, garbage)
     with caplog.at_level(logging.WARNING, "transport"):

@@ -29,8 +29,13 @@ def test_a_subscriber_suspect_during_a_publish_is_excluded_before_the_deadline(
     def heartbeats(self, members):
         members = list(members)
         out = suspects(self, members)
-        out.update({m.name: "its last heartbeat is 9.9 s old (the test's)" for m in members
-                    if m.name in stopped})  # fmt: skip
+        out.update(
+            {
+                m.name: "its last heartbeat is 9.9 s old (the test's)"
+                for m in members
+                if m.name in stopped
+            }
+        )
         return out
 
     monkeypatch.setattr(Roster, "suspects", heartbeats)

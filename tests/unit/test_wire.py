@@ -216,11 +216,15 @@ def test_too_many_regions_is_refused_when_encoding_and_decoding():
     body = with_memory(
         body_of(encode_peer_record(record())),
         lambda m: m.update(
-            names=[f"r{i}" for i in range(MAX_REGIONS + 1)], reg=[0] * (MAX_REGIONS + 1),
-            off=[0] * (MAX_REGIONS + 1), dt=bytes(MAX_REGIONS + 1), acc=bytes(MAX_REGIONS + 1),
-            nd=bytes(MAX_REGIONS + 1), dims=[],
+            names=[f"r{i}" for i in range(MAX_REGIONS + 1)],
+            reg=[0] * (MAX_REGIONS + 1),
+            off=[0] * (MAX_REGIONS + 1),
+            dt=bytes(MAX_REGIONS + 1),
+            acc=bytes(MAX_REGIONS + 1),
+            nd=bytes(MAX_REGIONS + 1),
+            dims=[],
         ),
-    )  # fmt: skip
+    )
     with pytest.raises(WireFormatError, match="more than"):
         decode_peer_record(rewrap(body))
 

@@ -209,8 +209,9 @@ def _sharded(trainer: transport.Transport) -> tuple[Any, dict[str, Any], Any]:
     return src, shards, ShardedPublisher(trainer, shards, src, 0, group="policy")
 
 
-def _publish_sharded(src: Any, shards: dict[str, Any], pub: Any, version: int,
-                     timeout: float = 20) -> Any:  # fmt: skip
+def _publish_sharded(
+    src: Any, shards: dict[str, Any], pub: Any, version: int, timeout: float = 20
+) -> Any:
     for n, t in shard_of(src, full_weights(MODEL, version), 0).items():
         shards[n].copy_(t)
     return pub.publish(version, timeout=timeout).wait(timeout + 10)

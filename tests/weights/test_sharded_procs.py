@@ -26,10 +26,16 @@ def children() -> Iterator[list[Any]]:
         c.stop()
 
 
-def _start(children: list[Any], store: Store, ranks: list[tuple[str, int, int, Any]],
-           gens: list[tuple[str, str, str]]) -> tuple[list[Any], list[Any]]:  # fmt: skip
+def _start(
+    children: list[Any],
+    store: Store,
+    ranks: list[tuple[str, int, int, Any]],
+    gens: list[tuple[str, str, str]],
+) -> tuple[list[Any], list[Any]]:
     """Start every child at once; (ranks, generators) once all are ready."""
-    rs = [RankProcess(n, store.url, SPEC, world, r, sizes, wait=False) for n, world, r, sizes in ranks]
+    rs = [
+        RankProcess(n, store.url, SPEC, world, r, sizes, wait=False) for n, world, r, sizes in ranks
+    ]
     gs = [GeneratorProcess(n, store.url, SPEC, kind, mode, wait=False) for n, kind, mode in gens]
     children += rs + gs
     for c in rs + gs:
@@ -45,12 +51,17 @@ def _publish(ranks: list[Any], version: int, timeout: float = 60) -> list[dict[s
 
 def test_two_ranks_into_full_tp2_fused_bf16_and_fp8_generators(tcp_store, children):
     ranks, gens = _start(
-        children, tcp_store,
+        children,
+        tcp_store,
         [(f"trainer-{r}", 2, r, None) for r in range(2)],
-        [("gen-full", "full", "staging"), ("gen-tp0", "tp0of2", "inplace"),
-         ("gen-tp1", "tp1of2", "inplace"), ("gen-bf16", "bf16", "staging"),
-         ("gen-fp8", "fp8", "staging")],
-    )  # fmt: skip
+        [
+            ("gen-full", "full", "staging"),
+            ("gen-tp0", "tp0of2", "inplace"),
+            ("gen-tp1", "tp1of2", "inplace"),
+            ("gen-bf16", "bf16", "staging"),
+            ("gen-fp8", "fp8", "staging"),
+        ],
+    )
     names = sorted(g.name for g in gens)
     for version in (1, 2):
         for result in _publish(ranks, version):
@@ -63,10 +74,11 @@ def test_two_ranks_into_full_tp2_fused_bf16_and_fp8_generators(tcp_store, childr
 def test_three_uneven_ranks_into_a_tp2_pair(tcp_store, children):
     sizes = {"embed": [4000, 3000, 1192], "l0.q": [300, 500, 224], "l1.gate": [2816, 0, 0]}
     ranks, gens = _start(
-        children, tcp_store,
+        children,
+        tcp_store,
         [(f"trainer-{r}", 3, r, sizes) for r in range(3)],
         [("gen-tp0", "tp0of2", "staging"), ("gen-tp1", "tp1of2", "staging")],
-    )  # fmt: skip
+    )
     for version in (1, 2):
         for result in _publish(ranks, version):
             assert result["done"] == ["gen-tp0", "gen-tp1"], result
@@ -77,10 +89,11 @@ def test_three_uneven_ranks_into_a_tp2_pair(tcp_store, children):
 
 def test_a_rank_killed_mid_version_leaves_the_version_before_and_is_named(tcp_store, children):
     ranks, gens = _start(
-        children, tcp_store,
+        children,
+        tcp_store,
         [(f"trainer-{r}", 2, r, None) for r in range(2)],
         [("gen", "full", "staging")],
-    )  # fmt: skip
+    )
     assert all(r["done"] == ["gen"] for r in _publish(ranks, 1))
     assert gens[0].call("check", 1, 60)["bad"] == []
     # rank 1's bytes of version 2 land, its completion never goes; then it is killed
@@ -92,8 +105,10 @@ def test_a_rank_killed_mid_version_leaves_the_version_before_and_is_named(tcp_st
     assert result["excluded"] == ["gen"], result
     why = result["reasons"]["gen"]
     # named as suspect or, on a machine slow enough to judge it past the gone bar, as gone
-    assert ("rank 1 (trainer-1) began it, but its parts did not complete" in why
-            or "rank 1 (trainer-1) is gone" in why), why  # fmt: skip
+    assert (
+        "rank 1 (trainer-1) began it, but its parts did not complete" in why
+        or "rank 1 (trainer-1) is gone" in why
+    ), why
     held = gens[0].call("held")
     assert held["version"] == 1 and held["bad"] == [], held  # version 1, whole
     # rank 1 back (a new process under the same name): the next version completes

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from transport.weights._layout_types import Box, DestTensor, SourceLayout, SourceTensor
 from transport.weights.convert import FLOATS, FP8
 
-if TYPE_CHECKING:
-    from transport.weights.layouts import Box, DestTensor, SourceLayout, SourceTensor
-
-#: ``layouts._parts``: the boxes one rank writes of some destinations
-Parts = Callable[["SourceLayout", Mapping[str, "DestTensor"], int], Sequence["Box"]]
+#: ``layouts._parts`` (planning is ``layouts``' job, passed in): the boxes one rank writes of some
+#: destinations
+Parts = Callable[[SourceLayout, Mapping[str, DestTensor], int], Sequence[Box]]
 
 
 def problems(source: SourceLayout, dest: Mapping[str, DestTensor], parts: Parts) -> list[str]:

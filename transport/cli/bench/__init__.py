@@ -313,7 +313,7 @@ def check_roles(args: argparse.Namespace) -> list[str] | None:
 
 def run(args: argparse.Namespace, command: str) -> int:
     """``transport bench put|sync``: the writer (local readers, or --role writer) or a reader."""
-    from transport.cli.bench import _report, _runner, _session
+    from transport.cli.bench import _reader, _report, _runner
 
     positive("--timeout", args.timeout)
     if command == "sync" and args.hosts is not None:
@@ -338,5 +338,5 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.plot:
         _report.check_plot_support()
     if args.role == "reader":
-        return _session.run_reader(args, w)
+        return _reader.run_reader(args, w)
     return _runner.run_writer(args, w, peers)

@@ -19,16 +19,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 
+from transport.cli.bench._session import Session, get_blob, put_blob
 from transport.cli.bench._util import check_all, fill_all, zero_all
-
-if TYPE_CHECKING:
-    from transport.cli.bench._session import Session
 
 XFER_TIMEOUT_S = float(os.environ.get("BENCH_XFER_TIMEOUT", "60"))
 
@@ -235,8 +233,6 @@ class RawLink:
     (``blobs[i]``: what reader ``i`` published). Paths from :meth:`path` belong to the caller."""
 
     def __init__(self, s: Session, local: list[torch.Tensor]) -> None:
-        from transport.cli.bench._session import get_blob, put_blob
-
         self.agent = new_agent(f"raw-{s.t.name}")
         self.agent.register_memory(local)
         put_blob(s.t, "raw", {"md": self.agent.get_agent_metadata()})
