@@ -1,5 +1,13 @@
 """Child processes driven over a pipe: the parent sends (command, args), the child answers
-("ok", result) or ("err", message). Every call has a deadline; nothing here sleeps."""
+("ok", result) or ("err", message). Every call has a deadline; nothing here sleeps.
+
+Children fork from a server process that imported torch and ``transport`` once
+(``multiprocessing``'s forkserver, started at the test process's first child): a child starts
+without importing them again. The child takes the parent's environment as it is at the start
+(the forkserver's own is that of its start), and is signalled through a pidfd, which cannot
+name another process once it is gone. A child started while the calling thread is in another
+network namespace (helpers.netns) is spawned there instead: forked by the server, it would be
+born in the server's namespace."""
 
 from __future__ import annotations
 
@@ -31,6 +39,29 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
             conn.send(("ok", result))
 
 
+#: what the forkserver imports before it forks any child (importable from the installed
+#: environment: the forkserver starts with Python's default path, not the test process's)
+PRELOAD = ["numpy", "torch", "transport", "transport.weights"]
+#: the network namespace this process started in (children of the forkserver are born there)
+_HOME_NET = os.stat("/proc/self/ns/net").st_ino
+
+
+def _context() -> Any:
+    """The forkserver's context, or spawn's where the calling thread left its namespace."""
+    if os.stat("/proc/thread-self/ns/net").st_ino != _HOME_NET:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _with_environ(environ: dict[str, str], target: Any, *args: Any) -> None:
+    """Run ``target(*args)`` with the parent's environment of the start."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 class ChildError(RuntimeError):
     """The child failed a command (its exception's message), or died."""
 
@@ -49,13 +80,20 @@ class ChildProcess:
     ) -> None:
         self.name = name
         self.generation = self.pid = -1
-        ctx = mp.get_context("spawn")
+        self._pidfd = -1
+        ctx = _context()
         self._conn, child_conn = ctx.Pipe()
+        environ = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
         env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # for the forkserver or a spawned child
         try:
-            self.proc = ctx.Process(target=target, args=(child_conn, name, *args), daemon=True)
+            self.proc = ctx.Process(
+                target=_with_environ,
+                args=(environ, target, child_conn, name, *args),
+                daemon=True,
+            )
             self.proc.start()
+            self._pidfd = os.pidfd_open(self.proc.pid)
         finally:
             if env_backup is None:
                 os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
@@ -102,15 +140,21 @@ class ChildProcess:
     def signal(self, sig: int) -> None:
         """Send ``sig``; for SIGSTOP, return only once every thread of the child has stopped (the
         signal is delivered asynchronously: a put right after kill() could still be served)."""
-        os.kill(self.proc.pid, sig)
+        signal.pidfd_send_signal(self._pidfd, sig)
         if sig == signal.SIGSTOP:
             wait_until_stopped(self.proc.pid, 30.0)
 
     def kill(self) -> None:
-        """kill -9, and reap the process."""
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
+        """kill -9, and wait for the process to be gone."""
+        if self._pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:  # gone already
+                pass
         self.proc.join(10)
+        if self._pidfd >= 0 and not self.proc.is_alive():
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def stop(self) -> None:
         if self.proc.is_alive():

@@ -1,6 +1,11 @@
 """vLLM's HTTP server (the CPU build) as the tests run it: the small Llama in float32, token ids
 in and out, each tensor-parallel worker on a core of its own, killed at the end (a graceful stop
-of the CPU build takes tens of seconds, and nothing the tests check depends on it)."""
+of the CPU build takes tens of seconds, and nothing the tests check depends on it).
+
+vLLM's command line spawns its engine core and workers (each imports vLLM again: most of a
+server's start on this kind of machine); with ``spawn=False`` they fork from the process that has
+imported it, vLLM's own default where it is used as a library. The test of the README's server
+keeps vLLM's command-line default, so the backend's loading in spawned workers stays tested."""
 
 from __future__ import annotations
 
@@ -18,28 +23,51 @@ WORKER_EXT = Path(__file__).parent / "worker_ext"
 #: how long a TP worker's readers spin after a message (vLLM: 1 s; see quiet_workers.py)
 READER_SPIN_S = 0.001
 ARGS = (
-    "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--block-size", "32",
-    "--seed", "0", "--skip-tokenizer-init",
-)  # fmt: skip
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "128",
+    "--block-size",
+    "32",
+    "--seed",
+    "0",
+    "--skip-tokenizer-init",
+)
 
 
 class VllmServer(Server):
     def __init__(
-        self, model_dir: Path, log: Path, tp: int = 1, port: int | None = None,
-        env: dict[str, str] | None = None, host: str = "127.0.0.1", args: tuple[str, ...] = (),
-    ) -> None:  # fmt: skip
+        self,
+        model_dir: Path,
+        log: Path,
+        tp: int = 1,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        args: tuple[str, ...] = (),
+        spawn: bool = False,
+    ) -> None:
         cores = os.cpu_count() or 1
         env = dict(env or {})
+        if not spawn:
+            env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         paths = (str(WORKER_EXT), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH"))
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         super().__init__(
-            model_dir, log, port=port, host=host, tp=tp, args=(*ARGS, *EXTENSION, *args), start_timeout=240,
+            model_dir,
+            log,
+            port=port,
+            host=host,
+            tp=tp,
+            args=(*ARGS, *EXTENSION, *args),
+            start_timeout=240,
             env={
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(k % cores) for k in range(tp)),
                 "TOKENIZERS_PARALLELISM": "false",
                 **env,
             },
-        )  # fmt: skip
+        )
         if tp > 1:  # spinning workers would hold both cores between the calls of an update
             try:
                 self.post("collective_rpc", {"method": "reader_spin", "args": [READER_SPIN_S]})
