@@ -161,3 +161,24 @@ def kept_bytes(kind: str, tp: int = 2) -> tuple[int, int]:
         total += n if whole else n // tp
         replicated += n if whole else 0
     return total, replicated
+
+
+def fused_expert_names(kind: str) -> list[str]:
+    """The names of the fused gate/up experts tensors of the test model ``kind`` (one per MoE
+    layer; a dense layer has none)."""
+    return [
+        n
+        for n, _ in hf_model(0, kind=kind).named_parameters()
+        if n.endswith("experts.gate_up_proj")
+    ]  # type: ignore[attr-defined]
+
+
+def expert_bytes(kind: str) -> int:
+    """Bytes of the routed experts (transformers' fused 3-D tensors)."""
+    model = hf_model(0, kind=kind)
+    return sum(t.numel() * t.element_size() for t in model.parameters() if t.dim() == 3)  # type: ignore[attr-defined]
+
+
+def model_bytes(kind: str) -> int:
+    """Bytes of every parameter of the test model ``kind``."""
+    return sum(t.numel() * t.element_size() for t in hf_model(0, kind=kind).parameters())  # type: ignore[attr-defined]
