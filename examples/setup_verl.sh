@@ -9,12 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "examples/setup_verl.sh: run examples/setup_vllm.sh first" >&2; exit 2; }
-pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v -E "^WARNING: Location|^verl .* requires|^ERROR: pip's dependency resolver" || true; }
+source examples/install.sh
 if ! .venv/bin/python -c "import verl.checkpoint_engine, tests.checkpoint_engine.test_utils, ray, cupy, nixl._api" 2>/dev/null; then
     held=$(mktemp)
     .venv/bin/python -m pip freeze 2>/dev/null | grep -i -E "^(torch|transformers|numpy|protobuf|pydantic|fastapi|msgpack)==" > "$held"
-    pip install --no-deps "verl==0.9.1" "nixl==1.5.1"
-    pip install -c "$held" ray hydra-core "tensordict<=0.10" codetiming dill pylatexenc torchdata \
+    venv_install --no-deps "verl==0.9.1" "nixl==1.5.1"
+    venv_install -c "$held" ray hydra-core "tensordict<=0.10" codetiming dill pylatexenc torchdata \
         datasets accelerate peft pandas pyarrow pyzmq cupy-cuda13x
     rm -f "$held"
 fi

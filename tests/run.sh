@@ -6,6 +6,8 @@
 #   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
 #   - as root: Debian's iproute2 and nftables (installed when missing) for tests/hosts
+# Python packages go in through uv (examples/install.sh: seconds where pip takes minutes);
+# TRANSPORT_INSTALLER=pip installs them with pip.
 # Arguments are passed to pytest (for example: bash tests/run.sh -k faults -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,9 +16,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-# The CPU build of torch first: a bare "torch" requirement would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+source examples/install.sh  # venv_install: uv, with pip's configuration passed on
+# The CPU build of torch pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+venv_install "torch==2.13.0" -e ".[dev]"
 .venv/bin/python -c "import torch, transport, transport.backends.nixl as n; n._load()" || {
     echo "tests/run.sh: the environment did not install cleanly (see above)" >&2
     exit 2
