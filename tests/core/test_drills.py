@@ -23,7 +23,7 @@ from helpers.redis_server import RedisServer
 from helpers.ws_peer import SubscriberProcess, publish_served
 from transport import peer_table
 from transport.errors import StoreError
-from transport.weights._lease import current_lease
+from transport.weights.group.lease import current_lease
 
 MiB = 1 << 20
 

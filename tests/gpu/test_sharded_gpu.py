@@ -17,7 +17,7 @@ from transport.weights import (
     full_copy,
     tensors_for,
 )
-from transport.weights.convert import fp8_blockwise
+from transport.weights.layouts.convert import fp8_blockwise
 
 pytestmark = [
     pytest.mark.cuda,

@@ -7,7 +7,9 @@ without importing them again. The child takes the parent's environment as it is 
 (the forkserver's own is that of its start), and is signalled through a pidfd, which cannot
 name another process once it is gone. A child started while the calling thread is in another
 network namespace (helpers.netns) is spawned there instead: forked by the server, it would be
-born in the server's namespace."""
+born in the server's namespace. So is a child whose class sets ``SPAWN`` (those that run vLLM,
+which forks its own processes: forked from a forked child, vLLM engines were seen to hang for
+good at their start)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ PRELOAD = ["numpy", "torch", "transport", "transport.weights"]
 _HOME_NET = os.stat("/proc/self/ns/net").st_ino
 
 
-def _context() -> Any:
-    """The forkserver's context, or spawn's where the calling thread left its namespace."""
-    if os.stat("/proc/thread-self/ns/net").st_ino != _HOME_NET:
+def _context(spawn: bool) -> Any:
+    """The forkserver's context, or spawn's where asked or where the calling thread left its
+    namespace."""
+    if spawn or os.stat("/proc/thread-self/ns/net").st_ino != _HOME_NET:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -68,7 +71,10 @@ class ChildError(RuntimeError):
 
 class ChildProcess:
     """Starts the child; with ``wait=False`` the constructor returns at once and :meth:`started`
-    waits for the child to be ready (children start in parallel)."""
+    waits for the child to be ready (children start in parallel). A subclass whose child runs
+    vLLM sets ``SPAWN``."""
+
+    SPAWN = False
 
     def __init__(
         self,
@@ -81,7 +87,7 @@ class ChildProcess:
         self.name = name
         self.generation = self.pid = -1
         self._pidfd = -1
-        ctx = _context()
+        ctx = _context(self.SPAWN)
         self._conn, child_conn = ctx.Pipe()
         environ = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
         env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")

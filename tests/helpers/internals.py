@@ -19,7 +19,7 @@ from transport.lanes import Lane
 from transport.memory import LocalMemory
 from transport.plan import PeerConn, Plan
 from transport.store import MemoryStore
-from transport.weights._protocol import GroupDirectory
+from transport.weights.group.directory import GroupDirectory
 
 # -- a Transport's parts --------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ def hold_completions(
     then). ``reached`` is set when a ``ver`` is held (every byte of that part landed)."""
     from dataclasses import replace
 
-    from transport.weights._messages import Ver, decode
+    from transport.weights.group.messages import Ver, decode
 
     held = threading.Event()  # never set: the process is killed while the sender waits
     send = t.core.send_control

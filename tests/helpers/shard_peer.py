@@ -109,7 +109,7 @@ def reference(spec: dict[str, tuple[int, ...]], kind: str, version: int) -> dict
     if kind == "bf16":
         return {n: t.to(torch.bfloat16) for n, t in full.items()}
     if kind == "fp8":
-        from transport.weights.convert import fp8_blockwise
+        from transport.weights.layouts.convert import fp8_blockwise
 
         out = {}
         for n, t in full.items():

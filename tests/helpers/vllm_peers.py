@@ -217,6 +217,8 @@ class VllmProcess(ChildProcess):
     ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update).
     ``as_stored``: the engine computes with its parameters as stored (compute_as_stored)."""
 
+    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
+
     def __init__(
         self, name: str, model_dir: Path, start_timeout: float = 180, as_stored: bool = False
     ) -> None:
@@ -307,6 +309,8 @@ class LlamaPublisher(ChildProcess):
     a streamed version it publishes too (integrations/vllm/streamed.py). Commands:
     ``publish(version, timeout)`` -> (status, reasons), ``publish_nowait``,
     ``hold_notified_parts(let_through=0)``, ``subscribers``."""
+
+    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
 
     def __init__(
         self,
@@ -399,6 +403,8 @@ class HttpTrainer(ChildProcess):
     sends them; returns the publish's (status, reasons)), ``publish(version)`` (only publishes),
     ``traffic`` (bytes written to each peer so far)."""
 
+    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
+
     def __init__(
         self,
         name: str,
@@ -466,6 +472,8 @@ class ShardedLlamaRank(ChildProcess):
     """Rank ``rank`` of a ``world``-rank trainer of the small Llama (tensor-parallel shards),
     publishing with a ShardedPublisher into vLLM's workers. Commands: ``publish(version,
     timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far)."""
+
+    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
 
     def __init__(
         self,
@@ -551,6 +559,8 @@ class ShardedTrainer(ChildProcess):
     engine. Commands: ``send(version)`` -> (publish status, vLLM's tokens on rank 0),
     ``engine_state`` (rank 0). ``as_stored``: the engine computes with its parameters as
     stored (compute_as_stored); ``info`` goes into the trainer's init info (mode, staging_gb)."""
+
+    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
 
     def __init__(
         self,

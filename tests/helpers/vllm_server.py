@@ -2,10 +2,9 @@
 in and out, each tensor-parallel worker on a core of its own, killed at the end (a graceful stop
 of the CPU build takes tens of seconds, and nothing the tests check depends on it).
 
-vLLM's command line spawns its engine core and workers (each imports vLLM again: most of a
-server's start on this kind of machine); with ``spawn=False`` they fork from the process that has
-imported it, vLLM's own default where it is used as a library. The test of the README's server
-keeps vLLM's command-line default, so the backend's loading in spawned workers stays tested."""
+Its engine core and workers are spawned, vLLM's command-line default (each imports vLLM again:
+most of a server's start on this kind of machine). Forked instead, from an API server that has
+started threads, a server was seen to hang for good before its engine core began."""
 
 from __future__ import annotations
 
@@ -46,12 +45,9 @@ class VllmServer(Server):
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
         args: tuple[str, ...] = (),
-        spawn: bool = False,
     ) -> None:
         cores = os.cpu_count() or 1
         env = dict(env or {})
-        if not spawn:
-            env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         paths = (str(WORKER_EXT), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH"))
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         super().__init__(

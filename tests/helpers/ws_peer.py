@@ -96,8 +96,8 @@ def _sub_child(
     slots: int = 2,
 ) -> None:
     import transport
-    from transport.weights._messages import Begin, decode
-    from transport.weights._protocol import channel
+    from transport.weights.group.messages import Begin, decode
+    from transport.weights.group.regions import channel
 
     watch = _Watch()
     try:

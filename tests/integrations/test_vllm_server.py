@@ -27,7 +27,7 @@ def test_a_tp2_server_takes_each_version_and_a_restarted_server_rejoins(
     # the trainer child imports while the server starts
     with (
         HttpTrainer("trainer", env=secret, wait=False) as trainer,
-        VllmServer(model_dir, tmp_path / "server-1.log", tp=2, env=secret, spawn=True) as server,
+        VllmServer(model_dir, tmp_path / "server-1.log", tp=2, env=secret) as server,
     ):
         assert server.generate() == reference(0)
         trainer.started(120)

@@ -1,4 +1,4 @@
-"""Conversions in flight (transport.weights.convert) against a reference written plainly, block
+"""Conversions in flight (transport.weights.layouts.convert) against a reference written plainly, block
 by block with Python loops: the fp8 bytes and the scales must be equal, not close."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transport.weights.convert import (
+from transport.weights.layouts.convert import (
     FP8,
     FP8_MAX,
     convert,

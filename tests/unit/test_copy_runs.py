@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from helpers.loopback_net import pattern
-from transport.weights._flat import copy_runs, flat_like
+from transport.weights.layouts.flat import copy_runs, flat_like
 
 
 @pytest.fixture(autouse=True, params=["compiled", "torch"])
 def copier(request, monkeypatch):
     """Every test with the compiled copies and without them (a machine with no C compiler)."""
     if request.param == "torch":
-        monkeypatch.setattr("transport.weights._flat.native", lambda: None)
+        monkeypatch.setattr("transport.weights.layouts.flat.native", lambda: None)
     return request.param
 
 

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 
 from transport.errors import WireFormatError
-from transport.weights._messages import (
+from transport.weights.group.messages import (
     Abort,
     Credit,
     Forward,
@@ -29,8 +29,8 @@ from transport.weights._messages import (
     Target,
     Ver,
 )
-from transport.weights._messages import decode as decode_ws
-from transport.weights._messages import encode as encode_ws
+from transport.weights.group.messages import decode as decode_ws
+from transport.weights.group.messages import encode as encode_ws
 from transport.wire import (
     PeerRecord,
     RegionInfo,

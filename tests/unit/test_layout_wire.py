@@ -9,8 +9,8 @@ import torch
 
 from transport.errors import WireFormatError
 from transport.weights import DestTensor, Piece, Slice, SourceLayout, full_copy, tp_shard
-from transport.weights._layout_wire import decode_dest, decode_sources, encode_dest, source_digest
 from transport.weights.layouts import fp8
+from transport.weights.layouts.wire import decode_dest, decode_sources, encode_dest, source_digest
 
 SRC = SourceLayout.split(
     2,

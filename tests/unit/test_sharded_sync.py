@@ -192,8 +192,8 @@ def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net)
 
 
 def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net):
-    from transport.weights.convert import fp8_blockwise, fp8_per_tensor
     from transport.weights.layouts import fp8
+    from transport.weights.layouts.convert import fp8_blockwise, fp8_per_tensor
 
     src, shards, pubs = _trainer(loopback_net, 2)
     two_d = [n for n, s in SHAPES.items() if len(s) == 2]
@@ -250,8 +250,8 @@ def test_fsdp_row_shards_into_column_shards_packed_or_row_by_row(loopback_net, p
     """Every matrix held along dim 0 (FSDP); the generators take TP column shards of o and down:
     each rank's part is strided in its shard and adjacent at the generator, packed through the
     pool (one write per chunk) or written one row at a time: the same bytes either way."""
-    from transport.weights._pool import Strided, strided_groups
     from transport.weights.layouts import plan
+    from transport.weights.publishing.write_plan import Strided, strided_groups
 
     src = SourceLayout.split(2, {n: (s, torch.float32) for n, s in SHAPES.items()}, {"norm": None})
     full = _full(4)

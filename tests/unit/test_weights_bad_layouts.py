@@ -24,9 +24,9 @@ from transport.weights import (
     SourceLayout,
     full_copy,
 )
-from transport.weights._layout_wire import decode_dest, encode_dest
-from transport.weights.convert import FP8
 from transport.weights.layouts import Quant, check, plan_all
+from transport.weights.layouts.convert import FP8
+from transport.weights.layouts.wire import decode_dest, encode_dest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -202,7 +202,7 @@ def test_a_subscriber_whose_planning_fails_in_any_way_is_left_out_with_the_error
 ):
     """Whatever planning one subscriber raises (a bug of ours on what it declared), the publish
     goes on without it, names the error, and tries it again at the next publish."""
-    from transport.weights import sharded
+    from transport.weights.publishing import sharded
 
     plan = sharded.plan_all
     fail = {"on": True}

@@ -180,7 +180,7 @@ def test_regions_a_close_could_not_withdraw_in_time_are_withdrawn_by_the_next_me
     """A close whose withdrawal runs out of time (a peer that does not answer, a group of very
     many tensors) leaves regions exposed; the next subscriber of the group on that Transport
     withdraws them before it exposes its own."""
-    from transport.weights import subscriber as subscriber_module
+    from transport.weights.subscribing import subscriber as subscriber_module
 
     gen, sub, trainer, pub, weights, live = _pair(loopback_net)
     assert pub.publish(1, timeout=10).wait(10).done == [gen.name]

@@ -15,9 +15,9 @@ import transport
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
 from transport.store import Store
-from transport.weights._messages import Begin, Credit, Hello, Ver, encode
-from transport.weights._upstream import MAX_HELD_PER_SENDER
-from transport.weights._worker import Worker
+from transport.weights.group.messages import Begin, Credit, Hello, Ver, encode
+from transport.weights.group.worker import Worker
+from transport.weights.subscribing.upstream import MAX_HELD_PER_SENDER
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -119,7 +119,7 @@ def test_a_flood_from_a_peer_that_is_not_the_publisher_costs_bounded_memory_and_
 
 
 def test_the_work_peers_queue_is_bounded_and_the_newest_credit_is_kept():
-    """The worker's rule (weights/_worker.py): its own work is never dropped, work a peer's
+    """The worker's rule (weights/group/worker.py): its own work is never dropped, work a peer's
     message asks for is dropped past the limit (counted), and the work that reads only the
     newest message of a key is queued once per key, reading the newest."""
     release, ran = threading.Event(), []

@@ -24,8 +24,8 @@ from helpers.polling import wait_until
 from helpers.shard_peer import shard_of
 from transport import signed
 from transport.weights import ShardedPublisher, SourceLayout
-from transport.weights._layout_wire import source_digest
-from transport.weights._lease import FREE, Lease
+from transport.weights.group.lease import FREE, Lease
+from transport.weights.layouts.wire import source_digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,8 +143,8 @@ def test_a_lease_of_an_older_incarnation_put_back_is_ignored_and_taken_back(loop
 def test_without_a_secret_a_store_writer_sets_what_readers_believe_but_stops_nobody(
     loopback_net, caplog
 ):
-    from transport.weights._lease import GroupLeases
-    from transport.weights._protocol import GroupDirectory
+    from transport.weights.group.directory import GroupDirectory
+    from transport.weights.group.lease import GroupLeases
 
     trainer = _Trainer(loopback_net)
     a = _sub(loopback_net, "gen-a")

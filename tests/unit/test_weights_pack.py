@@ -9,8 +9,8 @@ import torch
 
 from helpers import internals
 from helpers.loopback_net import pattern
-from transport.weights._flat import flat_like
-from transport.weights._pack import PACK_MIN_TENSORS, PACK_TENSOR_BYTES, Pack, packable
+from transport.weights.layouts.flat import flat_like
+from transport.weights.publishing.pack import PACK_MIN_TENSORS, PACK_TENSOR_BYTES, Pack, packable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 def copier(request, monkeypatch):
     """Every test with the compiled copies and without them (a machine with no C compiler)."""
     if request.param == "numpy":
-        monkeypatch.setattr("transport.weights._pack.native", lambda: None)
+        monkeypatch.setattr("transport.weights.publishing.pack.native", lambda: None)
     return request.param
 
 

@@ -12,7 +12,7 @@ import torch
 import transport
 from helpers.loopback_net import frozen, pattern
 from transport.weights import ShardedPublisher, SourceLayout
-from transport.weights._members import Roster
+from transport.weights.publishing.roster import Roster
 
 pytestmark = pytest.mark.timeout(60)
 

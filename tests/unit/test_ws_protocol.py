@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transport.errors import WireFormatError
-from transport.weights._messages import (
+from transport.weights.group.messages import (
     KINDS,
     MAX_DEGREE,
     Credit,
@@ -19,7 +19,7 @@ from transport.weights._messages import (
     decode,
     encode,
 )
-from transport.weights._protocol import piece, pieces, segments
+from transport.weights.group.segments import piece, pieces, segments
 
 GOOD = [
     ("hello", {}),

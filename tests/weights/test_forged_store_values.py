@@ -40,8 +40,8 @@ from helpers.ws_peer import make_tensors, spec_of
 from transport import signed
 from transport.store import Store, store_from_url
 from transport.weights import ShardedPublisher, full_copy
-from transport.weights._layout_wire import encode_dest
-from transport.weights._lease import Lease
+from transport.weights.group.lease import Lease
+from transport.weights.layouts.wire import encode_dest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -290,7 +290,7 @@ def test_a_version_given_up_by_its_publisher_is_never_completed_late(tcp_store, 
     complete that version once told it was given up, since the publisher may hand the slot out
     again on the subscriber's next credit. Messages are fed to a real subscriber in the order the
     race delivers them; the bytes of the slot are the subscriber's own."""
-    from transport.weights._messages import Abort, Begin, Ver, encode
+    from transport.weights.group.messages import Abort, Begin, Ver, encode
 
     spec = spec_of(2, 1024)
     with transport.Transport("gen-0", store=tcp_store, timeout=10) as t:

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import transport
-from transport.weights._pack import packable
+from transport.weights.publishing.pack import packable
 
 LARGE = {f"layers.{i}.w": (256, 256) for i in range(16)}  # 4 MiB
 # 16 large tensors among 512 small ones, which the publisher copies into one buffer at each
-# publish (weights/_pack.py): a pull reads that copy, never a state between two publishes
+# publish (weights/publishing/pack.py): a pull reads that copy, never a state between two publishes
 MIXED = {
     **{f"layers.{i}.{r}": (64 + i % 5,) for i in range(128) for r in ("q", "k", "norm", "bias")},
     **LARGE,

@@ -99,7 +99,7 @@ def test_a_hundred_thousand_tensors_reach_staging_inplace_and_subset_subscribers
                     got = child.call("live", timeout=300)
                     assert got == {n: want[n] for n in kinds[name][0]}, name
             # each of its 100,002 tensors is a storage of its own; the 100,000 small ones are
-            # copied into one buffer at every publish (weights/_pack.py), so it registers that
+            # copied into one buffer at every publish (weights/publishing/pack.py), so it registers that
             # buffer, the two large tensors and the version word, and its record (which
             # describes only what it exposes) stays far inside what a store takes
             assert len(internals.local_memory(t)) == 4

@@ -14,8 +14,8 @@ import torch
 import transport
 from helpers.polling import wait_until
 from helpers.ws_peer import MiB, make_tensors, spec_of
-from transport.weights._messages import Abort, Hello, Ver, encode
-from transport.weights._protocol import channel
+from transport.weights.group.messages import Abort, Hello, Ver, encode
+from transport.weights.group.regions import channel
 
 # Tensors of several dtypes and shapes; the inplace subscriber takes a subset of them.
 SPEC = {

@@ -1,23 +1,23 @@
 """Weight sync for RL: a publisher (the trainer), or one per rank of a sharded trainer, and
 subscribers (generators) of a named group, each in the layout and dtype it declares."""
 
-from transport.weights._delivery import PublishHandle, PublishResult
-from transport.weights._flat import flat_like
 from transport.weights.layouts import (
     DestTensor,
     LayoutError,
     Piece,
     Slice,
     SourceLayout,
+    flat_like,
     fp8,
     full_copy,
     tensors_for,
     tp_shard,
 )
-from transport.weights.publisher import WeightPublisher
-from transport.weights.sharded import ShardedPublisher
-from transport.weights.subscriber import Snapshot, WeightSubscriber
-from transport.weights.window import WindowedSubscriber
+from transport.weights.publishing.delivery import PublishHandle, PublishResult
+from transport.weights.publishing.publisher import WeightPublisher
+from transport.weights.publishing.sharded import ShardedPublisher
+from transport.weights.subscribing.subscriber import Snapshot, WeightSubscriber
+from transport.weights.subscribing.window import WindowedSubscriber
 
 __all__ = [
     "DestTensor",

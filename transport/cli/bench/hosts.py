@@ -59,7 +59,7 @@ def trainer(args: argparse.Namespace) -> None:
     """A WeightPublisher; ``sync FANOUT STEPS SEGMENT`` publishes STEPS versions with that
     fan-out and segment size (bytes; 0: the default)."""
     import transport
-    from transport.weights._protocol import SEGMENT_BYTES
+    from transport.weights.group.segments import SEGMENT_BYTES
 
     t = transport.Transport("trainer", store=args.store, timeout=60)
     state = _tensors(args.mib, args.count)

@@ -135,7 +135,7 @@ def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]
     """Generator ``g``'s layout: whole tensors or its TP=2 shard with fused parameters; in
     ``dtype`` (fp8: quantized with block scales when ``quantize``, else plain fp8)."""
     from transport.weights import DestTensor, full_copy, tp_shard
-    from transport.weights.layouts import fp8
+    from transport.weights.layouts.planning import fp8
 
     src = source_layout(c)
     if c.dest_layout == "full":
@@ -166,7 +166,7 @@ def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]
 
 def full_converted(full: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
     """What the baseline's rank 0 publishes: the gathered tensors in ``dtype``."""
-    from transport.weights.convert import fp8_blockwise
+    from transport.weights.layouts.convert import fp8_blockwise
 
     if dtype == "float32":
         return full
@@ -240,7 +240,7 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
         want = torch.float8_e4m3fn if c.dest_dtype == "fp8" else getattr(torch, c.dest_dtype)
         conv = {n: x.to(want) if x.dim() == 2 else x for n, x in mine.items()}
         from transport.weights import SourceLayout
-        from transport.weights.layouts import SourceTensor
+        from transport.weights.layouts.planning import SourceTensor
 
         nsrc = SourceLayout(
             src.world,
@@ -320,7 +320,7 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
 
 def _gen_main(conn: Any, c: Config, g: int, store_url: str) -> None:
     import transport
-    from transport.weights.convert import fp8_blockwise
+    from transport.weights.layouts.convert import fp8_blockwise
 
     torch.set_num_threads(1)
     t = transport.Transport(f"bench-gen{g}", store=store_url, timeout=c.timeout)

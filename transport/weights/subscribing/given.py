@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from transport.weights._layout_wire import encode_dest
-from transport.weights._protocol import MODES, check_named_tensors
-from transport.weights.layouts import DestTensor, check_dest
+from transport.weights.group.regions import MODES, check_named_tensors
+from transport.weights.layouts.planning import DestTensor, check_dest
+from transport.weights.layouts.wire import encode_dest
 
 
 @dataclass(frozen=True)

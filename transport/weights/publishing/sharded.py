@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import threading
 import time
 from collections.abc import Mapping
 
@@ -22,31 +21,21 @@ from transport.errors import (
 )
 from transport.handle import Handle
 from transport.memory import dtype_name
-from transport.weights._delivery import (
-    DONE,
-    EXCLUDED,
-    LOST,
-    SUSPECT,
-    Callbacks,
-    Delivery,
-    Landing,
-    PublishHandle,
-    close_all,
-)
-from transport.weights._layout_wire import decode_dest, decode_sources, source_digest
-from transport.weights._lease import GroupLeases, Lease, PublisherLease, holder_alive
-from transport.weights._members import Member, Roster, SuspectWatch
-from transport.weights._messages import Abort, Begin, Credit, Hello, Ver, decode_from, encode
-from transport.weights._pool import SlotWrites, plan_writes
-from transport.weights._protocol import (
+from transport.weights.group.directory import WHOLE, GroupDirectory
+from transport.weights.group.lease import GroupLeases, Lease, PublisherLease, holder_alive
+from transport.weights.group.messages import (
     HELLO_AGAIN,
-    WHOLE,
-    GroupDirectory,
-    channel,
-    region,
+    Abort,
+    Begin,
+    Credit,
+    Hello,
+    Ver,
+    decode_from,
+    encode,
 )
-from transport.weights._worker import Worker
-from transport.weights.layouts import (
+from transport.weights.group.regions import channel, region
+from transport.weights.group.worker import Worker
+from transport.weights.layouts.planning import (
     LayoutError,
     SourceLayout,
     check,
@@ -54,6 +43,18 @@ from transport.weights.layouts import (
     full_copy,
     plan_all,
 )
+from transport.weights.layouts.wire import decode_dest, decode_sources, source_digest
+from transport.weights.publishing.core import PublisherCore
+from transport.weights.publishing.delivery import (
+    DONE,
+    EXCLUDED,
+    LOST,
+    Delivery,
+    Landing,
+    PublishHandle,
+)
+from transport.weights.publishing.roster import Member
+from transport.weights.publishing.write_plan import SlotWrites, plan_writes
 
 log = logging.getLogger("transport.weights")
 
@@ -64,7 +65,7 @@ CHUNK_BYTES = 8 << 20
 POOL_BYTES = 32 << 20
 
 
-class ShardedPublisher:
+class ShardedPublisher(PublisherCore):
     """Rank ``rank`` of a sharded trainer: publishes its ``shards`` (name -> the slice
     ``layout`` says this rank holds) to every subscriber of ``group``.
 
@@ -111,10 +112,9 @@ class ShardedPublisher:
             raise ValueError("chunk_bytes must be positive and at most pool_bytes")
         check(layout, {})  # gaps and overlaps of the source itself
         self._local = check_shards(shards, layout, rank)
-        self.transport, self.group, self.layout, self.rank = transport, group, layout, rank
+        self.layout, self.rank = layout, rank
         self.world = layout.world
         self.digest = source_digest(layout)
-        self.version = -1
         self._chunk_bytes, self._pack = chunk_bytes, pack_strided
         device = next(iter(self._local.values())).device
         self._on_cuda = device.type == "cuda"  # the GPU path: torch ops on the device (untested)
@@ -125,30 +125,21 @@ class ShardedPublisher:
         self._pool_busy: list[Handle | None] = [None] * len(self._pool)
         self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
         self._leases = GroupLeases(transport, group)
-        self._roster = Roster(transport, group, self._local, planner=self._plan_member)
-        self._subs = self._roster.members
-        self._lock = threading.RLock()
-        self._handles: list[Delivery] = []
-        self._callbacks = Callbacks(f"transport-ws-rank{rank}-{group}-callbacks")
-        self._watch = SuspectWatch(
-            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval
-        )
-        self._worker = Worker(
-            f"transport-ws-rank{rank}-{group}", tick=self._expire, until=lambda: transport.closed
-        )
         self._writer = Worker(
             f"transport-ws-rank{rank}-{group}-writes", until=lambda: transport.closed
         )
-        self._stop_control = transport.core.on_control(channel(group), self._on_message)
-        self._lease = PublisherLease(transport, group, rank, self.world, self.digest)
+        super().__init__(
+            transport,
+            group,
+            self._local,
+            PublisherLease(transport, group, rank, self.world, self.digest),
+            f"transport-ws-rank{rank}-{group}",
+            planner=self._plan_member,
+        )
         try:
-            self._lease.acquire()
             self._published(-1)
         except BaseException:
-            self._lease.release()
-            self._stop_control()
-            self._worker.stop()
-            self._writer.stop()
+            self._undo()
             raise
 
     # -- planning ----------------------------------------------------------------------------------
@@ -225,12 +216,7 @@ class ShardedPublisher:
         returns a :class:`PublishHandle` at once. A subscriber counts as done only once it
         completed the version, that is, once every rank's parts landed there. LayoutError (before
         anything moves) if another rank of the group declares another source layout."""
-        if version is None:
-            version = self.version + 1 if self.version >= 0 else 1
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise TypeError("version must be an int")
-        if version <= self.version:
-            raise ValueError(f"versions only move forward: {version} after {self.version}")
+        version = self._next_version(version)
         timeout = self.transport.timeout if timeout is None else timeout
         if self._on_cuda:  # what the trainer queued (the optimizer step) has run before we read
             torch.cuda.synchronize(self._pool[0].device)
@@ -239,28 +225,8 @@ class ShardedPublisher:
         self._published(version)
         with self._lock:
             self._roster.refresh()
-            subs = list(self._subs.values())
-            suspects = self._roster.suspects(s for s in subs if not s.error)
-            self.version = version
-            handle = Delivery(
-                version,
-                [s.name for s in subs],
-                time.monotonic() + timeout,
-                self._callbacks.submit,
-            )
-            self._handles.append(handle)
-            for sub in subs:
-                if sub.error:
-                    handle.settle(sub.name, EXCLUDED, sub.error)
-                    continue
-                if sub.waiting is not None:
-                    sub.waiting[1].settle(
-                        sub.name, EXCLUDED, f"not begun before version {version} replaced it"
-                    )
-                    sub.waiting = None
-                if sub.name in suspects:
-                    handle.settle(sub.name, EXCLUDED, f"{SUSPECT}{suspects[sub.name]}")
-                    continue
+            handle, start = self._begin(version, timeout, "not begun")
+            for sub in start:
                 self._start(sub, version, handle)
         self._worker.submit(lambda: None)  # the tick watches the new deadline
         return handle.handle
@@ -397,13 +363,8 @@ class ShardedPublisher:
         self._next(sub)
 
     def _give_up(self, sub: Member, version: int, slot: int) -> None:
-        self._worker.submit(functools.partial(self._send, sub.name, Abort(version, slot)))
-
-    def _send(self, peer: str, msg: Abort | Hello) -> None:
-        try:
-            self.transport.core.send_control(peer, channel(self.group), encode(msg))
-        except TransportError as e:
-            log.info("group %s: cannot tell %s: %s", self.group, peer, e)
+        abort = Abort(version=version, slot=slot)
+        self._worker.submit(functools.partial(self._send, sub.name, abort))
 
     def _next(self, sub: Member) -> None:
         if sub.waiting is not None and self._subs.get(sub.name) is sub:
@@ -481,14 +442,9 @@ class ShardedPublisher:
                 sub.credits = {s for s in credit.slots if 0 <= s < sub.slots}
             self._heard(sub)
 
-    def _expire(self) -> float:
-        """Worker tick: versions not complete at their deadline are given up; subscribers that
-        became suspect while a version waits for them are excluded at once (SuspectWatch)."""
-        wait = self._deadlines()
-        check = self._watch.tick()
-        return wait if check is None else max(0.01, min(wait, check))
-
     def _deadlines(self) -> float:
+        """Versions not complete at their deadline are given up; versions that could not
+        begin by then are excluded."""
         now = time.monotonic()
         with self._lock:
             for sub in self._subs.values():
@@ -530,11 +486,7 @@ class ShardedPublisher:
                         h.settle(
                             name, EXCLUDED, "no outcome within the deadline (it left the group)"
                         )
-            self._handles = [h for h in self._handles if not h.done()]
-            deadlines = [h.deadline for h in self._handles]
-            if any(s.waiting is not None for s in self._subs.values()):
-                deadlines.append(now + HELLO_AGAIN)
-        return max(0.01, min(deadlines) - now) if deadlines else 1.0
+            return self._next_tick(now)
 
     @property
     def pool_bytes(self) -> int:
@@ -542,31 +494,9 @@ class ShardedPublisher:
         its shards; it is touched only when a subscriber asks for another dtype)."""
         return sum(b.nbytes for b in self._pool)
 
-    def subscribers(self) -> list[str]:
-        with self._lock:
-            return sorted(self._subs)
-
-    def refresh(self) -> dict[str, str]:
-        """Read the group's changes now (as a publish does); who cannot be written, and why."""
-        self._lease.ensure()
-        with self._lock:
-            self._roster.refresh()
-            return {n: s.error for n, s in self._subs.items() if s.error}
-
-    def close(self) -> None:
-        """Stop publishing: a publish in flight completes now, failed with ClosedError.
-        Idempotent."""
-        self._stop_control()
+    def _stop_workers(self) -> None:
         self._writer.stop()
-        self._worker.stop()
-        with self._lock:
-            handles, self._handles = self._handles, []
-        close_all(handles, ClosedError(f"rank {self.rank} of group {self.group!r} was closed"))
-        self._callbacks.stop()
-        self._lease.release()
+        super()._stop_workers()
 
-    def __enter__(self) -> ShardedPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"rank {self.rank} of group {self.group!r} was closed")

@@ -9,8 +9,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from transport.errors import TransportError
-from transport.weights._lease import GroupLeases
-from transport.weights._protocol import GroupDirectory
+from transport.weights.group.directory import GroupDirectory
+from transport.weights.group.lease import GroupLeases
 
 log = logging.getLogger("transport.weights")
 

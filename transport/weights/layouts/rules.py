@@ -1,6 +1,6 @@
 """The rules a source layout and a destination layout must follow to fit (``layouts.check``):
 every problem by name, never an exception. A destination layout is what a subscriber declared
-(``_layout_wire`` reads it from the store), so every index in it is checked before it is used."""
+(``wire`` reads it from the store), so every index in it is checked before it is used."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from transport.weights._layout_types import Box, DestTensor, SourceLayout, SourceTensor
-from transport.weights.convert import FLOATS, FP8
+from transport.weights.layouts.convert import FLOATS, FP8
+from transport.weights.layouts.types import Box, DestTensor, SourceLayout, SourceTensor
 
 #: ``layouts._parts`` (planning is ``layouts``' job, passed in): the boxes one rank writes of some
 #: destinations
@@ -44,7 +44,7 @@ def scale_shape(d: DestTensor) -> tuple[int, ...]:
 
 def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether the sender converts ``src`` to ``dst`` in flight (floating point to floating
-    point; fp8 destinations come with a scale, see transport/weights/convert.py)."""
+    point; fp8 destinations come with a scale, see transport/weights/layouts/convert.py)."""
     return src in FLOATS and dst in FLOATS
 
 
@@ -136,7 +136,7 @@ def _check_source(name: str, t: SourceTensor, world: int) -> list[str]:
 
 def _check_dest(name: str, d: DestTensor, source: SourceLayout) -> list[str]:
     """Whether destination ``name`` is made whole of its pieces. Every index a peer declared is
-    checked before it is used: a layout is what a subscriber says (``_layout_wire``)."""
+    checked before it is used: a layout is what a subscriber says (``wire``)."""
     problems = []
     covered: list[tuple[int, int]] = []
     if not d.pieces:

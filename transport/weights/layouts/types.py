@@ -3,7 +3,7 @@ trainer rank holds (:class:`SourceLayout`), what each destination tensor is made
 (:class:`DestTensor` of :class:`Piece`), and what one rank writes of it (:class:`Box`,
 :class:`Run`); and :class:`LayoutError`, raised when two layouts do not fit. ``layouts``
 re-exports them with the functions that check and plan them (the public home: import from there
-or from ``transport.weights``); ``_layout_rules`` checks them without importing ``layouts``.
+or from ``transport.weights``); ``rules`` checks them without importing ``planning``.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class Piece:
 class Quant:
     """How a destination is quantized to fp8 e4m3: its scales go to destination tensor
     ``scale``, one per ``block`` (rows, cols) of a 2-D tensor, or one for the whole tensor
-    (``block=None``); see transport/weights/convert.py for the convention."""
+    (``block=None``); see transport/weights/layouts/convert.py for the convention."""
 
     scale: str
     block: tuple[int, int] | None = (128, 128)

@@ -23,7 +23,7 @@ import torch
 
 from transport.errors import WireFormatError
 from transport.memory import dtype_name
-from transport.weights.layouts import DestTensor, Piece, Quant, Slice, SourceLayout
+from transport.weights.layouts.planning import DestTensor, Piece, Quant, Slice, SourceLayout
 from transport.wire import unpack
 
 #: the most destination tensors and pieces one subscriber may declare

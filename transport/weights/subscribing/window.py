@@ -10,8 +10,8 @@ import torch
 
 from transport._transport import Transport
 from transport.errors import ClosedError, TransferTimeout, VersionGoneError
-from transport.weights.layouts import DestTensor
-from transport.weights.subscriber import WeightSubscriber
+from transport.weights.layouts.planning import DestTensor
+from transport.weights.subscribing.subscriber import WeightSubscriber
 
 
 class WindowedSubscriber(WeightSubscriber):

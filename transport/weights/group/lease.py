@@ -51,8 +51,9 @@ from transport.errors import (
 from transport.liveness import GONE_BEATS, GONE_MIN_S, staleness
 from transport.signed import SignedStore
 from transport.store import Store
-from transport.weights._protocol import marked_rank, rank_mark, reader
-from transport.weights._withdraw import withdraw
+from transport.weights.group.directory import reader
+from transport.weights.group.regions import marked_rank, rank_mark
+from transport.weights.group.withdraw import withdraw
 from transport.wire import unpack
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class PublisherLease:
     def acquire(self) -> None:
         """Take the lease (construction): GroupBusyError while a live publisher holds it. Rank 0
         then says how many ranks publish the group (``ranks``), and a rank of a sharded trainer
-        says in its own record which rank of how many it is (``_protocol.rank_mark``)."""
+        says in its own record which rank of how many it is (``regions.rank_mark``)."""
         if self.mine.world > 1 and self._mark not in self.transport.regions():
             # before the lease: a subscriber that reads the lease finds the mark in the record
             self.transport.expose(self._mark, torch.zeros(1, dtype=torch.uint8), access="r")
@@ -336,7 +337,7 @@ class GroupLeases:
         also of the rank after each one whose key holds something (a lease that does not count
         must not hide the ranks after it). With ``marks`` (a subscriber, which completes a
         version once ``world`` ranks' parts landed), each holder's own record must say the
-        same rank (``_protocol.rank_mark``; a plain publisher's says none), and ``world`` is
+        same rank (``regions.rank_mark``; a plain publisher's says none), and ``world`` is
         at least what any of them says: the store's values alone never lower it."""
         first, held = self._lease(0, live)
         probe = first is None
@@ -468,7 +469,7 @@ def current_lease(
 ) -> Lease | None:
     """The lease of ``group``'s ``rank`` as the store has it now, if its holder signed it (None:
     free, absent or not valid). From a bare :class:`Store` (tests, tools) the MAC is not
-    checked (``_protocol.reader``)."""
+    checked (``directory.reader``)."""
     signed = reader(store)
     key = lease_key(namespace, group, rank)
     raw = signed.store.try_get(key)

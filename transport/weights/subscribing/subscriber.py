@@ -20,10 +20,9 @@ from transport.errors import (
     TransportError,
     VersionGoneError,
 )
-from transport.weights._flat import copy_runs_from, flat_copies
-from transport.weights._given import Snapshot, check_given
-from transport.weights._lease import GroupLeases
-from transport.weights._messages import (
+from transport.weights.group.directory import GroupDirectory
+from transport.weights.group.lease import GroupLeases
+from transport.weights.group.messages import (
     Abort,
     Begin,
     Credit,
@@ -36,20 +35,15 @@ from transport.weights._messages import (
     decode_from,
     encode,
 )
-from transport.weights._protocol import (
-    PUB_SLOT,
-    SEQ_NAME,
-    GroupDirectory,
-    channel,
-    region,
-    slot_regions,
-)
-from transport.weights._ranks import RankParts
-from transport.weights._relay import Relay, RelayHost
-from transport.weights._upstream import Upstream
-from transport.weights._withdraw import leftovers, withdraw
-from transport.weights._worker import Worker
-from transport.weights.layouts import DestTensor
+from transport.weights.group.regions import PUB_SLOT, SEQ_NAME, channel, region, slot_regions
+from transport.weights.group.withdraw import leftovers, withdraw
+from transport.weights.group.worker import Worker
+from transport.weights.layouts.flat import copy_runs_from, flat_copies
+from transport.weights.layouts.planning import DestTensor
+from transport.weights.subscribing.given import Snapshot, check_given
+from transport.weights.subscribing.rank_parts import RankParts
+from transport.weights.subscribing.relay import Relay, RelayHost
+from transport.weights.subscribing.upstream import Upstream
 
 log = logging.getLogger("transport.weights")
 
@@ -566,7 +560,7 @@ class WeightSubscriber(Closing):
     def close(self) -> None:
         """Leave the group (publishers drop this subscriber on their next publish) and withdraw
         its regions (``Transport.unexpose``, at most ``min(transport.timeout, 10)`` s in all: see
-        weights/_withdraw.py), so that a new member of the group may use this Transport."""
+        weights/group/withdraw.py), so that a new member of the group may use this Transport."""
         if self._closed:
             return
         self._closed = True
@@ -592,7 +586,7 @@ class WeightSubscriber(Closing):
             self._lock.notify_all()
 
     def _withdraw(self) -> None:
-        """Give the regions back (weights/_withdraw.py) for a new member of the group here."""
+        """Give the regions back (weights/group/withdraw.py) for a new member of the group here."""
         names, self._exposed = self._exposed, []
         withdraw(self.transport, names, f"the subscriber of group {self.group!r}")
 

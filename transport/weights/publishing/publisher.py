@@ -5,35 +5,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, overload
 
 import torch
 
 from transport._transport import Transport
 from transport.errors import (
-    ClosedError,
     PeerLostError,
     PeerNotFoundError,
     TransferTimeout,
     TransportError,
 )
 from transport.handle import Handle
-from transport.weights._delivery import (
-    DONE,
-    EXCLUDED,
-    LOST,
-    SUSPECT,
-    Callbacks,
-    Delivery,
-    PublishHandle,
-    close_all,
-)
-from transport.weights._lease import PublisherLease
-from transport.weights._members import Member, Roster, SuspectWatch, check_fanout, fanout_tree
-from transport.weights._messages import (
+from transport.weights.group.lease import PublisherLease
+from transport.weights.group.messages import (
+    HELLO_AGAIN,
     Abort,
     Begin,
     Credit,
@@ -46,27 +34,29 @@ from transport.weights._messages import (
     decode_from,
     encode,
 )
-from transport.weights._pack import Pack
-from transport.weights._protocol import (
-    HELLO_AGAIN,
-    PUB_SLOT,
-    SEGMENT_BYTES,
-    SEQ_NAME,
-    SegmentedWrite,
-    channel,
-    check_named_tensors,
-    pieces,
-    region,
-    segments,
+from transport.weights.group.regions import PUB_SLOT, SEQ_NAME, channel, check_named_tensors, region
+from transport.weights.group.segments import SEGMENT_BYTES, SegmentedWrite, pieces, segments
+from transport.weights.group.seqword import SeqWord
+from transport.weights.group.withdraw import leftovers, withdraw
+from transport.weights.publishing.core import PublisherCore
+from transport.weights.publishing.delivery import (
+    DONE,
+    EXCLUDED,
+    LOST,
+    Delivery,
+    PublishHandle,
 )
-from transport.weights._seqword import SeqWord
-from transport.weights._withdraw import leftovers, withdraw
-from transport.weights._worker import Worker
+from transport.weights.publishing.pack import Pack
+from transport.weights.publishing.roster import (
+    Member,
+    check_fanout,
+    fanout_tree,
+)
 
 log = logging.getLogger("transport.weights")
 
 
-class WeightPublisher:
+class WeightPublisher(PublisherCore):
     """Publishes ``named_tensors`` to every subscriber of ``group``.
 
     Subscribers are found through the store (one read per publish notices joins and leaves). For
@@ -75,7 +65,7 @@ class WeightPublisher:
     replays. :meth:`publish` sends to all subscribers at once and returns a :class:`PublishHandle`
     whose result tells, per subscriber, done, excluded or lost.
 
-    Membership (weights/_members.py): a subscriber whose heartbeat stopped is suspect
+    Membership (weights/publishing/roster.py): a subscriber whose heartbeat stopped is suspect
     (transport/liveness.py) and excluded from a publish at once, with that reason, instead of at
     the deadline, whether it was suspect when the publish began or became so while the publish
     waited for it (its heartbeat is read every ``heartbeat_interval`` meanwhile); one that could
@@ -97,7 +87,7 @@ class WeightPublisher:
     each hands back once it applied its newest version (the slot the relay had stays fenced).
 
     A group has one publisher at a time, in whichever process: it holds the group's lease in the
-    store (weights/_lease.py) from construction to :meth:`close`; a second one fails with
+    store (weights/group/lease.py) from construction to :meth:`close`; a second one fails with
     GroupBusyError naming the holder, and takes over once the holder is gone.
     """
 
@@ -111,68 +101,39 @@ class WeightPublisher:
     ) -> None:
         self.fanout, self.degree = check_fanout(fanout, degree)
         self._segment_bytes = SEGMENT_BYTES
-        tensors = check_named_tensors(named_tensors, "publisher")
-        self.transport = transport
-        self.group = group
-        self.tensors = tensors
+        self.tensors = check_named_tensors(named_tensors, "publisher")
         # what is written and exposed: small separately allocated tensors through one buffer
-        self._pack = Pack(tensors)
+        self._pack = Pack(self.tensors)
         self._sources = self._pack.sources
         # Late joiners read the newest version straight from here (see updating() and
         # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word
         # [seq, version] that is odd while the trainer changes them.
         self._word = SeqWord()
-        self.version = -1
-        self._roster = Roster(transport, group, self._sources)
-        self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
-        self._lock = threading.RLock()
-        self._handles: list[Delivery] = []
-        self._callbacks = Callbacks(f"transport-ws-pub-{group}-callbacks")
         self._relays: set[str] = set()  # the subscribers that forward the current version
-        self._watch = SuspectWatch(
-            self._roster,
-            self._lock,
-            lambda: self._handles,
-            transport.heartbeat_interval,
-            self._close_gap,
-        )
-        self._worker = Worker(
-            f"transport-ws-pub-{group}", tick=self._expire, until=lambda: transport.closed
-        )
-        self._stop_control: Callable[[], None] = lambda: None
         self._exposed: list[str] = []
-        self._lease = PublisherLease(transport, group)
+        super().__init__(
+            transport,
+            group,
+            self._sources,
+            PublisherLease(transport, group),
+            f"transport-ws-pub-{group}",
+            on_gap=self._close_gap,
+        )
         try:
-            # the group's channel before anything is exposed: a second publisher or subscriber
-            # of the group on this Transport is refused there, and leaves nothing behind
-            self._stop_control = transport.core.on_control(channel(group), self._on_message)
-            self._lease.acquire()  # one publisher per group, whichever process it is in
             exposed = {region(self.group, PUB_SLOT, n): t for n, t in self._sources.items()}
             exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._word.word
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="r")
             self._exposed = list(exposed)
         except BaseException:
-            self._lease.release()
-            self._stop_control()
-            self._worker.stop()
+            self._undo()
             raise
 
     # -- membership ------------------------------------------------------------------------------
 
-    def refresh(self) -> dict[str, str]:
-        """Read what changed in the group (weights/_members.py says what is read when); returns
-        the subscribers that cannot be served and why (suspects are judged at each publish)."""
-        self._lease.ensure()
-        with self._lock:
-            for name in self._roster.refresh():
-                # A relay leaves only after its forwards ended (WeightSubscriber.close).
-                self._release_children(name, "it left the group")
-            return {n: s.error for n, s in self._subs.items() if s.error}
-
-    def subscribers(self) -> list[str]:
-        with self._lock:
-            return sorted(self._subs)
+    def _left(self, name: str) -> None:
+        # A relay leaves only after its forwards ended (WeightSubscriber.close).
+        self._release_children(name, "it left the group")
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -223,46 +184,15 @@ class WeightPublisher:
                 f"publish of group {self.group!r}",
                 stream,
             )
-        if version is None:
-            version = self.version + 1 if self.version >= 0 else 1
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise TypeError("version must be an int")
-        if version <= self.version:
-            raise ValueError(f"versions only move forward: {version} after {self.version}")
+        version = self._next_version(version)
         timeout = self.transport.timeout if timeout is None else timeout
         self.refresh()
         if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
             with self._word.filling():
                 self._pack.fill()
         with self._lock:
-            subs = list(self._subs.values())
-            # their heartbeats (a store that fails raises here, before anything changed)
-            suspects = self._roster.suspects(s for s in subs if not s.error)
-            self.version = version
+            handle, direct = self._begin(version, timeout, "no free slot")
             self._word.stamp(version)
-            handle = Delivery(
-                version,
-                [s.name for s in subs],
-                time.monotonic() + timeout,
-                self._callbacks.submit,
-            )
-            self._handles.append(handle)
-            direct = []
-            for sub in subs:
-                if sub.error:
-                    handle.settle(sub.name, EXCLUDED, sub.error)
-                    continue
-                if sub.waiting is not None:  # a newer version supersedes the one that waited
-                    old = sub.waiting[1]
-                    old.settle(
-                        sub.name, EXCLUDED, f"no free slot before version {version} replaced it"
-                    )
-                    sub.waiting = None
-                if sub.name in suspects:  # at once, not at the deadline; tried again next time
-                    why = f"{SUSPECT}{suspects[sub.name]} (tried again at the next publish)"
-                    handle.settle(sub.name, EXCLUDED, why)
-                    continue
-                direct.append(sub)
             via = fanout_tree(direct, self.fanout, self.degree)
             self._relays = set(via.values())
             for sub in direct:
@@ -304,7 +234,7 @@ class WeightPublisher:
             sub.waiting = (version, handle, via)
             if sub.busy is None and sub.fenced and sub.lend_asked < version:
                 sub.lend_asked = version  # once: it lends when it can (its newest, once applied)
-                self._worker.submit(lambda: self._send(sub, encode(Lend(version)), "ask a lend"))
+                self._worker.submit(lambda: self._send(sub.name, Lend(version)))
             return
         sub.busy, sub.writing = slot, version
         if sub.mode == "staging":
@@ -354,7 +284,7 @@ class WeightPublisher:
 
     def _write_segments(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
         """With the lock held: write a relay in segments, each announced as it lands, so that it
-        forwards while the rest is still on its way (see ``_protocol``)."""
+        forwards while the rest is still on its way (see ``transport.weights.group``)."""
         segs = sub.segments.get(slot)
         if segs is None:
             names = sorted(sub.names)
@@ -428,17 +358,12 @@ class WeightPublisher:
             sub.waiting = None
             self._start(sub, v, hnd, via)
 
-    def _send(self, sub: Member, msg: bytes, what: str) -> None:
-        try:
-            self.transport.core.send_control(sub.name, channel(self.group), msg)
-        except TransportError as e:
-            log.info("group %s: cannot %s of %s: %s", self.group, what, sub.name, e)
-
     def _ask_credits(self, sub: Member, given_up: tuple[int, int] | None = None) -> None:
         """Ask ``sub`` which slots are free: ``hello``, or ``abort`` of ``given_up``, (slot, version)."""
         sub.asked = time.monotonic()
-        msg = encode(Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0]))
-        self._send(sub, msg, "ask for the free slots")
+        self._send(
+            sub.name, Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0])
+        )
 
     def _on_message(self, peer: str, payload: bytes) -> None:
         if (m := decode_from(peer, payload)) is None:
@@ -491,14 +416,9 @@ class WeightPublisher:
                 sub.waiting = None
                 self._start(sub, v, hnd, via)
 
-    def _expire(self) -> float:
-        """Worker tick: subscribers still waiting for a slot at their deadline are excluded, and
-        those that became suspect while a publish waits for them at once (SuspectWatch)."""
-        wait = self._deadlines()
-        check = self._watch.tick()
-        return wait if check is None else max(0.01, min(wait, check))
-
     def _deadlines(self) -> float:
+        """Subscribers still waiting for a slot at their deadline are excluded; forwards a
+        relay did not report on in time too."""
         now = time.monotonic()
         with self._lock:
             for sub in self._subs.values():
@@ -524,11 +444,7 @@ class WeightPublisher:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
                     hnd.settle(sub.name, EXCLUDED, sub.no_slot(v))
-            self._handles = [h for h in self._handles if not h.done()]
-            deadlines = [h.deadline for h in self._handles]
-            if any(s.waiting is not None for s in self._subs.values()):
-                deadlines.append(now + HELLO_AGAIN)
-        return max(0.01, min(deadlines) - now) if deadlines else 1.0
+            return self._next_tick(now)
 
     @property
     def segment_bytes(self) -> int:
@@ -566,20 +482,10 @@ class WeightPublisher:
         """Stop publishing. A publish still in flight completes now: its handle fails with
         ClosedError (the versions the subscribers completed stay theirs). The regions late
         joiners read are withdrawn (``Transport.unexpose``; at most ``min(transport.timeout,
-        10)`` seconds in all, see weights/_withdraw.py) and the lease given back, so that a new
-        publisher of the group may use this Transport. Idempotent."""
-        self._stop_control()
-        self._worker.stop()
-        with self._lock:
-            handles, self._handles = self._handles, []
-        close_all(handles, ClosedError(f"the weight publisher of group {self.group!r} was closed"))
-        self._callbacks.stop()
+        10)`` seconds in all, see weights/group/withdraw.py) and the lease given back, so that a
+        new publisher of the group may use this Transport. Idempotent."""
+        super().close()
+
+    def _closing(self) -> None:
         names, self._exposed = self._exposed, []
         withdraw(self.transport, names, f"the publisher of group {self.group!r}")
-        self._lease.release()
-
-    def __enter__(self) -> WeightPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -16,21 +16,21 @@ from transport.batch import Batch
 from transport.bulk import bulk
 from transport.errors import TransportError
 from transport.liveness import stale_after
-from transport.weights._delivery import EXCLUDED, Delivery
-from transport.weights._messages import MAX_DEGREE, Hello, encode
-from transport.weights._protocol import (
-    GroupDirectory,
+from transport.weights.group.directory import GroupDirectory
+from transport.weights.group.messages import MAX_DEGREE, Hello, encode
+from transport.weights.group.regions import (
     channel,
     exposed_slots,
     inplace_mark,
     match_regions,
     region,
 )
+from transport.weights.publishing.delivery import EXCLUDED, Delivery
 
 if TYPE_CHECKING:
     from transport import Transport
     from transport.contract import PeerView
-    from transport.weights._pool import SlotWrites
+    from transport.weights.publishing.write_plan import SlotWrites
 
 log = logging.getLogger("transport.weights")
 
@@ -68,7 +68,7 @@ class Member:
         self.fenced: dict[int, tuple[str, int]] = {}
         self.lend_asked = -1  # the newest version it was asked to lend a slot for
         self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
-        # a sharded trainer's rank (weights/sharded.py): what it writes per slot, the newest
+        # a sharded trainer's rank (weights/publishing/sharded.py): what it writes per slot, the newest
         # version the subscriber completed and settled (its credits), the version this rank
         # last began there, and the one whose completion it waits to hear of
         self.writes: list[SlotWrites] = []

@@ -1,6 +1,6 @@
 """The weight-sync control messages as typed values, and their one encoder and one decoder.
 
-What each message means, who sends it and when is in ``_protocol``'s docstring. On the wire a
+What each message means, who sends it and when is in the docstring of ``transport.weights.group``. On the wire a
 message is a msgpack map with its kind under ``"k"`` and one-letter keys for its fields (the
 notifications stay small); in the code it is a frozen dataclass with named fields. :func:`decode`
 is the only place that reads a peer's bytes: exact field sets, types and ranges, or
@@ -248,3 +248,7 @@ def _count(x: Any) -> bool:
 
 def _name(x: Any) -> bool:
     return isinstance(x, str) and NAME_RE.match(x) is not None
+
+
+#: seconds after which a subscriber that has not answered a publisher's hello is asked again
+HELLO_AGAIN = 0.5

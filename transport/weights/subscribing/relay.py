@@ -1,4 +1,4 @@
-"""The forwarding side of a staging WeightSubscriber: relayed fan-out (see ``_protocol``).
+"""The forwarding side of a staging WeightSubscriber: relayed fan-out (see ``transport.weights.group``).
 
 The publisher tells a relay (``fwd``) to write version N into a child's slot. The relay forwards
 each segment of N as it lands here (``seg``), so every hop of a chain copies while the one before
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
-from transport.weights._messages import Begin, Forward, Piece, Report, Segment, encode
-from transport.weights._protocol import SegmentedWrite, channel, match_regions, region
+from transport.weights.group.messages import Begin, Forward, Piece, Report, Segment, encode
+from transport.weights.group.regions import channel, match_regions, region
+from transport.weights.group.segments import SegmentedWrite
 
 log = logging.getLogger("transport.weights")
 
@@ -38,7 +39,7 @@ class RelayHost:
     * ``submit(fn)``: run ``fn`` on the subscriber's worker thread, after what is queued there
       (this relay's own work: its writes' completions; never dropped).
     * ``offer(fn)``: the same for work a message asks for, dropped when a flood of messages
-      fills the worker (weights/_worker.py): only a forward's segments and pieces are offered;
+      fills the worker (weights/group/worker.py): only a forward's segments and pieces are offered;
       one that is dropped is sent with the rest once the version is complete here.
     * ``once(key, fn)``: ``fn`` once soon, unless work of ``key`` is queued already (it reads
       the state when it runs): a version's :meth:`Relay.advance`.

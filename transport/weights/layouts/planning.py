@@ -1,19 +1,6 @@
-"""Layouts as data: which slice of which global tensor each trainer rank holds, what each
-destination tensor is made of, and the byte runs that carry one into the other.
-
-A :class:`SourceLayout` describes every rank of a sharded trainer at once (each rank computes
-the same layout from the same rule, so no rank needs to ask another): a tensor is replicated
-(every rank holds it whole) or split along one dim into disjoint, possibly uneven, shards. A
-destination layout maps each destination tensor to :class:`DestTensor`: pieces of source tensors
-(a slice along one dim each) stacked along one dim, which says a full copy, a tensor-parallel
-shard, a fused parameter (vLLM's ``qkv_proj`` is q, k and v of one TP rank stacked along dim 0)
-or a rename. :func:`check` refuses a pair that does not fit (a destination not covered, shards
-that overlap, shapes or dtypes that disagree) with every problem named; :func:`plan` gives one
-rank's :class:`Run` list, computed once and replayed every version. A replicated source is
-written by exactly one rank per piece, the pieces dealt round robin over the ranks. The types
-live in ``_layout_types`` (which the rules in ``_layout_rules`` check too) and are re-exported
-here: import them from this module or from ``transport.weights``.
-"""
+"""The planning of layouts: the checks of a source and destination pair, the runs (and the
+quantized boxes) each trainer rank writes, destination layouts of common shapes (full copies,
+tensor-parallel shards, fp8), and the tensors a declared layout needs."""
 
 from __future__ import annotations
 
@@ -23,10 +10,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from transport.weights import _layout_rules
-from transport.weights._flat import flat_like
-from transport.weights._layout_rules import scale_shape
-from transport.weights._layout_types import (
+from transport.weights.layouts import rules
+from transport.weights.layouts.convert import FP8
+from transport.weights.layouts.flat import flat_like
+from transport.weights.layouts.rules import scale_shape
+from transport.weights.layouts.types import (
     Box,
     DestTensor,
     LayoutError,
@@ -37,36 +25,12 @@ from transport.weights._layout_types import (
     SourceLayout,
     SourceTensor,
 )
-from transport.weights.convert import FP8
-
-__all__ = [
-    "Box",
-    "DestTensor",
-    "LayoutError",
-    "Piece",
-    "Quant",
-    "Run",
-    "Slice",
-    "SourceLayout",
-    "SourceTensor",
-    "apply_runs",
-    "check",
-    "check_dest",
-    "check_shards",
-    "fp8",
-    "full_copy",
-    "plan",
-    "plan_all",
-    "plan_quant",
-    "tensors_for",
-    "tp_shard",
-]
 
 
 def check(source: SourceLayout, dest: Mapping[str, DestTensor]) -> None:
     """Refuse (LayoutError, every problem by name) a pair of layouts that does not fit (the
-    rules: weights/_layout_rules.py)."""
-    found = _layout_rules.problems(source, dest, _parts)
+    rules: weights/layouts/rules.py)."""
+    found = rules.problems(source, dest, _parts)
     if found:
         raise LayoutError(found)
 

@@ -10,7 +10,7 @@ import torch
 
 from transport.bulk import bulk
 from transport.host_copy import HostCopies, native
-from transport.weights._flat import flat_like, storage_bytes
+from transport.weights.layouts.flat import flat_like, storage_bytes
 
 #: tensors of at most this many bytes are packed: below it, one descriptor per subscriber costs
 #: more than copying the tensor once for all of them

@@ -1,0 +1,252 @@
+"""The store side of a group (the keys are listed in the package's docstring): the subscribers'
+entries and declared layouts, the membership index and the epoch."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+
+from transport.errors import WireFormatError
+from transport.signed import Inspector, SignedStore
+from transport.store.base import Store
+from transport.store.counters import Counter, clock_floor, index_counter
+from transport.weights.group.regions import MODES
+from transport.wire import NAME_RE, unpack
+
+log = logging.getLogger("transport.weights")
+
+log = logging.getLogger("transport.weights")
+
+
+class GroupDirectory:
+    """The store side of a group: the subscribers' entries and declared layouts, the membership
+    index and the epoch, under ``transport/<namespace>/groups/<group>/``.
+
+    It keeps the key prefix, the group's two counters and ``signed``, the Transport's signed
+    store values (``transport.core.signed``): ``join``, ``declare_layout`` and ``leave`` write
+    and remove that Transport's own entry and layout, of subscriber ``instance`` (a number no
+    other subscriber of that Transport incarnation has: a publisher plans a subscriber that
+    closed and one made after it on the same Transport apart). Every call is one or more store round
+    trips, as thread-safe as the store, and never made on the engine thread.
+
+    Trust (DESIGN.md): an entry (generation, instance, mode, slots, relay) and a layout decide where bytes
+    land, so both are signed values that only the subscriber itself writes: a value that is
+    malformed, unsigned in a namespace with a secret, not signed by the peer it is the entry of,
+    or whose body names another generation than its signature is ignored (logged), as if it
+    were missing. A store writer without the secret can still delete a value or put back an
+    older one of the same key (a replay): a replayed entry or layout of an older incarnation is
+    refused by its readers, who compare its generation with the subscriber's live record
+    (``Roster.plan``) or with the member's (``layout``); the subscriber puts back whatever of its
+    own is missing or not its own (``check_in``). The epoch and the membership index are plain
+    counters and names (garbage in them is repaired by whoever meets it, reader or writer: the
+    epoch to the clock in milliseconds, the member count as ``index_counter`` says): forging
+    them only makes readers read again, or skip a name, since every entry they lead to is
+    signed. The membership index only grows (``names`` drops duplicates); ``leave`` deletes the
+    entry only while it is still this subscriber's (incarnation and instance).
+
+    Made from a bare :class:`Store` instead (tools and tests that inspect a group without a
+    Transport), it reads values without checking their MACs and refuses to write.
+    """
+
+    def __init__(
+        self, signed: SignedStore | Store, namespace: str, group: str, instance: int = 0
+    ) -> None:
+        self.signed = reader(signed)
+        self.instance = instance
+        store = self.store = self.signed.store
+        self.group = group
+        self.prefix = f"transport/{namespace}/groups/{group}/"
+        # The epoch only has to differ from every value a publisher saw before a change: the
+        # clock in milliseconds does, since join and leave count it up by one from 0
+        # (clock_floor), and the publisher that repairs it reads the entries after the repair.
+        what = f"the changes of group {group!r}"
+        self._epoch = Counter(store, self.prefix + "epoch", what, clock_floor)
+        self._members = index_counter(
+            store, self.prefix + "members/", f"the members of group {group!r}"
+        )
+
+    def epoch(self) -> int:
+        return self._epoch.value()
+
+    # -- this Transport's own entry and layout ---------------------------------------------------
+
+    def _entry_body(self, mode: str, slots: int, relay: bool) -> bytes:
+        body: bytes = msgpack.packb(
+            {
+                "v": 2,
+                "gen": self.signed.generation,
+                "inst": self.instance,
+                "mode": mode,
+                "slots": slots,
+                "relay": relay,
+            }
+        )
+        return body
+
+    def join(self, mode: str, slots: int, relay: bool) -> None:
+        """Write this Transport's entry (signed), add it to the membership index, bump the
+        epoch."""
+        self.signed.set(
+            self.prefix + f"sub/{self.signed.writer}", self._entry_body(mode, slots, relay)
+        )
+        self._index(self.signed.writer)
+        self._epoch.add(1)
+
+    def declare_layout(self, layout: bytes | None) -> None:
+        """The destination layout this Transport's subscriber declares before it joins (None:
+        whole tensors by name, declared as :data:`WHOLE`: a missing declaration is not one)."""
+        self.signed.set(
+            self.prefix + f"layout/{self.signed.writer}", WHOLE if layout is None else layout
+        )
+
+    def leave(self) -> None:
+        """Remove this Transport's entry and layout, if the entry is still this subscriber's
+        (this incarnation's, this instance's)."""
+        name = self.signed.writer
+        entry = self.entry(name)
+        if entry is not None and (entry["gen"], entry["inst"]) == (
+            self.signed.generation,
+            self.instance,
+        ):
+            self.store.delete(self.prefix + f"sub/{name}")
+            self.store.delete(self.prefix + f"layout/{name}")
+            self._epoch.add(1)
+
+    def check_in(self, mode: str, slots: int, relay: bool, layout: bytes | None, full: bool) -> str:
+        """The subscriber's periodic check that the store still holds its entry, its place in
+        the membership index and its layout as it wrote them (a store that restarted empty, a
+        deletion, garbage, a replay of an older incarnation's values): what was wrong, after
+        writing it all again (join), or "". ``full`` reads the layout back whole (it may be
+        large); otherwise only its presence is checked."""
+        name = self.signed.writer
+        key = self.prefix + f"sub/{name}"
+        why = ""
+        if self.store.try_get(key) != self.signed.encode(key, self._entry_body(mode, slots, relay)):
+            why = f"our entry {key} is missing or not the one we wrote"
+        elif not self._indexed(name):
+            why = f"our name is missing from the membership index {self.prefix}members/"
+        else:
+            lkey = self.prefix + f"layout/{name}"
+            body = WHOLE if layout is None else layout
+            if (full and self.store.try_get(lkey) != self.signed.encode(lkey, body)) or (
+                not full and not self.store.exists(lkey)
+            ):
+                why = f"our declared layout {lkey} is missing or not the one we wrote"
+        if why:
+            self.declare_layout(layout)
+            self.join(mode, slots, relay)
+        return why
+
+    def _index(self, name: str) -> None:
+        if not self._indexed(name):
+            idx = self._members.add(1)
+            self.store.set(self.prefix + f"members/{idx}", name.encode())
+            self.store.set(self.prefix + f"members/by-name/{name}", str(idx).encode())
+
+    def _indexed(self, name: str) -> bool:
+        """Whether the index holds ``name`` where its by-name key says (two plain keys that any
+        store writer may change: a forged one only hides or shows a name, never an entry)."""
+        raw = self.store.try_get(self.prefix + f"members/by-name/{name}")
+        if raw is None or not _INDEX.fullmatch(raw):
+            return False
+        return self.store.try_get(self.prefix + f"members/{int(raw)}") == name.encode()
+
+    # -- what readers see -------------------------------------------------------------------------
+
+    def layout(self, name: str, generation: int) -> bytes | None:
+        """The destination layout that incarnation ``generation`` of subscriber ``name``
+        declared (:data:`WHOLE`: whole tensors by name); None when there is none it signed
+        (missing, or not valid: logged)."""
+        key = self.prefix + f"layout/{name}"
+        value = self.signed.read(key, f"the declared layout {key}", writer=name)
+        if value is None:
+            return None
+        if value.generation != generation:
+            log.warning(
+                "ignoring the declared layout %s: it is of generation %d, the subscriber's is %d "
+                "(an older incarnation's value, put back?)",
+                key,
+                value.generation,
+                generation,
+            )
+            return None
+        return value.body
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        """Subscriber ``name``'s entry: a map of ``gen``, ``inst``, ``mode``, ``slots`` and
+        ``relay``; None when there is none it signed (missing, or not valid: logged)."""
+        key = self.prefix + f"sub/{name}"
+        value = self.signed.read(key, f"the group entry {key}", writer=name)
+        if value is None:
+            return None
+        try:
+            m = unpack(value.body, f"the group entry {key}", 4096, max_str=64, max_map=8)
+        except WireFormatError as e:
+            log.warning("ignoring %s", e)
+            return None
+        if (
+            not isinstance(m, dict)
+            or set(m) != {"v", "gen", "inst", "mode", "slots", "relay"}
+            or m["v"] != 2
+            or not isinstance(m["relay"], bool)
+            or m["mode"] not in MODES
+            or m["slots"] not in (1, 2)
+            or type(m["gen"]) is not int
+            or type(m["inst"]) is not int
+        ):
+            log.warning("ignoring the malformed group entry %s: %s", key, str(m)[:80])
+            return None
+        if m["gen"] != value.generation:
+            log.warning(
+                "ignoring the group entry %s: it names generation %d, but generation %d signed it",
+                key,
+                m["gen"],
+                value.generation,
+            )
+            return None
+        return m
+
+    def names(self) -> list[str]:
+        """The members that ever joined, in joining order; a name that is not a peer name (the
+        store's garbage) is skipped with a warning naming its key."""
+        count = self._members.value()
+        out = []
+        for i in range(1, count + 1):
+            key = self.prefix + f"members/{i}"
+            raw = self.store.try_get(key)
+            if raw is None:
+                continue
+            name = raw.decode(errors="replace")
+            if not NAME_RE.match(name):
+                log.warning("skipping %s: %r is not a peer name", key, name[:80])
+            elif name not in out:
+                out.append(name)
+        return out
+
+    def entries(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        """The entry of every member, or of ``names`` (those that left have none); an entry that
+        is not valid is skipped with a warning naming its key, so one bad entry never stops the
+        group."""
+        out = {}
+        for name in self.names() if names is None else names:
+            entry = self.entry(name)
+            if entry is not None:
+                out[name] = entry
+        return out
+
+
+#: a declared layout that says "whole tensors by name" (an encoded layout is never empty)
+WHOLE = b""
+
+_INDEX = re.compile(rb"[1-9][0-9]{0,15}")
+
+
+def reader(store: SignedStore | Store) -> SignedStore:
+    """``store`` itself, or for a bare :class:`Store` a read-only :class:`Inspector` of its
+    signed values (the envelope checked, not its MAC): for tools and tests that look at a group
+    without a Transport. Nothing the library decides reads through the latter."""
+    return store if isinstance(store, SignedStore) else Inspector(store)

@@ -1,0 +1,211 @@
+"""What both publishers of a weight group are built on: :class:`PublisherCore`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+import torch
+
+from transport._transport import Transport
+from transport.errors import ClosedError, TransportError
+from transport.weights.group.lease import PublisherLease
+from transport.weights.group.messages import HELLO_AGAIN, Message, encode
+from transport.weights.group.regions import channel
+from transport.weights.group.worker import Worker
+from transport.weights.publishing.delivery import EXCLUDED, SUSPECT, Callbacks, Delivery, close_all
+from transport.weights.publishing.roster import Member, Roster, SuspectWatch
+
+log = logging.getLogger("transport.weights")
+
+_Core = TypeVar("_Core", bound="PublisherCore")
+
+
+class PublisherCore:
+    """The scaffolding that :class:`WeightPublisher` and :class:`ShardedPublisher` share: the
+    group's lease, the roster of subscribers, the lock over the members' state, the handles of
+    the publishes still open, the thread that runs their callbacks, the worker thread that
+    answers messages and watches deadlines (its tick: :meth:`_deadlines`, then the suspects'
+    watch), the control channel, and closing.
+
+    Rules: a subclass builds its own state first, then calls ``super().__init__``, which
+    subscribes to the group's channel and acquires the lease last (a failure there undoes what
+    this class began, and nothing is left registered); it defines ``_on_message`` (on the
+    engine's control thread: decode, then hand the work to ``_worker``) and ``_deadlines``
+    (with the lock taken: settle what ran out, return :meth:`_next_tick`). Every member's state
+    is read and changed with ``_lock`` held. Versions only move forward (:meth:`_next_version`).
+    :meth:`close` settles every open handle with ClosedError, stops the threads and gives the
+    lease back; a subclass adds its own steps through :meth:`_closing`.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        group: str,
+        tensors: Mapping[str, torch.Tensor],
+        lease: PublisherLease,
+        name: str,
+        planner: Callable[[Member, object], str] | None = None,
+        on_gap: Callable[[Member, str], bool] = lambda sub, why: False,
+    ) -> None:
+        self.transport = transport
+        self.group = group
+        self.version = -1
+        self._roster = Roster(transport, group, tensors, planner=planner)
+        self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
+        self._lock = threading.RLock()
+        self._handles: list[Delivery] = []
+        self._callbacks = Callbacks(f"{name}-callbacks")
+        self._watch = SuspectWatch(
+            self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval, on_gap
+        )
+        self._worker = Worker(name, tick=self._expire, until=lambda: transport.closed)
+        self._stop_control: Callable[[], None] = lambda: None
+        self._lease = lease
+        try:
+            # the group's channel first: a second publisher or subscriber of the group on this
+            # Transport is refused there, and leaves nothing behind
+            self._stop_control = transport.core.on_control(channel(group), self._on_message)
+            self._lease.acquire()  # one publisher per group (per rank), whichever process
+        except BaseException:
+            self._undo()
+            raise
+
+    def _undo(self) -> None:
+        """Undo a construction that failed after this class's part of it began."""
+        self._lease.release()
+        self._stop_control()
+        self._stop_workers()
+        self._callbacks.stop()
+
+    def _stop_workers(self) -> None:
+        """Stop the threads that change members' state (a subclass with more stops them too)."""
+        self._worker.stop()
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def subscribers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._subs)
+
+    def refresh(self) -> dict[str, str]:
+        """Read what changed in the group (weights/publishing/roster.py says what is read when);
+        returns the subscribers that cannot be served and why (suspects are judged at each
+        publish)."""
+        self._lease.ensure()
+        with self._lock:
+            for name in self._roster.refresh():
+                self._left(name)
+            return {n: s.error for n, s in self._subs.items() if s.error}
+
+    def _left(self, name: str) -> None:
+        """With the lock held: ``name`` left the group (a hook; nothing by default)."""
+
+    # -- publishing ------------------------------------------------------------------------------
+
+    def _next_version(self, version: int | None) -> int:
+        """``version``, or the next one; TypeError or ValueError unless it moves forward."""
+        if version is None:
+            return self.version + 1 if self.version >= 0 else 1
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError("version must be an int")
+        if version <= self.version:
+            raise ValueError(f"versions only move forward: {version} after {self.version}")
+        return version
+
+    def _begin(
+        self, version: int, timeout: float, superseded: str
+    ) -> tuple[Delivery, list[Member]]:
+        """With the lock held: the handle of ``version`` (every member pending until
+        ``timeout`` seconds from now) and the members to start it at; the others are settled
+        now: those that cannot be served, and those whose heartbeat stopped (at once, not at
+        the deadline; tried again at the next publish). A version a member still waited for
+        is given up (``superseded`` says what it waited for)."""
+        subs = list(self._subs.values())
+        # their heartbeats (a store that fails raises here, before anything changed)
+        suspects = self._roster.suspects(s for s in subs if not s.error)
+        self.version = version
+        handle = Delivery(
+            version, [s.name for s in subs], time.monotonic() + timeout, self._callbacks.submit
+        )
+        self._handles.append(handle)
+        start = []
+        for sub in subs:
+            if sub.error:
+                handle.settle(sub.name, EXCLUDED, sub.error)
+                continue
+            if sub.waiting is not None:  # a newer version supersedes the one that waited
+                why = f"{superseded} before version {version} replaced it"
+                sub.waiting[1].settle(sub.name, EXCLUDED, why)
+                sub.waiting = None
+            if sub.name in suspects:
+                why = f"{SUSPECT}{suspects[sub.name]} (tried again at the next publish)"
+                handle.settle(sub.name, EXCLUDED, why)
+                continue
+            start.append(sub)
+        return handle, start
+
+    # -- messages and deadlines ------------------------------------------------------------------
+
+    def _on_message(self, peer: str, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _send(self, peer: str, msg: Message) -> None:
+        """Send ``msg`` to ``peer`` on the group's channel; a failure is logged (the deadline
+        settles what it leaves undone)."""
+        try:
+            self.transport.core.send_control(peer, channel(self.group), encode(msg))
+        except TransportError as e:
+            what = type(msg).__name__.lower()
+            log.info("group %s: cannot send a %s message to %s: %s", self.group, what, peer, e)
+
+    def _expire(self) -> float:
+        """Worker tick: what ran out is settled (:meth:`_deadlines`), and those that became
+        suspect while a publish waits for them at once (SuspectWatch); returns the seconds to
+        the next tick."""
+        wait = self._deadlines()
+        check = self._watch.tick()
+        return wait if check is None else max(0.01, min(wait, check))
+
+    def _deadlines(self) -> float:
+        raise NotImplementedError
+
+    def _next_tick(self, now: float) -> float:
+        """With the lock held: drop the settled handles; the seconds to the nearest deadline
+        (or to the next hello, while a member waits), 1 with nothing open."""
+        self._handles = [h for h in self._handles if not h.done()]
+        deadlines = [h.deadline for h in self._handles]
+        if any(s.waiting is not None for s in self._subs.values()):
+            deadlines.append(now + HELLO_AGAIN)
+        return max(0.01, min(deadlines) - now) if deadlines else 1.0
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def _closing(self) -> None:
+        """A subclass's own steps of :meth:`close`, after the handles are settled and before
+        the lease is given back (nothing by default)."""
+
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"the weight publisher of group {self.group!r} was closed")
+
+    def close(self) -> None:
+        """Stop publishing: a publish still in flight completes now, its handle failed with
+        ClosedError (the versions the subscribers completed stay theirs); then the subclass's
+        own steps, and the lease is given back. Idempotent."""
+        self._stop_control()
+        self._stop_workers()
+        with self._lock:
+            handles, self._handles = self._handles, []
+        close_all(handles, self._closed_error())
+        self._callbacks.stop()
+        self._closing()
+        self._lease.release()
+
+    def __enter__(self: _Core) -> _Core:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
