@@ -13,7 +13,6 @@ straight into a peer's exposed tensor and returns a handle at once.
 
 from transport._default import default, get, init, is_initialized, put, shutdown
 from transport._transport import Notification, PeerInfo, PeerTraffic, Transport, __version__
-from transport.batch import Batch
 from transport.errors import (
     BackendError,
     ClosedError,
@@ -33,6 +32,7 @@ from transport.errors import (
 )
 from transport.handle import Handle, wait_all
 from transport.store import Store, store_from_url
+from transport.transfers.batch import Batch
 from transport.weights import (
     PublishHandle,
     PublishResult,

@@ -2,10 +2,11 @@
 
 Each job lives in a part of its own, wired here and sharing one :class:`Endpoint`:
 
-* ``regions.py``: the memory we expose and register, our peer record, withdrawal;
-* ``peer_table.py``: connections to peers (connect, refresh, drop, restarts);
-* ``plan_cache.py``: prepared transfers, cached;
-* ``transfers.py``: the transfer paths (fast path, fan-out, general path, lanes, streams, retries);
+* ``memory/regions.py``: the memory we expose and register, our peer record, withdrawal;
+* ``peers/table.py``: connections to peers (connect, refresh, drop, restarts);
+* ``transfers/plan_cache.py``: prepared transfers, cached;
+* ``transfers/paths.py``: the transfer paths (fast path, fan-out, general path, lanes, streams,
+  retries);
 * ``control.py``: notifications and the library's control messages;
 * ``housekeeping.py``: the background thread (heartbeats, retries, withdrawals, dumps);
 * ``dumps.py``: flight-recorder dumps.
@@ -26,7 +27,6 @@ import transport.backends as _backends
 from transport._closing import Closing
 from transport._version import __version__
 from transport.backends.base import READ, WRITE
-from transport.batch import Batch, make_batch
 from transport.contract import CoreLink
 from transport.control import ControlChannel, Notification
 from transport.dumps import Dumps
@@ -35,18 +35,19 @@ from transport.engine import Engine
 from transport.errors import ClosedError, PeerWaitTimeout, WireFormatError
 from transport.handle import Handle
 from transport.housekeeping import Housekeeping
-from transport.lanes import default_lanes
-from transport.liveness import suspicion
-from transport.memory import LocalMemory, default_budget
-from transport.peer_table import PeerInfo, PeerTable, PeerTraffic, peer_info
-from transport.peers import Directory
-from transport.plan_cache import PlanCache
-from transport.regions import Regions
+from transport.memory.local import LocalMemory, default_budget
+from transport.memory.regions import Regions
+from transport.peers.directory import Directory
+from transport.peers.liveness import suspicion
+from transport.peers.table import PeerInfo, PeerTable, PeerTraffic, peer_info
+from transport.security.signed import SignedStore
 from transport.settings import Settings, check_lanes, positive
-from transport.signed import SignedStore
 from transport.store import DEFAULT_STORE_URL, Store, store_from_url
 from transport.trace import DEFAULT_CAPACITY, FlightRecorder
-from transport.transfers import Transfers
+from transport.transfers.batch import Batch, make_batch
+from transport.transfers.lanes import default_lanes
+from transport.transfers.paths import Request, Transfers
+from transport.transfers.plan_cache import PlanCache
 from transport.wire import RegionInfo, agent_name, check_name
 
 log = logging.getLogger("transport")
@@ -91,7 +92,7 @@ class Transport(Closing):
     (receivers' notified transfers complete at that pace after a quiet spell);
     ``heartbeat_interval`` is how often the store hears from this peer;
     transfers between host memory of at least ``lane_bytes`` are cut over
-    ``lanes`` agents, each posting from its own thread (lanes.py; default from
+    ``lanes`` agents, each posting from its own thread (transfers/lanes.py; default from
     the CPU count, ``$TRANSPORT_LANES``; 1 turns them off);
     ``max_registered_bytes`` bounds the host memory this peer registers (exposed, registered and
     cached for transfers; default three quarters of physical memory or
@@ -387,14 +388,26 @@ class Transport(Closing):
         tr = self._transfers
         if type(src) is torch.Tensor and stream is None:
             if type(peer) is str:
-                handle = tr.fast(WRITE, src, peer, key, offset, notify, timeout)
+                handle = tr.fast(
+                    WRITE, src, peer, key, offset=offset, notify=notify, timeout=timeout
+                )
                 if handle is not None:
                     return handle
             elif type(peer) in (list, tuple):
-                handle = tr.fast_fanout(src, peer, key, offset, notify, timeout)  # type: ignore[arg-type]
+                handle = tr.fast_fanout(
+                    src,
+                    peer,  # type: ignore[arg-type]
+                    key,
+                    offset=offset,
+                    notify=notify,
+                    timeout=timeout,
+                )
                 if handle is not None:
                     return handle
-        return tr.transfer(WRITE, src, peer, key, offset, notify, timeout, stream)
+        request = Request(
+            WRITE, src, peer, key, offset=offset, notify=notify, timeout=timeout, stream=stream
+        )
+        return tr.transfer(request)
 
     def get(
         self,
@@ -412,10 +425,10 @@ class Transport(Closing):
             raise TypeError("get reads from one peer; pass its name as a str")
         tr = self._transfers
         if type(dst) is torch.Tensor and stream is None:
-            handle = tr.fast(READ, dst, peer, key, offset, None, timeout)
+            handle = tr.fast(READ, dst, peer, key, offset=offset, notify=None, timeout=timeout)
             if handle is not None:
                 return handle
-        return tr.transfer(READ, dst, peer, key, offset, None, timeout, stream)
+        return tr.transfer(Request(READ, dst, peer, key, offset, timeout=timeout, stream=stream))
 
     def _put_control(
         self,
@@ -425,7 +438,7 @@ class Transport(Closing):
         payload: bytes,
         timeout: float | None,
     ) -> Handle:
-        return self._transfers.control(src, None, 0, peer, channel, payload, timeout)
+        return self._transfers.control(src, peer, channel, payload, timeout=timeout)
 
     def _put_control_at(
         self,
@@ -437,7 +450,9 @@ class Transport(Closing):
         payload: bytes,
         timeout: float | None,
     ) -> Handle:
-        return self._transfers.control(src, key, offset, peer, channel, payload, timeout)
+        return self._transfers.control(
+            src, peer, channel, payload, key=key, offset=offset, timeout=timeout
+        )
 
     def check(self) -> None:
         """Raise the oldest error of a stream-ordered transfer not raised yet (they surface at the

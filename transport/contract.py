@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from transport.batch import Batch
     from transport.handle import Handle
-    from transport.signed import SignedStore
+    from transport.security.signed import SignedStore
+    from transport.transfers.batch import Batch
     from transport.wire import RegionInfo
 
 #: ``handler(peer, payload)``: runs on the engine thread, so it only does bookkeeping and hands
@@ -58,7 +58,7 @@ class CoreLink:
     * ``put_control_at(tensor, key, offset, peer, channel, payload, timeout)``: the same for one
       tensor at ``offset`` elements of region ``key``.
     * ``suspect(name, generation)``: why that incarnation of peer ``name`` is suspect, or None
-      (transport/liveness.py, judged with this Transport's heartbeat interval), or that it
+      (transport/peers/liveness.py, judged with this Transport's heartbeat interval), or that it
       closed: one store read, its heartbeat (a second when there is none: whether it left), so
       a layer may ask it before every round of work; StoreError if the store cannot be reached.
     * ``poll_at_least(interval)``: keep the engine's idle polling at or below ``interval``
@@ -67,7 +67,7 @@ class CoreLink:
       the engine polls quickly meanwhile.
     * ``stream_ops()``: the stream machinery of ``stream=`` calls (ClosedError when closed, a
       clear error without CUDA or CuPy).
-    * ``signed``: the store values this Transport writes and reads signed (transport/signed.py):
+    * ``signed``: the store values this Transport writes and reads signed (transport/security/signed.py):
       every value of a layer that decides where bytes land or who takes part goes through it,
       so that with a secret a store writer without it cannot forge one.
     """

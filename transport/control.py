@@ -18,9 +18,9 @@ from transport.errors import (
     TransferTimeout,
     WireFormatError,
 )
-from transport.peer_table import PeerTable
-from transport.sealing import FrameOpener
-from transport.senders import HOLD_S, REFUSE_S, Senders
+from transport.peers.senders import HOLD_S, REFUSE_S, Senders
+from transport.peers.table import PeerTable
+from transport.security.sealing import FrameOpener
 from transport.wire import (
     TAG_CONTROL,
     check_name,

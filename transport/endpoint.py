@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transport.errors import ClosedError
-from transport.sealing import Keys, keys_for
+from transport.security.sealing import Keys, keys_for
 from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
     from transport.engine import Engine
-    from transport.memory import LocalMemory
-    from transport.peers import Directory
+    from transport.memory.local import LocalMemory
+    from transport.peers.directory import Directory
     from transport.settings import Settings
     from transport.store import Store
     from transport.trace import FlightRecorder

@@ -27,7 +27,8 @@ from typing import Any, Literal
 from transport.backends.base import DONE, Backend
 from transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
 from transport.handle import ENGINE_THREAD_PREFIX, Handle
-from transport.plan import Part, PeerConn, Plan
+from transport.peers.conn import PeerConn
+from transport.transfers.plan import Part, Plan
 
 log = logging.getLogger("transport.engine")
 

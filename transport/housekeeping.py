@@ -9,10 +9,10 @@ import time
 from transport.control import ControlChannel
 from transport.dumps import Dumps
 from transport.endpoint import Endpoint
-from transport.peer_table import PeerTable
-from transport.plan_cache import PlanCache
-from transport.regions import Regions
-from transport.transfers import Transfers
+from transport.memory.regions import Regions
+from transport.peers.table import PeerTable
+from transport.transfers.paths import Transfers
+from transport.transfers.plan_cache import PlanCache
 
 log = logging.getLogger("transport")
 

@@ -9,9 +9,9 @@ A stored peer record is an *envelope*::
     {"v": 6, "kind": "peer", "body": <bytes>, "sealed": <bool>}
 
 Without a secret the body is the record's msgpack map; with one it is that map sealed with
-AES-256-GCM under a key derived from the secret and namespace (``sealing.py``): nobody without
+AES-256-GCM under a key derived from the secret and namespace (``security/sealing.py``): nobody without
 the secret learns the connection metadata or the memory map, and nobody can alter it unnoticed.
-The registrations and regions travel as one compressed table by column (``region_table.py``), the
+The registrations and regions travel as one compressed table by column (``memory/region_codec.py``), the
 backend's metadata compressed too: the record of a model of 100,000 tensors is about a megabyte.
 """
 
@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 from transport.errors import SignatureError, WireFormatError
-from transport.region_table import MAX_REGIONS, decode_memory_map, encode_memory_map, inflate
-from transport.sealing import keys_for
+from transport.memory.region_codec import MAX_REGIONS, decode_memory_map, encode_memory_map, inflate
+from transport.security.sealing import keys_for
 
 FORMAT_VERSION = 6
 

@@ -12,7 +12,7 @@ import torch
 
 import transport
 from helpers.processes import REPO, free_port
-from transport.peers import Directory
+from transport.peers.directory import Directory
 from transport.store.tcp import TcpStore
 
 
@@ -54,7 +54,7 @@ def test_lists_peers_with_regions_and_heartbeats():
 
 
 def test_a_peer_whose_heartbeat_stopped_is_listed_as_suspect():
-    """The command judges heartbeats as peers() does (transport/liveness.py), with the peers'
+    """The command judges heartbeats as peers() does (transport/peers/liveness.py), with the peers'
     interval it is given. The stopped heartbeat is written as a stopped process leaves it."""
     with TcpStore("127.0.0.1", 0, hosting="yes") as store:
         with (

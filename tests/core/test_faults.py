@@ -89,7 +89,7 @@ def test_sigstop_gives_transfer_timeout_then_recovers(tcp_store, writer):
 
 def test_a_frozen_peer_is_suspect_in_peers_until_it_beats_again(tcp_store, writer):
     """Heartbeats are read: a stopped peer (its record stays) is listed as suspect, with the age
-    of its last heartbeat, once that is older than the bar of transport/liveness.py; running
+    of its last heartbeat, once that is older than the bar of transport/peers/liveness.py; running
     again, it beats and is not. Nothing is timed: the test waits, bounded, for each state."""
 
     def suspect() -> str | None:

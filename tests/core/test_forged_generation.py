@@ -12,7 +12,7 @@ import transport
 from helpers import internals
 from helpers.polling import wait_until
 from helpers.ws_peer import SubscriberProcess, publish_served
-from transport.peers import Directory
+from transport.peers.directory import Directory
 from transport.store import store_from_url
 
 pytestmark = pytest.mark.timeout(240)

@@ -20,7 +20,7 @@ from helpers import internals
 from helpers.outsider import Outsider
 from helpers.peer import Peer, pattern, sha
 from helpers.polling import wait_until
-from transport.senders import HOLD_S
+from transport.peers.senders import HOLD_S
 from transport.wire import (
     TAG_USER,
     decode_peer_record,

@@ -18,8 +18,8 @@ from helpers import internals
 from helpers.peer import Peer, pattern, sha
 from transport.engine import FAILED, Op
 from transport.handle import Handle
-from transport.lanes import EDGE_BYTES
-from transport.plan import Part
+from transport.transfers.lanes import EDGE_BYTES
+from transport.transfers.plan import Part
 
 MiB = 1 << 20
 

@@ -19,9 +19,9 @@ import transport
 from helpers.outsider import Outsider
 from helpers.peer import Peer, sha
 from helpers.polling import wait_until
-from transport import signed
 from transport.errors import SignatureError, TransportError
-from transport.sealing import keys_for
+from transport.security import signed
+from transport.security.sealing import keys_for
 from transport.wire import agent_name, decode_peer_record, frame_user_notification
 
 SECRET = b"the-namespace-secret"

@@ -15,8 +15,8 @@ import pytest
 import transport
 from helpers.peer import Peer, pattern, sha
 from helpers.polling import wait_until
-from transport import signed
-from transport.region_table import MAX_REGIONS, MAX_TOTAL_DIMS
+from transport.memory.region_codec import MAX_REGIONS, MAX_TOTAL_DIMS
+from transport.security import signed
 from transport.store import store_from_url
 from transport.wire import (
     PeerRecord,

@@ -15,10 +15,11 @@ import torch
 import transport
 from transport.backends.base import Backend
 from transport.engine import Engine, Op
-from transport.lanes import Lane
-from transport.memory import LocalMemory
-from transport.plan import PeerConn, Plan
+from transport.memory.local import LocalMemory
+from transport.peers.conn import PeerConn
 from transport.store import MemoryStore
+from transport.transfers.lanes import Lane
+from transport.transfers.plan import Plan
 from transport.weights.group.directory import GroupDirectory
 
 # -- a Transport's parts --------------------------------------------------------------------------

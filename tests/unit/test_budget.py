@@ -11,7 +11,7 @@ import transport
 from helpers import internals
 from helpers.loopback_net import LoopbackNet, pattern
 from transport.backends.loopback import LoopbackBackend
-from transport.memory import default_budget
+from transport.memory.local import default_budget
 
 pytestmark = pytest.mark.timeout(30)
 

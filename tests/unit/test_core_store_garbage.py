@@ -13,7 +13,7 @@ import torch
 import transport
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
-from transport import peers
+from transport.peers import directory as peers
 from transport.wire import decode_peer_record, encode_peer_record
 
 pytestmark = pytest.mark.timeout(30)

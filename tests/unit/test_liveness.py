@@ -1,4 +1,4 @@
-"""Heartbeats acted on (transport/liveness.py), on the loopback backend: a peer whose heartbeat
+"""Heartbeats acted on (transport/peers/liveness.py), on the loopback backend: a peer whose heartbeat
 stopped is suspect in peers(), a weight publisher excludes a suspect subscriber at once and
 serves it again once it beats; a subscriber planned while the store had lost its record is
 planned again, and one whose group entry the store lost is served until it joins again.
@@ -18,8 +18,8 @@ import transport
 from helpers import internals
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
-from transport import liveness
-from transport.peers import Directory
+from transport.peers import liveness
+from transport.peers.directory import Directory
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import torch
 
 from helpers import internals
 from helpers.loopback_net import LoopbackNet, pattern
-from transport import memory
+from transport.memory import local as memory
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,7 +17,7 @@ import pytest
 
 from helpers.records import record
 from transport.errors import WireFormatError
-from transport.region_table import MAX_REGIONS, device_ok
+from transport.memory.region_codec import MAX_REGIONS, device_ok
 from transport.wire import (
     DTYPE_SIZES,
     FORMAT_VERSION,

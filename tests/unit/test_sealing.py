@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from transport.errors import SignatureError
-from transport.sealing import REPLAY_WINDOW, TRAILER_BYTES, FrameOpener, keys_for, sequence_base
+from transport.security.sealing import (
+    REPLAY_WINDOW,
+    TRAILER_BYTES,
+    FrameOpener,
+    keys_for,
+    sequence_base,
+)
 
 KEYS = keys_for(b"secret-123", "ns")
 A, B = "a#1", "b#1"

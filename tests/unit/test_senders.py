@@ -3,7 +3,7 @@ delivered on the engine thread only; what a flood of agents costs in store reads
 
 from __future__ import annotations
 
-from transport.senders import (
+from transport.peers.senders import (
     CHECKS_PER_ROUND,
     HOLD_S,
     MAX_HELD_BYTES,

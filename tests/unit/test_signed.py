@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from transport import signed
 from transport.errors import SignatureError, WireFormatError
-from transport.sealing import keys_for
+from transport.security import signed
+from transport.security.sealing import keys_for
 from transport.store.memory import MemoryStore
 
 KEYS = keys_for(b"secret-123", "ns")

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.lanes import cut
-from transport.plan import split_descs
+from transport.transfers.lanes import cut
+from transport.transfers.plan import split_descs
 
 
 def rows(sizes: list[int], base: int) -> np.ndarray:

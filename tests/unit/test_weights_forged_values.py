@@ -22,7 +22,7 @@ import transport
 from helpers.loopback_net import LoopbackNet
 from helpers.polling import wait_until
 from helpers.shard_peer import shard_of
-from transport import signed
+from transport.security import signed
 from transport.weights import ShardedPublisher, SourceLayout
 from transport.weights.group.lease import FREE, Lease
 from transport.weights.layouts.wire import source_digest

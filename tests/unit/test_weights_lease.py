@@ -12,8 +12,8 @@ import torch
 
 import transport
 from helpers.loopback_net import pattern
-from transport import liveness
-from transport.peers import Directory
+from transport.peers import liveness
+from transport.peers.directory import Directory
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,7 +63,7 @@ def test_a_publisher_whose_transport_left_or_restarted_is_taken_over(loopback_ne
 
 
 def test_a_holder_whose_heartbeat_stopped_is_taken_over(loopback_net):
-    """Past the *gone* bar of transport/liveness.py, not merely past the suspect one: a takeover
+    """Past the *gone* bar of transport/peers/liveness.py, not merely past the suspect one: a takeover
     cannot be undone. The stopped heartbeat is written as a stopped holder leaves it."""
     gen, sub, live = _gen(loopback_net)
     a = loopback_net.make("trainer-a", heartbeat_interval=3600)  # one beat, at its start

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from helpers.records import record
 from transport.errors import SignatureError, WireFormatError
-from transport.region_table import MAX_MAP_BYTES
+from transport.memory.region_codec import MAX_MAP_BYTES
 from transport.wire import (
     FORMAT_VERSION,
     MAX_RECORD_BYTES,

@@ -37,7 +37,7 @@ from helpers.shard_peer import (
     source_layout,
 )
 from helpers.ws_peer import make_tensors, spec_of
-from transport import signed
+from transport.security import signed
 from transport.store import Store, store_from_url
 from transport.weights import ShardedPublisher, full_copy
 from transport.weights.group.lease import Lease

@@ -1,5 +1,5 @@
 """``transport peers``: who is in a namespace, what they expose, when they were last heard from,
-and which are suspect (their heartbeat stopped: transport/liveness.py)."""
+and which are suspect (their heartbeat stopped: transport/peers/liveness.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from transport.errors import WireFormatError
-from transport.liveness import suspicion
-from transport.peers import Directory
+from transport.peers.directory import Directory
+from transport.peers.liveness import suspicion
 from transport.store import DEFAULT_STORE_URL, store_from_url
 from transport.wire import check_name
 

@@ -262,9 +262,9 @@ def writer_session(
     a store. Leaving tells every reader done, then closes all (local readers killed on failure)."""
     from transport.cli.bench import names
     from transport.cli.peers import client_url
-    from transport.lanes import default_lanes
     from transport.store import store_from_url
     from transport.store.tcp import TcpStore
+    from transport.transfers.lanes import default_lanes
 
     writer_cpus = max([int(x) for x in names(getattr(args, "lanes", None))] or [default_lanes()])
     pin, pin_note = _util.pin_layout(args.pin, writer_cpus, n_readers if peers is None else 0)

@@ -10,7 +10,7 @@ Store keys, under ``transport/<namespace>/groups/<group>/``:
 * ``lease``, ``lease/<rank>``, ``ranks``: the publishers and their number (``lease``)
 * ``published/<rank>``: the version a rank of a sharded trainer began last
 
-All but the counters and the membership index are signed values (``transport/signed.py``),
+All but the counters and the membership index are signed values (``transport/security/signed.py``),
 each written only by the one peer it is about (see :class:`GroupDirectory` and ``lease``).
 What a process that writes the store can still do:
 

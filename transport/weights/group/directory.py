@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 
 from transport.errors import WireFormatError
-from transport.signed import Inspector, SignedStore
+from transport.security.signed import Inspector, SignedStore
 from transport.store.base import Store
 from transport.store.counters import Counter, clock_floor, index_counter
 from transport.weights.group.regions import MODES

@@ -8,12 +8,12 @@ that a subscriber knows how many ranks' parts make a version. A publisher takes 
 construction, with compare-and-set, and gives it back at close. A second publisher of the group
 fails with GroupBusyError naming the holder, unless the holder is gone: its name has no record
 any more, or a newer incarnation's, or its heartbeat stopped (a killed process keeps its record
-until it restarts): silent past the *gone* bar of transport/liveness.py (10 heartbeat
+until it restarts): silent past the *gone* bar of transport/peers/liveness.py (10 heartbeat
 intervals, at least 10 s), higher than the bar at which a peer is merely suspect, since a
 takeover cannot be undone. Garbage in the lease's place is overwritten, with a warning.
 
 Trust (DESIGN.md): leases and ``ranks`` decide who takes part and how many ranks' parts make a
-version, so they are signed values (``transport/signed.py``): a lease counts only if its holder
+version, so they are signed values (``transport/security/signed.py``): a lease counts only if its holder
 signed it (the signature's writer and generation are the lease's name and generation) under the
 key of its rank; ``ranks`` only if rank 0's current holder signed it. Anything else (malformed,
 unsigned in a namespace with a secret, another writer's) is ignored and logged, and a publisher
@@ -48,8 +48,8 @@ from transport.errors import (
     TransportError,
     WireFormatError,
 )
-from transport.liveness import GONE_BEATS, GONE_MIN_S, staleness
-from transport.signed import SignedStore
+from transport.peers.liveness import GONE_BEATS, GONE_MIN_S, staleness
+from transport.security.signed import SignedStore
 from transport.store import Store
 from transport.weights.group.directory import reader
 from transport.weights.group.regions import marked_rank, rank_mark

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from transport.memory import check_tensor, dtype_name
+from transport.memory.local import check_tensor, dtype_name
 
 MODES = ("staging", "inplace")
 

@@ -22,7 +22,7 @@ import msgpack
 import torch
 
 from transport.errors import WireFormatError
-from transport.memory import dtype_name
+from transport.memory.local import dtype_name
 from transport.weights.layouts.planning import DestTensor, Piece, Quant, Slice, SourceLayout
 from transport.wire import unpack
 

@@ -66,7 +66,7 @@ class WeightPublisher(PublisherCore):
     whose result tells, per subscriber, done, excluded or lost.
 
     Membership (weights/publishing/roster.py): a subscriber whose heartbeat stopped is suspect
-    (transport/liveness.py) and excluded from a publish at once, with that reason, instead of at
+    (transport/peers/liveness.py) and excluded from a publish at once, with that reason, instead of at
     the deadline, whether it was suspect when the publish began or became so while the publish
     waited for it (its heartbeat is read every ``heartbeat_interval`` meanwhile); one that could
     not be planned (no record yet, tensors that do not match) is planned again at every publish;

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transport.batch import Batch
 from transport.bulk import bulk
 from transport.errors import TransportError
-from transport.liveness import stale_after
+from transport.peers.liveness import stale_after
+from transport.transfers.batch import Batch
 from transport.weights.group.directory import GroupDirectory
 from transport.weights.group.messages import MAX_DEGREE, Hello, encode
 from transport.weights.group.regions import (
@@ -154,7 +154,7 @@ class Roster:
       entries vanished are kept, and served over their connections (which need no store), until
       they join again (the same incarnation: nothing to plan) or for at most
       ``liveness.stale_after(heartbeat_interval)`` seconds; after that they count as left;
-    * :meth:`suspects` reads each member's heartbeat: a suspect one (transport/liveness.py) is
+    * :meth:`suspects` reads each member's heartbeat: a suspect one (transport/peers/liveness.py) is
       left out of that publish at once, and tried again at the next.
     """
 
@@ -355,7 +355,7 @@ class Roster:
 class SuspectWatch:
     """The heartbeats of the subscribers that publishes in flight still wait for, read every
     ``interval`` seconds (one store read each, outside the publisher's lock) until none is in
-    flight: a subscriber that became suspect meanwhile (transport/liveness.py: frozen,
+    flight: a subscriber that became suspect meanwhile (transport/peers/liveness.py: frozen,
     partitioned, dead) is excluded at once from every version it has no outcome of, with that
     reason, instead of at their deadlines, and so is a child whose relay became suspect. The
     others' outcomes do not wait for it. What was posted to it goes on (a version that lands

@@ -20,7 +20,7 @@ from transport.errors import (
     WireFormatError,
 )
 from transport.handle import Handle
-from transport.memory import dtype_name
+from transport.memory.local import dtype_name
 from transport.weights.group.directory import WHOLE, GroupDirectory
 from transport.weights.group.lease import GroupLeases, Lease, PublisherLease, holder_alive
 from transport.weights.group.messages import (

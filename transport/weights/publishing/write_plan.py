@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transport.batch import Batch, make_batch
+from transport.transfers.batch import Batch, make_batch
 from transport.weights.layouts.convert import FP8, FP8_MAX, fp8_blockwise
 from transport.weights.layouts.planning import Box, DestTensor, Run
 from transport.weights.layouts.rules import scale_shape

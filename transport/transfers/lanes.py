@@ -27,14 +27,15 @@ import numpy as np
 
 import transport.backends as _backends
 from transport.engine import Engine
-from transport.memory import LocalMemory
-from transport.plan import PeerConn, Plan
+from transport.memory.local import LocalMemory
+from transport.peers.conn import PeerConn
+from transport.transfers.plan import Plan
 from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
-    from transport.batch import Items
     from transport.endpoint import Endpoint
+    from transport.transfers.batch import Items
 
 log = logging.getLogger("transport")
 

@@ -13,30 +13,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from time import monotonic_ns
 from typing import Any
 
 import torch
 
 from transport.backends.base import WRITE
-from transport.batch import Batch, Items, Offset, mapping_items
 from transport.endpoint import Endpoint, State
 from transport.engine import Engine, Op
 from transport.errors import PeerLostError
 from transport.handle import Handle
-from transport.lanes import LaneSet
-from transport.memory import check_tensor
-from transport.peer_table import PeerTable
-from transport.plan import Plan
-from transport.plan_cache import PlanCache
-from transport.retries import Retries, unclaimer
+from transport.memory.local import check_tensor
+from transport.peers.table import PeerTable
 from transport.settings import positive
+from transport.transfers.batch import Batch, Items, Offset, mapping_items
+from transport.transfers.lanes import LaneSet
+from transport.transfers.plan import Plan
+from transport.transfers.plan_cache import PlanCache
+from transport.transfers.retries import Retries, unclaimer
 from transport.wire import frame_control, frame_user_notification
 
 log = logging.getLogger("transport")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One transfer of the general path as its caller asked for it: ``op`` (WRITE or READ) of
+    ``obj`` (a tensor, a mapping name -> tensor, or a Batch) with ``peer`` (a name, or several
+    for a fan-out), into or from region ``key`` (None: the name ``obj`` was exposed or
+    registered under) at ``offset`` elements; ``notify`` reaches the peer after the data,
+    ``timeout`` (None: the Transport's) bounds it. ``stream``: ordered on that CUDA stream.
+    The library's own fields: ``frame``, a control message sent as the notification instead of
+    ``notify``; ``proxy``, posted by the stream proxy thread (the stream's errors are its own)."""
+
+    op: str
+    obj: Any
+    peer: str | Iterable[str]
+    key: str | None = None
+    offset: int = 0
+    notify: bytes | None = None
+    timeout: float | None = None
+    stream: Any = None
+    frame: bytes | None = None
+    proxy: bool = False
 
 
 class Transfers:
@@ -74,6 +98,7 @@ class Transfers:
         t: torch.Tensor,
         peer: str,
         key: str | None,
+        *,
         offset: int,
         notify: bytes | None,
         timeout: float | None,
@@ -118,6 +143,7 @@ class Transfers:
         t: torch.Tensor,
         peers: list[str] | tuple[str, ...],
         key: str | None,
+        *,
         offset: int,
         notify: bytes | None,
         timeout: float | None,
@@ -190,7 +216,8 @@ class Transfers:
         """The peers of a fast fan-out from the first whose post failed on: through the general
         path (which re-plans a restarted peer), their parts completing ``handle``'s."""
         try:
-            sub = self.transfer(WRITE, t, list(rest), key, offset, notify, timeout, None)
+            request = Request(WRITE, t, list(rest), key, offset, notify=notify, timeout=timeout)
+            sub = self.transfer(request)
         except Exception as e:  # noqa: BLE001 - reported as those peers' error, through the handle
             for p in rest:
                 handle.part_done(p, e)
@@ -208,39 +235,32 @@ class Transfers:
     def control(
         self,
         src: torch.Tensor | Mapping[str, torch.Tensor] | Batch,
-        key: str | None,
-        offset: int,
         peer: str,
         channel: str,
         payload: bytes,
-        timeout: float | None,
+        *,
+        key: str | None = None,
+        offset: int = 0,
+        timeout: float | None = None,
     ) -> Handle:
         """A put whose notification is a control message of ``channel`` (the library's layers)."""
         frame = frame_control(channel, payload)
-        return self.transfer(WRITE, src, peer, key, offset, None, timeout, None, frame)
+        return self.transfer(Request(WRITE, src, peer, key, offset, timeout=timeout, frame=frame))
 
-    def transfer(
-        self,
-        op: str,
-        obj: Any,
-        peer: str | Iterable[str],
-        key: str | None,
-        offset: int,
-        notify: bytes | None,
-        timeout: float | None,
-        stream: Any,
-        frame: bytes | None = None,
-        proxy: bool = False,
-    ) -> Handle:
+    def transfer(self, request: Request) -> Handle:
+        """The general path: ``request`` checked, planned and handed to the engine (or to the
+        stream machinery, for a stream-ordered one); its Handle."""
         ep = self._ep
         if ep.state is not State.OPEN:
             ep.check_open()
-        if self.stream is not None and not proxy:
+        if self.stream is not None and not request.proxy:
             self.stream.check()  # an error of a stream-ordered transfer surfaces here
-        if stream is not None:
-            return self.stream_op(op, obj, peer, key, offset, notify, timeout, stream)
+        if request.stream is not None:
+            return self.stream_op(request)
+        op, peer, notify, frame = request.op, request.peer, request.notify, request.frame
         peers = (peer,) if isinstance(peer, str) else peer_list(peer)
-        items, sig, at = self.items(obj, key, offset)
+        items, sig, at = self.items(request.obj, request.key, request.offset)
+        timeout = request.timeout
         if timeout is None:
             timeout = ep.settings.timeout
         else:
@@ -454,32 +474,24 @@ class Transfers:
 
     # -- stream-ordered transfers ------------------------------------------------------------
 
-    def stream_op(
-        self,
-        op: str,
-        obj: Any,
-        peer: str | Iterable[str],
-        key: str | None,
-        offset: int,
-        notify: bytes | None,
-        timeout: float | None,
-        stream: Any,
-    ) -> Any:
-        """Enqueue the transfer on ``stream``: checked and planned now, posted by the proxy
+    def stream_op(self, request: Request) -> Any:
+        """Enqueue ``request`` on its stream: checked and planned now, posted by the proxy
         thread when the stream reaches it (see transport.cuda)."""
         ops = self.stream_ops()
+        op, peer = request.op, request.peer
         peers = (peer,) if isinstance(peer, str) else peer_list(peer)
-        items, sig, at = self.items(obj, key, offset)
+        items, sig, at = self.items(request.obj, request.key, request.offset)
         for p in peers:
             self._plans.get(op, p, items, sig, at)  # every check before anything is enqueued
-        if timeout is not None:
-            positive("timeout", timeout)
+        if request.timeout is not None:
+            positive("timeout", request.timeout)
+        posted = dataclasses.replace(request, stream=None, proxy=True)
 
         def start() -> Handle:
-            return self.transfer(op, obj, peer, key, offset, notify, timeout, None, proxy=True)
+            return self.transfer(posted)
 
         what = f"{'put' if op == WRITE else 'get'} to {', '.join(peers)}"
-        return ops.enqueue((op, peers, sig, at, notify), start, what, stream)
+        return ops.enqueue((op, peers, sig, at, request.notify), start, what, request.stream)
 
     def stream_ops(self) -> Any:
         """The stream machinery, created on first use; a clear error without CUDA or CuPy."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from transport.bulk import bulk
-from transport.memory import check_tensor
+from transport.memory.local import check_tensor
 
 #: the (region name, tensor) pairs of a transfer
 Items = tuple[tuple[str, torch.Tensor], ...]

@@ -6,7 +6,7 @@ Keys live under ``transport/<namespace>/``:
 * ``gen/<name>``    a counter: each incarnation of a name takes the next generation
 * ``members/count``, ``members/<i>``, ``members/by-name/<name>``: the membership
   index, which works on stores that cannot list keys
-* ``hb/<name>``     the last heartbeat (generation and wall time), a signed value (``signed.py``)
+* ``hb/<name>``     the last heartbeat (generation and wall time), a signed value (``security/signed.py``)
 * ``left/<name>``   the generation of ``name`` that last closed (signed): who will not answer
 """
 
@@ -17,9 +17,9 @@ import threading
 import time
 from collections import OrderedDict
 
-from transport import signed
 from transport.errors import StoreError, WireFormatError
-from transport.sealing import Keys, keys_for
+from transport.security import signed
+from transport.security.sealing import Keys, keys_for
 from transport.store.base import Store
 from transport.store.counters import Counter, clock_floor, index_counter
 from transport.wire import (

@@ -12,7 +12,7 @@ go back for a receiver: every sealer starts from this process's clock in nanosec
 import plus monotonic time since), so a reconnect to the same incarnation (a new sealer) continues
 above every number the last one used, and so does a restarted sender whose agent name came back
 (a store that lost its generation counters). A third key authenticates the store values that
-decide where bytes land or who takes part (``signed.py``).
+decide where bytes land or who takes part (``security/signed.py``).
 
 ``cryptography`` is imported on the first secret only: a Transport without one never needs it.
 """

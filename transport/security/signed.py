@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from transport.errors import SignatureError, WireFormatError
-from transport.sealing import MAC_BYTES, Keys
+from transport.security.sealing import MAC_BYTES, Keys
 from transport.wire import NAME_RE, unpack
 
 if TYPE_CHECKING:

@@ -6,11 +6,12 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from transport.batch import Offset
 from transport.endpoint import Endpoint
 from transport.errors import PeerLostError, RegionError, RegistrationBudgetError
-from transport.peer_table import PeerTable
-from transport.plan import PeerConn, Plan, build_plan
+from transport.peers.conn import PeerConn
+from transport.peers.table import PeerTable
+from transport.transfers.batch import Offset
+from transport.transfers.plan import Plan, build_plan
 
 if TYPE_CHECKING:
     import torch

@@ -6,89 +6,31 @@ A :class:`Plan` holds the prepared local and remote descriptor lists of one
 pool of reusable backend transfers per part. Plans are cached by the
 Transport's plan cache (plan_cache.py), so a repeated put replays a plan without planning;
 :func:`build_plan` makes one, checking every rule of a transfer first.
-
-A :class:`PeerConn` is our state for one incarnation (generation) of a peer:
-its record, its loaded agent, and the plans that target it. When the peer is
-lost, the connection is closed and everything prepared against it released.
+Plans target a :class:`~transport.peers.conn.PeerConn` (peers/conn.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from transport.backends.base import READ, WRITE, Backend, device_parts
-from transport.batch import Offset
 from transport.bulk import bulk
 from transport.errors import RegionError
-from transport.memory import LocalMemory, Registration, check_tensor, device_of, dtype_name
-from transport.wire import PeerRecord, RegionInfo
+from transport.memory.local import LocalMemory, Registration, check_tensor, device_of, dtype_name
+from transport.peers.conn import PeerConn
+from transport.transfers.batch import Offset
+from transport.wire import RegionInfo
 
 if TYPE_CHECKING:
     import torch
 
-    from transport.sealing import FrameSealer
 
 log = logging.getLogger("transport.plan")
-
-
-class Traffic:
-    """Bytes moved to and from one peer (every incarnation, every lane) by completed transfers:
-    ``written`` into its memory, ``read`` from it. Counted under the connection's lock."""
-
-    __slots__ = ("read", "written")
-
-    def __init__(self) -> None:
-        self.written = 0
-        self.read = 0
-
-
-class PeerConn:
-    """Connection state for one incarnation of a peer. ``lock`` guards posting against teardown;
-    every notification to the peer leaves through :meth:`seal` under it (with a secret, the
-    ``sealer`` numbers and authenticates it for this incarnation). ``traffic`` counts the bytes
-    of its completed transfers (shared with the lanes' connections to the same peer)."""
-
-    def __init__(
-        self,
-        record: PeerRecord,
-        agent: str,
-        sealer: FrameSealer | None = None,
-        traffic: Traffic | None = None,
-    ) -> None:
-        self.traffic = traffic if traffic is not None else Traffic()
-        self.sealer = sealer
-        self.name = record.name
-        self.record = record
-        self.generation = record.generation
-        self.agent = agent
-        self.regions: dict[str, RegionInfo] = record.region_map()
-        self.lock = threading.Lock()
-        self.alive = True
-        self.suspect = False
-        self.plans: set[Plan] = set()
-
-    def seal(self, frame: bytes) -> bytes:
-        """``frame`` as it goes to this peer: with its sequence number and MAC under a secret."""
-        return self.sealer.seal(frame) if self.sealer is not None and frame else frame
-
-    def close(self, backend: Backend) -> None:
-        with self.lock:
-            if not self.alive:
-                return
-            self.alive = False
-            plans, self.plans = self.plans, set()
-            for plan in plans:
-                plan.release(backend)
-            backend.remove_peer(self.agent)
-
-    def __repr__(self) -> str:
-        return f"<PeerConn {self.name}#{self.generation} {'alive' if self.alive else 'closed'}>"
 
 
 class Part:

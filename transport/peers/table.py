@@ -17,8 +17,8 @@ from transport.errors import (
     StoreError,
     WireFormatError,
 )
-from transport.liveness import suspicion
-from transport.plan import PeerConn, Traffic
+from transport.peers.conn import PeerConn, Traffic
+from transport.peers.liveness import suspicion
 from transport.wire import PeerRecord
 
 log = logging.getLogger("transport")
@@ -32,7 +32,7 @@ class PeerInfo:
     """A peer of the namespace that has a record, as its record and heartbeat describe it.
 
     ``suspect`` says why it may be gone: its last heartbeat is older than a few heartbeat
-    intervals of the Transport that asks (transport/liveness.py: 3 intervals, at least 5 s), or a
+    intervals of the Transport that asks (transport/peers/liveness.py: 3 intervals, at least 5 s), or a
     newer incarnation beats in its place; None while it beats in time (or has not beaten yet).
     A suspect peer that beats again is no longer suspect.
     """

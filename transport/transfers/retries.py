@@ -10,9 +10,9 @@ from collections.abc import Callable
 from transport.endpoint import Endpoint, State
 from transport.engine import QUEUED, Op
 from transport.handle import Handle
-from transport.peer_table import PeerTable
-from transport.plan import Plan
-from transport.plan_cache import PlanCache
+from transport.peers.table import PeerTable
+from transport.transfers.plan import Plan
+from transport.transfers.plan_cache import PlanCache
 
 log = logging.getLogger("transport")
 

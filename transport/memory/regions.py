@@ -28,7 +28,7 @@ from transport._version import __version__
 from transport.bulk import bulk
 from transport.endpoint import Endpoint
 from transport.errors import StoreError, TransportError, WireFormatError
-from transport.memory import check_tensor, dtype_name
+from transport.memory.local import check_tensor, dtype_name
 from transport.wire import (
     ACCESS_MODES,
     MAX_NOTIFY_BYTES,
@@ -42,8 +42,8 @@ from transport.wire import (
 
 if TYPE_CHECKING:
     from transport.control import ControlChannel
-    from transport.peer_table import PeerTable
-    from transport.plan_cache import PlanCache
+    from transport.peers.table import PeerTable
+    from transport.transfers.plan_cache import PlanCache
 
 log = logging.getLogger("transport")
 
