@@ -7,17 +7,27 @@ without importing them again. The child takes the parent's environment as it is 
 (the forkserver's own is that of its start), and is signalled through a pidfd, which cannot
 name another process once it is gone. A child started while the calling thread is in another
 network namespace (helpers.netns) is spawned there instead: forked by the server, it would be
-born in the server's namespace. So is a child whose class sets ``SPAWN`` (those that run vLLM,
-which forks its own processes: forked from a forked child, vLLM engines were seen to hang for
-good at their start)."""
+born in the server's namespace.
+
+A child whose class sets ``FROM_VLLM_SERVER`` (a vLLM engine, vLLM's trainer side, a trainer
+that builds its model with transformers) forks from a second server, which imported vLLM and
+transformers too (seconds of CPU per process on this kind of machine, and these tests start
+dozens of them); other children never see vLLM's changes to torch's settings. Neither server
+has started a Python thread when it forks. (A child whose vLLM forks processes
+of its own must not fork from a process with threads: the offline engines here run everything
+in their own process, and vLLM's servers spawn theirs.)"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver
 from typing import Any
 
 
@@ -44,18 +54,50 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
 #: what the forkserver imports before it forks any child (importable from the installed
 #: environment: the forkserver starts with Python's default path, not the test process's)
 PRELOAD = ["numpy", "torch", "transport", "transport.weights"]
+#: what the forkserver of the children that run vLLM imports besides: its offline engine, its
+#: trainer side, transformers (the trainers build their models with it)
+VLLM_PRELOAD = [
+    *PRELOAD,
+    "transformers",
+    "safetensors.torch",
+    "vllm",
+    "vllm.entrypoints.llm",
+    "vllm.distributed.weight_transfer",
+    "transport.integrations.vllm.trainer",
+    "transport.integrations.vllm.worker",
+]
+#: the second forkserver (multiprocessing's own serves the other children)
+_VLLM_SERVER = forkserver.ForkServer()
+_VLLM_SERVER.set_forkserver_preload(VLLM_PRELOAD)
+#: children start one at a time: the vLLM children's start swaps the server multiprocessing uses
+_STARTING = threading.Lock()
 #: the network namespace this process started in (children of the forkserver are born there)
 _HOME_NET = os.stat("/proc/self/ns/net").st_ino
 
 
-def _context(spawn: bool) -> Any:
-    """The forkserver's context, or spawn's where asked or where the calling thread left its
-    namespace."""
-    if spawn or os.stat("/proc/thread-self/ns/net").st_ino != _HOME_NET:
+def _context() -> Any:
+    """The forkserver's context, or spawn's where the calling thread left its namespace."""
+    if os.stat("/proc/thread-self/ns/net").st_ino != _HOME_NET:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+@contextmanager
+def _starting(vllm: bool) -> Iterator[None]:
+    """One child's start; with ``vllm`` from the second forkserver (multiprocessing's
+    forkserver Popen asks its module for the server to connect to)."""
+    with _STARTING:
+        if not vllm:
+            yield
+            return
+        default = forkserver.connect_to_new_process
+        forkserver.connect_to_new_process = _VLLM_SERVER.connect_to_new_process
+        try:
+            yield
+        finally:
+            forkserver.connect_to_new_process = default
 
 
 def _with_environ(environ: dict[str, str], target: Any, *args: Any) -> None:
@@ -72,9 +114,9 @@ class ChildError(RuntimeError):
 class ChildProcess:
     """Starts the child; with ``wait=False`` the constructor returns at once and :meth:`started`
     waits for the child to be ready (children start in parallel). A subclass whose child runs
-    vLLM sets ``SPAWN``."""
+    vLLM or transformers sets ``FROM_VLLM_SERVER``."""
 
-    SPAWN = False
+    FROM_VLLM_SERVER = False
 
     def __init__(
         self,
@@ -87,7 +129,7 @@ class ChildProcess:
         self.name = name
         self.generation = self.pid = -1
         self._pidfd = -1
-        ctx = _context(self.SPAWN)
+        ctx = _context()
         self._conn, child_conn = ctx.Pipe()
         environ = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
         env_backup = os.environ.get("TORCH_CPP_LOG_LEVEL")
@@ -98,7 +140,8 @@ class ChildProcess:
                 args=(environ, target, child_conn, name, *args),
                 daemon=True,
             )
-            self.proc.start()
+            with _starting(self.FROM_VLLM_SERVER):
+                self.proc.start()
             self._pidfd = os.pidfd_open(self.proc.pid)
         finally:
             if env_backup is None:

@@ -60,6 +60,8 @@ class ModelPublisher(ChildProcess):
     ``traffic`` (bytes written to each peer so far), ``count`` (how many tensors it
     publishes)."""
 
+    FROM_VLLM_SERVER = True  # builds its model with transformers (helpers.child)
+
     def __init__(
         self,
         name: str,
@@ -118,6 +120,8 @@ class ExpertParallelRank(ChildProcess):
     holds its range of whole experts and every other tensor, and publishes with a
     ShardedPublisher (no gather). Commands: ``publish(version, timeout)`` -> (status,
     reasons), ``traffic``."""
+
+    FROM_VLLM_SERVER = True  # builds its model with transformers (helpers.child)
 
     def __init__(self, name: str, store_url: str, kind: str, group: str, world: int, rank: int):
         super().__init__(name, _rank_child, (store_url, kind, group, world, rank), 90, False)

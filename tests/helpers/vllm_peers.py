@@ -217,7 +217,7 @@ class VllmProcess(ChildProcess):
     ``finish(weight_version)``, ``update_unfinished(update_info)`` (start and update).
     ``as_stored``: the engine computes with its parameters as stored (compute_as_stored)."""
 
-    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
+    FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
 
     def __init__(
         self, name: str, model_dir: Path, start_timeout: float = 180, as_stored: bool = False
@@ -310,8 +310,6 @@ class LlamaPublisher(ChildProcess):
     ``publish(version, timeout)`` -> (status, reasons), ``publish_nowait``,
     ``hold_notified_parts(let_through=0)``, ``subscribers``."""
 
-    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
-
     def __init__(
         self,
         name: str,
@@ -403,7 +401,7 @@ class HttpTrainer(ChildProcess):
     sends them; returns the publish's (status, reasons)), ``publish(version)`` (only publishes),
     ``traffic`` (bytes written to each peer so far)."""
 
-    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
+    FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
 
     def __init__(
         self,
@@ -472,8 +470,6 @@ class ShardedLlamaRank(ChildProcess):
     """Rank ``rank`` of a ``world``-rank trainer of the small Llama (tensor-parallel shards),
     publishing with a ShardedPublisher into vLLM's workers. Commands: ``publish(version,
     timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far)."""
-
-    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
 
     def __init__(
         self,
@@ -560,7 +556,7 @@ class ShardedTrainer(ChildProcess):
     ``engine_state`` (rank 0). ``as_stored``: the engine computes with its parameters as
     stored (compute_as_stored); ``info`` goes into the trainer's init info (mode, staging_gb)."""
 
-    SPAWN = True  # it runs vLLM, or vLLM's trainer side (see helpers.child)
+    FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
 
     def __init__(
         self,
