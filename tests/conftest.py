@@ -91,8 +91,11 @@ def writer(tcp_store: Store) -> Iterator[transport.Transport]:
 #: their deadlines. This order decides among files with as many tests, and in one process
 #: (TRANSPORT_TEST_WORKERS=0).
 LONG_FILES = (
+    "integrations/test_vllm_moe_tp2.py",
     "integrations/test_vllm_tp2.py",
-    "integrations/test_vllm_tp2_no_room.py",
+    "integrations/test_verl.py",
+    "integrations/test_vllm_tp2_server.py",
+    "cli/test_bench.py",
     "weights/test_scale.py",
     "test_gpu_check.py",
     "integrations/",

@@ -438,13 +438,20 @@ def _llama_shards(model_dir: str, world: int, rank: int) -> tuple[Any, Any, Any]
 
 
 def _rank_child(
-    conn: Any, name: str, store: str, model_dir: str, group: str, world: int, rank: int
+    conn: Any,
+    name: str,
+    store: str,
+    model_dir: str,
+    group: str,
+    world: int,
+    rank: int,
+    secret: str | None,
 ) -> None:
     import transport
     from transport.weights import ShardedPublisher
 
     try:
-        t = transport.Transport(name, store=store, timeout=30)
+        t = transport.Transport(name, store=store, timeout=30, secret=secret)
         full, layout, mine = _llama_shards(model_dir, world, rank)
         shards = mine(full)
         pub = ShardedPublisher(t, shards, layout, rank, group=group)
@@ -468,8 +475,9 @@ def _rank_child(
 
 class ShardedLlamaRank(ChildProcess):
     """Rank ``rank`` of a ``world``-rank trainer of the small Llama (tensor-parallel shards),
-    publishing with a ShardedPublisher into vLLM's workers. Commands: ``publish(version,
-    timeout)`` -> (status, reasons), ``traffic`` (bytes written to each peer so far)."""
+    publishing with a ShardedPublisher into vLLM's workers, with the namespace's ``secret`` if it
+    has one. Commands: ``publish(version, timeout)`` -> (status, reasons), ``traffic`` (bytes
+    written to each peer so far)."""
 
     def __init__(
         self,
@@ -480,10 +488,10 @@ class ShardedLlamaRank(ChildProcess):
         world: int,
         rank: int,
         wait: bool = True,
+        secret: str | None = None,
     ) -> None:
-        super().__init__(
-            name, _rank_child, (store_url, str(model_dir), group, world, rank), 60, wait
-        )
+        args = (store_url, str(model_dir), group, world, rank, secret)
+        super().__init__(name, _rank_child, args, 60, wait)
 
 
 def _sharded_trainer_child(
