@@ -13,9 +13,9 @@ A child whose class sets ``FROM_VLLM_SERVER`` (a vLLM engine, vLLM's trainer sid
 that builds its model with transformers) forks from a second server, which imported vLLM and
 transformers too (seconds of CPU per process on this kind of machine, and these tests start
 dozens of them); other children never see vLLM's changes to torch's settings. Neither server
-has started a Python thread when it forks. (A child whose vLLM forks processes
-of its own must not fork from a process with threads: the offline engines here run everything
-in their own process, and vLLM's servers spawn theirs.)"""
+has started a Python thread when it forks (numpy's and vLLM's native pools aside). A child whose
+vLLM forks processes of its own must not fork from a process with threads: the offline engines
+here run everything in their own process, and vLLM's servers spawn theirs."""
 
 from __future__ import annotations
 
