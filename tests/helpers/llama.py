@@ -7,8 +7,8 @@ and transformers' greedy tokens on given weights, the reference vLLM must match 
 grouped-query attention, tied embeddings, as Qwen2.5 0.5B-3B), and mixtures of experts:
 "qwen3-moe" (8 experts per layer, top 2, q/k norms, grouped-query attention, as Qwen3-30B-A3B),
 "qwen2-moe" (a shared expert with its gate beside 8 routed ones, q/k/v biases, the first layer
-dense through ``mlp_only_layers``, as Qwen1.5/Qwen2-MoE), "qwen3-moe-padded" (experts of an
-intermediate size that vLLM's CPU kernel pads). transformers holds experts fused
+dense through ``mlp_only_layers``, as Qwen1.5/Qwen2-MoE; its input and output embeddings one
+tensor), "qwen3-moe-padded" (experts of an intermediate size that vLLM's CPU kernel pads). transformers holds experts fused
 (``mlp.experts.gate_up_proj``); their saved checkpoints hold one tensor per expert matrix
 (:func:`checkpoint_tensors`). A version's values are defined on the names in memory."""
 
@@ -43,7 +43,7 @@ def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        tie_word_embeddings=kind.endswith("-tied"),
+        tie_word_embeddings=kind.endswith("-tied") or kind == "qwen2-moe",
         dtype="float32",
     )
     if kind in (*MOE, "qwen3-moe-padded"):

@@ -10,10 +10,8 @@ outsider, a trainer rank killed mid-update."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,103 +21,21 @@ pytestmark = [pytest.mark.verl, pytest.mark.slow, pytest.mark.timeout(900)]
 if not os.environ.get("TRANSPORT_TEST_VERL"):
     pytest.importorskip("verl", reason="verl is not installed: bash examples/setup_verl.sh")
 
+# verl's harness (helpers/verl_job.py) is imported by the job fixture, not when pytest collects
+# this file: every pytest worker collects every test file, and importing verl costs seconds
 import ray  # noqa: E402
-import transformers  # noqa: E402
-from tests.checkpoint_engine.test_utils import create_rollout_worker_group  # noqa: E402
-from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineWorker  # noqa: E402
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from verl.single_controller.ray.base import split_resource_pool  # noqa: E402
-from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig  # noqa: E402
 
 import transport  # noqa: E402
 from helpers.polling import wait_until  # noqa: E402
 from transport.errors import SignatureError  # noqa: E402
-from transport.integrations.verl.harness import Gate, StandInTrainer  # noqa: E402
 
 SECRET = "verl-job-secret-0123"
-BUCKET_MB = 1
-
-
-def make_qwen3_moe(path: Path) -> Path:
-    """A small Qwen3-MoE: 8 experts per layer (transformers holds them fused, 3-D), top 2,
-    grouped-query attention with q/k norms, tied embeddings larger than a bucket."""
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    return path
-
-
-class Job:
-    """The Ray job: two stand-in trainer ranks, four rollout workers (two TP=2 replicas)."""
-
-    def __init__(self, model: Path) -> None:
-        self.cfg = CheckpointEngineConfig(
-            backend="transport",
-            update_weights_bucket_megabytes=BUCKET_MB,
-            engine_kwargs={"transport": {"timeout": 60}},
-            custom_backend_module="transport.integrations.verl",
-        )
-        model_config = HFModelConfig(path=str(model), use_remove_padding=True)
-        rollout_config = RolloutConfig(
-            name="vllm", tensor_model_parallel_size=2, checkpoint_engine=self.cfg
-        )
-        pool = RayResourcePool(process_on_nodes=[6], max_colocate_count=1, use_gpu=False)
-        trainer_pool, rollout_pool = split_resource_pool(pool, [2, 4])
-        self.actor = RayWorkerGroup(
-            resource_pool=trainer_pool,
-            device_name="cpu",
-            ray_cls_with_init=RayClassWithInitArgs(
-                cls=ray.remote(StandInTrainer), model_path=str(model), config=self.cfg
-            ),
-        )
-        self.rollout, self.replicas = asyncio.run(
-            create_rollout_worker_group(rollout_pool, model_config, rollout_config, True)
-        )
-        assert len(self.replicas) == 2 and len(self.rollout.workers) == 4
-        self.manager = CheckpointEngineManager(
-            config=self.cfg, actor_wg=self.actor, replicas=[self.replicas[0]]
-        )
-
-    def update(self, step: int) -> dict:
-        return self.manager.update_weights(
-            global_steps=step
-        )  # verl makes it blocking outside a loop
-
-    def check(self, workers) -> None:
-        ray.get([w.check_weights.remote() for w in workers])
-
-    def start_update(self, workers, step: int) -> tuple[RayWorkerGroup, list]:
-        """verl's manager's steps 4 and 5 (build the group, start every worker's update),
-        keeping each worker's result, which the manager's ray.get of them all does not."""
-        rollout = RayWorkerGroup(
-            worker_handles=list(workers),
-            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(CheckpointEngineWorker)),
-        )
-        self.manager.build_process_group(rollout)
-        return rollout, self.actor.update_weights(global_steps=step) + rollout.update_weights(
-            global_steps=step
-        )
-
-    def pid(self, worker) -> int:
-        return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
+    from helpers.verl_job import Job, make_qwen3_moe
+
     model = make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"))
     ray.init(
         num_cpus=64,
@@ -165,6 +81,8 @@ def test_a_tensor_of_another_shape_is_refused_with_its_name(job):
 
 def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
     w = job.rollout.workers
+    from helpers.verl_job import Gate
+
     gate = Gate.remote()
     job.actor.hold_at(30, gate)  # of 35 tensors: most buckets are out, not all
     victim = job.pid(w[3])
@@ -185,6 +103,8 @@ def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
 
 
 def test_outsiders_can_neither_write_nor_read_a_worker(job):
+    from helpers.verl_job import BUCKET_MB
+
     infos = ray.get(job.actor.execute_checkpoint_engine(["prepare"] * 2))
     worker = ray.get(job.rollout.workers[0].execute_checkpoint_engine.remote("prepare"))
     for secret in (None, "not-the-job-secret"):
@@ -200,6 +120,8 @@ def test_outsiders_can_neither_write_nor_read_a_worker(job):
 
 
 def test_a_trainer_rank_killed_mid_update_fails_it_on_every_worker_naming_the_rank(job):
+    from helpers.verl_job import Gate
+
     gate = Gate.remote()
     job.actor.hold_at(10, gate)
     victim = job.actor.pid()[1]

@@ -1,58 +1,97 @@
 """Mixtures of experts served by vLLM's HTTP server (CPU build) at TP = 2 and updated through the
 ``transport`` backend, the trainer through vLLM's own trainer factory: each tensor-parallel
 worker receives exactly its slice of every expert, and with expert parallelism exactly the whole
-experts it hosts (test_vllm_moe.py: one worker, every mode; the same models and checks)."""
+experts it hosts (test_vllm_moe.py: one worker, every mode; the same models and checks). One
+server per model, shared by its tests in order (a server's start is most of what such a test
+costs on this kind of machine); the expert-parallel server last."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from helpers.llama import MOE, fused_expert_names, kept_bytes, model_bytes
+from helpers.tp2_updates import Updates, run_updates, staging_for
 from helpers.vllm_peers import HttpTrainer, send_counting
 from helpers.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("kind", MOE)
-def test_each_tp_worker_receives_its_slice_of_every_expert(
-    kind, store, model_dir_of, reference, tmp_path: Path
-):
+@dataclass
+class Served:
+    """A module's server of one mixture of experts at TP = 2 and its trainer (vLLM's trainer
+    factory, over vLLM's HTTP client), shared by the tests of that model, which run in order;
+    ``version``: the version the server serves (each test starts there)."""
+
+    kind: str
+    server: VllmServer
+    trainer: HttpTrainer
+    version: int = 0
+
+
+@pytest.fixture(scope="module", params=MOE)
+def served(request, model_dir_of, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    kind: str = request.param
+    folder: Path = model_dir_of(kind)
+    log = tmp_path_factory.mktemp(f"{kind}-server") / "server.log"
+    # the trainer child imports while the server starts
+    with (
+        HttpTrainer("trainer", wait=False) as trainer,
+        VllmServer(folder, log, tp=2) as server,
+    ):
+        trainer.started(120)
+        yield Served(kind, server, trainer)
+
+
+def test_each_tp_worker_receives_its_slice_of_every_expert(served: Served, store, reference):
     """vLLM's server at TP = 2, the trainer through vLLM's own trainer factory with
     ``ModuleSource(model)`` of the transformers model and vLLM's HTTP client (as the README
     shows): each worker receives exactly its slice (half of every expert along the
     intermediate size, the routers whole), about half the model; then a trainer whose source
     names one tensor per expert matrix."""
-    folder: Path = model_dir_of(kind)
+    kind, server, trainer = served.kind, served.server, served.trainer
     want, _ = kept_bytes(kind)
     assert want <= 0.55 * model_bytes(kind)
-    trainer = HttpTrainer("trainer", wait=False)
-    with trainer, VllmServer(folder, tmp_path / "server.log", tp=2) as server:
-        assert server.generate() == reference(0, kind=kind)
-        trainer.started(120)
-        version = 0
-        for names, count in (("model", 3), ("checkpoint", 1)):
-            namespace = f"moe-{names}-{uuid.uuid4().hex[:6]}"
-            info = {"timeout": 60}
-            trainer.call(
-                "connect", server.url, store.url, namespace, info, kind, names, timeout=120
+    assert server.generate() == reference(served.version, kind=kind)
+    for names, count in (("model", 3), ("checkpoint", 1)):
+        namespace = f"moe-{names}-{uuid.uuid4().hex[:6]}"
+        info = {"timeout": 60}
+        trainer.call("connect", server.url, store.url, namespace, info, kind, names, timeout=120)
+        states = server.transport_state()
+        assert [s["mode"] for s in states] == ["sharded"] * 2, states
+        assert all(s["fallback"] == {} for s in states), [s["fallback"] for s in states]
+        assert [s["version_bytes"] for s in states] == [want] * 2
+        every = {n.rsplit(".", 1)[0]: list(range(8)) for n in fused_expert_names(kind)}
+        assert all(s["experts"] == every for s in states), states  # a slice of each
+        for _ in range(count):
+            served.version += 1
+            status, reasons, sent = send_counting(trainer, served.version)
+            assert len(status) == 2 and set(status.values()) == {"done"}, reasons
+            assert sent == dict.fromkeys(status, want), (sent, want)
+            assert server.get("weight_info") == {"weight_version": str(served.version)}
+            assert server.generate() == reference(served.version, kind=kind), (
+                names,
+                served.version,
             )
-            states = server.transport_state()
-            assert [s["mode"] for s in states] == ["sharded"] * 2, states
-            assert all(s["fallback"] == {} for s in states), [s["fallback"] for s in states]
-            assert [s["version_bytes"] for s in states] == [want] * 2
-            every = {n.rsplit(".", 1)[0]: list(range(8)) for n in fused_expert_names(kind)}
-            assert all(s["experts"] == every for s in states), states  # a slice of each
-            for _ in range(count):
-                version += 1
-                status, reasons, sent = send_counting(trainer, version)
-                assert len(status) == 2 and set(status.values()) == {"done"}, reasons
-                assert sent == dict.fromkeys(status, want), (sent, want)
-                assert server.get("weight_info") == {"weight_version": str(version)}
-                assert server.generate() == reference(version, kind=kind), (names, version)
+
+
+def test_with_room_for_one_copy_each_worker_keeps_one_slot_and_outlives_a_trainer_gone(
+    served: Served, store, reference
+):
+    """With room for one copy of a worker's slice, each worker keeps one staging slot; three
+    updates, each worker's bytes counted and the tokens compared; then a trainer that dies
+    between vLLM's update and finish calls (helpers/tp2_updates.py, as the Llama's in
+    test_vllm_tp2.py). The Qwen2-MoE's embeddings are tied: one tensor, split over the
+    vocabulary, which the output layer reads too."""
+    kind = served.kind
+    run = Updates(kind, 1, staging_for(kind, 1), store.url, f"slot-{uuid.uuid4().hex[:6]}")
+    run.served = served.version
+    served.version = run_updates(served.trainer, served.server, run, reference)
 
 
 def test_expert_parallel_workers_receive_only_the_experts_they_host(
