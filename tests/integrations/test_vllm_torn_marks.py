@@ -14,8 +14,6 @@ import pytest
 import torch
 
 import transport
-from transport.integrations.vllm.infos import torn_mark, update_key
-from transport.integrations.vllm.trainer import TransportTrainer, TransportTrainerInitInfo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,6 +52,10 @@ def _sent(client: Recorder, version: int) -> list[tuple[str, Any]]:
 
 @pytest.mark.parametrize("mark", ["torn", "open", "forged", "closed"])
 def test_a_trainer_closes_what_its_predecessor_left_and_names_a_torn_model(store, mark):
+    # imported here, not when each pytest worker collects this file: they import vLLM
+    from transport.integrations.vllm.infos import torn_mark, update_key
+    from transport.integrations.vllm.trainer import TransportTrainer, TransportTrainerInitInfo
+
     group = f"marks-{mark}"
     client = Recorder()
     with (
