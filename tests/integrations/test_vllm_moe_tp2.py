@@ -80,14 +80,15 @@ def test_each_tp_worker_receives_its_slice_of_every_expert(served: Served, store
             )
 
 
-def test_with_room_for_one_copy_each_worker_keeps_one_slot_and_outlives_a_trainer_gone(
+@pytest.mark.parametrize("served", ["qwen2-moe"], indirect=True)  # its server, still up
+def test_a_tied_model_with_room_for_one_copy_keeps_one_slot_and_outlives_a_trainer_gone(
     served: Served, store, reference
 ):
-    """With room for one copy of a worker's slice, each worker keeps one staging slot; three
-    updates, each worker's bytes counted and the tokens compared; then a trainer that dies
-    between vLLM's update and finish calls (helpers/tp2_updates.py, as the Llama's in
-    test_vllm_tp2.py). The Qwen2-MoE's embeddings are tied: one tensor, split over the
-    vocabulary, which the output layer reads too."""
+    """The Qwen2-MoE's embeddings are tied (one tensor, split over the vocabulary, which the
+    output layer reads too). With room for one copy of a worker's slice, each worker keeps one
+    staging slot; three updates, each worker's bytes counted and the tokens compared; then a
+    trainer that dies between vLLM's update and finish calls (helpers/tp2_updates.py, as the
+    Llama's in test_vllm_tp2.py)."""
     kind = served.kind
     run = Updates(kind, 1, staging_for(kind, 1), store.url, f"slot-{uuid.uuid4().hex[:6]}")
     run.served = served.version
