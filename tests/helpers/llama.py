@@ -8,9 +8,10 @@ grouped-query attention, tied embeddings, as Qwen2.5 0.5B-3B), and mixtures of e
 "qwen3-moe" (8 experts per layer, top 2, q/k norms, grouped-query attention, as Qwen3-30B-A3B),
 "qwen2-moe" (a shared expert with its gate beside 8 routed ones, q/k/v biases, the first layer
 dense through ``mlp_only_layers``, as Qwen1.5/Qwen2-MoE; its input and output embeddings one
-tensor), "qwen3-moe-padded" (experts of an intermediate size that vLLM's CPU kernel pads). transformers holds experts fused
-(``mlp.experts.gate_up_proj``); their saved checkpoints hold one tensor per expert matrix
-(:func:`checkpoint_tensors`). A version's values are defined on the names in memory."""
+tensor), "qwen3-moe-padded" (experts of an intermediate size that vLLM's CPU kernel pads).
+transformers holds experts fused (``mlp.experts.gate_up_proj``); their saved checkpoints hold one
+tensor per expert matrix (:func:`checkpoint_tensors`). A version's values are defined on the
+names in memory."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ NEW_TOKENS = 12
 
 KINDS = ("llama", "llama-tied", "qwen2-tied", "qwen3-moe", "qwen2-moe", "qwen3-moe-padded")
 MOE = ("qwen3-moe", "qwen2-moe")
+#: the kinds whose input and output embeddings are one tensor
+TIED = ("llama-tied", "qwen2-tied", "qwen2-moe")
 
 
 def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 256) -> object:
@@ -43,7 +46,7 @@ def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        tie_word_embeddings=kind.endswith("-tied") or kind == "qwen2-moe",
+        tie_word_embeddings=kind in TIED,
         dtype="float32",
     )
     if kind in (*MOE, "qwen3-moe-padded"):

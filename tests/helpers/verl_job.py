@@ -21,7 +21,7 @@ from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutCo
 
 from transport.integrations.verl.harness import Gate, StandInTrainer
 
-__all__ = ["BUCKET_MB", "Gate", "Job", "make_qwen3_moe"]
+__all__ = ["BUCKET_MB", "Job", "make_qwen3_moe"]
 
 #: the bucket of verl's update (update_weights_bucket_megabytes)
 BUCKET_MB = 1
@@ -52,6 +52,9 @@ def make_qwen3_moe(path: Path) -> Path:
 
 class Job:
     """The Ray job: two stand-in trainer ranks, four rollout workers (two TP=2 replicas)."""
+
+    #: the bytes of one bucket of verl's update
+    bucket_bytes = BUCKET_MB << 20
 
     def __init__(self, model: Path) -> None:
         self.cfg = CheckpointEngineConfig(
@@ -100,6 +103,10 @@ class Job:
         return rollout, self.actor.update_weights(global_steps=step) + rollout.update_weights(
             global_steps=step
         )
+
+    def gate(self):
+        """A new Gate (transport.integrations.verl.harness) to hold the trainer ranks at."""
+        return Gate.remote()
 
     def pid(self, worker) -> int:
         return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))

@@ -81,9 +81,7 @@ def test_a_tensor_of_another_shape_is_refused_with_its_name(job):
 
 def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
     w = job.rollout.workers
-    from helpers.verl_job import Gate
-
-    gate = Gate.remote()
+    gate = job.gate()
     job.actor.hold_at(30, gate)  # of 35 tensors: most buckets are out, not all
     victim = job.pid(w[3])
     rollout, refs = job.start_update(w, 11)
@@ -103,8 +101,6 @@ def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
 
 
 def test_outsiders_can_neither_write_nor_read_a_worker(job):
-    from helpers.verl_job import BUCKET_MB
-
     infos = ray.get(job.actor.execute_checkpoint_engine(["prepare"] * 2))
     worker = ray.get(job.rollout.workers[0].execute_checkpoint_engine.remote("prepare"))
     for secret in (None, "not-the-job-secret"):
@@ -112,7 +108,7 @@ def test_outsiders_can_neither_write_nor_read_a_worker(job):
             "mallory", store=infos[0].store, namespace="verl", secret=secret
         ) as t:
             with pytest.raises(SignatureError):
-                t.put(torch.ones(BUCKET_MB << 20, dtype=torch.uint8), worker.name, "verl.slots")
+                t.put(torch.ones(job.bucket_bytes, dtype=torch.uint8), worker.name, "verl.slots")
             with pytest.raises(SignatureError):
                 t.get(torch.zeros(16, dtype=torch.uint8), worker.name, "verl.slots")
     job.update(15)
@@ -120,9 +116,7 @@ def test_outsiders_can_neither_write_nor_read_a_worker(job):
 
 
 def test_a_trainer_rank_killed_mid_update_fails_it_on_every_worker_naming_the_rank(job):
-    from helpers.verl_job import Gate
-
-    gate = Gate.remote()
+    gate = job.gate()
     job.actor.hold_at(10, gate)
     victim = job.actor.pid()[1]
     rollout, refs = job.start_update(job.rollout.workers[:2], 17)

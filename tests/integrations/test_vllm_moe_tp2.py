@@ -90,8 +90,8 @@ def test_a_tied_model_with_room_for_one_copy_keeps_one_slot_and_outlives_a_train
     trainer that dies between vLLM's update and finish calls (helpers/tp2_updates.py, as the
     Llama's in test_vllm_tp2.py)."""
     kind = served.kind
-    run = Updates(kind, 1, staging_for(kind, 1), store.url, f"slot-{uuid.uuid4().hex[:6]}")
-    run.served = served.version
+    namespace = f"slot-{uuid.uuid4().hex[:6]}"
+    run = Updates(kind, 1, staging_for(kind, 1), store.url, namespace, served=served.version)
     served.version = run_updates(served.trainer, served.server, run, reference)
 
 

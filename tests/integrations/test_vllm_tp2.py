@@ -15,7 +15,7 @@ per update: it carries what the trainer wrote, once."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,19 +47,20 @@ class Place:
     address: str = "127.0.0.1"
     cluster: Cluster | None = None
 
-    def trainer_sent(self) -> int:
-        return self.cluster.traffic()["trainer"].sent if self.cluster is not None else 0
+    def link_sent(self) -> Callable[[], int] | None:
+        """What counts the bytes the trainer's link has sent (None: no cluster, no link)."""
+        cluster = self.cluster
+        if cluster is None:
+            return None
+        return lambda: cluster.traffic()["trainer"].sent
 
 
 @contextmanager
-def placed(across: bool, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Place]:
-    """On this host, or across three hosts of a cluster where namespaces can be made."""
+def placed(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Place]:
+    """Across three hosts of a cluster where namespaces can be made; else on this host."""
     try:
-        if across:
-            check_rights()
+        check_rights()
     except ClusterError:
-        across = False
-    if not across:
         yield Place(redis_url)
         return
     for k, v in NET.items():  # the children inherit it
@@ -85,11 +86,10 @@ def test_each_tp_worker_receives_only_its_slice(
 ):
     """The staging bound leaves room for two copies of a worker's slice: each worker keeps two
     slots. (A tied model with room for one: test_vllm_moe_tp2.py.)"""
-    run = Updates("llama", 2, staging_for("llama", 2), redis_url, f"tp2-{uuid.uuid4().hex[:8]}")
-    with placed(True, redis_url, monkeypatch) as at:
-        run.store = at.store
-        if at.cluster is not None:
-            run.link_sent = at.trainer_sent
+    with placed(redis_url, monkeypatch) as at:
+        namespace = f"tp2-{uuid.uuid4().hex[:8]}"
+        staging = staging_for("llama", 2)
+        run = Updates("llama", 2, staging, at.store, namespace, link_sent=at.link_sent())
         with inside(at.trainer):  # the trainer imports while the server starts
             trainer = HttpTrainer("trainer", env=NET if at.cluster else {}, wait=False)
         with trainer:
