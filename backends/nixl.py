@@ -24,6 +24,13 @@ How NIXL 1.5 is driven here, and why:
 * On a machine with the verbs library (libibverbs) but no RDMA device, UCX's ib
   module makes every process crash as it exits; there ``UCX_MODULES=^ib`` is
   set unless the user set it.
+* UCX patches the process's ``mmap``/``munmap`` functions when its first context starts, so
+  that its registration cache hears of memory going away. That patching costs about 0.4 s of
+  CPU in a process that has loaded torch (15 times the rest of an agent's start), and buys
+  nothing here: NIXL registers every region explicitly and keeps the registration until it
+  is deregistered, so the cache never serves a stale one. ``UCX_MEM_MMAP_HOOK_MODE=none`` is
+  set unless the user set it: UCX then runs without its registration cache (its supported
+  configuration for processes it cannot patch, such as sanitizer builds).
 * NIXL reports failures as many exception types and as status codes; all of
   them become errors of :mod:`transport.errors` in :func:`map_nixl_error`.
 """
@@ -110,6 +117,7 @@ def _load() -> tuple[ModuleType, ModuleType]:
             return _mods
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         os.environ.setdefault("UCX_LOG_LEVEL", "fatal")  # UCX errors surface as our exceptions
+        os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")  # see the module docstring
         if not _rdma_devices():
             # with the verbs library installed but no RDMA device, UCX's ib module crashes the
             # process as it exits (SIGSEGV after a clean run); without devices it has no use
