@@ -38,6 +38,7 @@ How NIXL 1.5 is driven here, and why:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -150,6 +151,18 @@ def _load() -> tuple[ModuleType, ModuleType]:
             "NIXL is not installed or failed to import (" + "; ".join(errors) + "); "
             "install it with: pip install nixl-cu13   (or nixl-cu12 on CUDA 12 machines)"
         )
+
+
+def installed() -> bool:
+    """Whether a NIXL module is there to import (found, not imported: that costs a second)."""
+    names = [os.environ.get("TRANSPORT_NIXL_MODULE") or "", "nixl", "nixl_cu13", "nixl_cu12"]
+    for name in filter(None, names):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def progress_mode(progress: str | None, ucx_tls: str | None = None) -> str:

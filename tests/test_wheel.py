@@ -74,6 +74,7 @@ INTEGRATIONS = (
     "transport.integrations.vllm",
     "transport.integrations.vllm.server",
     "transport.integrations.verl",
+    "transport.integrations.torch_api",
     "transport.cuda",
     "transport.cluster",
 )

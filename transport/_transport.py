@@ -37,6 +37,7 @@ from transport.handle import Handle
 from transport.housekeeping import Housekeeping
 from transport.memory.local import LocalMemory, default_budget
 from transport.memory.regions import Regions
+from transport.peers.conn import PeerConn
 from transport.peers.directory import Directory
 from transport.peers.liveness import suspicion
 from transport.peers.table import PeerInfo, PeerTable, PeerTraffic, peer_info
@@ -215,6 +216,8 @@ class Transport(Closing):
             poll_at_least=self._engine.poll_at_least,
             waiting=self._engine.waiting,
             stream_ops=self._transfers.stream_ops,
+            record=self._record,
+            admit=self._admit,
             signed=SignedStore(self.store, ep.keys, self.name, self.generation),
         )
         try:
@@ -453,6 +456,18 @@ class Transport(Closing):
         return self._transfers.control(
             src, peer, channel, payload, key=key, offset=offset, timeout=timeout
         )
+
+    def _record(self) -> bytes:
+        raw = self._ep.directory.written(self.name)
+        if raw is None:
+            raise ClosedError(f"{self.name!r} has no record: it is closed")
+        return raw
+
+    def _admit(self, record: bytes) -> PeerConn:
+        ep = self._ep
+        ep.check_open()
+        rec = ep.directory.admit(record)
+        return self._peers.connect(rec.name, refresh=True)
 
     def check(self) -> None:
         """Raise the oldest error of a stream-ordered transfer not raised yet (they surface at the

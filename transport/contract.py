@@ -30,8 +30,11 @@ ControlHandler = Callable[[str, bytes], None]
 
 
 class PeerView(Protocol):
-    """What a layer may read of a connection to a peer: the incarnation it reaches and the
-    regions its record lists."""
+    """What a layer may read of a connection to a peer: its name, the incarnation it reaches and
+    the regions its record lists."""
+
+    @property
+    def name(self) -> str: ...
 
     @property
     def generation(self) -> int: ...
@@ -67,6 +70,14 @@ class CoreLink:
       the engine polls quickly meanwhile.
     * ``stream_ops()``: the stream machinery of ``stream=`` calls (ClosedError when closed, a
       clear error without CUDA or CuPy).
+    * ``record()``: this Transport's peer record as it stores it (sealed with a secret), to hand
+      to a peer out of band (torch's transport API carries it in connection URLs and memory
+      descriptors).
+    * ``admit(record)``: connect to the peer whose record ``record`` is, received out of band:
+      checked as a stored record is (SignatureError when it is not sealed with this Transport's
+      secret; WireFormatError for another namespace, garbage, or a record of this very peer),
+      then stored for lookups unless a newer revision of that incarnation is held, and
+      connected afresh; returns what the connection shows.
     * ``signed``: the store values this Transport writes and reads signed (transport/security/signed.py):
       every value of a layer that decides where bytes land or who takes part goes through it,
       so that with a secret a store writer without it cannot forge one.
@@ -84,4 +95,6 @@ class CoreLink:
     poll_at_least: Callable[[float | None], None]
     waiting: Callable[[int], None]
     stream_ops: Callable[[], Any]
+    record: Callable[[], bytes]
+    admit: Callable[[bytes], PeerView]
     signed: SignedStore

@@ -56,16 +56,20 @@ WITHDRAW_BATCH_BYTES = 48 << 10
 class Withdraw:
     """A message of a withdrawal: ``kind`` "withdraw" (the owner's) or "dropped" (a writer's
     answer), the regions (as many as fit in one notification: a withdrawal of many regions
-    travels in several), and the owner's generation. On the wire: a msgpack map k/r/g."""
+    travels in several), the owner's generation and, in a "withdraw", the revision of the
+    owner's record without them (0: not said): a writer then takes no older record of that
+    incarnation, whoever hands it one. On the wire: a msgpack map k/r/g[/v]."""
 
     kind: str
     regions: tuple[str, ...]
     generation: int
+    revision: int = 0
 
     def encode(self) -> bytes:
-        out: bytes = msgpack.packb(
-            {"k": self.kind, "r": list(self.regions), "g": self.generation}, use_bin_type=True
-        )
+        body: dict[str, object] = {"k": self.kind, "r": list(self.regions), "g": self.generation}
+        if self.revision:
+            body["v"] = self.revision
+        out: bytes = msgpack.packb(body, use_bin_type=True)
         return out
 
     @classmethod
@@ -80,16 +84,20 @@ class Withdraw:
         )
         if (
             not isinstance(m, dict)
-            or set(m) != {"k", "r", "g"}
+            or not {"k", "r", "g"} <= set(m) <= {"k", "r", "g", "v"}
             or m["k"] not in ("withdraw", "dropped")
             or not isinstance(m["r"], list)
             or not m["r"]
             or not all(isinstance(r, str) and 0 < len(r) <= MAX_REGION_NAME for r in m["r"])
-            or not isinstance(m["g"], int)
-            or isinstance(m["g"], bool)
+            or not _count(m["g"])
+            or not _count(m.get("v", 0))
         ):
             raise WireFormatError(f"malformed withdraw message {str(m)[:80]}")
-        return cls(m["k"], tuple(m["r"]), m["g"])
+        return cls(m["k"], tuple(m["r"]), m["g"], m.get("v", 0))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def batches(names: list[str], limit: int = WITHDRAW_BATCH_BYTES) -> list[tuple[str, ...]]:
@@ -143,6 +151,7 @@ class _Pending:
     regions: tuple[str, ...]
     generation: int
     deadline: float
+    revision: int = 0  # the owner's record without them (Withdraw.revision)
 
 
 class Regions:
@@ -311,7 +320,10 @@ class Regions:
                     self._withdrawals[name] = call
             self.publish()  # new readers of the record no longer see them
         asked = []
-        messages = [Withdraw("withdraw", b, ep.generation).encode() for b in batches(names)]
+        revision = self.record.revision if self.record else 0
+        messages = [
+            Withdraw("withdraw", b, ep.generation, revision).encode() for b in batches(names)
+        ]
         for peer in [n for n in ep.directory.names() if n != ep.name]:
             if self._left(peer):
                 continue
@@ -392,7 +404,7 @@ class Regions:
             return
         deadline = time.monotonic() + self._ep.settings.timeout
         with self._cond:
-            self._pending.append(_Pending(peer, m.regions, m.generation, deadline))
+            self._pending.append(_Pending(peer, m.regions, m.generation, deadline, m.revision))
         self._ep.wake.set()
 
     def run(self) -> None:
@@ -426,7 +438,7 @@ class Regions:
         conn = self._peers.get(job.owner)
         if conn is None or conn.generation != job.generation:
             return True  # never wrote to that incarnation
-        return self._plans.stop_regions(conn, job.regions)
+        return self._plans.stop_regions(conn, job.regions, job.revision)
 
     def close(self) -> None:
         self._stop_listening()

@@ -60,6 +60,8 @@ class PeerConn:
         self.alive = True
         self.suspect = False
         self.plans: set[Prepared] = set()
+        #: records of this incarnation older than this revision list regions it withdrew since
+        self.stale_below = 0
 
     def seal(self, frame: bytes) -> bytes:
         """``frame`` as it goes to this peer: with its sequence number and MAC under a secret."""

@@ -74,6 +74,7 @@ class Directory:
         self._decoded: OrderedDict[str, tuple[bytes, PeerRecord, int]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._checks: dict[str, int] = {}  # restore() calls per record name
+        self._admit_lock = threading.Lock()
         self.keys: Keys | None = keys_for(secret, namespace) if secret else None
 
     def key(self, *parts: str) -> str:
@@ -133,16 +134,56 @@ class Directory:
     def join(self, name: str) -> int:
         """Take the next generation of ``name`` and make sure the name is in the membership index."""
         gen = self.generation_counter(name).add(1)
+        self._enlist(name)
+        return gen
+
+    def _enlist(self, name: str) -> None:
+        """Put ``name`` in the membership index, once."""
         if self.store.try_get(self.key("members", "by-name", name)) is None:
             idx = self.members_counter().add(1)
             self.store.set(self.key("members", str(idx)), name.encode())
             self.store.set(self.key("members", "by-name", name), str(idx).encode())
-        return gen
 
     def publish(self, record: PeerRecord) -> None:
         raw = encode_peer_record(record, self.secret)
         self.store.set(self.key("peers", record.name), raw)
         self._written[record.name] = raw
+
+    def written(self, name: str) -> bytes | None:
+        """The bytes of our record ``name`` as we last stored them (sealed with a secret)."""
+        return self._written.get(name)
+
+    def admit(self, raw: bytes) -> PeerRecord:
+        """A peer's record received out of band (in a connection URL or a memory descriptor of
+        torch's transport API), checked as a stored one is (its seal with a secret, the
+        namespace), and stored under its name so that lookups find it, unless the store holds
+        that incarnation at the same or a newer revision (an older copy never rolls a record
+        back) or it is one of our own records. The name joins the membership index, so that our
+        withdrawals reach that peer too. Returns the record now stored."""
+        if not isinstance(raw, bytes):
+            raise TypeError(f"a peer record is bytes, not {type(raw).__name__}")
+        rec = decode_peer_record(raw, self.secret, self.namespace)
+        if rec.name in self._written:
+            raise WireFormatError(
+                f"a record of {rec.name!r}, this very peer, came from outside; a peer is "
+                "connected to others, not to itself"
+            )
+        with self._admit_lock:
+            key = self.key("peers", rec.name)
+            held = self.store.try_get(key)
+            if held is not None and held != raw:
+                try:
+                    current: PeerRecord | None = self._decode(rec.name, held)
+                except WireFormatError:
+                    current = None  # garbage in the store: the checked record replaces it
+                if current is not None and (current.generation, current.revision) >= (
+                    rec.generation,
+                    rec.revision,
+                ):
+                    return current
+            self.store.set(key, raw)
+            self._enlist(rec.name)
+        return rec
 
     def _decode(self, name: str, raw: bytes) -> PeerRecord:
         """``raw`` (the stored record of ``name``) decoded, from the cache when it is the same

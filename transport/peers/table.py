@@ -160,6 +160,16 @@ class PeerTable:
                     conn.record.revision,
                 )
                 return conn
+            if rec.revision < conn.stale_below:
+                # handed to us after the peer withdrew regions it lists (an old descriptor)
+                log.info(
+                    "ignoring record revision %d of %s#%d: it withdrew regions at revision %d",
+                    rec.revision,
+                    peer,
+                    rec.generation,
+                    conn.stale_below,
+                )
+                return conn
             if rec != conn.record:
                 ep.backend.add_peer(rec.metadata)  # same agent, more registered memory
                 conn.record, conn.regions = rec, rec.region_map()

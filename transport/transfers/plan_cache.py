@@ -160,12 +160,14 @@ class PlanCache:
             for k in [k for k, p in self._plans.items() if id(p.conn) in gone]:
                 del self._plans[k]
 
-    def stop_regions(self, conn: PeerConn, regions: tuple[str, ...]) -> bool:
-        """Its owner withdraws ``regions``: no plan on any of them is used again (new transfers
-        re-plan and fail with RegionError); the idle ones are released now. True once none is in
-        flight."""
+    def stop_regions(self, conn: PeerConn, regions: tuple[str, ...], revision: int = 0) -> bool:
+        """Its owner withdraws ``regions`` (its record without them is ``revision``, 0: not
+        said): no plan on any of them is used again (new transfers re-plan and fail with
+        RegionError), no older record of the peer is taken again, and the idle plans are
+        released now. True once none is in flight."""
         gone = set(regions)
         with conn.lock:
+            conn.stale_below = max(conn.stale_below, revision)
             for region in regions:
                 conn.regions.pop(region, None)
             for plan in conn.plans:
