@@ -52,11 +52,16 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.
     install --no-deps "${TORCH[@]}"
 fi
 install "${DEPS[@]}"
+# torch's own NIXL backend imports `nixl`: the package of that name loads nixl-cu13's build (its
+# other dependency, the CUDA 12 build, is left out)
+install --no-deps "nixl==1.5.1"
 install --no-deps -e .
 "$VENV/bin/python" -c "
 import torch, torch.distributed._transport as api, transport.backends.nixl as n
 n._load()
-assert 'transport' in api.available_transports(), api.available_transports()
+assert {'transport', 'nixl'} <= set(api.available_transports()), api.available_transports()
+from torch.distributed._transport.nixl import NIXLTransport
+assert NIXLTransport.supported()
 " || {
     echo "examples/setup_torch215.sh: $VENV did not install cleanly (see above)" >&2
     exit 2

@@ -3,6 +3,8 @@
 #   - a virtualenv in .venv with the CPU build of torch and this package with its dev extras
 #   - vLLM's CPU build for the integration tests (examples/setup_vllm.sh), verl and Ray for the
 #     verl engine's (examples/setup_verl.sh)
+#   - a second virtualenv, .venv-torch215, with torch 2.15 (its transport API) and this package
+#     (examples/setup_torch215.sh); TRANSPORT_TEST_TORCH215=0 leaves it out
 #   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
 #   - as root: Debian's iproute2 and nftables (installed when missing) for tests/hosts
@@ -27,6 +29,10 @@ bash examples/setup_vllm.sh
 export TRANSPORT_TEST_VLLM=1  # the vLLM tests fail, not skip, without it
 bash examples/setup_verl.sh
 export TRANSPORT_TEST_VERL=1  # the verl tests fail, not skip, without it
+SECOND=${TRANSPORT_TEST_TORCH215:-1}
+if [ "$SECOND" != "0" ]; then
+    bash examples/setup_torch215.sh
+fi
 
 # The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
 # kernel lacks tc's netem, drop packets with nftables: install iproute2 and nftables when missing.
@@ -82,7 +88,23 @@ export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 # TRANSPORT_TEST_WORKERS=0 runs everything in this one process.
 WORKERS=${TRANSPORT_TEST_WORKERS:-3}
 if [ "$WORKERS" = "0" ]; then
-    .venv/bin/python -m pytest --durations=25 "$@"
-    exit 0
+    PARALLEL=()
+else
+    PARALLEL=(-n "$WORKERS" --dist loadfile)
 fi
-.venv/bin/python -m pytest -n "$WORKERS" --dist loadfile --durations=25 "$@"
+status=0
+.venv/bin/python -m pytest "${PARALLEL[@]}" --durations=25 --ignore=tests/torch_api "$@" || status=$?
+
+# The second environment, torch 2.15 (vLLM's CPU build pins 2.13 in the first): torch's transport
+# API on this library (tests/torch_api), the stores (the TCPStore is torch's) and the unit tests of
+# the core and the weight-sync layer. Not run twice: the decoders' fuzzing (no torch in them) and
+# the tests of vLLM and verl, which are not in this environment. Arguments go to both runs.
+if [ "$SECOND" != "0" ]; then
+    echo "tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
+    TRANSPORT_TEST_TORCH_API=1 .venv-torch215/bin/python -m pytest "${PARALLEL[@]}" \
+        -m "not vllm and not verl" tests/torch_api tests/store tests/unit \
+        --ignore=tests/unit/test_fuzz_minute.py --ignore=tests/unit/test_ws_protocol.py \
+        --ignore=tests/unit/test_weights_bad_layouts.py --ignore=tests/unit/test_wire.py \
+        --ignore=tests/unit/test_region_table_bounds.py "$@" || status=$?
+fi
+exit $status

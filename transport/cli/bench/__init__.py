@@ -13,7 +13,7 @@ from typing import Any
 
 from transport.cli import CliError
 
-BASELINES = ("raw", "gloo", "memcpy", "nccl", "mooncake")
+BASELINES = ("raw", "gloo", "memcpy", "nccl", "mooncake", "torch")
 PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"  # put.SIZES, without importing torch for --help
 PUT_SIZES_QUICK = "4K,1M,64M"
 ON_OFF = argparse.BooleanOptionalAction

@@ -49,6 +49,7 @@ class Reader:
     group: Group | None = None
     store_url: str = ""
     mooncake: Any = None
+    torch_api: Any = None
 
     def serve(self, wait_s: float) -> tuple[str, bool]:
         """Run the writer's commands until "done"; the writer's name and whether it failed.
@@ -122,6 +123,23 @@ class Reader:
             "buf": self.mine[0].data_ptr(),
         }
 
+    def on_torch_api(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Endpoints of torch's transport API over ``buf``: their URLs and descriptors go to the
+        store (the writer's blob ``torch-api``, once published, connects them back)."""
+        from transport.cli.bench._torch_api import Endpoints
+
+        self.torch_api = Endpoints(self.mine[0])
+        put_blob(
+            self.t,
+            "torch-api",
+            {"urls": self.torch_api.urls(), "remote": self.torch_api.descriptors()},
+        )
+        return {}
+
+    def on_torch_api_connect(self, m: dict[str, Any]) -> dict[str, Any]:
+        self.torch_api.connect(get_blob(self.t, m["writer"], "torch-api")["urls"])
+        return {}
+
     def on_raw_md(self, m: dict[str, Any]) -> dict[str, Any]:
         self.agent.add_remote_agent(get_blob(self.t, m["writer"], "raw")["md"])
         return {}
@@ -183,6 +201,8 @@ def run_reader(args: argparse.Namespace, w: Workload) -> int:
             writer, failed = reader.serve(args.wait)
         finally:
             reader.on_dist_end({})
+            if reader.torch_api is not None:
+                reader.torch_api.close()
             w.close()
         end = time.monotonic() + 10.0
         with contextlib.suppress(StoreError):

@@ -22,7 +22,7 @@ import transport
 from transport.cli import CliError
 from transport.cli.bench import _report
 from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
-from transport.cli.bench._session import NOTE, Session
+from transport.cli.bench._session import NOTE, Session, get_blob, put_blob
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import KiB, MiB, parse_batch, parse_size, parse_sizes
 from transport.cli.bench._util import size_label as label_of
@@ -181,6 +181,9 @@ class PutWorkload(Workload):
                 res.notes.append(f"raw NIXL: first transfer to {r} (connect) {1e3 * dt:.1f} ms")
         if "mooncake" in self.baselines:
             self._start_mooncake(s, res)
+        self.torch_api: tuple[Any, dict[str, bytes]] | None = None  # (ours, the reader's)
+        if "torch" in self.baselines:
+            self._start_torch_api(s, res)
         for r in s.readers:
             t0 = time.perf_counter()
             s.t.put(self.lbuf[0][:64], r, "buf").wait(timeout=self.timeout)
@@ -199,9 +202,28 @@ class PutWorkload(Workload):
         here = _mooncake.address_toward(m["address"])
         self.mooncake = (_mooncake.Engine(here, self.lbuf), m)
 
+    def _start_torch_api(self, s: Session, res: Results) -> None:
+        """torch's transport API in the writer and the first reader: torch's NIXL backend and
+        ours through it (skipped, with why, where this torch has no such API)."""
+        from transport.cli.bench import _torch_api
+
+        if (why := _torch_api.unavailable()) is not None:
+            res.skipped["torch"] = why
+            return
+        reader = s.readers[0]
+        s.ask([reader], "torch-api")
+        theirs = get_blob(s.t, reader, "torch-api")
+        mine = _torch_api.Endpoints(self.lbuf[0])
+        self.torch_api = (mine, theirs["remote"])
+        mine.connect(theirs["urls"])
+        put_blob(s.t, "torch-api", {"urls": mine.urls()})
+        s.ask([reader], "torch-api-connect", writer=s.t.name)
+
     def close(self) -> None:
         if (raw := getattr(self, "raw", None)) is not None:  # as far as setup got
             raw.close()
+        if (api := getattr(self, "torch_api", None)) is not None:
+            api[0].close()
 
     def _local(self, i: int, op: str, kind: str, n: int) -> list[torch.Tensor]:
         idx = 0 if op == "write" else i
@@ -279,6 +301,12 @@ class PutWorkload(Workload):
                     engine, peer["session"], op, self._local(0, op, kind, n), [peer["buf"]], route
                 )
             )
+        if self.torch_api is not None and k == 1 and kind == "single":
+            from transport.cli.bench._torch_api import BACKENDS
+
+            endpoints, remote = self.torch_api
+            for name in BACKENDS:
+                systems.append(endpoints.system(name, op, n, remote[name], route))
         sched = [RAW, OURS, REPOST, OURS] if self.raw is not None else [OURS]
         sched += [x.name for x in systems if x.name not in sched]
         timing = Timing(

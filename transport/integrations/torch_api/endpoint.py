@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.distributed._transport import Transport as TorchApi
 
+from transport.errors import PeerNotFoundError, RegionError
 from transport.handle import Handle
 from transport.integrations.torch_api import engines
 from transport.integrations.torch_api.descriptors import EndpointUrl, RemoteRegion
@@ -84,6 +85,7 @@ class TorchTransport(TorchApi):
         self._peer: str | None = None
         self._local_peer = False  # the peer is an endpoint of our own engine
         self._registrations: dict[tuple[int, int, str], Registration] = {}
+        self._mine: set[int] = set()  # id() of each registration above
         self._in_flight: dict[int, tuple[Handle, Registration]] = {}
 
     # -- the endpoint --------------------------------------------------------------------------
@@ -168,6 +170,7 @@ class TorchTransport(TorchApi):
                 return TransportMemory(self, held, reused=True)
             registration = Registration(tensor, data, self._engine.expose(data))
             self._registrations[key] = registration
+            self._mine.add(id(registration))
         return TransportMemory(self, registration, reused=False)
 
     def unregister_memory(self, memory: Any, *, timeout: float | None = None) -> None:
@@ -187,6 +190,7 @@ class TorchTransport(TorchApi):
             self._registrations = {
                 k: r for k, r in self._registrations.items() if r is not registration
             }
+            self._mine.discard(id(registration))
         self._engine.withdraw([registration.region], deadline)
 
     def describe(self, registration: Registration, *, timeout: float | None) -> RemoteRegion:
@@ -214,7 +218,7 @@ class TorchTransport(TorchApi):
                 f"{type(local_buffer).__name__}"
             )
         registration = local_buffer.registration
-        if not any(r is registration for r in self._registrations.values()):
+        if id(registration) not in self._mine:
             raise TypeError("the local buffer is a view of memory this endpoint did not register")
         registration.check()
         if not isinstance(remote_buffer, RemoteRegion):
@@ -222,56 +226,68 @@ class TorchTransport(TorchApi):
                 "the remote buffer must be a RemoteRegion of the transport backend "
                 f"(RemoteRegion.deserialize(bytes)), not {type(remote_buffer).__name__}"
             )
-        if self._peer is None:
-            raise RuntimeError("this endpoint is not connected: connect() to the peer first")
         if remote_buffer.owner != self._peer:
+            if self._peer is None:
+                raise RuntimeError("this endpoint is not connected: connect() to the peer first")
             raise ValueError(
                 f"the remote buffer belongs to {remote_buffer.owner}, not to this endpoint's "
                 f"peer {self._peer}"
             )
-        if local_buffer.size() > remote_buffer.length:
+        if local_buffer.length > remote_buffer.length:
             raise ValueError(
-                f"the local view ({local_buffer.size()} bytes) does not fit in the remote "
+                f"the local view ({local_buffer.length} bytes) does not fit in the remote "
                 f"buffer ({remote_buffer.length} bytes)"
             )
 
-    def _submit(
-        self, op: str, local_buffer: Any, remote_buffer: Any, deadline: float, stream: Any = None
-    ) -> TransferWork:
+    def _post(
+        self,
+        op: str,
+        local_buffer: Any,
+        remote_buffer: Any,
+        deadline: float,
+        stream: Any = None,
+        track: bool = False,
+    ) -> Handle | None:
+        """Check and post one transfer; its handle (None: done already, or ordered on
+        ``stream``). ``track``: a close waits for it."""
         with self._lock:  # a close waits for what was posted before it, and refuses the rest
-            self._check_open()
+            if self._state != _OPEN:
+                raise RuntimeError("this transport endpoint is closed")
             self._check_transfer(local_buffer, remote_buffer, mutable=op == "read")
             view: MemoryView = local_buffer
             remote: RemoteRegion = remote_buffer
-            if view.size() == 0:
-                return TransferWork(None)
+            if view.length == 0:
+                return None
             if self._local_peer:
                 self._copy_locally(op, view, remote, stream)
-                return TransferWork(None)
+                return None
             engine = self._engine.transport
-            core = engine.core
-            peer = core.peer(remote.owner)
-            if peer.generation != remote.generation or remote.region not in peer.regions:
-                peer = core.admit(remote.record)  # registered after connect: its record says so
+            call = engine.put if op == "write" else engine.get
+            data = view.bytes()
+            try:
+                handle = call(data, remote.owner, remote.region, timeout=deadline, stream=stream)
+            except (RegionError, PeerNotFoundError):
+                # registered after we connected: the descriptor's record lists it (and an older
+                # record than the peer's last withdrawal is not taken: see peers/table.py)
+                peer = engine.core.admit(remote.record)
                 if peer.generation != remote.generation or remote.region not in peer.regions:
                     raise ValueError(
                         f"the remote buffer names {remote.region!r} of {remote.owner}#"
                         f"{remote.generation}, which that peer no longer exposes (unregistered, "
-                        "or the peer restarted): ask it for a fresh descriptor"
-                    )
-            data = view.bytes()
-            if op == "write":
-                handle = engine.put(
-                    data, remote.owner, remote.region, timeout=deadline, stream=stream
-                )
-            else:
-                handle = engine.get(
-                    data, remote.owner, remote.region, timeout=deadline, stream=stream
-                )
+                        "or its endpoint closed): ask it for a fresh descriptor"
+                    ) from None
+                handle = call(data, remote.owner, remote.region, timeout=deadline, stream=stream)
             if stream is not None:
-                return TransferWork(None)  # its failure surfaces at the next call (check())
-            self._in_flight[handle.id] = (handle, view.registration)
-        return TransferWork(handle, self._done)
+                return None  # its failure surfaces at the next call of the engine (check())
+            if track:
+                self._in_flight[handle.id] = (handle, view.registration)
+            return handle
+
+    def _submit(
+        self, op: str, local_buffer: Any, remote_buffer: Any, deadline: float
+    ) -> TransferWork:
+        handle = self._post(op, local_buffer, remote_buffer, deadline, track=True)
+        return TransferWork(handle, self._done if handle is not None else None)
 
     def _done(self, handle: Handle) -> None:
         with self._lock:
@@ -298,15 +314,18 @@ class TorchTransport(TorchApi):
     def _start(
         self, op: str, local_buffer: Any, remote_buffer: Any, async_op: bool, timeout: float | None
     ) -> int | TransferWork:
-        work = self._submit(op, local_buffer, remote_buffer, self._deadline(timeout))
+        deadline = self._deadline(timeout)
         if async_op:
-            return work
-        if timeout == 0 and not work.is_completed():
+            return self._submit(op, local_buffer, remote_buffer, deadline)
+        handle = self._post(op, local_buffer, remote_buffer, deadline)
+        if handle is None:
+            return 0
+        if timeout == 0 and not handle.done():
             raise TimeoutError(
                 "the transfer did not complete at once (timeout=0); it goes on until its "
                 "deadline: wait for it with async_op=True"
             )
-        work.wait()
+        handle.wait()  # its deadline ends it: done, failed, or withdrawn with TransferTimeout
         return 0
 
     def write(
@@ -332,9 +351,9 @@ class TorchTransport(TorchApi):
     async def _transfer_async(
         self, op: str, local_buffer: Any, remote_buffer: Any, timeout: float | None
     ) -> None:
-        work = self._submit(op, local_buffer, remote_buffer, self._deadline(timeout))
-        if work.handle is not None:
-            await work.handle  # ends by the transfer's deadline; a cancelled wait cancels nothing
+        handle = self._post(op, local_buffer, remote_buffer, self._deadline(timeout), track=True)
+        if handle is not None:
+            await handle  # ends by the transfer's deadline; a cancelled wait cancels nothing
 
     async def write_async(
         self, local_buffer: Any, remote_buffer: Any, *, timeout: float | None = None
@@ -373,7 +392,7 @@ class TorchTransport(TorchApi):
         if timeout == 0:
             raise ValueError("stream transfers need a positive timeout (their deadline)")
         stream = stream if stream is not None else torch.cuda.current_stream()
-        self._submit(op, local_buffer, remote_buffer, self._deadline(timeout), stream=stream)
+        self._post(op, local_buffer, remote_buffer, self._deadline(timeout), stream=stream)
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -423,6 +442,7 @@ class TorchTransport(TorchApi):
             for registration in self._registrations.values():
                 registration.active = False
             self._registrations.clear()
+            self._mine.clear()
             self._state = _CLOSED
             self._peer = None
         try:

@@ -42,10 +42,7 @@ class Registration:
                 "this memory was unregistered (or its endpoint closed): register the tensor "
                 "again and hand the peer a fresh descriptor"
             )
-        if (
-            self.tensor.data_ptr() != self.address
-            or self.tensor.numel() * self.tensor.element_size() != self.length
-        ):
+        if self.tensor.data_ptr() != self.address or self.tensor.nbytes != self.length:
             raise RuntimeError(
                 "the registered tensor was resized or its storage replaced; registered memory "
                 "must keep its storage: unregister it and register the new one"
@@ -55,19 +52,22 @@ class Registration:
 class MemoryView:
     """``length`` bytes at ``offset`` of a registration: what a write sends."""
 
-    __slots__ = ("length", "offset", "registration")
+    __slots__ = ("_data", "length", "offset", "registration")
 
     def __init__(self, registration: Registration, offset: int, length: int) -> None:
         self.registration = registration
         self.offset = offset
         self.length = length
+        self._data: torch.Tensor | None = None
 
     def size(self) -> int:
         return self.length
 
     def bytes(self) -> torch.Tensor:
-        """The bytes this view covers (a view of the registered tensor)."""
-        return self.registration.data[self.offset : self.offset + self.length]
+        """The bytes this view covers (a view of the registered tensor, made once)."""
+        if self._data is None:
+            self._data = self.registration.data[self.offset : self.offset + self.length]
+        return self._data
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.registration.region}, {self.offset}+{self.length})"
