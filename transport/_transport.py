@@ -4,6 +4,7 @@ Each job lives in a part of its own, wired here and sharing one :class:`Endpoint
 
 * ``memory/regions.py``: the memory we expose and register, our peer record, withdrawal;
 * ``peers/table.py``: connections to peers (connect, refresh, drop, restarts);
+* ``peers/admission.py``: peers met out of band (records handed over by a layer, leaves said);
 * ``transfers/plan_cache.py``: prepared transfers, cached;
 * ``transfers/paths.py``: the transfer paths (fast path, fan-out, general path, lanes, streams,
   retries);
@@ -37,7 +38,7 @@ from transport.handle import Handle
 from transport.housekeeping import Housekeeping
 from transport.memory.local import LocalMemory, default_budget
 from transport.memory.regions import Regions
-from transport.peers.conn import PeerConn
+from transport.peers.admission import Admission
 from transport.peers.directory import Directory
 from transport.peers.liveness import suspicion
 from transport.peers.table import PeerInfo, PeerTable, PeerTraffic, peer_info
@@ -205,6 +206,7 @@ class Transport(Closing):
         self._engine.pending = lambda: self._control.releasable
         self._engine.start()
         #: the internal contract of the library's own layers (weights/, cuda/): see contract.py
+        admission = Admission(ep, self._peers)
         self.core = CoreLink(
             check_open=ep.check_open,
             peer=self._peers.connect,
@@ -216,8 +218,9 @@ class Transport(Closing):
             poll_at_least=self._engine.poll_at_least,
             waiting=self._engine.waiting,
             stream_ops=self._transfers.stream_ops,
-            record=self._record,
-            admit=self._admit,
+            record=admission.record,
+            admit=admission.admit,
+            forget=admission.forget,
             signed=SignedStore(self.store, ep.keys, self.name, self.generation),
         )
         try:
@@ -456,18 +459,6 @@ class Transport(Closing):
         return self._transfers.control(
             src, peer, channel, payload, key=key, offset=offset, timeout=timeout
         )
-
-    def _record(self) -> bytes:
-        raw = self._ep.directory.written(self.name)
-        if raw is None:
-            raise ClosedError(f"{self.name!r} has no record: it is closed")
-        return raw
-
-    def _admit(self, record: bytes) -> PeerConn:
-        ep = self._ep
-        ep.check_open()
-        rec = ep.directory.admit(record)
-        return self._peers.connect(rec.name, refresh=True)
 
     def check(self) -> None:
         """Raise the oldest error of a stream-ordered transfer not raised yet (they surface at the

@@ -78,6 +78,10 @@ class CoreLink:
       secret; WireFormatError for another namespace, garbage, or a record of this very peer),
       then stored for lookups unless a newer revision of that incarnation is held, and
       connected afresh; returns what the connection shows.
+    * ``forget(name, generation)``: that incarnation of peer ``name`` told us out of band (a
+      control message of a layer, authenticated with a secret) that it is leaving: it is marked
+      left in our store, as its own close marks it in a shared one, and its connection dropped;
+      withdrawals stop waiting for it.
     * ``signed``: the store values this Transport writes and reads signed (transport/security/signed.py):
       every value of a layer that decides where bytes land or who takes part goes through it,
       so that with a secret a store writer without it cannot forge one.
@@ -97,4 +101,5 @@ class CoreLink:
     stream_ops: Callable[[], Any]
     record: Callable[[], bytes]
     admit: Callable[[bytes], PeerView]
+    forget: Callable[[str, int], None]
     signed: SignedStore

@@ -86,3 +86,25 @@ def test_unexpose_bad_input(tcp_store):
         assert owner.unexpose("x", timeout=5) == []  # nobody else in the namespace
         owner.expose("x", torch.ones(16))  # the name is free again
         assert "x" in owner.regions()
+
+
+def test_a_writer_that_leaves_without_answering_is_not_waited_for(tcp_store):
+    """A writer asked to stop that closes instead of answering leaves its mark in the store; the
+    withdrawal stops waiting for it there, and does not name it as one that may still write."""
+    import threading
+
+    from helpers import internals
+
+    with transport.Transport("owner", store=tcp_store, timeout=30) as owner:
+        owner.expose("buf", torch.zeros(4096, dtype=torch.uint8), access="w")
+        writer = transport.Transport("quiet-writer", store=tcp_store, timeout=30)
+        writer.put(torch.ones(4096, dtype=torch.uint8), "owner", "buf").wait(30)
+        asked = internals.mute_withdrawals(writer)
+        silent: list[list[str]] = []
+        withdrawal = threading.Thread(target=lambda: silent.append(owner.unexpose("buf", 120)))
+        withdrawal.start()
+        assert asked.wait(30), "the writer was not asked"
+        writer.close()
+        withdrawal.join(60)
+        assert not withdrawal.is_alive(), "the withdrawal still waits for a writer that left"
+        assert silent == [[]]

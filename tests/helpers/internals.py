@@ -349,3 +349,13 @@ def upstream_reads(sub: transport.WeightSubscriber) -> float:
     """When the subscriber's next read of its group's leases is due: it changes as each read
     starts, and the reads run one after the other on the subscriber's worker."""
     return sub._upstream._next_refresh
+
+
+def mute_withdrawals(t: transport.Transport) -> threading.Event:
+    """``t`` takes its peers' withdraw messages and never answers them (as a peer that is asked
+    and then goes); the returned event is set when the first arrives."""
+    arrived = threading.Event()
+    regions = t._regions
+    regions._stop_listening()
+    t.core.on_control("tx/withdraw", lambda peer, payload: arrived.set())
+    return arrived

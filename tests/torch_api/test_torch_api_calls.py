@@ -294,3 +294,18 @@ def test_an_outsider_can_neither_connect_nor_write_nor_forge() -> None:
     finally:
         for e in (a, b, *outsiders):
             e.close()
+
+
+def test_an_engine_that_closes_tells_its_peers_it_left() -> None:
+    """The last endpoint of an engine says so to every peer the engine connected to: they mark
+    it left (as a shared store would show it), so none waits for it to answer a withdrawal."""
+    from helpers.polling import wait_until
+
+    first, second = _pair(shared=False)
+    name = second.engine_name
+    assert name in {p.name for p in first.engine.peers()}
+    second.close()
+    wait_until(
+        lambda: name not in {p.name for p in first.engine.peers()}, 30, "the closed engine's leave"
+    )
+    first.close()

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("transport")
 
 CHANNEL = "tx/withdraw"
+#: how often a withdrawal that waits for silent peers looks whether they left
+LEFT_LOOK_S = 0.25
 #: the most bytes of region names in one withdraw message (a notification holds 64 KiB)
 WITHDRAW_BATCH_BYTES = 48 << 10
 
@@ -141,6 +143,11 @@ class _Withdrawal:
 
     def silent(self) -> list[str]:
         return sorted(set().union(*self.waiting.values())) if self.waiting else []
+
+    def gone(self, peer: str) -> None:
+        """``peer`` left while we waited: nothing of it can write there any more."""
+        for region in list(self.waiting or ()):
+            self.ack(region, peer)
 
 
 @dataclass(frozen=True)
@@ -340,13 +347,25 @@ class Regions:
             keys=names[0] if len(names) == 1 else f"{len(names)} regions",
         )
         deadline = time.monotonic() + timeout
+        look = time.monotonic() + LEFT_LOOK_S
         with self._cond:
             call.asked(asked)
-            while call.waiting:
+        while True:
+            with self._cond:
                 left = deadline - time.monotonic()
-                if left <= 0 or not ep.open:
+                if not call.waiting or left <= 0 or not ep.open:
                     break
                 self._cond.wait(min(left, 0.05))
+                silent = call.silent()
+            if silent and time.monotonic() >= look:
+                # a peer that left meanwhile (closed, and said so) will not answer: stop waiting
+                # for it (a look at the store each LEFT_LOOK_S, only while someone is silent)
+                look = time.monotonic() + LEFT_LOOK_S
+                gone = [peer for peer in silent if self._left(peer)]
+                with self._cond:
+                    for peer in gone:
+                        call.gone(peer)
+        with self._cond:
             silent = call.silent()
             for name in names:
                 self._withdrawals.pop(name, None)

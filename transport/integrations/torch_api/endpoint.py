@@ -139,7 +139,7 @@ class TorchTransport(TorchApi):
             if url.owner == engine.name:
                 self._local_peer = True
             else:
-                engine.transport.core.admit(url.record)
+                engine.admit(url.record)
             self._peer = url.owner
         return 0
 
@@ -269,7 +269,7 @@ class TorchTransport(TorchApi):
             except (RegionError, PeerNotFoundError):
                 # registered after we connected: the descriptor's record lists it (and an older
                 # record than the peer's last withdrawal is not taken: see peers/table.py)
-                peer = engine.core.admit(remote.record)
+                peer = self._engine.admit(remote.record)
                 if peer.generation != remote.generation or remote.region not in peer.regions:
                     raise ValueError(
                         f"the remote buffer names {remote.region!r} of {remote.owner}#"

@@ -19,9 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from transport import Transport
+from transport.contract import PeerView
+from transport.errors import TransportError
 from transport.store import MemoryStore
 
 log = logging.getLogger("transport.torch_api")
+
+#: the control channel between engines (transport/contract.py): "bye GENERATION" at close
+CHANNEL = "torch-api"
+#: how long a closing engine waits for its peers to confirm that they heard it leave
+BYE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,47 @@ class SharedEngine:
         self._regions: dict[str, torch.Tensor] = {}
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()
+        self._peers: set[str] = set()  # every peer admitted: told when this engine closes
+        self._unheard: set[str] = set()  # told, and not confirmed yet
+        self._all_heard = threading.Event()
+        self.transport.core.on_control(CHANNEL, self._on_control)
+
+    def admit(self, record: bytes) -> PeerView:
+        """Connect to the peer whose (sealed) record ``record`` is; what the connection shows."""
+        view = self.transport.core.admit(record)
+        with self._lock:
+            self._peers.add(view.name)
+        return view
+
+    def _on_control(self, peer: str, payload: bytes) -> None:
+        """Engine thread: a peer engine closes ("bye GENERATION": answered, then that peer is
+        forgotten, on a thread of its own) or confirms that it heard ours ("heard")."""
+        kind, _, generation = payload.partition(b" ")
+        if kind == b"heard":
+            with self._lock:
+                self._unheard.discard(peer)
+                if not self._unheard:
+                    self._all_heard.set()
+            return
+        if kind != b"bye" or not generation.isdigit():
+            log.warning("dropping a message of %d bytes from %s: not a bye", len(payload), peer)
+            return
+        threading.Thread(
+            target=self._forget,
+            args=(peer, int(generation)),
+            name=f"torch-api-bye-{peer}",
+            daemon=True,
+        ).start()
+
+    def _forget(self, peer: str, generation: int) -> None:
+        core = self.transport.core
+        try:
+            core.send_control(peer, CHANNEL, b"heard")
+        except TransportError as e:
+            log.debug("could not confirm to %s that it left: %s", peer, e)
+        with self._lock:
+            self._peers.discard(peer)
+        core.forget(peer, generation)
 
     def expose(self, tensor: torch.Tensor) -> str:
         """Expose ``tensor`` (bytes, contiguous) under a new region name; returns the name."""
@@ -102,7 +150,29 @@ class SharedEngine:
             if last and self._key is not None and _engines.get(self._key) is self:
                 del _engines[self._key]
         if last:
+            self._say_bye()
             self.transport.close()
+
+    def _say_bye(self) -> None:
+        """Tell every admitted peer that this engine closes, so that none of them waits for it,
+        and wait (at most BYE_WAIT_S) until each confirmed: a message still queued when the
+        agent goes is lost."""
+        with self._lock:
+            peers = sorted(self._peers)
+            self._unheard = set(peers)
+            self._all_heard.clear()
+        bye = b"bye %d" % self.generation
+        for peer in peers:
+            try:
+                self.transport.core.send_control(peer, CHANNEL, bye)
+            except TransportError as e:
+                log.debug("could not tell %s that %s closes: %s", peer, self.name, e)
+                with self._lock:
+                    self._unheard.discard(peer)
+        with self._lock:
+            if not self._unheard:
+                return
+        self._all_heard.wait(BYE_WAIT_S)
 
 
 _engines: dict[EngineOptions, SharedEngine] = {}
