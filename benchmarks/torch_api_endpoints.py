@@ -72,8 +72,11 @@ def _hub(conn: Any, backend: str, count: int, idle_s: float, writes: int) -> Non
     described = [m.to_remote_buffer() for m in memories]
     if backend == "transport":
         agents = len({d.owner for d in described})
-        lanes = sum(e.engine.lanes for e in {id(e.engine): e for e in endpoints}.values())
-        agent_note = f"{agents} engine(s) of 1 agent and {lanes} lane agent(s) each at most"
+        lanes = max(e.engine.lanes for e in endpoints) - 1
+        agent_note = (
+            f"{agents} engine(s) of 1 agent, and {lanes} lane agent(s) each once it copies "
+            "64 MiB or more between host buffers"
+        )
     else:
         agents = len({d.agent_name for d in described})
         agent_note = f"{agents} agent(s)"
