@@ -9,7 +9,10 @@
 # cuda-bindings, CUPTI, NVTX or CCCL. So torch and those go in without their dependencies, and
 # this package without its own (torch among them), beside what it does need.
 # Run from the repository root after .venv exists (its uv installs; TRANSPORT_INSTALLER=pip: pip).
+# `setup_torch215.sh deps` installs torch and the rest only, `setup_torch215.sh package` this package
+# only (the test command installs the first while its first run starts, the second after it).
 set -euo pipefail
+STEP=${1:-all}
 cd "$(dirname "$0")/.."
 
 VENV=.venv-torch215
@@ -48,13 +51,16 @@ install() {
     fi
 }
 
-if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.15.0")' 2>/dev/null; then
-    install --no-deps "${TORCH[@]}"
+if [ "$STEP" != "package" ]; then
+    if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__ != "2.15.0")' 2>/dev/null; then
+        install --no-deps "${TORCH[@]}"
+    fi
+    install "${DEPS[@]}"
+    # torch's own NIXL backend imports `nixl`: the package of that name loads nixl-cu13's build
+    # (its other dependency, the CUDA 12 build, is left out)
+    install --no-deps "nixl==1.5.1"
 fi
-install "${DEPS[@]}"
-# torch's own NIXL backend imports `nixl`: the package of that name loads nixl-cu13's build (its
-# other dependency, the CUDA 12 build, is left out)
-install --no-deps "nixl==1.5.1"
+[ "$STEP" = "deps" ] && exit 0
 install --no-deps -e .
 "$VENV/bin/python" -c "
 import torch, torch.distributed._transport as api, transport.backends.nixl as n

@@ -1,6 +1,7 @@
 """The wheel a user installs (``pip install .``, not the editable install the suite runs on)
-holds every module of the tree: a package left out of pyproject.toml fails here, not in a user's
-``transport cluster up``. Installed into a fresh virtual environment (its dependencies, torch and
+holds every module of the tree: a package that setuptools does not find (pyproject.toml finds
+them; transport/backends and transport/csrc are links to backends/ and csrc/) fails here, not in
+a user's ``transport cluster up``. Installed into a fresh virtual environment (its dependencies, torch and
 NIXL, borrowed from this one; no source tree on its path), its command runs, every integration
 imports, and a put crosses from one process to another with its bytes verified."""
 
@@ -48,7 +49,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout.split()
     for rel in files:
-        if (ROOT / rel).is_file():
+        if (ROOT / rel).is_symlink():  # transport/backends, transport/csrc: links, as in a clone
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(ROOT / rel), src / rel)
+        elif (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
     out = tmp / "wheel"
