@@ -10,7 +10,7 @@
 # this package without its own (torch among them), beside what it does need.
 # Run from the repository root after .venv exists (its uv installs; TRANSPORT_INSTALLER=pip: pip).
 # `setup_torch215.sh deps` installs torch and the rest only, `setup_torch215.sh package` this package
-# only (the test command installs the first while its first run starts, the second after it).
+# only.
 set -euo pipefail
 STEP=${1:-all}
 cd "$(dirname "$0")/.."

@@ -31,11 +31,7 @@ bash examples/setup_verl.sh
 export TRANSPORT_TEST_VERL=1  # the verl tests fail, not skip, without it
 SECOND=${TRANSPORT_TEST_TORCH215:-1}
 if [ "$SECOND" != "0" ]; then
-    # torch 2.15 and the rest installed while the first run starts (it mostly writes files; its
-    # log is shown if it fails); this package after the first run (its build writes the tree)
-    SECOND_LOG=$(mktemp)
-    bash examples/setup_torch215.sh deps >"$SECOND_LOG" 2>&1 &
-    SECOND_SETUP=$!
+    bash examples/setup_torch215.sh
 fi
 
 # The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
@@ -103,11 +99,7 @@ status=0
 # API on this library (tests/torch_api), the stores (the TCPStore is torch's) and the unit tests of
 # the core and the weight-sync layer. Not run twice: the decoders' fuzzing (no torch in them) and
 # the tests of vLLM and verl, which are not in this environment. Arguments go to both runs.
-if [ "$SECOND" != "0" ] && ! { wait "$SECOND_SETUP" && bash examples/setup_torch215.sh package >>"$SECOND_LOG" 2>&1; }; then
-    cat "$SECOND_LOG" >&2
-    echo "tests/run.sh: examples/setup_torch215.sh failed (above)" >&2
-    status=2
-elif [ "$SECOND" != "0" ]; then
+if [ "$SECOND" != "0" ]; then
     echo "tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
     TRANSPORT_TEST_TORCH_API=1 .venv-torch215/bin/python -m pytest "${PARALLEL[@]}" \
         -m "not vllm and not verl" tests/torch_api tests/store tests/unit \
