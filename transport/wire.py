@@ -205,6 +205,11 @@ def unpack(
         raise WireFormatError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from e
 
 
+def is_count(value: object) -> bool:
+    """Whether ``value`` decoded from the wire is a count: an int (not a bool), at least 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_fields(obj: object, fields: dict[str, type] | set[str], what: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise WireFormatError(f"{what} must be a map, got {type(obj).__name__}")

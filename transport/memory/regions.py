@@ -37,6 +37,7 @@ from transport.wire import (
     RegionInfo,
     agent_name,
     check_region_name,
+    is_count,
     unpack,
 )
 
@@ -91,15 +92,11 @@ class Withdraw:
             or not isinstance(m["r"], list)
             or not m["r"]
             or not all(isinstance(r, str) and 0 < len(r) <= MAX_REGION_NAME for r in m["r"])
-            or not _count(m["g"])
-            or not _count(m.get("v", 0))
+            or not is_count(m["g"])
+            or not is_count(m.get("v", 0))
         ):
             raise WireFormatError(f"malformed withdraw message {str(m)[:80]}")
         return cls(m["k"], tuple(m["r"]), m["g"], m.get("v", 0))
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def batches(names: list[str], limit: int = WITHDRAW_BATCH_BYTES) -> list[tuple[str, ...]]:

@@ -54,7 +54,7 @@ from transport.store import Store
 from transport.weights.group.directory import reader
 from transport.weights.group.regions import marked_rank, rank_mark
 from transport.weights.group.withdraw import withdraw
-from transport.wire import unpack
+from transport.wire import is_count, unpack
 
 if TYPE_CHECKING:
     from transport import Transport
@@ -97,7 +97,7 @@ class Lease:
             or m["v"] != 2
             or not isinstance(m["name"], str)
             or not isinstance(m["layout"], str)
-            or not all(_count(m[k]) for k in ("gen", "rank", "world"))
+            or not all(is_count(m[k]) for k in ("gen", "rank", "world"))
             or not m["rank"] < m["world"] <= MAX_WORLD
         ):
             raise WireFormatError(f"malformed publisher lease {str(m)[:80]}")
@@ -458,10 +458,6 @@ class GroupLeases:
                 return
             self._warned[key] = raw
         log.warning("group %s: ignoring %s", self.group, why)
-
-
-def _count(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def current_lease(

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from transport.errors import WireFormatError
-from transport.wire import NAME_RE, unpack
+from transport.wire import NAME_RE, is_count, unpack
 
 log = logging.getLogger("transport.weights")
 
@@ -189,12 +189,12 @@ def decode(payload: bytes) -> Message:
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
     raw = {name: m[key] for name, key in cls.WIRE.items()}
     for name in ("version", "slot", "ms", "first", "end", "index", "offset", "nbytes"):
-        if name in raw and cls is not Credit and not _count(raw[name]):
+        if name in raw and cls is not Credit and not is_count(raw[name]):
             key = cls.WIRE[name]
             raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
     if cls is Credit:
         slots = raw["slots"]
-        if not isinstance(slots, list) or not all(_count(x) and x < MAX_SLOT for x in slots):
+        if not isinstance(slots, list) or not all(is_count(x) and x < MAX_SLOT for x in slots):
             raise WireFormatError("credit slots must be a list of small ints")
         for key in ("newest", "settled"):
             if not isinstance(raw[key], int) or isinstance(raw[key], bool):
@@ -231,7 +231,7 @@ def _targets(to: Any) -> tuple[Target, ...]:
             isinstance(x, list)
             and len(x) == 3
             and _name(x[0])
-            and _count(x[1])
+            and is_count(x[1])
             and x[1] < MAX_SLOT
             and x[2] in (0, 1)
             and not isinstance(x[2], bool)
@@ -240,10 +240,6 @@ def _targets(to: Any) -> tuple[Target, ...]:
     ):
         raise WireFormatError("fwd targets must be a list of [child, slot, relays]")
     return tuple(Target(x[0], x[1], bool(x[2])) for x in to)
-
-
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _name(x: Any) -> bool:

@@ -24,7 +24,7 @@ import torch
 from transport.errors import WireFormatError
 from transport.memory.local import dtype_name
 from transport.weights.layouts.planning import DestTensor, Piece, Quant, Slice, SourceLayout
-from transport.wire import unpack
+from transport.wire import is_count, unpack
 
 #: the most destination tensors and pieces one subscriber may declare
 MAX_TENSORS = 1 << 18
@@ -88,7 +88,7 @@ def decode_sources(raw: bytes, limit: int = 64 << 20) -> dict[str, tuple[int, ..
         if (
             not isinstance(shape, list)
             or not 0 < len(shape) <= MAX_DIMS
-            or not all(_count(n) for n in shape)
+            or not all(is_count(n) for n in shape)
         ):
             raise WireFormatError(f"source {str(name)[:80]!r}: malformed shape")
         out[_name(name)] = tuple(shape)
@@ -117,9 +117,9 @@ def _dest(name: str, e: Any) -> DestTensor:
     if (
         not isinstance(shape, list)
         or not 0 < len(shape) <= MAX_DIMS
-        or not all(_count(n) for n in shape)
+        or not all(is_count(n) for n in shape)
         or dtype not in DTYPES
-        or not _count(dim)
+        or not is_count(dim)
         or dim >= len(shape)
         or not isinstance(pieces, list)
         or not len(pieces) <= MAX_PIECES
@@ -132,8 +132,8 @@ def _dest(name: str, e: Any) -> DestTensor:
             not isinstance(p, list)
             or len(p) != 5
             or not isinstance(p[0], str)
-            or not (p[1] is None or (_count(p[1]) and p[1] < MAX_DIMS))
-            or not all(_count(x) for x in p[2:])
+            or not (p[1] is None or (is_count(p[1]) and p[1] < MAX_DIMS))
+            or not all(is_count(x) for x in p[2:])
         ):
             raise WireFormatError(f"destination {name!r}: malformed piece {str(p)[:80]}")
         if p[1] is not None and (p[1] >= len(shape) or p[2] > p[3]):
@@ -162,7 +162,7 @@ def _quant(name: str, q: Any) -> Quant | None:
         or len(q) != 2
         or not (
             q[1] is None
-            or (isinstance(q[1], list) and len(q[1]) == 2 and all(_count(x) and x for x in q[1]))
+            or (isinstance(q[1], list) and len(q[1]) == 2 and all(is_count(x) and x for x in q[1]))
         )
     ):
         raise WireFormatError(f"destination {name!r}: quant is [scale name, [rows, cols] or None]")
@@ -188,7 +188,3 @@ def _name(x: Any) -> str:
     if not isinstance(x, str) or not x or len(x) > 512 or "\x00" in x:
         raise WireFormatError(f"a tensor name must be a short str, got {str(x)[:80]}")
     return x
-
-
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
