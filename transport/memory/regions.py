@@ -353,11 +353,12 @@ class Regions:
                 if not call.waiting or left <= 0 or not ep.open:
                     break
                 self._cond.wait(min(left, 0.05))
-                silent = call.silent()
-            if silent and time.monotonic() >= look:
+            if time.monotonic() >= look:
                 # a peer that left meanwhile (closed, and said so) will not answer: stop waiting
                 # for it (a look at the store each LEFT_LOOK_S, only while someone is silent)
                 look = time.monotonic() + LEFT_LOOK_S
+                with self._cond:
+                    silent = call.silent()
                 gone = [peer for peer in silent if self._left(peer)]
                 with self._cond:
                     for peer in gone:

@@ -399,40 +399,39 @@ class TorchTransport(TorchApi):
     def close(self, *, timeout: float | None = None) -> None:
         budget = self._deadline(timeout)
         end = time.monotonic() + budget
-        with self._lock:
-            if self._state == _CLOSED:
-                return
-            self._state = _CLOSING
-            in_flight = [h for h, _ in self._in_flight.values()]
+        in_flight = self._begin_close()
+        if in_flight is None:
+            return
         for handle in in_flight:
             left = end - time.monotonic()
             if not handle.done() and left > 0:
                 _wait_quietly(handle, left)
-            if not handle.done():
-                raise TimeoutError(
-                    f"close waited {budget:.3g} s and transfers of this endpoint are still in "
-                    "flight; nothing was released: retry close()"
-                )
+        if not all(handle.done() for handle in in_flight):
+            raise _still_in_flight(budget)
         self._release(max(end - time.monotonic(), 1e-3))
 
     async def close_async(self, *, timeout: float | None = None) -> None:
         budget = self._deadline(timeout)
-        with self._lock:
-            if self._state == _CLOSED:
-                return
-            self._state = _CLOSING
-            in_flight = [h for h, _ in self._in_flight.values()]
+        end = time.monotonic() + budget
+        in_flight = self._begin_close()
+        if in_flight is None:
+            return
         if in_flight:
             waits = [asyncio.ensure_future(_settled(h)) for h in in_flight]
             _, pending = await asyncio.wait(waits, timeout=budget)
             if pending:
                 for w in pending:
                     w.cancel()
-                raise TimeoutError(
-                    f"close waited {budget:.3g} s and {len(pending)} transfers are still in "
-                    "flight; nothing was released: retry close()"
-                )
-        self._release(budget)
+                raise _still_in_flight(budget)
+        self._release(max(end - time.monotonic(), 1e-3))
+
+    def _begin_close(self) -> list[Handle] | None:
+        """Refuse new work; the transfers a close waits for (None: closed already)."""
+        with self._lock:
+            if self._state == _CLOSED:
+                return None
+            self._state = _CLOSING
+            return [h for h, _ in self._in_flight.values()]
 
     def _release(self, timeout: float) -> None:
         with self._lock:
@@ -452,6 +451,13 @@ class TorchTransport(TorchApi):
 
     def __repr__(self) -> str:
         return f"TorchTransport({self._engine.name}, peer={self._peer}, {self._state})"
+
+
+def _still_in_flight(budget: float) -> TimeoutError:
+    return TimeoutError(
+        f"close waited {budget:.3g} s and transfers of this endpoint are still in flight; "
+        "nothing was released: retry close()"
+    )
 
 
 def _wait_quietly(handle: Handle, timeout: float) -> None:
