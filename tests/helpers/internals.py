@@ -220,7 +220,7 @@ def control_handler(sub: transport.WeightSubscriber) -> Callable[[str, bytes], N
 def newest_slot(sub: transport.WeightSubscriber) -> int | None:
     """The staging slot of the newest complete version."""
     with sub._lock:
-        return sub._newest_slot
+        return sub._slots.newest
 
 
 def slot_state(
@@ -230,9 +230,10 @@ def slot_state(
     back to the publisher: applied, and no longer readable), the slot apply() holds, the slots
     read by forwards in progress, and each slot's version."""
     with sub._lock:
-        forwarding = sorted(k for k, n in sub._forwarding.items() if n)
-        newest = None if sub._handed_back else sub._newest_slot
-        return newest, sub._held, forwarding, list(sub._slot_version)
+        slots = sub._slots
+        forwarding = sorted(k for k, n in slots.forwarding.items() if n)
+        newest = None if slots.handed_back else slots.newest
+        return newest, slots.held, forwarding, list(slots.version)
 
 
 def spy_on_messages(

@@ -15,7 +15,7 @@ import torch
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
 from transport.errors import WireFormatError
-from transport.integrations.verl.buckets import (
+from transport.weights.buckets.buckets import (
     ALIGN,
     Assembler,
     Packer,
@@ -23,12 +23,12 @@ from transport.integrations.verl.buckets import (
     Planned,
     read_header,
 )
-from transport.integrations.verl.inbox import Inbox
-from transport.integrations.verl.messages import Abort, Bucket, Free, decode, encode
-from transport.integrations.verl.receiver import BucketReceiver
-from transport.integrations.verl.sender import BucketSender, UpdateAborted
-from transport.integrations.verl.targets import SLOTS
-from transport.integrations.verl.topology import EngineInfo, build_plans
+from transport.weights.buckets.inbox import Inbox
+from transport.weights.buckets.messages import Abort, Bucket, Free, decode, encode
+from transport.weights.buckets.receiver import BucketReceiver
+from transport.weights.buckets.sender import BucketSender, UpdateAborted
+from transport.weights.buckets.targets import SLOTS
+from transport.weights.buckets.topology import EngineInfo, build_plans
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -301,10 +301,12 @@ def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_neve
     )
     th.start()  # tensor 13 lies in bucket 3 (slot 1)
     senders = job.send_all(weights)
+    # the receiver frees bucket 2's slot once it yielded tensor 11: the sender may wait for
+    # bucket 5's slot before the receiver reached tensor 13; both must have happened
     wait_until(
-        lambda: any("free slot for bucket 5" in w for w in waits),
+        lambda: held and any("free slot for bucket 5" in w for w in waits),
         30,
-        "the sender waiting for slot 1",
+        "the receiver holding tensor 13 and the sender waiting for slot 1",
     )
     assert job.senders[0].report.buckets == 5  # buckets 0..4: the held bucket 3's slot is next
     name, view, copy = held[0]

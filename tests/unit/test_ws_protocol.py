@@ -31,6 +31,9 @@ GOOD = [
     ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1], ["gen-2", 1, 0]]}),
     ("seg", {"v": 7, "s": 1, "a": 0, "b": 12}),
     ("part", {"v": 7, "s": 1, "a": 3, "o": 32 << 20, "n": 16 << 20}),
+    ("patch", {"v": 8, "s": 0, "p": 7, "n": 4096}),
+    ("patched", {"v": 8, "s": 0, "e": ""}),
+    ("patched", {"v": 8, "s": 0, "e": "it holds version 5, not 7"}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": ""}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "lost", "e": "peer 'gen-1' was lost"}),
 ]
@@ -89,6 +92,10 @@ BAD = [
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x"}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": "x" * 300, "x": "", "e": ""}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": "a/b", "x": "", "e": ""}), "relay report"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": 8, "n": 10}), "base must be older"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": 3, "n": 0}), "at least one byte"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": -1, "n": 10}), "non-negative"),
+    (raw({"k": "patched", "v": 8, "s": 0, "e": 5}), "says why"),
 ]
 
 

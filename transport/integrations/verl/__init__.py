@@ -2,9 +2,9 @@
 
 verl imports this module on every worker when ``checkpoint_engine.custom_backend_module`` names
 it; importing it registers :class:`~transport.integrations.verl.engine.TransportCheckpointEngine`
-as ``"transport"`` in verl's ``CheckpointEngineRegistry``. The bucket protocol itself (buckets,
-messages, topology, inbox, sender, receiver) does not need verl: without verl this package still
-imports, and only the engine is missing (with the line that installs verl).
+as ``"transport"`` in verl's ``CheckpointEngineRegistry``. The bucket stream it runs on
+(transport/weights/buckets/) does not need verl; without verl this package still imports, and
+only the engine is missing (with the line that installs verl).
 """
 
 from __future__ import annotations

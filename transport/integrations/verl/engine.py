@@ -18,13 +18,13 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from transport import Transport
-from transport.integrations.verl.buckets import Assembler
-from transport.integrations.verl.inbox import Inbox
-from transport.integrations.verl.receiver import BucketReceiver
-from transport.integrations.verl.sender import BucketSender
-from transport.integrations.verl.targets import SLOTS
-from transport.integrations.verl.topology import EngineInfo, UpdatePlan, build_plans
 from transport.store.tcp import TcpStore
+from transport.weights.buckets.buckets import Assembler
+from transport.weights.buckets.inbox import Inbox
+from transport.weights.buckets.receiver import BucketReceiver
+from transport.weights.buckets.sender import BucketSender
+from transport.weights.buckets.targets import SLOTS
+from transport.weights.buckets.topology import EngineInfo, UpdatePlan, build_plans
 
 log = logging.getLogger("transport.verl")
 

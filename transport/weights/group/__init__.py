@@ -53,6 +53,17 @@ typed values of ``_messages`` (named here in brackets) in the code.
   with one slot) and credit again; the publisher writes N there itself, so a chain closes over a
   lost relay within the publish. Answered with a credit, lent or not.
 
+Delta updates (``delta=True`` on both sides; weights/delta/):
+
+* publisher -> subscriber ``{"k": "patch", "v": N, "s": slot, "p": B, "n": bytes}`` (Patch): the
+  notification of a put into the subscriber's inbox (region ``<group>@delta/inbox``): the changes
+  that make version N out of version B have landed there (``bytes`` of it). The subscriber copies
+  the slot holding B whole into ``slot``, applies the changes there and completes N, or refuses.
+* subscriber -> publisher ``{"k": "patched", "v": N, "s": slot, "e": why}`` (Patched): N is
+  complete in ``slot`` (``why`` empty), or why the changes were refused (it holds another
+  version, they break a rule of their format); the publisher then writes N whole into ``slot``
+  within the same deadline. The inbox is written again only once its changes were answered.
+
 Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
 
 * publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot, relays], ...]}``

@@ -145,6 +145,33 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Patch:
+    """The notification of a delta put: the changes that make ``version`` out of ``base`` have
+    landed in the subscriber's inbox (``nbytes`` of it); apply them in ``slot`` onto a copy of
+    the slot that holds ``base``, or refuse."""
+
+    version: int
+    slot: int
+    base: int
+    nbytes: int
+    KIND: ClassVar[str] = "patch"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s", "base": "p", "nbytes": "n"}
+
+
+@dataclass(frozen=True)
+class Patched:
+    """subscriber -> publisher: what became of the :class:`Patch` of ``version`` in ``slot``:
+    ``why`` is empty when the version is complete there, else why it was refused (the
+    publisher then writes the version whole into the same slot)."""
+
+    version: int
+    slot: int
+    why: str
+    KIND: ClassVar[str] = "patched"
+    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s", "why": "e"}
+
+
+@dataclass(frozen=True)
 class Report:
     """relay -> publisher: what became of the forward of ``version`` to ``child``: ``outcome``
     is one of :data:`OUTCOMES`, ``why`` says why it failed."""
@@ -157,10 +184,36 @@ class Report:
     WIRE: ClassVar[dict[str, str]] = {"version": "v", "child": "c", "outcome": "x", "why": "e"}
 
 
-Message = Hello | Begin | Ver | Abort | Lend | Credit | Forward | Segment | Piece | Report
+Message = (
+    Hello
+    | Begin
+    | Ver
+    | Abort
+    | Lend
+    | Credit
+    | Forward
+    | Segment
+    | Piece
+    | Patch
+    | Patched
+    | Report
+)
 KINDS: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Hello, Begin, Ver, Abort, Lend, Credit, Forward, Segment, Piece, Report)
+    for cls in (
+        Hello,
+        Begin,
+        Ver,
+        Abort,
+        Lend,
+        Credit,
+        Forward,
+        Segment,
+        Piece,
+        Patch,
+        Patched,
+        Report,
+    )
 }
 
 
@@ -188,7 +241,7 @@ def decode(payload: bytes) -> Message:
     if cls is None or set(m) != set(cls.WIRE.values()) | {"k"}:
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
     raw = {name: m[key] for name, key in cls.WIRE.items()}
-    for name in ("version", "slot", "ms", "first", "end", "index", "offset", "nbytes"):
+    for name in ("version", "slot", "ms", "first", "end", "index", "offset", "nbytes", "base"):
         if name in raw and cls is not Credit and not is_count(raw[name]):
             key = cls.WIRE[name]
             raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
@@ -204,8 +257,12 @@ def decode(payload: bytes) -> Message:
         return Forward(raw["version"], raw["ms"], _targets(raw["targets"]))
     if cls is Segment and not raw["first"] < raw["end"]:
         raise WireFormatError("a segment must name at least one tensor")
-    if cls is Piece and not raw["nbytes"]:
-        raise WireFormatError("a piece must hold at least one byte")
+    if cls in (Piece, Patch) and not raw["nbytes"]:
+        raise WireFormatError(f"a {cls.KIND} must hold at least one byte")
+    if cls is Patch and not raw["base"] < raw["version"]:
+        raise WireFormatError("a patch's base must be older than its version")
+    if cls is Patched and not isinstance(raw["why"], str):
+        raise WireFormatError("a patched message says why as a str")
     if cls is Report and (
         not _name(raw["child"]) or raw["outcome"] not in OUTCOMES or not isinstance(raw["why"], str)
     ):

@@ -110,6 +110,12 @@ def marked_rank(regions: Mapping[str, Any], group: str) -> tuple[int, int] | Non
     return found
 
 
+def inbox_region(group: str) -> str:
+    """The region where a subscriber of ``group`` takes deltas (weights/delta/): bytes that a
+    publisher writes and the subscriber applies onto a slot."""
+    return region(group, "delta", "inbox")
+
+
 def channel(group: str) -> str:
     return f"ws/{group}"
 

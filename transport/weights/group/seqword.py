@@ -4,9 +4,15 @@ is never a half-updated state."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
+
+from transport._transport import Transport
+from transport.errors import TransferTimeout
+from transport.weights.group.regions import PUB_SLOT, SEQ_NAME, region
 
 
 class SeqWord:
@@ -52,3 +58,39 @@ class SeqWord:
         """Name the stable state ``version`` for pull() (not while it changes)."""
         if not self.updating and int(self.word[0]) % 2 == 0:
             self.word[1] = version
+
+
+def read_stable(
+    transport: Transport,
+    group: str,
+    publisher: str,
+    tensors: Mapping[str, torch.Tensor],
+    timeout: float | None,
+    guard: Callable[[], contextlib.AbstractContextManager[None]],
+) -> int:
+    """Read the tensors ``publisher`` exposes for ``group`` into ``tensors`` (one-sided READs)
+    until a read found the word even and the same before and after; returns the version it
+    named. ``guard()`` is held around each read of the tensors. TransferTimeout when no read
+    was stable within ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seq = torch.zeros(2, dtype=torch.int64)
+    seq_region = region(group, PUB_SLOT, SEQ_NAME)
+    dst = {region(group, PUB_SLOT, n): t for n, t in tensors.items()}
+    delay = 0.001
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TransferTimeout(
+                f"could not read a stable state of group {group!r} from {publisher!r} within "
+                f"{timeout:.3g} s: it was changing the tensors the whole time (or never called publish)"
+            )
+        transport.get(seq, publisher, seq_region, timeout=left).wait()
+        first, version = int(seq[0]), int(seq[1])
+        if first % 2 == 0 and version >= 0:
+            with guard():
+                transport.get(dst, publisher, timeout=left).wait()
+                transport.get(seq, publisher, seq_region, timeout=left).wait()
+            if int(seq[0]) == first and int(seq[1]) == version:  # nothing changed meanwhile
+                return version
+        threading.Event().wait(delay if left is None else min(delay, left))  # mid-step
+        delay = min(delay * 2, 0.05)

@@ -34,6 +34,9 @@ class PublishResult:
     reasons: dict[str, str] = field(default_factory=dict)
     #: subscribers a relay was asked to serve -> that relay (the others were written directly)
     via: dict[str, str] = field(default_factory=dict)
+    #: subscribers that took the version as its changes (``delta=True``) -> the bytes written
+    #: to them (the others that are done took it whole)
+    patched: dict[str, int] = field(default_factory=dict)
 
     def with_status(self, s: str) -> list[str]:
         return sorted(n for n, v in self.status.items() if v == s)

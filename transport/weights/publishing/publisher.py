@@ -19,6 +19,8 @@ from transport.errors import (
     TransportError,
 )
 from transport.handle import Handle
+from transport.weights.delta.codec import Encoded
+from transport.weights.delta.source import DeltaSource, check_delta
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import (
     HELLO_AGAIN,
@@ -28,13 +30,22 @@ from transport.weights.group.messages import (
     Forward,
     Hello,
     Lend,
+    Patch,
+    Patched,
     Report,
     Target,
     Ver,
     decode_from,
     encode,
 )
-from transport.weights.group.regions import PUB_SLOT, SEQ_NAME, channel, check_named_tensors, region
+from transport.weights.group.regions import (
+    PUB_SLOT,
+    SEQ_NAME,
+    channel,
+    check_named_tensors,
+    inbox_region,
+    region,
+)
 from transport.weights.group.segments import SEGMENT_BYTES, SegmentedWrite, pieces, segments
 from transport.weights.group.seqword import SeqWord
 from transport.weights.group.withdraw import leftovers, withdraw
@@ -49,6 +60,7 @@ from transport.weights.publishing.delivery import (
 from transport.weights.publishing.pack import Pack
 from transport.weights.publishing.roster import (
     Member,
+    PatchInFlight,
     check_fanout,
     fanout_tree,
 )
@@ -89,6 +101,15 @@ class WeightPublisher(PublisherCore):
     A group has one publisher at a time, in whichever process: it holds the group's lease in the
     store (weights/group/lease.py) from construction to :meth:`close`; a second one fails with
     GroupBusyError naming the holder, and takes over once the holder is gone.
+
+    ``delta=True`` sends each version as its changes against the version before it
+    (weights/delta/) to every subscriber that holds exactly that version, takes every tensor
+    and has an inbox for changes (``WeightSubscriber(delta=True)``); the others, and every
+    version whose changes take more than half its bytes, get it whole. :meth:`publish` then
+    compares the tensors with a copy of the version before (one more copy of the tensors,
+    where they live) before it returns. The subscriber applies the changes onto a copy of the
+    slot holding the base; one that cannot (it holds another version) says so and gets the
+    version whole within the same deadline. Relays take versions whole.
     """
 
     def __init__(
@@ -98,8 +119,10 @@ class WeightPublisher(PublisherCore):
         group: str = "policy",
         fanout: str = "direct",
         degree: int = 2,
+        delta: bool = False,
     ) -> None:
         self.fanout, self.degree = check_fanout(fanout, degree)
+        self._deltas = DeltaSource(named_tensors) if check_delta(delta) else None
         self._segment_bytes = SEGMENT_BYTES
         self.tensors = check_named_tensors(named_tensors, "publisher")
         # what is written and exposed: small separately allocated tensors through one buffer
@@ -190,6 +213,9 @@ class WeightPublisher(PublisherCore):
         if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
             with self._word.filling():
                 self._pack.fill()
+        if self._deltas is not None:
+            with self._lock:  # a write of the previous changes may still read the outbox
+                self._deltas.diff(version, self.tensors, self._patching())
         with self._lock:
             handle, direct = self._begin(version, timeout, "no free slot")
             self._word.stamp(version)
@@ -198,6 +224,15 @@ class WeightPublisher(PublisherCore):
             for sub in direct:
                 self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
+
+    def _patch_for(self, sub: Member, version: int) -> Encoded | None:
+        """With the lock held: ``version``'s changes if ``sub`` takes them; None: whole."""
+        if self._deltas is None or sub.mode != "staging" or sub.name in self._relays:
+            return None
+        return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
+
+    def _patching(self) -> bool:
+        return any(s.patch is not None for s in self._subs.values())
 
     def _release_children(self, relay: str, why: str) -> None:
         """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to
@@ -262,25 +297,76 @@ class WeightPublisher(PublisherCore):
         if sub.name in self._relays and left > 0:
             self._write_segments(sub, slot, version, handle)
             return
+        self._write(sub, slot, version, handle, self._patch_for(sub, version))
+
+    def _write(
+        self, sub: Member, slot: int, version: int, handle: Delivery, patch: Encoded | None
+    ) -> None:
+        """With the lock held: write ``version`` into ``slot`` of ``sub``: whole, or its changes
+        ``patch`` (staged in the outbox) into its inbox (it answers ``patched``)."""
+        core, chan = self.transport.core, channel(self.group)
         try:
+            left = handle.deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout("the deadline passed before a slot was free")
-            self.transport.core.send_control(
-                sub.name, channel(self.group), encode(Begin(version, slot))
-            )
-            h = self.transport.core.put_control(
-                sub.batches[slot],
-                sub.name,
-                channel(self.group),
-                encode(Ver(version, slot)),
-                left,
-            )
+            core.send_control(sub.name, chan, encode(Begin(version, slot)))
+            if patch is not None:
+                n = patch.blob.numel()
+                h = core.put_control_at(
+                    patch.blob,
+                    inbox_region(self.group),
+                    0,
+                    sub.name,
+                    chan,
+                    encode(Patch(version, slot, patch.base, n)),
+                    left,
+                )
+                sub.patch = PatchInFlight(version, slot, handle, n)
+            else:
+                h = core.put_control(
+                    sub.batches[slot], sub.name, chan, encode(Ver(version, slot)), left
+                )
         except TransportError as e:
             self._finished(sub, slot, version, handle, e)
             return
-        h.add_done_callback(
-            lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
-        )
+        if patch is not None:
+            h.add_done_callback(
+                lambda h: self._worker.submit(lambda: self._on_patch_put(sub, slot, version, h))
+            )
+        else:
+            h.add_done_callback(
+                lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
+            )
+
+    def _on_patch_put(self, sub: Member, slot: int, version: int, h: Handle) -> None:
+        """The changes landed (the subscriber's ``patched`` tells the rest), or failed."""
+        err = h.exception(0)
+        with self._lock:
+            p = sub.patch
+            if err is None or p is None or (p.version, p.slot) != (version, slot):
+                return
+            self._finished(sub, slot, version, p.handle, err)
+
+    def _on_patched(self, peer: str, m: Patched) -> None:
+        with self._lock:
+            sub = self._subs.get(peer)
+            p = None if sub is None else sub.patch
+            if sub is None or p is None or (p.version, p.slot) != (m.version, m.slot):
+                return
+            sub.patch = None
+            handle = p.handle
+            if not m.why:
+                handle.result.patched[peer] = p.nbytes
+                self._finished(sub, m.slot, m.version, handle, None)
+                return
+            log.info(
+                "group %s: %s refused the changes of version %d (%s); writing it whole",
+                self.group,
+                peer,
+                m.version,
+                m.why,
+            )
+            self._write(sub, m.slot, m.version, handle, None)
 
     def _write_segments(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
         """With the lock held: write a relay in segments, each announced as it lands, so that it
@@ -337,7 +423,7 @@ class WeightPublisher(PublisherCore):
     def _finished(
         self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
     ) -> None:
-        sub.busy, sub.relay, sub.relay_handle = None, None, None
+        sub.busy, sub.relay, sub.relay_handle, sub.patch = None, None, None, None
         if err is None:
             sub.completed = max(sub.completed, version)
             handle.settle(sub.name, DONE)
@@ -372,6 +458,8 @@ class WeightPublisher(PublisherCore):
             # a credit says the subscriber's whole state: only the newest counts, and a flood
             # of them (from anyone) queues one piece of work per sender
             self._worker.latest(("credit", peer), m, lambda c: self._on_credit(peer, c))
+        elif isinstance(m, Patched):
+            self._worker.offer(lambda: self._on_patched(peer, m))
         elif isinstance(m, Report) and peer in self._subs:
             # only a member relays; a relay that floods the worker may lose a report (the
             # child's slot then stays the relay's until it leaves or is lost)
@@ -421,7 +509,11 @@ class WeightPublisher(PublisherCore):
         relay did not report on in time too."""
         now = time.monotonic()
         with self._lock:
-            for sub in self._subs.values():
+            for sub in list(self._subs.values()):
+                p = sub.patch
+                if p is not None and p.handle.deadline <= now:
+                    why = f"it did not apply the changes of version {p.version} within the deadline"
+                    self._finished(sub, p.slot, p.version, p.handle, TransferTimeout(why))
                 h = sub.relay_handle
                 if h is not None and h.deadline <= now and sub.name in h.pending:
                     # Excluded now; the slot stays the relay's until it reports or is gone.

@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ from transport.weights.group.messages import MAX_DEGREE, Hello, encode
 from transport.weights.group.regions import (
     channel,
     exposed_slots,
+    inbox_region,
     inplace_mark,
     match_regions,
     region,
@@ -33,6 +35,17 @@ if TYPE_CHECKING:
     from transport.weights.publishing.write_plan import SlotWrites
 
 log = logging.getLogger("transport.weights")
+
+
+@dataclass(frozen=True)
+class PatchInFlight:
+    """A version's changes (``nbytes``) written into a subscriber's inbox for ``slot``, waiting
+    for its ``patched``."""
+
+    version: int
+    slot: int
+    handle: Delivery
+    nbytes: int
 
 
 class Member:
@@ -57,6 +70,8 @@ class Member:
         self.asked = time.monotonic()  # when we last said hello (asked for free slots)
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
+        self.inbox = 0  # bytes of its delta inbox (0: it takes versions whole only)
+        self.patch: PatchInFlight | None = None  # changes written, waiting for ``patched``
         self.busy: int | None = None  # slot being written
         self.writing = -1  # the version being written into it
         # a version waiting for a credit, and the relay to write it (None: the publisher)
@@ -314,6 +329,8 @@ class Roster:
             return sub
         sub.names = frozenset(names)
         sub.batches = self.batches(sub.names, names, sub.slots)
+        inbox = conn.regions.get(inbox_region(self.group))
+        sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
         if sub.mode == "staging":
             self._hello(sub)
         return sub

@@ -20,6 +20,7 @@ from transport.errors import (
     TransportError,
     VersionGoneError,
 )
+from transport.weights.delta.codec import DeltaError
 from transport.weights.group.directory import GroupDirectory
 from transport.weights.group.lease import GroupLeases
 from transport.weights.group.messages import (
@@ -29,20 +30,29 @@ from transport.weights.group.messages import (
     Forward,
     Hello,
     Lend,
+    Patch,
+    Patched,
     Piece,
     Segment,
     Ver,
     decode_from,
     encode,
 )
-from transport.weights.group.regions import PUB_SLOT, SEQ_NAME, channel, region, slot_regions
+from transport.weights.group.regions import (
+    channel,
+    inbox_region,
+    slot_regions,
+)
+from transport.weights.group.seqword import read_stable
 from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.group.worker import Worker
 from transport.weights.layouts.flat import copy_runs_from, flat_copies
 from transport.weights.layouts.planning import DestTensor
 from transport.weights.subscribing.given import Snapshot, check_given
+from transport.weights.subscribing.inbox import delta_inbox
 from transport.weights.subscribing.rank_parts import RankParts
 from transport.weights.subscribing.relay import Relay, RelayHost
+from transport.weights.subscribing.slots import Slots
 from transport.weights.subscribing.upstream import Upstream
 
 log = logging.getLogger("transport.weights")
@@ -94,6 +104,14 @@ class WeightSubscriber(Closing):
     presented, and the version before it stays readable. ``source_shapes`` (source name ->
     global shape) goes with the layout: a trainer whose tensors have other shapes (a trainer of
     another model, whose slices would still fit) is refused with the tensors named.
+
+    ``delta=True`` (staging, two slots) gives the subscriber an inbox for a version's changes
+    (a quarter of its bytes; an int: that many bytes), which a publisher with ``delta=True``
+    writes instead of the whole version when this side holds the version the changes apply to:
+    the subscriber copies the slot holding that version into the free slot and applies the
+    changes there (weights/delta/), bit for bit, before the version is complete. Changes made
+    for another version, other tensors, or that break a rule of their format are refused (the
+    publisher then writes the version whole).
     """
 
     #: the mode a subclass shows publishers in its group entry (``staging``: they write only the
@@ -113,6 +131,7 @@ class WeightSubscriber(Closing):
         layout: Mapping[str, DestTensor] | None = None,
         source_shapes: Mapping[str, Sequence[int]] | None = None,
         slots: int = 2,
+        delta: bool | int = False,
     ) -> None:
         given = check_given(
             named_tensors, mode, slots, relay, staging_device, layout, source_shapes
@@ -134,23 +153,20 @@ class WeightSubscriber(Closing):
             self._runs = [] if self.spec_only else copy_runs_from(self.live, self.staging)
         else:
             self.staging = [self.live]
+        self._inbox = delta_inbox(delta, mode, self.slots, self.layout is not None, self.staging)
+        #: versions that came as their changes, and changes refused (each then came whole)
+        self.patched = 0
+        self.patches_refused = 0
         self._lock = threading.Condition()
-        self._slot_version: list[int] = [-1] * self.slots
-        self._newest_slot: int | None = None
-        self._held: int | None = None
+        self._slots = Slots(self.slots, self._lock)
         self.version = -1
         self.applied_version = -1
         self.incomplete: int | None = None
         self.begun = -1  # the newest version a publisher began writing here
-        self._aborted: dict[int, int] = {}  # slot -> a version written there that was given up
         self._ranks = RankParts(group, self.slots)  # a sharded trainer's parts in flight
         self._publishers: set[str] = set()
         self._closed = False
         self.relay = relay and mode == "staging" and self.slots == 2
-        # one slot: its version was applied and the slot handed back (no longer readable)
-        self._handed_back = False
-        self._lend_for = -1  # a version a publisher asked this side to lend a slot for
-        self._forwarding: dict[int, int] = {}  # slot -> forwards reading it
         self._relay = Relay(
             transport,
             group,
@@ -181,6 +197,8 @@ class WeightSubscriber(Closing):
         try:
             self._stop_control = transport.core.on_control(channel(group), self._admit)
             exposed = slot_regions(group, self.staging, self._entry)
+            if self._inbox is not None:
+                exposed[inbox_region(group)] = self._inbox.buffer
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="w")
             self._exposed = list(exposed)
@@ -214,7 +232,7 @@ class WeightSubscriber(Closing):
             with self._lock:
                 self._publishers.add(peer)
                 if 0 <= m.slot < self.slots and m.version > self.version:
-                    self._aborted[m.slot] = m.version
+                    self._slots.aborted[m.slot] = m.version
                     if self.incomplete == m.version:
                         self.incomplete = None
                     self._ranks.give_up(m.version, f"{peer} gave it up", self._upstream.world)
@@ -226,12 +244,14 @@ class WeightSubscriber(Closing):
                 self.begun = max(self.begun, m.version)
                 if m.version > self.version:
                     self.incomplete = m.version
-                if self._aborted.get(m.slot, m.version) != m.version:
-                    del self._aborted[m.slot]  # another version is written there now
+                if self._slots.aborted.get(m.slot, m.version) != m.version:
+                    del self._slots.aborted[m.slot]  # another version is written there now
             if self.relay and 0 <= m.slot < self.slots:
                 self._relay.on_begin(m)
         elif isinstance(m, Ver):
             self._on_version(peer, m.version, m.slot)
+        elif isinstance(m, Patch):
+            self._worker.submit(lambda: self._patch(peer, m))
         elif isinstance(m, Segment):
             if self.relay:
                 self._relay.on_seg(m)
@@ -248,7 +268,7 @@ class WeightSubscriber(Closing):
             )
             return
         with self._lock:
-            if self._aborted.get(slot) == version:
+            if self._slots.aborted.get(slot) == version:
                 # given up by its publisher, whose next credit may already hand this slot out
                 log.info(
                     "group %s: ignoring version %d in slot %d: %s gave it up",
@@ -263,9 +283,7 @@ class WeightSubscriber(Closing):
                 return  # another rank's parts are still on their way
             newer = version > self.version
             if newer:
-                self._slot_version[slot] = version
-                self._newest_slot = slot
-                self._handed_back = False
+                self._slots.landed(slot, version)
                 self.version = version
                 if self.mode == "inplace":
                     self.applied_version = version
@@ -284,26 +302,48 @@ class WeightSubscriber(Closing):
             cb = self.on_update
             self._worker.submit(lambda: cb(version))
 
+    def _patch(self, peer: str, m: Patch) -> None:
+        """Worker: make slot ``m.slot`` version ``m.version`` out of the changes in the inbox and
+        the slot holding ``m.base``; tell ``peer`` whether it could."""
+        with self._lock:
+            if self._slots.aborted.get(m.slot) == m.version:
+                return  # given up by its publisher, whose next credit may hand this slot out
+            src, why = None, "it has no inbox for changes"
+            if self._inbox is not None:
+                src, why = self._slots.patch_source(m.slot, m.base)  # pinned
+        if not why:
+            assert self._inbox is not None and src is not None
+            try:
+                self._inbox.make(src, m.slot, m.version, m.base, m.nbytes)
+            except DeltaError as e:
+                why = str(e)
+            finally:
+                self._unpin(src)
+        if why:
+            log.info("group %s: refusing the changes of version %d: %s", self.group, m.version, why)
+            self.patches_refused += 1
+        else:
+            self.patched += 1
+            self._on_version(peer, m.version, m.slot)
+        try:
+            reply = encode(Patched(m.version, m.slot, why[:512]))
+            self.transport.core.send_control(peer, channel(self.group), reply)
+        except TransportError as e:
+            log.info("could not tell %s what became of version %d: %s", peer, m.version, e)
+
     def _lend(self, peer: str, version: int) -> None:
         """A publisher lost the slot ``version`` was to land in: hand back the newest version's
         slot once applied and unread (no longer readable, as with one slot); credit either way."""
         with self._lock:
             self._publishers.add(peer)
-            self._lend_for = max(self._lend_for, version)
+            self._slots.lend_for = max(self._slots.lend_for, version)
             self._try_lend()
         self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
 
     def _try_lend(self) -> None:
         """Under the lock: hand back the newest version's slot if a lend is wanted and due."""
-        slot = self._newest_slot
-        if (
-            slot is not None
-            and self._lend_for > self.version
-            and self._slot_version[slot] <= self.applied_version
-            and self._held != slot
-            and not self._forwarding.get(slot)
-        ):
-            self._handed_back = True
+        if self._slots.lend_due(self.version, self.applied_version):
+            self._slots.handed_back = True
 
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
@@ -343,21 +383,17 @@ class WeightSubscriber(Closing):
                 return None, f"version {self.version} arrived here before {version} was forwarded"
             if self._closed or not self.relay:
                 return None, "this subscriber does not relay (closed, or relay=False)"
-            if self.version == version and self._handed_back:
+            if self.version == version and self._slots.handed_back:
                 return None, f"its copy of version {version} was handed back to the publisher"
-            src = self._newest_slot if self.version == version else arriving
+            src = self._slots.newest if self.version == version else arriving
             if src is None:
                 return None, ""  # nothing of it here yet
-            self._forwarding[src] = self._forwarding.get(src, 0) + count
+            self._slots.pin(src, count)
             return src, None
 
     def _unpin(self, slot: int) -> None:
         with self._lock:
-            left = self._forwarding.get(slot, 0) - 1
-            if left > 0:
-                self._forwarding[slot] = left
-            else:
-                self._forwarding.pop(slot, None)
+            self._slots.unpin(slot)
             self._lock.notify_all()
 
     def _changed(self) -> None:
@@ -369,11 +405,8 @@ class WeightSubscriber(Closing):
             self._credit_publishers()
 
     def _free_slots(self) -> list[int]:
-        """Under the lock: the slots a publisher may write. Never the newest version's, except
-        the only slot once that version was applied (then it is no longer readable)."""
-        newest = None if self._handed_back else self._newest_slot
-        busy = {self._held, newest} | {k for k, n in self._forwarding.items() if n}
-        return [k for k in range(self.slots) if k not in busy]
+        """Under the lock: the slots a publisher may write (a subclass's rule may differ)."""
+        return self._slots.free()
 
     def _credit_publishers(self, sender: str | None = None) -> None:
         """Tell the publishers (those that said hello) which slots are free; a version written by
@@ -433,38 +466,15 @@ class WeightSubscriber(Closing):
         that overlapped an update is retried until ``timeout`` (TransferTimeout then)."""
         if self.spec_only:
             raise ValueError("this subscriber has no live tensors (it was given meta tensors)")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        seq = torch.zeros(2, dtype=torch.int64)
-        seq_region = region(self.group, PUB_SLOT, SEQ_NAME)
-        dst = {region(self.group, PUB_SLOT, n): t for n, t in self.live.items()}
-        delay = 0.001
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TransferTimeout(
-                    f"could not read a stable state of group {self.group!r} from {publisher!r} within "
-                    f"{timeout:.3g} s: it was changing the tensors the whole time (or never called publish)"
-                )
-            self.transport.get(seq, publisher, seq_region, timeout=left).wait()
-            first, version = int(seq[0]), int(seq[1])
-            if first % 2 == 0 and version >= 0:
-                with self._lock:
-                    self._held = -1  # apply() must not copy into the live tensors meanwhile
-                try:
-                    self.transport.get(dst, publisher, timeout=left).wait()
-                    self.transport.get(seq, publisher, seq_region, timeout=left).wait()
-                finally:
-                    with self._lock:
-                        self._held = None
-                if int(seq[0]) == first and int(seq[1]) == version:  # nothing changed meanwhile
-                    with self._lock:
-                        self.applied_version = max(self.applied_version, version)
-                        if self.mode == "inplace" and version > self.version:
-                            self.version = version
-                            self._lock.notify_all()
-                    return version
-            threading.Event().wait(delay if left is None else min(delay, left))  # mid-step
-            delay = min(delay * 2, 0.05)
+        version = read_stable(
+            self.transport, self.group, publisher, self.live, timeout, self._slots.pulling
+        )
+        with self._lock:
+            self.applied_version = max(self.applied_version, version)
+            if self.mode == "inplace" and version > self.version:
+                self.version = version
+                self._lock.notify_all()
+        return version
 
     def apply(self) -> int:
         """Copy the newest complete version into the live tensors (staging mode); returns the version
@@ -479,15 +489,15 @@ class WeightSubscriber(Closing):
         with self._lock:
             if self._closed:
                 raise ClosedError("the subscriber was closed")
-            slot = self._newest_slot
+            slot = self._slots.newest
             if (
                 slot is None
-                or self._handed_back
-                or self._slot_version[slot] <= self.applied_version
+                or self._slots.handed_back
+                or self._slots.version[slot] <= self.applied_version
             ):
                 return self.applied_version
-            self._hold(slot)
-            version = self._slot_version[slot]
+            self._slots.hold(slot)
+            version = self._slots.version[slot]
         try:
             self._runs[slot].run()
         finally:
@@ -511,7 +521,7 @@ class WeightSubscriber(Closing):
             if self._closed:
                 raise ClosedError("the subscriber was closed")
             # only the newest version's slot is kept from writers (the others may be written)
-            if self._handed_back:
+            if self._slots.handed_back:
                 raise VersionGoneError(f"version {self.version} was applied and its slot reused")
             if version is not None and self.version != version:
                 raise VersionGoneError(
@@ -519,30 +529,24 @@ class WeightSubscriber(Closing):
                     f"version {self.version} replaced it; read version {self.version} "
                     "(or version=None for the newest)"
                 )
-            slot = self._newest_slot
+            slot = self._slots.newest
             assert slot is not None  # a version is complete
-            self._hold(slot)
-            got = self._slot_version[slot]
+            self._slots.hold(slot)
+            got = self._slots.version[slot]
         try:
             yield Snapshot(got, self.staging[slot])
         finally:
             self._release(got if self.spec_only else None)
 
-    def _hold(self, slot: int) -> None:
-        """Keep ``slot`` from every writer (under the lock): no slot is held twice."""
-        if self._held is not None:
-            raise RuntimeError("a read() or apply() is in progress here: one at a time")
-        self._held = slot
-
     def _release(self, applied: int | None) -> None:
         with self._lock:
-            self._held = None
+            self._slots.held = None
             if applied is not None:
                 self.applied_version = max(self.applied_version, applied)
             self._try_lend()  # a lend asked for before this apply
-            newest = self._newest_slot
+            newest = self._slots.newest
             if self.slots == 1 and newest is not None:  # applied: the publisher may write it
-                self._handed_back = self._slot_version[newest] <= self.applied_version
+                self._slots.handed_back = self._slots.version[newest] <= self.applied_version
             publishers = list(self._publishers)
         for p in publishers:  # the slot may be free again if a newer version arrived meanwhile
             self._worker.latest(("send", p), p, self._send_credit)
@@ -568,7 +572,7 @@ class WeightSubscriber(Closing):
         self._worker.submit(self._relay.drop)
         with self._lock:
             self._lock.wait_for(
-                lambda: not self._forwarding and not self._relay.has_pending(),
+                lambda: not self._slots.forwarding and not self._relay.has_pending(),
                 self.transport.timeout,
             )
         try:

@@ -24,12 +24,12 @@ import torch
 
 from transport import Handle, Transport
 from transport.errors import TransportError, WireFormatError
-from transport.integrations.verl.buckets import Assembler, read_header
-from transport.integrations.verl.inbox import Inbox, PeerGone
-from transport.integrations.verl.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
-from transport.integrations.verl.sender import UpdateAborted
-from transport.integrations.verl.targets import Targets, tell
-from transport.integrations.verl.topology import UpdatePlan
+from transport.weights.buckets.buckets import Assembler, read_header
+from transport.weights.buckets.inbox import Inbox, PeerGone
+from transport.weights.buckets.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
+from transport.weights.buckets.sender import UpdateAborted
+from transport.weights.buckets.targets import Targets, tell
+from transport.weights.buckets.topology import UpdatePlan
 
 log = logging.getLogger("transport.verl")
 

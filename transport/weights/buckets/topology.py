@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from transport.integrations.verl.messages import TOKEN_CHARS
+from transport.weights.buckets.messages import TOKEN_CHARS
 
 #: the relay degree that "auto" picks above this many rollout workers (direct at or below)
 AUTO_DIRECT_MAX = 4

@@ -1,7 +1,7 @@
 """The bucket protocol's control messages as typed values, and their one encoder and decoder.
 
 Every message names the update it belongs to (``token``: minted once per update by
-:func:`~transport.integrations.verl.topology.build_plans`), so a message of an earlier update
+:func:`~transport.weights.buckets.topology.build_plans`), so a message of an earlier update
 that arrives late is told apart and ignored. On the wire a message is a msgpack map with its kind
 under ``"kind"``; :func:`decode` is the only place that reads a peer's bytes (exact field sets,
 types and ranges, or :class:`~transport.errors.WireFormatError`).

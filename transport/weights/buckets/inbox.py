@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from transport import Transport
 from transport.errors import PeerNotFoundError, TransferTimeout, TransportError, WireFormatError
-from transport.integrations.verl.messages import CHANNEL, Abort, Bucket, Free, decode
+from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, Free, decode
 
 log = logging.getLogger("transport.verl")
 

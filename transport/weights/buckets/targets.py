@@ -17,8 +17,8 @@ import torch
 
 from transport import Handle, Transport
 from transport.errors import TransportError
-from transport.integrations.verl.inbox import Inbox, PeerGone
-from transport.integrations.verl.messages import CHANNEL, Abort, Bucket, encode
+from transport.weights.buckets.inbox import Inbox, PeerGone
+from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, encode
 
 log = logging.getLogger("transport.verl")
 

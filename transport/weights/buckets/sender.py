@@ -24,11 +24,11 @@ import torch
 
 from transport import Handle, Transport
 from transport.errors import TransportError
-from transport.integrations.verl.buckets import Packer, Planned
-from transport.integrations.verl.inbox import Inbox
-from transport.integrations.verl.messages import MAX_REASON, Abort, Bucket
-from transport.integrations.verl.targets import Targets, tell
-from transport.integrations.verl.topology import UpdatePlan
+from transport.weights.buckets.buckets import Packer, Planned
+from transport.weights.buckets.inbox import Inbox
+from transport.weights.buckets.messages import MAX_REASON, Abort, Bucket
+from transport.weights.buckets.targets import Targets, tell
+from transport.weights.buckets.topology import UpdatePlan
 
 
 class UpdateAborted(TransportError):

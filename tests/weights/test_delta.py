@@ -1,0 +1,129 @@
+"""Delta updates between a publisher (the test process) and subscriber processes, real NIXL agents:
+every byte of every version compared with the trainer's (digests per tensor), versions sent as
+their changes to the subscribers that hold their base and whole to the others, and the same
+bytes either way.
+
+The model is a small mixture of experts with tied embeddings, grouped-query attention with
+biases, fused projections, float32 norms and an fp8 copy with scales (helpers/delta_peer.py);
+each step changes a few percent of the elements, as a bfloat16 training step does."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import transport
+from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
+
+pytestmark = [pytest.mark.delta, pytest.mark.timeout(180)]
+
+SPEC = model_spec()
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.fixture
+def start(tcp_store):
+    children = []
+
+    def make(name, **kwargs):
+        child = DeltaSubscriber(name, tcp_store.url, SPEC, **kwargs)
+        children.append(child)
+        return child
+
+    yield make
+    for c in reversed(children):
+        c.stop()
+
+
+def publish(pub, tensors, version, want_done):
+    r = pub.publish(version, timeout=30).wait(60)
+    assert r.status == dict.fromkeys(want_done, "done"), r.reasons
+    return r
+
+
+def test_versions_travel_as_changes_and_land_bit_exact(trainer, start):
+    """One subscriber takes changes, one takes every version whole: after each version both
+    hold exactly the trainer's bytes, the live tensors change only at apply(), and the changes
+    of a step that moved a few percent of the elements are a small part of the version."""
+    changes = start("gen-delta", wait=False)
+    whole = start("gen-whole", delta=False, wait=False)
+    changes.started()
+    whole.started()
+    tensors = model(SPEC)
+    full = nbytes(tensors)
+    with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+        previous = None
+        for version in range(1, 6):
+            if version > 1:
+                step(tensors, 0.02, seed=version)
+            want = digests(tensors)
+            r = publish(pub, tensors, version, ["gen-delta", "gen-whole"])
+            if version == 1:
+                assert r.patched == {}  # no base yet: whole
+            else:
+                assert set(r.patched) == {"gen-delta"}, r.patched
+                assert r.patched["gen-delta"] < 0.1 * full, (r.patched, full)
+            for child in (changes, whole):
+                got = child.call("applied", version, 30)
+                assert got["version"] == version
+                assert got["live"] == want, child.name
+                if previous is not None:
+                    assert got["before"] == previous  # apply() is the only change of live
+            previous = want
+        assert changes.call("counts") == (4, 0)
+        assert whole.call("counts") == (0, 0)
+
+
+def test_a_dense_version_travels_whole_and_the_next_as_changes(trainer, start):
+    """A version that changed more than half of its bytes goes whole to everyone; the next sparse
+    one goes as changes again, onto the dense one."""
+    sub = start("gen-delta")
+    tensors = model(SPEC)
+    with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+        publish(pub, tensors, 1, ["gen-delta"])
+        step(tensors, 0.9, seed=2)
+        r = publish(pub, tensors, 2, ["gen-delta"])
+        assert r.patched == {}
+        assert sub.call("applied", 2, 30)["live"] == digests(tensors)
+        step(tensors, 0.01, seed=3)
+        r = publish(pub, tensors, 3, ["gen-delta"])
+        assert set(r.patched) == {"gen-delta"}
+        assert sub.call("applied", 3, 30)["live"] == digests(tensors)
+
+
+def test_a_subscriber_that_missed_a_version_or_joined_late_gets_the_next_whole(trainer, start):
+    """A subscriber stopped during version 3 is excluded from it; version 4's changes apply to 3,
+    which it lacks, so it gets 4 whole and then changes again. One that joins at version 4 gets
+    it whole too. Every byte compared after each."""
+    a = start("gen-a")
+    tensors = model(SPEC)
+    with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+        for v in (1, 2):
+            if v > 1:
+                step(tensors, 0.02, seed=v)
+            publish(pub, tensors, v, ["gen-a"])
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            step(tensors, 0.02, seed=3)
+            r = pub.publish(3, timeout=3).wait(30)
+            assert r.status == {"gen-a": "excluded"}, r.reasons
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        late = start("gen-late")
+        step(tensors, 0.02, seed=4)
+        r = publish(pub, tensors, 4, ["gen-a", "gen-late"])
+        assert r.patched == {}, r.patched  # neither holds version 3
+        want = digests(tensors)
+        assert a.call("applied", 4, 30)["live"] == want
+        assert late.call("applied", 4, 30)["live"] == want
+        step(tensors, 0.02, seed=5)
+        r = publish(pub, tensors, 5, ["gen-a", "gen-late"])
+        assert set(r.patched) == {"gen-a", "gen-late"}
+        want = digests(tensors)
+        assert a.call("applied", 5, 30)["live"] == want
+        assert late.call("applied", 5, 30)["live"] == want

@@ -1,0 +1,496 @@
+"""A version's changes against its base as one blob, and the blob applied onto the base, bit for bit.
+
+What both sides agree on is a :class:`DeltaLayout`: tensors in one order, each seen as elements
+of its width (1, 2, 4 or 8 bytes; wider ones as 8-byte halves), compared and written as integers
+so that every bit counts (a NaN is a value like any other, -0.0 is not 0.0). The tensors of one
+width form one virtual array, cut into chunks of :data:`CHUNK` elements (a chunk may span two
+tensors). Each chunk travels in whichever of three encodings is smallest for its density:
+
+- ``SPARSE``: the changed elements' offsets in the chunk (2 bytes each) and their values;
+- ``MASK``: a bitmask of the chunk (one bit per element) and the changed values;
+- ``WHOLE``: every value of the chunk;
+
+and an unchanged chunk not at all. Values are the new bits, in the chunk's order.
+
+The blob (little-endian, every section padded to 8 bytes)::
+
+    header   magic "TDLT", format, groups, layout digest, version, base        (32 bytes)
+    per width group, in the layout's order:
+      head   width, chunks listed, offsets, values                             (24 bytes)
+      ids    int32 per listed chunk (strictly increasing)
+      kinds  uint8 per listed chunk
+      counts int32 per listed chunk (values it carries)
+      offsets  uint16 per changed element of the SPARSE chunks
+      masks    CHUNK / 8 bytes per MASK chunk
+      values   width bytes per value
+
+:func:`decode` checks every rule before anything is written (a blob is a peer's bytes): sizes,
+order, ranges, that counts match the masks and offsets; a broken rule is a :class:`DeltaError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from transport.errors import WireFormatError
+
+#: elements per chunk: an offset inside one fits 16 bits
+CHUNK = 1 << 16
+#: elements the encoder compares at once, a multiple of CHUNK (bounds its scratch memory)
+BATCH = 64 * CHUNK
+
+SKIP, SPARSE, MASK, WHOLE = 0, 1, 2, 3
+
+MAGIC = b"TDLT"
+FORMAT = 1
+_HEAD = struct.Struct("<4sHHQqq")
+_GROUP = struct.Struct("<IIQQ")
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+class DeltaError(WireFormatError):
+    """A delta that breaks a rule of its format, or does not fit the layout it names: nothing
+    of it was applied."""
+
+
+def width_of(t: torch.Tensor) -> int:
+    """The element width a tensor is compared in: its item size, 8 for wider ones."""
+    return min(t.element_size(), 8)
+
+
+def as_ints(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A contiguous tensor's bits as a flat tensor of ``width``-byte integers (a view)."""
+    return t.reshape(-1).view(torch.uint8).view(_INTS[width])
+
+
+@dataclass(frozen=True)
+class Span:
+    """One tensor's place in its width group's virtual array: elements ``start`` to
+    ``start + count - 1``."""
+
+    name: str
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """The tensors of one element width, one after the other: ``total`` elements."""
+
+    width: int
+    spans: tuple[Span, ...]
+    total: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.total // CHUNK)
+
+    def chunk_len(self, chunk: int) -> int:
+        return min(CHUNK, self.total - chunk * CHUNK)
+
+
+class DeltaLayout:
+    """The tensors a delta covers, in the order given (both sides give the same order), grouped
+    by element width; ``digest`` names the names, shapes and dtypes, so that a blob made for
+    other tensors is refused. Tensors without elements take no place."""
+
+    def __init__(self, named: Mapping[str, torch.Tensor]) -> None:
+        spans: dict[int, list[Span]] = {}
+        ends: dict[int, int] = {}
+        h = hashlib.blake2b(digest_size=8)
+        for name, t in named.items():
+            h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\n".encode())
+            n = t.numel() * t.element_size()
+            if n == 0:
+                continue
+            w = width_of(t)
+            at = ends.get(w, 0)
+            spans.setdefault(w, []).append(Span(name, at, n // w))
+            ends[w] = at + n // w
+        self.groups = tuple(Group(w, tuple(spans[w]), ends[w]) for w in sorted(spans))
+        self.digest = int.from_bytes(h.digest(), "little")
+        #: bytes of every tensor: what the version costs whole
+        self.nbytes = sum(g.total * g.width for g in self.groups)
+
+
+@dataclass
+class Encoded:
+    """A version's changes against ``base``: ``blob`` (uint8, where the tensors are) to apply
+    onto exactly that version; ``changed`` of ``elements`` elements differ."""
+
+    version: int
+    base: int
+    blob: torch.Tensor
+    changed: int
+    elements: int
+
+
+def _pad(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _pieces(group: Group, a: int, b: int) -> Iterator[tuple[Span, int, int]]:
+    """The parts of the tensors of ``group`` in virtual elements ``a`` to ``b - 1``: (span,
+    first, end) in the span's own elements."""
+    for span in group.spans:
+        lo, hi = max(a, span.start), min(b, span.start + span.count)
+        if lo < hi:
+            yield span, lo - span.start, hi - span.start
+        elif span.start >= b:
+            break
+
+
+def _kinds(counts: torch.Tensor, lens: torch.Tensor, width: int) -> torch.Tensor:
+    """The smallest encoding of each chunk for its count of changes (SKIP when none)."""
+    sparse = counts * (2 + width)
+    mask = (lens + 7) // 8 + counts * width
+    whole = lens * width
+    kinds = torch.full_like(counts, SPARSE)
+    kinds[mask < sparse] = MASK
+    kinds[(whole <= torch.minimum(sparse, mask))] = WHOLE
+    kinds[counts == 0] = SKIP
+    return kinds
+
+
+class _GroupParts:
+    """What the encoder found in one width group, section by section."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.ids: list[torch.Tensor] = []
+        self.kinds: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self.offsets: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.nbytes = _GROUP.size
+
+    def add(self, **sections: torch.Tensor) -> None:
+        for key, t in sections.items():
+            getattr(self, key).append(t)
+            self.nbytes += t.numel() * t.element_size()
+
+    def cat(self, key: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        parts = getattr(self, key)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+
+
+def encode(
+    layout: DeltaLayout,
+    current: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    version: int,
+    base_version: int,
+    limit: int | None = None,
+) -> Encoded | None:
+    """``current``'s changes against ``base`` (both named as in ``layout``, contiguous, on one
+    device), and ``base`` made equal to ``current`` (it is the next version's base).
+
+    None when the blob would exceed ``limit`` bytes: ``base`` is made equal to ``current`` all
+    the same (the version then travels whole)."""
+    device = next(iter(current.values())).device if current else torch.device("cpu")
+    parts: list[_GroupParts] = []
+    changed = 0
+    over = False
+    for group in layout.groups:
+        gp = _GroupParts(group.width)
+        parts.append(gp)
+        cur = {s.name: as_ints(current[s.name], group.width) for s in group.spans}
+        old = {s.name: as_ints(base[s.name], group.width) for s in group.spans}
+        for a in range(0, group.total, BATCH):
+            b = min(a + BATCH, group.total)
+            pieces = list(_pieces(group, a, b))
+            if over:  # past the limit: only the base is brought up to date
+                for span, lo, hi in pieces:
+                    old[span.name][lo:hi].copy_(cur[span.name][lo:hi])
+                continue
+            changed += _encode_batch(group, a, b, pieces, cur, old, gp, device)
+            if limit is not None and _HEAD.size + sum(p.nbytes for p in parts) > limit:
+                over = True
+    if over:
+        return None
+    blob = _assemble(layout, parts, version, base_version, device)
+    elements = sum(g.total for g in layout.groups)
+    return Encoded(version, base_version, blob, changed, elements)
+
+
+def _encode_batch(
+    group: Group,
+    a: int,
+    b: int,
+    pieces: list[tuple[Span, int, int]],
+    cur: Mapping[str, torch.Tensor],
+    old: Mapping[str, torch.Tensor],
+    gp: _GroupParts,
+    device: torch.device,
+) -> int:
+    """Encode virtual elements ``a`` to ``b - 1`` of ``group`` (``a`` a multiple of CHUNK) and
+    bring the base up to date there; returns how many elements changed."""
+    nchunks = -(-(b - a) // CHUNK)
+    mask = torch.zeros(nchunks * CHUNK, dtype=torch.bool, device=device)
+    for span, lo, hi in pieces:
+        at = span.start + lo - a
+        torch.ne(cur[span.name][lo:hi], old[span.name][lo:hi], out=mask[at : at + hi - lo])
+    grid = mask.view(nchunks, CHUNK)
+    counts = grid.sum(1, dtype=torch.int32)
+    lens = torch.full((nchunks,), CHUNK, dtype=torch.int32, device=device)
+    lens[-1] = b - a - (nchunks - 1) * CHUNK
+    kinds = _kinds(counts, lens, group.width)
+    listed = torch.nonzero(kinds != SKIP).flatten()
+    if listed.numel() == 0:
+        return 0
+    changed = int(counts.sum())
+    whole = kinds == WHOLE
+    if bool(whole.any()):
+        grid[whole] = True
+        mask[b - a :] = False  # the last chunk's padding is no element
+        counts = torch.where(whole, lens, counts)
+    sparse_rows = grid[kinds == SPARSE]
+    offsets = torch.nonzero(sparse_rows)[:, 1].to(torch.int32).to(torch.int16)
+    mask_rows = grid[kinds == MASK]
+    packed = (mask_rows.view(-1, CHUNK // 8, 8).to(torch.uint8) * _BITS.to(device)).sum(
+        2, dtype=torch.uint8
+    )
+    values = []
+    for span, lo, hi in pieces:
+        at = span.start + lo - a
+        sel = mask[at : at + hi - lo]
+        v = cur[span.name][lo:hi][sel]
+        old[span.name][lo:hi][sel] = v  # the base becomes this version
+        values.append(v)
+    gp.add(
+        ids=(listed + a // CHUNK).to(torch.int32),
+        kinds=kinds[listed].to(torch.uint8),
+        counts=counts[listed].to(torch.int32),
+        offsets=offsets,
+        masks=packed.reshape(-1),
+        values=torch.cat(values),
+    )
+    return changed
+
+
+def _assemble(
+    layout: DeltaLayout,
+    parts: list[_GroupParts],
+    version: int,
+    base_version: int,
+    device: torch.device,
+) -> torch.Tensor:
+    out: list[torch.Tensor] = [
+        _bytes(_HEAD.pack(MAGIC, FORMAT, len(parts), layout.digest, version, base_version), device)
+    ]
+    for gp in parts:
+        ids = gp.cat("ids", torch.int32, device)
+        offsets = gp.cat("offsets", torch.int16, device)
+        values = gp.cat("values", _INTS[gp.width], device)
+        head = _GROUP.pack(gp.width, ids.numel(), offsets.numel(), values.numel())
+        out.append(_bytes(head, device))
+        for section in (
+            ids,
+            gp.cat("kinds", torch.uint8, device),
+            gp.cat("counts", torch.int32, device),
+            offsets,
+            gp.cat("masks", torch.uint8, device),
+            values,
+        ):
+            raw = section.reshape(-1).view(torch.uint8)
+            out.append(raw)
+            gap = _pad(raw.numel()) - raw.numel()
+            if gap:
+                out.append(torch.zeros(gap, dtype=torch.uint8, device=device))
+    return torch.cat(out)
+
+
+def _bytes(b: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device)
+
+
+# -- the receiving side ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Changes:
+    """One width group's changes, checked: ``positions`` (int64, virtual, increasing) and the
+    ``values`` (``width``-byte integers) to write there."""
+
+    group: Group
+    positions: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A blob's changes, checked: ``version`` made out of ``base``, one :class:`Changes` per
+    width group of the layout."""
+
+    version: int
+    base: int
+    groups: tuple[Changes, ...]
+
+
+class _Reader:
+    """Reads sections off a blob, bounds checked."""
+
+    def __init__(self, blob: torch.Tensor) -> None:
+        self.blob = blob
+        self.at = 0
+
+    def take(self, n: int, what: str) -> torch.Tensor:
+        if n < 0 or self.at + n > self.blob.numel():
+            raise DeltaError(f"delta: its {what} runs past its end ({self.blob.numel()} bytes)")
+        out = self.blob[self.at : self.at + n]
+        self.at += _pad(n)
+        return out
+
+    def head(self, fmt: struct.Struct, what: str) -> tuple:
+        raw = bytes(self.take(fmt.size, what).cpu().numpy())
+        return fmt.unpack(raw)
+
+
+def decode(layout: DeltaLayout, blob: torch.Tensor, version: int, base: int) -> Decoded:
+    """The blob's changes, every rule checked (:class:`DeltaError` names the one broken)."""
+    if blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise DeltaError("delta: a blob is a flat uint8 tensor")
+    r = _Reader(blob)
+    magic, fmt, ngroups, digest, v, b = r.head(_HEAD, "header")
+    if magic != MAGIC or fmt != FORMAT:
+        raise DeltaError(f"delta: not a delta of format {FORMAT} (magic {magic!r}, format {fmt})")
+    if digest != layout.digest:
+        raise DeltaError("delta: made for other tensors (its layout digest differs from ours)")
+    if (v, b) != (version, base):
+        raise DeltaError(
+            f"delta: it holds version {v} on base {b}, its message says {version} on {base}"
+        )
+    if ngroups != len(layout.groups):
+        raise DeltaError(f"delta: {ngroups} width groups, the layout has {len(layout.groups)}")
+    out = tuple(_decode_group(r, g) for g in layout.groups)
+    if r.at != _pad(blob.numel()):
+        raise DeltaError(f"delta: {blob.numel() - r.at} bytes past its last section")
+    return Decoded(version, base, out)
+
+
+def _decode_group(r: _Reader, group: Group) -> Changes:
+    width, n, noff, nval = r.head(_GROUP, "group header")
+    if width != group.width:
+        raise DeltaError(f"delta: a group of width {width} where the layout has {group.width}")
+    if n > group.chunks or noff > group.total or nval > group.total:
+        raise DeltaError("delta: more chunks, offsets or values than the group has elements")
+    device = r.blob.device
+    ids = r.take(n * 4, "chunk ids").view(torch.int32).to(torch.int64)
+    kinds = r.take(n, "chunk kinds").to(torch.int64)
+    counts = r.take(n * 4, "chunk counts").view(torch.int32).to(torch.int64)
+    if n and (int(ids[0]) < 0 or int(ids[-1]) >= group.chunks or bool((ids[1:] <= ids[:-1]).any())):
+        raise DeltaError("delta: chunk ids must increase strictly and name chunks of the group")
+    if bool(((kinds < SPARSE) | (kinds > WHOLE)).any()):
+        raise DeltaError("delta: a chunk kind is not sparse, mask or whole")
+    lens = torch.clamp(group.total - ids * CHUNK, max=CHUNK)
+    whole, sparse, masked = kinds == WHOLE, kinds == SPARSE, kinds == MASK
+    if bool((counts < 1).any()) or bool((counts > lens).any()):
+        raise DeltaError("delta: a chunk's count is not between 1 and its length")
+    if bool((whole & (counts != lens)).any()):
+        raise DeltaError("delta: a whole chunk must carry every element")
+    if int(counts[sparse].sum()) != noff or int(counts.sum()) != nval:
+        raise DeltaError("delta: the chunks' counts do not add up to its offsets and values")
+    offsets = r.take(noff * 2, "offsets").view(torch.int16).to(torch.int64) & 0xFFFF
+    nmask = int(masked.sum())
+    masks = r.take(nmask * (CHUNK // 8), "masks").view(nmask, CHUNK // 8)
+    values = r.take(nval * width, "values").view(_INTS[width])
+    # where each chunk's values start
+    starts = torch.cumsum(counts, 0) - counts
+    positions = torch.empty(nval, dtype=torch.int64, device=device)
+    if noff:
+        per = counts[sparse]
+        chunk_of = torch.repeat_interleave(torch.arange(per.numel(), device=device), per)
+        first = torch.cumsum(per, 0) - per
+        rank = torch.arange(noff, device=device) - first[chunk_of]
+        sparse_ids, sparse_lens = ids[sparse], lens[sparse]
+        if bool((offsets >= sparse_lens[chunk_of]).any()):
+            raise DeltaError("delta: an offset lies past the end of its chunk")
+        if noff > 1 and bool(((offsets[1:] <= offsets[:-1]) & (rank[1:] > 0)).any()):
+            raise DeltaError("delta: offsets must increase strictly within a chunk")
+        positions[starts[sparse][chunk_of] + rank] = sparse_ids[chunk_of] * CHUNK + offsets
+    if nmask:
+        bits = (masks.unsqueeze(2) & _BITS.to(device)).ne(0).view(nmask, CHUNK)
+        mask_lens = lens[masked]
+        beyond = torch.arange(CHUNK, device=device).unsqueeze(0) >= mask_lens.unsqueeze(1)
+        if bool((bits & beyond).any()):
+            raise DeltaError("delta: a mask marks elements past the end of its chunk")
+        if bool((bits.sum(1) != counts[masked]).any()):
+            raise DeltaError("delta: a mask's bits do not match its chunk's count")
+        row, col = torch.nonzero(bits, as_tuple=True)
+        rank = (
+            torch.arange(row.numel(), device=device)
+            - (torch.cumsum(counts[masked], 0) - counts[masked])[row]
+        )
+        positions[starts[masked][row] + rank] = ids[masked][row] * CHUNK + col
+    if bool(whole.any()):
+        per = counts[whole]
+        chunk_of = torch.repeat_interleave(torch.arange(per.numel(), device=device), per)
+        first = torch.cumsum(per, 0) - per
+        rank = torch.arange(int(per.sum()), device=device) - first[chunk_of]
+        positions[starts[whole][chunk_of] + rank] = ids[whole][chunk_of] * CHUNK + rank
+    return Changes(group, positions, values)
+
+
+def apply(decoded: Decoded, targets: Mapping[str, torch.Tensor]) -> int:
+    """Write ``decoded``'s changes into ``targets`` (the layout's tensors, contiguous, holding
+    exactly the base); returns how many elements were written. Tensors that share a storage
+    (a flat buffer) are written in one operation."""
+    written = 0
+    for ch in decoded.groups:
+        if ch.positions.numel() == 0:
+            continue
+        starts = torch.tensor([s.start for s in ch.group.spans], device=ch.positions.device)
+        bounds = torch.searchsorted(ch.positions, starts).tolist() + [ch.positions.numel()]
+        for run, lo, hi in _runs(ch.group, bounds, targets):
+            pos = ch.positions[lo:hi]
+            run(pos, ch.values[lo:hi])
+        written += ch.positions.numel()
+    return written
+
+
+def _runs(
+    group: Group, bounds: list[int], targets: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[Callable[[torch.Tensor, torch.Tensor], None], int, int]]:
+    """Per run of consecutive tensors that share one storage (a flat buffer holds them all):
+    the write of that run, and the range of changes it takes."""
+    w = group.width
+    spans = group.spans
+    k = 0
+    while k < len(spans):
+        if bounds[k] == bounds[k + 1]:
+            k += 1
+            continue
+        storage = targets[spans[k].name].untyped_storage()
+        j = k + 1
+        while j < len(spans) and (
+            targets[spans[j].name].untyped_storage().data_ptr() == storage.data_ptr()
+        ):
+            j += 1
+        # storage element (in units of w) = virtual position + the tensor's shift
+        shifts = [
+            targets[s.name].storage_offset() * targets[s.name].element_size() // w - s.start
+            for s in spans[k:j]
+        ]
+        counts = [bounds[i + 1] - bounds[i] for i in range(k, j)]
+        device = targets[spans[k].name].device
+        flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        ints = flat[: storage.nbytes() // w * w].view(_INTS[w])
+        if len(set(shifts)) == 1:
+            shift: int | torch.Tensor = shifts[0]
+        else:
+            shift = torch.repeat_interleave(
+                torch.tensor(shifts, device=device), torch.tensor(counts, device=device)
+            )
+
+        def write(pos: torch.Tensor, vals: torch.Tensor, ints=ints, shift=shift) -> None:
+            ints[pos + shift] = vals
+
+        yield write, bounds[k], bounds[j]
+        k = j

@@ -1,0 +1,87 @@
+"""A staging subscriber's delta inbox: where a version's changes land, and how they become a slot."""
+
+from __future__ import annotations
+
+import torch
+
+from transport.weights.delta.codec import DeltaError, DeltaLayout, apply, decode
+
+#: the share of a subscriber's bytes its inbox holds when ``delta=True``: changes of up to
+#: about a fifth of a bfloat16 model's elements (a version with more travels whole)
+INBOX_SHARE = 0.25
+#: the smallest inbox ``delta=True`` makes
+MIN_INBOX = 1 << 20
+
+
+def inbox_bytes(delta: object, nbytes: int) -> int:
+    """The inbox a subscriber's ``delta=`` asks for (0: none), or ValueError / TypeError."""
+    if delta is False:
+        return 0
+    if delta is True:
+        return max(MIN_INBOX, int(nbytes * INBOX_SHARE))
+    if not isinstance(delta, int) or isinstance(delta, bool):
+        raise TypeError(f"delta is a bool or a size in bytes, got {type(delta).__name__}")
+    if delta < 64:
+        raise ValueError(f"delta (the inbox's size in bytes) must be at least 64, got {delta}")
+    return delta
+
+
+def delta_inbox(
+    delta: object, mode: str, slots: int, layout: bool, staging: list[dict[str, torch.Tensor]]
+) -> DeltaInbox | None:
+    """The inbox a subscriber's ``delta=`` asks for, or None; ValueError where it cannot have
+    one."""
+    nbytes = sum(t.numel() * t.element_size() for t in staging[0].values())
+    size = inbox_bytes(delta, nbytes)
+    if not size:
+        return None
+    if mode != "staging" or slots != 2 or layout:
+        raise ValueError(
+            "delta=True needs mode='staging' with two slots and no layout (changes are "
+            "applied onto a copy of the slot holding their base)"
+        )
+    return DeltaInbox(staging, size)
+
+
+class DeltaInbox:
+    """Owns the inbox (``buffer``, uint8, on the slots' device) that a publisher writes a
+    version's changes into, and makes a slot of them: a copy of the slot holding the base, the
+    changes applied onto it, bit for bit.
+
+    Rules: the slots are a subscriber's flat staging copies (views of one buffer per slot, all
+    on one device); the changes are checked whole (weights/delta/codec.py) before the slot is
+    touched; the caller keeps both slots from every other writer meanwhile."""
+
+    def __init__(self, slots: list[dict[str, torch.Tensor]], nbytes: int) -> None:
+        first = slots[0]
+        devices = {t.device for t in first.values()}
+        if len(devices) != 1:
+            raise ValueError(
+                "delta needs the staging slots on one device (give staging_device=), "
+                f"they are on {sorted(map(str, devices))}"
+            )
+        self.slots = slots
+        self.layout = DeltaLayout({n: first[n] for n in sorted(first)})
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=devices.pop())
+        self._storages = [self._buffers_of(slot) for slot in slots]
+
+    @staticmethod
+    def _buffers_of(slot: dict[str, torch.Tensor]) -> list[torch.UntypedStorage]:
+        seen: dict[int, torch.UntypedStorage] = {}
+        for t in slot.values():
+            s = t.untyped_storage()
+            seen.setdefault(s.data_ptr(), s)
+        return list(seen.values())
+
+    def make(self, src: int, dst: int, version: int, base: int, nbytes: int) -> None:
+        """Slot ``dst`` becomes ``version``: a copy of slot ``src`` (holding ``base``) with the
+        changes of the inbox's first ``nbytes`` applied. DeltaError (nothing written) when the
+        changes break a rule or were made for other tensors or another base."""
+        if nbytes > self.buffer.numel():
+            raise DeltaError(
+                f"delta: {nbytes} bytes announced, the inbox holds {self.buffer.numel()}"
+            )
+        decoded = decode(self.layout, self.buffer[:nbytes], version, base)
+        for a, b in zip(self._storages[src], self._storages[dst], strict=True):
+            b.copy_(a)
+        apply(decoded, self.slots[dst])
