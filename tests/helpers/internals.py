@@ -217,6 +217,15 @@ def control_handler(sub: transport.WeightSubscriber) -> Callable[[str, bytes], N
     return sub._on_message
 
 
+def pretend_slot_holds(sub: transport.WeightSubscriber, version: int) -> None:
+    """Make the subscriber's newest slot say it holds ``version`` (a lost base, for a test of
+    the refusal of changes)."""
+    with sub._lock:
+        slots = sub._slots
+        assert slots.newest is not None
+        slots.version[slots.newest] = version
+
+
 def newest_slot(sub: transport.WeightSubscriber) -> int | None:
     """The staging slot of the newest complete version."""
     with sub._lock:

@@ -13,8 +13,10 @@ import os
 import signal
 
 import pytest
+import torch
 
 import transport
+from helpers import internals
 from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
 
 pytestmark = [pytest.mark.delta, pytest.mark.timeout(180)]
@@ -127,3 +129,66 @@ def test_a_subscriber_that_missed_a_version_or_joined_late_gets_the_next_whole(t
         want = digests(tensors)
         assert a.call("applied", 5, 30)["live"] == want
         assert late.call("applied", 5, 30)["live"] == want
+
+
+def test_auto_lands_every_version_bit_exact_whichever_way_it_goes(trainer, start):
+    """``delta="auto"`` chooses by what versions cost here (on one host whole versions are
+    cheap, so it may stop diffing and look again later); whichever way each version goes, every
+    byte arrives, and the versions that went as changes are named in the result."""
+    changes = start("gen-delta", wait=False)
+    whole = start("gen-whole", delta=False, wait=False)
+    changes.started()
+    whole.started()
+    tensors = model(SPEC)
+    patched = 0
+    with transport.WeightPublisher(trainer, tensors, delta="auto") as pub:
+        for version in range(1, 13):
+            if version > 1:
+                step(tensors, 0.02, seed=version)
+            r = publish(pub, tensors, version, ["gen-delta", "gen-whole"])
+            assert set(r.patched) <= {"gen-delta"}
+            patched += len(r.patched)
+            want = digests(tensors)
+            for child in (changes, whole):
+                assert child.call("applied", version, 30)["live"] == want, (child.name, version)
+    assert changes.call("counts") == (patched, 0)
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        transport.WeightPublisher(trainer, tensors, group="other", delta="always")
+
+
+def test_changes_onto_a_base_the_subscriber_does_not_hold_are_refused_and_it_gets_whole(
+    tcp_store, trainer
+):
+    """The subscriber's newest slot is made to say another version (as if it had lost it): the
+    next changes name a base it does not hold, so it refuses them before writing a byte, and the
+    publisher writes that version whole into the same slot, within the same publish."""
+    tensors = model(SPEC)
+    zeros = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    with transport.Transport("gen-local", store=tcp_store, timeout=30) as t:
+        sub = transport.WeightSubscriber(t, zeros, delta=True)
+        try:
+            with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+                for v in (1, 2):
+                    step(tensors, 0.02, seed=v)
+                    publish(pub, tensors, v, ["gen-local"])
+                internals.pretend_slot_holds(sub, 99)
+                step(tensors, 0.02, seed=3)
+                r = publish(pub, tensors, 3, ["gen-local"])
+                assert r.patched == {}
+            assert sub.wait_for_version(3, 10) == 3
+            assert sub.apply() == 3
+            assert digests(sub.live) == digests(tensors)
+            assert (sub.patched, sub.patches_refused) == (1, 1)
+        finally:
+            sub.close()
+
+
+def test_a_subscriber_without_two_staging_slots_cannot_take_changes(trainer):
+    tensors = {"w": torch.zeros(1024)}
+    for kwargs in ({"slots": 1}, {"mode": "inplace"}):
+        with pytest.raises(ValueError, match="two slots"):
+            transport.WeightSubscriber(trainer, tensors, delta=True, **kwargs)
+    with pytest.raises(TypeError, match="bool or a size"):
+        transport.WeightSubscriber(trainer, tensors, delta="yes")
+    with pytest.raises(ValueError, match="at least 64"):
+        transport.WeightSubscriber(trainer, tensors, delta=8)

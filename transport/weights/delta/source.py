@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
 
 from transport.weights.delta.codec import DeltaLayout, Encoded, encode
+from transport.weights.delta.policy import DeltaPolicy
 from transport.weights.layouts.flat import flat_like
 
 #: ``delta=`` values a publisher takes
-MODES = (False, True)
+MODES = (False, True, "auto")
 #: a version whose changes take more than this share of its bytes travels whole
 MAX_SHARE = 0.5
 
 
-def check_delta(delta: object) -> bool:
-    if delta not in MODES or not isinstance(delta, bool):
-        raise ValueError(f"delta must be True or False, got {delta!r}")
-    return delta
+def check_delta(delta: object) -> bool | str:
+    if not (isinstance(delta, bool) or delta == "auto"):
+        raise ValueError(f"delta must be True, False or 'auto', got {delta!r}")
+    return delta  # type: ignore[return-value]
 
 
 class DeltaSource:
@@ -30,12 +32,14 @@ class DeltaSource:
     it compares the tensors with the copy (bit for bit), encodes the changes and brings the copy
     up to date, so that the copy always holds the version diffed last. A version whose changes
     exceed ``MAX_SHARE`` of its bytes has no delta (it travels whole). The first version has
-    no base: it travels whole and becomes the base of the next. The outbox a write may still
+    no base: it travels whole and becomes the base of the next. With ``auto``, :meth:`stage`
+    diffs only when its :class:`DeltaPolicy` wants it. The outbox a write may still
     read is never overwritten (a new one is taken). A subscriber takes the changes only if it
     holds their base, takes every tensor and its inbox has room (:meth:`changes_for`).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], auto: bool = False) -> None:
+        self.policy = DeltaPolicy(auto)
         self.names = tuple(sorted(tensors))
         self.layout = DeltaLayout({n: tensors[n] for n in self.names})
         self.limit = int(self.layout.nbytes * MAX_SHARE)
@@ -43,6 +47,16 @@ class DeltaSource:
         self.base = -1  # the version the copy holds
         self.encoded: Encoded | None = None  # the newest version's changes, in the outbox
         self._outbox = torch.empty(0, dtype=torch.uint8)
+
+    def stage(self, version: int, tensors: Mapping[str, torch.Tensor], in_use: bool) -> None:
+        """At each publish: diff ``version`` if the policy wants it (else drop the copy), and
+        tell the policy what the diff took."""
+        if not self.policy.want_diff():
+            self.drop()
+            return
+        started = time.monotonic()
+        if self.diff(version, tensors, in_use) is not None:
+            self.policy.diffed(time.monotonic() - started)
 
     def diff(
         self, version: int, tensors: Mapping[str, torch.Tensor], in_use: bool
@@ -52,7 +66,7 @@ class DeltaSource:
         ``version`` after. ``in_use``: a write may still read the outbox."""
         current = {n: tensors[n] for n in self.names}
         enc = None
-        if self._copy is None:
+        if self._copy is None or self.base >= version:
             self._copy = flat_like(current)
             for n, t in current.items():
                 self._copy[n].copy_(t)
@@ -61,6 +75,12 @@ class DeltaSource:
         self.base = version
         self.encoded = None if enc is None else self._place(enc, in_use)
         return self.encoded
+
+    def drop(self) -> None:
+        """Stop keeping the copy (its memory goes): the next :meth:`diff` takes it afresh."""
+        self._copy = None
+        self.encoded = None
+        self.base = -1
 
     def _place(self, enc: Encoded, in_use: bool) -> Encoded:
         n, out = enc.blob.numel(), self._outbox

@@ -109,7 +109,10 @@ class WeightPublisher(PublisherCore):
     compares the tensors with a copy of the version before (one more copy of the tensors,
     where they live) before it returns. The subscriber applies the changes onto a copy of the
     slot holding the base; one that cannot (it holds another version) says so and gets the
-    version whole within the same deadline. Relays take versions whole.
+    version whole within the same deadline. Relays take versions whole. ``delta="auto"``
+    diffs only while diff and changes take less time than whole versions took (measured as
+    versions go, weights/delta/policy.py): on a link fast enough for whole versions it stops
+    diffing and drops its copy, and looks again now and then.
     """
 
     def __init__(
@@ -119,10 +122,11 @@ class WeightPublisher(PublisherCore):
         group: str = "policy",
         fanout: str = "direct",
         degree: int = 2,
-        delta: bool = False,
+        delta: bool | str = False,
     ) -> None:
         self.fanout, self.degree = check_fanout(fanout, degree)
-        self._deltas = DeltaSource(named_tensors) if check_delta(delta) else None
+        mode = check_delta(delta)
+        self._deltas = DeltaSource(named_tensors, mode == "auto") if mode else None
         self._segment_bytes = SEGMENT_BYTES
         self.tensors = check_named_tensors(named_tensors, "publisher")
         # what is written and exposed: small separately allocated tensors through one buffer
@@ -215,7 +219,8 @@ class WeightPublisher(PublisherCore):
                 self._pack.fill()
         if self._deltas is not None:
             with self._lock:  # a write of the previous changes may still read the outbox
-                self._deltas.diff(version, self.tensors, self._patching())
+                patching = any(s.patch is not None for s in self._subs.values())
+                self._deltas.stage(version, self.tensors, patching)
         with self._lock:
             handle, direct = self._begin(version, timeout, "no free slot")
             self._word.stamp(version)
@@ -230,9 +235,6 @@ class WeightPublisher(PublisherCore):
         if self._deltas is None or sub.mode != "staging" or sub.name in self._relays:
             return None
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
-
-    def _patching(self) -> bool:
-        return any(s.patch is not None for s in self._subs.values())
 
     def _release_children(self, relay: str, why: str) -> None:
         """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to
@@ -310,6 +312,7 @@ class WeightPublisher(PublisherCore):
             if left <= 0:
                 raise TransferTimeout("the deadline passed before a slot was free")
             core.send_control(sub.name, chan, encode(Begin(version, slot)))
+            sub.started = time.monotonic()
             if patch is not None:
                 n = patch.blob.numel()
                 h = core.put_control_at(
@@ -357,6 +360,8 @@ class WeightPublisher(PublisherCore):
             handle = p.handle
             if not m.why:
                 handle.result.patched[peer] = p.nbytes
+                assert self._deltas is not None  # only a delta publisher writes changes
+                self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._finished(sub, m.slot, m.version, handle, None)
                 return
             log.info(
@@ -418,7 +423,10 @@ class WeightPublisher(PublisherCore):
 
     def _on_done(self, sub: Member, slot: int, version: int, handle: Delivery, h: Handle) -> None:
         with self._lock:
-            self._finished(sub, slot, version, handle, h.exception(0))
+            err = h.exception(0)
+            if err is None and self._deltas is not None:
+                self._deltas.policy.wrote(False, time.monotonic() - sub.started)
+            self._finished(sub, slot, version, handle, err)
 
     def _finished(
         self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None

@@ -72,6 +72,7 @@ class Member:
         self.completed = -1  # the newest version that landed there
         self.inbox = 0  # bytes of its delta inbox (0: it takes versions whole only)
         self.patch: PatchInFlight | None = None  # changes written, waiting for ``patched``
+        self.started = 0.0  # when the write of ``busy`` began
         self.busy: int | None = None  # slot being written
         self.writing = -1  # the version being written into it
         # a version waiting for a credit, and the relay to write it (None: the publisher)
