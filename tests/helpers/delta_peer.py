@@ -72,13 +72,16 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     }
 
 
-def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any) -> None:
+def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any, mode: str) -> None:
     import transport
 
     try:
         t = transport.Transport(name, store=store, timeout=30)
         zeros = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in spec.items()}
-        sub = transport.WeightSubscriber(t, zeros, group=group, delta=delta)
+        if mode == "window":
+            sub: Any = transport.weights.WindowedSubscriber(t, zeros, group=group, delta=delta)
+        else:
+            sub = transport.WeightSubscriber(t, zeros, group=group, delta=delta, mode=mode)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -97,8 +100,16 @@ def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any)
             "refused": sub.patches_refused,
         }
 
+    def received(version: int, timeout: float) -> dict[str, Any]:
+        """A windowed subscriber: receive ``version`` in its window; what the live tensors hold
+        before and after."""
+        before = digests(sub.live)
+        got = sub.receive(version, timeout)
+        return {"version": got, "before": before, "live": digests(sub.live), "torn": sub.torn}
+
     handlers = {
         "applied": applied,
+        "received": received,
         "live": lambda: digests(sub.live),
         "counts": lambda: (sub.patched, sub.patches_refused),
     }
@@ -106,9 +117,11 @@ def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any)
 
 
 class DeltaSubscriber(ChildProcess):
-    """A child with a ``WeightSubscriber(delta=delta)`` of ``group`` over zeroed tensors of
-    ``spec``. Commands: ``applied(version, timeout)`` (digests before and after apply(), and the
-    counts of versions patched and patches refused), ``live`` (digests), ``counts``."""
+    """A child with a ``WeightSubscriber(delta=delta, mode=mode)`` of ``group`` over zeroed
+    tensors of ``spec`` (``mode="window"``: a WindowedSubscriber). Commands: ``applied(version,
+    timeout)`` (digests before and after apply(), and the counts of versions patched and patches
+    refused), ``received(version, timeout)`` (a window's receive), ``live`` (digests),
+    ``counts``."""
 
     def __init__(
         self,
@@ -118,5 +131,6 @@ class DeltaSubscriber(ChildProcess):
         group: str = "policy",
         delta: Any = True,
         wait: bool = True,
+        mode: str = "staging",
     ) -> None:
-        super().__init__(name, _child, (store_url, spec, group, delta), 60, wait)
+        super().__init__(name, _child, (store_url, spec, group, delta, mode), 60, wait)

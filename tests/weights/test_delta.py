@@ -183,12 +183,39 @@ def test_changes_onto_a_base_the_subscriber_does_not_hold_are_refused_and_it_get
             sub.close()
 
 
-def test_a_subscriber_without_two_staging_slots_cannot_take_changes(trainer):
+def test_a_subscriber_with_one_staging_slot_cannot_take_changes(trainer):
     tensors = {"w": torch.zeros(1024)}
-    for kwargs in ({"slots": 1}, {"mode": "inplace"}):
-        with pytest.raises(ValueError, match="two slots"):
-            transport.WeightSubscriber(trainer, tensors, delta=True, **kwargs)
+    with pytest.raises(ValueError, match="two staging slots"):
+        transport.WeightSubscriber(trainer, tensors, delta=True, slots=1)
     with pytest.raises(TypeError, match="bool or a size"):
         transport.WeightSubscriber(trainer, tensors, delta="yes")
     with pytest.raises(ValueError, match="at least 64"):
         transport.WeightSubscriber(trainer, tensors, delta=8)
+
+
+def test_changes_land_in_place_and_inside_a_window(trainer, start):
+    """A subscriber in place applies the changes to its live tensors; a windowed one only inside
+    receive(): its live tensors hold the version before until then, and are never torn."""
+    inplace = start("gen-inplace", mode="inplace", wait=False)
+    window = start("gen-window", mode="window", wait=False)
+    inplace.started()
+    window.started()
+    tensors = model(SPEC)
+    with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+        previous = None
+        for version in range(1, 5):
+            if version > 1:
+                step(tensors, 0.02, seed=version)
+            want = digests(tensors)
+            h = pub.publish(version, timeout=30)
+            got = window.call("received", version, 30)
+            r = h.wait(60)
+            assert r.status == {"gen-inplace": "done", "gen-window": "done"}, r.reasons
+            if version > 1:
+                assert set(r.patched) == {"gen-inplace", "gen-window"}, r.patched
+                assert got["before"] == previous  # nothing was written outside the window
+            assert got["live"] == want and got["torn"] is None
+            assert inplace.call("applied", version, 30)["live"] == want
+            previous = want
+    assert inplace.call("counts") == (3, 0)
+    assert window.call("counts") == (3, 0)

@@ -108,8 +108,8 @@ class WeightPublisher(PublisherCore):
     version whose changes take more than half its bytes, get it whole. :meth:`publish` then
     compares the tensors with a copy of the version before (one more copy of the tensors,
     where they live) before it returns. The subscriber applies the changes onto a copy of the
-    slot holding the base; one that cannot (it holds another version) says so and gets the
-    version whole within the same deadline. Relays take versions whole. ``delta="auto"``
+    slot holding the base (in place: onto its live tensors); one that cannot (it holds another
+    version) says so and gets the version whole within the same deadline. Relays take versions whole. ``delta="auto"``
     diffs only while diff and changes take less time than whole versions took (measured as
     versions go, weights/delta/policy.py): on a link fast enough for whole versions it stops
     diffing and drops its copy, and looks again now and then.
@@ -232,7 +232,7 @@ class WeightPublisher(PublisherCore):
 
     def _patch_for(self, sub: Member, version: int) -> Encoded | None:
         """With the lock held: ``version``'s changes if ``sub`` takes them; None: whole."""
-        if self._deltas is None or sub.mode != "staging" or sub.name in self._relays:
+        if self._deltas is None or sub.name in self._relays:
             return None
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
 

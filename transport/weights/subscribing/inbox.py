@@ -35,10 +35,10 @@ def delta_inbox(
     size = inbox_bytes(delta, nbytes)
     if not size:
         return None
-    if mode != "staging" or slots != 2 or layout:
+    if (mode == "staging" and slots != 2) or layout:
         raise ValueError(
-            "delta=True needs mode='staging' with two slots and no layout (changes are "
-            "applied onto a copy of the slot holding their base)"
+            "delta=True needs two staging slots (changes are applied onto a copy of the slot "
+            "holding their base) or mode='inplace', and no layout"
         )
     return DeltaInbox(staging, size)
 
@@ -73,15 +73,25 @@ class DeltaInbox:
             seen.setdefault(s.data_ptr(), s)
         return list(seen.values())
 
+    def made(self, src: int, dst: int, version: int, base: int, nbytes: int) -> str:
+        """:meth:`make`; "" when done, else why nothing was written."""
+        try:
+            self.make(src, dst, version, base, nbytes)
+        except DeltaError as e:
+            return str(e)
+        return ""
+
     def make(self, src: int, dst: int, version: int, base: int, nbytes: int) -> None:
-        """Slot ``dst`` becomes ``version``: a copy of slot ``src`` (holding ``base``) with the
-        changes of the inbox's first ``nbytes`` applied. DeltaError (nothing written) when the
+        """Slot ``dst`` becomes ``version``: a copy of slot ``src`` (holding ``base``; in place
+        the same slot, the live tensors) with the changes of the inbox's first ``nbytes``
+        applied. DeltaError (nothing written) when the
         changes break a rule or were made for other tensors or another base."""
         if nbytes > self.buffer.numel():
             raise DeltaError(
                 f"delta: {nbytes} bytes announced, the inbox holds {self.buffer.numel()}"
             )
         decoded = decode(self.layout, self.buffer[:nbytes], version, base)
-        for a, b in zip(self._storages[src], self._storages[dst], strict=True):
-            b.copy_(a)
+        if src != dst:
+            for a, b in zip(self._storages[src], self._storages[dst], strict=True):
+                b.copy_(a)
         apply(decoded, self.slots[dst])

@@ -13,7 +13,9 @@ class Slots:
     (``held``; -1 while pull() writes the live tensors), forwards reading each slot
     (``forwarding``), versions a publisher gave up per slot (``aborted``), whether the newest
     version's slot was handed back (``handed_back``: applied and no longer readable, as with
-    one slot or a lend), and the newest version a publisher asked to lend a slot for.
+    one slot or a lend), the newest version a publisher asked to lend a slot for, and (in place)
+    whether a write of another version began since the last version landed (``dirty``: the
+    live tensors may be torn).
 
     Rules: the subscriber's lock guards it, every call but :meth:`pulling` is made under that
     lock (which ``lock`` is). A writer takes
@@ -31,12 +33,14 @@ class Slots:
         self.forwarding: dict[int, int] = {}  # slot -> readers of it (forwards, patches)
         self.aborted: dict[int, int] = {}  # slot -> a version written there that was given up
         self.lend_for = -1
+        self.dirty = False  # in place: a write began since the last version landed, and failed
 
     def landed(self, slot: int, version: int) -> None:
         """``version`` is complete in ``slot``: the newest."""
         self.version[slot] = version
         self.newest = slot
         self.handed_back = False
+        self.dirty = False
 
     def free(self) -> list[int]:
         """The slots a publisher may write. Never the newest version's, except the only slot
@@ -87,12 +91,19 @@ class Slots:
             and not self.forwarding.get(slot)
         )
 
-    def patch_source(self, slot: int, base: int) -> tuple[int | None, str]:
+    def patch_source(self, slot: int, base: int, in_place: bool) -> tuple[int | None, str]:
         """The slot holding ``base`` whole, to copy into ``slot`` before changes are applied
-        there, pinned; or None and why there is none."""
+        there (``in_place``: ``slot`` itself, the live tensors), pinned; or None and why there
+        is none."""
         src = self.newest
         if not 0 <= slot < self.count:
             return None, f"slot {slot} does not exist"
+        if in_place:
+            if src != slot or self.version[slot] != base or self.dirty:
+                held = "torn" if self.dirty else f"version {self.version[slot]}"
+                return None, f"its live tensors hold {held}, not version {base} whole"
+            self.pin(slot)
+            return slot, ""
         if src is None or self.handed_back or self.version[src] != base:
             newest = -1 if src is None or self.handed_back else self.version[src]
             return None, f"it holds version {newest} whole, not {base}"

@@ -20,7 +20,6 @@ from transport.errors import (
     TransportError,
     VersionGoneError,
 )
-from transport.weights.delta.codec import DeltaError
 from transport.weights.group.directory import GroupDirectory
 from transport.weights.group.lease import GroupLeases
 from transport.weights.group.messages import (
@@ -105,11 +104,13 @@ class WeightSubscriber(Closing):
     global shape) goes with the layout: a trainer whose tensors have other shapes (a trainer of
     another model, whose slices would still fit) is refused with the tensors named.
 
-    ``delta=True`` (staging, two slots) gives the subscriber an inbox for a version's changes
-    (a quarter of its bytes; an int: that many bytes), which a publisher with ``delta=True``
-    writes instead of the whole version when this side holds the version the changes apply to:
-    the subscriber copies the slot holding that version into the free slot and applies the
-    changes there (weights/delta/), bit for bit, before the version is complete. Changes made
+    ``delta=True`` (staging with two slots, or in place) gives the subscriber an inbox for a
+    version's changes (a quarter of its bytes; an int: that many bytes), which a publisher with
+    ``delta=True`` writes instead of the whole version when this side holds the version the
+    changes apply to: a staging subscriber copies the slot holding that version into the free
+    slot and applies the changes there, one in place applies them to its live tensors (inside
+    the window of a :class:`WindowedSubscriber`), bit for bit, before the version is complete;
+    live tensors a write of another version left torn take no changes. Changes made
     for another version, other tensors, or that break a rule of their format are refused (the
     publisher then writes the version whole).
     """
@@ -241,6 +242,8 @@ class WeightSubscriber(Closing):
             self._lend(peer, m.version)
         elif isinstance(m, Begin):
             with self._lock:
+                if self.mode == "inplace" and self.version < self.begun != m.version:
+                    self._slots.dirty = True  # a write of another version began and never ended
                 self.begun = max(self.begun, m.version)
                 if m.version > self.version:
                     self.incomplete = m.version
@@ -308,15 +311,14 @@ class WeightSubscriber(Closing):
         with self._lock:
             if self._slots.aborted.get(m.slot) == m.version:
                 return  # given up by its publisher, whose next credit may hand this slot out
-            src, why = None, "it has no inbox for changes"
-            if self._inbox is not None:
-                src, why = self._slots.patch_source(m.slot, m.base)  # pinned
+            src, why = None, "it has no inbox for changes, or its window is shut"
+            window = self.mode == "staging" or self._entry == "inplace" or self._free_slots()
+            if self._inbox is not None and window:  # the source slot is pinned
+                src, why = self._slots.patch_source(m.slot, m.base, self.mode == "inplace")
         if not why:
             assert self._inbox is not None and src is not None
             try:
-                self._inbox.make(src, m.slot, m.version, m.base, m.nbytes)
-            except DeltaError as e:
-                why = str(e)
+                why = self._inbox.made(src, m.slot, m.version, m.base, m.nbytes)
             finally:
                 self._unpin(src)
         if why:

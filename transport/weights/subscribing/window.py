@@ -50,6 +50,7 @@ class WindowedSubscriber(WeightSubscriber):
         poll_interval: float = 1e-3,
         layout: Mapping[str, DestTensor] | None = None,
         source_shapes: Mapping[str, Sequence[int]] | None = None,
+        delta: bool | int = False,
     ) -> None:
         self._window: int | None = None  # while open: the version held when it opened
         self._receiving = threading.Lock()
@@ -64,6 +65,7 @@ class WindowedSubscriber(WeightSubscriber):
             relay=False,
             layout=layout,
             source_shapes=source_shapes,
+            delta=delta,
         )
 
     def _free_slots(self) -> list[int]:
