@@ -116,6 +116,39 @@ def test_sync_quick_measures_every_system_and_verifies_each(tmp_path):
     assert_png(tmp_path / "s.png")
 
 
+@pytest.mark.delta
+def test_sync_with_delta_sends_changes_and_verifies_them(tmp_path):
+    """--delta: each sync changes 2% of the elements; ours-delta sends each version as its
+    changes (a small part of it), ours-auto whichever way it judges faster, and each is verified
+    on a version that went as changes onto one that went whole."""
+    out = cli(
+        "bench",
+        "sync",
+        "--quick",
+        "--params",
+        "4M",
+        "--tensors",
+        "8",
+        "--dtypes",
+        "bfloat16,float32",
+        "--delta",
+        "0.02",
+        "--baselines",
+        "none",
+        "--json",
+        str(tmp_path / "d.json"),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "d.json").read_text())
+    systems = {r["system"]: r for r in doc["records"]}
+    assert {"ours", "ours-delta", "ours-auto"} <= set(systems)
+    assert all(r["verified"] for r in doc["records"])
+    whole = systems["ours"]["bytes"] * 2  # to 2 generators
+    assert systems["ours-delta"]["trainer_bytes"] < 0.2 * whole
+    assert systems["ours-auto"]["trainer_bytes"] <= whole
+    assert "changed 2.00% of the elements" in out.stdout
+
+
 def test_sync_of_a_sharded_trainer_verifies_every_system(tmp_path):
     """2 rank processes into TP=2 fused fp8 generators, against gloo gather and no conversion."""
     out = cli(

@@ -71,7 +71,7 @@ PUT = [
         "every link shaped so (e.g. 10gbit), UCX over TCP; reports the bytes on every link",
     ),
 ]
-SYNC = [
+SYNC: list[tuple[str, Any, Any, str]] = [
     (
         "--params",
         str,
@@ -114,6 +114,15 @@ SYNC = [
         "staging mode) (default direct)",
     ),
     ("--degree", int, 2, "generators each writer serves in a tree (default 2)"),
+    (
+        "--delta SHARE",
+        float,
+        0.0,
+        "each sync changes SHARE of every tensor's elements (0.022: one step of AdamW at lr "
+        "1e-6 in bfloat16, benchmarks/delta_step.py); adds ours-delta (each version as its "
+        'changes) and ours-auto (delta="auto") to ours (whole), the generators taking '
+        "changes (default 0: whole versions only)",
+    ),
     (
         "--hosts N[,N..]",
         str,

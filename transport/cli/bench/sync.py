@@ -26,6 +26,7 @@ from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import as_bytes, check_all, fill_all, fmt_time, human_bytes
 from transport.weights import flat_like
+from transport.weights.delta.codec import as_ints, width_of
 from transport.weights.group.messages import MAX_DEGREE
 from transport.weights.publishing.roster import FANOUTS
 
@@ -124,6 +125,8 @@ class Publish(System):
 
     def step(self) -> None:
         w = self.w
+        if w.pub.delta is not False:
+            w.pub.delta = False
         w.pub.fanout, w.version = self.fanout, w.version + 1
         r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
         if len(r.done) != w.generators:
@@ -144,6 +147,62 @@ class Publish(System):
         apply = {"apply_s": statistics.median(self.applies)} if self.applies else {}
         sends = self.w.trainer_sends(self.fanout)
         return {"fanout": self.fanout, "trainer_bytes": self.w.nbytes * sends, **apply}
+
+
+def mutate(tensors: list[torch.Tensor], share: float, seed: int) -> None:
+    """Flip the lowest bit of about ``share`` of the elements of each tensor, at positions drawn
+    from ``seed`` (what a training step does to a few percent of bfloat16 weights)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        flat = as_ints(t, width_of(t))
+        k = int(flat.numel() * share)
+        if k:
+            at = torch.randint(flat.numel(), (k,), generator=g)
+            flat[at] ^= 1
+
+
+class PublishDelta(Publish):
+    """Ours with ``delta`` (True: ``ours-delta``, "auto": ``ours-auto``): each sync changes
+    ``--delta`` of the elements first, and the version goes to the generators as its changes
+    (or, with auto, whichever way it judges faster). Verified on a version that went as changes
+    onto one that went whole: every byte against the pattern and the same changes."""
+
+    def __init__(self, w: SyncWorkload, delta: bool | str) -> None:
+        System.__init__(self, "ours-delta" if delta is True else "ours-auto")
+        self.w, self.fanout, self.applies, self.delta = w, "direct", list[float](), delta
+        self.sent: list[int] = []
+        self.steps = 0
+
+    def step(self) -> None:
+        w = self.w
+        if w.pub.delta != self.delta:
+            w.pub.delta = self.delta  # the next version goes whole
+        self.steps += 1
+        mutate(w.sd_list, w.delta, seed=1_000_003 * self.steps)
+        w.pub.fanout, w.version = "direct", w.version + 1
+        r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
+        if len(r.done) != w.generators:
+            raise CliError(
+                f"version {w.version} did not reach every generator: {r.status} {r.reasons}"
+            )
+        whole = w.generators - len(r.patched)
+        self.sent.append(sum(r.patched.values()) + whole * w.nbytes)
+
+    def verify(self, seed: int) -> bool:
+        s, w = self.w.s, self.w
+        s.ask(s.readers, "zero", spec={}, dist=False)
+        fill_all(w.sd_list, seed)
+        w.pub.delta = self.delta
+        Publish.step(self)  # whole: the base
+        mutate(w.sd_list, w.delta, seed)
+        Publish.step(self)
+        spec = {"version": w.version, "mutate": [w.delta, seed]}
+        replies = s.ask(s.readers, "check", spec=spec, seed=seed, dist=False)
+        return all(m["ok"] for m in replies)
+
+    def extra(self) -> dict[str, Any]:
+        sent = statistics.median(self.sent) if self.sent else None
+        return {"delta": self.delta, "share": self.w.delta, "trainer_bytes": sent}
 
 
 @dataclass
@@ -168,6 +227,7 @@ class SyncWorkload(Workload):
     flat: bool = False  # tensors as views into one flat buffer per process (--layout flat)
     experts: int = 0  # a mixture of experts in Hugging Face layout (--experts; 0: dense)
     layers: int = 48
+    delta: float = 0.0  # the share of elements each sync changes (--delta; 0: whole only)
     command = "sync"
     main_phase = "ours + raw"
     memcpy_watch = False
@@ -206,6 +266,8 @@ class SyncWorkload(Workload):
             raise CliError(f"--degree must be from 1 to {MAX_DEGREE}, got {args.degree}")
         if args.experts < 0 or args.layers < 1:
             raise CliError("--experts must be at least 0 and --layers at least 1")
+        if not 0 <= args.delta <= 1 or (args.delta and args.mode != "staging"):
+            raise CliError(f"--delta is a share from 0 to 1 with --mode staging, got {args.delta}")
         if args.experts:
             layout = make_moe_layout(params, args.experts, args.layers, dtypes)
             tensors = len(layout)
@@ -227,6 +289,7 @@ class SyncWorkload(Workload):
             flat=args.layout == "flat",
             experts=args.experts,
             layers=args.layers,
+            delta=args.delta,
         )
 
     @property
@@ -273,6 +336,8 @@ class SyncWorkload(Workload):
             str(self.experts),
             "--layers",
             str(self.layers),
+            "--delta",
+            str(self.delta),
         ]
 
     def units(self) -> int:
@@ -288,7 +353,9 @@ class SyncWorkload(Workload):
         self.live = make_tensors(self.layout, self.flat)
 
     def open_reader(self, t: transport.Transport) -> None:
-        self.sub = transport.WeightSubscriber(t, self.live, group=GROUP, mode=self.mode)
+        self.sub = transport.WeightSubscriber(
+            t, self.live, group=GROUP, mode=self.mode, delta=self.delta > 0
+        )
         for slot in self.sub.staging if self.mode == "staging" else []:
             # touch them now, not inside a timed step: each slot is one buffer per device
             _util.zero_storages(list(slot.values()))
@@ -303,7 +370,17 @@ class SyncWorkload(Workload):
         t0 = time.perf_counter()
         applied = self.sub.apply()
         dt = time.perf_counter() - t0
-        ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
+        if "mutate" in spec:  # the pattern with the writer's changes on it
+            want = [torch.empty_like(x) for x in self.live.values()]
+            fill_all(want, seed)
+            mutate(want, *spec["mutate"])
+            same = all(
+                torch.equal(as_bytes(a), as_bytes(b))
+                for a, b in zip(want, self.live.values(), strict=True)
+            )
+            ok = applied == spec["version"] and same
+        else:
+            ok = applied == spec["version"] and check_all(list(self.live.values()), seed)
         return {"ok": ok, "apply_s": dt if self.mode == "staging" else None}
 
     # -- the trainer ----------------------------------------------------------------------------
@@ -376,8 +453,16 @@ class SyncWorkload(Workload):
                 f"each version {sends} (tree degree {self.degree}); relays "
                 "forward each 32 MiB segment as it lands"
             )
-        if ours[-1].applies:
-            took = fmt_time(statistics.median(ours[-1].applies))
+        if self.delta:  # each alone: a mode changed between versions sends the next one whole
+            for mode in (True, "auto"):
+                delta = PublishDelta(self, mode)
+                yield Turn(delta.name, self.case(), [delta], Timing(0.0, self.steps, self.steps))
+            self.res.notes.append(
+                f"delta: each sync changed {self.delta:.2%} of the elements (their lowest bit); "
+                "trainer_bytes: what the trainer wrote per sync (median)"
+            )
+        if ours[0].applies:
+            took = fmt_time(statistics.median(ours[0].applies))
             self.res.notes.append(
                 f"ours: a generator's apply() (staging -> live copy, off the "
                 f"trainer's path) took {took}"

@@ -81,6 +81,29 @@ class SegmentedWrite:
         self._ended = self._finished = False
         self.error: BaseException | None = None
 
+    def post(
+        self,
+        segs: list[tuple[int, int, dict[str, torch.Tensor]]],
+        segment_bytes: int,
+        step: int,
+    ) -> None:
+        """Write every segment of ``segs`` (first and end index, and the batch of each, in
+        order), a tensor larger than ``segment_bytes`` alone in ``step``-byte pieces; the last
+        one ends the write."""
+        for i, (a, b, batch) in enumerate(segs):
+            last = i == len(segs) - 1
+            alone = next(iter(batch.items())) if b == a + 1 else None
+            if alone is not None and alone[1].nbytes > segment_bytes:
+                key, t = alone
+                for offset, nbytes in pieces(t, step):  # a huge tensor: piece by piece
+                    self.add_part(a, key, t, offset, nbytes)
+                if last:
+                    self.end({})
+            elif not last:
+                self.add(a, b, batch)
+            else:
+                self.end(batch)
+
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:

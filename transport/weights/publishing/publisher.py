@@ -46,7 +46,7 @@ from transport.weights.group.regions import (
     inbox_region,
     region,
 )
-from transport.weights.group.segments import SEGMENT_BYTES, SegmentedWrite, pieces, segments
+from transport.weights.group.segments import SEGMENT_BYTES, SegmentedWrite, segments
 from transport.weights.group.seqword import SeqWord
 from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.publishing.core import PublisherCore
@@ -125,10 +125,10 @@ class WeightPublisher(PublisherCore):
         delta: bool | str = False,
     ) -> None:
         self.fanout, self.degree = check_fanout(fanout, degree)
-        mode = check_delta(delta)
-        self._deltas = DeltaSource(named_tensors, mode == "auto") if mode else None
         self._segment_bytes = SEGMENT_BYTES
         self.tensors = check_named_tensors(named_tensors, "publisher")
+        self._delta = check_delta(delta)
+        self._deltas = DeltaSource(self.tensors, self._delta == "auto") if self._delta else None
         # what is written and exposed: small separately allocated tensors through one buffer
         self._pack = Pack(self.tensors)
         self._sources = self._pack.sources
@@ -401,19 +401,7 @@ class WeightPublisher(PublisherCore):
             # pieces as large as the Transport cuts over lanes: pipelining must not cost the lanes
             lanes_on = self.transport.lanes > 1
             step = max(self._segment_bytes, self.transport.lane_bytes if lanes_on else 0)
-            for i, (a, b, batch) in enumerate(segs):
-                last = i == len(segs) - 1
-                alone = next(iter(batch.items())) if b == a + 1 else None
-                if alone is not None and alone[1].nbytes > self._segment_bytes:
-                    key, t = alone
-                    for offset, nbytes in pieces(t, step):  # a huge tensor: piece by piece
-                        write.add_part(a, key, t, offset, nbytes)
-                    if last:
-                        write.end({})
-                elif not last:
-                    write.add(a, b, batch)
-                else:
-                    write.end(batch)
+            write.post(segs, self._segment_bytes, step)
 
     def _on_written(
         self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
@@ -561,6 +549,19 @@ class WeightPublisher(PublisherCore):
             self._segment_bytes = value
             for sub in self._subs.values():
                 sub.segments.clear()  # cut again at the next write
+
+    @property
+    def delta(self) -> bool | str:
+        """``True``, ``False`` or ``"auto"`` (see the class); from the next version on when set
+        (turned off, the copy's memory goes; turned on, the next version goes whole)."""
+        return self._delta
+
+    @delta.setter
+    def delta(self, value: bool | str) -> None:
+        mode = check_delta(value)
+        with self._lock:
+            self._delta = mode
+            self._deltas = DeltaSource(self.tensors, mode == "auto") if mode else None
 
     @property
     def fanout(self) -> str:
