@@ -81,12 +81,6 @@ fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 
-# Bytecode is compiled once and kept: the suite starts hundreds of Python processes (peers,
-# servers, command lines), and on a machine that sets PYTHONDONTWRITEBYTECODE each of them would
-# compile the library again, and each pytest worker would rewrite every test module again.
-unset PYTHONDONTWRITEBYTECODE
-.venv/bin/python -m compileall -q -j 0 transport backends tests examples benchmarks >/dev/null || true
-
 # The suite runs in ${TRANSPORT_TEST_WORKERS:-3} pytest-xdist workers, a test file per worker at a
 # time (module fixtures such as a vLLM engine stay whole); most tests wait on processes, deadlines
 # and the network, so three workers keep two cores busy. Each worker has Redis databases of its
