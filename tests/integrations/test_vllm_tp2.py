@@ -65,11 +65,7 @@ def placed(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Place]:
         return
     for k, v in NET.items():  # the children inherit it
         monkeypatch.setenv(k, v)
-    # unshaped: what is checked is what each link carries, not how fast; a token bucket drops
-    # what overflows its queue, and a worker's heartbeats and store calls that share its link
-    # with a version's bulk then wait out TCP's retransmissions (seconds, on this machine: the
-    # worker was judged suspect in the middle of an update)
-    with Cluster(1, Link()) as cluster:
+    with Cluster(1, Link.parse("10gbit")) as cluster:
         host = cluster.generator(0)
         yield Place(
             cluster.start_store("redis"),
