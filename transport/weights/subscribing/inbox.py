@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from transport.weights.delta.codec import DeltaError, DeltaLayout, apply, decode
+from transport.weights.layouts.flat import CopyRuns, copy_runs
 
 #: the share of a subscriber's bytes its inbox holds when ``delta=True``: changes of up to
 #: about a fifth of a bfloat16 model's elements (a version with more travels whole)
@@ -63,15 +64,7 @@ class DeltaInbox:
         self.slots = slots
         self.layout = DeltaLayout({n: first[n] for n in sorted(first)})
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=devices.pop())
-        self._storages = [self._buffers_of(slot) for slot in slots]
-
-    @staticmethod
-    def _buffers_of(slot: dict[str, torch.Tensor]) -> list[torch.UntypedStorage]:
-        seen: dict[int, torch.UntypedStorage] = {}
-        for t in slot.values():
-            s = t.untyped_storage()
-            seen.setdefault(s.data_ptr(), s)
-        return list(seen.values())
+        self._copies: dict[tuple[int, int], CopyRuns] = {}  # (src, dst) -> its runs, made once
 
     def made(self, src: int, dst: int, version: int, base: int, nbytes: int) -> str:
         """:meth:`make`; "" when done, else why nothing was written."""
@@ -92,6 +85,8 @@ class DeltaInbox:
             )
         decoded = decode(self.layout, self.buffer[:nbytes], version, base)
         if src != dst:
-            for a, b in zip(self._storages[src], self._storages[dst], strict=True):
-                b.copy_(a)
+            runs = self._copies.get((src, dst))
+            if runs is None:
+                runs = self._copies[(src, dst)] = copy_runs(self.slots[dst], self.slots[src])
+            runs.run()
         apply(decoded, self.slots[dst])
