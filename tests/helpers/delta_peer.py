@@ -96,8 +96,8 @@ def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any,
             "version": got,
             "before": before,
             "live": digests(sub.live),
-            "patched": sub.patched,
-            "refused": sub.patches_refused,
+            "patched": sub.deltas.patched,
+            "refused": sub.deltas.refused,
         }
 
     def received(version: int, timeout: float) -> dict[str, Any]:
@@ -111,7 +111,7 @@ def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any,
         "applied": applied,
         "received": received,
         "live": lambda: digests(sub.live),
-        "counts": lambda: (sub.patched, sub.patches_refused),
+        "counts": lambda: (sub.deltas.patched, sub.deltas.refused),
     }
     serve(conn, handlers, lambda: (sub.close(), t.close()))
 

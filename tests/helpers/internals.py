@@ -218,12 +218,12 @@ def control_handler(sub: transport.WeightSubscriber) -> Callable[[str, bytes], N
 
 
 def pretend_slot_holds(sub: transport.WeightSubscriber, version: int) -> None:
-    """Make the subscriber's newest slot say it holds ``version`` (a lost base, for a test of
+    """Make every slot of the subscriber say it holds ``version`` (a lost base, for a test of
     the refusal of changes)."""
     with sub._lock:
         slots = sub._slots
         assert slots.newest is not None
-        slots.version[slots.newest] = version
+        slots.version = [version] * slots.count
 
 
 def newest_slot(sub: transport.WeightSubscriber) -> int | None:

@@ -48,9 +48,23 @@ def source_dims(spec: dict[str, tuple[int, ...]]) -> dict[str, int | None]:
     }
 
 
-def full_weights(spec: dict[str, tuple[int, ...]], version: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + version)
-    return {n: torch.randn(s, generator=g) for n, s in spec.items()}
+def full_weights(
+    spec: dict[str, tuple[int, ...]], version: int, sparse: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """Version ``version`` of the weights: all new each version, or (``sparse``) version 0
+    with steps 1 to ``version`` applied, each changing that share of every tensor's elements
+    (every fifth step all of them: a dense version)."""
+    g = torch.Generator().manual_seed(1000 + (0 if sparse else version))
+    out = {n: torch.randn(s, generator=g) for n, s in spec.items()}
+    for step in range(1, version + 1) if sparse else ():
+        share = 1.0 if step % 5 == 0 else sparse
+        g = torch.Generator().manual_seed(5000 + step)
+        for t in out.values():
+            flat = t.view(-1)
+            n = max(1, int(flat.numel() * share))
+            idx = torch.randint(0, flat.numel(), (n,), generator=g).unique()
+            flat[idx] += 0.01 * torch.randn(idx.numel(), generator=g)
+    return out
 
 
 def source_layout(spec: dict[str, tuple[int, ...]], world: int, sizes: Any = None) -> Any:
@@ -101,9 +115,11 @@ def dest_layout(spec: dict[str, tuple[int, ...]], kind: str) -> dict[str, Any] |
     return out
 
 
-def reference(spec: dict[str, tuple[int, ...]], kind: str, version: int) -> dict[str, torch.Tensor]:
+def reference(
+    spec: dict[str, tuple[int, ...]], kind: str, version: int, sparse: float = 0.0
+) -> dict[str, torch.Tensor]:
     """What a generator of ``kind`` must hold for ``version``, from the full weights."""
-    full = full_weights(spec, version)
+    full = full_weights(spec, version, sparse)
     if kind == "full":
         return full
     if kind == "bf16":
@@ -160,14 +176,21 @@ def _rank_child(
 
     layout = source_layout(spec, world, sizes)
     t = transport.Transport(name, store=store, timeout=30)
-    shards = shard_of(layout, full_weights(spec, 0), rank)
+    sparse = kwargs.pop("sparse", 0.0)
+    shards = shard_of(layout, full_weights(spec, 0, sparse), rank)
     pub = ShardedPublisher(t, shards, layout, rank, group="policy", **kwargs)
 
     def publish(version: int, timeout: float) -> dict[str, Any]:
-        for n, s in shard_of(layout, full_weights(spec, version), rank).items():
+        for n, s in shard_of(layout, full_weights(spec, version, sparse), rank).items():
             shards[n].copy_(s)
         r = pub.publish(version, timeout=timeout).wait(timeout + 30)
-        return {"done": r.done, "excluded": r.excluded, "lost": r.lost, "reasons": r.reasons}
+        return {
+            "done": r.done,
+            "excluded": r.excluded,
+            "lost": r.lost,
+            "reasons": r.reasons,
+            "patched": r.patched,
+        }
 
     reached = threading.Event()
 
@@ -208,25 +231,27 @@ def _gen_child(
     import transport
 
     layout = dest_layout(spec, kind)
+    sparse, delta = options.pop("sparse", 0.0), options.pop("delta", False)
     shapes = reference(spec, kind, 0)
     live = {n: torch.zeros_like(x) for n, x in shapes.items()}
     t = transport.Transport(name, store=store, **{"timeout": 30, **options})
-    sub = transport.WeightSubscriber(t, live, group="policy", mode=mode, layout=layout)
+    sub = transport.WeightSubscriber(t, live, group="policy", mode=mode, layout=layout, delta=delta)
 
     def check(version: int, timeout: float) -> dict[str, Any]:
         """Wait for ``version`` and compare every tensor with the reference: the names that differ."""
         got = sub.wait_for_version(version, timeout)
         if mode == "staging":
             sub.apply()
-        want = reference(spec, kind, got)
+        want = reference(spec, kind, got, sparse)
         bad = [n for n in want if not same(live[n], want[n])]
-        return {"version": got, "bad": bad, "incomplete": sub.incomplete}
+        counts = (sub.deltas.patched, sub.deltas.refused)
+        return {"version": got, "bad": bad, "incomplete": sub.incomplete, "deltas": counts}
 
     def held() -> dict[str, Any]:
         """What the live tensors hold now, without waiting: the version and the tensors that
         differ from it."""
         v = sub.apply() if mode == "staging" else sub.version
-        want = reference(spec, kind, v) if v >= 0 else {}
+        want = reference(spec, kind, v, sparse) if v >= 0 else {}
         return {
             "version": v,
             "bad": [n for n in want if not same(live[n], want[n])],

@@ -17,6 +17,7 @@ from transport.weights.delta.codec import (
     MASK,
     SPARSE,
     WHOLE,
+    ChangeSet,
     DeltaError,
     DeltaLayout,
     apply,
@@ -89,6 +90,55 @@ def test_every_density_applies_bit_exact_onto_separate_tensors_and_a_flat_slot(s
     assert same(flat, cur)
     if share == 0.0:
         assert enc.changed == 0 and enc.blob.numel() < 200
+
+
+@pytest.mark.parametrize("share", [0.0, 0.02, 0.5, 1.0])
+def test_changes_gathered_piece_by_piece_make_the_same_blob_and_leave_the_rest(share):
+    """A sharded trainer's rank compares only the pieces it writes, in its own order: the blob
+    applies as the one the whole-tensor encoder makes of the same changes (is the same, unless
+    dense), and elements of no piece keep the base's bytes at the subscriber."""
+    base = tensors()
+    cur = changed(base, share)
+    layout = DeltaLayout(cur)
+    pieces = []
+    for k, v in cur.items():
+        n = v.numel()
+        pieces += [(k, 0, n // 3), (k, n // 3, n)] if n > 2 else [(k, 0, n)]
+    pieces = pieces[::-1]  # not in the layout's order
+    left_out = pieces.pop(0)  # one piece no rank of this test writes
+    copy = {k: raw(v.clone()) for k, v in base.items()}
+    found = ChangeSet(layout)
+    for k, lo, hi in pieces:
+        flat = cur[k].contiguous().reshape(-1)
+        base_of = copy[k].view(flat.dtype)
+        found.compare(k, lo, flat[lo:hi], base_of[lo:hi])
+    enc = found.encode(7, 6)
+    assert enc is not None
+    want = {k: raw(v.clone()) for k, v in base.items()}  # only the written pieces change
+    for k, a, b in pieces:  # as bytes: a bool's bytes may be any bits
+        size = cur[k].element_size()
+        want[k][a * size : b * size] = raw(cur[k])[a * size : b * size]
+    assert all(torch.equal(copy[k], want[k]) for k in want)
+    want = {k: v.view(base[k].dtype).view(base[k].shape) for k, v in want.items()}
+    targets = {k: v.clone() for k, v in base.items()}
+    apply(decode(layout, enc.blob, 7, 6), targets)
+    assert same(targets, want)
+    # every piece: the blob the whole-tensor encoder makes (which may also send a dense chunk
+    # whole, unchanged values with it, where a rank sends only what changed)
+    every = ChangeSet(layout)
+    again = {k: raw(v.clone()) for k, v in base.items()}
+    for k, lo, hi in [left_out, *pieces]:
+        flat = cur[k].contiguous().reshape(-1)
+        every.compare(k, lo, flat[lo:hi], again[k].view(flat.dtype)[lo:hi])
+    ref = encode(layout, cur, {k: v.clone() for k, v in base.items()}, 7, 6)
+    whole = every.encode(7, 6)
+    assert ref is not None and whole is not None
+    assert torch.equal(ref.blob, whole.blob) or share > 0.1
+    targets = {k: v.clone() for k, v in base.items()}
+    apply(decode(layout, whole.blob, 7, 6), targets)
+    assert same(targets, cur)
+    with pytest.raises(ValueError, match="past its end"):
+        found.compare("c.bf16", 4, cur["c.bf16"][:2], base["c.bf16"][:2].clone())
 
 
 def test_each_chunk_takes_its_smallest_encoding():

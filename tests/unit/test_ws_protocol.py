@@ -27,11 +27,13 @@ GOOD = [
     ("lend", {"v": 9}),
     ("begin", {"v": 3, "s": 1}),
     ("ver", {"v": 0, "s": 0}),
-    ("credit", {"s": [0, 1], "v": -1, "d": -1}),
+    ("credit", {"s": [0, 1], "v": -1, "d": -1, "h": []}),
+    ("credit", {"s": [0, 1], "v": 6, "d": 6, "h": [6, -1]}),
     ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1], ["gen-2", 1, 0]]}),
     ("seg", {"v": 7, "s": 1, "a": 0, "b": 12}),
     ("part", {"v": 7, "s": 1, "a": 3, "o": 32 << 20, "n": 16 << 20}),
-    ("patch", {"v": 8, "s": 0, "p": 7, "n": 4096}),
+    ("patch", {"v": 8, "s": 0, "p": 7, "n": 4096, "a": 0}),
+    ("patch", {"v": 8, "s": 1, "p": 6, "n": 4096, "a": 1 << 20}),
     ("patched", {"v": 8, "s": 0, "e": ""}),
     ("patched", {"v": 8, "s": 0, "e": "it holds version 5, not 7"}),
     ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": ""}),
@@ -54,7 +56,12 @@ def test_every_kind_round_trips(kind, fields):
 def test_messages_are_typed_values_with_named_fields():
     assert set(KINDS) == {k for k, _ in GOOD}
     assert decode(raw({"k": "hello"})) == Hello()
-    assert decode(raw({"k": "credit", "s": [1], "v": 4, "d": 5})) == Credit((1,), 4, 5)
+    assert decode(raw({"k": "credit", "s": [1], "v": 4, "d": 5, "h": [4]})) == Credit(
+        (1,), 4, 5, (4,)
+    )
+    assert Credit((0, 1), 4, 4, (4, -1)).held(0) == 4
+    assert Credit((0, 1), 4, 4, (4, -1)).held(1) == -1
+    assert Credit((1,), 4, 4).held(1) == -1
     fwd = decode(raw({"k": "fwd", "v": 7, "t": 10, "to": [["gen-1", 1, 1]]}))
     assert fwd == Forward(version=7, ms=10, targets=(Target("gen-1", 1, relays=True),))
 
@@ -68,8 +75,11 @@ BAD = [
     (raw({"k": "ver", "v": 1, "s": 0, "x": 1}), "malformed"),  # one too many
     (raw({"k": "ver", "v": -1, "s": 0}), "non-negative"),
     (raw({"k": "begin", "v": True, "s": 0}), "non-negative"),
-    (raw({"k": "credit", "s": [9], "v": 1, "d": 1}), "credit slots"),
-    (raw({"k": "credit", "s": [0], "v": "1", "d": 1}), "credit versions"),
+    (raw({"k": "credit", "s": [9], "v": 1, "d": 1, "h": []}), "credit slots"),
+    (raw({"k": "credit", "s": [0], "v": "1", "d": 1, "h": []}), "credit versions"),
+    (raw({"k": "credit", "s": [0], "v": 1, "d": 1, "h": ["1"]}), "credit versions"),
+    (raw({"k": "credit", "s": [0], "v": 1, "d": 1, "h": [1, 1]}), "each credited slot"),
+    (raw({"k": "credit", "s": [0], "v": 1, "d": 1}), "malformed"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": []}), "fwd targets"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0]]}), "fwd targets"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0, 0]]}), "fwd targets"),
@@ -92,9 +102,10 @@ BAD = [
     (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x"}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": "x" * 300, "x": "", "e": ""}), "relay report"),
     (raw({"k": "fwdr", "v": 1, "c": "a/b", "x": "", "e": ""}), "relay report"),
-    (raw({"k": "patch", "v": 8, "s": 0, "p": 8, "n": 10}), "base must be older"),
-    (raw({"k": "patch", "v": 8, "s": 0, "p": 3, "n": 0}), "at least one byte"),
-    (raw({"k": "patch", "v": 8, "s": 0, "p": -1, "n": 10}), "non-negative"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": 8, "n": 10, "a": 0}), "base must be older"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": 3, "n": 0, "a": 0}), "at least one byte"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": -1, "n": 10, "a": 0}), "non-negative"),
+    (raw({"k": "patch", "v": 8, "s": 0, "p": 3, "n": 10, "a": -8}), "non-negative"),
     (raw({"k": "patched", "v": 8, "s": 0, "e": 5}), "says why"),
 ]
 

@@ -178,15 +178,30 @@ def test_changes_onto_a_base_the_subscriber_does_not_hold_are_refused_and_it_get
             assert sub.wait_for_version(3, 10) == 3
             assert sub.apply() == 3
             assert digests(sub.live) == digests(tensors)
-            assert (sub.patched, sub.patches_refused) == (1, 1)
+            assert (sub.deltas.patched, sub.deltas.refused) == (1, 1)
         finally:
             sub.close()
 
 
-def test_a_subscriber_with_one_staging_slot_cannot_take_changes(trainer):
-    tensors = {"w": torch.zeros(1024)}
-    with pytest.raises(ValueError, match="two staging slots"):
-        transport.WeightSubscriber(trainer, tensors, delta=True, slots=1)
+def test_one_staging_slot_takes_changes_once_applied_and_bad_sizes_are_refused(tcp_store, trainer):
+    """With one staging slot, the slot still holds the version it applied: the next version's
+    changes apply onto it, bit for bit."""
+    tensors = model(SPEC)
+    zeros = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    with transport.Transport("gen-one", store=tcp_store, timeout=30) as t:
+        sub = transport.WeightSubscriber(t, zeros, delta=True, slots=1)
+        try:
+            with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+                for v in (1, 2, 3):
+                    step(tensors, 0.02, seed=v)
+                    r = publish(pub, tensors, v, ["gen-one"])
+                    assert set(r.patched) == ({"gen-one"} if v > 1 else set()), r.patched
+                    assert sub.wait_for_version(v, 10) == v
+                    assert sub.apply() == v
+                    assert digests(sub.live) == digests(tensors)
+            assert (sub.deltas.patched, sub.deltas.refused) == (2, 0)
+        finally:
+            sub.close()
     with pytest.raises(TypeError, match="bool or a size"):
         transport.WeightSubscriber(trainer, tensors, delta="yes")
     with pytest.raises(ValueError, match="at least 64"):

@@ -146,14 +146,18 @@ def _pieces(group: Group, a: int, b: int) -> Iterator[tuple[Span, int, int]]:
             break
 
 
-def _kinds(counts: torch.Tensor, lens: torch.Tensor, width: int) -> torch.Tensor:
-    """The smallest encoding of each chunk for its count of changes (SKIP when none)."""
+def _kinds(
+    counts: torch.Tensor, lens: torch.Tensor, width: int, partial: bool = False
+) -> torch.Tensor:
+    """The smallest encoding of each chunk for its count of changes (SKIP when none);
+    ``partial``: the unchanged values are not known, so WHOLE only where every element changed."""
     sparse = counts * (2 + width)
     mask = (lens + 7) // 8 + counts * width
     whole = lens * width
     kinds = torch.full_like(counts, SPARSE)
     kinds[mask < sparse] = MASK
-    kinds[(whole <= torch.minimum(sparse, mask))] = WHOLE
+    whole_ok = whole <= torch.minimum(sparse, mask)
+    kinds[whole_ok & (counts == lens) if partial else whole_ok] = WHOLE
     kinds[counts == 0] = SKIP
     return kinds
 
@@ -273,6 +277,95 @@ def _encode_batch(
         values=torch.cat(values),
     )
     return changed
+
+
+class ChangeSet:
+    """Changes gathered piece by piece, where the encoder does not see whole tensors: a rank of
+    a sharded trainer compares only the parts of a subscriber's tensors it writes (converted as
+    they are written) with its copy of them. It owns what it found per width group: positions
+    in the group's virtual array and the new values. Rules: pieces never overlap; each is
+    compared once per version; :meth:`encode` sorts them and packs the same blob
+    :func:`encode` makes, which :func:`decode` checks and :func:`apply` writes as any other."""
+
+    def __init__(self, layout: DeltaLayout) -> None:
+        self.layout = layout
+        self._where = {s.name: (g, s) for g in layout.groups for s in g.spans}
+        self._found: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.changed = 0
+
+    def compare(self, name: str, offset: int, current: torch.Tensor, base: torch.Tensor) -> None:
+        """Elements ``offset`` on (in the tensor's own elements) of tensor ``name``: ``current``
+        against ``base`` (contiguous, its dtype), which is brought up to date."""
+        if not current.numel():
+            return
+        group, span = self._where[name]
+        w = group.width
+        cur, old = as_ints(current, w), as_ints(base, w)
+        at = span.start + offset * (current.element_size() // w)
+        if at < span.start or at + cur.numel() > span.start + span.count:
+            raise ValueError(f"delta: a piece of {name!r} past its end")
+        idx = torch.nonzero(cur != old).flatten()
+        if idx.numel():
+            values = cur[idx]
+            old[idx] = values
+            self._found.setdefault(w, []).append((idx + at, values))
+            self.changed += idx.numel()
+
+    def encode(self, version: int, base_version: int, limit: int | None = None) -> Encoded | None:
+        """The blob of everything compared (None: it would exceed ``limit`` bytes)."""
+        found = next(iter(self._found.values()), [])
+        device = found[0][0].device if found else torch.device("cpu")
+        parts: list[_GroupParts] = []
+        for group in self.layout.groups:
+            gp = _GroupParts(group.width)
+            parts.append(gp)
+            pieces = self._found.get(group.width, [])
+            if not pieces:
+                continue
+            pos = torch.cat([p for p, _ in pieces])
+            vals = torch.cat([v for _, v in pieces])
+            pos, order = torch.sort(pos)
+            _pack(group, pos, vals[order], gp, device)
+            if limit is not None and _HEAD.size + sum(p.nbytes for p in parts) > limit:
+                return None
+        blob = _assemble(self.layout, parts, version, base_version, device)
+        elements = sum(g.total for g in self.layout.groups)
+        return Encoded(version, base_version, blob, self.changed, elements)
+
+
+def _pack(
+    group: Group, pos: torch.Tensor, vals: torch.Tensor, gp: _GroupParts, device: torch.device
+) -> None:
+    """Sorted positions and their values of ``group`` as its sections, BATCH elements at a time
+    (bounds the masks' scratch memory)."""
+    ids = pos // CHUNK
+    chunks, counts = torch.unique_consecutive(ids, return_counts=True)
+    per_batch = BATCH // CHUNK
+    first = torch.cumsum(counts, 0) - counts  # where each chunk's elements start
+    for a in range(0, chunks.numel(), per_batch):
+        cid, cnt = chunks[a : a + per_batch], counts[a : a + per_batch]
+        lo = int(first[a])
+        hi = lo + int(cnt.sum())
+        lens = torch.clamp(group.total - cid * CHUNK, max=CHUNK)
+        kinds = _kinds(cnt, lens, group.width, partial=True)
+        per = torch.repeat_interleave(kinds, cnt)
+        offs = pos[lo:hi] % CHUNK
+        rows = torch.cumsum((kinds == MASK).to(torch.int64), 0) - 1
+        nmask = int((kinds == MASK).sum())
+        grid = torch.zeros(nmask, CHUNK, dtype=torch.bool, device=device)
+        is_mask = per == MASK
+        grid[torch.repeat_interleave(rows, cnt)[is_mask], offs[is_mask]] = True
+        packed = (grid.view(-1, CHUNK // 8, 8).to(torch.uint8) * _BITS.to(device)).sum(
+            2, dtype=torch.uint8
+        )
+        gp.add(
+            ids=cid.to(torch.int32),
+            kinds=kinds.to(torch.uint8),
+            counts=cnt.to(torch.int32),
+            offsets=offs[per == SPARSE].to(torch.int32).to(torch.int16),
+            masks=packed.reshape(-1),
+            values=vals[lo:hi],
+        )
 
 
 def _assemble(

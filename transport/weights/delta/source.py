@@ -46,7 +46,7 @@ class DeltaSource:
         self._copy: dict[str, torch.Tensor] | None = None
         self.base = -1  # the version the copy holds
         self.encoded: Encoded | None = None  # the newest version's changes, in the outbox
-        self._outbox = torch.empty(0, dtype=torch.uint8)
+        self._outbox = Outbox()
 
     def stage(self, version: int, tensors: Mapping[str, torch.Tensor], in_use: bool) -> None:
         """At each publish: diff ``version`` if the policy wants it (else drop the copy), and
@@ -73,7 +73,7 @@ class DeltaSource:
         else:
             enc = encode(self.layout, current, self._copy, version, self.base, self.limit)
         self.base = version
-        self.encoded = None if enc is None else self._place(enc, in_use)
+        self.encoded = None if enc is None else self._outbox.place(enc, in_use)
         return self.encoded
 
     def drop(self) -> None:
@@ -81,14 +81,6 @@ class DeltaSource:
         self._copy = None
         self.encoded = None
         self.base = -1
-
-    def _place(self, enc: Encoded, in_use: bool) -> Encoded:
-        n, out = enc.blob.numel(), self._outbox
-        if in_use or out.numel() < n or out.device != enc.blob.device:
-            out = torch.empty(max(n, 2 * out.numel()), dtype=torch.uint8, device=enc.blob.device)
-            self._outbox = out
-        out[:n].copy_(enc.blob)
-        return Encoded(enc.version, enc.base, out[:n], enc.changed, enc.elements)
 
     def changes_for(self, version: int, holds: int, inbox: int, names: int) -> Encoded | None:
         """``version``'s changes for a subscriber that holds version ``holds`` whole, has an
@@ -107,3 +99,21 @@ class DeltaSource:
     def nbytes(self) -> int:
         """The memory this side holds beyond the tensors (the copy)."""
         return 0 if self._copy is None else self.layout.nbytes
+
+
+class Outbox:
+    """Owns the buffer a version's changes are written from (registered once by the first
+    write, grown as needed). Rule: a buffer a write may still read is never overwritten: a new
+    one is taken (the old one goes once nothing refers to it)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def place(self, enc: Encoded, in_use: bool) -> Encoded:
+        """``enc`` with its blob copied into the outbox; ``in_use``: a write may read it."""
+        n, out = enc.blob.numel(), self._buffer
+        if in_use or out.numel() < n or out.device != enc.blob.device:
+            out = torch.empty(max(n, 2 * out.numel()), dtype=torch.uint8, device=enc.blob.device)
+            self._buffer = out
+        out[:n].copy_(enc.blob)
+        return Encoded(enc.version, enc.base, out[:n], enc.changed, enc.elements)

@@ -82,13 +82,23 @@ class Lend:
 class Credit:
     """subscriber -> publisher: the slots it may write now, its newest complete version (-1:
     none yet) and the newest version it is done with (``settled``: complete, or given up), so
-    that the ranks of a sharded trainer start a version only once the one before is settled."""
+    that the ranks of a sharded trainer start a version only once the one before is settled;
+    ``holds``: per slot in ``slots``, the version it holds whole (-1: none, or torn), which a
+    delta written there applies onto (empty: none says)."""
 
     slots: tuple[int, ...]
     newest: int
     settled: int = -1
+    holds: tuple[int, ...] = ()
     KIND: ClassVar[str] = "credit"
-    WIRE: ClassVar[dict[str, str]] = {"slots": "s", "newest": "v", "settled": "d"}
+    WIRE: ClassVar[dict[str, str]] = {"slots": "s", "newest": "v", "settled": "d", "holds": "h"}
+
+    def held(self, slot: int) -> int:
+        """The version ``slot`` holds whole, as this credit says (-1: none)."""
+        for k, v in zip(self.slots, self.holds, strict=False):
+            if k == slot:
+                return v
+        return -1
 
 
 @dataclass(frozen=True)
@@ -147,15 +157,23 @@ class Piece:
 @dataclass(frozen=True)
 class Patch:
     """The notification of a delta put: the changes that make ``version`` out of ``base`` have
-    landed in the subscriber's inbox (``nbytes`` of it); apply them in ``slot`` onto a copy of
-    the slot that holds ``base``, or refuse."""
+    landed in the subscriber's inbox (``nbytes`` of it from byte ``at``; a sharded trainer's
+    ranks each write their own part of the inbox); apply them onto ``slot``, which must hold
+    ``base`` whole, or refuse."""
 
     version: int
     slot: int
     base: int
     nbytes: int
+    at: int = 0
     KIND: ClassVar[str] = "patch"
-    WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s", "base": "p", "nbytes": "n"}
+    WIRE: ClassVar[dict[str, str]] = {
+        "version": "v",
+        "slot": "s",
+        "base": "p",
+        "nbytes": "n",
+        "at": "a",
+    }
 
 
 @dataclass(frozen=True)
@@ -241,7 +259,18 @@ def decode(payload: bytes) -> Message:
     if cls is None or set(m) != set(cls.WIRE.values()) | {"k"}:
         raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
     raw = {name: m[key] for name, key in cls.WIRE.items()}
-    for name in ("version", "slot", "ms", "first", "end", "index", "offset", "nbytes", "base"):
+    for name in (
+        "version",
+        "slot",
+        "ms",
+        "first",
+        "end",
+        "index",
+        "offset",
+        "nbytes",
+        "base",
+        "at",
+    ):
         if name in raw and cls is not Credit and not is_count(raw[name]):
             key = cls.WIRE[name]
             raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
@@ -249,10 +278,13 @@ def decode(payload: bytes) -> Message:
         slots = raw["slots"]
         if not isinstance(slots, list) or not all(is_count(x) and x < MAX_SLOT for x in slots):
             raise WireFormatError("credit slots must be a list of small ints")
-        for key in ("newest", "settled"):
-            if not isinstance(raw[key], int) or isinstance(raw[key], bool):
+        holds = raw["holds"]
+        if not isinstance(holds, list) or len(holds) not in (0, len(slots)):
+            raise WireFormatError("a credit says the version each credited slot holds, or none")
+        for x in [raw["newest"], raw["settled"], *holds]:
+            if not isinstance(x, int) or isinstance(x, bool):
                 raise WireFormatError("credit versions must be ints")
-        return Credit(tuple(slots), raw["newest"], raw["settled"])
+        return Credit(tuple(slots), raw["newest"], raw["settled"], tuple(holds))
     if cls is Forward:
         return Forward(raw["version"], raw["ms"], _targets(raw["targets"]))
     if cls is Segment and not raw["first"] < raw["end"]:

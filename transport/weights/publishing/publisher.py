@@ -231,7 +231,8 @@ class WeightPublisher(PublisherCore):
         return handle.handle
 
     def _patch_for(self, sub: Member, version: int) -> Encoded | None:
-        """With the lock held: ``version``'s changes if ``sub`` takes them; None: whole."""
+        """With the lock held: ``version``'s changes if ``sub`` takes them (it holds their base:
+        the slot written holds it, or is made a copy of the newest); None: whole."""
         if self._deltas is None or sub.name in self._relays:
             return None
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))

@@ -70,7 +70,9 @@ class Member:
         self.asked = time.monotonic()  # when we last said hello (asked for free slots)
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
         self.completed = -1  # the newest version that landed there
+        self.held: dict[int, int] = {}  # credited slot -> the version it holds whole (staging)
         self.inbox = 0  # bytes of its delta inbox (0: it takes versions whole only)
+        self.delta_key: object = None  # a sharded rank's key of its layout (weights/delta/ranks.py)
         self.patch: PatchInFlight | None = None  # changes written, waiting for ``patched``
         self.started = 0.0  # when the write of ``busy`` began
         self.busy: int | None = None  # slot being written
@@ -98,6 +100,11 @@ class Member:
         busy = {self.busy} if self.busy is not None else set()
         free = sorted(self.credits - busy - set(self.fenced))
         return free[0] if free else None
+
+    def holds(self, slot: int) -> int:
+        """The version ``slot`` holds whole as far as we know (-1: none): in place the newest
+        that landed, in staging what its last credit said."""
+        return self.completed if self.mode == "inplace" else self.held.get(slot, -1)
 
     def unfence(self, relay: str, version: int | None = None) -> None:
         """``relay`` reported on this subscriber (on ``version`` or a later one: its writes here

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Mapping
 
@@ -16,24 +15,30 @@ from transport.errors import (
     ClosedError,
     PeerLostError,
     PeerNotFoundError,
+    TransferTimeout,
     TransportError,
     WireFormatError,
 )
 from transport.handle import Handle
 from transport.memory.local import dtype_name
+from transport.weights.delta.codec import Encoded
+from transport.weights.delta.ranks import RankDeltas
+from transport.weights.delta.source import check_delta
 from transport.weights.group.directory import WHOLE, GroupDirectory
-from transport.weights.group.lease import GroupLeases, Lease, PublisherLease, holder_alive
+from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import (
     HELLO_AGAIN,
     Abort,
     Begin,
     Credit,
     Hello,
+    Patch,
+    Patched,
     Ver,
     decode_from,
     encode,
 )
-from transport.weights.group.regions import channel, region
+from transport.weights.group.regions import channel, inbox_region, region
 from transport.weights.group.worker import Worker
 from transport.weights.layouts.planning import (
     LayoutError,
@@ -53,12 +58,11 @@ from transport.weights.publishing.delivery import (
     Landing,
     PublishHandle,
 )
-from transport.weights.publishing.roster import Member
+from transport.weights.publishing.roster import Member, PatchInFlight
+from transport.weights.publishing.trainer_ranks import TrainerRanks
 from transport.weights.publishing.write_plan import SlotWrites, plan_writes
 
 log = logging.getLogger("transport.weights")
-
-_VERSION = re.compile(rb"-1|0|[1-9][0-9]{0,18}")
 
 #: bytes of converted data per transfer, and the pool of staging buffers they go through
 CHUNK_BYTES = 8 << 20
@@ -91,6 +95,16 @@ class ShardedPublisher(PublisherCore):
     plain :class:`WeightPublisher`'s; a sharded group writes every subscriber directly.
 
     One publisher per rank of a group, in whichever process (the rank's lease in the store).
+
+    ``delta=True`` (or ``"auto"``, as for :class:`WeightPublisher`) sends each version to a
+    subscriber with an inbox (``WeightSubscriber(delta=...)``) as the changes of this rank's
+    parts against the version the slot it writes holds (weights/delta/ranks.py): the rank
+    keeps a copy of the bytes it writes to each subscriber layout, converted as written, and
+    writes the changes of the converted bytes into its own share of the inbox (``1/world`` of
+    it). A slot that holds another version, changes too dense or too large for that share,
+    and a refusal mean this rank's parts go whole into the same slot (each rank decides for
+    its own parts; the subscriber keeps its free slot a copy of its newest version, so every
+    rank's changes apply there with no copy on the way).
     """
 
     def __init__(
@@ -103,6 +117,7 @@ class ShardedPublisher(PublisherCore):
         pool_bytes: int = POOL_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
         pack_strided: bool = True,
+        delta: bool | str = False,
     ) -> None:
         if not isinstance(layout, SourceLayout):
             raise TypeError("layout must be a SourceLayout (every rank's share of each tensor)")
@@ -123,8 +138,10 @@ class ShardedPublisher(PublisherCore):
             for _ in range(max(1, pool_bytes // chunk_bytes))
         ]
         self._pool_busy: list[Handle | None] = [None] * len(self._pool)
+        mode = check_delta(delta)
+        self._deltas = RankDeltas(device, chunk_bytes, mode == "auto") if mode else None
         self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
-        self._leases = GroupLeases(transport, group)
+        self._ranks = TrainerRanks(transport, self._dir, rank, self.world, self.digest)
         self._writer = Worker(
             f"transport-ws-rank{rank}-{group}-writes", until=lambda: transport.closed
         )
@@ -137,7 +154,7 @@ class ShardedPublisher(PublisherCore):
             planner=self._plan_member,
         )
         try:
-            self._published(-1)
+            self._ranks.published(-1)
         except BaseException:
             self._undo()
             raise
@@ -192,6 +209,15 @@ class ShardedPublisher(PublisherCore):
             if problems:
                 raise LayoutError(problems)
             runs, boxes = plan_all(self.layout, dest, self.rank)
+            inbox = regions.get(inbox_region(self.group))
+            sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
+            sub.delta_key = raw if raw != WHOLE else tuple(sorted(dest))
+            if self._deltas is not None and sub.inbox:
+                self._deltas.plan(
+                    sub.delta_key,
+                    dest,
+                    lambda pool: plan_writes(pool, str, self._local, runs, boxes, dest),
+                )
             sub.writes = [
                 plan_writes(
                     self._pool,
@@ -221,52 +247,20 @@ class ShardedPublisher(PublisherCore):
         if self._on_cuda:  # what the trainer queued (the optimizer step) has run before we read
             torch.cuda.synchronize(self._pool[0].device)
         self._lease.ensure()
-        self._check_ranks()
-        self._published(version)
+        self._ranks.check()
+        self._ranks.published(version)
         with self._lock:
             self._roster.refresh()
+            keys = {s.delta_key for s in self._subs.values() if s.inbox and s.writes}
+            in_use = any(s.patch is not None for s in self._subs.values())
+        if self._deltas is not None:  # the changes of this rank's parts, before any byte moves
+            self._deltas.stage(version, keys, in_use)
+        with self._lock:
             handle, start = self._begin(version, timeout, "not begun")
             for sub in start:
                 self._start(sub, version, handle)
         self._worker.submit(lambda: None)  # the tick watches the new deadline
         return handle.handle
-
-    def _check_ranks(self) -> None:
-        """The other ranks' leases (those that count: signed by their live holders) must
-        declare this world and source layout, and ``ranks`` (if rank 0 wrote it) this world."""
-        found = self._leases.read(at_least=self.world)
-        problems = [
-            f"rank {r} ({lease}) declares another source layout"
-            + (f" of {lease.world} ranks" if lease.world != self.world else "")
-            for r, lease in sorted(found.leases.items())
-            if r != self.rank and (lease.layout != self.digest or lease.world != self.world)
-        ]
-        if found.ranks is not None and found.ranks != self.world:
-            problems.append(
-                f"the group says {found.ranks} ranks publish it, this rank {self.world}"
-            )
-        if problems:
-            raise LayoutError(
-                problems
-                + ["every rank must build the same SourceLayout (world, shapes, dtypes, slices)"]
-            )
-
-    def _published(self, version: int) -> None:
-        """Say in the store which version this rank began last (the other ranks name us by it;
-        signed: only this rank's holder writes it)."""
-        self.transport.core.signed.set(
-            self._dir.prefix + f"published/{self.rank}", str(version).encode()
-        )
-
-    def _newest_of(self, rank: int, lease: Lease) -> int:
-        """The version rank ``rank`` (held by ``lease``) says it began last; -1 if none that
-        its holder signed (an older value put back by a store writer only makes this report
-        name an older version: it decides nothing)."""
-        key = self._dir.prefix + f"published/{rank}"
-        value = self.transport.core.signed.read(key, f"the version {key}")
-        if value is None or (value.writer, value.generation) != (lease.name, lease.generation):
-            return -1
-        return int(value.body) if _VERSION.fullmatch(value.body) else -1
 
     def _ready(self, sub: Member) -> bool:
         settled = sub.settled >= sub.last
@@ -280,6 +274,7 @@ class ShardedPublisher(PublisherCore):
         slot = 0 if sub.mode == "inplace" else min(sub.credits)
         sub.busy, sub.writing, sub.last = slot, version, version
         sub.credits.discard(slot)
+        sub.started = time.monotonic()
         try:
             self.transport.core.send_control(
                 sub.name, channel(self.group), encode(Begin(version, slot))
@@ -287,7 +282,82 @@ class ShardedPublisher(PublisherCore):
         except TransportError as e:
             self._ended(sub, slot, version, handle, e)
             return
+        patch = self._patch_for(sub, slot, version)
+        if patch is not None:
+            sub.patch = PatchInFlight(version, slot, handle, patch.blob.numel())
+            self._writer.submit(functools.partial(self._write_patch, sub, slot, handle, patch))
+            return
         self._writer.submit(functools.partial(self._write, sub, slot, version, handle))
+
+    def _patch_for(self, sub: Member, slot: int, version: int) -> Encoded | None:
+        """With the lock held: the changes of this rank's parts of ``version`` for ``slot`` of
+        ``sub``, or None (whole). In place the live tensors hold the newest version; in staging,
+        with one rank, the subscriber copies its newest version into a slot that holds
+        another; with more, the slot itself must hold the base."""
+        if self._deltas is None or not sub.inbox:
+            return None
+        single = self.world == 1 or sub.mode == "inplace"
+        holds = sub.newest if single else sub.held.get(slot, -1)
+        room = sub.inbox // self.world // 8 * 8
+        return self._deltas.changes_for(sub.delta_key, version, holds, room)
+
+    def _write_patch(self, sub: Member, slot: int, handle: Delivery, patch: Encoded) -> None:
+        """Writer thread: this rank's changes into its share of ``sub``'s inbox; the
+        subscriber's ``patched`` says the rest."""
+        version, n = patch.version, patch.blob.numel()
+        at = self.rank * (sub.inbox // self.world // 8 * 8)
+        try:
+            h = self.transport.core.put_control_at(
+                patch.blob,
+                inbox_region(self.group),
+                at,
+                sub.name,
+                channel(self.group),
+                encode(Patch(version, slot, patch.base, n, at)),
+                handle.time_left(),
+            )
+        except TransportError as e:
+            with self._lock:
+                if sub.patch is not None and sub.patch.version == version:
+                    sub.patch = None
+                    self._ended(sub, slot, version, handle, e)
+            return
+        h.add_done_callback(
+            lambda h: self._worker.submit(functools.partial(self._on_patch_put, sub, version, h))
+        )
+
+    def _on_patch_put(self, sub: Member, version: int, h: Handle) -> None:
+        """The changes landed (the subscriber's ``patched`` tells the rest), or failed."""
+        err = h.exception(0)
+        with self._lock:
+            p = sub.patch
+            if err is None or p is None or p.version != version:
+                return
+            sub.patch = None
+            self._ended(sub, p.slot, version, p.handle, err)
+
+    def _on_patched(self, peer: str, m: Patched) -> None:
+        with self._lock:
+            sub = self._subs.get(peer)
+            p = None if sub is None else sub.patch
+            if sub is None or p is None or (p.version, p.slot) != (m.version, m.slot):
+                return
+            sub.patch = None
+            assert self._deltas is not None  # only a delta rank writes changes
+            if not m.why:
+                p.handle.result.patched[peer] = p.nbytes
+                self._deltas.policy.wrote(True, time.monotonic() - sub.started)
+                self._ended(sub, m.slot, m.version, p.handle, None)
+                return
+            log.info(
+                "group %s: %s refused rank %d's changes of version %d (%s); writing them whole",
+                self.group,
+                peer,
+                self.rank,
+                m.version,
+                m.why,
+            )
+        self._writer.submit(functools.partial(self._write, sub, m.slot, m.version, p.handle))
 
     def _write(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
         """Writer thread: post this rank's writes of ``version`` into ``slot`` (converting through
@@ -334,6 +404,8 @@ class ShardedPublisher(PublisherCore):
         finished, err = state.landed(error)
         if not finished:
             return
+        if err is None and self._deltas is not None:
+            self._deltas.policy.wrote(False, time.monotonic() - sub.started)
         if err is None:
             try:
                 self.transport.core.send_control(
@@ -359,7 +431,7 @@ class ShardedPublisher(PublisherCore):
             self._roster.lose(sub)
             return
         self._give_up(sub, version, slot)
-        handle.settle(sub.name, EXCLUDED, f"{err}; {self._missing(version)}")
+        handle.settle(sub.name, EXCLUDED, f"{err}; {self._ranks.missing(version)}")
         self._next(sub)
 
     def _give_up(self, sub: Member, version: int, slot: int) -> None:
@@ -384,43 +456,10 @@ class ShardedPublisher(PublisherCore):
                 handle.settle(
                     sub.name,
                     EXCLUDED,
-                    f"version {version} was given up there; {self._missing(version)}",
+                    f"version {version} was given up there; {self._ranks.missing(version)}",
                 )
         if sub.acked is None:
             self._next(sub)
-
-    def _missing(self, version: int) -> str:
-        """The other ranks, and why each may lack its parts of ``version`` (from the store: gone,
-        never published it, or published it and its parts did not land; the subscriber's log
-        says which ranks' parts it got)."""
-        try:
-            leases = self._leases.read(at_least=self.world, live=False).leases
-            out = []
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
-                lease = leases.get(r)
-                if lease is None:
-                    out.append(f"rank {r} has no publisher")
-                    continue
-                if not holder_alive(self.transport, lease):
-                    out.append(f"rank {r} ({lease.name}) is gone")
-                    continue
-                newest = self._newest_of(r, lease)
-                if newest < version:
-                    out.append(
-                        f"rank {r} ({lease.name}) has not published version {version} "
-                        f"(its newest: {newest})"
-                    )
-                    continue
-                suspect = self.transport.core.suspect(lease.name, lease.generation)
-                out.append(
-                    f"rank {r} ({lease.name}) began it, but its parts did not complete"
-                    + (f" (suspect: {suspect})" if suspect else "")
-                )
-        except TransportError as e:
-            return f"the other ranks could not be read: {e}"
-        return "other ranks: " + "; ".join(out) if out else "this rank is the only one"
 
     # -- messages ----------------------------------------------------------------------------------
 
@@ -431,6 +470,8 @@ class ShardedPublisher(PublisherCore):
         if isinstance(m, Credit):
             # only the newest credit of a subscriber counts: a flood queues one piece of work
             self._worker.latest(("credit", peer), m, functools.partial(self._on_credit, peer))
+        elif isinstance(m, Patched):
+            self._worker.offer(functools.partial(self._on_patched, peer, m))
 
     def _on_credit(self, peer: str, credit: Credit) -> None:
         with self._lock:
@@ -440,6 +481,7 @@ class ShardedPublisher(PublisherCore):
             sub.settled, sub.newest = credit.settled, max(sub.newest, credit.newest)
             if sub.mode == "staging":
                 sub.credits = {s for s in credit.slots if 0 <= s < sub.slots}
+                sub.held = {s: credit.held(s) for s in sub.credits}
             self._heard(sub)
 
     def _deadlines(self) -> float:
@@ -448,6 +490,11 @@ class ShardedPublisher(PublisherCore):
         now = time.monotonic()
         with self._lock:
             for sub in self._subs.values():
+                p = sub.patch
+                if p is not None and p.handle.deadline <= now:
+                    sub.patch = None
+                    why = f"it did not apply rank {self.rank}'s changes of version {p.version} in time"
+                    self._ended(sub, p.slot, p.version, p.handle, TransferTimeout(why))
                 if sub.acked is not None and sub.acked[2].deadline <= now:
                     version, slot, handle = sub.acked
                     sub.acked = None
@@ -456,14 +503,14 @@ class ShardedPublisher(PublisherCore):
                         sub.name,
                         EXCLUDED,
                         f"version {version} did not complete within the deadline; "
-                        f"{self._missing(version)}",
+                        f"{self._ranks.missing(version)}",
                     )
                     self._next(sub)
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
                     why = (
-                        f"the subscriber is not done with version {sub.last}; {self._missing(sub.last)}"
+                        f"the subscriber is not done with version {sub.last}; {self._ranks.missing(sub.last)}"
                         if sub.last >= 0 and sub.settled < sub.last
                         else "the subscriber never said which slots are free"
                     )

@@ -23,22 +23,24 @@ Item = tuple[str, torch.Tensor, int]
 @dataclass(frozen=True)
 class Chunk:
     """Converted data of one slot: ``fill`` (in order) converts the sources into pool buffer
-    ``buffer``; ``batch`` then writes them to the subscriber."""
+    ``buffer``; ``batch`` then writes them to the subscriber (``items``: what it writes)."""
 
     buffer: int
     fill: tuple[Callable[[], object], ...]
     batch: Batch
+    items: tuple[Item, ...]
 
 
 @dataclass(frozen=True)
 class SlotWrites:
     """What a rank writes into one slot of one subscriber for every version: ``direct`` (runs of
-    the same dtype, straight from the shards; None if there are none) and ``chunks`` (converted
-    through the pool, in order); ``nbytes`` in all."""
+    the same dtype, straight from the shards; None if there are none; ``direct_items``: what it
+    writes) and ``chunks`` (converted through the pool, in order); ``nbytes`` in all."""
 
     direct: Batch | None
     chunks: tuple[Chunk, ...]
     nbytes: int
+    direct_items: tuple[Item, ...] = ()
 
 
 class WritePlanner:
@@ -76,7 +78,8 @@ class WritePlanner:
     def close(self) -> None:
         if self.items:
             buffer = len(self.chunks) % len(self.pool)
-            self.chunks.append(Chunk(buffer, tuple(self.fill), make_batch(self.items)))
+            batch = make_batch(self.items)
+            self.chunks.append(Chunk(buffer, tuple(self.fill), batch, tuple(self.items)))
         self.fill, self.items, self.used = [], [], 0
 
     def run(self, r: Run, src: torch.Tensor, dtype: torch.dtype) -> None:
@@ -163,7 +166,7 @@ class WritePlanner:
     def done(self) -> SlotWrites:
         self.close()
         direct = make_batch(self.direct) if self.direct else None
-        return SlotWrites(direct, tuple(self.chunks), self.nbytes)
+        return SlotWrites(direct, tuple(self.chunks), self.nbytes, tuple(self.direct))
 
 
 def buf_size(dtype: torch.dtype) -> int:

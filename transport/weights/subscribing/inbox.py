@@ -27,31 +27,23 @@ def inbox_bytes(delta: object, nbytes: int) -> int:
     return delta
 
 
-def delta_inbox(
-    delta: object, mode: str, slots: int, layout: bool, staging: list[dict[str, torch.Tensor]]
-) -> DeltaInbox | None:
+def delta_inbox(delta: object, staging: list[dict[str, torch.Tensor]]) -> DeltaInbox | None:
     """The inbox a subscriber's ``delta=`` asks for, or None; ValueError where it cannot have
     one."""
     nbytes = sum(t.numel() * t.element_size() for t in staging[0].values())
     size = inbox_bytes(delta, nbytes)
-    if not size:
-        return None
-    if (mode == "staging" and slots != 2) or layout:
-        raise ValueError(
-            "delta=True needs two staging slots (changes are applied onto a copy of the slot "
-            "holding their base) or mode='inplace', and no layout"
-        )
-    return DeltaInbox(staging, size)
+    return DeltaInbox(staging, size) if size else None
 
 
 class DeltaInbox:
-    """Owns the inbox (``buffer``, uint8, on the slots' device) that a publisher writes a
-    version's changes into, and makes a slot of them: a copy of the slot holding the base, the
-    changes applied onto it, bit for bit.
+    """Owns the inbox (``buffer``, uint8, on the slots' device) that publishers write a
+    version's changes into (each rank of a sharded trainer its own part), and applies them onto
+    a slot holding their base, bit for bit; and makes a slot a copy of another (priming: a free
+    slot then holds the newest version, which the next version's changes apply onto).
 
-    Rules: the slots are a subscriber's flat staging copies (views of one buffer per slot, all
-    on one device); the changes are checked whole (weights/delta/codec.py) before the slot is
-    touched; the caller keeps both slots from every other writer meanwhile."""
+    Rules: the slots are a subscriber's staging copies (or, in place, its live tensors), all on
+    one device; the changes are checked whole (weights/delta/codec.py) before the slot is
+    touched; the caller keeps the slots from every other writer meanwhile."""
 
     def __init__(self, slots: list[dict[str, torch.Tensor]], nbytes: int) -> None:
         first = slots[0]
@@ -66,27 +58,29 @@ class DeltaInbox:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=devices.pop())
         self._copies: dict[tuple[int, int], CopyRuns] = {}  # (src, dst) -> its runs, made once
 
-    def made(self, src: int, dst: int, version: int, base: int, nbytes: int) -> str:
+    def made(self, dst: int, version: int, base: int, at: int, nbytes: int) -> str:
         """:meth:`make`; "" when done, else why nothing was written."""
         try:
-            self.make(src, dst, version, base, nbytes)
+            self.make(dst, version, base, at, nbytes)
         except DeltaError as e:
             return str(e)
         return ""
 
-    def make(self, src: int, dst: int, version: int, base: int, nbytes: int) -> None:
-        """Slot ``dst`` becomes ``version``: a copy of slot ``src`` (holding ``base``; in place
-        the same slot, the live tensors) with the changes of the inbox's first ``nbytes``
-        applied. DeltaError (nothing written) when the
-        changes break a rule or were made for other tensors or another base."""
-        if nbytes > self.buffer.numel():
+    def make(self, dst: int, version: int, base: int, at: int, nbytes: int) -> None:
+        """Apply the changes in the inbox's bytes ``at`` to ``at + nbytes - 1`` onto slot
+        ``dst`` (holding ``base``; in place the live tensors). DeltaError (nothing written)
+        when the changes break a rule or were made for other tensors or another base."""
+        if at + nbytes > self.buffer.numel():
             raise DeltaError(
-                f"delta: {nbytes} bytes announced, the inbox holds {self.buffer.numel()}"
+                f"delta: bytes {at} to {at + nbytes} announced, the inbox holds "
+                f"{self.buffer.numel()}"
             )
-        decoded = decode(self.layout, self.buffer[:nbytes], version, base)
-        if src != dst:
-            runs = self._copies.get((src, dst))
-            if runs is None:
-                runs = self._copies[(src, dst)] = copy_runs(self.slots[dst], self.slots[src])
-            runs.run()
+        decoded = decode(self.layout, self.buffer[at : at + nbytes], version, base)
         apply(decoded, self.slots[dst])
+
+    def prime(self, src: int, dst: int) -> None:
+        """Slot ``dst`` becomes a copy of slot ``src``."""
+        runs = self._copies.get((src, dst))
+        if runs is None:
+            runs = self._copies[(src, dst)] = copy_runs(self.slots[dst], self.slots[src])
+        runs.run()

@@ -15,12 +15,16 @@ class Slots:
     version's slot was handed back (``handed_back``: applied and no longer readable, as with
     one slot or a lend), the newest version a publisher asked to lend a slot for, and (in place)
     whether a write of another version began since the last version landed (``dirty``: the
-    live tensors may be torn).
+    live tensors may be torn). For delta versions: the version being written into each slot
+    (``writing``), the slots whose bytes no longer are the version they held (``torn``: a
+    write into them was given up, or another began), and the slots being made a copy of the
+    newest version (``priming``: a delta then applies onto them).
 
     Rules: the subscriber's lock guards it, every call but :meth:`pulling` is made under that
     lock (which ``lock`` is). A writer takes
     only :meth:`free` slots: never the newest complete version's (until handed back), the held
-    one, or one a forward or a patch reads; one read or apply at a time.
+    one, one a forward or a copy reads, or one being primed; one read or apply at a time. A
+    slot is primed only when it has just become free (so no writer was offered it since).
     """
 
     def __init__(self, count: int, lock: threading.Condition) -> None:
@@ -34,6 +38,9 @@ class Slots:
         self.aborted: dict[int, int] = {}  # slot -> a version written there that was given up
         self.lend_for = -1
         self.dirty = False  # in place: a write began since the last version landed, and failed
+        self.writing: dict[int, int] = {}  # slot -> the version a publisher began there
+        self.torn: set[int] = set()
+        self.priming: set[int] = set()
 
     def landed(self, slot: int, version: int) -> None:
         """``version`` is complete in ``slot``: the newest."""
@@ -41,13 +48,61 @@ class Slots:
         self.newest = slot
         self.handed_back = False
         self.dirty = False
+        self.torn.discard(slot)
+        self.writing.pop(slot, None)
+
+    def begin(self, slot: int, version: int) -> None:
+        """A publisher began writing ``version`` into ``slot``: a slot where another version was
+        begun and never landed is torn."""
+        if 0 <= slot < self.count:
+            if self.writing.get(slot, version) != version:
+                self.torn.add(slot)
+            self.writing[slot] = version
+
+    def abort(self, slot: int, version: int) -> None:
+        """The write of ``version`` into ``slot`` was given up: what the slot held is torn."""
+        self.aborted[slot] = version
+        if self.writing.get(slot) == version:
+            del self.writing[slot]
+            self.torn.add(slot)
+
+    def holds(self, slot: int) -> int:
+        """The version ``slot`` holds whole (-1: none, or torn)."""
+        return -1 if slot in self.torn else self.version[slot]
 
     def free(self) -> list[int]:
         """The slots a publisher may write. Never the newest version's, except the only slot
         once that version was applied (then it is no longer readable)."""
         newest = None if self.handed_back else self.newest
-        busy = {self.held, newest} | {k for k, n in self.forwarding.items() if n}
+        busy = {self.held, newest} | {k for k, n in self.forwarding.items() if n} | self.priming
         return [k for k in range(self.count) if k not in busy]
+
+    def to_prime(self, before: list[int]) -> tuple[int, list[int]] | None:
+        """The newest version's slot and the slots to make copies of it: those free now that
+        were not in ``before`` (the free slots before a change of state) and hold another
+        version; marked ``priming`` (and the source pinned) until :meth:`primed`. None: none."""
+        src = self.newest
+        if src is None or self.handed_back or src in self.torn:
+            return None
+        want = self.version[src]
+        dst = [k for k in self.free() if k not in before and self.holds(k) != want]
+        if not dst:
+            return None
+        self.priming.update(dst)
+        self.pin(src)
+        return src, dst
+
+    def primed(self, src: int, dst: list[int], ok: bool) -> None:
+        """The copies of :meth:`to_prime` were made (``ok``) or not (then the slots hold none)."""
+        for k in dst:
+            self.priming.discard(k)
+            self.writing.pop(k, None)
+            if ok:
+                self.version[k] = self.version[src]
+                self.torn.discard(k)
+            else:
+                self.torn.add(k)
+        self.unpin(src)
 
     def hold(self, slot: int) -> None:
         """Keep ``slot`` from every writer: no slot is held twice."""
@@ -91,23 +146,30 @@ class Slots:
             and not self.forwarding.get(slot)
         )
 
-    def patch_source(self, slot: int, base: int, in_place: bool) -> tuple[int | None, str]:
-        """The slot holding ``base`` whole, to copy into ``slot`` before changes are applied
-        there (``in_place``: ``slot`` itself, the live tensors), pinned; or None and why there
-        is none."""
-        src = self.newest
+    def patch_target(
+        self, slot: int, version: int, base: int, in_place: bool, single: bool
+    ) -> tuple[str, int | None]:
+        """Whether the changes that make ``version`` out of ``base`` apply onto ``slot``, which
+        must hold ``base`` whole and be written with ``version`` only: ("", None) if they do;
+        ("", source) if ``slot`` is first made a copy of slot ``source`` (pinned), the newest
+        version's, which is ``base`` (``single``: one publisher writes the version, so nobody
+        else writes ``slot`` meanwhile); else (why not, None)."""
         if not 0 <= slot < self.count:
-            return None, f"slot {slot} does not exist"
+            return f"slot {slot} does not exist", None
+        held = "torn" if slot in self.torn or (in_place and self.dirty) else self.version[slot]
         if in_place:
-            if src != slot or self.version[slot] != base or self.dirty:
-                held = "torn" if self.dirty else f"version {self.version[slot]}"
-                return None, f"its live tensors hold {held}, not version {base} whole"
-            self.pin(slot)
-            return slot, ""
-        if src is None or self.handed_back or self.version[src] != base:
-            newest = -1 if src is None or self.handed_back else self.version[src]
-            return None, f"it holds version {newest} whole, not {base}"
-        if slot in (src, self.held) or self.forwarding.get(slot):
-            return None, f"slot {slot} is in use"
-        self.pin(src)
-        return src, ""
+            if self.newest != slot or held != base:
+                return f"its live tensors hold version {held}, not version {base} whole", None
+            return "", None
+        newest = None if self.handed_back else self.newest
+        if slot in (newest, self.held) or self.forwarding.get(slot) or slot in self.priming:
+            return f"slot {slot} is in use", None
+        if self.writing.get(slot, version) != version:
+            return f"slot {slot} is being written with version {self.writing[slot]}", None
+        if held == base:
+            return "", None
+        src = self.newest
+        if single and src is not None and not self.handed_back and self.holds(src) == base:
+            self.pin(src)
+            return "", src
+        return f"slot {slot} holds version {held}, not {base} whole", None

@@ -48,7 +48,7 @@ from transport.weights.group.worker import Worker
 from transport.weights.layouts.flat import copy_runs_from, flat_copies
 from transport.weights.layouts.planning import DestTensor
 from transport.weights.subscribing.given import Snapshot, check_given
-from transport.weights.subscribing.inbox import delta_inbox
+from transport.weights.subscribing.patches import Patches
 from transport.weights.subscribing.rank_parts import RankParts
 from transport.weights.subscribing.relay import Relay, RelayHost
 from transport.weights.subscribing.slots import Slots
@@ -104,15 +104,15 @@ class WeightSubscriber(Closing):
     global shape) goes with the layout: a trainer whose tensors have other shapes (a trainer of
     another model, whose slices would still fit) is refused with the tensors named.
 
-    ``delta=True`` (staging with two slots, or in place) gives the subscriber an inbox for a
-    version's changes (a quarter of its bytes; an int: that many bytes), which a publisher with
-    ``delta=True`` writes instead of the whole version when this side holds the version the
-    changes apply to: a staging subscriber copies the slot holding that version into the free
-    slot and applies the changes there, one in place applies them to its live tensors (inside
-    the window of a :class:`WindowedSubscriber`), bit for bit, before the version is complete;
-    live tensors a write of another version left torn take no changes. Changes made
-    for another version, other tensors, or that break a rule of their format are refused (the
-    publisher then writes the version whole).
+    ``delta=True`` gives the subscriber an inbox for a version's changes (a quarter of its
+    bytes; an int: that many bytes), which a publisher with ``delta=`` writes instead of the
+    whole version when the slot it writes holds the version the changes apply to: a staging
+    subscriber keeps its free slot a copy of its newest version (made when the slot frees),
+    one in place applies them to its live tensors (inside the window of a
+    :class:`WindowedSubscriber`), bit for bit, before the version is complete; a slot a write
+    of another version left torn takes no changes. Every rank of a sharded trainer writes the
+    changes of its own parts. Changes made for another version, other tensors, or that break a
+    rule of their format are refused (the publisher then writes the version whole).
     """
 
     #: the mode a subclass shows publishers in its group entry (``staging``: they write only the
@@ -154,12 +154,17 @@ class WeightSubscriber(Closing):
             self._runs = [] if self.spec_only else copy_runs_from(self.live, self.staging)
         else:
             self.staging = [self.live]
-        self._inbox = delta_inbox(delta, mode, self.slots, self.layout is not None, self.staging)
-        #: versions that came as their changes, and changes refused (each then came whole)
-        self.patched = 0
-        self.patches_refused = 0
         self._lock = threading.Condition()
         self._slots = Slots(self.slots, self._lock)
+        #: delta versions: ``deltas.patched`` came as changes, ``deltas.refused`` were refused
+        self.deltas = Patches(
+            delta,
+            self.staging,
+            self._slots,
+            mode == "inplace",
+            self._submit,
+            self._credit_if_open,
+        )
         self.version = -1
         self.applied_version = -1
         self.incomplete: int | None = None
@@ -198,8 +203,8 @@ class WeightSubscriber(Closing):
         try:
             self._stop_control = transport.core.on_control(channel(group), self._admit)
             exposed = slot_regions(group, self.staging, self._entry)
-            if self._inbox is not None:
-                exposed[inbox_region(group)] = self._inbox.buffer
+            if self.deltas.inbox is not None:
+                exposed[inbox_region(group)] = self.deltas.inbox.buffer
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="w")
             self._exposed = list(exposed)
@@ -233,7 +238,7 @@ class WeightSubscriber(Closing):
             with self._lock:
                 self._publishers.add(peer)
                 if 0 <= m.slot < self.slots and m.version > self.version:
-                    self._slots.aborted[m.slot] = m.version
+                    self._slots.abort(m.slot, m.version)
                     if self.incomplete == m.version:
                         self.incomplete = None
                     self._ranks.give_up(m.version, f"{peer} gave it up", self._upstream.world)
@@ -249,6 +254,7 @@ class WeightSubscriber(Closing):
                     self.incomplete = m.version
                 if self._slots.aborted.get(m.slot, m.version) != m.version:
                     del self._slots.aborted[m.slot]  # another version is written there now
+                self._slots.begin(m.slot, m.version)
             if self.relay and 0 <= m.slot < self.slots:
                 self._relay.on_begin(m)
         elif isinstance(m, Ver):
@@ -286,7 +292,8 @@ class WeightSubscriber(Closing):
                 return  # another rank's parts are still on their way
             newer = version > self.version
             if newer:
-                self._slots.landed(slot, version)
+                with self.deltas.freeing():
+                    self._slots.landed(slot, version)
                 self.version = version
                 if self.mode == "inplace":
                     self.applied_version = version
@@ -306,26 +313,16 @@ class WeightSubscriber(Closing):
             self._worker.submit(lambda: cb(version))
 
     def _patch(self, peer: str, m: Patch) -> None:
-        """Worker: make slot ``m.slot`` version ``m.version`` out of the changes in the inbox and
-        the slot holding ``m.base``; tell ``peer`` whether it could."""
+        """Worker: make slot ``m.slot`` version ``m.version`` by the changes in the inbox; tell
+        ``peer`` whether it could."""
         with self._lock:
             if self._slots.aborted.get(m.slot) == m.version:
                 return  # given up by its publisher, whose next credit may hand this slot out
-            src, why = None, "it has no inbox for changes, or its window is shut"
             window = self.mode == "staging" or self._entry == "inplace" or self._free_slots()
-            if self._inbox is not None and window:  # the source slot is pinned
-                src, why = self._slots.patch_source(m.slot, m.base, self.mode == "inplace")
-        if not why:
-            assert self._inbox is not None and src is not None
-            try:
-                why = self._inbox.made(src, m.slot, m.version, m.base, m.nbytes)
-            finally:
-                self._unpin(src)
+        why = self.deltas.apply(m, bool(window), self._upstream.world == 1)
         if why:
             log.info("group %s: refusing the changes of version %d: %s", self.group, m.version, why)
-            self.patches_refused += 1
         else:
-            self.patched += 1
             self._on_version(peer, m.version, m.slot)
         try:
             reply = encode(Patched(m.version, m.slot, why[:512]))
@@ -394,7 +391,7 @@ class WeightSubscriber(Closing):
             return src, None
 
     def _unpin(self, slot: int) -> None:
-        with self._lock:
+        with self._lock, self.deltas.freeing():
             self._slots.unpin(slot)
             self._lock.notify_all()
 
@@ -426,9 +423,9 @@ class WeightSubscriber(Closing):
                 self.transport.core.peer(peer, refresh=True)
             with self._lock:
                 free, newest, settled = self._free_slots(), self.version, self.settled
-            self.transport.core.send_control(
-                peer, channel(self.group), encode(Credit(tuple(free), newest, settled))
-            )
+                holds = tuple(self._slots.holds(k) for k in free)
+            credit = Credit(tuple(free), newest, settled, holds)
+            self.transport.core.send_control(peer, channel(self.group), encode(credit))
         except TransportError as e:
             log.info("could not tell %s which slots are free: %s", peer, e)
 
@@ -541,7 +538,7 @@ class WeightSubscriber(Closing):
             self._release(got if self.spec_only else None)
 
     def _release(self, applied: int | None) -> None:
-        with self._lock:
+        with self._lock, self.deltas.freeing():
             self._slots.held = None
             if applied is not None:
                 self.applied_version = max(self.applied_version, applied)
