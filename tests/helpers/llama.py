@@ -28,6 +28,10 @@ KINDS = ("llama", "llama-tied", "qwen2-tied", "qwen3-moe", "qwen2-moe", "qwen3-m
 MOE = ("qwen3-moe", "qwen2-moe")
 #: the kinds whose input and output embeddings are one tensor
 TIED = ("llama-tied", "qwen2-tied", "qwen2-moe")
+#: versions from here on are version 1 followed by ``version - STEPS`` small steps, each setting
+#: STEP_SHARE of every tensor's elements anew (what delta updates carry)
+STEPS = 1000
+STEP_SHARE = 0.02
 
 
 def config(kind: str = "llama", layers: int = 2, hidden: int = 64, vocab: int = 256) -> object:
@@ -94,8 +98,16 @@ def set_version(state: dict[str, torch.Tensor], version: int) -> None:
     """Fill ``state`` (checkpoint names) with the weights of ``version``, in place. A tensor that
     two names share (tied embeddings) is filled once, under its first name in sorted order that
     a checkpoint keeps: the same values whether ``state`` lists it once (a checkpoint) or twice
-    (a model's state dict)."""
-    g = torch.Generator().manual_seed(1000 + version)
+    (a model's state dict). Versions from :data:`STEPS` on are version 1 with small steps."""
+    _fill(state, 1 if version >= STEPS else version, 1.0)
+    for step in range(STEPS + 1, version + 1):
+        _fill(state, step, STEP_SHARE)
+
+
+def _fill(state: dict[str, torch.Tensor], seed: int, share: float) -> None:
+    """Set ``share`` of every tensor's elements (all of them, or a sample) to values drawn from
+    ``seed``."""
+    g = torch.Generator().manual_seed(1000 + seed)
     seen: set[int] = set()
     with torch.no_grad():
         for name in sorted(state, key=lambda n: (n == "lm_head.weight", n)):
@@ -103,8 +115,15 @@ def set_version(state: dict[str, torch.Tensor], version: int) -> None:
             if t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
-            noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-            t.copy_(noise * 0.2 if t.dim() >= 2 else 1.0 + 0.1 * noise)
+            if share >= 1.0:
+                noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+                t.copy_(noise * 0.2 if t.dim() >= 2 else 1.0 + 0.1 * noise)
+                continue
+            flat = t.view(-1)
+            n = max(1, int(flat.numel() * share))
+            idx = torch.randint(0, flat.numel(), (n,), generator=g).unique()
+            noise = torch.randn(idx.numel(), generator=g, dtype=torch.float32)
+            flat[idx] = (noise * 0.2 if t.dim() >= 2 else 1.0 + 0.1 * noise).to(t.dtype)
 
 
 def checkpoint_tensors(model: object, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

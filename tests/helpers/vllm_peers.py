@@ -374,21 +374,33 @@ def _trainer_child(conn: Any, name: str, env: dict[str, str]) -> None:
             for n, x in checkpoint_tensors(models[-1], models[-1].state_dict()).items():
                 saved[-1][n].copy_(x)
 
+    patched: dict[str, int] = {}  # of the last send or publish: who took changes, bytes
+
     def send(version: int) -> tuple[dict[str, str], dict[str, str]]:
         set_source(version)
         r = engines[-1].send_weights(version)
+        patched.clear()
+        patched.update(r.patched)
         return dict(r.status), dict(r.reasons)
 
     def publish(version: int, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, str]]:
         """Publish only: vLLM is not asked to load it."""
         set_source(version)
         r = engines[-1].publisher.publish(version, timeout=timeout).wait(timeout + 30)
+        patched.clear()
+        patched.update(r.patched)
         return dict(r.status), dict(r.reasons)
 
     def traffic() -> dict[str, int]:
         return {n: x.written for n, x in engines[-1].transport.traffic().items()}
 
-    handlers = {"connect": connect, "send": send, "publish": publish, "traffic": traffic}
+    handlers = {
+        "connect": connect,
+        "send": send,
+        "publish": publish,
+        "traffic": traffic,
+        "patched": lambda: dict(patched),
+    }
     serve(conn, handlers, lambda: [e.shutdown() for e in engines])
 
 
@@ -399,7 +411,8 @@ class HttpTrainer(ChildProcess):
     (trainer_init of the test model ``kind``; its source named as in memory, or ``names=
     "checkpoint"`` as its saved checkpoint), ``send(version)`` (sets the model's parameters to that version and
     sends them; returns the publish's (status, reasons)), ``publish(version)`` (only publishes),
-    ``traffic`` (bytes written to each peer so far)."""
+    ``traffic`` (bytes written to each peer so far), ``patched`` (of the last send or publish:
+    the workers that took the version as changes, and the bytes written to each)."""
 
     FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
 

@@ -11,6 +11,8 @@ checks that first: whatever a test leaves behind shows in the next one.
   trainer without the secret finds no subscriber to write (their group entries are signed).
 - A sharded trainer of two ranks writes each worker only the intersection of what it holds
   and what the worker keeps, every byte once.
+- Delta versions through the trainer engine: each worker receives only the changes of its own
+  slice, and serves the tokens of the same version sent whole.
 - No room for one staging copy of a worker's slice: each version goes straight into the
   parameters, or when asked streams through two buckets (vLLM's CPU build's choice), inside
   vLLM's finish call, each worker only its slice (counted), and nothing is written while vLLM
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.llama import kept_bytes
+from helpers.llama import STEPS, kept_bytes
 from helpers.vllm_peers import (
     AS_STORED_PATH,
     HttpTrainer,
@@ -147,6 +149,35 @@ def test_a_sharded_trainer_writes_each_tp_worker_only_the_intersection(
     finally:
         for r in ranks:
             r.stop()
+
+
+@pytest.mark.delta
+def test_delta_versions_carry_only_the_changes_of_each_workers_slice(
+    shared: Shared, redis_url: str, reference
+):
+    """The trainer engine with ``delta=True``: the workers are told to keep an inbox, and from
+    the second version on each receives only the changes in its own slice (a step sets 2% of
+    the elements anew), applied onto the version it holds; the server then says exactly what
+    transformers says on the same weights, as after a whole version."""
+    server, trainer = shared.server, shared.trainer
+    assert server.generate() == reference(shared.version)
+    namespace = f"vllm-delta-{uuid.uuid4().hex[:8]}"
+    init = {"timeout": 60, "delta": True}
+    trainer.call("connect", server.url, redis_url, namespace, init, timeout=120)
+    want, _ = kept_bytes("llama")
+    first = max(STEPS, shared.version + 1)
+    for version in range(first, first + 3):
+        status, reasons = trainer.call("send", version, timeout=180)
+        assert len(status) == TP and set(status.values()) == {"done"}, reasons
+        patched = trainer.call("patched")
+        if version == first:  # nothing to apply changes onto yet
+            assert patched == {}, patched
+        else:  # each worker: the changes of its slice, a small part of it
+            assert set(patched) == set(status), patched
+            assert all(0 < n < want // 5 for n in patched.values()), (patched, want)
+        assert server.generate() == reference(version), f"version {version}"
+        shared.version = version
+    assert reference(first) != reference(first + 2)  # the steps change what the model says
 
 
 @pytest.mark.parametrize(("asked", "mode"), [("auto", "inplace"), ("streamed", "streamed")])

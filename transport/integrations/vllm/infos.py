@@ -75,8 +75,11 @@ class TransportInitInfo(WeightTransferInitInfo):
     joining the store. ``names`` says how the trainer names its tensors: ``"model"`` as
     transformers holds the model in memory (experts fused: ``mlp.experts.gate_up_proj``),
     ``"checkpoint"`` as its saved checkpoint does (one tensor per expert matrix); the trainer
-    engine tells (see checkpoint.py). The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET`` in
-    vLLM's environment, never from this message."""
+    engine tells (see checkpoint.py). ``delta=True`` gives the worker an inbox for a version's
+    changes (a quarter of the bytes it receives), so that a trainer publishing with ``delta``
+    sends only what changed in this worker's slice (sharded and in place; streamed and whole
+    workers take versions whole). The secret, if the namespace has one, comes from
+    ``$TRANSPORT_SECRET`` in vLLM's environment, never from this message."""
 
     store: str
     namespace: str = "default"
@@ -89,8 +92,11 @@ class TransportInitInfo(WeightTransferInitInfo):
     staging_gb: float | None = None
     staging_slots: int | None = None
     names: str = "model"
+    delta: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"transport init_info: delta is true or false, got {self.delta!r}")
         if self.names not in NAMES:
             raise ValueError(
                 f"transport init_info: names is one of {NAMES} (how the trainer names its "

@@ -40,7 +40,12 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     ``layout`` (a :class:`~transport.weights.SourceLayout` of the checkpoint tensors, the same on
     every rank) makes a sharded trainer: every rank passes its own shards as the source and
     publishes them (peer ``<name>-r<rank>``), each writing only its part of every worker's
-    checkpoint tensors; rank 0 also drives vLLM's update once every rank's parts landed."""
+    checkpoint tensors; rank 0 also drives vLLM's update once every rank's parts landed.
+
+    ``delta`` (``True`` or ``"auto"``, as for :class:`~transport.WeightPublisher`) sends each
+    version as the changes against the one before, into every worker that holds it: each worker
+    receives the changes of only its own slice (the workers are told to keep an inbox);
+    workers that receive streamed or whole checkpoints through a relay take versions whole."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -58,6 +63,7 @@ class TransportTrainerInitInfo(TrainerInitInfo):
     staging_gb: float | None = None
     staging_slots: int | None = None
     names: str | None = None
+    delta: bool | str = False
 
     def worker_info(self) -> dict[str, Any]:
         """What each vLLM worker is told (small JSON)."""
@@ -77,6 +83,8 @@ class TransportTrainerInitInfo(TrainerInitInfo):
             info["staging_slots"] = self.staging_slots
         if self.names not in (None, "model"):
             info["names"] = self.names
+        if self.delta:
+            info["delta"] = True
         mode = "whole" if self.fanout != "direct" and self.layout is None else self.mode
         if mode != "auto":
             info["mode"] = mode
@@ -181,13 +189,23 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
         try:
             if init_info.layout is not None:
                 engine.publisher = ShardedPublisher(
-                    t, engine.tensors, init_info.layout, init_info.rank, group=init_info.group
+                    t,
+                    engine.tensors,
+                    init_info.layout,
+                    init_info.rank,
+                    group=init_info.group,
+                    delta=init_info.delta,
                 )
             elif init_info.fanout == "direct":
                 # one rank holding every tensor whole: it writes each worker only what the
                 # worker declared it keeps (its TP slice), or whole tensors to a whole worker
                 engine.publisher = ShardedPublisher(
-                    t, engine.tensors, SourceLayout.single(engine.tensors), 0, group=init_info.group
+                    t,
+                    engine.tensors,
+                    SourceLayout.single(engine.tensors),
+                    0,
+                    group=init_info.group,
+                    delta=init_info.delta,
                 )
             else:
                 engine.publisher = WeightPublisher(
@@ -196,6 +214,7 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
                     group=init_info.group,
                     fanout=init_info.fanout,
                     degree=init_info.degree,
+                    delta=init_info.delta,
                 )
             engine.transport = t
             if engine.is_sender:

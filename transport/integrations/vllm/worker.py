@@ -160,6 +160,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                         group=init_info.group,
                         layout=layout.dest,
                         source_shapes=shapes,
+                        delta=init_info.delta,
                     )
                 elif mode == "streamed":
                     bucket = room.bound // 2
@@ -175,6 +176,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                         layout=layout.dest if layout.targets else None,
                         source_shapes=shapes,
                         slots=slots,
+                        delta=init_info.delta,
                     )
                 # the trainer reads it (mode_key); signed: only this worker's holder writes it
                 said = f"streamed:{len(stream.names)}" if stream is not None else mode
