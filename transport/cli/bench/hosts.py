@@ -6,7 +6,9 @@ each ``--fanout`` (direct: the trainer writes every generator; chain and tree: g
 us; with ``gloo`` in ``--baselines``), and the link floor (the bytes that must cross the busiest
 link, divided by its rate). Per system: the time per sync (median of ``--steps``) and the bytes
 every link carried per sync (its interface's counters around exactly those syncs). Every
-version is checked at every generator (each element equals the version).
+version is checked at every generator (each element equals the version; with ``--delta
+SHARE``, a version changes that share of the elements, ours also runs with ``delta=True`` and
+``delta="auto"``, and every generator's tensors are compared by digest with the trainer's).
 
 Needs root and iproute2 (namespaces). Where the kernel lacks tc's netem, links take a rate
 (tbf) but no delay: see transport/cluster/links.py. The processes in the hosts run this module
@@ -38,26 +40,57 @@ def _tensors(mib: int, count: int) -> dict[str, Any]:
     return {f"w{i}": torch.zeros(numel) for i in range(count)}
 
 
+def _change(state: dict[str, Any], version: int, share: float) -> None:
+    """Version ``version`` of the tensors: every element set to it, or (``share``) that share
+    of them, drawn from the version."""
+    import torch
+
+    if not share:
+        for x in state.values():
+            x.fill_(version)
+        return
+    g = torch.Generator().manual_seed(version)
+    for x in state.values():
+        idx = torch.randint(0, x.numel(), (max(1, int(x.numel() * share)),), generator=g)
+        x[idx] = float(version)
+
+
+def _digest(state: dict[str, Any]) -> str:
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        h.update(state[name].numpy().tobytes())
+    return h.hexdigest()
+
+
 def generator(args: argparse.Namespace) -> None:
-    """A WeightSubscriber; ``check V`` answers whether it holds version V whole."""
+    """A WeightSubscriber; ``check V [DIGEST]`` answers whether it holds version V whole (every
+    element V; or the tensors of that digest)."""
     import transport
 
     t = transport.Transport(args.name, store=args.store, timeout=60)
-    sub = transport.WeightSubscriber(t, _tensors(args.mib, args.count), group="hosts")
+    sub = transport.WeightSubscriber(
+        t, _tensors(args.mib, args.count), group="hosts", delta=bool(args.delta)
+    )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        v = int(line.split()[1])
+        _, version, *digest = line.split()
+        v = int(version)
         sub.wait_for_version(v, 300)
         sub.apply()
-        ok = sub.applied_version == v and all(
-            float(x.min()) == v == float(x.max()) for x in sub.live.values()
-        )
+        if digest:
+            ok = sub.applied_version == v and _digest(sub.live) == digest[0]
+        else:
+            ok = sub.applied_version == v and all(
+                float(x.min()) == v == float(x.max()) for x in sub.live.values()
+            )
         print(json.dumps({"ok": ok}), flush=True)
 
 
 def trainer(args: argparse.Namespace) -> None:
-    """A WeightPublisher; ``sync FANOUT STEPS SEGMENT`` publishes STEPS versions with that
-    fan-out and segment size (bytes; 0: the default)."""
+    """A WeightPublisher; ``sync FANOUT STEPS SEGMENT DELTA`` publishes STEPS versions with
+    that fan-out, segment size (bytes; 0: the default) and ``delta`` (off, on, auto)."""
     import transport
     from transport.weights.group.segments import SEGMENT_BYTES
 
@@ -69,18 +102,32 @@ def trainer(args: argparse.Namespace) -> None:
     print(json.dumps({"ready": True}), flush=True)
     v = 0
     for line in sys.stdin:
-        _, fanout, steps, segment = line.split()
+        _, fanout, steps, segment, delta = line.split()
         pub.fanout, times, status = fanout, [], {}
         pub.segment_bytes = int(segment) or SEGMENT_BYTES
+        pub.delta = {"off": False, "on": True, "auto": "auto"}[delta]
+        patched = 0
         for _ in range(int(steps)):
             v += 1
-            for x in state.values():
-                x.fill_(v)
+            _change(state, v, args.delta)
             t0 = time.perf_counter()
             r = pub.publish(v, timeout=300).wait(400)
             times.append(time.perf_counter() - t0)
             status = dict(r.status)
-        print(json.dumps({"times": times, "status": status, "version": v}), flush=True)
+            patched += len(r.patched)
+        digest = _digest(state) if args.delta else ""
+        print(
+            json.dumps(
+                {
+                    "times": times,
+                    "status": status,
+                    "version": v,
+                    "digest": digest,
+                    "patched": patched,
+                }
+            ),
+            flush=True,
+        )
 
 
 def gloo(args: argparse.Namespace) -> None:
@@ -161,6 +208,7 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
     with Cluster(n, link) as c:
         url = c.start_store("tcp")
         common = ["--store", url, "--mib", str(args.mib), "--count", str(args.count)]
+        common += ["--delta", str(args.delta)]
         gens = [
             Proc(c, c.generator(i), "--role", "gen", "--name", f"gen{i}", *common) for i in range(n)
         ]
@@ -190,20 +238,33 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
 
+        deltas = ["off", "on", "auto"] if args.delta else ["off"]
+        patched: list[float] = []  # the share of versions that went as changes
         for system in args.fanout.split(","):
             fanout, _, seg = system.partition("@")  # chain@4: segments of 4 MiB
             segment = int(float(seg) * MiB) if seg else 0
-            tr.ask(f"sync {fanout} 1 {segment}")  # a first version: plans made, slots touched
+            for delta in deltas:
+                # a first version: plans made, slots touched, the base of the next one held
+                tr.ask(f"sync {fanout} 1 {segment} {delta}")
 
-            def ours(fanout: str = fanout, segment: int = segment) -> list[float]:
-                r = tr.ask(f"sync {fanout} {args.steps} {segment}")
-                assert set(r["status"].values()) == {"done"}, r
-                for g in gens:
-                    assert g.ask(f"check {r['version']}")["ok"], f"N={n} {fanout}: not whole"
-                times: list[float] = r["times"]
-                return times
+                def ours(
+                    fanout: str = fanout, segment: int = segment, delta: str = delta
+                ) -> list[float]:
+                    r = tr.ask(f"sync {fanout} {args.steps} {segment} {delta}")
+                    assert set(r["status"].values()) == {"done"}, r
+                    for g in gens:
+                        ok = g.ask(f"check {r['version']} {r['digest']}".strip())["ok"]
+                        assert ok, f"N={n} {fanout} delta {delta}: not whole"
+                    patched.append(r["patched"] / (len(gens) * args.steps))
+                    times: list[float] = r["times"]
+                    return times
 
-            measured(f"ours-{fanout}" + (f"-seg{seg}M" if seg else ""), ours, [tr, *gens])
+                name = f"ours-{fanout}" + (f"-seg{seg}M" if seg else "")
+                name += {"off": "", "on": "-delta", "auto": "-auto"}[delta]
+                measured(name, ours, [tr, *gens])
+                if args.delta:
+                    out["systems"][name]["as_changes"] = patched.pop()
+                    print(f"  {100 * out['systems'][name]['as_changes']:.0f}% went as changes")
         if args.gloo:
             master = c.trainer.address
             ranks = [
@@ -308,6 +369,7 @@ def run_hosts(args: argparse.Namespace) -> int:
         steps=args.steps or 5,
         fanout=args.fanout,
         gloo="gloo" in parse_baselines(args.baselines),
+        delta=args.delta or 0.0,
     )
     t0 = time.perf_counter()
     results: dict[str, Any] = {
@@ -315,6 +377,7 @@ def run_hosts(args: argparse.Namespace) -> int:
         "mib": run.mib,
         "tensors": run.count,
         "steps": run.steps,
+        "delta": run.delta,
         "runs": [],
     }
     for n in counts:
@@ -360,6 +423,7 @@ def main() -> None:
     ap.add_argument("--master")
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--count", type=int, default=32)
+    ap.add_argument("--delta", type=float, default=0.0)
     args = ap.parse_args()
     {"gen": generator, "trainer": trainer, "gloo": gloo}[args.role](args)
 

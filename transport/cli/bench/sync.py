@@ -173,12 +173,29 @@ class PublishDelta(Publish):
         self.sent: list[int] = []
         self.steps = 0
 
+    def run(self, n: int) -> list[int]:
+        """As :meth:`System.run`, each version's changes made before its clock starts (the
+        training step's, not the sync's)."""
+        clock, out = time.perf_counter_ns, []
+        for _ in range(n):
+            self.change()
+            t0 = clock()
+            self.publish()
+            out.append(clock() - t0)
+        return out
+
     def step(self) -> None:
+        self.change()
+        self.publish()
+
+    def change(self) -> None:
+        self.steps += 1
+        mutate(self.w.sd_list, self.w.delta, seed=1_000_003 * self.steps)
+
+    def publish(self) -> None:
         w = self.w
         if w.pub.delta != self.delta:
             w.pub.delta = self.delta  # the next version goes whole
-        self.steps += 1
-        mutate(w.sd_list, w.delta, seed=1_000_003 * self.steps)
         w.pub.fanout, w.version = "direct", w.version + 1
         r = w.pub.publish(w.version, timeout=w.timeout).wait(w.timeout)
         if len(r.done) != w.generators:

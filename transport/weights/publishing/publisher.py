@@ -554,13 +554,16 @@ class WeightPublisher(PublisherCore):
     @property
     def delta(self) -> bool | str:
         """``True``, ``False`` or ``"auto"`` (see the class); from the next version on when set
-        (turned off, the copy's memory goes; turned on, the next version goes whole)."""
+        to another value (turned off, the copy's memory goes; turned on, the next version goes
+        whole)."""
         return self._delta
 
     @delta.setter
     def delta(self, value: bool | str) -> None:
         mode = check_delta(value)
         with self._lock:
+            if mode == self._delta:
+                return  # the copy and what the policy learned stay
             self._delta = mode
             self._deltas = DeltaSource(self.tensors, mode == "auto") if mode else None
 
