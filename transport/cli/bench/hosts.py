@@ -105,7 +105,8 @@ def trainer(args: argparse.Namespace) -> None:
         _, fanout, steps, segment, delta = line.split()
         pub.fanout, times, status = fanout, [], {}
         pub.segment_bytes = int(segment) or SEGMENT_BYTES
-        pub.delta = {"off": False, "on": True, "auto": "auto"}[delta]
+        modes: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}
+        pub.delta = modes[delta]
         patched = 0
         for _ in range(int(steps)):
             v += 1
