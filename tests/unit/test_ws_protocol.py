@@ -29,7 +29,7 @@ GOOD = [
     ("ver", {"v": 0, "s": 0}),
     ("credit", {"s": [0, 1], "v": -1, "d": -1, "h": []}),
     ("credit", {"s": [0, 1], "v": 6, "d": 6, "h": [6, -1]}),
-    ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1], ["gen-2", 1, 0]]}),
+    ("fwd", {"v": 7, "t": 2500, "to": [["gen-1", 0, 1, -1], ["gen-2", 1, 0, 6]]}),
     ("seg", {"v": 7, "s": 1, "a": 0, "b": 12}),
     ("part", {"v": 7, "s": 1, "a": 3, "o": 32 << 20, "n": 16 << 20}),
     ("patch", {"v": 8, "s": 0, "p": 7, "n": 4096, "a": 0}),
@@ -62,8 +62,8 @@ def test_messages_are_typed_values_with_named_fields():
     assert Credit((0, 1), 4, 4, (4, -1)).held(0) == 4
     assert Credit((0, 1), 4, 4, (4, -1)).held(1) == -1
     assert Credit((1,), 4, 4).held(1) == -1
-    fwd = decode(raw({"k": "fwd", "v": 7, "t": 10, "to": [["gen-1", 1, 1]]}))
-    assert fwd == Forward(version=7, ms=10, targets=(Target("gen-1", 1, relays=True),))
+    fwd = decode(raw({"k": "fwd", "v": 7, "t": 10, "to": [["gen-1", 1, 1, 6]]}))
+    assert fwd == Forward(version=7, ms=10, targets=(Target("gen-1", 1, relays=True, base=6),))
 
 
 BAD = [
@@ -82,12 +82,15 @@ BAD = [
     (raw({"k": "credit", "s": [0], "v": 1, "d": 1}), "malformed"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": []}), "fwd targets"),
     (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0, 0]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 8, 0]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, 2]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, True]]}), "fwd targets"),
-    (raw({"k": "fwd", "v": 1, "t": -5, "to": [["gen-1", 0, 0]]}), "non-negative"),
-    (raw({"k": "fwd", "v": 1, "t": 1, "to": [["g", 0, 0]] * (MAX_DEGREE + 1)}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, 0]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["", 0, 0, -1]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 8, 0, -1]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, 2, -1]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, True, -1]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, 0, -2]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": 10, "to": [["gen-1", 0, 0, False]]}), "fwd targets"),
+    (raw({"k": "fwd", "v": 1, "t": -5, "to": [["gen-1", 0, 0, -1]]}), "non-negative"),
+    (raw({"k": "fwd", "v": 1, "t": 1, "to": [["g", 0, 0, -1]] * (MAX_DEGREE + 1)}), "fwd targets"),
     (raw({"k": "seg", "v": 1, "s": 0, "a": 3, "b": 3}), "at least one tensor"),
     (raw({"k": "seg", "v": 1, "s": 0, "a": -1, "b": 3}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0, "n": 0}), "at least one byte"),

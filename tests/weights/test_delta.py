@@ -234,3 +234,32 @@ def test_changes_land_in_place_and_inside_a_window(trainer, start):
             previous = want
     assert inplace.call("counts") == (3, 0)
     assert window.call("counts") == (3, 0)
+
+
+@pytest.mark.parametrize("fanout", ["chain", "tree"])
+def test_relays_forward_the_changes_they_took_to_children_holding_the_base(trainer, start, fanout):
+    """Relayed fan-out: the publisher writes the changes once (to the first relay), and each
+    relay forwards the same changes to children holding their base; every subscriber holds the
+    trainer's bytes after each version, the one that takes versions whole too (written whole
+    by its relay)."""
+    names = ["gen-a", "gen-b", "gen-c", "gen-whole"]
+    children = [start(n, wait=False, delta=n != "gen-whole") for n in names]
+    for c in children:
+        c.started()
+    tensors = model(SPEC)
+    full = nbytes(tensors)
+    with transport.WeightPublisher(trainer, tensors, delta=True, fanout=fanout) as pub:
+        for version in range(1, 5):
+            if version > 1:
+                step(tensors, 0.02, seed=version)
+            want = digests(tensors)
+            r = publish(pub, tensors, version, names)
+            assert len(r.via) >= 2, r.via  # relays wrote most of them
+            if version > 1:  # the trainer wrote changes only: none of them relayed whole
+                assert set(r.patched) == set(names) - set(r.via), (r.patched, r.via)
+                assert all(n < 0.1 * full for n in r.patched.values()), r.patched
+            for c in children:
+                assert c.call("applied", version, 30)["live"] == want, (c.name, version)
+    counts = {c.name: c.call("counts") for c in children}
+    # from version 2 on each delta subscriber took changes: from the trainer or a relay
+    assert counts == {"gen-a": (3, 0), "gen-b": (3, 0), "gen-c": (3, 0), "gen-whole": (0, 0)}

@@ -103,11 +103,14 @@ class Credit:
 
 @dataclass(frozen=True)
 class Target:
-    """One child of a relay: write into its ``slot``; ``relays``: it forwards in turn."""
+    """One child of a relay: write into its ``slot``; ``relays``: it forwards in turn;
+    ``base``: the child holds that version, so forward the version's changes against it if
+    they came here as such (-1: whole)."""
 
     child: str
     slot: int
     relays: bool
+    base: int = -1
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ def encode(msg: Message) -> bytes:
     for f in fields(msg):
         value = getattr(msg, f.name)
         if isinstance(value, tuple) and value and isinstance(value[0], Target):
-            value = [[t.child, t.slot, int(t.relays)] for t in value]
+            value = [[t.child, t.slot, int(t.relays), t.base] for t in value]
         elif isinstance(value, tuple):
             value = list(value)
         out[msg.WIRE[f.name]] = value
@@ -318,17 +321,20 @@ def _targets(to: Any) -> tuple[Target, ...]:
         or not 0 < len(to) <= MAX_DEGREE
         or not all(
             isinstance(x, list)
-            and len(x) == 3
+            and len(x) == 4
             and _name(x[0])
             and is_count(x[1])
             and x[1] < MAX_SLOT
             and x[2] in (0, 1)
             and not isinstance(x[2], bool)
+            and isinstance(x[3], int)
+            and not isinstance(x[3], bool)
+            and x[3] >= -1
             for x in to
         )
     ):
-        raise WireFormatError("fwd targets must be a list of [child, slot, relays]")
-    return tuple(Target(x[0], x[1], bool(x[2])) for x in to)
+        raise WireFormatError("fwd targets must be a list of [child, slot, relays, base]")
+    return tuple(Target(x[0], x[1], bool(x[2]), x[3]) for x in to)
 
 
 def _name(x: Any) -> bool:

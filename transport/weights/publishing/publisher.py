@@ -103,16 +103,16 @@ class WeightPublisher(PublisherCore):
     GroupBusyError naming the holder, and takes over once the holder is gone.
 
     ``delta=True`` sends each version as its changes against the version before it
-    (weights/delta/) to every subscriber that holds exactly that version, takes every tensor
-    and has an inbox for changes (``WeightSubscriber(delta=True)``); the others, and every
-    version whose changes take more than half its bytes, get it whole. :meth:`publish` then
-    compares the tensors with a copy of the version before (one more copy of the tensors,
-    where they live) before it returns. The subscriber applies the changes onto a copy of the
-    slot holding the base (in place: onto its live tensors); one that cannot (it holds another
-    version) says so and gets the version whole within the same deadline. Relays take versions whole. ``delta="auto"``
-    diffs only while diff and changes take less time than whole versions took (measured as
-    versions go, weights/delta/policy.py): on a link fast enough for whole versions it stops
-    diffing and drops its copy, and looks again now and then.
+    (weights/delta/), diffed against a copy of it (one more copy of the tensors, where they
+    live) before :meth:`publish` returns, to every subscriber that holds that version, takes
+    every tensor and has an inbox (``WeightSubscriber(delta=True)``); the others, and versions
+    whose changes exceed half their bytes, go whole. A subscriber that cannot apply them says
+    so and gets the version whole within the same deadline. A relay that took the changes
+    forwards them to each child holding their base, the others whole; one whose forwards may
+    still read its inbox takes the next version whole. ``delta="auto"`` diffs only while diff
+    and changes take less time than whole versions took (weights/delta/policy.py): on a link
+    fast enough for whole versions it stops diffing, drops its copy, and looks again now and
+    then.
     """
 
     def __init__(
@@ -232,8 +232,12 @@ class WeightPublisher(PublisherCore):
 
     def _patch_for(self, sub: Member, version: int) -> Encoded | None:
         """With the lock held: ``version``'s changes if ``sub`` takes them (it holds their base:
-        the slot written holds it, or is made a copy of the newest); None: whole."""
-        if self._deltas is None or sub.name in self._relays:
+        the slot written holds it, or is made a copy of the newest); None: whole. A relay whose
+        forwards of an older version may still read its inbox takes the version whole."""
+        if self._deltas is None or any(
+            m.relay == sub.name and m.relay_handle is not None and m.writing < version
+            for m in self._subs.values()
+        ):
             return None
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
 
@@ -278,29 +282,25 @@ class WeightPublisher(PublisherCore):
         if sub.mode == "staging":
             sub.credits.discard(slot)
         left = handle.deadline - time.monotonic()
+        patch = self._patch_for(sub, version)
         if via is not None and via in self._subs and left > 0:
+            # changes if the relay takes them too (else it writes the version whole)
+            both = patch is not None and self._patch_for(self._subs[via], version) is not None
+            base = patch.base if both and patch is not None else -1
+            target = Target(sub.name, slot, sub.name in self._relays, base)
+            fwd = Forward(version, max(1, int(left * 1000)), (target,))
             try:
-                self.transport.core.send_control(
-                    via,
-                    channel(self.group),
-                    encode(
-                        Forward(
-                            version,
-                            max(1, int(left * 1000)),
-                            (Target(sub.name, slot, sub.name in self._relays),),
-                        )
-                    ),
-                )
+                self.transport.core.send_control(via, channel(self.group), encode(fwd))
             except TransportError as e:
                 log.info("group %s: %s cannot relay version %d: %s", self.group, via, version, e)
             else:
                 sub.relay, sub.relay_handle = via, handle
                 handle.result.via[sub.name] = via
                 return
-        if sub.name in self._relays and left > 0:
+        if sub.name in self._relays and left > 0 and patch is None:
             self._write_segments(sub, slot, version, handle)
             return
-        self._write(sub, slot, version, handle, self._patch_for(sub, version))
+        self._write(sub, slot, version, handle, patch)
 
     def _write(
         self, sub: Member, slot: int, version: int, handle: Delivery, patch: Encoded | None

@@ -6,6 +6,12 @@ it still writes, and ends with the rest and ``ver`` once N is complete here. The
 held (never credited) from the first forward until the last one ended, and every forward ends
 with a report to the publisher, which alone gives the child's slot to another writer.
 
+A version that came here as its changes (a ``patch`` into our inbox) goes on as the same
+changes to each child the publisher says holds their base (the target's ``base``), once it is
+complete here: the inbox's bytes into the child's inbox, and the child's ``patched`` ends the
+forward; a child that refuses them, or a version that came here whole, is written whole. The
+publisher writes our inbox again only once every forward reading it has ended.
+
 Engine-thread entry points (``on_*``) only record and hand over to the subscriber's worker thread,
 where everything else runs, in order. The relay owns its state; what it needs of its subscriber
 comes through a :class:`RelayHost`, a handful of explicit calls.
@@ -23,8 +29,17 @@ from typing import Any
 import torch
 
 from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
-from transport.weights.group.messages import Begin, Forward, Piece, Report, Segment, encode
-from transport.weights.group.regions import channel, match_regions, region
+from transport.weights.group.messages import (
+    Begin,
+    Forward,
+    Patch,
+    Patched,
+    Piece,
+    Report,
+    Segment,
+    encode,
+)
+from transport.weights.group.regions import channel, inbox_region, match_regions, region
 from transport.weights.group.segments import SegmentedWrite
 
 log = logging.getLogger("transport.weights")
@@ -52,6 +67,7 @@ class RelayHost:
     * ``unpin(slot)``: one forward reading ``slot`` ended.
     * ``changed()``: wake whoever waits on the subscriber (its close waits for the relay).
     * ``credit()``: tell the publishers which slots are free now (unless closed).
+    * ``inbox``: the subscriber's delta inbox (None: it has none).
     """
 
     submit: Callable[[Callable[[], Any]], None]
@@ -62,14 +78,42 @@ class RelayHost:
     unpin: Callable[[int], None]
     changed: Callable[[], None]
     credit: Callable[[], None]
+    inbox: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A forward the publisher asked for and that has not started: to ``child``'s ``slot`` by
+    ``deadline`` (monotonic); ``relays``: the child forwards in turn; ``base``: the version the
+    child holds, for changes (-1: whole)."""
+
+    deadline: float
+    publisher: str
+    child: str
+    slot: int
+    relays: bool
+    base: int
+
+
+@dataclass(frozen=True)
+class _Changes:
+    """A version that came here as its changes: against ``base``, ``nbytes`` of our inbox."""
+
+    base: int
+    at: int
+    nbytes: int
 
 
 class _Job:
     """One child's forward of one version."""
 
-    def __init__(self, publisher: str, version: int, src: int, child: str, dst: int) -> None:
+    def __init__(
+        self, publisher: str, version: int, src: int, child: str, dst: int, base: int = -1
+    ) -> None:
         self.publisher, self.version, self.child = publisher, version, child
         self.src, self.dst = src, dst  # our slot, the child's
+        self.base = base  # >= 0: its changes, once complete here, if they came as such
+        self.ended = False
         self.names: list[str] = []  # the child's names, sorted
         self.index: dict[str, int] = {}
         self.sent: set[str] = set()
@@ -106,13 +150,14 @@ class Relay:
         self.host = host
         self._lock = threading.Lock()
         self.names = sorted(live)  # the index space of the segments we receive
-        # version -> [(deadline, publisher, child, slot, relays)] not started yet
-        self.pending: dict[int, list[tuple[float, str, str, int, bool]]] = {}
+        self.pending: dict[int, list[_Asked]] = {}  # version -> forwards not started yet
         # version -> (its slot here, the segments (a, b) and pieces (a, offset, bytes) that landed)
         self.incoming: dict[int, tuple[int, list[tuple[int, ...]]]] = {}
         self.jobs: dict[int, list[_Job]] = {}
         self.deadlines: dict[int, float] = {}
         self.children: dict[str, tuple[int, list[str]]] = {}  # child -> (generation, names)
+        self.changes: dict[int, _Changes] = {}  # versions that came as changes (the newest)
+        self.patching: dict[str, _Job] = {}  # child -> the forward waiting for its ``patched``
 
     # -- engine thread ---------------------------------------------------------------------------
 
@@ -120,9 +165,24 @@ class Relay:
         version, deadline = m.version, time.monotonic() + m.ms / 1000
         with self._lock:
             self.pending.setdefault(version, []).extend(
-                (deadline, peer, t.child, t.slot, t.relays) for t in m.targets
+                _Asked(deadline, peer, t.child, t.slot, t.relays, t.base) for t in m.targets
             )
         self._advance(version)
+
+    def on_changes(self, version: int, base: int, at: int, nbytes: int) -> None:
+        """``version`` was made here from its changes in bytes ``at`` on of our inbox."""
+        with self._lock:
+            self.changes = {version: _Changes(base, at, nbytes)}
+
+    def on_patched(self, peer: str, m: Patched) -> bool:
+        """Engine thread: whether ``m`` answers a forward of changes to ``peer`` (handled)."""
+        with self._lock:
+            job = self.patching.get(peer)
+            if job is None or (job.version, job.dst) != (m.version, m.slot):
+                return False
+            del self.patching[peer]
+        self.host.submit(lambda: self.patched(job, m.why))
+        return True
 
     def on_begin(self, m: Begin) -> None:
         version, slot = m.version, m.slot
@@ -179,16 +239,16 @@ class Relay:
             src, why = self.host.pin(version, None if inc is None else inc[0], len(waiting))
             if src is not None:
                 with self._lock:
-                    for deadline, p, c, dst, relays in waiting:
-                        job = _Job(p, version, src, c, dst)
+                    for a in waiting:
+                        job = _Job(a.publisher, version, src, a.child, a.slot, a.base)
                         self.jobs.setdefault(version, []).append(job)
-                        started.append((job, deadline, relays))
+                        started.append((job, a.deadline, a.relays))
             elif not why:  # nothing of it here yet: the forwards wait (first in line still)
                 with self._lock:
                     self.pending.setdefault(version, [])[:0] = waiting
             else:
-                for _, p, c, _, _ in waiting:
-                    self.report(p, version, c, "fail", why)
+                for a in waiting:
+                    self.report(a.publisher, version, a.child, "fail", why)
         for job, deadline, relays in started:
             self.start(job, deadline, relays, landed)
         newest = self.host.version()
@@ -200,7 +260,9 @@ class Relay:
             for job in jobs:
                 if job.write is None:
                     continue
-                if complete:
+                if complete and job.base >= 0:
+                    self.send_changes(job)
+                elif complete:
                     rest = [n for n in job.names if n not in job.sent]
                     job.write.end(self.batch(job, rest))
                 else:
@@ -226,9 +288,68 @@ class Relay:
         except Exception as e:
             job.write.fail(e)
             return
+        if job.base >= 0:
+            return  # its changes go once the version is complete here
         if job.write.begin():
             for got in landed:
                 self.forward(job, got)
+
+    def send_changes(self, job: _Job) -> None:
+        """The version is complete here: its changes into the child's inbox if they came here
+        against the base the child holds, else the version whole."""
+        got = self.changes.get(job.version)
+        inbox = self.host.inbox
+        assert job.write is not None
+        if got is None or got.base != job.base or inbox is None:
+            self.whole(job)
+            return
+        with self._lock:
+            self.patching[job.child] = job
+        try:
+            if not job.write.begin():
+                return
+            h = self.t.core.put_control_at(
+                inbox[got.at : got.at + got.nbytes],
+                inbox_region(self.group),
+                0,
+                job.child,
+                channel(self.group),
+                encode(Patch(job.version, job.dst, got.base, got.nbytes)),
+                max(0.001, job.write.deadline - time.monotonic()),
+            )
+        except Exception as e:
+            self.end_changes(job, e)
+            return
+        h.add_done_callback(
+            lambda h: self.host.submit(lambda: self.changes_put(job, h.exception(0)))
+        )
+
+    def changes_put(self, job: _Job, err: BaseException | None) -> None:
+        """The changes landed at the child (its ``patched`` tells the rest), or failed."""
+        if err is not None:
+            self.end_changes(job, err)
+
+    def end_changes(self, job: _Job, err: BaseException) -> None:
+        with self._lock:
+            if self.patching.get(job.child) is job:
+                del self.patching[job.child]
+        assert job.write is not None
+        job.write.fail(err)
+
+    def patched(self, job: _Job, why: str) -> None:
+        """The child applied the changes (``why`` empty), or refused them: then whole."""
+        if job.ended:
+            return
+        if not why:
+            self.ended(job, None)
+            return
+        log.info("%s refused the changes of version %d: %s", job.child, job.version, why)
+        self.whole(job)
+
+    def whole(self, job: _Job) -> None:
+        job.base = -1
+        assert job.write is not None
+        job.write.end(self.batch(job, job.names))
 
     def segment(self, version: int, got: tuple[int, ...]) -> None:
         """A segment (a, b) or a piece (a, offset, bytes) of ``version`` landed here."""
@@ -238,6 +359,8 @@ class Relay:
             self.forward(job, got)
 
     def forward(self, job: _Job, got: tuple[int, ...]) -> None:
+        if job.base >= 0:
+            return  # its changes go once the version is complete here
         if len(got) == 2:
             self.send(job, *got)
         else:
@@ -293,10 +416,15 @@ class Relay:
         return names
 
     def ended(self, job: _Job, err: BaseException | None) -> None:
+        if job.ended:
+            return
+        job.ended = True
         with self._lock:
             jobs = self.jobs.get(job.version)
             if jobs is not None and job in jobs:
                 jobs.remove(job)
+            if self.patching.get(job.child) is job:
+                del self.patching[job.child]
         self.host.unpin(job.src)
         if err is None:
             self.report(job.publisher, job.version, job.child, "", "")
@@ -334,17 +462,18 @@ class Relay:
         late, stalled = [], []
         with self._lock:
             for v in list(self.pending):
-                late += [(v, j) for j in self.pending[v] if j[0] <= now]
-                self.pending[v] = [j for j in self.pending[v] if j[0] > now]
+                late += [(v, a) for a in self.pending[v] if a.deadline <= now]
+                self.pending[v] = [a for a in self.pending[v] if a.deadline > now]
                 if not self.pending[v]:
                     del self.pending[v]
             for jobs in self.jobs.values():
                 stalled += [j for j in jobs if j.write is not None and j.write.deadline <= now]
-            deadlines = [j[0] for js in self.pending.values() for j in js] + [
+            deadlines = [a.deadline for asked in self.pending.values() for a in asked] + [
                 j.write.deadline for js in self.jobs.values() for j in js if j.write is not None
             ]
-        for v, (_, publisher, child, _, _) in late:
-            self.report(publisher, v, child, "fail", f"version {v} did not arrive here in time")
+        for v, a in late:
+            why = f"version {v} did not arrive here in time"
+            self.report(a.publisher, v, a.child, "fail", why)
         for job in stalled:
             assert job.write is not None
             job.write.fail(TransferTimeout(f"version {job.version} was not complete here in time"))
@@ -357,8 +486,8 @@ class Relay:
             jobs = [(v, j) for v, js in self.pending.items() for j in js]
             self.pending.clear()
         self.host.changed()
-        for v, (_, publisher, child, _, _) in jobs:
-            self.report(publisher, v, child, "fail", "the relay left the group")
+        for v, a in jobs:
+            self.report(a.publisher, v, a.child, "fail", "the relay left the group")
 
     def has_pending(self) -> bool:
         """Forwards asked for and not started yet (those started pin their slot)."""

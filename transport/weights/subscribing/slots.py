@@ -126,6 +126,22 @@ class Slots:
         """``count`` more readers of ``slot`` (forwards, a patch's copy)."""
         self.forwarding[slot] = self.forwarding.get(slot, 0) + count
 
+    def pin_forwards(
+        self, version: int, newest: int, arriving: int | None, count: int
+    ) -> tuple[int | None, str | None]:
+        """Where ``count`` forwards of ``version`` read from, pinned: the newest version's slot
+        if ``version`` is it (``newest``), else the slot it is ``arriving`` in; (None, "")
+        while nothing of it is here, (None, why) when it never will be."""
+        if newest > version:
+            return None, f"version {newest} arrived here before {version} was forwarded"
+        if newest == version and self.handed_back:
+            return None, f"its copy of version {version} was handed back to the publisher"
+        src = self.newest if newest == version else arriving
+        if src is None:
+            return None, ""  # nothing of it here yet
+        self.pin(src, count)
+        return src, None
+
     def unpin(self, slot: int) -> None:
         left = self.forwarding.get(slot, 0) - 1
         if left > 0:
@@ -133,18 +149,19 @@ class Slots:
         else:
             self.forwarding.pop(slot, None)
 
-    def lend_due(self, newest: int, applied: int) -> bool:
-        """Whether the newest version's slot should be handed back now: a lend was asked for
-        past ``newest`` (the newest complete version) and that version was applied (``applied``)
-        and nobody reads the slot."""
+    def hand_back_if_due(self, newest: int, applied: int) -> None:
+        """Hand the newest version's slot back (``handed_back``) if that is due now: a lend was
+        asked for past ``newest`` (the newest complete version), that version was applied
+        (``applied``) and nobody reads the slot."""
         slot = self.newest
-        return (
+        if (
             slot is not None
             and self.lend_for > newest
             and self.version[slot] <= applied
             and self.held != slot
             and not self.forwarding.get(slot)
-        )
+        ):
+            self.handed_back = True
 
     def patch_target(
         self, slot: int, version: int, base: int, in_place: bool, single: bool
@@ -161,8 +178,10 @@ class Slots:
             if self.newest != slot or held != base:
                 return f"its live tensors hold version {held}, not version {base} whole", None
             return "", None
+        # forwards pinned on ``slot`` are this version's (pinned as it began landing there, a
+        # publisher writes no slot an older version's forwards read): they read it once complete
         newest = None if self.handed_back else self.newest
-        if slot in (newest, self.held) or self.forwarding.get(slot) or slot in self.priming:
+        if slot in (newest, self.held) or slot in self.priming:
             return f"slot {slot} is in use", None
         if self.writing.get(slot, version) != version:
             return f"slot {slot} is being written with version {self.writing[slot]}", None

@@ -187,6 +187,7 @@ class WeightSubscriber(Closing):
                 unpin=self._unpin,
                 changed=self._changed,
                 credit=self._credit_if_open,
+                inbox=None if self.deltas.inbox is None else self.deltas.inbox.buffer,
             ),
         )
         self._next_entry_check = math.inf  # checked once we joined (below)
@@ -223,7 +224,14 @@ class WeightSubscriber(Closing):
     # -- messages from publishers (engine thread: only bookkeeping here) ---------------------------
 
     def _admit(self, peer: str, payload: bytes) -> None:
-        """Only the group's publisher and relays are heard (see ``Upstream``)."""
+        """Only the group's publisher and relays are heard (see ``Upstream``), and the children
+        our relay waits on for a ``patched``."""
+        if (
+            self._relay.patching
+            and isinstance(m := decode_from(peer, payload), Patched)
+            and self._relay.on_patched(peer, m)
+        ):
+            return
         self._upstream.admit(peer, payload, self._on_message)
 
     def _on_message(self, peer: str, payload: bytes) -> None:
@@ -323,6 +331,8 @@ class WeightSubscriber(Closing):
         if why:
             log.info("group %s: refusing the changes of version %d: %s", self.group, m.version, why)
         else:
+            if self.relay:  # it forwards them as they are
+                self._relay.on_changes(m.version, m.base, m.at, m.nbytes)
             self._on_version(peer, m.version, m.slot)
         try:
             reply = encode(Patched(m.version, m.slot, why[:512]))
@@ -336,13 +346,8 @@ class WeightSubscriber(Closing):
         with self._lock:
             self._publishers.add(peer)
             self._slots.lend_for = max(self._slots.lend_for, version)
-            self._try_lend()
+            self._slots.hand_back_if_due(self.version, self.applied_version)
         self._worker.latest(("credit", None), None, lambda _: self._credit_publishers())
-
-    def _try_lend(self) -> None:
-        """Under the lock: hand back the newest version's slot if a lend is wanted and due."""
-        if self._slots.lend_due(self.version, self.applied_version):
-            self._slots.handed_back = True
 
     def _tick(self) -> float:
         """Worker tick: relay deadlines, and joining the group again if the store lost our entry
@@ -378,17 +383,9 @@ class WeightSubscriber(Closing):
 
     def _pin(self, version: int, arriving: int | None, count: int) -> tuple[int | None, str | None]:
         with self._lock:
-            if self.version > version:
-                return None, f"version {self.version} arrived here before {version} was forwarded"
             if self._closed or not self.relay:
                 return None, "this subscriber does not relay (closed, or relay=False)"
-            if self.version == version and self._slots.handed_back:
-                return None, f"its copy of version {version} was handed back to the publisher"
-            src = self._slots.newest if self.version == version else arriving
-            if src is None:
-                return None, ""  # nothing of it here yet
-            self._slots.pin(src, count)
-            return src, None
+            return self._slots.pin_forwards(version, self.version, arriving, count)
 
     def _unpin(self, slot: int) -> None:
         with self._lock, self.deltas.freeing():
@@ -542,7 +539,8 @@ class WeightSubscriber(Closing):
             self._slots.held = None
             if applied is not None:
                 self.applied_version = max(self.applied_version, applied)
-            self._try_lend()  # a lend asked for before this apply
+            # a lend asked for before this apply
+            self._slots.hand_back_if_due(self.version, self.applied_version)
             newest = self._slots.newest
             if self.slots == 1 and newest is not None:  # applied: the publisher may write it
                 self._slots.handed_back = self._slots.version[newest] <= self.applied_version
