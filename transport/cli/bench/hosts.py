@@ -200,6 +200,15 @@ def cpu(procs: list[Proc]) -> float:
     return sum(process_cpu_seconds(p.p.pid) for p in procs)
 
 
+def rss_mib(p: Proc) -> float:
+    """A process's resident memory now, in MiB."""
+    with open(f"/proc/{p.p.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
     from transport.cluster import Cluster, Link
 
@@ -219,8 +228,10 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
         def measured(name: str, run: Any, procs: list[Proc]) -> None:
             before, cpu0, t0 = c.traffic(), cpu(procs), time.perf_counter()
+            own0 = cpu(procs[:1])  # the trainer's (or rank 0's)
             times = run()
             wall, used = time.perf_counter() - t0, cpu(procs) - cpu0
+            own = cpu(procs[:1]) - own0
             after = c.traffic()
             per = {role: (after[role].sent - before[role].sent) / args.steps for role in after}
             busy = used / (wall * (os.cpu_count() or 1))
@@ -230,12 +241,15 @@ def run_n(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 "sent_per_sync": per,
                 "trainer_link_models": per["trainer"] / model,
                 "cpu_s_per_sync": used / args.steps,
+                "trainer_cpu_s_per_sync": own / args.steps,
+                "trainer_rss_mib": rss_mib(procs[0]),
                 "cpu_busy": busy,
             }
             print(
                 f"N={n} {name}: {statistics.median(times) * 1e3:.0f} ms per sync, trainer's "
                 f"link {per['trainer'] / model:.2f} models per sync, {used / args.steps:.2f} "
-                f"CPU-s per sync ({100 * busy:.0f}% of the machine's CPUs)",
+                f"CPU-s per sync ({100 * busy:.0f}% of the machine's CPUs; the trainer "
+                f"{own / args.steps:.2f}, {rss_mib(procs[0]):.0f} MiB resident)",
                 flush=True,
             )
 
