@@ -60,7 +60,7 @@ class Job:
         self.cfg = CheckpointEngineConfig(
             backend="transport",
             update_weights_bucket_megabytes=BUCKET_MB,
-            engine_kwargs={"transport": {"timeout": 60}},
+            engine_kwargs={"transport": {"timeout": 60, "delta": True}},
             custom_backend_module="transport.integrations.verl",
         )
         model_config = HFModelConfig(path=str(model), use_remove_padding=True)

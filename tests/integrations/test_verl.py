@@ -4,9 +4,10 @@ Hugging Face checkpoint, its replicas, all in Ray actors on the CPU; two trainer
 stand-in for verl's FSDP trainer (transport/integrations/verl/harness.py says why and what it
 yields). A small mixture of experts, Qwen3-MoE (8 experts per layer, fused as transformers holds
 them; grouped-query attention, q/k norms, tied embeddings; the embedding is larger than a
-bucket), with a secret. The tests share one job and run in order: three updates to
-2 workers, a replica added (4 workers), a tensor of another shape, a worker killed mid-update, an
-outsider, a trainer rank killed mid-update."""
+bucket), with a secret, every engine with ``delta`` (copies of what it sent or received). The
+tests share one job and run in order: three updates to 2 workers, a replica added (4 workers), a
+step that moves 2% of the weights and back (as changes), a tensor of another shape, a worker
+killed mid-update, an outsider, a trainer rank killed mid-update."""
 
 from __future__ import annotations
 
@@ -64,6 +65,31 @@ def test_three_updates_reach_two_workers_then_an_added_replica(job):
     job.manager.add_replicas([job.replicas[1]])
     job.update(5)
     job.check(w)
+
+
+def test_a_step_that_moves_few_weights_goes_as_changes_and_lands_exactly(job):
+    """Every engine keeps copies (delta): an update that flips the lowest bit of 2% of the
+    weights goes as changes, a small part of the bytes, and verl's checker sees weights that are
+    not the checkpoint's; the update back to it goes as changes too, and the checker passes:
+    every weight bit for bit."""
+    w = job.rollout.workers
+    job.update(11)  # the checkpoint, as update 5 left it: every engine's copies hold the same
+    job.check(w)
+    job.actor.perturb_next(0.02)
+    moved = job.update(13)
+    for worker in w:
+        with pytest.raises(ray.exceptions.RayTaskError, match="not equal"):
+            job.check([worker])
+    job.actor.perturb_next(0.0)
+    back = job.update(15)
+    job.check(w)
+    for metrics in (moved, back):
+        for r in range(2):
+            buckets = metrics[f"transport/rank{r}/buckets_sent"]
+            assert metrics[f"transport/rank{r}/buckets_as_changes"] == buckets > 0, metrics
+            # each bucket to each of the 4 workers: a small part of a full bucket
+            per_bucket = metrics[f"transport/rank{r}/bytes_sent"] / buckets / len(w)
+            assert per_bucket < 0.2 * job.bucket_bytes, metrics
 
 
 def test_a_tensor_of_another_shape_is_refused_with_its_name(job):

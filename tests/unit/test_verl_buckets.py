@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -23,6 +24,7 @@ from transport.weights.buckets.buckets import (
     Planned,
     read_header,
 )
+from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.messages import Abort, Bucket, Free, decode, encode
 from transport.weights.buckets.receiver import BucketReceiver
@@ -132,6 +134,7 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
     token = "0123456789abcdef"
     for msg in (
         Bucket(token, 3, 1, 100, 128, 40, False),
+        Bucket(token, 4, 0, 100, 64, 40, True, 60),
         Free(token, 5),
         Abort(token, "why", True),
     ):
@@ -144,13 +147,29 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
             msgpack.packb(
                 {
                     "kind": "bucket",
-                    **{k: 0 for k in ("index", "data_bytes", "header_at", "header_bytes")},
+                    **{
+                        k: 0
+                        for k in ("index", "data_bytes", "header_at", "header_bytes", "changes")
+                    },
                     "token": token,
                     "slot": 2,
                     "last": False,
                 }
             ),
             "slot is 0 or 1",
+        ),
+        (
+            msgpack.packb(
+                {
+                    "kind": "bucket",
+                    **{k: 0 for k in ("index", "data_bytes", "header_at", "header_bytes")},
+                    "changes": -1,
+                    "token": token,
+                    "slot": 0,
+                    "last": False,
+                }
+            ),
+            "int >= 0",
         ),
         (msgpack.packb({"kind": "nope"}), "unknown"),
         (b"\x00" * 9000, "limit"),
@@ -164,16 +183,28 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
 
 class Job:
     """Trainer ranks and rollout workers of one update on loopback Transports, wired as the
-    engine wires them (plans from build_plans, slots exposed, send buffers registered)."""
+    engine wires them (plans from build_plans, slots exposed, send buffers registered; with
+    ``copies``, one per engine, kept across jobs: delta buckets)."""
 
-    def __init__(self, net, trainers: int, rollouts: int, bucket: int, degree: int = 0) -> None:
+    def __init__(
+        self,
+        net,
+        trainers: int,
+        rollouts: int,
+        bucket: int,
+        degree: int = 0,
+        copies: list[PieceCopies] | None = None,
+        prefix: str = "",
+    ) -> None:
         self.bucket = bucket
         infos = []
         self.t = []
         for i in range(trainers + rollouts):
-            t = net.make(f"{'t' if i < trainers else 'r'}{i}", heartbeat_interval=0.2)
+            t = net.make(f"{prefix}{'t' if i < trainers else 'r'}{i}", heartbeat_interval=0.2)
             self.t.append(t)
-            infos.append(EngineInfo(t.name, "mem://" if i == 0 else None, bucket, degree))
+            held = "" if copies is None else copies[i].token
+            info = EngineInfo(t.name, "mem://" if i == 0 else None, bucket, degree)
+            infos.append(replace(info, delta=copies is not None, holds=held))
         self.tp, self.rp = build_plans(trainers, rollouts, infos)
         self.inbox = [Inbox(t) for t in self.t]
         for ib, p in zip(self.inbox, self.tp + self.rp, strict=False):
@@ -185,8 +216,9 @@ class Job:
         self.slots = [torch.zeros(2 * bucket, dtype=torch.uint8) for _ in range(rollouts)]
         for t, s in zip(self.t[trainers:], self.slots, strict=False):
             t.expose(SLOTS, s, access="w")
+        mine = copies or [None] * (trainers + rollouts)
         self.senders = [
-            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0)
+            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0, mine[r])
             for r, p in enumerate(self.tp)
         ]
         self.receivers = [
@@ -197,6 +229,8 @@ class Job:
                 self.slots[i],
                 Assembler("cpu"),
                 10.0,
+                mine[trainers + i],
+                torch.empty(bucket, dtype=torch.uint8),
             )
             for i, p in enumerate(self.rp)
         ]
@@ -280,6 +314,72 @@ def test_every_receiver_gets_every_tensor_in_order(
     buckets = [s.report.buckets for s in job.senders]
     assert sum(buckets) == job.receivers[0].buckets > 4  # the ranks shared the buckets
     assert max(buckets) - min(buckets) <= 1
+
+
+def test_delta_buckets_carry_only_the_changes_and_every_tensor_lands_bit_for_bit(
+    loopback_net,
+) -> None:
+    """Engines with copies, kept across updates: the first update goes raw, a step that flips
+    bits of 2% of the elements goes as changes (a small part of the bytes), through a relay
+    too, and a tensor changed whole sends its buckets raw; every receiver yields every tensor,
+    bit for bit. A receiver whose copies hold another update refuses changes, naming it."""
+    copies = [PieceCopies() for _ in range(2 + 3)]
+    w1 = model(200, seed=5)
+    w2 = {n: t.clone() for n, t in w1.items()}
+    g = torch.Generator().manual_seed(9)
+    for t in w2.values():
+        raw = t.reshape(-1).view(torch.uint8)
+        if raw.numel():
+            flip = torch.rand(raw.numel(), generator=g) < 0.02
+            raw[flip] ^= 1
+    w3 = {n: t.clone() for n, t in w2.items()}
+    w3["lm_head.weight"] += 1  # every element of the tensor larger than a bucket
+    sent, as_changes = [], []
+    for k, weights in enumerate([w1, w2, w3]):
+        held = copies[0].token  # "" before the first update
+        job = Job(loopback_net, 2, 3, 64 * KIB, degree=1, copies=copies, prefix=f"u{k}-")
+        assert job.tp[0].base == held and bool(held) == (k > 0)
+        senders = job.send_all(weights)
+        for got in receive_all(job):
+            assert not isinstance(got, BaseException), got
+            assert list(got) == list(weights)
+            for name, t in weights.items():
+                assert torch.equal(
+                    got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                ), name
+        for th in senders:
+            th.join(30)
+        assert job.send_errors == [None, None]
+        sent.append(sum(s.report.bytes_sent for s in job.senders))
+        as_changes.append(sum(s.report.as_changes for s in job.senders))
+        buckets = job.receivers[0].buckets
+        assert {c.token for c in copies} == {job.tp[0].token}
+    assert as_changes[0] == 0 and as_changes[1] == buckets, as_changes  # all of them
+    assert 0 < as_changes[2] < buckets, as_changes  # lm_head's buckets raw
+    # 2% of the bytes flipped (of 8-byte elements, 15% changed), and every header raw
+    assert sent[1] < 0.35 * sent[0], sent
+    # copies of another update: changes are refused before a byte is applied
+    copies[3].token = "0" * 16
+    held = copies[0].token
+    job = Job(loopback_net, 1, 1, 64 * KIB, copies=[copies[0], copies[3]], prefix="u9-")
+    assert job.tp[0].base == ""  # the plan sees that they differ: every bucket raw
+    copies[0].token, copies[3].token = held, "0" * 16  # as they were before the Job began
+    bad = replace(job.rp[0], base=held)
+    receiver = BucketReceiver(
+        job.t[1], job.inbox[1], bad, job.slots[0], Assembler("cpu"), 10.0, copies[3]
+    )
+    job.senders[0] = BucketSender(
+        job.t[0],
+        job.inbox[0],
+        replace(job.tp[0], base=copies[0].token),
+        job.buffers[0],
+        10.0,
+        copies[0],
+    )
+    job.receivers[0] = receiver
+    job.send_all(w2)
+    (got,) = receive_all(job)
+    assert isinstance(got, WireFormatError) and "came as changes" in str(got), got
 
 
 def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_never_written(

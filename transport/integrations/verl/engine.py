@@ -20,6 +20,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from transport import Transport
 from transport.store.tcp import TcpStore
 from transport.weights.buckets.buckets import Assembler
+from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.receiver import BucketReceiver
 from transport.weights.buckets.sender import BucketSender
@@ -62,6 +63,11 @@ class TransportCheckpointEngine(CheckpointEngine):
     * ``device``: where buckets live (default ``cuda`` when there is one, else ``cpu``).
     * ``keep_buckets``: keep the buckets between updates (default: on the CPU yes, on a GPU no,
       so that the memory goes back to the KV cache).
+    * ``delta``: keep a copy of what this engine sent or received (on ``device``: the model's
+      bytes once, a trainer rank those of the buckets it fills), so that once every engine of
+      the job holds the same update, each bucket travels as the changes of its tensors against
+      it (weights/buckets/changes.py; a bucket whose changes exceed half its data goes raw).
+      Every engine of the job must set it (default off).
 
     The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET``; every engine of the
     job needs the same. Rules: ``prepare`` -> ``build_topology`` -> ``init_process_group`` ->
@@ -80,6 +86,7 @@ class TransportCheckpointEngine(CheckpointEngine):
         relay_degree: int | None = None,
         device: str | None = None,
         keep_buckets: bool | None = None,
+        delta: bool = False,
     ) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 4096:
             raise ValueError(
@@ -96,6 +103,8 @@ class TransportCheckpointEngine(CheckpointEngine):
             raise ValueError(
                 f"transport checkpoint engine: timeout must be > 0 seconds, got {timeout!r}"
             )
+        if not isinstance(delta, bool):
+            raise ValueError(f"transport checkpoint engine: delta is true or false, got {delta!r}")
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.store_url = store or os.environ.get("TRANSPORT_STORE") or None
@@ -114,6 +123,8 @@ class TransportCheckpointEngine(CheckpointEngine):
         self._hosted: TcpStore | None = None
         self._buffers: list[torch.Tensor] = []
         self._slots: torch.Tensor | None = None
+        self.copies = PieceCopies() if delta else None
+        self._scratch: torch.Tensor | None = None  # a delta bucket laid out raw (rollout)
 
     # -- the store and the Transport ----------------------------------------------------------
 
@@ -147,6 +158,8 @@ class TransportCheckpointEngine(CheckpointEngine):
             self.store_url if (self.is_master or self.store_url) else None,
             self.bucket_size,
             self.relay_degree,
+            self.copies is not None,
+            "" if self.copies is None else self.copies.token,
         )
 
     @classmethod
@@ -210,7 +223,9 @@ class TransportCheckpointEngine(CheckpointEngine):
         """Stream ``weights`` (every rank consumes all of them) into the rollout workers."""
         plan = self._plan_for("trainer")
         assert self.transport is not None and self.inbox is not None
-        sender = BucketSender(self.transport, self.inbox, plan, self._buffers, self.timeout)
+        sender = BucketSender(
+            self.transport, self.inbox, plan, self._buffers, self.timeout, self.copies
+        )
         report = await sender.send(weights)
         if report.dropped:
             log.warning(
@@ -229,8 +244,17 @@ class TransportCheckpointEngine(CheckpointEngine):
         """Each tensor of the update as soon as its bucket landed (a view of the bucket)."""
         plan = self._plan_for("rollout")
         assert self.transport is not None and self.inbox is not None and self._slots is not None
+        if self.copies is not None and self._scratch is None:
+            self._scratch = torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
         receiver = BucketReceiver(
-            self.transport, self.inbox, plan, self._slots, self.assembler, self.timeout
+            self.transport,
+            self.inbox,
+            plan,
+            self._slots,
+            self.assembler,
+            self.timeout,
+            self.copies,
+            self._scratch,
         )
         async for item in receiver.receive():
             yield item

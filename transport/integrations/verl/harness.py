@@ -78,6 +78,16 @@ def patch_nixl_for_cpu() -> None:
 patch_nixl_for_cpu()
 
 
+def _flip_low_bits(t: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+    """A copy of ``t`` with the lowest bit of about ``share`` of its elements flipped."""
+    out = t.clone()
+    if out.numel():
+        low = out.reshape(-1).view(torch.uint8)[:: out.element_size()]  # little-endian
+        g = torch.Generator().manual_seed(seed)
+        low[torch.rand(low.numel(), generator=g) < share] ^= 1
+    return out
+
+
 @ray.remote
 class Gate:
     """Holds whoever calls :meth:`reach` until :meth:`open`; counts who arrived."""
@@ -111,6 +121,7 @@ class StandInTrainer(Worker):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
         self.hold: tuple[int, Any] | None = None
         self.flatten: str | None = None
+        self.perturb = 0.0
         backend = config.backend
         kwargs = dict(config.engine_kwargs.get(backend, {}))
         if self.rank == 0:
@@ -127,6 +138,8 @@ class StandInTrainer(Worker):
                 self.hold = None
             if name == self.flatten:
                 p = p.reshape(-1)
+            if self.perturb:
+                p = _flip_low_bits(p, self.perturb, seed=i)
             yield name, (p if sign == 1 else -p)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -142,6 +155,13 @@ class StandInTrainer(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def hold_at(self, index: int, gate: Any) -> None:
         self.hold = (index, gate)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def perturb_next(self, share: float) -> None:
+        """From now on flip the lowest bit of about ``share`` of every tensor's elements, the
+        same ones on every rank (what an RL step does to a few percent of bf16 weights); 0: the
+        checkpoint as it is."""
+        self.perturb = share
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def flatten_next(self, name: str | None) -> None:

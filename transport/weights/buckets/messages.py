@@ -8,7 +8,9 @@ types and ranges, or :class:`~transport.errors.WireFormatError`).
 
 * :class:`Bucket` (sender -> receiver, the notification of the bucket's put): bucket ``index`` of
   the update has landed in ``slot``; its tensors' metadata lies in the bucket itself at
-  ``header_at`` (``header_bytes`` long), after its data.
+  ``header_at`` (``header_bytes`` long), after its data; ``changes`` > 0: instead of its data
+  (``data_bytes``, as the header lays it out) the bucket holds that many bytes of its changes
+  (changes.py).
 * :class:`Free` (receiver -> the sender of bucket ``index``): my slot ``index % 2`` may take
   bucket ``index`` (I am done with bucket ``index - 2``: yielded, and relayed to my children).
 * :class:`Abort` (anyone -> the others): I stop this update, because of ``reason``; ``whole``
@@ -35,7 +37,8 @@ _TOKEN_OK = set("0123456789abcdef")
 
 @dataclass(frozen=True)
 class Bucket:
-    """Bucket ``index`` of update ``token`` has landed in ``slot``; ``last``: no bucket follows."""
+    """Bucket ``index`` of update ``token`` has landed in ``slot``; ``last``: no bucket follows;
+    ``changes``: bytes of its changes at its start (0: its data, raw)."""
 
     KIND: ClassVar[str] = "bucket"
     token: str
@@ -45,6 +48,7 @@ class Bucket:
     header_at: int
     header_bytes: int
     last: bool
+    changes: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ Message = Bucket | Free | Abort
 KINDS: dict[str, type[Bucket] | type[Free] | type[Abort]] = {
     cls.KIND: cls for cls in (Bucket, Free, Abort)
 }
-_INTS = ("index", "slot", "data_bytes", "header_at", "header_bytes")
+_INTS = ("index", "slot", "data_bytes", "header_at", "header_bytes", "changes")
 
 
 def encode(msg: Message) -> bytes:

@@ -25,6 +25,7 @@ import torch
 from transport import Handle, Transport
 from transport.errors import TransportError, WireFormatError
 from transport.weights.buckets.buckets import Assembler, read_header
+from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox, PeerGone
 from transport.weights.buckets.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
 from transport.weights.buckets.sender import UpdateAborted
@@ -36,8 +37,9 @@ log = logging.getLogger("transport.verl")
 
 class BucketReceiver:
     """One rollout worker's update. It owns the update's bookkeeping; the slots (a registered,
-    exposed uint8 tensor of two buckets), the Assembler (what names it has seen) and the
-    Transport are the engine's."""
+    exposed uint8 tensor of two buckets), the Assembler (what names it has seen), the copies of
+    what it received (``copies``, with delta: changes.py; a bucket that came as its changes is
+    laid out raw in ``scratch``, one bucket) and the Transport are the engine's."""
 
     def __init__(
         self,
@@ -47,6 +49,8 @@ class BucketReceiver:
         slots: torch.Tensor,
         assembler: Assembler,
         timeout: float,
+        copies: PieceCopies | None = None,
+        scratch: torch.Tensor | None = None,
     ) -> None:
         self.transport = transport
         self.inbox = inbox
@@ -54,6 +58,8 @@ class BucketReceiver:
         self.slots = slots
         self.assembler = assembler
         self.timeout = timeout
+        self.copies, self.scratch = copies, scratch
+        self.base = copies.begin() if copies is not None else ""
         who = f"update {plan.token}: {transport.name}"
         self.children = Targets(transport, inbox, plan.targets, timeout, who)
         self.buckets = 0
@@ -95,10 +101,16 @@ class BucketReceiver:
             )
         if (
             got.header_at + got.header_bytes > self.plan.bucket_bytes
-            or got.data_bytes > got.header_at
+            or (got.changes or got.data_bytes) > got.header_at
+            or got.data_bytes > self.plan.bucket_bytes
         ):
             raise WireFormatError(
                 f"bucket {index}'s header lies outside its {self.plan.bucket_bytes} bytes"
+            )
+        if got.changes and (self.copies is None or not self.base or self.base != self.plan.base):
+            raise WireFormatError(
+                f"bucket {index} came as changes against update {self.plan.base or 'none'}, "
+                f"but this worker's copies hold {self.base or 'none'}"
             )
         return got
 
@@ -120,13 +132,22 @@ class BucketReceiver:
                 slot = self._slot(msg.slot)
                 raw = slot[msg.header_at : msg.header_at + msg.header_bytes].cpu().numpy().tobytes()
                 pieces = read_header(raw, msg.data_bytes)
-                relays = await self._relay(msg)
-                for name, tensor in self.assembler.tensors(slot, pieces):
+                relays = await self._relay(msg)  # as it came: the children hold the same base
+                data = slot
+                if msg.changes:
+                    assert self.copies is not None and self.scratch is not None
+                    self.copies.apply(pieces, slot[: msg.changes], self.scratch)
+                    data = self.scratch
+                elif self.copies is not None:
+                    self.copies.store(pieces, slot)
+                for name, tensor in self.assembler.tensors(data, pieces):
                     yield name, tensor
                 await self.children.land(relays)
                 self.buckets += 1
                 if msg.last:
                     self.assembler.check_complete()
+                    if self.copies is not None:  # they hold this update now
+                        self.copies.end(self.plan.token)
                     return
                 after = self.plan.sender_of(index + 2)
                 try:

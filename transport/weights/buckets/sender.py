@@ -24,7 +24,8 @@ import torch
 
 from transport import Handle, Transport
 from transport.errors import TransportError
-from transport.weights.buckets.buckets import Packer, Planned
+from transport.weights.buckets.buckets import Packer, Planned, aligned
+from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.messages import MAX_REASON, Abort, Bucket
 from transport.weights.buckets.targets import Targets, tell
@@ -43,10 +44,12 @@ class SendReport:
     bytes_sent: int = 0
     seconds: float = 0.0
     dropped: dict[str, str] = field(default_factory=dict)
+    as_changes: int = 0  # buckets sent as their changes
 
     def metrics(self, rank: int) -> dict[str, float]:
         return {
             f"transport/rank{rank}/buckets_sent": float(self.buckets),
+            f"transport/rank{rank}/buckets_as_changes": float(self.as_changes),
             f"transport/rank{rank}/bytes_sent": float(self.bytes_sent),
             f"transport/rank{rank}/send_s": self.seconds,
             f"transport/rank{rank}/dropped": float(len(self.dropped)),
@@ -65,7 +68,8 @@ async def aiter_of(weights: object) -> AsyncIterator[tuple[str, torch.Tensor]]:
 
 class BucketSender:
     """One trainer rank's update. It owns nothing but the update's bookkeeping: the send buffers
-    (registered uint8 tensors, one or two) and the Transport are the engine's."""
+    (registered uint8 tensors, one or two), the copies of what it sent (``copies``, with delta:
+    changes.py) and the Transport are the engine's."""
 
     def __init__(
         self,
@@ -74,10 +78,13 @@ class BucketSender:
         plan: UpdatePlan,
         buffers: list[torch.Tensor],
         timeout: float,
+        copies: PieceCopies | None = None,
     ) -> None:
         self.transport = transport
         self.plan = plan
         self.buffers = buffers
+        self.copies = copies
+        self.base = copies.begin() if copies is not None else ""
         who = f"update {plan.token}: rank {plan.rank}"
         self.targets = Targets(transport, inbox, plan.targets, timeout, who)
         self.report = SendReport(dropped=self.targets.dropped)
@@ -106,7 +113,19 @@ class BucketSender:
         if not self.plan.sends(planned.index):
             return
         buf = await self._buffer_for(planned.index)
-        at = planned.header_at
+        at, changes = planned.header_at, 0
+        if self.copies is not None:
+            data = buf[: planned.data_bytes]
+            blob = None
+            if self.plan.base and self.base == self.plan.base:
+                blob = self.copies.encode(planned.pieces, data)
+            else:
+                self.copies.store(planned.pieces, data)
+            if blob is not None:  # the changes in place of the data, the header after them
+                changes = blob.numel()
+                buf[:changes].copy_(blob)
+                at = aligned(changes)
+                self.report.as_changes += 1
         buf[at : at + len(planned.header)].copy_(
             torch.frombuffer(bytearray(planned.header), dtype=torch.uint8)
         )
@@ -114,7 +133,7 @@ class BucketSender:
         while not all(inbox.may_write(p, planned.index) for p in self.targets.peers):
             await self.targets.wait_free(planned.index)  # freed, dropped, or an abort came
             self._aborts()
-        src = buf[: planned.nbytes]
+        src = buf[: at + len(planned.header)]
         if src.is_cuda:  # the copies into it were queued on the current stream
             torch.cuda.current_stream(src.device).synchronize()
         msg = Bucket(
@@ -125,11 +144,12 @@ class BucketSender:
             at,
             len(planned.header),
             last,
+            changes,
         )
         flying = self.targets.post(src, msg, self.plan.bucket_bytes)
         self._flying[self._buffer_of(planned.index)] += flying
         self.report.buckets += 1
-        self.report.bytes_sent += planned.nbytes * len(flying)
+        self.report.bytes_sent += src.numel() * len(flying)
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> SendReport:
         """Pack ``weights``, ship this rank's buckets, wait until they landed. On any failure
@@ -141,6 +161,8 @@ class BucketSender:
             why = f"trainer rank {self.plan.rank} ({self.transport.name}) failed: {type(e).__name__}: {e}"
             tell(self.transport, self.targets.peers, Abort(self.plan.token, why[:MAX_REASON], True))
             raise
+        if self.copies is not None:  # they hold this update now
+            self.copies.end(self.plan.token)
         self.report.seconds = time.perf_counter() - start
         return self.report
 

@@ -27,12 +27,15 @@ AUTO_DEGREE = 4
 @dataclass(frozen=True)
 class EngineInfo:
     """What an engine tells the others in ``prepare()``: its peer name in the store, the store's
-    URL if it hosts it (or was given one), the bucket size and relay degree it was built with."""
+    URL if it hosts it (or was given one), the bucket size and relay degree it was built with,
+    whether it takes ``delta`` buckets and the update its copies hold (``holds``, changes.py)."""
 
     name: str
     store: str | None
     bucket_bytes: int
     degree: int | None
+    delta: bool = False
+    holds: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class UpdatePlan:
     ``role`` is ``"trainer"`` or ``"rollout"``; ``rank`` its index among its role; ``trainers``
     every trainer rank's peer name by rank; ``targets`` the peers this engine writes (a trainer
     rank: the tree's roots; a rollout worker: its children); ``parent`` where a rollout worker's
-    buckets come from (None: from the trainer ranks)."""
+    buckets come from (None: from the trainer ranks). ``base``: the update every engine's copies
+    hold, which the buckets' changes apply onto ("": every bucket raw)."""
 
     token: str
     role: str
@@ -52,6 +56,7 @@ class UpdatePlan:
     trainers: tuple[str, ...]
     targets: tuple[str, ...]
     parent: str | None
+    base: str = ""
 
     def sender_of(self, index: int) -> str:
         """The peer that writes bucket ``index`` to this rollout worker."""
@@ -103,13 +108,18 @@ def build_plans(
         raise ValueError(f"build_topology: two engines share a peer name: {names}")
     t_names, r_names = tuple(names[:trainers]), names[trainers:]
     roots = r_names if degree == 0 else r_names[:degree]
+    # changes only when every engine takes them and every one's copies hold the same update
+    holds = {i.holds for i in infos}
+    base = holds.pop() if all(i.delta for i in infos) and len(holds) == 1 else ""
     t_plans = [
-        UpdatePlan(token, "trainer", r, store, bucket, t_names, tuple(roots), None)
+        UpdatePlan(token, "trainer", r, store, bucket, t_names, tuple(roots), None, base)
         for r in range(trainers)
     ]
     r_plans = []
     for i in range(len(r_names)):
         children = () if degree == 0 else tuple(r_names[(i + 1) * degree : (i + 2) * degree])
         parent = None if degree == 0 or i < degree else r_names[i // degree - 1]
-        r_plans.append(UpdatePlan(token, "rollout", i, store, bucket, t_names, children, parent))
+        r_plans.append(
+            UpdatePlan(token, "rollout", i, store, bucket, t_names, children, parent, base)
+        )
     return t_plans, r_plans
