@@ -131,6 +131,41 @@ def test_a_subscriber_that_missed_a_version_or_joined_late_gets_the_next_whole(t
         assert late.call("applied", 5, 30)["live"] == want
 
 
+def test_a_restarted_subscriber_and_torn_live_tensors_get_the_next_version_whole(trainer, start):
+    """A subscriber killed and started again (a new incarnation, nothing held) and one in place
+    whose live tensors a whole version tore (stopped while it landed, excluded at the deadline)
+    each get the next version whole, every byte right, and changes again after it."""
+    a = start("gen-a", wait=False)
+    b = start("gen-b", mode="inplace", wait=False)
+    a.started()
+    b.started()
+    tensors = model(SPEC)
+    names = ["gen-a", "gen-b"]
+    with transport.WeightPublisher(trainer, tensors, delta=True) as pub:
+        for v in (1, 2):
+            step(tensors, 0.02, seed=v)
+            r = publish(pub, tensors, v, names)
+            assert set(r.patched) == (set(names) if v == 2 else set()), r.patched
+        os.kill(a.pid, signal.SIGKILL)
+        a.stop()
+        a = start("gen-a")  # the same name, a new incarnation
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            step(tensors, 0.9, seed=3)  # dense: whole, into b's live tensors while it is stopped
+            r = pub.publish(3, timeout=3).wait(30)
+            assert r.status == {"gen-a": "done", "gen-b": "excluded"}, r.reasons
+        finally:
+            os.kill(b.pid, signal.SIGCONT)
+        for v in (4, 5):
+            step(tensors, 0.02, seed=v)
+            r = publish(pub, tensors, v, names)
+            # 4: b lacks version 3 (torn), a holds it; 5: both hold 4
+            assert set(r.patched) == ({"gen-a"} if v == 4 else set(names)), (v, r.patched)
+            want = digests(tensors)
+            assert a.call("applied", v, 30)["live"] == want
+            assert b.call("applied", v, 30)["live"] == want
+
+
 def test_auto_lands_every_version_bit_exact_whichever_way_it_goes(trainer, start):
     """``delta="auto"`` chooses by what versions cost here (on one host whole versions are
     cheap, so it may stop diffing and look again later); whichever way each version goes, every
