@@ -17,6 +17,11 @@ the model and loads the checkpoint; tests/integrations/test_verl.py checks every
 
     python benchmarks/verl_update.py                 # ~3 min: 330 MB of bf16, 64 MiB buckets
     python benchmarks/verl_update.py --hidden 512 --layers 4 --updates 3   # ~1 min
+    python benchmarks/verl_update.py --delta 0.022 --engines nixl,transport,transport-delta
+
+With ``--delta SHARE`` each update flips the lowest bit of SHARE of every tensor's elements, other
+ones each update (so two updates differ in about twice SHARE), for every engine alike;
+``transport-delta`` is ours with ``delta: true`` on every engine.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from transport.store.tcp import TcpStore
 ENGINES = {
     "nixl": ({"device": "cpu"}, NIXL_ON_CPU),
     "transport": ({}, "transport.integrations.verl"),
+    # ours with delta=True on every engine: each bucket as its changes (--delta sets the step)
+    "transport-delta": ({"delta": True}, "transport.integrations.verl"),
 }
 
 
@@ -75,15 +82,22 @@ def pid_of(actor) -> int:
 
 
 def run_one(
-    engine: str, workers: int, model: Path, bucket_mb: int, updates: int, store: str
+    engine: str,
+    workers: int,
+    model: Path,
+    bucket_mb: int,
+    updates: int,
+    store: str,
+    delta: float = 0.0,
 ) -> dict:
     kwargs, module = ENGINES[engine]
-    if engine == "transport":
+    backend = engine.removesuffix("-delta")
+    if backend == "transport":
         kwargs = {**kwargs, "store": store}  # so that prepare() joins it: see the docstring
     cfg = CheckpointEngineConfig(
-        backend=engine,
+        backend=backend,
         update_weights_bucket_megabytes=bucket_mb,
-        engine_kwargs={engine: kwargs},
+        engine_kwargs={backend: kwargs},
         custom_backend_module=module,
     )
     pool = RayResourcePool(process_on_nodes=[2 + workers], max_colocate_count=1, use_gpu=False)
@@ -103,12 +117,16 @@ def run_one(
     )
     manager = CheckpointEngineManager(config=cfg, actor_wg=actor, replicas=replicas)
     pids = {"trainer": actor.pid(), "rollout": [pid_of(w) for w in rollout.workers]}
-    if engine == "transport":  # its Transport exists now, as verl's nixl agent does (no bucket yet)
+    if (
+        backend == "transport"
+    ):  # its Transport exists now, as verl's nixl agent does (no bucket yet)
         ray.get(
             actor.execute_checkpoint_engine(["prepare"] * actor.world_size)
             + rollout.execute_checkpoint_engine(["prepare"] * rollout.world_size)
         )
     before = {k: [rss_bytes(p) for p in v] for k, v in pids.items()}
+    if delta:  # every update flips the lowest bit of ``delta`` of the elements, others each step
+        actor.perturb_next(delta)
     manager.update_weights(global_steps=1)  # the warm-up
     for pid in [*pids["trainer"], *pids["rollout"]]:
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
@@ -144,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", default="2,4", help="comma list of rollout worker counts (even: TP=2 replicas)"
     )
     p.add_argument("--engines", default="nixl,transport")
+    p.add_argument(
+        "--delta",
+        type=float,
+        default=0.0,
+        help="each update flips the lowest bit of this share of every tensor's elements (0.022: "
+        "one step of AdamW at lr 1e-6 in bf16); add transport-delta to --engines",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False)
@@ -158,7 +183,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             for workers in (int(w) for w in args.workers.split(",")):
                 for engine in args.engines.split(","):
-                    row = run_one(engine, workers, Path(tmp), args.bucket_mb, args.updates, store)
+                    row = run_one(
+                        engine,
+                        workers,
+                        Path(tmp),
+                        args.bucket_mb,
+                        args.updates,
+                        store,
+                        args.delta,
+                    )
                     rows.append(row)
                     print(
                         f"{engine:>10} x{workers}: update {row['update_s'] * 1e3:8.1f} ms (median of "
@@ -172,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r["engine"], r["workers"]): r for r in rows}
     for workers in sorted({r["workers"] for r in rows}):
         a, b = by.get(("nixl", workers)), by.get(("transport", workers))
+        d = by.get(("transport-delta", workers))
+        if b and d:
+            print(
+                f"x{workers}: ours with delta {b['update_s'] / d['update_s']:.2f}x faster than whole"
+            )
         if a and b:
             print(
                 f"x{workers}: ours {a['update_s'] / b['update_s']:.2f}x faster than verl's nixl; memory "

@@ -138,8 +138,8 @@ class StandInTrainer(Worker):
                 self.hold = None
             if name == self.flatten:
                 p = p.reshape(-1)
-            if self.perturb:
-                p = _flip_low_bits(p, self.perturb, seed=i)
+            if self.perturb:  # other elements each step, the same on every rank
+                p = _flip_low_bits(p, self.perturb, seed=i * 1_000_003 + (step or 0))
             yield name, (p if sign == 1 else -p)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -158,9 +158,9 @@ class StandInTrainer(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def perturb_next(self, share: float) -> None:
-        """From now on flip the lowest bit of about ``share`` of every tensor's elements, the
-        same ones on every rank (what an RL step does to a few percent of bf16 weights); 0: the
-        checkpoint as it is."""
+        """From now on flip the lowest bit of about ``share`` of every tensor's elements, drawn
+        from the step, the same ones on every rank (what an RL step does to a few percent of
+        bf16 weights); 0: the checkpoint as it is."""
         self.perturb = share
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
