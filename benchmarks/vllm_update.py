@@ -127,6 +127,18 @@ class CpuMeter:
         return max(0.0, other / hz / seconds)
 
 
+def step(x: torch.Tensor, share: float, version: int) -> None:
+    """A training step's change: every element moved a little, or (``share``) the lowest bit
+    of that share of the elements flipped, others each version (what a step of AdamW at the
+    learning rates of RL does to bfloat16 weights: benchmarks/delta_step.py)."""
+    if not share:
+        x.add_(1e-3)
+        return
+    bits = x.reshape(-1).view(torch.int32 if x.element_size() == 4 else torch.int16)
+    g = torch.Generator().manual_seed(version)
+    bits[torch.rand(bits.numel(), generator=g) < share] ^= 1
+
+
 def mib(n: float) -> float:
     return round(n / MiB, 1)
 
@@ -191,7 +203,13 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, paths)),
     }
-    modes = AS_STORED_MODES if args.as_stored else MODES
+    modes: tuple[str, ...] = AS_STORED_MODES if args.as_stored else MODES
+    if args.delta:  # the sharded mode with delta=True, next to it
+        modes = tuple(
+            m for mode in modes for m in (mode, "sharded-delta")[: 2 if mode == "sharded" else 1]
+        )
+    if args.modes:
+        modes = tuple(m for m in modes if m in args.modes.split(","))
     t_start = time.perf_counter()
     server = VllmServer(
         ctx["work"] / "model",
@@ -263,8 +281,9 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                         name=f"trainer-{mode}",
                         rank=0,
                         timeout=300,
-                        mode=mode,
+                        mode=mode.removesuffix("-delta"),
                         staging_gb=half if mode == "streamed" else None,
+                        delta=mode.endswith("-delta"),
                     ),
                     client=HTTPClient(server.url),
                     source=ModuleSource(model),
@@ -292,7 +311,7 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                     v += 1
                     with torch.no_grad():
                         for x in state.values():
-                            x.add_(1e-3)
+                            step(x, args.delta, v)
                     sent0 = t.traffic()
                     timed(m, mode, engine.send_weights, v)
                     sent1 = t.traffic()
@@ -341,13 +360,25 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
 
 
 def ratios(res: dict[str, Any]) -> dict[str, float]:
-    w, s = res["modes"]["whole"], res["modes"]["sharded"]
-
     def med(m: dict[str, Any], k: str) -> float:
         return float(m["time_stats_s"][k]["median"])
 
     def per_worker(m: dict[str, Any], k: str) -> float:
         return statistics.mean(max(x[k]) if isinstance(x[k], list) else x[k] for x in m["workers"])
+
+    s, d = res["modes"].get("sharded"), res["modes"].get("sharded-delta")
+    delta = (
+        {}
+        if s is None or d is None
+        else {
+            "sharded_over_delta_time": med(s, "sharded") / med(d, "sharded-delta"),
+            "sharded_over_delta_written": per_worker(s, "written_per_version")
+            / per_worker(d, "written_per_version"),
+        }
+    )
+    if "whole" not in res["modes"] or s is None:
+        return delta  # a run of --modes without them
+    w = res["modes"]["whole"]
 
     inplace = res["modes"].get("inplace")
     extra = (
@@ -370,18 +401,22 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
             "sharded_over_streamed_staging": per_worker(s, "staging_bytes")
             / per_worker(streamed, "staging_bytes"),
         }
-    return extra | {
-        "whole_over_sharded_time": med(w, "whole") / med(s, "sharded"),
-        "shm_over_sharded_time": med(s, "shm") / med(s, "sharded"),
-        "sharded_over_floor_time": med(s, "sharded") / med(w, "floor"),
-        "shm_over_whole_time": med(w, "shm") / med(w, "whole"),
-        "whole_over_floor_time": med(w, "whole") / med(w, "floor"),
-        "shm_sharded_blocks_over_whole_blocks": med(s, "shm") / med(w, "shm"),
-        "whole_over_sharded_written": per_worker(w, "written_per_version")
-        / per_worker(s, "written_per_version"),
-        "whole_over_sharded_staging": per_worker(w, "staging_bytes")
-        / per_worker(s, "staging_bytes"),
-    }
+    return (
+        delta
+        | extra
+        | {
+            "whole_over_sharded_time": med(w, "whole") / med(s, "sharded"),
+            "shm_over_sharded_time": med(s, "shm") / med(s, "sharded"),
+            "sharded_over_floor_time": med(s, "sharded") / med(w, "floor"),
+            "shm_over_whole_time": med(w, "shm") / med(w, "whole"),
+            "whole_over_floor_time": med(w, "whole") / med(w, "floor"),
+            "shm_sharded_blocks_over_whole_blocks": med(s, "shm") / med(w, "shm"),
+            "whole_over_sharded_written": per_worker(w, "written_per_version")
+            / per_worker(s, "written_per_version"),
+            "whole_over_sharded_staging": per_worker(w, "staging_bytes")
+            / per_worker(s, "staging_bytes"),
+        }
+    )
 
 
 def table(results: dict[str, Any]) -> str:
@@ -458,6 +493,15 @@ def main() -> None:
     ap.add_argument(
         "--moe-intermediate", type=int, default=256, help="each expert's intermediate size"
     )
+    ap.add_argument(
+        "--delta",
+        type=float,
+        default=0.0,
+        help="each round flips the lowest bit of this share of the elements (0.022: a step of "
+        "AdamW at lr 1e-6 in bf16) instead of moving every one, and the sharded mode runs with "
+        "delta=True next to it (sharded-delta)",
+    )
+    ap.add_argument("--modes", default="", help="comma list: only these modes (default: all)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tps = [int(x) for x in args.tp.split(",")]
