@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -260,29 +261,34 @@ class Cluster:
             url = f"redis://{host.address}:{REDIS_PORT}/0"
         else:
             raise ValueError(f"a cluster's store is 'tcp' or 'redis', got {kind!r}")
-        proc = self.start(host, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # listening: a connection from the trainer's host (through the links) is accepted
-        probe = [
-            sys.executable,
-            "-c",
-            _PROBE,
-            host.address,
-            str(STORE_PORT if kind == "tcp" else REDIS_PORT),
-            str(timeout),
-        ]
-        done = subprocess.run(
-            self.trainer.command(probe),
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout + 30,
-        )
-        if done.returncode != 0 or proc.poll() is not None:
-            err = proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
-            raise ClusterError(
-                f"the {kind} store did not start in {host.namespace}: "
-                f"{(err or done.stderr).strip()[-500:]}"
+        # its errors go to a file, not a pipe: a pipe nobody reads blocks the store once full (a
+        # TCPStore warns on stderr at connections), and every call of every host with it; the
+        # store keeps writing to the file, which goes once it ends
+        with tempfile.TemporaryFile() as errors:
+            proc = self.start(host, argv, stdout=subprocess.DEVNULL, stderr=errors)
+            # listening: a connection from the trainer's host (through the links) is accepted
+            probe = [
+                sys.executable,
+                "-c",
+                _PROBE,
+                host.address,
+                str(STORE_PORT if kind == "tcp" else REDIS_PORT),
+                str(timeout),
+            ]
+            done = subprocess.run(
+                self.trainer.command(probe),
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout + 30,
             )
+            if done.returncode != 0 or proc.poll() is not None:
+                errors.seek(0)
+                err = errors.read().decode(errors="replace") if proc.poll() is not None else ""
+                raise ClusterError(
+                    f"the {kind} store did not start in {host.namespace}: "
+                    f"{(err or done.stderr).strip()[-500:]}"
+                )
         return url
 
     def traffic(self) -> dict[str, Traffic]:
