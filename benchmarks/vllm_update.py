@@ -60,6 +60,7 @@ from typing import Any, cast
 
 import torch
 
+from transport.cli.bench.sync import mutate
 from transport.integrations.vllm.extension import TransportState
 
 MiB = 1 << 20
@@ -125,18 +126,6 @@ class CpuMeter:
         hz = os.sysconf("SC_CLK_TCK")
         other = (t1[0] - t0[0]) - (t1[1] - t0[1])
         return max(0.0, other / hz / seconds)
-
-
-def step(x: torch.Tensor, share: float, version: int) -> None:
-    """A training step's change: every element moved a little, or (``share``) the lowest bit
-    of that share of the elements flipped, others each version (what a step of AdamW at the
-    learning rates of RL does to bfloat16 weights: benchmarks/delta_step.py)."""
-    if not share:
-        x.add_(1e-3)
-        return
-    bits = x.reshape(-1).view(torch.int32 if x.element_size() == 4 else torch.int16)
-    g = torch.Generator().manual_seed(version)
-    bits[torch.rand(bits.numel(), generator=g) < share] ^= 1
 
 
 def mib(n: float) -> float:
@@ -310,8 +299,11 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                 for r in range(args.rounds):
                     v += 1
                     with torch.no_grad():
-                        for x in state.values():
-                            step(x, args.delta, v)
+                        if args.delta:  # the lowest bit of that share flipped, others each round
+                            mutate(list(state.values()), args.delta, v)
+                        else:  # every element moved a little
+                            for x in state.values():
+                                x.add_(1e-3)
                     sent0 = t.traffic()
                     timed(m, mode, engine.send_weights, v)
                     sent1 = t.traffic()

@@ -35,3 +35,13 @@ def spawn(tcp_store: Store) -> Iterator[Callable[..., Any]]:
     yield start
     for child in reversed(children):
         child.stop()
+
+
+@pytest.fixture
+def children() -> Iterator[list[Any]]:
+    """A list to put child processes in (ChildProcess): all are stopped at the end, the last
+    started first."""
+    out: list[Any] = []
+    yield out
+    for c in reversed(out):
+        c.stop()

@@ -7,9 +7,6 @@ of tests/weights/test_sharded_procs.py check that of whole versions)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 
 from helpers.shard_peer import GeneratorProcess, RankProcess, model_spec
@@ -18,14 +15,6 @@ pytestmark = [pytest.mark.delta, pytest.mark.timeout(600)]
 
 SPEC = model_spec(hidden=1024, layers=1, vocab=1024)  # 51 MiB of float32
 SPARSE = 0.02  # of every tensor's elements change per step; every fifth step all of them
-
-
-@pytest.fixture
-def children() -> Iterator[list[Any]]:
-    out: list[Any] = []
-    yield out
-    for c in reversed(out):
-        c.stop()
 
 
 def test_two_ranks_send_the_changes_of_their_parts_into_tp2_bf16_and_fp8_layouts(

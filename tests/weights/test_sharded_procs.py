@@ -5,7 +5,6 @@ the full weights in its own process. A 205 MiB float32 Llama-like model."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,14 +15,6 @@ from transport.store import Store
 pytestmark = pytest.mark.timeout(600)
 
 SPEC = model_spec(hidden=1024, layers=4, vocab=8192)  # 205 MiB of float32
-
-
-@pytest.fixture
-def children() -> Iterator[list[Any]]:
-    out: list[Any] = []
-    yield out
-    for c in reversed(out):
-        c.stop()
 
 
 def _start(

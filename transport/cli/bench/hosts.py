@@ -41,18 +41,15 @@ def _tensors(mib: int, count: int) -> dict[str, Any]:
 
 
 def _change(state: dict[str, Any], version: int, share: float) -> None:
-    """Version ``version`` of the tensors: every element set to it, or (``share``) that share
-    of them, drawn from the version."""
-    import torch
+    """Version ``version`` of the tensors: every element set to it, or (``share``) the lowest
+    bit of that share of them flipped, drawn from the version (sync.mutate)."""
+    from transport.cli.bench.sync import mutate
 
     if not share:
         for x in state.values():
             x.fill_(version)
         return
-    g = torch.Generator().manual_seed(version)
-    for x in state.values():
-        idx = torch.randint(0, x.numel(), (max(1, int(x.numel() * share)),), generator=g)
-        x[idx] = float(version)
+    mutate(list(state.values()), share, version)
 
 
 def _digest(state: dict[str, Any]) -> str:

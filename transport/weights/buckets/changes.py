@@ -64,9 +64,6 @@ class PieceCopies:
             del self.copies[key]
         self.token = token
 
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.copies.values())
-
     def _copy(self, p: Piece) -> torch.Tensor | None:
         got = self.copies.get((p.name, p.chunk_at))
         return got if got is not None and got.numel() == p.nbytes else None

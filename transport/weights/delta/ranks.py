@@ -119,7 +119,3 @@ class RankDeltas:
         if enc is None or enc.version != version or enc.base != holds:
             return None
         return enc if enc.blob.numel() <= room else None
-
-    def nbytes(self) -> int:
-        """The memory this side holds beyond the shards and the pool (copies and scratch)."""
-        return sum(d.buffer.numel() for d in self._layouts.values()) + self._scratch[0].numel()

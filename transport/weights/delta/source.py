@@ -96,10 +96,6 @@ class DeltaSource:
             return None
         return enc
 
-    def nbytes(self) -> int:
-        """The memory this side holds beyond the tensors (the copy)."""
-        return 0 if self._copy is None else self.layout.nbytes
-
 
 class Outbox:
     """Owns the buffer a version's changes are written from (registered once by the first

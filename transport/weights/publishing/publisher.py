@@ -346,18 +346,16 @@ class WeightPublisher(PublisherCore):
         """The changes landed (the subscriber's ``patched`` tells the rest), or failed."""
         err = h.exception(0)
         with self._lock:
-            p = sub.patch
-            if err is None or p is None or (p.version, p.slot) != (version, slot):
-                return
-            self._finished(sub, slot, version, p.handle, err)
+            p = None if err is None else sub.take_patch(version, slot)
+            if p is not None:
+                self._finished(sub, slot, version, p.handle, err)
 
     def _on_patched(self, peer: str, m: Patched) -> None:
         with self._lock:
             sub = self._subs.get(peer)
-            p = None if sub is None else sub.patch
-            if sub is None or p is None or (p.version, p.slot) != (m.version, m.slot):
+            p = None if sub is None else sub.take_patch(m.version, m.slot)
+            if sub is None or p is None:
                 return
-            sub.patch = None
             handle = p.handle
             if not m.why:
                 handle.result.patched[peer] = p.nbytes

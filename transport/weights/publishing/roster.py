@@ -101,10 +101,14 @@ class Member:
         free = sorted(self.credits - busy - set(self.fenced))
         return free[0] if free else None
 
-    def holds(self, slot: int) -> int:
-        """The version ``slot`` holds whole as far as we know (-1: none): in place the newest
-        that landed, in staging what its last credit said."""
-        return self.completed if self.mode == "inplace" else self.held.get(slot, -1)
+    def take_patch(self, version: int, slot: int | None = None) -> PatchInFlight | None:
+        """The changes in flight that a ``patched`` (or their put's end) of ``version`` in
+        ``slot`` (None: any) answers, no longer in flight; None if it answers none."""
+        p = self.patch
+        if p is None or p.version != version or (slot is not None and p.slot != slot):
+            return None
+        self.patch = None
+        return p
 
     def unfence(self, relay: str, version: int | None = None) -> None:
         """``relay`` reported on this subscriber (on ``version`` or a later one: its writes here

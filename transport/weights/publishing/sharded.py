@@ -298,14 +298,17 @@ class ShardedPublisher(PublisherCore):
             return None
         single = self.world == 1 or sub.mode == "inplace"
         holds = sub.newest if single else sub.held.get(slot, -1)
-        room = sub.inbox // self.world // 8 * 8
-        return self._deltas.changes_for(sub.delta_key, version, holds, room)
+        return self._deltas.changes_for(sub.delta_key, version, holds, self._share(sub))
+
+    def _share(self, sub: Member) -> int:
+        """Bytes of ``sub``'s inbox that are this rank's (from ``rank * share`` on)."""
+        return sub.inbox // self.world // 8 * 8
 
     def _write_patch(self, sub: Member, slot: int, handle: Delivery, patch: Encoded) -> None:
         """Writer thread: this rank's changes into its share of ``sub``'s inbox; the
         subscriber's ``patched`` says the rest."""
         version, n = patch.version, patch.blob.numel()
-        at = self.rank * (sub.inbox // self.world // 8 * 8)
+        at = self.rank * self._share(sub)
         try:
             h = self.transport.core.put_control_at(
                 patch.blob,
@@ -318,8 +321,7 @@ class ShardedPublisher(PublisherCore):
             )
         except TransportError as e:
             with self._lock:
-                if sub.patch is not None and sub.patch.version == version:
-                    sub.patch = None
+                if sub.take_patch(version) is not None:
                     self._ended(sub, slot, version, handle, e)
             return
         h.add_done_callback(
@@ -330,19 +332,16 @@ class ShardedPublisher(PublisherCore):
         """The changes landed (the subscriber's ``patched`` tells the rest), or failed."""
         err = h.exception(0)
         with self._lock:
-            p = sub.patch
-            if err is None or p is None or p.version != version:
-                return
-            sub.patch = None
-            self._ended(sub, p.slot, version, p.handle, err)
+            p = None if err is None else sub.take_patch(version)
+            if p is not None:
+                self._ended(sub, p.slot, version, p.handle, err)
 
     def _on_patched(self, peer: str, m: Patched) -> None:
         with self._lock:
             sub = self._subs.get(peer)
-            p = None if sub is None else sub.patch
-            if sub is None or p is None or (p.version, p.slot) != (m.version, m.slot):
+            p = None if sub is None else sub.take_patch(m.version, m.slot)
+            if sub is None or p is None:
                 return
-            sub.patch = None
             assert self._deltas is not None  # only a delta rank writes changes
             if not m.why:
                 p.handle.result.patched[peer] = p.nbytes
