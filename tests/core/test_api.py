@@ -186,10 +186,13 @@ def test_an_idle_transport_neither_spins_its_engine_nor_a_core(tcp_store):
 
 
 def test_notify_without_data_follows_earlier_puts(pair):
+    """The deadlines bound a hang, not the speed: b has no connection to a, so a's first
+    notification waits for b's housekeeping to find a's agent in the store, a thread that a
+    loaded 2-core machine may starve for seconds (5 s were once missed in the full suite)."""
     a, b, small, big = pair
-    a.put(torch.full((1024,), 5.0), "b", "small").wait(5)
+    a.put(torch.full((1024,), 5.0), "b", "small").wait(30)
     a.notify("b", b"hello")
-    n = b.wait_notification(timeout=5)
+    n = b.wait_notification(timeout=30)
     assert (n.peer, n.payload) == ("a", b"hello")
     assert torch.equal(small, torch.full((1024,), 5.0))
     with pytest.raises(transport.PeerNotFoundError):
