@@ -46,8 +46,10 @@ else
 fi
 
 # 2. This tree, in editable mode, so that every process (the spawned peers too) imports it.
-from_tree='import os, sys, transport.backends as b; sys.exit(not b.__file__.startswith(os.getcwd() + os.sep))'
-if ! "$PY" -c "$from_tree" >/dev/null 2>&1; then
+# (asked from another folder: python -c puts the current folder on sys.path, which hides a missing
+# install from this check but not from a script such as benchmarks/gpu_env.py)
+from_tree='import sys, transport.backends as b; sys.exit(not b.__file__.startswith(sys.argv[1]))'
+if ! (cd / && "$PY" -c "$from_tree" "$PWD/") >/dev/null 2>&1; then
     build=(--no-build-isolation)  # the machine's own setuptools (74.1 or newer: ext-modules)
     builders=("$WHEELS"/build/*.whl)
     [ ${#builders[@]} -gt 0 ] && build=(--find-links "$WHEELS/build")  # the carried one
