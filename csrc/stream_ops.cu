@@ -1,7 +1,7 @@
 // Stream-ordered transfers: the two kernels a CUDA stream runs around a put (or a publish).
 //
-// Every stream-ordered operation owns a slot: a sequence counter in device memory and three
-// 64-bit words in host-mapped (pinned) memory that the host's proxy thread watches:
+// Every stream-ordered operation owns a slot: a sequence counter and three 64-bit words, all in
+// host-mapped (pinned) memory; the host's proxy thread watches the words:
 //
 //   bell    the sequence number of the newest request     (written here, read by the proxy)
 //   done    the newest sequence number that has completed (written by the proxy)
@@ -12,8 +12,10 @@
 // the prepared transfer, which reads the source as it is then, and writes done (and failed on an
 // error) when it ends. transport_wait holds a stream until done reaches the sequence number of
 // the newest ring; it gives up after a timeout and raises its own flag, so a stream never hangs.
-// The counter lives on the device, so a captured graph takes a new sequence number at every
-// replay with the same kernel arguments.
+// The counter is memory the ring kernel increments, so a captured graph takes a new sequence
+// number at every replay with the same kernel arguments. It is host memory that the CPU zeroes:
+// a device counter made by the first stream-ordered call inside a capture would have its
+// zero-fill captured too, and every replay would ring the same number.
 //
 // Compiled at run time with NVRTC (CuPy); `nvcc --ptx` compiles this file as a check.
 
@@ -25,7 +27,7 @@ __device__ __forceinline__ unsigned long long transport_now_ns() {
     return t;
 }
 
-// One thread. counter: device memory; bell: host-mapped.
+// One thread. counter and bell: host-mapped.
 __global__ void transport_ring(unsigned long long* counter, volatile unsigned long long* bell) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     unsigned long long seq = *counter + 1;

@@ -2,7 +2,7 @@
 
 Each stream-ordered operation (a put, a get, a publish) owns a :class:`Slot`: four 64-bit words
 in memory that both the host and the GPU see (pinned, mapped host memory), plus a sequence counter
-on the device (see ``csrc/stream_ops.cu``):
+that the ring kernel increments, in the same kind of memory (see ``csrc/stream_ops.cu``):
 
 * ``bell``: the newest sequence number the stream asked for (the ring kernel writes it)
 * ``done``: the newest one that ended (the proxy writes it; the wait kernel waits for it)

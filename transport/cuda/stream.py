@@ -4,7 +4,7 @@
 operation it keeps a slot (see ``proxy``): enqueuing the operation launches the ring kernel on the
 stream; ``StreamHandle.wait_stream(s)`` launches the wait kernel on ``s``. Inside
 ``torch.cuda.graph`` capture the two kernels are recorded like any other, and every replay rings
-again (the sequence counter is on the device). The kernels come from ``csrc/stream_ops.cu``,
+again (the sequence counter is in memory the kernel increments, not a kernel argument). The kernels come from ``csrc/stream_ops.cu``,
 compiled at run time with NVRTC through CuPy.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from transport.cuda.proxy import BELL, DONE, FAILED, GAVE_UP, Proxy, Slot
 
-#: slots per Transport (four 8-byte words of pinned memory and one device counter each)
+#: slots per Transport (four 8-byte words and one counter of pinned memory each)
 CAPACITY = 4096
 #: how long a stream waits for a transfer before it gives up (and the host raises)
 DEFAULT_STREAM_TIMEOUT = 60.0
@@ -80,6 +80,17 @@ def _launch(name: str, stream: torch.cuda.Stream, *args: int) -> None:
     with cupy.cuda.Device(stream.device.index):
         ext = cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
         fn((1,), (1,), tuple(np.uint64(a) for a in args), stream=ext)
+
+
+def _device_address(cupy: Any, pinned: torch.Tensor) -> int:
+    """Where the device sees ``pinned`` (page-locked host memory). With unified addressing (every
+    64-bit CUDA platform) that is the host address; ask the runtime where it can be asked."""
+    ptr = pinned.data_ptr()
+    get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+    try:
+        return int(get(ptr, 0)) if get is not None else ptr
+    except Exception:
+        return ptr
 
 
 class StreamHandle:
@@ -167,28 +178,27 @@ class SlotTable:
 
 
 class StreamOps(SlotTable):
-    """The CUDA implementation: pinned words the GPU writes through UVA, device counters, and the
-    kernels of csrc/stream_ops.cu."""
+    """The CUDA implementation: pinned words and counters that the GPU reads and writes through
+    unified addressing, and the kernels of csrc/stream_ops.cu. Nothing of it is device memory, so
+    creating it inside a graph capture records nothing into the graph."""
 
-    def __init__(self, device: int | None = None) -> None:
+    def __init__(self) -> None:
         import cupy
 
         super().__init__(torch.zeros((CAPACITY, 4), dtype=torch.int64, pin_memory=True))
-        self.counters = torch.zeros(CAPACITY, dtype=torch.int64, device=device or "cuda")
-        # With unified addressing (every 64-bit CUDA platform) pinned memory is mapped and the
-        # device sees it at the host address; ask the runtime where it can be asked.
-        ptr = self.words.data_ptr()
-        get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
-        try:
-            self._host_ptr = int(get(ptr, 0)) if get is not None else ptr
-        except Exception:
-            self._host_ptr = ptr
+        # The counters are pinned host memory too, zeroed here by the CPU: the first stream= call
+        # may come inside a graph capture, where a device tensor's zero-fill would be captured
+        # and every replay would reset its counter (each replay would ring the same number, which
+        # the proxy takes as already answered).
+        self.counters = torch.zeros(CAPACITY, dtype=torch.int64, pin_memory=True)
+        self._words_at = _device_address(cupy, self.words)
+        self._counters_at = _device_address(cupy, self.counters)
 
     def _word_ptr(self, slot: Slot, which: int) -> int:
-        return self._host_ptr + (slot.index * 4 + which) * 8
+        return self._words_at + (slot.index * 4 + which) * 8
 
     def _counter_ptr(self, slot: Slot) -> int:
-        return self.counters.data_ptr() + slot.index * 8
+        return self._counters_at + slot.index * 8
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
