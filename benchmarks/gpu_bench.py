@@ -68,39 +68,28 @@ def bench_put(store_url: str, nbytes: int, iters: int) -> dict[str, Any]:
     import transport
 
     with _peer(_receiver, store_url, nbytes):
-        with (
-            transport.Transport("gpu-send", store=store_url) as t,
-            transport.Transport("gpu-send-1", store=store_url, lanes=1) as t1,
-        ):
+        with transport.Transport("gpu-send", store=store_url) as t:
+            t.wait_for_peer("gpu-recv", 60)
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
-            put_s: list[list[float]] = [[], []]  # the default lanes, one lane
-            copy_s = []
-            for sender in (t, t1):
-                sender.wait_for_peer("gpu-recv", 60)
-                sender.put(src, "gpu-recv", "buf").wait(60)  # connect, register
-            for _ in range(iters):  # interleaved: the default lanes, one lane, a device copy
-                for sender, times in zip((t, t1), put_s, strict=True):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    sender.put(src, "gpu-recv", "buf").wait(60)
-                    times.append(time.perf_counter() - t0)
+            put_s, copy_s = [], []
+            t.put(src, "gpu-recv", "buf").wait(60)  # connect, register
+            for _ in range(iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                t.put(src, "gpu-recv", "buf").wait(60)
+                put_s.append(time.perf_counter() - t0)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 dst.copy_(src)
                 torch.cuda.synchronize()
                 copy_s.append(time.perf_counter() - t0)
-            lanes = t.lanes
-        put, one = statistics.median(put_s[0]), statistics.median(put_s[1])
-        copy = statistics.median(copy_s)
+        put, copy = statistics.median(put_s), statistics.median(copy_s)
         return {
             "bytes": nbytes,
-            "lanes": lanes,
             "put_s": put,
-            "put_one_lane_s": one,
             "d2d_copy_s": copy,
             "put_gbps": nbytes / put / 1e9,
-            "put_one_lane_gbps": nbytes / one / 1e9,
             "copy_gbps": nbytes / copy / 1e9,
             "put_over_copy_bandwidth": copy / put,
             "target": 0.7,
@@ -190,8 +179,7 @@ def main() -> int:
     try:
         out["put"] = bench_put(args.store, GiB, args.iters)
         print(
-            f"1 GiB put between two processes: {out['put']['put_gbps']:.1f} GB/s "
-            f"({out['put']['lanes']} lanes; one lane {out['put']['put_one_lane_gbps']:.1f}); "
+            f"1 GiB put between two processes: {out['put']['put_gbps']:.1f} GB/s; "
             f"device copy {out['put']['copy_gbps']:.1f} GB/s; ratio "
             f"{out['put']['put_over_copy_bandwidth']:.2f} (target >= 0.7)",
             flush=True,

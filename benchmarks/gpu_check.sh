@@ -68,7 +68,9 @@ say "ready after ${SECONDS} s"
 #    them to the test suite, which runs them anyway): 4 minutes at most.
 suites=(tests/gpu)
 [ -z "$DRY" ] && suites+=(tests/core/test_stream.py)
-timeout -k 10 240 "$PY" -m pytest "${suites[@]}" -q -p no:cacheprovider -rs \
+#    Each test without a timeout of its own gets 60 s: a test that hangs fails with every thread's
+#    stack and the rest still run and report (the outer timeout would lose the whole report).
+timeout -k 10 240 "$PY" -m pytest "${suites[@]}" -q -p no:cacheprovider -rs --timeout 60 \
     >"$RESULTS/gpu-tests.txt" 2>&1
 tests=$?
 say "tests: exit $tests after ${SECONDS} s; $(tail -n 1 "$RESULTS/gpu-tests.txt")"

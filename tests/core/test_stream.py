@@ -82,6 +82,11 @@ def test_a_captured_put_replays_with_new_data_and_allocates_nothing(tcp_store, w
     with Peer("target", tcp_store.url, {"buf": ("float32", 1024, "w")}) as p:
         writer.wait_for_peer("target", 30)
         src = torch.zeros(1024)
+        ops.capture = True
+        with pytest.raises(transport.TransportError, match="register them before capturing"):
+            writer.put(src, "target", "buf", stream="graph")  # a capture cannot register memory
+        assert ops.proxy.slots == []  # refused before anything was enqueued
+        ops.capture = False
         writer.register(src, "src")
         ops.capture = True
         h = writer.put(src, "target", "buf", stream="graph")

@@ -90,11 +90,13 @@ def test_a_failure_releases_the_stream_and_the_process_lives(tcp_store, writer):
 
 
 def test_10000_replays_allocate_nothing(tcp_store, writer):
+    """10,000 replays back to back send the last value and allocate nothing."""
     with Peer("recv", tcp_store.url, {"buf": ("float32", 1024, "w", "cuda:0")}) as p:
         writer.wait_for_peer("recv", 30)
         step = torch.zeros(1, device="cuda")
         src = torch.zeros(1024, device="cuda")
         s = torch.cuda.Stream()
+        writer.register(src, "src")  # a capture cannot register memory: see the last test
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             src.copy_(step.expand(1024))
@@ -158,3 +160,26 @@ def test_a_captured_publish_sends_the_next_version_every_replay(tcp_store, write
         pub.close()
     finally:
         sub.stop()
+
+
+def test_a_tensor_not_registered_is_refused_inside_a_capture_and_the_capture_ends(
+    tcp_store, writer
+):
+    """Registering memory inside a capture breaks the capture (or stalls the replays' transfers):
+    such a put is refused with the way out, the capture ends cleanly, and the same put captured
+    after registering replays."""
+    with Peer("recv", tcp_store.url, {"buf": ("float32", 1024, "w", "cuda:0")}) as p:
+        writer.wait_for_peer("recv", 30)
+        src = torch.full((1024,), 3.0, device="cuda")
+        s = torch.cuda.Stream()
+        with pytest.raises(transport.TransportError, match="register them before capturing"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s):
+                writer.put(src, "recv", "buf", stream=s)
+        writer.register(src, "src")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            writer.put(src, "recv", "buf", stream=s).wait_stream(s)
+        g.replay()
+        torch.cuda.synchronize()
+        writer.check()
+        assert p.call("sha", "buf") == sha(src.cpu())

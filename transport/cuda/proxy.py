@@ -36,6 +36,8 @@ from transport.errors import TransferTimeout, TransportError
 log = logging.getLogger("transport.cuda")
 
 BELL, DONE, FAILED, GAVE_UP = range(4)
+#: ``done`` of every slot once the proxy closed: past any sequence number a stream will ring
+RELEASED = 1 << 62
 
 
 class Slot:
@@ -192,9 +194,9 @@ class Proxy:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
-        # release every stream that still waits: nothing more will be posted
+        # release every stream that still waits, and every later ring of a graph replayed after
+        # the close (its counter keeps counting): nothing more will be posted
         for s in self.slots:
-            bell = self.word(s, BELL)
-            if self.word(s, DONE) < bell:
-                self.words[s.index, FAILED] = bell
-                self.words[s.index, DONE] = bell
+            if self.word(s, DONE) < self.word(s, BELL):
+                self.words[s.index, FAILED] = RELEASED
+            self.words[s.index, DONE] = RELEASED

@@ -26,7 +26,7 @@ import torch
 from transport.backends.base import WRITE
 from transport.endpoint import Endpoint, State
 from transport.engine import Engine, Op
-from transport.errors import PeerLostError
+from transport.errors import PeerLostError, TransportError
 from transport.handle import Handle
 from transport.memory.local import check_tensor
 from transport.peers.table import PeerTable
@@ -481,6 +481,8 @@ class Transfers:
         op, peer = request.op, request.peer
         peers = (peer,) if isinstance(peer, str) else peer_list(peer)
         items, sig, at = self.items(request.obj, request.key, request.offset)
+        if ops.capturing():
+            self._check_registered_for_capture(items)
         for p in peers:
             self._plans.get(op, p, items, sig, at)  # every check before anything is enqueued
         if request.timeout is not None:
@@ -492,6 +494,20 @@ class Transfers:
 
         what = f"{'put' if op == WRITE else 'get'} to {', '.join(peers)}"
         return ops.enqueue((op, peers, sig, at, request.notify), start, what, request.stream)
+
+    def _check_registered_for_capture(self, items: Items) -> None:
+        """Inside a graph capture, every tensor must be registered already: registering memory
+        makes CUDA driver calls that a capture forbids, and the capture fails (or, with the
+        driver's state already set up, the transfers of the replays stall)."""
+        loose = [key for key, t in items if self._ep.mem.registration_of(t) is None]
+        if loose:
+            names = ", ".join(repr(k) for k in loose[:5]) + (" ..." if len(loose) > 5 else "")
+            raise TransportError(
+                f"the tensors of {names} are not registered, and a stream= transfer inside a CUDA "
+                "graph capture cannot register them (registering memory calls the CUDA driver in "
+                "ways a capture forbids): register them before capturing, with "
+                "transport.register(tensor, name) or one run of the same call outside the capture"
+            )
 
     def stream_ops(self) -> Any:
         """The stream machinery, created on first use; a clear error without CUDA or CuPy."""
