@@ -68,9 +68,11 @@ say "ready after ${SECONDS} s"
 #    them to the test suite, which runs them anyway): 4 minutes at most.
 suites=(tests/gpu)
 [ -z "$DRY" ] && suites+=(tests/core/test_stream.py)
-#    Each test without a timeout of its own gets 60 s: a test that hangs fails with every thread's
-#    stack and the rest still run and report (the outer timeout would lose the whole report).
+#    Each test without a timeout of its own gets 60 s: a test that hangs fails and the rest still
+#    run and report (the outer timeout would lose the whole report). At 45 s faulthandler's own
+#    thread prints every thread's stack, which it can do while a thread blocked in C holds the GIL.
 timeout -k 10 240 "$PY" -m pytest "${suites[@]}" -q -p no:cacheprovider -rs --timeout 60 \
+    -o faulthandler_timeout=45 \
     >"$RESULTS/gpu-tests.txt" 2>&1
 tests=$?
 say "tests: exit $tests after ${SECONDS} s; $(tail -n 1 "$RESULTS/gpu-tests.txt")"
