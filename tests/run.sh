@@ -126,11 +126,15 @@ status=0
 # API on this library (tests/torch_api), the stores (the TCPStore is torch's) and the unit tests of
 # the core and the weight-sync layer. Not run twice: the decoders' fuzzing (no torch in them) and
 # the tests of vLLM and verl, which are not in this environment. Arguments go to both runs. It runs
-# in one process beside the first run (whose workers mostly wait on processes, deadlines and the
-# network), with a Redis server and a temporary folder of its own; its report follows the first's.
+# in one process beside the first run, at the lowest priority (nice 19): it takes the cycles that
+# the first run's workers leave while they wait on processes, deadlines and the network, and none
+# that they want (at the same priority it made live peers of the first run miss heartbeats). It has
+# a Redis server and a temporary folder of its own; its report follows the first's.
 # Given one Redis server (TRANSPORT_TEST_REDIS_URL), it runs after the first.
-second_run() {
-    TRANSPORT_TEST_TORCH_API=1 TRANSPORT_TEST_REDIS_URL=$SECOND_REDIS \
+second_run() {  # second_run NICENESS ARGS...
+    local niceness=$1
+    shift
+    TRANSPORT_TEST_TORCH_API=1 TRANSPORT_TEST_REDIS_URL=$SECOND_REDIS nice -n "$niceness" \
         .venv-torch215/bin/python -m pytest -p no:cacheprovider --basetemp "$WORK/second" \
         -m "not vllm and not verl" tests/torch_api tests/store tests/unit \
         --ignore=tests/unit/test_fuzz_minute.py --ignore=tests/unit/test_ws_protocol.py \
@@ -143,7 +147,7 @@ main_run() {
 }
 SECOND_HEADER="tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
 if [ "$SECOND" != "0" ] && [ "$MAIN_REDIS" != "$SECOND_REDIS" ]; then
-    second_run "$@" >"$WORK/second.log" 2>&1 &
+    second_run 19 "$@" >"$WORK/second.log" 2>&1 &
     SECOND_PID=$!
     main_run "$@" || status=$?
     echo "$SECOND_HEADER"
@@ -156,7 +160,7 @@ else  # one Redis server named by TRANSPORT_TEST_REDIS_URL: the runs take turns 
     main_run "$@" || status=$?
     if [ "$SECOND" != "0" ]; then
         echo "$SECOND_HEADER"
-        second_run "$@" || status=$?
+        second_run 0 "$@" || status=$?
     fi
 fi
 exit $status
