@@ -5,7 +5,7 @@
 #     verl engine's (examples/setup_verl.sh)
 #   - a second virtualenv, .venv-torch215, with torch 2.15 (its transport API) and this package
 #     (examples/setup_torch215.sh); TRANSPORT_TEST_TORCH215=0 leaves it out
-#   - Debian's redis-server (installed when missing), one per pytest run on a free loopback port,
+#   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
 #   - as root: Debian's iproute2 and nftables (installed when missing) for tests/hosts
 # Python packages go in through uv (examples/install.sh: seconds where pip takes minutes);
@@ -26,11 +26,13 @@ venv_install "torch==2.13.0" -e ".[dev]"
     exit 2
 }
 # The second environment installs beside vLLM and verl (separate environments, one uv cache that
-# uv locks): most of each install is compiling bytecode, which the two share the cores for.
+# uv locks): most of each install is compiling bytecode, which the two share the cores for. (Its
+# tests run after the first run's: beside them, at the same priority, they made live peers of the
+# first run miss heartbeats; at nice 19, its own children missed their start deadlines.)
 SECOND=${TRANSPORT_TEST_TORCH215:-1}
-WORK=$(mktemp -d)
+SETUP_LOG=$(mktemp)
 if [ "$SECOND" != "0" ]; then
-    bash examples/setup_torch215.sh >"$WORK/setup_torch215.log" 2>&1 &
+    bash examples/setup_torch215.sh >"$SETUP_LOG" 2>&1 &
     SETUP_SECOND=$!
 fi
 bash examples/setup_vllm.sh
@@ -38,10 +40,11 @@ export TRANSPORT_TEST_VLLM=1  # the vLLM tests fail, not skip, without it
 bash examples/setup_verl.sh
 export TRANSPORT_TEST_VERL=1  # the verl tests fail, not skip, without it
 if [ "$SECOND" != "0" ] && ! wait "$SETUP_SECOND"; then
-    cat "$WORK/setup_torch215.log" >&2
+    cat "$SETUP_LOG" >&2
     echo "tests/run.sh: examples/setup_torch215.sh failed (its output is above)" >&2
     exit 2
 fi
+rm -f "$SETUP_LOG"
 
 # The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
 # kernel lacks tc's netem, drop packets with nftables: install iproute2 and nftables when missing.
@@ -56,46 +59,7 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     fi
 fi
 
-# Redis: Debian's redis-server, one server per run of pytest below (each run's workers flush
-# databases of their own), started on a free loopback port and stopped at the end.
-REDIS_DIRS=()
-start_redis() {  # start_redis VARIABLE: a new server; its URL in VARIABLE
-    local dir port
-    dir=$(mktemp -d)
-    REDIS_DIRS+=("$dir")
-    port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-        --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
-    for _ in $(seq 1 100); do
-        if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then break; fi
-        sleep 0.1
-    done
-    redis-cli -p "$port" ping | grep -q PONG || { echo "tests/run.sh: redis-server did not start" >&2; cat "$dir/redis.log" >&2; exit 2; }
-    printf -v "$1" '%s' "redis://127.0.0.1:$port/0"
-}
-stop_redis() {
-    # never the reason this command fails: its exit status is pytest's
-    local dir pid
-    for dir in "${REDIS_DIRS[@]}"; do
-        pid=""
-        [ -f "$dir/redis.pid" ] && pid=$(cat "$dir/redis.pid" 2>/dev/null || true)
-        if [ -n "$pid" ]; then
-            kill "$pid" 2>/dev/null || true
-            # it writes its log while it shuts down: wait (5 s at most) before removing its folder
-            for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        fi
-        rm -rf "$dir" 2>/dev/null || true
-    done
-}
-cleanup() {
-    [ -n "${SECOND_PID:-}" ] && kill "$SECOND_PID" 2>/dev/null
-    stop_redis
-    rm -rf "$WORK" 2>/dev/null || true
-}
-trap cleanup EXIT
-MAIN_REDIS=${TRANSPORT_TEST_REDIS_URL:-}
-SECOND_REDIS=${TRANSPORT_TEST_REDIS_URL:-}
-if [ -z "$MAIN_REDIS" ]; then
+if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
     if ! command -v redis-server >/dev/null 2>&1; then
         echo "tests/run.sh: installing Debian's redis-server" >&2
         SUDO=""
@@ -103,8 +67,28 @@ if [ -z "$MAIN_REDIS" ]; then
         $SUDO apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
     fi
-    start_redis MAIN_REDIS
-    [ "$SECOND" != "0" ] && start_redis SECOND_REDIS
+    REDIS_DIR=$(mktemp -d)
+    REDIS_PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
+        --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log"
+    stop_redis() {
+        # never the reason this command fails: its exit status is pytest's
+        local pid=""
+        [ -f "$REDIS_DIR/redis.pid" ] && pid=$(cat "$REDIS_DIR/redis.pid" 2>/dev/null || true)
+        if [ -n "$pid" ]; then
+            kill "$pid" 2>/dev/null || true
+            # it writes its log while it shuts down: wait (5 s at most) before removing its folder
+            for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        fi
+        rm -rf "$REDIS_DIR" 2>/dev/null || true
+    }
+    trap stop_redis EXIT
+    for _ in $(seq 1 100); do
+        if redis-cli -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG; then break; fi
+        sleep 0.1
+    done
+    redis-cli -p "$REDIS_PORT" ping | grep -q PONG || { echo "tests/run.sh: redis-server did not start" >&2; cat "$REDIS_DIR/redis.log" >&2; exit 2; }
+    export TRANSPORT_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
 fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
@@ -121,46 +105,18 @@ else
     PARALLEL=(-n "$WORKERS" --dist loadfile)
 fi
 status=0
+.venv/bin/python -m pytest "${PARALLEL[@]}" --durations=25 --ignore=tests/torch_api "$@" || status=$?
 
 # The second environment, torch 2.15 (vLLM's CPU build pins 2.13 in the first): torch's transport
 # API on this library (tests/torch_api), the stores (the TCPStore is torch's) and the unit tests of
 # the core and the weight-sync layer. Not run twice: the decoders' fuzzing (no torch in them) and
-# the tests of vLLM and verl, which are not in this environment. Arguments go to both runs. It runs
-# in one process beside the first run, at the lowest priority (nice 19): it takes the cycles that
-# the first run's workers leave while they wait on processes, deadlines and the network, and none
-# that they want (at the same priority it made live peers of the first run miss heartbeats). It has
-# a Redis server and a temporary folder of its own; its report follows the first's.
-# Given one Redis server (TRANSPORT_TEST_REDIS_URL), it runs after the first.
-second_run() {  # second_run NICENESS ARGS...
-    local niceness=$1
-    shift
-    TRANSPORT_TEST_TORCH_API=1 TRANSPORT_TEST_REDIS_URL=$SECOND_REDIS nice -n "$niceness" \
-        .venv-torch215/bin/python -m pytest -p no:cacheprovider --basetemp "$WORK/second" \
+# the tests of vLLM and verl, which are not in this environment. Arguments go to both runs.
+if [ "$SECOND" != "0" ]; then
+    echo "tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
+    TRANSPORT_TEST_TORCH_API=1 .venv-torch215/bin/python -m pytest "${PARALLEL[@]}" \
         -m "not vllm and not verl" tests/torch_api tests/store tests/unit \
         --ignore=tests/unit/test_fuzz_minute.py --ignore=tests/unit/test_ws_protocol.py \
         --ignore=tests/unit/test_weights_bad_layouts.py --ignore=tests/unit/test_wire.py \
-        --ignore=tests/unit/test_region_table_bounds.py "$@"
-}
-main_run() {
-    TRANSPORT_TEST_REDIS_URL=$MAIN_REDIS .venv/bin/python -m pytest "${PARALLEL[@]}" \
-        --durations=25 --ignore=tests/torch_api "$@"
-}
-SECOND_HEADER="tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
-if [ "$SECOND" != "0" ] && [ "$MAIN_REDIS" != "$SECOND_REDIS" ]; then
-    second_run 19 "$@" >"$WORK/second.log" 2>&1 &
-    SECOND_PID=$!
-    main_run "$@" || status=$?
-    echo "$SECOND_HEADER"
-    second=0
-    wait "$SECOND_PID" || second=$?
-    SECOND_PID=""
-    cat "$WORK/second.log"
-    [ "$second" -eq 0 ] || status=$second
-else  # one Redis server named by TRANSPORT_TEST_REDIS_URL: the runs take turns on it
-    main_run "$@" || status=$?
-    if [ "$SECOND" != "0" ]; then
-        echo "$SECOND_HEADER"
-        second_run 0 "$@" || status=$?
-    fi
+        --ignore=tests/unit/test_region_table_bounds.py "$@" || status=$?
 fi
 exit $status
