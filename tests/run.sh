@@ -30,8 +30,8 @@ venv_install "torch==2.13.0" -e ".[dev]"
 # tests run after the first run's: beside them, at the same priority, they made live peers of the
 # first run miss heartbeats; at nice 19, its own children missed their start deadlines.)
 SECOND=${TRANSPORT_TEST_TORCH215:-1}
-SETUP_LOG=$(mktemp)
 if [ "$SECOND" != "0" ]; then
+    SETUP_LOG=$(mktemp)
     bash examples/setup_torch215.sh >"$SETUP_LOG" 2>&1 &
     SETUP_SECOND=$!
 fi
@@ -44,7 +44,7 @@ if [ "$SECOND" != "0" ] && ! wait "$SETUP_SECOND"; then
     echo "tests/run.sh: examples/setup_torch215.sh failed (its output is above)" >&2
     exit 2
 fi
-rm -f "$SETUP_LOG"
+[ "$SECOND" = "0" ] || rm -f "$SETUP_LOG"
 
 # The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
 # kernel lacks tc's netem, drop packets with nftables: install iproute2 and nftables when missing.

@@ -1,5 +1,7 @@
 """Delta updates on the GPU: the codec's kernels (torch ops on the device) and the two publishers'
-delta paths with CUDA tensors, real NIXL between separate Transports. Every byte that arrived is
+delta paths with CUDA tensors, real NIXL between separate Transports. The model is the delta
+tests' (helpers/delta_peer.py: tied embeddings, grouped-query attention with biases, fused
+projections, experts fused, float32 norms, an fp8 copy with its scales). Every byte that arrived is
 compared with the trainer's; the publish results and the subscribers' counts show that the
 versions after the first went as changes, not whole.
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import transport
+from helpers.delta_peer import digests, model, model_spec, step
 from helpers.shard_peer import shard_of
 from transport.weights import DestTensor, ShardedPublisher, SourceLayout, full_copy, tensors_for
 from transport.weights.delta.codec import DeltaLayout, apply, decode, encode
@@ -26,44 +29,11 @@ DEVICES = [
 pytestmark = [pytest.mark.cuda, pytest.mark.delta, pytest.mark.timeout(180)]
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+SPEC = model_spec(layers=1)
 
 
-def model(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Tied embeddings (one tensor), grouped-query attention with biases, a fused gate_up, two
-    experts, a float32 norm and a step counter."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = {
-        "embed": (512, 256),
-        "q": (256, 256),
-        "q_bias": (256,),
-        "kv": (128, 256),
-        "kv_bias": (128,),
-        "gate_up": (1024, 256),
-        "experts.0.down": (256, 512),
-        "experts.1.down": (256, 512),
-    }
-    out = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
-    out["norm"] = torch.ones(256)
-    out["step"] = torch.zeros(1, dtype=torch.int64)
-    return {n: t.to(device) for n, t in out.items()}
-
-
-def step(tensors: dict[str, torch.Tensor], share: float, seed: int) -> None:
-    """About ``share`` of every tensor's elements move, on the tensors' own device."""
-    g = torch.Generator().manual_seed(seed)
-    for name, t in tensors.items():
-        if name == "step":
-            t += 1
-            continue
-        chosen = (torch.rand(t.shape, generator=g) < share).to(t.device)
-        t.copy_(torch.where(chosen, (t.float() * 1.01 + 1e-3).to(t.dtype), t))
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    """The names whose bytes differ (compared on the CPU)."""
-    return [n for n in a if not torch.equal(raw(a[n]).cpu(), raw(b[n]).cpu())]
+def on(device: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.to(device) for n, t in tensors.items()}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,26 +42,25 @@ def test_the_codec_on_the_device_makes_the_cpu_blob_and_applies_either_way(devic
     """Changes encoded on the device are byte for byte the blob the CPU makes of the same
     tensors; applied on the device or on the CPU (a GPU trainer, a CPU generator) they give the
     version bit for bit; and the encoder's copy becomes the version."""
-    base = model("cpu")
-    cur = {n: t.clone() for n, t in base.items()}
+    base = model(SPEC)
+    cur = on("cpu", base)
     step(cur, share, seed=1)
+    want_bytes = digests(cur)
     layout = DeltaLayout(cur)
-    cpu_copy = {n: t.clone() for n, t in base.items()}
-    want = encode(layout, cur, cpu_copy, 2, 1)
-    dev_cur = {n: t.to(device) for n, t in cur.items()}
-    dev_copy = {n: t.to(device) for n, t in base.items()}
-    got = encode(layout, dev_cur, dev_copy, 2, 1)
+    want = encode(layout, cur, on("cpu", base), 2, 1)
+    dev_copy = on(device, base)
+    got = encode(layout, on(device, cur), dev_copy, 2, 1)
     assert want is not None and got is not None
     assert got.blob.device.type == torch.device(device).type
     assert torch.equal(got.blob.cpu(), want.blob), "the device's blob differs from the CPU's"
     assert got.changed == want.changed
-    assert same(dev_copy, cur) == []
-    on_device = {n: t.to(device) for n, t in base.items()}
+    assert digests(dev_copy) == want_bytes
+    on_device = on(device, base)
     apply(decode(layout, got.blob, 2, 1), on_device)
-    assert same(on_device, cur) == []
-    on_cpu = {n: t.clone() for n, t in base.items()}
+    assert digests(on_device) == want_bytes
+    on_cpu = on("cpu", base)
     apply(decode(layout, got.blob.cpu(), 2, 1), on_cpu)
-    assert same(on_cpu, cur) == []
+    assert digests(on_cpu) == want_bytes
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,12 +76,12 @@ def test_a_publisher_of_device_tensors_sends_changes_into_device_subscribers(tcp
         for mode in ("staging", "inplace"):
             t = transport.Transport(f"gpu-delta-{mode}", store=tcp_store, timeout=30)
             opened.append(t)
-            live = {n: torch.zeros_like(v) for n, v in model(device).items()}
+            live = {n: torch.zeros_like(v) for n, v in on(device, model(SPEC)).items()}
             subs[t.name] = (
                 transport.WeightSubscriber(t, live, group="d", delta=True, mode=mode),
                 live,
             )
-        tensors = model(device)
+        tensors = on(device, model(SPEC))
         with transport.WeightPublisher(trainer, tensors, group="d", delta=True) as pub:
             for version in range(1, 6):
                 if version > 1:
@@ -126,7 +95,7 @@ def test_a_publisher_of_device_tensors_sends_changes_into_device_subscribers(tcp
                     sub.apply()
                     if device == "cuda":
                         torch.cuda.synchronize()
-                    assert same(live, tensors) == [], (name, version)
+                    assert digests(live) == digests(tensors), (name, version)
             for name, (sub, _) in subs.items():
                 assert (sub.deltas.patched, sub.deltas.refused) == (4, 0), name
                 sub.close()
@@ -176,7 +145,7 @@ def test_two_device_ranks_send_the_changes_of_their_parts_into_a_bf16_generator(
             if device == "cuda":
                 torch.cuda.synchronize()
             cast = {n: full[n].to(torch.bfloat16) for n in shapes}
-            assert same(live, cast) == [], version
+            assert digests(live) == digests(cast), version
         assert patches >= 2 and (sub.deltas.patched, sub.deltas.refused) == (patches, 0)
         for p in ranks:
             p.close()

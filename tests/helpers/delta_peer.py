@@ -53,21 +53,24 @@ def model(spec: Spec, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def step(tensors: dict[str, torch.Tensor], share: float, seed: int) -> None:
     """Change about ``share`` of the elements of every tensor (and the step counter) in place:
-    each chosen element moves by one unit of its last place or more, as an optimizer step does."""
+    each chosen element moves by one unit of its last place or more, as an optimizer step does.
+    The choice is drawn on the CPU, so tensors on any device change the same elements."""
     g = torch.Generator().manual_seed(seed)
     for name, t in tensors.items():
         if name == "step":
             t += 1
             continue
-        chosen = torch.rand(t.shape, generator=g) < share
+        chosen = (torch.rand(t.shape, generator=g) < share).to(t.device)
         moved = (t.float() * 1.01 + 1e-3).to(t.dtype)
         t.copy_(torch.where(chosen, moved, t))
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Per tensor, a digest of its bytes."""
+    """Per tensor, a digest of its bytes (on any device)."""
     return {
-        n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:32]
+        n: hashlib.sha256(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[
+            :32
+        ]
         for n, t in tensors.items()
     }
 

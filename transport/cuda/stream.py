@@ -4,8 +4,8 @@
 operation it keeps a slot (see ``proxy``): enqueuing the operation launches the ring kernel on the
 stream; ``StreamHandle.wait_stream(s)`` launches the wait kernel on ``s``. Inside
 ``torch.cuda.graph`` capture the two kernels are recorded like any other, and every replay rings
-again (the sequence counter is in memory the kernel increments, not a kernel argument). The kernels come from ``csrc/stream_ops.cu``,
-compiled at run time with NVRTC through CuPy.
+again (the sequence counter is in memory the kernel increments, not a kernel argument). The
+kernels come from ``csrc/stream_ops.cu``, compiled at run time with NVRTC through CuPy.
 """
 
 from __future__ import annotations
