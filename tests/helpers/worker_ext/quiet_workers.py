@@ -26,7 +26,9 @@ class TestWorkers(TransportState):
         sleep; returns how many readers it changed."""
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-        found = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        # type(o), not isinstance(o, ...): the heap holds weak proxies, and isinstance asks a
+        # proxy whose object is gone for its class, which raises ReferenceError
+        found = [o for o in gc.get_objects() if issubclass(type(o), SpinCondition) and o.is_reader]
         for o in found:
             o.busy_loop_s = seconds
         return len(found)
