@@ -78,8 +78,16 @@ def _launch(name: str, stream: torch.cuda.Stream, *args: int) -> None:
 
     fn = _Kernels.get().get_function(name)
     with cupy.cuda.Device(stream.device.index):
-        ext = cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
-        fn((1,), (1,), tuple(np.uint64(a) for a in args), stream=ext)
+        fn((1,), (1,), tuple(np.uint64(a) for a in args), stream=_cupy_stream(cupy, stream))
+
+
+def _cupy_stream(cupy: Any, stream: torch.cuda.Stream) -> Any:
+    """``stream`` as CuPy's: through the CUDA stream protocol where CuPy has it (14 and later,
+    where ``ExternalStream`` is deprecated), else by its handle."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
 
 
 def _device_address(cupy: Any, pinned: torch.Tensor) -> int:

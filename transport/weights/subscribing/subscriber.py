@@ -225,9 +225,10 @@ class WeightSubscriber(Closing):
 
     def _admit(self, peer: str, payload: bytes) -> None:
         """Only the group's publisher and relays are heard (see ``Upstream``), and the children
-        our relay waits on for a ``patched``."""
+        our relay waits on for a ``patched`` (only their messages are decoded here: the rest
+        are decoded once, by ``_on_message``)."""
         if (
-            self._relay.patching
+            peer in self._relay.patching
             and isinstance(m := decode_from(peer, payload), Patched)
             and self._relay.on_patched(peer, m)
         ):
