@@ -208,6 +208,11 @@ def _rank_child(
             shards[n].copy_(s)
         pub.publish(version, timeout=timeout)
 
+    def set_delta(value: Any) -> Any:
+        """``pub.delta = value``; returns what it reads back."""
+        pub.delta = value
+        return pub.delta
+
     def close() -> None:
         pub.close()
         t.close()
@@ -220,6 +225,7 @@ def _rank_child(
             "publish_nowait": publish_nowait,
             "hold_ver": hold_ver,
             "wait_held": wait_held,
+            "set_delta": set_delta,
         },
         close,
     )

@@ -191,6 +191,32 @@ def test_auto_lands_every_version_bit_exact_whichever_way_it_goes(trainer, start
         transport.WeightPublisher(trainer, tensors, group="other", delta="always")
 
 
+def test_delta_turned_on_and_off_between_versions(trainer, start):
+    """``pub.delta`` set between versions: turned on, the next version goes whole (the copy to
+    diff against starts there) and the one after as changes; turned off while those changes are
+    in flight, their version still ends done with them, and the next goes whole. Every version
+    lands bit exact."""
+    sub = start("gen-delta")
+    tensors = model(SPEC)
+    with transport.WeightPublisher(trainer, tensors, delta=False) as pub:
+        sent = {}
+        for version in range(1, 6):
+            if version == 2:
+                pub.delta = True
+            if version > 1:
+                step(tensors, 0.02, seed=version)
+            handle = pub.publish(version, timeout=30)
+            if version == 3:
+                pub.delta = False  # its changes are on their way
+                assert pub.delta is False
+            r = handle.wait(60)
+            assert r.status == {"gen-delta": "done"}, r.reasons
+            sent[version] = set(r.patched)
+            assert sub.call("applied", version, 30)["live"] == digests(tensors), version
+        assert sent == {1: set(), 2: set(), 3: {"gen-delta"}, 4: set(), 5: set()}
+        assert sub.call("counts") == (1, 0)
+
+
 def test_changes_onto_a_base_the_subscriber_does_not_hold_are_refused_and_it_gets_whole(
     tcp_store, trainer
 ):

@@ -63,3 +63,42 @@ def test_two_ranks_send_the_changes_of_their_parts_into_tp2_bf16_and_fp8_layouts
             got = g.call("check", version, 60, timeout=120)
             assert got["version"] == version and got["bad"] == [], (g.name, version, got)
             assert got["deltas"] == (patches[g.name], 0), (g.name, version, got)
+
+
+def test_delta_turned_on_and_off_between_versions_at_both_ranks(tcp_store, children):
+    """``pub.delta`` set at both ranks between versions: turned on, the next version goes whole
+    (each rank's copies start there) and the ones after as changes, in staging and in place;
+    turned off, whole again. Every version lands as a whole version leaves it."""
+    spec = model_spec(hidden=256, layers=1, vocab=256)
+    ranks = [
+        RankProcess(f"trainer-{r}", tcp_store.url, spec, 2, r, wait=False, sparse=SPARSE)
+        for r in range(2)
+    ]
+    gens = [
+        GeneratorProcess(n, tcp_store.url, spec, kind, mode, wait=False, delta=True, sparse=SPARSE)
+        for n, kind, mode in (("gen-tp0", "tp0of2", "staging"), ("gen-tp1", "tp1of2", "inplace"))
+    ]
+    children += [*ranks, *gens]
+    for c in children:
+        c.started(180)
+    names = sorted(g.name for g in gens)
+    sent: dict[int, set[str]] = {}
+    patches = dict.fromkeys(names, 0)
+    for version in range(1, 6):
+        if version in (2, 5):
+            for r in ranks:
+                assert r.call("set_delta", version == 2) is (version == 2)
+        for r in ranks:
+            r.begin("publish", version, 60)
+        results = [r.end("publish", 120) for r in ranks]
+        sent[version] = set()
+        for res in results:
+            assert res["done"] == names, res
+            sent[version] |= set(res["patched"])
+            for name in res["patched"]:
+                patches[name] += 1
+        for g in gens:  # every byte as a whole version leaves it; a patch per rank with parts
+            got = g.call("check", version, 60, timeout=120)
+            assert got["version"] == version and got["bad"] == [], (g.name, version, got)
+            assert got["deltas"] == (patches[g.name], 0), (g.name, version, got)
+    assert sent == {1: set(), 2: set(), 3: set(names), 4: set(names), 5: set()}, sent

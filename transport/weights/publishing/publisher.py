@@ -359,8 +359,8 @@ class WeightPublisher(PublisherCore):
             handle = p.handle
             if not m.why:
                 handle.result.patched[peer] = p.nbytes
-                assert self._deltas is not None  # only a delta publisher writes changes
-                self._deltas.policy.wrote(True, time.monotonic() - sub.started)
+                if self._deltas is not None:  # None: delta was turned off since they were sent
+                    self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._finished(sub, m.slot, m.version, handle, None)
                 return
             log.info(

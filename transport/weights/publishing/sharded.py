@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 import torch
 
@@ -22,7 +22,7 @@ from transport.errors import (
 from transport.handle import Handle
 from transport.memory.local import dtype_name
 from transport.weights.delta.codec import Encoded
-from transport.weights.delta.ranks import RankDeltas
+from transport.weights.delta.ranks import Planner, RankDeltas
 from transport.weights.delta.source import check_delta
 from transport.weights.group.directory import WHOLE, GroupDirectory
 from transport.weights.group.lease import PublisherLease
@@ -41,6 +41,7 @@ from transport.weights.group.messages import (
 from transport.weights.group.regions import channel, inbox_region, region
 from transport.weights.group.worker import Worker
 from transport.weights.layouts.planning import (
+    DestTensor,
     LayoutError,
     SourceLayout,
     check,
@@ -138,8 +139,13 @@ class ShardedPublisher(PublisherCore):
             for _ in range(max(1, pool_bytes // chunk_bytes))
         ]
         self._pool_busy: list[Handle | None] = [None] * len(self._pool)
-        mode = check_delta(delta)
-        self._deltas = RankDeltas(device, chunk_bytes, mode == "auto") if mode else None
+        self._delta = check_delta(delta)
+        self._deltas = (
+            RankDeltas(device, chunk_bytes, self._delta == "auto") if self._delta else None
+        )
+        # how each layout of a subscriber with an inbox is diffed (planned with its writes, kept
+        # while such a subscriber is there): a delta turned on later plans with these
+        self._delta_plans: dict[Hashable, tuple[Mapping[str, DestTensor], Planner]] = {}
         self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
         self._ranks = TrainerRanks(transport, self._dir, rank, self.world, self.digest)
         self._writer = Worker(
@@ -212,12 +218,11 @@ class ShardedPublisher(PublisherCore):
             inbox = regions.get(inbox_region(self.group))
             sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
             sub.delta_key = raw if raw != WHOLE else tuple(sorted(dest))
-            if self._deltas is not None and sub.inbox:
-                self._deltas.plan(
-                    sub.delta_key,
-                    dest,
-                    lambda pool: plan_writes(pool, str, self._local, runs, boxes, dest),
-                )
+            if sub.inbox:
+                plan = (dest, lambda pool: plan_writes(pool, str, self._local, runs, boxes, dest))
+                self._delta_plans[sub.delta_key] = plan
+                if self._deltas is not None:
+                    self._deltas.plan(sub.delta_key, *plan)
             sub.writes = [
                 plan_writes(
                     self._pool,
@@ -253,8 +258,11 @@ class ShardedPublisher(PublisherCore):
             self._roster.refresh()
             keys = {s.delta_key for s in self._subs.values() if s.inbox and s.writes}
             in_use = any(s.patch is not None for s in self._subs.values())
-        if self._deltas is not None:  # the changes of this rank's parts, before any byte moves
-            self._deltas.stage(version, keys, in_use)
+            for key in [k for k in self._delta_plans if k not in keys]:
+                del self._delta_plans[key]
+            deltas = self._deltas
+        if deltas is not None:  # the changes of this rank's parts, before any byte moves
+            deltas.stage(version, keys, in_use)
         with self._lock:
             handle, start = self._begin(version, timeout, "not begun")
             for sub in start:
@@ -342,10 +350,10 @@ class ShardedPublisher(PublisherCore):
             p = None if sub is None else sub.take_patch(m.version, m.slot)
             if sub is None or p is None:
                 return
-            assert self._deltas is not None  # only a delta rank writes changes
             if not m.why:
                 p.handle.result.patched[peer] = p.nbytes
-                self._deltas.policy.wrote(True, time.monotonic() - sub.started)
+                if self._deltas is not None:  # None: delta was turned off since they were sent
+                    self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._ended(sub, m.slot, m.version, p.handle, None)
                 return
             log.info(
@@ -533,6 +541,27 @@ class ShardedPublisher(PublisherCore):
                             name, EXCLUDED, "no outcome within the deadline (it left the group)"
                         )
             return self._next_tick(now)
+
+    @property
+    def delta(self) -> bool | str:
+        """``True``, ``False`` or ``"auto"`` (see the class); from the next version on when set
+        to another value (turned off, the copies' memory goes; turned on, the next version goes
+        whole, and the one after as changes)."""
+        return self._delta
+
+    @delta.setter
+    def delta(self, value: bool | str) -> None:
+        mode = check_delta(value)
+        with self._lock:
+            if mode == self._delta:
+                return  # the copies and what the policy learned stay
+            self._delta = mode
+            self._deltas = None
+            if mode:
+                deltas = RankDeltas(self._pool[0].device, self._chunk_bytes, mode == "auto")
+                for key, (dest, planner) in self._delta_plans.items():
+                    deltas.plan(key, dest, planner)
+                self._deltas = deltas
 
     @property
     def pool_bytes(self) -> int:
