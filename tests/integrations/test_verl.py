@@ -168,6 +168,11 @@ def test_bad_settings_are_refused_naming_the_rule():
             TransportCheckpointEngine(bucket_size=size)
     with pytest.raises(ValueError, match="relay_degree is None or 0 to 64"):
         TransportCheckpointEngine(bucket_size=1 << 20, relay_degree=-2)
+    for delta in ("yes", 1, None):
+        with pytest.raises(ValueError, match="delta is true, false or auto"):
+            TransportCheckpointEngine(bucket_size=1 << 20, delta=delta)
+    auto = TransportCheckpointEngine(bucket_size=1 << 20, delta="auto")
+    assert auto.copies is not None and auto.policy is not None and auto.policy.auto
     engine = TransportCheckpointEngine(
         bucket_size=1 << 20, store="tcp://127.0.0.1:9?host=no&timeout=2"
     )

@@ -31,6 +31,7 @@ from transport.weights.buckets.receiver import BucketReceiver
 from transport.weights.buckets.sender import BucketSender, UpdateAborted
 from transport.weights.buckets.targets import SLOTS
 from transport.weights.buckets.topology import EngineInfo, build_plans
+from transport.weights.delta.policy import DeltaPolicy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -195,6 +196,7 @@ class Job:
         degree: int = 0,
         copies: list[PieceCopies] | None = None,
         prefix: str = "",
+        policies: list[DeltaPolicy] | None = None,
     ) -> None:
         self.bucket = bucket
         infos = []
@@ -217,8 +219,9 @@ class Job:
         for t, s in zip(self.t[trainers:], self.slots, strict=False):
             t.expose(SLOTS, s, access="w")
         mine = copies or [None] * (trainers + rollouts)
+        rules = policies or [None] * trainers
         self.senders = [
-            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0, mine[r])
+            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0, mine[r], rules[r])
             for r, p in enumerate(self.tp)
         ]
         self.receivers = [
@@ -380,6 +383,45 @@ def test_delta_buckets_carry_only_the_changes_and_every_tensor_lands_bit_for_bit
     job.send_all(w2)
     (got,) = receive_all(job)
     assert isinstance(got, WireFormatError) and "came as changes" in str(got), got
+
+
+def test_auto_rests_without_copies_then_looks_and_diffs_again(loopback_net) -> None:
+    """``delta="auto"`` at both trainer ranks: while their policies diff, the ranks send changes
+    once every engine holds the same update; policies that found changes lost rest: their ranks
+    let go of their copies and send raw (so the job's next update goes raw everywhere), the
+    update of the look takes copies again, and the one after goes as changes. Every tensor
+    lands bit for bit."""
+    copies = [PieceCopies() for _ in range(2 + 2)]
+    policies = [DeltaPolicy(auto=True) for _ in range(2)]
+    weights = model(200, seed=7)
+    g = torch.Generator().manual_seed(3)
+    as_changes, diffing = [], []
+    for k in range(5):
+        for t in weights.values():  # a step: 2% of the bytes flipped
+            raw = t.reshape(-1).view(torch.uint8)
+            if k and raw.numel():
+                raw[torch.rand(raw.numel(), generator=g) < 0.02] ^= 1
+        if k == 2:
+            for p in policies:  # as a policy leaves itself when changes lost (policy.py)
+                p.resting, p.wait, p.diff_s, p.patch_s = 2, 8, None, None
+        job = Job(loopback_net, 2, 2, 64 * KIB, copies=copies, prefix=f"a{k}-", policies=policies)
+        senders = job.send_all(weights)
+        for got in receive_all(job):
+            assert not isinstance(got, BaseException), got
+            for name, t in weights.items():
+                assert torch.equal(
+                    got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                ), (k, name)
+        for th in senders:
+            th.join(30)
+        assert job.send_errors == [None, None]
+        as_changes.append(sum(s.report.as_changes for s in job.senders))
+        diffing.append([s.report.diffing for s in job.senders])
+        if k == 2:  # resting: no copies held
+            assert [c.copies for c in copies[:2]] == [{}, {}]
+    buckets = job.receivers[0].buckets
+    assert as_changes == [0, buckets, 0, 0, buckets], as_changes
+    assert diffing == [[True, True], [True, True], [False, False], [True, True], [True, True]]
 
 
 def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_never_written(

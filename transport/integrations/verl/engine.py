@@ -26,6 +26,7 @@ from transport.weights.buckets.receiver import BucketReceiver
 from transport.weights.buckets.sender import BucketSender
 from transport.weights.buckets.targets import SLOTS
 from transport.weights.buckets.topology import EngineInfo, UpdatePlan, build_plans
+from transport.weights.delta.policy import DeltaPolicy
 
 log = logging.getLogger("transport.verl")
 
@@ -67,7 +68,10 @@ class TransportCheckpointEngine(CheckpointEngine):
       bytes once, a trainer rank those of the buckets it fills), so that once every engine of
       the job holds the same update, each bucket travels as the changes of its tensors against
       it (weights/buckets/changes.py; a bucket whose changes exceed half its data goes raw).
-      Every engine of the job must set it (default off).
+      ``"auto"``: as ``true``, but a trainer rank diffs only while its updates as changes cost
+      it less than raw ones did (weights/delta/policy.py: it rests, without copies, and looks
+      again after 4, 8 ... 256 updates); a rollout worker takes ``"auto"`` as ``true``. Every
+      engine of the job must set it (default off).
 
     The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET``; every engine of the
     job needs the same. Rules: ``prepare`` -> ``build_topology`` -> ``init_process_group`` ->
@@ -86,7 +90,7 @@ class TransportCheckpointEngine(CheckpointEngine):
         relay_degree: int | None = None,
         device: str | None = None,
         keep_buckets: bool | None = None,
-        delta: bool = False,
+        delta: bool | str = False,
     ) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 4096:
             raise ValueError(
@@ -103,8 +107,10 @@ class TransportCheckpointEngine(CheckpointEngine):
             raise ValueError(
                 f"transport checkpoint engine: timeout must be > 0 seconds, got {timeout!r}"
             )
-        if not isinstance(delta, bool):
-            raise ValueError(f"transport checkpoint engine: delta is true or false, got {delta!r}")
+        if not (isinstance(delta, bool) or delta == "auto"):
+            raise ValueError(
+                f"transport checkpoint engine: delta is true, false or auto, got {delta!r}"
+            )
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.store_url = store or os.environ.get("TRANSPORT_STORE") or None
@@ -124,6 +130,7 @@ class TransportCheckpointEngine(CheckpointEngine):
         self._buffers: list[torch.Tensor] = []
         self._slots: torch.Tensor | None = None
         self.copies = PieceCopies() if delta else None
+        self.policy = DeltaPolicy(delta == "auto") if delta else None  # a trainer rank's
         self._scratch: torch.Tensor | None = None  # a delta bucket laid out raw (rollout)
 
     # -- the store and the Transport ----------------------------------------------------------
@@ -224,7 +231,7 @@ class TransportCheckpointEngine(CheckpointEngine):
         plan = self._plan_for("trainer")
         assert self.transport is not None and self.inbox is not None
         sender = BucketSender(
-            self.transport, self.inbox, plan, self._buffers, self.timeout, self.copies
+            self.transport, self.inbox, plan, self._buffers, self.timeout, self.copies, self.policy
         )
         report = await sender.send(weights)
         if report.dropped:

@@ -59,6 +59,13 @@ class PieceCopies:
         self._touched = set()
         return held
 
+    def drop(self) -> None:
+        """Let go of every copy (``delta="auto"`` resting): the next update that keeps copies
+        sends raw and takes them again."""
+        self.copies.clear()
+        self.token = ""
+        self._touched = set()
+
     def end(self, token: str) -> None:
         for key in [k for k in self.copies if k not in self._touched]:
             del self.copies[key]

@@ -30,6 +30,7 @@ from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.messages import MAX_REASON, Abort, Bucket
 from transport.weights.buckets.targets import Targets, tell
 from transport.weights.buckets.topology import UpdatePlan
+from transport.weights.delta.policy import DeltaPolicy
 
 
 class UpdateAborted(TransportError):
@@ -45,6 +46,8 @@ class SendReport:
     seconds: float = 0.0
     dropped: dict[str, str] = field(default_factory=dict)
     as_changes: int = 0  # buckets sent as their changes
+    source_s: float = 0.0  # of ``seconds``, waiting for the trainer's stream of tensors
+    diffing: bool = False  # whether this rank kept copies to diff against (delta)
 
     def metrics(self, rank: int) -> dict[str, float]:
         return {
@@ -52,6 +55,8 @@ class SendReport:
             f"transport/rank{rank}/buckets_as_changes": float(self.as_changes),
             f"transport/rank{rank}/bytes_sent": float(self.bytes_sent),
             f"transport/rank{rank}/send_s": self.seconds,
+            f"transport/rank{rank}/source_s": self.source_s,
+            f"transport/rank{rank}/delta_diffing": float(self.diffing),
             f"transport/rank{rank}/dropped": float(len(self.dropped)),
         }
 
@@ -69,7 +74,13 @@ async def aiter_of(weights: object) -> AsyncIterator[tuple[str, torch.Tensor]]:
 class BucketSender:
     """One trainer rank's update. It owns nothing but the update's bookkeeping: the send buffers
     (registered uint8 tensors, one or two), the copies of what it sent (``copies``, with delta:
-    changes.py) and the Transport are the engine's."""
+    changes.py), the ``delta="auto"`` policy (``policy``, weights/delta/policy.py) and the
+    Transport are the engine's.
+
+    With a policy, each update asks it once whether to diff: while it rests, the rank lets go
+    of its copies and sends raw (so the job's next update goes raw everywhere, and the one
+    after may diff again); after each update it tells the policy what the update cost this
+    rank beyond waiting for the trainer's stream, as changes or raw."""
 
     def __init__(
         self,
@@ -79,15 +90,21 @@ class BucketSender:
         buffers: list[torch.Tensor],
         timeout: float,
         copies: PieceCopies | None = None,
+        policy: DeltaPolicy | None = None,
     ) -> None:
         self.transport = transport
         self.plan = plan
         self.buffers = buffers
+        self.policy = policy
+        if copies is not None and policy is not None and not policy.want_diff():
+            copies.drop()  # resting: no copies, no cost
+            copies = None
         self.copies = copies
         self.base = copies.begin() if copies is not None else ""
+        self._encode_s = 0.0
         who = f"update {plan.token}: rank {plan.rank}"
         self.targets = Targets(transport, inbox, plan.targets, timeout, who)
-        self.report = SendReport(dropped=self.targets.dropped)
+        self.report = SendReport(dropped=self.targets.dropped, diffing=copies is not None)
         self._flying: list[list[tuple[str, Handle]]] = [[] for _ in buffers]
         self._filling: list[int] = [-1 for _ in buffers]
 
@@ -118,7 +135,9 @@ class BucketSender:
             data = buf[: planned.data_bytes]
             blob = None
             if self.plan.base and self.base == self.plan.base:
+                started = time.perf_counter()
                 blob = self.copies.encode(planned.pieces, data)
+                self._encode_s += time.perf_counter() - started
             else:
                 self.copies.store(planned.pieces, data)
             if blob is not None:  # the changes in place of the data, the header after them
@@ -164,11 +183,37 @@ class BucketSender:
         if self.copies is not None:  # they hold this update now
             self.copies.end(self.plan.token)
         self.report.seconds = time.perf_counter() - start
+        self._judge()
         return self.report
+
+    def _judge(self) -> None:
+        """Tell the policy what this update cost this rank (the trainer's stream left out: it
+        costs the same either way)."""
+        if self.policy is None:
+            return
+        ours = max(0.0, self.report.seconds - self.report.source_s - self._encode_s)
+        if self.report.as_changes:
+            self.policy.diffed(self._encode_s)
+        self.policy.wrote(self.report.as_changes > 0, ours)
+
+    async def _stream(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | object
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``weights``, timing the waits for each tensor (``report.source_s``)."""
+        items = aiter_of(weights)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = await anext(items)
+            except StopAsyncIteration:
+                return
+            finally:
+                self.report.source_s += time.perf_counter() - started
+            yield item
 
     async def _send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> None:
         packer = Packer(self.plan.bucket_bytes)
-        async for name, tensor in aiter_of(weights):
+        async for name, tensor in self._stream(weights):
             for item in packer.add(name, tensor):
                 if isinstance(item, Planned):
                     await self._ship(item, last=False)
