@@ -92,6 +92,33 @@ def test_every_density_applies_bit_exact_onto_separate_tensors_and_a_flat_slot(s
         assert enc.changed == 0 and enc.blob.numel() < 200
 
 
+def test_chunks_of_every_density_side_by_side_apply_bit_exact():
+    """Each chunk its own density (none, sparse, mask, whole, in a shuffled order, some across
+    two tensors): every encoding sits next to every other, so that neither side can take the
+    mask chunks' values as lying together, and the version lands bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    base = {
+        "a.bf16": torch.randn(9 * CHUNK + 123, generator=g).to(torch.bfloat16),
+        "b.bf16": torch.randn(5 * CHUNK - 77, generator=g).to(torch.bfloat16),
+        "c.f32": torch.randn(7 * CHUNK + 5, generator=g),
+    }
+    cur = {k: v.clone() for k, v in base.items()}
+    shares = torch.tensor([0.0, 0.001, 0.02, 0.2, 0.6, 1.0])
+    for v in cur.values():
+        ints = v.view(torch.int16 if v.element_size() == 2 else torch.int32)
+        for at in range(0, ints.numel(), CHUNK // 2):  # chunk halves: edges fall mid-chunk
+            part = ints[at : at + CHUNK // 2]
+            share = shares[torch.randint(len(shares), (1,), generator=g)]
+            part[torch.rand(part.numel(), generator=g) < share] ^= 1
+    apart = {k: v.clone() for k, v in base.items()}
+    enc = roundtrip(base, cur, apart)
+    assert same(apart, cur)
+    kinds = _kinds(enc.blob)  # of the first width group
+    masks = [i for i, k in enumerate(kinds) if k == MASK]
+    assert set(kinds) == {SPARSE, MASK, WHOLE}, kinds
+    assert masks != list(range(masks[0], masks[0] + len(masks))), kinds  # others between
+
+
 @pytest.mark.parametrize("share", [0.0, 0.02, 0.5, 1.0])
 def test_changes_gathered_piece_by_piece_make_the_same_blob_and_leave_the_rest(share):
     """A sharded trainer's rank compares only the pieces it writes, in its own order: the blob

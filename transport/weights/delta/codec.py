@@ -40,7 +40,8 @@ import torch
 from transport.errors import WireFormatError
 
 #: elements per chunk: an offset inside one fits 16 bits
-CHUNK = 1 << 16
+_CHUNK_BITS = 16
+CHUNK = 1 << _CHUNK_BITS
 #: elements the encoder compares at once, a multiple of CHUNK (bounds its scratch memory)
 BATCH = 64 * CHUNK
 
@@ -51,7 +52,25 @@ FORMAT = 1
 _HEAD = struct.Struct("<4sHHQqq")
 _GROUP = struct.Struct("<IIQQ")
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+#: packing 8 bools (one byte each, 0 or 1) read as a little-endian int64: the product's top byte
+#: holds bool j at bit j (every other partial product lands above bit 63 or below bit 56, each on
+#: a bit of its own, so nothing carries into the top byte)
+_PACK = 0x0102040810204080
+#: unpacking a byte: copied into all 8 bytes, byte j keeps only bit j
+_SPREAD, _PICK = 0x0101010101010101, -0x7FBFDFEFF7FBFDFF  # 0x8040201008040201 as an int64
+
+
+def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
+    """Bool rows of CHUNK elements as bitmasks: CHUNK / 8 bytes each, element j of every 8 at
+    bit j (the blob's MASK section)."""
+    words = rows.contiguous().view(torch.uint8).view(torch.int64)
+    return (((words * _PACK) >> 56) & 0xFF).to(torch.uint8).view(-1, CHUNK // 8)
+
+
+def _unpack_bits(masks: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pack_bits`: (rows, CHUNK // 8) uint8 to (rows, CHUNK) bool."""
+    spread = (masks.to(torch.int64) * _SPREAD) & _PICK
+    return spread.view(torch.uint8).ne(0).view(masks.shape[0], CHUNK)
 
 
 class DeltaError(WireFormatError):
@@ -242,7 +261,7 @@ def _encode_batch(
         at = span.start + lo - a
         torch.ne(cur[span.name][lo:hi], old[span.name][lo:hi], out=mask[at : at + hi - lo])
     grid = mask.view(nchunks, CHUNK)
-    counts = grid.sum(1, dtype=torch.int32)
+    counts = grid.view(torch.uint8).sum(1, dtype=torch.int32)  # a bool sum is 8x slower
     lens = torch.full((nchunks,), CHUNK, dtype=torch.int32, device=device)
     lens[-1] = b - a - (nchunks - 1) * CHUNK
     kinds = _kinds(counts, lens, group.width)
@@ -255,18 +274,22 @@ def _encode_batch(
         grid[whole] = True
         mask[b - a :] = False  # the last chunk's padding is no element
         counts = torch.where(whole, lens, counts)
-    sparse_rows = grid[kinds == SPARSE]
-    offsets = torch.nonzero(sparse_rows)[:, 1].to(torch.int32).to(torch.int16)
+    # one pass finds every value's position (from ``a``), in order; the rest works on those
+    where = torch.nonzero(mask).flatten()
+    sparse = kinds[where >> _CHUNK_BITS] == SPARSE
+    offsets = (where[sparse] & (CHUNK - 1)).to(torch.int32).to(torch.int16)
     mask_rows = grid[kinds == MASK]
-    packed = (mask_rows.view(-1, CHUNK // 8, 8).to(torch.uint8) * _BITS.to(device)).sum(
-        2, dtype=torch.uint8
-    )
+    packed = _pack_bits(mask_rows)
     values = []
-    for span, lo, hi in pieces:
+    ends = [span.start + hi - a for span, _, hi in pieces]
+    cuts = torch.searchsorted(where, torch.tensor(ends, device=device)).tolist()
+    first = 0
+    for (span, lo, _), cut in zip(pieces, cuts, strict=True):
         at = span.start + lo - a
-        sel = mask[at : at + hi - lo]
-        v = cur[span.name][lo:hi][sel]
-        old[span.name][lo:hi][sel] = v  # the base becomes this version
+        idx = where[first:cut] - at
+        first = cut
+        v = cur[span.name][lo:].index_select(0, idx)
+        old[span.name][lo:].index_copy_(0, idx, v)  # the base becomes this version
         values.append(v)
     gp.add(
         ids=(listed + a // CHUNK).to(torch.int32),
@@ -355,9 +378,7 @@ def _pack(
         grid = torch.zeros(nmask, CHUNK, dtype=torch.bool, device=device)
         is_mask = per == MASK
         grid[torch.repeat_interleave(rows, cnt)[is_mask], offs[is_mask]] = True
-        packed = (grid.view(-1, CHUNK // 8, 8).to(torch.uint8) * _BITS.to(device)).sum(
-            2, dtype=torch.uint8
-        )
+        packed = _pack_bits(grid)
         gp.add(
             ids=cid.to(torch.int32),
             kinds=kinds.to(torch.uint8),
@@ -509,19 +530,29 @@ def _decode_group(r: _Reader, group: Group) -> Changes:
             raise DeltaError("delta: offsets must increase strictly within a chunk")
         positions[starts[sparse][chunk_of] + rank] = sparse_ids[chunk_of] * CHUNK + offsets
     if nmask:
-        bits = (masks.unsqueeze(2) & _BITS.to(device)).ne(0).view(nmask, CHUNK)
+        bits = _unpack_bits(masks)
         mask_lens = lens[masked]
-        beyond = torch.arange(CHUNK, device=device).unsqueeze(0) >= mask_lens.unsqueeze(1)
-        if bool((bits & beyond).any()):
-            raise DeltaError("delta: a mask marks elements past the end of its chunk")
-        if bool((bits.sum(1) != counts[masked]).any()):
+        short = torch.nonzero(mask_lens < CHUNK).flatten()  # only a group's last chunk is
+        if short.numel():
+            beyond = torch.arange(CHUNK, device=device).unsqueeze(0) >= mask_lens[short, None]
+            if bool((bits[short] & beyond).any()):
+                raise DeltaError("delta: a mask marks elements past the end of its chunk")
+        mask_counts = counts[masked]
+        # (summed as bytes into int32: a bool or int64 sum is several times slower)
+        if bool((bits.view(torch.uint8).sum(1, dtype=torch.int32) != mask_counts).any()):
             raise DeltaError("delta: a mask's bits do not match its chunk's count")
-        row, col = torch.nonzero(bits, as_tuple=True)
-        rank = (
-            torch.arange(row.numel(), device=device)
-            - (torch.cumsum(counts[masked], 0) - counts[masked])[row]
-        )
-        positions[starts[masked][row] + rank] = ids[masked][row] * CHUNK + col
+        flat = torch.nonzero(bits.view(-1)).flatten()  # row * CHUNK + col, in order
+        mask_ids, mask_starts = ids[masked], starts[masked]
+        first = mask_starts[0]
+        if bool((mask_ids - mask_ids[0] == torch.arange(nmask, device=device)).all()) and bool(
+            (mask_starts - first == torch.cumsum(mask_counts, 0) - mask_counts).all()
+        ):  # consecutive chunks whose values lie together (a dense version): no gathers
+            positions[first : first + flat.numel()] = flat + mask_ids[0] * CHUNK
+        else:  # a mask chunk's k-th value goes to its start + k, at its first element + col
+            row = flat >> _CHUNK_BITS
+            shift = mask_starts - (torch.cumsum(mask_counts, 0) - mask_counts)
+            to = torch.arange(flat.numel(), device=device) + shift[row]
+            positions[to] = flat + ((mask_ids - torch.arange(nmask, device=device)) * CHUNK)[row]
     if bool(whole.any()):
         per = counts[whole]
         chunk_of = torch.repeat_interleave(torch.arange(per.numel(), device=device), per)
