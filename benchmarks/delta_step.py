@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from transport.weights.delta.codec import DeltaLayout, apply, decode, encode
+from transport.weights.delta.codec import DeltaLayout, encode
+from transport.weights.delta.decoder import apply, decode
 
 
 def llama(hidden: int, layers: int, vocab: int) -> torch.nn.Module:

@@ -17,7 +17,8 @@ import transport
 from helpers.delta_peer import digests, model, model_spec, step
 from helpers.shard_peer import shard_of
 from transport.weights import DestTensor, ShardedPublisher, SourceLayout, full_copy, tensors_for
-from transport.weights.delta.codec import DeltaLayout, apply, decode, encode
+from transport.weights.delta.codec import DeltaLayout, encode
+from transport.weights.delta.decoder import apply, decode
 
 NO_CUDA = not torch.cuda.is_available()
 DEVICES = [

@@ -1,7 +1,7 @@
-"""The delta codec (transport/weights/delta/codec.py): a version's changes encoded against its
-base and applied onto a copy of the base give the version bit for bit, for every dtype and
-density, each chunk in its smallest encoding; a blob that breaks any rule is refused before a
-byte is written, whatever its bytes."""
+"""The delta codec (transport/weights/delta/codec.py and decoder.py): a version's changes
+encoded against its base and applied onto a copy of the base give the version bit for bit, for
+every dtype and density, each chunk in its smallest encoding; a blob that breaks any rule is
+refused before a byte is written, whatever its bytes."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ from transport.weights.delta.codec import (
     ChangeSet,
     DeltaError,
     DeltaLayout,
-    apply,
-    decode,
     encode,
 )
+from transport.weights.delta.decoder import apply, decode
 from transport.weights.layouts.flat import flat_like
 
 pytestmark = pytest.mark.delta

@@ -15,7 +15,8 @@ import torch
 
 from transport.errors import WireFormatError
 from transport.weights.buckets.buckets import DTYPES, Piece
-from transport.weights.delta.codec import ChangeSet, DeltaError, DeltaLayout, apply, decode
+from transport.weights.delta.codec import ChangeSet, DeltaError, DeltaLayout
+from transport.weights.delta.decoder import apply, decode
 
 #: the codec's version and base of a bucket's changes: the update's tokens say which they are
 _VERSION, _BASE = 1, 0

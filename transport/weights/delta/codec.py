@@ -24,15 +24,15 @@ The blob (little-endian, every section padded to 8 bytes)::
       masks    CHUNK / 8 bytes per MASK chunk
       values   width bytes per value
 
-:func:`decode` checks every rule before anything is written (a blob is a peer's bytes): sizes,
-order, ranges, that counts match the masks and offsets; a broken rule is a :class:`DeltaError`.
+This module makes blobs (:func:`encode`, :class:`ChangeSet`); decoder.py checks a peer's blob
+rule by rule and applies it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +40,8 @@ import torch
 from transport.errors import WireFormatError
 
 #: elements per chunk: an offset inside one fits 16 bits
-_CHUNK_BITS = 16
-CHUNK = 1 << _CHUNK_BITS
+CHUNK_BITS = 16
+CHUNK = 1 << CHUNK_BITS
 #: elements the encoder compares at once, a multiple of CHUNK (bounds its scratch memory)
 BATCH = 64 * CHUNK
 
@@ -49,15 +49,13 @@ SKIP, SPARSE, MASK, WHOLE = 0, 1, 2, 3
 
 MAGIC = b"TDLT"
 FORMAT = 1
-_HEAD = struct.Struct("<4sHHQqq")
-_GROUP = struct.Struct("<IIQQ")
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+HEAD = struct.Struct("<4sHHQqq")
+GROUP_HEAD = struct.Struct("<IIQQ")
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: packing 8 bools (one byte each, 0 or 1) read as a little-endian int64: the product's top byte
 #: holds bool j at bit j (every other partial product lands above bit 63 or below bit 56, each on
 #: a bit of its own, so nothing carries into the top byte)
 _PACK = 0x0102040810204080
-#: unpacking a byte: copied into all 8 bytes, byte j keeps only bit j
-_SPREAD, _PICK = 0x0101010101010101, -0x7FBFDFEFF7FBFDFF  # 0x8040201008040201 as an int64
 
 
 def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
@@ -65,12 +63,6 @@ def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
     bit j (the blob's MASK section)."""
     words = rows.contiguous().view(torch.uint8).view(torch.int64)
     return (((words * _PACK) >> 56) & 0xFF).to(torch.uint8).view(-1, CHUNK // 8)
-
-
-def _unpack_bits(masks: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_pack_bits`: (rows, CHUNK // 8) uint8 to (rows, CHUNK) bool."""
-    spread = (masks.to(torch.int64) * _SPREAD) & _PICK
-    return spread.view(torch.uint8).ne(0).view(masks.shape[0], CHUNK)
 
 
 class DeltaError(WireFormatError):
@@ -85,7 +77,7 @@ def width_of(t: torch.Tensor) -> int:
 
 def as_ints(t: torch.Tensor, width: int) -> torch.Tensor:
     """A contiguous tensor's bits as a flat tensor of ``width``-byte integers (a view)."""
-    return t.reshape(-1).view(torch.uint8).view(_INTS[width])
+    return t.reshape(-1).view(torch.uint8).view(INTS[width])
 
 
 @dataclass(frozen=True)
@@ -150,7 +142,8 @@ class Encoded:
     elements: int
 
 
-def _pad(n: int) -> int:
+def padded(n: int) -> int:
+    """``n`` bytes rounded up to the blob's 8-byte alignment."""
     return -(-n // 8) * 8
 
 
@@ -192,7 +185,7 @@ class _GroupParts:
         self.offsets: list[torch.Tensor] = []
         self.masks: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.nbytes = _GROUP.size
+        self.nbytes = GROUP_HEAD.size
 
     def add(self, **sections: torch.Tensor) -> None:
         for key, t in sections.items():
@@ -234,7 +227,7 @@ def encode(
                     old[span.name][lo:hi].copy_(cur[span.name][lo:hi])
                 continue
             changed += _encode_batch(group, a, b, pieces, cur, old, gp, device)
-            if limit is not None and _HEAD.size + sum(p.nbytes for p in parts) > limit:
+            if limit is not None and HEAD.size + sum(p.nbytes for p in parts) > limit:
                 over = True
     if over:
         return None
@@ -276,7 +269,7 @@ def _encode_batch(
         counts = torch.where(whole, lens, counts)
     # one pass finds every value's position (from ``a``), in order; the rest works on those
     where = torch.nonzero(mask).flatten()
-    sparse = kinds[where >> _CHUNK_BITS] == SPARSE
+    sparse = kinds[where >> CHUNK_BITS] == SPARSE
     offsets = (where[sparse] & (CHUNK - 1)).to(torch.int32).to(torch.int16)
     mask_rows = grid[kinds == MASK]
     packed = _pack_bits(mask_rows)
@@ -349,7 +342,7 @@ class ChangeSet:
             vals = torch.cat([v for _, v in pieces])
             pos, order = torch.sort(pos)
             _pack(group, pos, vals[order], gp, device)
-            if limit is not None and _HEAD.size + sum(p.nbytes for p in parts) > limit:
+            if limit is not None and HEAD.size + sum(p.nbytes for p in parts) > limit:
                 return None
         blob = _assemble(self.layout, parts, version, base_version, device)
         elements = sum(g.total for g in self.layout.groups)
@@ -397,13 +390,13 @@ def _assemble(
     device: torch.device,
 ) -> torch.Tensor:
     out: list[torch.Tensor] = [
-        _bytes(_HEAD.pack(MAGIC, FORMAT, len(parts), layout.digest, version, base_version), device)
+        _bytes(HEAD.pack(MAGIC, FORMAT, len(parts), layout.digest, version, base_version), device)
     ]
     for gp in parts:
         ids = gp.cat("ids", torch.int32, device)
         offsets = gp.cat("offsets", torch.int16, device)
-        values = gp.cat("values", _INTS[gp.width], device)
-        head = _GROUP.pack(gp.width, ids.numel(), offsets.numel(), values.numel())
+        values = gp.cat("values", INTS[gp.width], device)
+        head = GROUP_HEAD.pack(gp.width, ids.numel(), offsets.numel(), values.numel())
         out.append(_bytes(head, device))
         for section in (
             ids,
@@ -415,7 +408,7 @@ def _assemble(
         ):
             raw = section.reshape(-1).view(torch.uint8)
             out.append(raw)
-            gap = _pad(raw.numel()) - raw.numel()
+            gap = padded(raw.numel()) - raw.numel()
             if gap:
                 out.append(torch.zeros(gap, dtype=torch.uint8, device=device))
     return torch.cat(out)
@@ -423,198 +416,3 @@ def _assemble(
 
 def _bytes(b: bytes, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device)
-
-
-# -- the receiving side ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Changes:
-    """One width group's changes, checked: ``positions`` (int64, virtual, increasing) and the
-    ``values`` (``width``-byte integers) to write there."""
-
-    group: Group
-    positions: torch.Tensor
-    values: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """A blob's changes, checked: ``version`` made out of ``base``, one :class:`Changes` per
-    width group of the layout."""
-
-    version: int
-    base: int
-    groups: tuple[Changes, ...]
-
-
-class _Reader:
-    """Reads sections off a blob, bounds checked."""
-
-    def __init__(self, blob: torch.Tensor) -> None:
-        self.blob = blob
-        self.at = 0
-
-    def take(self, n: int, what: str) -> torch.Tensor:
-        if n < 0 or self.at + n > self.blob.numel():
-            raise DeltaError(f"delta: its {what} runs past its end ({self.blob.numel()} bytes)")
-        out = self.blob[self.at : self.at + n]
-        self.at += _pad(n)
-        return out
-
-    def head(self, fmt: struct.Struct, what: str) -> tuple:
-        raw = bytes(self.take(fmt.size, what).cpu().numpy())
-        return fmt.unpack(raw)
-
-
-def decode(layout: DeltaLayout, blob: torch.Tensor, version: int, base: int) -> Decoded:
-    """The blob's changes, every rule checked (:class:`DeltaError` names the one broken)."""
-    if blob.dtype != torch.uint8 or blob.dim() != 1:
-        raise DeltaError("delta: a blob is a flat uint8 tensor")
-    r = _Reader(blob)
-    magic, fmt, ngroups, digest, v, b = r.head(_HEAD, "header")
-    if magic != MAGIC or fmt != FORMAT:
-        raise DeltaError(f"delta: not a delta of format {FORMAT} (magic {magic!r}, format {fmt})")
-    if digest != layout.digest:
-        raise DeltaError("delta: made for other tensors (its layout digest differs from ours)")
-    if (v, b) != (version, base):
-        raise DeltaError(
-            f"delta: it holds version {v} on base {b}, its message says {version} on {base}"
-        )
-    if ngroups != len(layout.groups):
-        raise DeltaError(f"delta: {ngroups} width groups, the layout has {len(layout.groups)}")
-    out = tuple(_decode_group(r, g) for g in layout.groups)
-    if r.at != _pad(blob.numel()):
-        raise DeltaError(f"delta: {blob.numel() - r.at} bytes past its last section")
-    return Decoded(version, base, out)
-
-
-def _decode_group(r: _Reader, group: Group) -> Changes:
-    width, n, noff, nval = r.head(_GROUP, "group header")
-    if width != group.width:
-        raise DeltaError(f"delta: a group of width {width} where the layout has {group.width}")
-    if n > group.chunks or noff > group.total or nval > group.total:
-        raise DeltaError("delta: more chunks, offsets or values than the group has elements")
-    device = r.blob.device
-    ids = r.take(n * 4, "chunk ids").view(torch.int32).to(torch.int64)
-    kinds = r.take(n, "chunk kinds").to(torch.int64)
-    counts = r.take(n * 4, "chunk counts").view(torch.int32).to(torch.int64)
-    if n and (int(ids[0]) < 0 or int(ids[-1]) >= group.chunks or bool((ids[1:] <= ids[:-1]).any())):
-        raise DeltaError("delta: chunk ids must increase strictly and name chunks of the group")
-    if bool(((kinds < SPARSE) | (kinds > WHOLE)).any()):
-        raise DeltaError("delta: a chunk kind is not sparse, mask or whole")
-    lens = torch.clamp(group.total - ids * CHUNK, max=CHUNK)
-    whole, sparse, masked = kinds == WHOLE, kinds == SPARSE, kinds == MASK
-    if bool((counts < 1).any()) or bool((counts > lens).any()):
-        raise DeltaError("delta: a chunk's count is not between 1 and its length")
-    if bool((whole & (counts != lens)).any()):
-        raise DeltaError("delta: a whole chunk must carry every element")
-    if int(counts[sparse].sum()) != noff or int(counts.sum()) != nval:
-        raise DeltaError("delta: the chunks' counts do not add up to its offsets and values")
-    offsets = r.take(noff * 2, "offsets").view(torch.int16).to(torch.int64) & 0xFFFF
-    nmask = int(masked.sum())
-    masks = r.take(nmask * (CHUNK // 8), "masks").view(nmask, CHUNK // 8)
-    values = r.take(nval * width, "values").view(_INTS[width])
-    # where each chunk's values start
-    starts = torch.cumsum(counts, 0) - counts
-    positions = torch.empty(nval, dtype=torch.int64, device=device)
-    if noff:
-        per = counts[sparse]
-        chunk_of = torch.repeat_interleave(torch.arange(per.numel(), device=device), per)
-        first = torch.cumsum(per, 0) - per
-        rank = torch.arange(noff, device=device) - first[chunk_of]
-        sparse_ids, sparse_lens = ids[sparse], lens[sparse]
-        if bool((offsets >= sparse_lens[chunk_of]).any()):
-            raise DeltaError("delta: an offset lies past the end of its chunk")
-        if noff > 1 and bool(((offsets[1:] <= offsets[:-1]) & (rank[1:] > 0)).any()):
-            raise DeltaError("delta: offsets must increase strictly within a chunk")
-        positions[starts[sparse][chunk_of] + rank] = sparse_ids[chunk_of] * CHUNK + offsets
-    if nmask:
-        bits = _unpack_bits(masks)
-        mask_lens = lens[masked]
-        short = torch.nonzero(mask_lens < CHUNK).flatten()  # only a group's last chunk is
-        if short.numel():
-            beyond = torch.arange(CHUNK, device=device).unsqueeze(0) >= mask_lens[short, None]
-            if bool((bits[short] & beyond).any()):
-                raise DeltaError("delta: a mask marks elements past the end of its chunk")
-        mask_counts = counts[masked]
-        # (summed as bytes into int32: a bool or int64 sum is several times slower)
-        if bool((bits.view(torch.uint8).sum(1, dtype=torch.int32) != mask_counts).any()):
-            raise DeltaError("delta: a mask's bits do not match its chunk's count")
-        flat = torch.nonzero(bits.view(-1)).flatten()  # row * CHUNK + col, in order
-        mask_ids, mask_starts = ids[masked], starts[masked]
-        first = mask_starts[0]
-        if bool((mask_ids - mask_ids[0] == torch.arange(nmask, device=device)).all()) and bool(
-            (mask_starts - first == torch.cumsum(mask_counts, 0) - mask_counts).all()
-        ):  # consecutive chunks whose values lie together (a dense version): no gathers
-            positions[first : first + flat.numel()] = flat + mask_ids[0] * CHUNK
-        else:  # a mask chunk's k-th value goes to its start + k, at its first element + col
-            row = flat >> _CHUNK_BITS
-            shift = mask_starts - (torch.cumsum(mask_counts, 0) - mask_counts)
-            to = torch.arange(flat.numel(), device=device) + shift[row]
-            positions[to] = flat + ((mask_ids - torch.arange(nmask, device=device)) * CHUNK)[row]
-    if bool(whole.any()):
-        per = counts[whole]
-        chunk_of = torch.repeat_interleave(torch.arange(per.numel(), device=device), per)
-        first = torch.cumsum(per, 0) - per
-        rank = torch.arange(int(per.sum()), device=device) - first[chunk_of]
-        positions[starts[whole][chunk_of] + rank] = ids[whole][chunk_of] * CHUNK + rank
-    return Changes(group, positions, values)
-
-
-def apply(decoded: Decoded, targets: Mapping[str, torch.Tensor]) -> int:
-    """Write ``decoded``'s changes into ``targets`` (the layout's tensors, contiguous, holding
-    exactly the base); returns how many elements were written. Tensors that share a storage
-    (a flat buffer) are written in one operation."""
-    written = 0
-    for ch in decoded.groups:
-        if ch.positions.numel() == 0:
-            continue
-        starts = torch.tensor([s.start for s in ch.group.spans], device=ch.positions.device)
-        bounds = torch.searchsorted(ch.positions, starts).tolist() + [ch.positions.numel()]
-        for run, lo, hi in _runs(ch.group, bounds, targets):
-            pos = ch.positions[lo:hi]
-            run(pos, ch.values[lo:hi])
-        written += ch.positions.numel()
-    return written
-
-
-def _runs(
-    group: Group, bounds: list[int], targets: Mapping[str, torch.Tensor]
-) -> Iterator[tuple[Callable[[torch.Tensor, torch.Tensor], None], int, int]]:
-    """Per run of consecutive tensors that share one storage (a flat buffer holds them all):
-    the write of that run, and the range of changes it takes."""
-    w = group.width
-    spans = group.spans
-    k = 0
-    while k < len(spans):
-        if bounds[k] == bounds[k + 1]:
-            k += 1
-            continue
-        storage = targets[spans[k].name].untyped_storage()
-        j = k + 1
-        while j < len(spans) and (
-            targets[spans[j].name].untyped_storage().data_ptr() == storage.data_ptr()
-        ):
-            j += 1
-        # storage element (in units of w) = virtual position + the tensor's shift
-        shifts = [
-            targets[s.name].storage_offset() * targets[s.name].element_size() // w - s.start
-            for s in spans[k:j]
-        ]
-        counts = [bounds[i + 1] - bounds[i] for i in range(k, j)]
-        device = targets[spans[k].name].device
-        flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        ints = flat[: storage.nbytes() // w * w].view(_INTS[w])
-        if len(set(shifts)) == 1:
-            shift: int | torch.Tensor = shifts[0]
-        else:
-            shift = torch.repeat_interleave(
-                torch.tensor(shifts, device=device), torch.tensor(counts, device=device)
-            )
-
-        def write(pos: torch.Tensor, vals: torch.Tensor, ints=ints, shift=shift) -> None:
-            ints[pos + shift] = vals
-
-        yield write, bounds[k], bounds[j]
-        k = j

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from transport.weights.delta.codec import DeltaError, DeltaLayout, apply, decode
+from transport.weights.delta.codec import DeltaError, DeltaLayout
+from transport.weights.delta.decoder import apply, decode
 from transport.weights.layouts.flat import CopyRuns, copy_runs
 
 #: the share of a subscriber's bytes its inbox holds when ``delta=True``: changes of up to
@@ -42,7 +43,7 @@ class DeltaInbox:
     slot then holds the newest version, which the next version's changes apply onto).
 
     Rules: the slots are a subscriber's staging copies (or, in place, its live tensors), all on
-    one device; the changes are checked whole (weights/delta/codec.py) before the slot is
+    one device; the changes are checked whole (weights/delta/decoder.py) before the slot is
     touched; the caller keeps the slots from every other writer meanwhile."""
 
     def __init__(self, slots: list[dict[str, torch.Tensor]], nbytes: int) -> None:
