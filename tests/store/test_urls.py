@@ -217,3 +217,37 @@ def test_simultaneous_openers_agree_on_one_host() -> None:
     finally:
         for child in children:
             child.kill()
+
+
+def test_a_tcp_get_that_answers_late_is_asked_again_not_taken_for_a_missing_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """try_get checks that the key exists, then gets it within a grace of a second (a key deleted
+    in between would hold the get for good). A get that runs out while the key is still there
+    was a server slow to answer, as on a loaded host: the value comes back, not None, which had
+    made a Transport take its own record for lost (and a publisher a member's entry). A key
+    deleted in between is still None."""
+    import torch.distributed as dist
+
+    real_get = dist.TCPStore.get
+    late: list[str] = []
+    store = TcpStore("127.0.0.1", 0, hosting="yes")
+
+    def get(self: object, key: str) -> bytes:
+        if key in late:
+            late.remove(key)
+            if key == "deleted":
+                store.delete(key)  # after the check, before the get
+            raise dist.DistStoreError("Socket Timeout")  # as the grace running out raises
+        return real_get(self, key)
+
+    try:
+        store.set("slow", b"v")
+        store.set("deleted", b"x")
+        monkeypatch.setattr(dist.TCPStore, "get", get)
+        late += ["slow", "deleted"]
+        assert store.try_get("slow") == b"v"
+        assert store.try_get("deleted") is None
+        assert late == []  # both gets ran out once
+    finally:
+        store.close()

@@ -76,7 +76,8 @@ _MARK = b"\xff"
 _HEADER_LEN = 9  # the mark and an 8-byte nonce
 #: the largest value set() accepts: TCPStore's payload limit, less our header and the key
 MAX_VALUE_BYTES = (8 << 20) - 4096
-# How long a get may wait for a key that check() has just seen (it can be deleted in between).
+# How long a get waits for a key that check() has just seen before it checks again (the key may
+# have been deleted in between, or the server may be slow to answer).
 _GRACE = 1.0
 _LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
 
@@ -318,8 +319,13 @@ class TcpStore(Store):
         client.set_timeout(_span(_GRACE))
         try:
             return client.get(key)
-        except dist.DistStoreError:  # deleted between check and get
-            return None
+        except dist.DistStoreError:
+            pass  # a get waits for its key: deleted after the check, or a server slow to answer
+        finally:
+            client.set_timeout(_span(self._connect_timeout))  # every other call's
+        if not client.check([key]):
+            return None  # deleted: only that is a missing key
+        return client.get(key)  # a loaded host's late answer; a store that stopped answering raises
 
     # -- the Store contract -----------------------------------------------------------
 
