@@ -176,6 +176,31 @@ def test_closed_peer_is_gone_from_the_store(tcp_store, writer):
         writer.put(torch.zeros(64, dtype=torch.uint8), "leaver", "x").wait(5)
 
 
+def test_an_old_incarnation_that_closes_late_leaves_the_new_ones_record_and_heartbeat(
+    tcp_store, writer
+):
+    """A process restarted under the same name while its old incarnation still runs (a late
+    close): the old one's close removes neither the new one's record nor its heartbeat, and a
+    put reaches the new one. The new one beats every 30 s: the heartbeat seen after the close is
+    the one it wrote at its start."""
+    old = transport.Transport("restarted", store=tcp_store)
+    new = transport.Transport("restarted", store=tcp_store, heartbeat_interval=30)
+    try:
+        dst = torch.zeros(64, dtype=torch.uint8)
+        new.expose("x", dst, access="w")
+        writer.wait_for_peer("restarted", 30, regions=["x"])
+        old.close()
+        (info,) = [p for p in writer.peers() if p.name == "restarted"]
+        assert info.generation == new.generation > old.generation
+        assert info.last_heartbeat is not None and not info.suspect
+        src = pattern(64, 3)
+        writer.put(src, "restarted", "x").wait(10)
+        assert torch.equal(dst, src)
+    finally:
+        old.close()
+        new.close()
+
+
 def test_restarted_receiver_gets_the_next_large_put(tcp_store, unwatched_writer, caplog):
     """A put posted in parts by the engine is re-planned for the new incarnation too."""
     writer = unwatched_writer

@@ -207,8 +207,8 @@ class Directory:
         return rec
 
     def leave(self, name: str, generation: int) -> None:
-        """Remove our record, unless a newer incarnation of the name has replaced it. The
-        ``left`` mark goes first: a reader that finds no record finds the mark (the
+        """Remove our record and heartbeat, unless a newer incarnation of the name has replaced
+        them. The ``left`` mark goes first: a reader that finds no record finds the mark (the
         notifications this incarnation sent before it went are still its own)."""
         key = self.key("peers", name)
         raw = self.store.try_get(key)
@@ -222,7 +222,9 @@ class Directory:
             gone = self.key("left", name)
             self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
             self.store.delete(key)
-        self.store.delete(self.key("hb", name))
+        beat = self.last_heartbeat(name)
+        if beat is None or beat[0] <= generation:  # a newer incarnation's goes on beating
+            self.store.delete(self.key("hb", name))
 
     def left(self, name: str) -> int | None:
         """The generation of ``name`` that last left the namespace by closing (None: none did,
