@@ -12,6 +12,7 @@ import torch
 
 from transport._transport import Transport
 from transport.errors import ClosedError, TransportError
+from transport.weights.delta.source import check_delta
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import HELLO_AGAIN, Message, encode
 from transport.weights.group.regions import channel
@@ -38,7 +39,8 @@ class PublisherCore:
     (with the lock taken: settle what ran out, return :meth:`_next_tick`). Every member's state
     is read and changed with ``_lock`` held. Versions only move forward (:meth:`_next_version`).
     :meth:`close` settles every open handle with ClosedError, stops the threads and gives the
-    lease back; a subclass adds its own steps through :meth:`_closing`.
+    lease back; a subclass adds its own steps through :meth:`_closing`. ``delta`` is set here
+    for both; a subclass makes its copies for a mode in :meth:`_switch_deltas`.
     """
 
     def __init__(
@@ -103,6 +105,31 @@ class PublisherCore:
 
     def _left(self, name: str) -> None:
         """With the lock held: ``name`` left the group (a hook; nothing by default)."""
+
+    # -- delta -----------------------------------------------------------------------------------
+
+    _delta: bool | str = False
+
+    @property
+    def delta(self) -> bool | str:
+        """``True``, ``False`` or ``"auto"`` (see the class); from the next version on when set
+        to another value (turned off, the copies' memory goes; turned on, the next version goes
+        whole, and the ones after as changes)."""
+        return self._delta
+
+    @delta.setter
+    def delta(self, value: bool | str) -> None:
+        mode = check_delta(value)
+        with self._lock:
+            if mode == self._delta:
+                return  # the copies and what the policy learned stay
+            self._delta = mode
+            self._switch_deltas(mode)
+
+    def _switch_deltas(self, mode: bool | str) -> None:
+        """With the lock held (or while constructing): the copies and policy for ``mode``, fresh
+        (False: none). A subclass that publishes changes defines it."""
+        raise NotImplementedError
 
     # -- publishing ------------------------------------------------------------------------------
 

@@ -128,7 +128,7 @@ class WeightPublisher(PublisherCore):
         self._segment_bytes = SEGMENT_BYTES
         self.tensors = check_named_tensors(named_tensors, "publisher")
         self._delta = check_delta(delta)
-        self._deltas = DeltaSource(self.tensors, self._delta == "auto") if self._delta else None
+        self._switch_deltas(self._delta)
         # what is written and exposed: small separately allocated tensors through one buffer
         self._pack = Pack(self.tensors)
         self._sources = self._pack.sources
@@ -549,21 +549,10 @@ class WeightPublisher(PublisherCore):
             for sub in self._subs.values():
                 sub.segments.clear()  # cut again at the next write
 
-    @property
-    def delta(self) -> bool | str:
-        """``True``, ``False`` or ``"auto"`` (see the class); from the next version on when set
-        to another value (turned off, the copy's memory goes; turned on, the next version goes
-        whole)."""
-        return self._delta
-
-    @delta.setter
-    def delta(self, value: bool | str) -> None:
-        mode = check_delta(value)
-        with self._lock:
-            if mode == self._delta:
-                return  # the copy and what the policy learned stay
-            self._delta = mode
-            self._deltas = DeltaSource(self.tensors, mode == "auto") if mode else None
+    def _switch_deltas(self, mode: bool | str) -> None:
+        self._deltas: DeltaSource | None = (
+            DeltaSource(self.tensors, mode == "auto") if mode else None
+        )
 
     @property
     def fanout(self) -> str:

@@ -139,13 +139,11 @@ class ShardedPublisher(PublisherCore):
             for _ in range(max(1, pool_bytes // chunk_bytes))
         ]
         self._pool_busy: list[Handle | None] = [None] * len(self._pool)
-        self._delta = check_delta(delta)
-        self._deltas = (
-            RankDeltas(device, chunk_bytes, self._delta == "auto") if self._delta else None
-        )
         # how each layout of a subscriber with an inbox is diffed (planned with its writes, kept
         # while such a subscriber is there): a delta turned on later plans with these
         self._delta_plans: dict[Hashable, tuple[Mapping[str, DestTensor], Planner]] = {}
+        self._delta = check_delta(delta)
+        self._switch_deltas(self._delta)
         self._dir = GroupDirectory(transport.core.signed, transport.namespace, group)
         self._ranks = TrainerRanks(transport, self._dir, rank, self.world, self.digest)
         self._writer = Worker(
@@ -542,26 +540,13 @@ class ShardedPublisher(PublisherCore):
                         )
             return self._next_tick(now)
 
-    @property
-    def delta(self) -> bool | str:
-        """``True``, ``False`` or ``"auto"`` (see the class); from the next version on when set
-        to another value (turned off, the copies' memory goes; turned on, the next version goes
-        whole, and the one after as changes)."""
-        return self._delta
-
-    @delta.setter
-    def delta(self, value: bool | str) -> None:
-        mode = check_delta(value)
-        with self._lock:
-            if mode == self._delta:
-                return  # the copies and what the policy learned stay
-            self._delta = mode
-            self._deltas = None
-            if mode:
-                deltas = RankDeltas(self._pool[0].device, self._chunk_bytes, mode == "auto")
-                for key, (dest, planner) in self._delta_plans.items():
-                    deltas.plan(key, dest, planner)
-                self._deltas = deltas
+    def _switch_deltas(self, mode: bool | str) -> None:
+        self._deltas: RankDeltas | None = None
+        if mode:
+            deltas = RankDeltas(self._pool[0].device, self._chunk_bytes, mode == "auto")
+            for key, (dest, planner) in self._delta_plans.items():
+                deltas.plan(key, dest, planner)
+            self._deltas = deltas
 
     @property
     def pool_bytes(self) -> int:
