@@ -26,15 +26,19 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 WRITES = 50
 
 RECEIVER = r"""
-import json, sys, torch
+import json, sys, time, torch
 from transport.backends.nixl import NixlBackend
 b = NixlBackend("idle-receiver")
 buf = torch.zeros(4096, dtype=torch.uint8)
 b.register(buf.data_ptr(), 4096, "cpu")
 print(json.dumps({"md": b.metadata([(buf.data_ptr(), 4096, "cpu")]).hex(),
                   "addr": buf.data_ptr(), "progress": b.progress}), flush=True)
-sys.stdin.readline()  # no call into the agent until the writer is done
-notes = [m for ms in b.get_notifs().values() for m in ms]
+expected = int(sys.stdin.readline())  # no call into the agent until the writer is done
+# a write is DONE at the writer once its notification left; the progress thread may still be
+# queueing the last ones here: read until every one is in (30 s at most), none may be lost
+notes, end = [], time.monotonic() + 30
+while len(notes) < expected and time.monotonic() < end:
+    notes += [m for ms in b.get_notifs().values() for m in ms]
 print(json.dumps({"min": int(buf.min()), "max": int(buf.max()),
                   "notes": sorted(int(m) for m in notes)}), flush=True)
 """
@@ -76,7 +80,7 @@ def test_an_idle_receiver_completes_small_writes_over_tcp_without_a_call(rights)
         )
         # every write completed while the receiver made no call (30 s each at most)
         assert json.loads(writer.expect_line(240)) == {"done": WRITES}
-        got = ask(receiver, "go")
+        got = ask(receiver, str(WRITES))
         assert (got["min"], got["max"]) == (WRITES, WRITES)  # the last write's bytes, all 4096
         assert got["notes"] == list(range(1, WRITES + 1))  # every notification, queued
 
