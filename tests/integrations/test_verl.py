@@ -6,8 +6,9 @@ yields). A small mixture of experts, Qwen3-MoE (8 experts per layer, fused as tr
 them; grouped-query attention, q/k norms, tied embeddings; the embedding is larger than a
 bucket), with a secret, every engine with ``delta`` (copies of what it sent or received). The
 tests share one job and run in order: three updates to 2 workers, a replica added (4 workers), a
-step that moves 2% of the weights and back (as changes), a tensor of another shape, a worker
-killed mid-update, an outsider, a trainer rank killed mid-update."""
+step that moves 2% of the weights and back (as changes), a tensor of another shape (and the next
+update started while the refused one still runs), a worker killed mid-update, an outsider, a
+trainer rank killed mid-update."""
 
 from __future__ import annotations
 
@@ -92,17 +93,38 @@ def test_a_step_that_moves_few_weights_goes_as_changes_and_lands_exactly(job):
             assert per_bucket < 0.2 * job.bucket_bytes, metrics
 
 
-def test_a_tensor_of_another_shape_is_refused_with_its_name(job):
-    job.actor.flatten_next("model.layers.1.self_attn.k_proj.weight")
-    with pytest.raises(ray.exceptions.RayTaskError) as info:
-        job.update(7)
-    assert (
-        "model.layers.1.self_attn.k_proj.weight arrived as bfloat16[16384] but was bfloat16[64, 256]"
-        in str(info.value)
-    )
+K_PROJ = "model.layers.1.self_attn.k_proj.weight"
+
+
+def test_a_tensor_of_another_shape_is_refused_and_the_next_update_supersedes_the_refused_one(
+    job,
+):
+    """Every worker refuses update 7, which flattens a tensor, naming it. verl's manager moves
+    on at the first error (Ray's get fails fast) while the trainer ranks still send update 7
+    (here: held at a gate at tensor 30): update 9 begins on every engine and is held too, at
+    tensor 20 with buckets out, before update 7 goes on. Update 7 then stops at each rank at
+    its next step, naming update 9, and writes nothing more: update 9 lands whole."""
+    w = job.rollout.workers
+    first, second = job.gate(), job.gate()
+    job.actor.flatten_next(K_PROJ)
+    job.actor.hold_at(30, first)
+    _, refused = job.start_update(w, 7)
+    for ref in refused[2:]:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref)
+        assert f"{K_PROJ} arrived as bfloat16[16384] but was bfloat16[64, 256]" in str(info.value)
+    wait_until(lambda: ray.get(first.count.remote()) == 2, 300, "both ranks held in update 7")
     job.actor.flatten_next(None)
-    job.update(9)
-    job.check(job.rollout.workers)
+    job.actor.hold_at(20, second)
+    _, refs = job.start_update(w, 9)
+    wait_until(lambda: ray.get(second.count.remote()) == 2, 300, "both ranks held in update 9")
+    ray.get(first.open.remote())
+    for ref in refused[:2]:
+        with pytest.raises(ray.exceptions.RayTaskError, match="was superseded by update"):
+            ray.get(ref)
+    ray.get(second.open.remote())
+    ray.get(refs)
+    job.check(w)
 
 
 def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):

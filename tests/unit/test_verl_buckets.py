@@ -15,7 +15,8 @@ import torch
 
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
-from transport.errors import WireFormatError
+from transport import Handle
+from transport.errors import TransportError, WireFormatError
 from transport.weights.buckets.buckets import (
     ALIGN,
     Assembler,
@@ -25,7 +26,7 @@ from transport.weights.buckets.buckets import (
     read_header,
 )
 from transport.weights.buckets.changes import PieceCopies
-from transport.weights.buckets.inbox import Inbox
+from transport.weights.buckets.inbox import Inbox, UpdateSuperseded
 from transport.weights.buckets.messages import Abort, Bucket, Free, decode, encode
 from transport.weights.buckets.receiver import BucketReceiver
 from transport.weights.buckets.sender import BucketSender, UpdateAborted
@@ -199,18 +200,12 @@ class Job:
         policies: list[DeltaPolicy] | None = None,
     ) -> None:
         self.bucket = bucket
-        infos = []
+        self.trainers, self.degree, self.copies = trainers, degree, copies
         self.t = []
         for i in range(trainers + rollouts):
             t = net.make(f"{prefix}{'t' if i < trainers else 'r'}{i}", heartbeat_interval=0.2)
             self.t.append(t)
-            held = "" if copies is None else copies[i].token
-            info = EngineInfo(t.name, "mem://" if i == 0 else None, bucket, degree)
-            infos.append(replace(info, delta=copies is not None, holds=held))
-        self.tp, self.rp = build_plans(trainers, rollouts, infos)
         self.inbox = [Inbox(t) for t in self.t]
-        for ib, p in zip(self.inbox, self.tp + self.rp, strict=False):
-            ib.begin(p.token)
         self.buffers = [
             [torch.empty(bucket, dtype=torch.uint8) for _ in range(2 if trainers == 1 else 1)]
             for _ in range(trainers)
@@ -218,10 +213,24 @@ class Job:
         self.slots = [torch.zeros(2 * bucket, dtype=torch.uint8) for _ in range(rollouts)]
         for t, s in zip(self.t[trainers:], self.slots, strict=False):
             t.expose(SLOTS, s, access="w")
-        mine = copies or [None] * (trainers + rollouts)
-        rules = policies or [None] * trainers
+        self.rules = policies or [None] * trainers
+        self.next_update()
+
+    def next_update(self) -> None:
+        """Plan the next update and begin it on every engine (as init_process_group does: one
+        still running is superseded); new senders and receivers over the same memory."""
+        trainers, bucket = self.trainers, self.bucket
+        infos = []
+        for i, t in enumerate(self.t):
+            held = "" if self.copies is None else self.copies[i].token
+            info = EngineInfo(t.name, "mem://" if i == 0 else None, bucket, self.degree)
+            infos.append(replace(info, delta=self.copies is not None, holds=held))
+        self.tp, self.rp = build_plans(trainers, len(self.t) - trainers, infos)
+        for ib, p in zip(self.inbox, self.tp + self.rp, strict=False):
+            ib.begin(p.token, 30.0)
+        mine = self.copies or [None] * len(self.t)
         self.senders = [
-            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0, mine[r], rules[r])
+            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0, mine[r], self.rules[r])
             for r, p in enumerate(self.tp)
         ]
         self.receivers = [
@@ -546,3 +555,94 @@ def test_a_relay_that_leaves_costs_only_its_subtree_and_they_name_it(loopback_ne
     for th in senders:
         th.join(30)
     assert job.send_errors == [None]
+
+
+def test_an_update_superseded_mid_flight_stops_everywhere_and_the_next_lands_whole(
+    loopback_net, monkeypatch
+) -> None:
+    """verl's manager starts the next update at the first error it sees, while other engines
+    still run the failed one. Here the trainer waits for a slot, the relay's consumer holds a
+    tensor, and its child waits for a bucket, when every engine begins the next update: each
+    old one stops (UpdateSuperseded, naming both updates) at its next step, even the relay once
+    its consumer resumes in the middle of the next update, and the next update's bytes land
+    exactly at both workers."""
+    old_weights, new_weights = model(100, seed=1), model(100, seed=2)
+    job = Job(loopback_net, 1, 2, 32 * KIB, degree=1)  # trainer -> r1 -> r2
+    waits: list[str] = []
+    real_wait = Inbox.wait
+
+    def wait(self, ready, **kw):
+        waits.append(kw["what"])
+        return real_wait(self, ready, **kw)
+
+    monkeypatch.setattr(Inbox, "wait", wait)
+    old_token = job.tp[0].token
+    hold, held, old_results = threading.Event(), [], [None, None]
+
+    def receive(i: int, results: list, **kw) -> None:
+        try:
+            results[i] = collect(job.receivers[i], **kw)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            results[i] = e
+
+    old = [
+        threading.Thread(
+            target=receive, args=(0, old_results), kwargs=dict(hold=hold, at=5, held=held)
+        ),
+        threading.Thread(target=receive, args=(1, old_results)),
+    ]
+    for th in old:
+        th.start()
+    old_sender = job.send_all(old_weights)[0]
+    old_errors = job.send_errors
+    wait_until(
+        lambda: held and any("free slot for bucket" in w for w in waits),
+        30,
+        "the relay holding a tensor and the trainer waiting for a slot",
+    )
+    job.next_update()
+    new_token = job.tp[0].token
+    old_sender.join(30)
+    assert isinstance(old_errors[0], UpdateSuperseded), old_errors[0]
+    assert f"update {old_token}" in str(old_errors[0]) and f"by update {new_token}" in str(
+        old_errors[0]
+    )
+    new_results: list = [None, None]
+    new = [threading.Thread(target=receive, args=(i, new_results)) for i in (0, 1)]
+    for th in new:
+        th.start()
+    senders = job.send_all(new_weights)
+    hold.set()  # the old relay resumes while the next update runs
+    for th in [*old, *new, *senders]:
+        th.join(60)
+    for got in old_results:
+        assert isinstance(got, UpdateSuperseded), got
+    assert job.send_errors == [None]
+    for got in new_results:
+        assert not isinstance(got, BaseException), got
+        assert list(got) == list(new_weights)
+        assert all(torch.equal(got[n], t) for n, t in new_weights.items())
+
+
+def test_begin_waits_for_the_puts_the_superseded_update_has_in_flight(loopback_net) -> None:
+    """The next update begins only once every put of the one it supersedes settled: a put still
+    pending fails ``begin`` at its timeout, naming the update and the peer (and is waited for
+    again by the next ``begin``); the old update can post nothing more."""
+    inbox = Inbox(loopback_net.make("writer"))
+    first, second, third = "1" * 16, "2" * 16, "3" * 16
+    inbox.begin(first)
+    pending = Handle("put", ("reader",), 4096, 1)
+    assert inbox.post(first, lambda: pending) is pending
+    with pytest.raises(TransportError, match=rf"1 bucket puts of update {first} to \['reader'\]"):
+        inbox.begin(second, settle_timeout=0.05)
+    started: list[str] = []
+    with pytest.raises(
+        UpdateSuperseded, match=f"update {first} on {inbox.transport.name} was superseded"
+    ):
+        inbox.post(first, lambda: started.append("posted"))  # type: ignore[arg-type, return-value]
+    assert not started
+    with pytest.raises(TransportError, match="still in flight"):
+        inbox.begin(third, settle_timeout=0.05)  # the same put, waited for again
+    pending.part_done("reader", None)
+    inbox.begin(third, settle_timeout=5.0)
+    inbox.check(third)

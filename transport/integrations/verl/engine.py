@@ -76,6 +76,10 @@ class TransportCheckpointEngine(CheckpointEngine):
     The secret, if the namespace has one, comes from ``$TRANSPORT_SECRET``; every engine of the
     job needs the same. Rules: ``prepare`` -> ``build_topology`` -> ``init_process_group`` ->
     ``send_weights`` (trainer) or ``receive_weights`` (rollout) -> ``finalize``, once per update;
+    ``init_process_group`` of the next update supersedes one still running on this engine (verl's
+    manager moves on at the first error while other ranks still send): that one stops at its
+    next step, and ``init_process_group`` returns once its puts in flight settled, so once every
+    engine's returned (verl's manager waits for all), no byte of it lands in the next update;
     a tensor yielded by ``receive_weights`` is a view of a bucket, valid until the next tensor
     of another bucket is asked for (clone it to keep it).
     """
@@ -197,7 +201,7 @@ class TransportCheckpointEngine(CheckpointEngine):
             self._slots = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self.device)
             t.expose(SLOTS, self._slots, access="w")
         self.plan = plan
-        self.inbox.begin(plan.token)
+        self.inbox.begin(plan.token, self.timeout)  # supersedes one still running here
 
     def finalize(self) -> None:
         """End the update; without ``keep_buckets``, give the buckets' memory back."""

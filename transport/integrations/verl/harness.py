@@ -12,7 +12,8 @@ from the same checkpoint.
 
 Also here: the few words verl's ``nixl`` engine needs to run on a CPU-only build of torch
 (:func:`patch_nixl_for_cpu`, imported through ``custom_backend_module``), a :class:`Gate` that
-holds the trainers at a tensor (a test kills a worker mid-update), and the memory of a worker.
+holds the trainers at a tensor (a test kills a worker mid-update, or starts the next update while
+one still runs), and the memory of a worker.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class StandInTrainer(Worker):
     the checkpoint and yields all of it, as verl's FSDP engine does after its all-gathers. On an
     even ``global_steps`` it yields every weight negated (a test then sees that an update's bytes
     are fresh, not a bucket's leftovers). ``hold_at`` (set per rank) stops the stream at that
-    tensor until the :class:`Gate` opens; ``flatten_next`` sends one tensor in another shape."""
+    tensor until the :class:`Gate` opens (the actor serves other calls meanwhile); ``flatten_next`` sends one tensor in another shape."""
 
     def __init__(self, model_path: str, config: CheckpointEngineConfig) -> None:
         super().__init__()
@@ -130,12 +131,12 @@ class StandInTrainer(Worker):
             backend, bucket_size=config.update_weights_bucket_megabytes << 20, **kwargs
         )
 
-    def _weights(self, step: int | None) -> Any:
+    async def _weights(self, step: int | None) -> Any:
         sign = -1 if step is not None and step % 2 == 0 else 1
         for i, (name, p) in enumerate(self.model.state_dict().items()):
             if self.hold is not None and i == self.hold[0]:
-                ray.get(self.hold[1].reach.remote())
-                self.hold = None
+                gate, self.hold = self.hold[1], None
+                await gate.reach.remote()  # the actor serves other calls meanwhile
             if name == self.flatten:
                 p = p.reshape(-1)
             if self.perturb:  # other elements each step, the same on every rank

@@ -6,6 +6,14 @@ belongs to another update, is logged and dropped: no frame stops the engine). Th
 drives an update calls :meth:`Inbox.wait` with a condition over what was filed; while it waits, it
 reads the heartbeat of each peer it depends on every :data:`WATCH_INTERVAL` seconds, so a peer
 that died or froze ends the wait in seconds (:class:`PeerGone`) instead of at the deadline.
+
+One update at a time: :meth:`Inbox.begin` of the next update supersedes one that still runs on
+this engine (an orchestrator such as verl's manager moves on at the first error it sees, while a
+trainer rank may still be sending the failed update). From then on the old update's waits, posts
+and checks raise :class:`UpdateSuperseded`, so it never writes a slot or a buffer of the next
+one; and ``begin`` returns only once every put the old update had in flight has settled, so no
+byte of it lands in a slot after the next update's first put. Every post therefore goes through
+:meth:`Inbox.post`, under the same lock as the switch.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from transport import Transport
+from transport import Handle, Transport
 from transport.errors import PeerNotFoundError, TransferTimeout, TransportError, WireFormatError
 from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, Free, decode
 
@@ -36,15 +44,24 @@ class PeerGone(TransportError):
         self.why = why
 
 
-class Inbox:
-    """The messages of the current update, filed by kind (see the module docstring).
+class UpdateSuperseded(TransportError):
+    """The engine began another update while this one still ran: this one stopped."""
 
-    Rules: :meth:`begin` starts an update (what an earlier one left is dropped); one thread at a
-    time waits; :meth:`close` stops listening and wakes that thread."""
+
+class Inbox:
+    """The messages of the current update, filed by kind, and the puts it has in flight (see
+    the module docstring).
+
+    Rules: :meth:`begin` starts an update (what an earlier one left is dropped, its puts in
+    flight settled first); one thread at a time waits; an update's puts go through :meth:`post`
+    and its code calls :meth:`check` after each await, so an update that was superseded stops;
+    :meth:`close` stops listening and wakes that thread."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self._cond = threading.Condition()
+        self._switch = threading.Lock()  # a post and the switch to the next update
+        self._flying: list[Handle] = []
         self._token: str | None = None
         self.buckets: dict[tuple[str, int], Bucket] = {}
         self.free: dict[str, int] = {}
@@ -53,13 +70,64 @@ class Inbox:
         self._closed = False
         self._stop = transport.core.on_control(CHANNEL, self._on_message)
 
-    def begin(self, token: str) -> None:
-        with self._cond:
-            self._token = token
-            self.buckets.clear()
-            self.free.clear()
-            self.aborts.clear()
-            self._generations.clear()
+    @property
+    def token(self) -> str | None:
+        """The update this inbox files messages for (None before the first)."""
+        return self._token
+
+    def begin(self, token: str, settle_timeout: float = 300.0) -> None:
+        """Start update ``token``: the one before it (if it still runs) is superseded, and this
+        returns once each of its puts in flight has settled. TransportError when some did not
+        within ``settle_timeout`` s (update ``token`` is begun all the same, and the next
+        ``begin`` waits for them again)."""
+        with self._switch:
+            with self._cond:
+                old, self._token = self._token, token
+                self.buckets.clear()
+                self.free.clear()
+                self.aborts.clear()
+                self._generations.clear()
+                self._cond.notify_all()  # an old update's wait raises UpdateSuperseded
+            flying, self._flying = self._flying, []
+        deadline = time.monotonic() + settle_timeout
+        for handle in flying:
+            if not handle.settled:
+                try:
+                    handle.exception(max(0.0, deadline - time.monotonic()))
+                except TransferTimeout:
+                    break  # the others are counted below
+        late = [h for h in flying if not h.settled]
+        if late:
+            with self._switch:
+                self._flying = late + self._flying
+            peers = sorted({p for h in late for p in h.peers})
+            raise TransportError(
+                f"{len(late)} bucket puts of update {old} to {peers} are still in flight after "
+                f"{settle_timeout:g} s; update {token} cannot write while they may still land in "
+                "its slots (a peer that froze: its puts fail at the engine's timeout; try again then)"
+            )
+
+    def check(self, token: str) -> None:
+        """UpdateSuperseded when the engine began another update than ``token``."""
+        current = self._token
+        if current != token:
+            raise UpdateSuperseded(
+                f"update {token} on {self.transport.name} was superseded by update {current} "
+                "(its init_process_group came before this one ended, as verl's manager does "
+                "after the first error it sees); it stopped here, and the next update writes once "
+                "the puts this one had in flight have settled"
+            )
+
+    def post(self, token: str, put: Callable[[], Handle]) -> Handle:
+        """Start ``put`` for update ``token`` unless it was superseded (UpdateSuperseded, nothing
+        started); the handle is kept until the next :meth:`begin` has seen it settle."""
+        with self._switch:
+            self.check(token)
+            handle = put()
+            if len(self._flying) >= 256:
+                self._flying = [h for h in self._flying if not h.settled]
+            self._flying.append(handle)
+            return handle
 
     def close(self) -> None:
         with self._cond:
@@ -111,9 +179,11 @@ class Inbox:
         watch: Callable[[], Iterable[str]],
         timeout: float,
         what: str,
+        token: str | None = None,
     ) -> T:
         """Return ``ready()`` (called under the inbox's lock) once it is not None. PeerGone when a
-        peer of ``watch()`` is gone; TransferTimeout naming ``what`` after ``timeout`` s."""
+        peer of ``watch()`` is gone; TransferTimeout naming ``what`` after ``timeout`` s;
+        UpdateSuperseded when another update than ``token`` (if given) begins."""
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + WATCH_INTERVAL
         core = self.transport.core
@@ -123,6 +193,8 @@ class Inbox:
                 with self._cond:
                     if self._closed:
                         raise TransportError(f"the engine closed while waiting for {what}")
+                    if token is not None:
+                        self.check(token)
                     value = ready()
                     if value is not None:
                         return value

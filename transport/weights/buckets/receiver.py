@@ -11,6 +11,9 @@ Failure: the sender of the bucket awaited is gone (its heartbeat, seconds) -> th
 here, naming it, and every trainer rank and child is told (``Abort``; whole when a trainer rank
 is gone). A child that dies is dropped and the others go on. Anything else that fails here
 (a header that breaks a rule, a tensor that changed its shape) aborts this worker's update only.
+When the engine begins another update before this one ended, this one stops at its next step
+(after every await and every tensor it yielded it checks that it is still the engine's update:
+inbox.py), so it never reads a slot or touches a copy of the next one.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class BucketReceiver:
         self.copies, self.scratch = copies, scratch
         self.base = copies.begin() if copies is not None else ""
         who = f"update {plan.token}: {transport.name}"
-        self.children = Targets(transport, inbox, plan.targets, timeout, who)
+        self.children = Targets(transport, inbox, plan.token, plan.targets, timeout, who)
         self.buckets = 0
 
     def _slot(self, slot: int) -> torch.Tensor:
@@ -91,6 +94,7 @@ class BucketReceiver:
                 watch=lambda: [sender],
                 timeout=self.timeout,  # type: ignore[arg-type]
                 what=f"bucket {index} from {sender}",
+                token=self.plan.token,
             )
         )
         if isinstance(got, Abort):
@@ -119,6 +123,7 @@ class BucketReceiver:
         if not self.children.peers:
             return []
         await self.children.wait_free(msg.index)
+        self.inbox.check(self.plan.token)
         self.children.take_aborts()
         src = self._slot(msg.slot)[: msg.header_at + msg.header_bytes]
         return self.children.post(src, msg, self.plan.bucket_bytes)
@@ -142,7 +147,9 @@ class BucketReceiver:
                     self.copies.store(pieces, slot)
                 for name, tensor in self.assembler.tensors(data, pieces):
                     yield name, tensor
+                    self.inbox.check(self.plan.token)
                 await self.children.land(relays)
+                self.inbox.check(self.plan.token)
                 self.buckets += 1
                 if msg.last:
                     self.assembler.check_complete()

@@ -11,7 +11,8 @@ buckets.
 
 A target that dies, freezes or aborts is dropped (with its reason) and the others complete; an
 ``Abort(whole=True)`` (a receiver found another trainer rank gone) fails this rank's update with
-that reason.
+that reason. When the engine begins another update before this one ended, this one stops at its
+next step (after every await it checks that it is still the engine's update: inbox.py).
 """
 
 from __future__ import annotations
@@ -103,16 +104,22 @@ class BucketSender:
         self.base = copies.begin() if copies is not None else ""
         self._encode_s = 0.0
         who = f"update {plan.token}: rank {plan.rank}"
-        self.targets = Targets(transport, inbox, plan.targets, timeout, who)
+        self.targets = Targets(transport, inbox, plan.token, plan.targets, timeout, who)
         self.report = SendReport(dropped=self.targets.dropped, diffing=copies is not None)
         self._flying: list[list[tuple[str, Handle]]] = [[] for _ in buffers]
         self._filling: list[int] = [-1 for _ in buffers]
 
     def _aborts(self) -> None:
         """Read the new aborts; raise if one says that the whole update is lost."""
-        for peer, abort in self.targets.take_aborts():
-            if abort.whole:
-                raise UpdateAborted(f"{peer} aborted the update: {abort.reason}")
+        self.targets.take_aborts()
+        if self.targets.whole is not None:
+            peer, abort = self.targets.whole
+            raise UpdateAborted(f"{peer} aborted the update: {abort.reason}")
+
+    def _live(self) -> None:
+        """UpdateSuperseded when the engine began another update (called after every await:
+        the buffers and the copies are the next update's from then on)."""
+        self.targets.inbox.check(self.plan.token)
 
     def _buffer_of(self, index: int) -> int:
         return (index // len(self.plan.trainers)) % len(self.buffers)
@@ -122,6 +129,7 @@ class BucketSender:
         b = self._buffer_of(index)
         if self._filling[b] != index:
             await self.targets.land(self._flying[b])
+            self._live()
             self._flying[b] = []
             self._filling[b] = index
         return self.buffers[b]
@@ -209,6 +217,7 @@ class BucketSender:
                 return
             finally:
                 self.report.source_s += time.perf_counter() - started
+            self._live()
             yield item
 
     async def _send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> None:
@@ -225,4 +234,5 @@ class BucketSender:
         await self._ship(packer.finish(), last=True)
         for flying in self._flying:
             await self.targets.land(flying)
+        self._live()  # the copies are still this update's
         self._aborts()

@@ -3,7 +3,8 @@
 One mechanism for both writers: wait until each target freed the slot of a bucket (watching
 their heartbeats), post the bucket to those that did, wait for the posts to land, tell them an
 abort. A target that is gone, whose put fails or that aborted the update is dropped with its
-reason, and the others go on.
+reason, and the others go on. An update that the engine superseded (inbox.py) raises
+UpdateSuperseded from every wait and post instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from transport import Handle, Transport
 from transport.errors import TransportError
-from transport.weights.buckets.inbox import Inbox, PeerGone
+from transport.weights.buckets.inbox import Inbox, PeerGone, UpdateSuperseded
 from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, encode
 
 log = logging.getLogger("transport.verl")
@@ -39,19 +40,27 @@ def tell(transport: Transport, peers: Iterable[str], abort: Abort) -> None:
 class Targets:
     """The targets of one writer in one update, and those it dropped (name -> why).
 
-    Rules: a bucket goes only to a target that freed its slot (:meth:`wait_free` first); the
-    aborts of the update are read once each (:meth:`take_aborts`), and a target's own abort
-    drops it."""
+    Rules: a bucket goes only to a target that freed its slot (:meth:`wait_free` first) and
+    has not aborted (read at each post); the aborts of the update are read once each
+    (:meth:`take_aborts`), and a target's own abort drops it."""
 
     def __init__(
-        self, transport: Transport, inbox: Inbox, peers: Iterable[str], timeout: float, who: str
+        self,
+        transport: Transport,
+        inbox: Inbox,
+        token: str,
+        peers: Iterable[str],
+        timeout: float,
+        who: str,
     ) -> None:
         self.transport = transport
         self.inbox = inbox
+        self.token = token
         self.peers = list(peers)
         self.timeout = timeout
         self.who = who
         self.dropped: dict[str, str] = {}
+        self.whole: tuple[str, Abort] | None = None
         self._aborts_read = 0
 
     def drop(self, peer: str, why: str) -> None:
@@ -61,11 +70,14 @@ class Targets:
             log.warning("%s drops %s: %s", self.who, peer, why)
 
     def take_aborts(self) -> list[tuple[str, Abort]]:
-        """The aborts that came since the last call; each target among their senders is dropped."""
+        """The aborts that came since the last call; each target among their senders is dropped,
+        and the first that says the whole update is lost is kept (``whole``)."""
         new = self.inbox.aborts[self._aborts_read :]
         self._aborts_read += len(new)
         for peer, abort in new:
             self.drop(peer, f"it aborted the update: {abort.reason}")
+            if abort.whole and self.whole is None:
+                self.whole = (peer, abort)
         return new
 
     def _over(self, waiting: list[str], index: int) -> bool | None:
@@ -89,8 +101,11 @@ class Targets:
                     watch=partial(list, waiting),
                     timeout=self.timeout,
                     what=f"free slot for bucket {index} at {', '.join(waiting)}",
+                    token=self.token,
                 )
             )
+        except UpdateSuperseded:
+            raise
         except PeerGone as e:
             self.drop(e.peer, e.why)
         except TransportError as e:
@@ -100,28 +115,29 @@ class Targets:
 
     def post(self, src: torch.Tensor, msg: Bucket, bucket_bytes: int) -> list[tuple[str, Handle]]:
         """Put ``src`` into slot ``msg.slot`` of each target that freed it, ``msg`` its
-        notification; the handles, to :meth:`land`."""
+        notification; the handles, to :meth:`land`. UpdateSuperseded (nothing posted) when the
+        engine began another update."""
         payload = encode(msg)
         core = self.transport.core
+        self.take_aborts()
         out = []
         for peer in list(self.peers):
             if not self.inbox.may_write(peer, msg.index):
                 continue
+            put = partial(
+                core.put_control_at,
+                src,
+                SLOTS,
+                msg.slot * bucket_bytes,
+                peer,
+                CHANNEL,
+                payload,
+                self.timeout,
+            )
             try:
-                out.append(
-                    (
-                        peer,
-                        core.put_control_at(
-                            src,
-                            SLOTS,
-                            msg.slot * bucket_bytes,
-                            peer,
-                            CHANNEL,
-                            payload,
-                            self.timeout,
-                        ),
-                    )
-                )
+                out.append((peer, self.inbox.post(self.token, put)))
+            except UpdateSuperseded:
+                raise
             except TransportError as e:
                 self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")
         return out
