@@ -515,7 +515,11 @@ class Transport(Closing):
                 log.warning("skipping peer %s: %s", name, e)
                 continue
             if rec is not None:
-                out.append(peer_info(rec, directory.last_heartbeat(name), interval))
+                hb, heard = (
+                    directory.last_heartbeat(name),
+                    self._control.heard(name, rec.generation),
+                )
+                out.append(peer_info(rec, hb, interval, heard))
         return out
 
     def traffic(self) -> dict[str, PeerTraffic]:
@@ -527,14 +531,17 @@ class Transport(Closing):
     def _suspect(self, name: str, generation: int) -> str | None:
         """transport.core.suspect: one heartbeat read, judged as peers() judges it; with no
         heartbeat of that incarnation, a second read says whether it closed (it left the
-        namespace: its heartbeat and record are gone, and nothing will bring them back)."""
+        namespace: its heartbeat and record are gone, and nothing will bring them back). A
+        stale heartbeat of an incarnation that sent us a frame within the same bar is not
+        suspect (liveness.py: it answered)."""
         directory = self._ep.directory
         hb = directory.last_heartbeat(name)
         if hb is None or hb[0] < generation:
             gone = directory.left(name)
             if gone is not None and gone >= generation:
                 return f"it closed (generation {gone} left the namespace)"
-        return suspicion(hb, generation, self._ep.settings.heartbeat_interval)
+        interval = self._ep.settings.heartbeat_interval
+        return suspicion(hb, generation, interval, heard=self._control.heard(name, generation))
 
     def wait_for_peer(
         self, name: str, timeout: float | None = 30.0, regions: Iterable[str] = ()
@@ -550,7 +557,10 @@ class Transport(Closing):
             rec = directory.fetch(name)
             if rec is not None and want <= {r.name for r in rec.regions}:
                 return peer_info(
-                    rec, directory.last_heartbeat(name), self._ep.settings.heartbeat_interval
+                    rec,
+                    directory.last_heartbeat(name),
+                    self._ep.settings.heartbeat_interval,
+                    self._control.heard(name, rec.generation),
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 missing = (

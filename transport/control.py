@@ -82,6 +82,7 @@ class ControlChannel:
         keys = ep.keys
         self._opener = FrameOpener(keys, ep.agent) if keys is not None else None
         self._senders = Senders()
+        self._heard: dict[str, tuple[int, float]] = {}  # see heard()
 
     # -- the library's own messages ----------------------------------------------------------
 
@@ -147,6 +148,7 @@ class ControlChannel:
             for agent, frames in self._senders.release():
                 who = peer_of_agent(agent)
                 if who is not None:
+                    self._hear(*who, frames)
                     self._deliver(who[0], frames, out)
         for agent, frames in notifs.items():
             try:
@@ -162,7 +164,7 @@ class ControlChannel:
         if who is None:
             self._refuse(len(frames), f"from unknown agent {agent[:80]!r}")
             return
-        peer = who[0]
+        peer, generation = who
         if self._opener is not None:
             frames = self._open(agent, peer, frames)
         elif self._senders.holding(agent) or not self._trusted(agent, peer):
@@ -177,6 +179,7 @@ class ControlChannel:
             if new:  # checked at once; held ones are checked again by the housekeeping rounds
                 self._ep.wake.set()
             return
+        self._hear(peer, generation, frames)
         self._deliver(peer, frames, out)
 
     def _open(self, agent: str, peer: str, frames: list[bytes]) -> list[bytes]:
@@ -194,6 +197,18 @@ class ControlChannel:
         if conn is not None and conn.alive and conn.agent == agent:
             return True
         return self._senders.known(agent)
+
+    def heard(self, peer: str, generation: int) -> float | None:
+        """When (wall time, as a heartbeat says it) the last frame of incarnation ``generation``
+        of ``peer`` arrived, proven to be its own (a frame held until its sender was proven
+        counts when it is released: a heartbeat interval later at most, as a rule); None if
+        none did."""
+        got = self._heard.get(peer)
+        return got[1] if got is not None and got[0] == generation else None
+
+    def _hear(self, peer: str, generation: int, frames: list[bytes]) -> None:
+        if frames:  # one entry per proven peer name
+            self._heard[peer] = (generation, time.time())
 
     def _deliver(self, peer: str, frames: list[bytes], out: list[Notification]) -> None:
         rec = self._ep.recorder

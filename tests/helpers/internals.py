@@ -369,3 +369,18 @@ def mute_withdrawals(t: transport.Transport) -> threading.Event:
     regions._stop_listening()
     t.core.on_control("tx/withdraw", lambda peer, payload: arrived.set())
     return arrived
+
+
+def deaf_to(t: transport.Transport, peer: str) -> None:
+    """Make ``t`` forget hearing from ``peer``, and count nothing it sends from now on as a sign
+    of life (what a stopped process leaves, with its last heartbeat: the liveness rule counts
+    both; a live subscriber's last message may still be on its way when a test stops it)."""
+    control = t._control
+    hear = control._hear
+
+    def _hear(name: str, generation: int, frames: list[bytes]) -> None:
+        if name != peer:
+            hear(name, generation, frames)
+
+    control._hear = _hear
+    control._heard.pop(peer, None)

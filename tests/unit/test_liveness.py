@@ -50,6 +50,10 @@ def test_the_bars_have_a_floor_in_seconds_and_scale_with_the_interval():
     assert liveness.suspicion((3, now - 1), 3, 1.0, now) is None
     assert "s old" in (liveness.suspicion((3, now - 100), 3, 1.0, now) or "")
     assert "restarted" in (liveness.suspicion((4, now), 3, 1.0, now) or "")
+    # a stale heartbeat of a peer that sent the reader a message within the bar: not suspect
+    assert liveness.suspicion((3, now - 100), 3, 1.0, now, heard=now - 4.9) is None
+    assert "s old" in (liveness.suspicion((3, now - 100), 3, 1.0, now, heard=now - 7) or "")
+    assert "restarted" in (liveness.suspicion((4, now), 3, 1.0, now, heard=now) or "")
 
 
 def test_a_peer_whose_heartbeat_stopped_is_suspect_until_it_beats_again(loopback_net):
@@ -74,6 +78,24 @@ def test_a_peer_whose_heartbeat_stopped_is_suspect_until_it_beats_again(loopback
     assert obs.core.suspect(quiet.name, quiet.generation) is None
 
 
+def test_a_peer_that_answered_is_not_suspect_though_its_heartbeat_runs_late(loopback_net):
+    """A busy process's heartbeat thread may run seconds late while its engine still answers:
+    a message it sent within the bar outweighs a stale heartbeat; silent past the bar too, it
+    is suspect again."""
+    busy = loopback_net.make("busy", heartbeat_interval=3600)
+    obs = loopback_net.make("obs")
+    beat(busy, too_old(obs))
+    assert obs.core.suspect(busy.name, busy.generation) is not None
+    busy.notify(obs.name, b"still here")
+    assert obs.wait_notification(timeout=10, peer=busy.name).payload == b"still here"
+    assert obs.core.suspect(busy.name, busy.generation) is None
+    assert {i.name: i.suspect for i in obs.peers()}[busy.name] is None
+    assert obs.wait_for_peer(busy.name, timeout=0).suspect is None
+    internals.deaf_to(obs, busy.name)
+    why = obs.core.suspect(busy.name, busy.generation)
+    assert why is not None and "s old" in why, why
+
+
 def test_a_suspect_subscriber_is_excluded_at_once_and_served_once_it_beats(loopback_net):
     gen = loopback_net.make("gen", heartbeat_interval=3600)
     live = {"w": torch.zeros(4096, dtype=torch.uint8)}
@@ -84,6 +106,7 @@ def test_a_suspect_subscriber_is_excluded_at_once_and_served_once_it_beats(loopb
     try:
         assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
         beat(gen, too_old(trainer))
+        internals.deaf_to(trainer, gen.name)  # it answered version 1, and stopped
         src["w"].copy_(pattern(4096, 2))
         h = pub.publish(2, timeout=600)
         # settled by publish() itself: nothing waits for the deadline ten minutes away

@@ -14,6 +14,11 @@ gone. There are two bars:
 * **gone** (:data:`GONE_BEATS`, :data:`GONE_MIN_S`): acting on it cannot be undone (another
   publisher takes over its lease), so the bar is higher.
 
+A stale heartbeat is not enough when the reader heard from that incarnation within the same bar
+(a frame it sent us, proven its own: ``ControlChannel.heard``): a busy process's heartbeat
+thread may run seconds late (a 2-core host running several vLLM servers: over 5 s, measured)
+while its engine answers; a frozen or partitioned peer sends nothing, so it is still found.
+
 Rules: the age is judged with the reader's clock and the reader's ``heartbeat_interval``, so
 give the peers of a namespace the same interval (a peer that beats less often than its readers
 expect looks suspect between its beats). A peer with no heartbeat of its incarnation in the store
@@ -60,12 +65,21 @@ def staleness(
 
 
 def suspicion(
-    heartbeat: tuple[int, float] | None, generation: int, interval: float, now: float | None = None
+    heartbeat: tuple[int, float] | None,
+    generation: int,
+    interval: float,
+    now: float | None = None,
+    heard: float | None = None,
 ) -> str | None:
     """Why incarnation ``generation`` of a peer is suspect, given the heartbeat the store holds
-    for its name (generation, wall time), or None if it is not (see the module's rules)."""
+    for its name (generation, wall time) and when the reader last heard from that incarnation
+    (``heard``, wall time: a frame it sent, proven its own), or None if it is not (see the
+    module's rules)."""
     if heartbeat is None or heartbeat[0] < generation:
         return None  # no heartbeat of this incarnation yet: nothing stopped
     if heartbeat[0] > generation:
         return f"it restarted: generation {heartbeat[0]} beats in the place of {generation}"
-    return staleness(heartbeat[1], interval, now=now)
+    why = staleness(heartbeat[1], interval, now=now)
+    if why is not None and heard is not None and staleness(heard, interval, now=now) is None:
+        return None  # it answered: its engine runs, its heartbeat thread runs late
+    return why

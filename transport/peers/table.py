@@ -33,8 +33,9 @@ class PeerInfo:
 
     ``suspect`` says why it may be gone: its last heartbeat is older than a few heartbeat
     intervals of the Transport that asks (transport/peers/liveness.py: 3 intervals, at least 5 s), or a
-    newer incarnation beats in its place; None while it beats in time (or has not beaten yet).
-    A suspect peer that beats again is no longer suspect.
+    newer incarnation beats in its place, and the asking Transport heard nothing from it within
+    that time either; None while it beats in time (or has not beaten yet). A suspect peer that
+    beats again, or sends the asker a message, is no longer suspect.
     """
 
     name: str
@@ -59,8 +60,11 @@ class PeerTraffic:
     read: int
 
 
-def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) -> PeerInfo:
-    """``rec`` and the heartbeat stored under its name, judged with ``interval`` (the reader's)."""
+def peer_info(
+    rec: PeerRecord, hb: tuple[int, float] | None, interval: float, heard: float | None = None
+) -> PeerInfo:
+    """``rec`` and the heartbeat stored under its name, judged with ``interval`` (the reader's)
+    and when the reader last heard from that incarnation (``heard``, liveness.py)."""
     return PeerInfo(
         rec.name,
         rec.generation,
@@ -70,7 +74,7 @@ def peer_info(rec: PeerRecord, hb: tuple[int, float] | None, interval: float) ->
         len(rec.regions),
         sum(r.nbytes for r in rec.regions),
         hb[1] if hb and hb[0] == rec.generation else None,
-        suspicion(hb, rec.generation, interval),
+        suspicion(hb, rec.generation, interval, heard=heard),
         len(rec.registrations),
         rec.stored_bytes,
     )
