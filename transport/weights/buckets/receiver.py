@@ -134,6 +134,7 @@ class BucketReceiver:
         try:
             while True:
                 msg = await self._bucket(index)
+                self.inbox.check(self.plan.token)  # the wait's thread may return before a switch
                 slot = self._slot(msg.slot)
                 raw = slot[msg.header_at : msg.header_at + msg.header_bytes].cpu().numpy().tobytes()
                 pieces = read_header(raw, msg.data_bytes)
