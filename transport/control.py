@@ -145,11 +145,12 @@ class ControlChannel:
         """
         out: list[Notification] = []
         if self._senders.releasable:  # held frames of senders proven since: before any newer
-            for agent, frames in self._senders.release():
-                who = peer_of_agent(agent)
+            for released in self._senders.release():
+                who = peer_of_agent(released.agent)
                 if who is not None:
-                    self._hear(*who, frames)
-                    self._deliver(who[0], frames, out)
+                    ago = time.monotonic() - released.arrived
+                    self._hear(*who, released.frames, time.time() - ago)
+                    self._deliver(who[0], released.frames, out)
         for agent, frames in notifs.items():
             try:
                 self._route_agent(agent, frames, out)
@@ -201,14 +202,19 @@ class ControlChannel:
     def heard(self, peer: str, generation: int) -> float | None:
         """When (wall time, as a heartbeat says it) the last frame of incarnation ``generation``
         of ``peer`` arrived, proven to be its own (a frame held until its sender was proven
-        counts when it is released: a heartbeat interval later at most, as a rule); None if
-        none did."""
+        counts from when it arrived); None if none did."""
         got = self._heard.get(peer)
         return got[1] if got is not None and got[0] == generation else None
 
-    def _hear(self, peer: str, generation: int, frames: list[bytes]) -> None:
-        if frames:  # one entry per proven peer name
-            self._heard[peer] = (generation, time.time())
+    def _hear(
+        self, peer: str, generation: int, frames: list[bytes], at: float | None = None
+    ) -> None:
+        if not frames:
+            return
+        when = time.time() if at is None else at
+        got = self._heard.get(peer)
+        if got is None or got[0] != generation or got[1] < when:  # one entry per proven name
+            self._heard[peer] = (generation, when)
 
     def _deliver(self, peer: str, frames: list[bytes], out: list[Notification]) -> None:
         rec = self._ep.recorder

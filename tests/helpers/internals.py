@@ -378,9 +378,9 @@ def deaf_to(t: transport.Transport, peer: str) -> None:
     control = t._control
     hear = control._hear
 
-    def _hear(name: str, generation: int, frames: list[bytes]) -> None:
+    def _hear(name: str, generation: int, frames: list[bytes], at: float | None = None) -> None:
         if name != peer:
-            hear(name, generation, frames)
+            hear(name, generation, frames, at)
 
     control._hear = _hear
     control._heard.pop(peer, None)

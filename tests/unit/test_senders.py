@@ -23,7 +23,8 @@ def test_frames_that_come_during_the_check_are_delivered_after_the_held_ones():
     s.prove("a#1")  # housekeeping: proven, but it delivers nothing itself
     assert s.releasable and s.due(5.0, 1.0) == []
     s.hold("a#1", [b"4"], 0.2)  # still held: the engine has not released the others yet
-    assert s.release() == [("a#1", [b"1", b"2", b"3", b"4"])]
+    # released with when the last of them came (what counts as hearing from it: liveness)
+    assert s.release() == [("a#1", [b"1", b"2", b"3", b"4"], 0.2)]
     assert s.known("a#1") and not s.holding("a#1") and not s.releasable
     assert s.release() == []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 #: frames held (in count and bytes) while their senders are checked; past either, new ones are
 #: refused (counted and logged by the control channel). As much as the queue of unread
@@ -21,6 +22,15 @@ HOLD_S = 5.0
 REFUSE_S = 10.0
 #: store reads one round of checks makes at most (the agents that waited longest first)
 CHECKS_PER_ROUND = 256
+
+
+class Released(NamedTuple):
+    """The held frames of one proven agent, in arrival order, and when the last of them came
+    (``arrived``, on the clock :meth:`Senders.hold` was given)."""
+
+    agent: str
+    frames: list[bytes]
+    arrived: float
 
 
 class Senders:
@@ -45,6 +55,7 @@ class Senders:
         self._lock = threading.Lock()
         self._held: OrderedDict[str, list[bytes]] = OrderedDict()
         self._since: dict[str, float] = {}  # agent -> when its first held frame came
+        self._latest: dict[str, float] = {}  # agent -> when its last held frame came
         self._checked: dict[str, float] = {}  # agent -> when the store was last asked
         self._proven: set[str] = set()
         self._frames = 0
@@ -74,6 +85,7 @@ class Senders:
         with self._lock:
             held = self._held.setdefault(agent, [])
             self._since.setdefault(agent, now)
+            self._latest[agent] = now
             for i, frame in enumerate(frames):
                 if self._frames >= MAX_HELD_FRAMES or self._bytes + len(frame) > MAX_HELD_BYTES:
                     return len(frames) - i
@@ -107,13 +119,14 @@ class Senders:
             if agent in self._held:
                 self._proven.add(agent)
 
-    def release(self) -> list[tuple[str, list[bytes]]]:
+    def release(self) -> list[Released]:
         """Engine thread: the held frames of every proven agent, in order; each is known from
         now on, so its next frames go straight through, after these."""
         with self._lock:
             out = []
             for agent in self._proven:
-                out.append((agent, self._drop(agent)))
+                arrived = self._latest.get(agent, 0.0)
+                out.append(Released(agent, self._drop(agent), arrived))
                 self._known[agent] = None
                 self._known.move_to_end(agent)
                 if len(self._known) > MAX_KNOWN:
@@ -136,6 +149,7 @@ class Senders:
     def _drop(self, agent: str) -> list[bytes]:
         frames = self._held.pop(agent, [])
         self._since.pop(agent, None)
+        self._latest.pop(agent, None)
         self._checked.pop(agent, None)
         self._frames -= len(frames)
         self._bytes -= sum(len(f) for f in frames)
