@@ -287,6 +287,19 @@ def collect(
     return asyncio.run(run())
 
 
+def record_waits(monkeypatch) -> list[str]:
+    """What every Inbox.wait from now on waits for (its ``what``), in order."""
+    waits: list[str] = []
+    real_wait = Inbox.wait
+
+    def wait(self, ready, **kw):
+        waits.append(kw["what"])
+        return real_wait(self, ready, **kw)
+
+    monkeypatch.setattr(Inbox, "wait", wait)
+    return waits
+
+
 def receive_all(job: Job) -> Iterator[dict[str, torch.Tensor]]:
     results: list = [None] * len(job.receivers)
 
@@ -438,14 +451,7 @@ def test_a_slow_receiver_holds_the_sender_two_buckets_ahead_and_its_slot_is_neve
 ) -> None:
     weights = {f"w{i}": pattern(15 * KIB, i) for i in range(40)}  # 4 tensors per 64 KiB bucket
     job = Job(loopback_net, 1, 1, 64 * KIB)
-    waits: list[str] = []
-    real_wait = Inbox.wait
-
-    def wait(self, ready, **kw):
-        waits.append(kw["what"])
-        return real_wait(self, ready, **kw)
-
-    monkeypatch.setattr(Inbox, "wait", wait)
+    waits = record_waits(monkeypatch)
     hold, held, out = threading.Event(), [], {}
     th = threading.Thread(
         target=lambda: out.update(collect(job.receivers[0], hold, at=13, held=held))
@@ -477,14 +483,7 @@ def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_comple
     weights = model(100)
     job = Job(loopback_net, 2, 3, 32 * KIB)
     gone = job.t[3]  # rollout worker 1
-    waits: list[str] = []
-    real_wait = Inbox.wait
-
-    def wait(self, ready, **kw):
-        waits.append(kw["what"])
-        return real_wait(self, ready, **kw)
-
-    monkeypatch.setattr(Inbox, "wait", wait)
+    waits = record_waits(monkeypatch)
     senders = job.send_all(weights)
     if when != "at once":
         # no receiver runs yet: each rank posted its first bucket to every worker (so it holds a
@@ -568,14 +567,7 @@ def test_an_update_superseded_mid_flight_stops_everywhere_and_the_next_lands_who
     exactly at both workers."""
     old_weights, new_weights = model(100, seed=1), model(100, seed=2)
     job = Job(loopback_net, 1, 2, 32 * KIB, degree=1)  # trainer -> r1 -> r2
-    waits: list[str] = []
-    real_wait = Inbox.wait
-
-    def wait(self, ready, **kw):
-        waits.append(kw["what"])
-        return real_wait(self, ready, **kw)
-
-    monkeypatch.setattr(Inbox, "wait", wait)
+    waits = record_waits(monkeypatch)
     old_token = job.tp[0].token
     hold, held, old_results = threading.Event(), [], [None, None]
 

@@ -70,11 +70,6 @@ class Inbox:
         self._closed = False
         self._stop = transport.core.on_control(CHANNEL, self._on_message)
 
-    @property
-    def token(self) -> str | None:
-        """The update this inbox files messages for (None before the first)."""
-        return self._token
-
     def begin(self, token: str, settle_timeout: float = 300.0) -> None:
         """Start update ``token``: the one before it (if it still runs) is superseded, and this
         returns once each of its puts in flight has settled. TransportError when some did not

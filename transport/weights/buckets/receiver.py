@@ -67,6 +67,11 @@ class BucketReceiver:
         self.children = Targets(transport, inbox, plan.token, plan.targets, timeout, who)
         self.buckets = 0
 
+    def _live(self) -> None:
+        """UpdateSuperseded when the engine began another update (called after every await and
+        every tensor yielded: the slots and the copies are the next update's from then on)."""
+        self.inbox.check(self.plan.token)
+
     def _slot(self, slot: int) -> torch.Tensor:
         b = self.plan.bucket_bytes
         return self.slots[slot * b : (slot + 1) * b]
@@ -123,7 +128,7 @@ class BucketReceiver:
         if not self.children.peers:
             return []
         await self.children.wait_free(msg.index)
-        self.inbox.check(self.plan.token)
+        self._live()
         self.children.take_aborts()
         src = self._slot(msg.slot)[: msg.header_at + msg.header_bytes]
         return self.children.post(src, msg, self.plan.bucket_bytes)
@@ -134,7 +139,7 @@ class BucketReceiver:
         try:
             while True:
                 msg = await self._bucket(index)
-                self.inbox.check(self.plan.token)  # the wait's thread may return before a switch
+                self._live()  # the wait's thread may return just before a switch
                 slot = self._slot(msg.slot)
                 raw = slot[msg.header_at : msg.header_at + msg.header_bytes].cpu().numpy().tobytes()
                 pieces = read_header(raw, msg.data_bytes)
@@ -148,9 +153,9 @@ class BucketReceiver:
                     self.copies.store(pieces, slot)
                 for name, tensor in self.assembler.tensors(data, pieces):
                     yield name, tensor
-                    self.inbox.check(self.plan.token)
+                    self._live()
                 await self.children.land(relays)
-                self.inbox.check(self.plan.token)
+                self._live()
                 self.buckets += 1
                 if msg.last:
                     self.assembler.check_complete()
