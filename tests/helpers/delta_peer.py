@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from helpers import internals
 from helpers.child import ChildProcess, serve
 
 Spec = dict[str, tuple[tuple[int, ...], str]]
@@ -75,20 +76,32 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     }
 
 
-def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any, mode: str) -> None:
+def _child(
+    conn: Any,
+    name: str,
+    store: str,
+    spec: Spec,
+    group: str,
+    delta: Any,
+    mode: str,
+    slots: int,
+    secret: bytes | None,
+) -> None:
     import transport
 
     try:
-        t = transport.Transport(name, store=store, timeout=30)
+        t = transport.Transport(name, store=store, timeout=30, secret=secret)
         zeros = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in spec.items()}
         if mode == "window":
             sub: Any = transport.weights.WindowedSubscriber(t, zeros, group=group, delta=delta)
         else:
-            sub = transport.WeightSubscriber(t, zeros, group=group, delta=delta, mode=mode)
+            extra = {"slots": slots} if mode == "staging" else {}
+            sub = transport.WeightSubscriber(t, zeros, group=group, delta=delta, mode=mode, **extra)
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", (t.generation, os.getpid())))
+    release: list[Any] = []
 
     def applied(version: int, timeout: float) -> dict[str, Any]:
         """Wait for ``version``, apply it, and say what the live tensors hold."""
@@ -115,6 +128,11 @@ def _child(conn: Any, name: str, store: str, spec: Spec, group: str, delta: Any,
         "received": received,
         "live": lambda: digests(sub.live),
         "counts": lambda: (sub.deltas.patched, sub.deltas.refused),
+        "state": lambda: {"version": sub.version, "applied": sub.applied_version},
+        # a relay that holds the forwards asked of it; a subscriber that holds its changes
+        "hold_forwards": lambda: release.append(internals.hold_forwards(sub)),
+        "hold_patches": lambda: release.append(internals.hold_patches(sub)),
+        "release": lambda: release.pop()(),
     }
     serve(conn, handlers, lambda: (sub.close(), t.close()))
 
@@ -124,7 +142,9 @@ class DeltaSubscriber(ChildProcess):
     tensors of ``spec`` (``mode="window"``: a WindowedSubscriber). Commands: ``applied(version,
     timeout)`` (digests before and after apply(), and the counts of versions patched and patches
     refused), ``received(version, timeout)`` (a window's receive), ``live`` (digests),
-    ``counts``."""
+    ``counts``, ``state`` (version and applied version), ``hold_forwards`` (its relay keeps the
+    forwards asked of it), ``hold_patches`` (it neither applies nor answers changes) and
+    ``release`` (of the last hold)."""
 
     def __init__(
         self,
@@ -135,5 +155,8 @@ class DeltaSubscriber(ChildProcess):
         delta: Any = True,
         wait: bool = True,
         mode: str = "staging",
+        slots: int = 2,
+        secret: bytes | None = None,
     ) -> None:
-        super().__init__(name, _child, (store_url, spec, group, delta, mode), 60, wait)
+        args = (store_url, spec, group, delta, mode, slots, secret)
+        super().__init__(name, _child, args, 60, wait)

@@ -258,6 +258,37 @@ def spy_on_messages(
     sub._stop_control = t.core.on_control(channel, lambda p, m: spy(original, p, m))
 
 
+def hold_forwards(sub: transport.WeightSubscriber) -> Callable[[], int]:
+    """From now on the subscriber's relay keeps every forward a publisher asks of it, neither
+    started nor reported (a relay that holds a forward, as one does while the version has not
+    arrived); the returned call hands them over as they came and says how many."""
+    relay = sub._relay
+    original, held = relay.on_fwd, []
+    relay.on_fwd = lambda peer, m: held.append((peer, m))  # type: ignore[method-assign]
+
+    def release() -> int:
+        relay.on_fwd = original  # type: ignore[method-assign]
+        for peer, m in held:
+            original(peer, m)
+        return len(held)
+
+    return release
+
+
+def hold_patches(sub: transport.WeightSubscriber) -> Callable[[], int]:
+    """From now on the subscriber neither applies nor answers the changes written into its
+    inbox (a subscriber that stalls before its ``patched``); the returned call stops holding
+    and says how many it held (they are dropped: their writers' deadlines settle them)."""
+    original, held = sub._patch, []
+    sub._patch = lambda peer, m: held.append((peer, m))  # type: ignore[method-assign]
+
+    def release() -> int:
+        sub._patch = original  # type: ignore[method-assign]
+        return len(held)
+
+    return release
+
+
 def busy_gpu(cycles: int) -> None:
     """A GPU kernel that keeps the current stream busy for about ``cycles`` clock cycles."""
     torch.cuda._sleep(cycles)  # sync-ok: a GPU kernel that orders the stream, no host wait

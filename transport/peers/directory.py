@@ -132,8 +132,18 @@ class Directory:
         return max(g for g in shown if g <= 2 * clock)
 
     def join(self, name: str) -> int:
-        """Take the next generation of ``name`` and make sure the name is in the membership index."""
-        gen = self.generation_counter(name).add(1)
+        """Take the next generation of ``name`` and make sure the name is in the membership index.
+
+        A counter the store does not hold starts at :meth:`_generation_floor` (the clock in
+        milliseconds, or above): either no incarnation of ``name`` came before, or the store lost
+        the counter (it restarted empty) while none was alive to put it back. Counting from 0
+        again would hand out a generation an earlier incarnation had, and whoever remembers that
+        one (a connection, a publisher's list of lost subscribers) would take the new incarnation
+        for the old."""
+        counter = self.generation_counter(name)
+        if counter.read() == 0:
+            counter.raise_to(self._generation_floor(name))
+        gen = counter.add(1)
         self._enlist(name)
         return gen
 

@@ -156,10 +156,11 @@ class PublisherLease:
         if self.mine.rank == 0:
             self.signed.set(self._ranks_key, str(self.mine.world).encode())
 
-    def _claim(self, first: bool) -> None:
+    def _claim(self, first: bool) -> bool:
         """Write our lease where the store has none, a free one, one that is not valid, or the
         lease of a holder that is gone (at ``first``, a takeover; later, a lease put back, or a
-        holder that took over and died since); GroupBusyError while another holder is alive."""
+        holder that took over and died since); GroupBusyError while another holder is alive.
+        True if the store held no lease (none, or a free one) and ours was written."""
         store = self.transport.store
         for _ in range(8):  # each turn loses only to another publisher's write
             raw = store.try_get(self.key)
@@ -173,7 +174,7 @@ class PublisherLease:
                     )
             if holder == self.mine:
                 self.held = True
-                return
+                return False
             if (
                 not first
                 and holder is not None
@@ -214,28 +215,30 @@ class PublisherLease:
                         holder,
                     )
             if store.compare_set(self.key, raw, self._ours):
-                if not first and (raw is None or raw == FREE):
+                missing = raw is None or raw == FREE
+                if not first and missing:
                     log.warning(
                         "group %s: the store had lost the publisher lease; wrote it back",
                         self.group,
                     )
                 self.held = True
-                return
+                return missing
         raise GroupBusyError(f"{self.what}: the publisher lease kept changing; try again")
 
     def _alive(self, holder: Lease) -> str:
         """Why ``holder`` counts as alive ("" if it is gone)."""
         return holder_alive(self.transport, holder)
 
-    def ensure(self) -> None:
+    def ensure(self) -> bool:
         """At each publish: write our lease back if the store lost it (a Redis restarted empty;
         subscribers take messages only from the holder) or holds something else that does not
         count (garbage, a forgery, the lease of a holder that is gone), and rank 0's ``ranks``
         likewise; GroupBusyError if another publisher holds it now (it took over while this one
-        was silent past the bar)."""
+        was silent past the bar). True if the store had lost it (none there): the store lost
+        the group's other values too, whatever its counters show now."""
         if not self.held:
-            return
-        self._claim(first=False)
+            return False
+        lost = self._claim(first=False)
         if self.mine.rank == 0:
             body = str(self.mine.world).encode()
             if self.transport.store.try_get(self._ranks_key) != self.signed.encode(
@@ -248,6 +251,7 @@ class PublisherLease:
                     self._ranks_key,
                 )
                 self.signed.set(self._ranks_key, body)
+        return lost
 
     def release(self) -> None:
         if self.mine.world > 1:

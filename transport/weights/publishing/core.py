@@ -11,14 +11,21 @@ from typing import TypeVar
 import torch
 
 from transport._transport import Transport
-from transport.errors import ClosedError, TransportError
+from transport.errors import ClosedError, StoreError, TransportError
 from transport.weights.delta.source import check_delta
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import HELLO_AGAIN, Message, encode
 from transport.weights.group.regions import channel
 from transport.weights.group.worker import Worker
-from transport.weights.publishing.delivery import EXCLUDED, SUSPECT, Callbacks, Delivery, close_all
-from transport.weights.publishing.roster import Member, Roster, SuspectWatch
+from transport.weights.publishing.delivery import (
+    EXCLUDED,
+    LOST,
+    SUSPECT,
+    Callbacks,
+    Delivery,
+    close_all,
+)
+from transport.weights.publishing.roster import Member, Retired, Roster, SuspectWatch
 
 log = logging.getLogger("transport.weights")
 
@@ -67,6 +74,7 @@ class PublisherCore:
         self._worker = Worker(name, tick=self._expire, until=lambda: transport.closed)
         self._stop_control: Callable[[], None] = lambda: None
         self._lease = lease
+        self._store_down = False  # the last publish could not read the store
         try:
             # the group's channel first: a second publisher or subscriber of the group on this
             # Transport is refused there, and leaves nothing behind
@@ -96,15 +104,82 @@ class PublisherCore:
     def refresh(self) -> dict[str, str]:
         """Read what changed in the group (weights/publishing/roster.py says what is read when);
         returns the subscribers that cannot be served and why (suspects are judged at each
-        publish)."""
-        self._lease.ensure()
+        publish). A member incarnation that left or was replaced by a newer one is retired
+        (:meth:`_retire`): nothing stays held for it."""
+        store_lost = self._lease.ensure()
         with self._lock:
-            for name in self._roster.refresh():
-                self._left(name)
+            if store_lost:
+                self._roster.store_lost = True
+            for gone in self._roster.refresh():
+                self._retire(gone)
             return {n: s.error for n, s in self._subs.items() if s.error}
 
-    def _left(self, name: str) -> None:
-        """With the lock held: ``name`` left the group (a hook; nothing by default)."""
+    def _refresh_for_publish(self, first: Callable[[], None] = lambda: None) -> None:
+        """``first()`` (a subclass's own reads of the store at a publish), then :meth:`refresh`:
+        a store that cannot be reached stops no publish (the subscribers already known are
+        served over their connections, which need no store; a newcomer waits until the store
+        answers again), and it is logged once per outage."""
+        try:
+            first()
+            self.refresh()
+        except StoreError as e:
+            if not self._store_down:
+                log.warning(
+                    "group %s: cannot read the group from the store (%s); publishing to the %d "
+                    "subscribers known, until it answers again",
+                    self.group,
+                    e,
+                    len(self._subs),
+                )
+            self._store_down = True
+        else:
+            if self._store_down:
+                log.warning("group %s: the store answers again", self.group)
+            self._store_down = False
+
+    def _retire(self, gone: Retired) -> None:
+        """With the lock held: ``gone.member`` is no longer served (it left, a newer incarnation
+        of its name replaced it, or its peer was lost). Every version it still held (waiting for
+        a slot, written by a relay, its changes waiting for their answer, waiting to complete)
+        gets its outcome now, and the subclass lets go of what it held for it
+        (:meth:`_retired`): nothing stays fenced, lent or waited for on its account."""
+        sub = gone.member
+        sub.retired = True
+        status = LOST if gone.lost else EXCLUDED
+        held = [
+            sub.waiting[1] if sub.waiting is not None else None,
+            sub.relay_handle,
+            sub.patch.handle if sub.patch is not None else None,
+            sub.acked[2] if sub.acked is not None else None,
+        ]
+        sub.waiting, sub.relay_handle, sub.patch, sub.acked = None, None, None, None
+        for handle in held:
+            if handle is not None:
+                handle.settle(sub.name, status, gone.why)
+        self._retired(gone)
+
+    def _lost(self, sub: Member, handle: Delivery, err: BaseException) -> None:
+        """With the lock held: a write to ``sub`` met the loss of its peer: ``handle`` says so,
+        and the incarnation is retired, dropped until a newer one joins."""
+        handle.settle(sub.name, LOST, str(err))
+        if self._roster.lose(sub):
+            self._retire(Retired(sub, f"it was lost ({err})", lost=True))
+
+    def _unrecorded(self, sub: Member, handle: Delivery, err: BaseException) -> None:
+        """With the lock held: a write to ``sub`` found no record of it in the store. Not gone:
+        a store that restarted empty lacks it until the peer puts it back (within a
+        heartbeat), so it is excluded, with the version waiting for it, and planned again at
+        the next publish."""
+        why = f"it has no record in the store now (tried again at the next publish): {err}"
+        handle.settle(sub.name, EXCLUDED, why)
+        if not sub.retired:
+            sub.error = why
+        if sub.waiting is not None:
+            sub.waiting[1].settle(sub.name, EXCLUDED, why)
+            sub.waiting = None
+
+    def _retired(self, gone: Retired) -> None:
+        """With the lock held: the subclass's part of :meth:`_retire` (nothing by default)."""
 
     # -- delta -----------------------------------------------------------------------------------
 
@@ -152,8 +227,12 @@ class PublisherCore:
         the deadline; tried again at the next publish). A version a member still waited for
         is given up (``superseded`` says what it waited for)."""
         subs = list(self._subs.values())
-        # their heartbeats (a store that fails raises here, before anything changed)
-        suspects = self._roster.suspects(s for s in subs if not s.error)
+        try:  # their heartbeats
+            suspects = self._roster.suspects(s for s in subs if not s.error)
+        except StoreError as e:
+            # none judged now: the deadline and the watch of the heartbeats settle them
+            log.info("group %s: cannot read the subscribers' heartbeats: %s", self.group, e)
+            suspects = {}
         self.version = version
         handle = Delivery(
             version, [s.name for s in subs], time.monotonic() + timeout, self._callbacks.submit
@@ -201,8 +280,14 @@ class PublisherCore:
         raise NotImplementedError
 
     def _next_tick(self, now: float) -> float:
-        """With the lock held: drop the settled handles; the seconds to the nearest deadline
-        (or to the next hello, while a member waits), 1 with nothing open."""
+        """With the lock held: settle whoever a handle past its deadline still waits for (the
+        subclass's :meth:`_deadlines` settled those it holds, with their reasons, first), drop
+        the settled handles; the seconds to the nearest deadline (or to the next hello, while a
+        member waits), 1 with nothing open."""
+        for h in self._handles:
+            if h.deadline <= now:  # nobody was left to settle these (no member holds them)
+                for name in sorted(h.pending):
+                    h.settle(name, EXCLUDED, "no outcome within the deadline")
         self._handles = [h for h in self._handles if not h.done()]
         deadlines = [h.deadline for h in self._handles]
         if any(s.waiting is not None for s in self._subs.values()):

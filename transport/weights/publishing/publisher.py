@@ -53,7 +53,6 @@ from transport.weights.publishing.core import PublisherCore
 from transport.weights.publishing.delivery import (
     DONE,
     EXCLUDED,
-    LOST,
     Delivery,
     PublishHandle,
 )
@@ -61,6 +60,7 @@ from transport.weights.publishing.pack import Pack
 from transport.weights.publishing.roster import (
     Member,
     PatchInFlight,
+    Retired,
     check_fanout,
     fanout_tree,
 )
@@ -158,9 +158,11 @@ class WeightPublisher(PublisherCore):
 
     # -- membership ------------------------------------------------------------------------------
 
-    def _left(self, name: str) -> None:
-        # A relay leaves only after its forwards ended (WeightSubscriber.close).
-        self._release_children(name, "it left the group")
+    def _retired(self, gone: Retired) -> None:
+        # The children it was to write (or whose slot stays fenced for it) are the publisher's
+        # again: a relay leaves only after its forwards ended (WeightSubscriber.close), and one
+        # that was lost or replaced by a newer incarnation writes nothing more.
+        self._release_children(gone.member.name, gone.why)
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -213,7 +215,7 @@ class WeightPublisher(PublisherCore):
             )
         version = self._next_version(version)
         timeout = self.transport.timeout if timeout is None else timeout
-        self.refresh()
+        self._refresh_for_publish()
         if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
             with self._word.filling():
                 self._pack.fill()
@@ -242,11 +244,18 @@ class WeightPublisher(PublisherCore):
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
 
     def _release_children(self, relay: str, why: str) -> None:
-        """With the lock held: ``relay`` cannot write any more (it is gone); the slots it was to
-        write are the publisher's again, and what it did not forward is excluded."""
+        """With the lock held: the incarnation of ``relay`` that was asked to forward cannot
+        write any more (it is gone: ``why``); the slots it was to write, or that stayed fenced
+        for it, are the publisher's again, what it did not forward is excluded (the child is
+        told the slot's version was given up), and a version waiting to go through it is
+        written by the publisher."""
         for sub in list(self._subs.values()):
             sub.unfence(relay)
+            if sub.waiting is not None and sub.waiting[2] == relay:
+                sub.waiting = (sub.waiting[0], sub.waiting[1], None)
             if sub.relay == relay and sub.busy is not None and sub.relay_handle is not None:
+                # (its outcome may be settled already, at its deadline: the slot stayed the
+                # relay's until now)
                 err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
                 self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
 
@@ -422,12 +431,12 @@ class WeightPublisher(PublisherCore):
         if err is None:
             sub.completed = max(sub.completed, version)
             handle.settle(sub.name, DONE)
-        elif isinstance(err, (PeerLostError, PeerNotFoundError)):
-            handle.settle(sub.name, LOST, str(err))
-            if self._roster.lose(sub):  # dropped until it joins again
-                self._release_children(sub.name, "was lost")
+        elif isinstance(err, PeerLostError):
+            self._lost(sub, handle, err)
+        elif isinstance(err, PeerNotFoundError):
+            self._unrecorded(sub, handle, err)
         else:
-            if sub.mode == "staging":
+            if sub.mode == "staging" and not sub.retired:
                 # Nothing was announced in the slot, but the subscriber may read it (a relay
                 # forwarding what landed of it): it says which slots are free when it runs again,
                 # and ignores the version's ``ver`` should it still come (the write was withdrawn

@@ -48,6 +48,25 @@ class PatchInFlight:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Retired:
+    """A member incarnation the roster no longer serves, and why: it left, a newer incarnation
+    of its name replaced it, or (``lost``) its peer went away."""
+
+    member: Member
+    why: str
+    lost: bool
+
+
+def replaced_why(old: Member, entry: Mapping[str, Any]) -> str:
+    """Why the member ``old`` was planned again from ``entry``."""
+    if entry["gen"] != old.generation:
+        return f"a newer incarnation of it (generation {entry['gen']}) joined"
+    if old.error:
+        return f"it is planned again ({old.error})"
+    return "it joined again with another group entry"
+
+
 class Member:
     """The publisher's view of one subscriber incarnation: what it takes (``names``, the
     ``batches`` per slot), what went wrong when it was planned (``error``: it is planned again at
@@ -94,6 +113,9 @@ class Member:
         self.settled = -1
         self.last = -1
         self.acked: tuple[int, int, Delivery] | None = None
+        # no longer served (left, replaced by a newer incarnation, lost): what completes for it
+        # later is settled, and nothing more is sent to its name on its account
+        self.retired = False
 
     def free_slot(self) -> int | None:
         """A slot the publisher may write now: credited, neither being written nor fenced."""
@@ -202,16 +224,21 @@ class Roster:
         self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self.epoch = -1  # the group's epoch when it was last read
         self.reread = False  # read every entry at the next refresh, whatever the epoch
+        self.store_lost = False  # the store lost the group since the last refresh
         # the batches of the name sets members asked for, per slot: made (checked, signed) once
         # for every member taking the same names (usually all of them take every name)
         self._batches: dict[frozenset[str], list[Batch]] = {}
 
-    def refresh(self) -> list[str]:
-        """Read what changed (see the rules); returns the members that left, whose children
-        the publisher hands back."""
+    def refresh(self) -> list[Retired]:
+        """Read what changed (see the rules); returns the member incarnations that are gone
+        (left, or replaced by a newer incarnation of their name), whose state the publisher
+        settles and whose children it hands back."""
         epoch, last = self.dir.epoch(), self.epoch
-        full = epoch != last or self.reread
-        went_back = 0 <= epoch < last  # it only grows, unless the store lost the group
+        full = epoch != last or self.reread or self.store_lost
+        # the epoch only grows, unless the store lost the group (restarted empty); the lease,
+        # which the publisher checks first at every publish, says so whatever the epoch does
+        # (the joins after a restart may have counted it back up to the value read before)
+        went_back = 0 <= epoch < last or self.store_lost
         # nothing joined or left: only the members waiting to be planned again, or to come back
         check = (
             list(self.members)
@@ -220,17 +247,19 @@ class Roster:
         )
         if not full and not check:
             return []
-        self.epoch, self.reread = epoch, False
+        self.epoch, self.reread, self.store_lost = epoch, False, False
         entries = self.dir.entries(None if full else check)
-        now, seen, left = time.monotonic(), set(), []
+        now, seen, gone = time.monotonic(), set(), []
         for name, entry in entries.items():
-            if self.lost.get(name) == entry["gen"]:
-                continue  # died without leaving the group
+            if self.lost.get(name, -1) >= entry["gen"]:
+                continue  # died without leaving the group (or an older incarnation's, put back)
             seen.add(name)
             sub = self.members.get(name)
             fields = (entry["gen"], entry["inst"], entry["mode"], entry["slots"], entry["relay"])
             if sub is None or sub.entry != fields or sub.error:  # any change: planned again
                 self.members[name] = self.plan(name, entry, sub)
+                if sub is not None:
+                    gone.append(Retired(sub, replaced_why(sub, entry), lost=False))
             else:
                 sub.vanished = None  # back in the group
         for name in check:
@@ -239,19 +268,17 @@ class Roster:
                 continue
             if went_back and sub.vanished is None:
                 log.warning(
-                    "group %s: the store lost the group (its epoch went back from %d to %d: a "
-                    "store that restarted empty?); serving %s until it joins again",
+                    "group %s: the store lost the group (a store that restarted empty?); "
+                    "serving %s until it joins again",
                     self.group,
-                    last,
-                    epoch,
                     name,
                 )
                 sub.vanished = now
             elif sub.vanished is None or now - sub.vanished > self.grace():
                 log.info("subscriber %s left group %s", name, self.group)
                 del self.members[name]
-                left.append(name)
-        return left
+                gone.append(Retired(sub, "it left the group", lost=False))
+        return gone
 
     def grace(self) -> float:
         """How long a member whose entry the store lost is served before it counts as left."""

@@ -54,7 +54,6 @@ from transport.weights.publishing.core import PublisherCore
 from transport.weights.publishing.delivery import (
     DONE,
     EXCLUDED,
-    LOST,
     Delivery,
     Landing,
     PublishHandle,
@@ -249,11 +248,13 @@ class ShardedPublisher(PublisherCore):
         timeout = self.transport.timeout if timeout is None else timeout
         if self._on_cuda:  # what the trainer queued (the optimizer step) has run before we read
             torch.cuda.synchronize(self._pool[0].device)
-        self._lease.ensure()
-        self._ranks.check()
-        self._ranks.published(version)
+
+        def ranks() -> None:
+            self._ranks.check()
+            self._ranks.published(version)
+
+        self._refresh_for_publish(ranks)
         with self._lock:
-            self._roster.refresh()
             keys = {s.delta_key for s in self._subs.values() if s.inbox and s.writes}
             in_use = any(s.patch is not None for s in self._subs.values())
             for key in [k for k in self._delta_plans if k not in keys]:
@@ -431,9 +432,11 @@ class ShardedPublisher(PublisherCore):
             sub.acked = (version, slot, handle)
             self._heard(sub)
             return
-        if isinstance(err, (PeerLostError, PeerNotFoundError)):
-            handle.settle(sub.name, LOST, str(err))
-            self._roster.lose(sub)
+        if isinstance(err, PeerLostError):
+            self._lost(sub, handle, err)
+            return
+        if isinstance(err, PeerNotFoundError):
+            self._unrecorded(sub, handle, err)
             return
         self._give_up(sub, version, slot)
         handle.settle(sub.name, EXCLUDED, f"{err}; {self._ranks.missing(version)}")
@@ -532,12 +535,6 @@ class ShardedPublisher(PublisherCore):
                     # no credit yet (our hello may have come before it could reach us): ask again
                     sub.asked = now
                     self._worker.submit(functools.partial(self._send, sub.name, Hello()))
-            for h in self._handles:  # a subscriber that left meanwhile has nobody to settle it
-                if h.deadline <= now:
-                    for name in list(h.pending):
-                        h.settle(
-                            name, EXCLUDED, "no outcome within the deadline (it left the group)"
-                        )
             return self._next_tick(now)
 
     def _switch_deltas(self, mode: bool | str) -> None:

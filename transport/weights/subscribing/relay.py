@@ -119,6 +119,7 @@ class _Job:
         self.sent: set[str] = set()
         self.pieces: dict[str, dict[int, int]] = {}  # name -> {offset: bytes} forwarded so far
         self.write: SegmentedWrite | None = None
+        self.applying = False  # its changes landed at the child: it waits for its ``patched``
 
 
 class Relay:
@@ -304,7 +305,13 @@ class Relay:
             self.whole(job)
             return
         with self._lock:
+            # a forward of changes still waiting for this child's answer is another
+            # incarnation's (the publisher writes one version at a time into an incarnation)
+            stale = self.patching.get(job.child)
             self.patching[job.child] = job
+        if stale is not None:
+            why = f"version {job.version} is forwarded to {job.child} now (it restarted?)"
+            self.end_changes(stale, TransportError(why))
         try:
             if not job.write.begin():
                 return
@@ -325,9 +332,12 @@ class Relay:
         )
 
     def changes_put(self, job: _Job, err: BaseException | None) -> None:
-        """The changes landed at the child (its ``patched`` tells the rest), or failed."""
+        """The changes landed at the child (its ``patched`` tells the rest, by the forward's
+        deadline: :meth:`expire`), or failed."""
         if err is not None:
             self.end_changes(job, err)
+        else:
+            job.applying = True
 
     def end_changes(self, job: _Job, err: BaseException) -> None:
         with self._lock:
@@ -468,8 +478,17 @@ class Relay:
                     del self.pending[v]
             for jobs in self.jobs.values():
                 stalled += [j for j in jobs if j.write is not None and j.write.deadline <= now]
+            # changes that landed at a child that never answered (it died, froze or restarted):
+            # their forward ends at its deadline too, or it would pin its slot here for good
+            unanswered = [
+                j
+                for j in self.patching.values()
+                if j.applying and j.write is not None and j.write.deadline <= now
+            ]
             deadlines = [a.deadline for asked in self.pending.values() for a in asked] + [
-                j.write.deadline for js in self.jobs.values() for j in js if j.write is not None
+                j.write.deadline
+                for j in [*(j for js in self.jobs.values() for j in js), *self.patching.values()]
+                if j.write is not None
             ]
         for v, a in late:
             why = f"version {v} did not arrive here in time"
@@ -477,6 +496,9 @@ class Relay:
         for job in stalled:
             assert job.write is not None
             job.write.fail(TransferTimeout(f"version {job.version} was not complete here in time"))
+        for job in unanswered:
+            why = f"{job.child} did not apply the changes of version {job.version} in time"
+            self.end_changes(job, TransferTimeout(why))
         nearest = min(deadlines, default=None)
         return 1.0 if nearest is None else max(0.01, nearest - now)
 

@@ -1,0 +1,137 @@
+"""After faults, everything converges: whatever died, restarted or stalled, once the faults stop
+every live subscriber holds the newest version, exact, and the next publish is done everywhere
+(none waits out its deadline for a subscriber that is alive and idle). Nothing stays held for a
+peer incarnation that is gone: a child's slot given to a relay that was restarted, a relay's
+slot pinned by a forward whose child never answered, a name the publisher lost once.
+
+The events are ordered, not hoped for: a relay holds the forwards asked of it
+(``hold_forwards``), a child holds the changes written to it (``hold_patches``), then the test
+kills and restarts it. Every byte of every version is compared with the trainer's (digests per
+tensor) on a small mixture-of-experts model (helpers/delta_peer.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import transport
+from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
+
+pytestmark = [pytest.mark.delta, pytest.mark.timeout(240)]
+
+SPEC = model_spec()
+SECRET = b"converge-secret"
+#: a publish that must fail for someone waits this long; one that must succeed has 30 s
+SHORT = 6.0
+
+
+class Group:
+    """The trainer's publisher and the subscriber processes of one test: each version is a
+    training step of the model, published and checked byte for byte where it must have landed."""
+
+    def __init__(self, trainer, store_url, fanout, delta, children):
+        self.store_url, self.delta, self.children = store_url, delta, children
+        self.tensors = model(SPEC)
+        self.pub = transport.WeightPublisher(
+            trainer, self.tensors, delta=delta, fanout=fanout, degree=2
+        )
+        self.subs: dict[str, DeltaSubscriber] = {}
+        self.kinds: dict[str, dict] = {}
+        self.version = 0
+
+    def start(self, *names, **kwargs):
+        made = []
+        for name in names:
+            kw = {**self.kinds.get(name, {}), **kwargs}
+            self.kinds[name] = kw
+            child = DeltaSubscriber(
+                name, self.store_url, SPEC, delta=self.delta, wait=False, secret=SECRET, **kw
+            )
+            self.children.append(child)
+            self.subs[name] = child
+            made.append(child)
+        for child in made:
+            child.started()
+
+    def restart(self, name):
+        self.subs[name].kill()
+        self.start(name)
+
+    def publish(self, timeout=30.0):
+        """The next version; its result."""
+        self.version += 1
+        if self.version > 1:
+            step(self.tensors, 0.02, seed=self.version)
+        return self.pub.publish(self.version, timeout=timeout).wait(timeout + 30)
+
+    def served(self, timeout=30.0):
+        """The next version is done at every subscriber, before its deadline, and each holds
+        every byte of it after apply()."""
+        r = self.publish(timeout)
+        assert r.status == dict.fromkeys(self.subs, "done"), r.reasons
+        want = digests(self.tensors)
+        for name, child in self.subs.items():
+            got = child.call("applied", self.version, 30)
+            assert (got["version"], got["live"]) == (self.version, want), name
+        return r
+
+
+@pytest.fixture
+def group(tcp_store, children):
+    made = []
+
+    def make(fanout, delta):
+        t = transport.Transport("trainer", store=tcp_store, timeout=30, secret=SECRET)
+        g = Group(t, tcp_store.url, fanout, delta, children)
+        made.append((t, g))
+        return g
+
+    yield make
+    for t, g in made:
+        g.pub.close()
+        t.close()
+
+
+@pytest.mark.parametrize(
+    ("fanout", "delta"), [("chain", True), ("tree", False)], ids=["chain-delta", "tree-whole"]
+)
+def test_a_relay_restarted_while_holding_a_forward_leaves_no_child_stuck(group, fanout, delta):
+    """The head relay holds its forward, misses the deadline, is killed and restarted under its
+    name, twice in a row: the children it was to write are the publisher's again, and the next
+    version is done everywhere (the slot given to the old incarnation never stays the
+    children's lost slot). A one-slot subscriber is the last leaf."""
+    g = group(fanout, delta)
+    g.start("gen-a", "gen-b", "gen-c")
+    g.start("gen-z", slots=1)  # one slot: never a relay
+    for _ in range(2):
+        g.served()
+    for _ in range(2):
+        g.subs["gen-a"].call("hold_forwards")
+        r = g.publish(SHORT)
+        assert r.status["gen-a"] == "done", r.reasons
+        assert all(r.status[n] == "excluded" for n in r.via), r.reasons
+        assert any("did not forward" in r.reasons[n] for n in r.via), r.reasons
+        g.restart("gen-a")
+        r = g.served()
+        assert "gen-a" in set(r.via.values()), r.via  # the new incarnation relays again
+    r = g.served()
+    if delta:  # changes flow again, from the trainer and through the relays
+        assert set(r.patched) | set(r.via) == set(g.subs), (r.patched, r.via)
+
+
+def test_a_child_restarted_while_its_relay_waits_for_its_answer(group):
+    """A relay forwards a version's changes; its child holds them unanswered, is killed and
+    restarted, twice in a row. The forward ends at its deadline, so the relay's slot is not
+    pinned for good: the relay, the restarted child and the one-slot leaf behind it take every
+    later version."""
+    g = group("chain", True)
+    g.start("gen-a", "gen-b")
+    g.start("gen-z", slots=1)
+    for _ in range(2):
+        g.served()
+    for _ in range(2):
+        g.subs["gen-b"].call("hold_patches")
+        r = g.publish(SHORT)
+        assert r.status["gen-a"] == "done" and r.status["gen-b"] == "excluded", r.reasons
+        g.restart("gen-b")
+        g.served()
+        g.served()  # the relay's slot of the version its child never answered is free again
