@@ -11,15 +11,24 @@ tensor) on a small mixture-of-experts model (helpers/delta_peer.py)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 import transport
+from helpers import internals
 from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
+from helpers.polling import wait_until
+from helpers.redis_server import RedisServer
 
 pytestmark = [pytest.mark.delta, pytest.mark.timeout(240)]
 
 SPEC = model_spec()
 SECRET = b"converge-secret"
+needs_own_redis = pytest.mark.skipif(
+    shutil.which("redis-server") is None,
+    reason="restarts a Redis server of its own: needs redis-server installed",
+)
 #: a publish that must fail for someone waits this long; one that must succeed has 30 s
 SHORT = 6.0
 
@@ -56,22 +65,36 @@ class Group:
         self.subs[name].kill()
         self.start(name)
 
+    def store_back(self):
+        """Once the store restarted empty: every subscriber has put its record and its group
+        entry back (within a heartbeat and a second: the faults are over)."""
+        t = self.pub.transport
+
+        def back():
+            names = {i.name for i in t.peers()}
+            return all(
+                n in names and internals.group_entry(t, "policy", n) is not None for n in self.subs
+            )
+
+        wait_until(back, 30, "every subscriber's record and group entry back in the store")
+
     def publish(self, timeout=30.0):
-        """The next version; its result."""
+        """The next version; its result. Every subscriber it is done at holds every byte of it
+        after apply() (a generator applies between two generations)."""
         self.version += 1
         if self.version > 1:
             step(self.tensors, 0.02, seed=self.version)
-        return self.pub.publish(self.version, timeout=timeout).wait(timeout + 30)
+        r = self.pub.publish(self.version, timeout=timeout).wait(timeout + 30)
+        want = digests(self.tensors)
+        for name in r.done:
+            got = self.subs[name].call("applied", self.version, 30)
+            assert (got["version"], got["live"]) == (self.version, want), name
+        return r
 
     def served(self, timeout=30.0):
-        """The next version is done at every subscriber, before its deadline, and each holds
-        every byte of it after apply()."""
+        """The next version is done at every subscriber (before its deadline), exact."""
         r = self.publish(timeout)
         assert r.status == dict.fromkeys(self.subs, "done"), r.reasons
-        want = digests(self.tensors)
-        for name, child in self.subs.items():
-            got = child.call("applied", self.version, 30)
-            assert (got["version"], got["live"]) == (self.version, want), name
         return r
 
 
@@ -135,3 +158,54 @@ def test_a_child_restarted_while_its_relay_waits_for_its_answer(group):
         g.restart("gen-b")
         g.served()
         g.served()  # the relay's slot of the version its child never answered is free again
+
+
+@needs_own_redis
+def test_subscribers_restarted_around_redis_restarts_are_served_and_an_outage_stops_no_publish(
+    children,
+):
+    """Redis (no persistence) restarts empty around subscriber restarts: a subscriber killed
+    before a restart and started after it (the store lost its generation counter with it), one
+    killed while Redis is down and started once it is back, one restarted just before a restart.
+    Each is served by the next version. While Redis is down, publishes go on to every
+    subscriber the publisher knows."""
+    with RedisServer() as redis:
+        url = redis.url(0)
+        t = transport.Transport("trainer", store=url, timeout=30, secret=SECRET)
+        try:
+            g = Group(t, url, "direct", True, children)
+            try:
+                g.start("gen-a", "gen-b", "gen-c")
+                g.start("gen-z", slots=1)
+                for _ in range(2):
+                    g.served()
+                # killed before the restart, started after it
+                g.subs["gen-c"].kill()
+                r = g.publish()
+                assert r.status["gen-c"] == "lost", r.reasons
+                redis.restart()
+                g.start("gen-c")
+                g.store_back()
+                g.served()
+                # killed while the store is down; publishes go on to the others meanwhile
+                redis.stop()
+                g.subs["gen-b"].kill()
+                r = g.publish()
+                live = {"gen-a": "done", "gen-c": "done", "gen-z": "done"}
+                assert r.status == {**live, "gen-b": "lost"}, r.reasons
+                r = g.publish()  # the lost one is dropped until a newer incarnation joins
+                assert r.status == live, r.reasons
+                redis.restart()
+                g.start("gen-b")
+                g.store_back()
+                g.served()
+                # restarted just before a restart of the store
+                g.restart("gen-a")
+                redis.restart()
+                g.store_back()
+                g.served()
+                g.served()
+            finally:
+                g.pub.close()
+        finally:
+            t.close()

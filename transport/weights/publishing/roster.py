@@ -266,13 +266,14 @@ class Roster:
             sub = self.members.get(name)
             if name in seen or sub is None:
                 continue
-            if went_back and sub.vanished is None:
-                log.warning(
-                    "group %s: the store lost the group (a store that restarted empty?); "
-                    "serving %s until it joins again",
-                    self.group,
-                    name,
-                )
+            if went_back:  # its grace starts now, whether or not it had come back before
+                if sub.vanished is None:
+                    log.warning(
+                        "group %s: the store lost the group (a store that restarted empty?); "
+                        "serving %s until it joins again",
+                        self.group,
+                        name,
+                    )
                 sub.vanished = now
             elif sub.vanished is None or now - sub.vanished > self.grace():
                 log.info("subscriber %s left group %s", name, self.group)
