@@ -132,6 +132,8 @@ def _child(
         # a relay that holds the forwards asked of it; a subscriber that holds its changes
         "hold_forwards": lambda: release.append(internals.hold_forwards(sub)),
         "hold_patches": lambda: release.append(internals.hold_patches(sub)),
+        # its record is not put back in a store that lost it (it goes on beating)
+        "hold_record": lambda: release.append(internals.hold_record_restore(t)),
         "release": lambda: release.pop()(),
     }
     serve(conn, handlers, lambda: (sub.close(), t.close()))
@@ -143,8 +145,9 @@ class DeltaSubscriber(ChildProcess):
     timeout)`` (digests before and after apply(), and the counts of versions patched and patches
     refused), ``received(version, timeout)`` (a window's receive), ``live`` (digests),
     ``counts``, ``state`` (version and applied version), ``hold_forwards`` (its relay keeps the
-    forwards asked of it), ``hold_patches`` (it neither applies nor answers changes) and
-    ``release`` (of the last hold)."""
+    forwards asked of it), ``hold_patches`` (it neither applies nor answers changes),
+    ``hold_record`` (its record is not put back in a store that lost it) and ``release`` (of
+    the last hold)."""
 
     def __init__(
         self,

@@ -78,22 +78,25 @@ class Group:
 
         wait_until(back, 30, "every subscriber's record and group entry back in the store")
 
-    def publish(self, timeout=30.0):
-        """The next version; its result. Every subscriber it is done at holds every byte of it
-        after apply() (a generator applies between two generations)."""
+    def publish(self, timeout=30.0, meanwhile=lambda: None):
+        """The next version (``meanwhile()`` runs while it is in flight); its result. Every
+        subscriber it is done at holds every byte of it after apply() (a generator applies
+        between two generations)."""
         self.version += 1
         if self.version > 1:
             step(self.tensors, 0.02, seed=self.version)
-        r = self.pub.publish(self.version, timeout=timeout).wait(timeout + 30)
+        handle = self.pub.publish(self.version, timeout=timeout)
+        meanwhile()
+        r = handle.wait(timeout + 30)
         want = digests(self.tensors)
         for name in r.done:
             got = self.subs[name].call("applied", self.version, 30)
             assert (got["version"], got["live"]) == (self.version, want), name
         return r
 
-    def served(self, timeout=30.0):
+    def served(self, timeout=30.0, meanwhile=lambda: None):
         """The next version is done at every subscriber (before its deadline), exact."""
-        r = self.publish(timeout)
+        r = self.publish(timeout, meanwhile)
         assert r.status == dict.fromkeys(self.subs, "done"), r.reasons
         return r
 
@@ -199,11 +202,22 @@ def test_subscribers_restarted_around_redis_restarts_are_served_and_an_outage_st
                 g.start("gen-b")
                 g.store_back()
                 g.served()
-                # restarted just before a restart of the store
+                # restarted just before a restart of the store; published to right after it
                 g.restart("gen-a")
-                redis.restart()
-                g.store_back()
                 g.served()
+                redis.restart()
+                g.served()
+                # a new incarnation whose record is not back when a publish plans it (its
+                # group entry is): planned again until the deadline, served by that version
+                g.restart("gen-b")
+                g.subs["gen-b"].call("hold_record")
+                redis.restart()
+                wait_until(
+                    lambda: internals.group_entry(t, "policy", "gen-b") is not None,
+                    30,
+                    "gen-b's group entry back",
+                )
+                g.served(meanwhile=lambda: g.subs["gen-b"].call("release"))
                 g.served()
             finally:
                 g.pub.close()

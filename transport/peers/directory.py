@@ -141,7 +141,7 @@ class Directory:
         one (a connection, a publisher's list of lost subscribers) would take the new incarnation
         for the old."""
         counter = self.generation_counter(name)
-        if counter.read() == 0:
+        if counter.missing():
             counter.raise_to(self._generation_floor(name))
         gen = counter.add(1)
         self._enlist(name)

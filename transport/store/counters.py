@@ -130,6 +130,10 @@ class Counter:
             self._warn(raw, "ignored until a writer repairs it")
         return n
 
+    def missing(self) -> bool:
+        """Whether the store holds no value for the counter (never counted, or lost)."""
+        return self.store.try_get(self.key) is None
+
     def value(self) -> int:
         """The counter's value, repairing garbage first."""
         for _ in range(_TURNS):

@@ -25,7 +25,13 @@ from transport.weights.publishing.delivery import (
     Delivery,
     close_all,
 )
-from transport.weights.publishing.roster import Member, Retired, Roster, SuspectWatch
+from transport.weights.publishing.roster import (
+    Member,
+    Retired,
+    Roster,
+    SuspectWatch,
+    replaced_why,
+)
 
 log = logging.getLogger("transport.weights")
 
@@ -165,18 +171,20 @@ class PublisherCore:
         if self._roster.lose(sub):
             self._retire(Retired(sub, f"it was lost ({err})", lost=True))
 
-    def _unrecorded(self, sub: Member, handle: Delivery, err: BaseException) -> None:
-        """With the lock held: a write to ``sub`` found no record of it in the store. Not gone:
-        a store that restarted empty lacks it until the peer puts it back (within a
-        heartbeat), so it is excluded, with the version waiting for it, and planned again at
-        the next publish."""
-        why = f"it has no record in the store now (tried again at the next publish): {err}"
-        handle.settle(sub.name, EXCLUDED, why)
-        if not sub.retired:
-            sub.error = why
-        if sub.waiting is not None:
-            sub.waiting[1].settle(sub.name, EXCLUDED, why)
-            sub.waiting = None
+    def _unrecorded(self, sub: Member, version: int, handle: Delivery, err: BaseException) -> None:
+        """With the lock held: a write of ``version`` to ``sub`` found no record of it in the
+        store. Not gone: a store that restarted empty lacks it until the peer puts it back
+        (within a heartbeat), so it is planned again until the version's deadline
+        (:meth:`_replan`), and then written."""
+        why = f"it has no record in the store now (tried again until the deadline): {err}"
+        if sub.retired:
+            handle.settle(sub.name, EXCLUDED, why)
+            return
+        sub.error, sub.transient = why, True
+        if sub.waiting is None:
+            sub.waiting = (version, handle, None)
+        else:  # a newer version waits for it already
+            handle.settle(sub.name, EXCLUDED, why)
 
     def _retired(self, gone: Retired) -> None:
         """With the lock held: the subclass's part of :meth:`_retire` (nothing by default)."""
@@ -240,16 +248,19 @@ class PublisherCore:
         self._handles.append(handle)
         start = []
         for sub in subs:
-            if sub.error:
-                handle.settle(sub.name, EXCLUDED, sub.error)
-                continue
             if sub.waiting is not None:  # a newer version supersedes the one that waited
-                why = f"{superseded} before version {version} replaced it"
+                why = sub.error or f"{superseded} before version {version} replaced it"
                 sub.waiting[1].settle(sub.name, EXCLUDED, why)
                 sub.waiting = None
+            if sub.error and not sub.transient:
+                handle.settle(sub.name, EXCLUDED, sub.error)
+                continue
             if sub.name in suspects:
                 why = f"{SUSPECT}{suspects[sub.name]} (tried again at the next publish)"
                 handle.settle(sub.name, EXCLUDED, why)
+                continue
+            if sub.error:  # planned again until the deadline (:meth:`_replan`)
+                sub.waiting = (version, handle, None)
                 continue
             start.append(sub)
         return handle, start
@@ -268,10 +279,43 @@ class PublisherCore:
             what = type(msg).__name__.lower()
             log.info("group %s: cannot send a %s message to %s: %s", self.group, what, peer, e)
 
+    def _replan(self) -> None:
+        """Worker tick: a member whose error may pass by itself (no record yet: a store that
+        restarted empty and is being filled again) and that a version waits for is planned
+        again every ``HELLO_AGAIN`` seconds, so that it takes that version within its deadline
+        instead of only the next one."""
+        now = time.monotonic()
+        with self._lock:
+            for sub in list(self._subs.values()):
+                if not (sub.error and sub.transient and sub.waiting is not None):
+                    continue
+                if now - sub.asked < HELLO_AGAIN:
+                    continue
+                sub.asked = now
+                try:
+                    new = self._roster.replan(sub)
+                except TransportError as e:  # the store: tried again at the next tick
+                    log.info("group %s: cannot plan %s again: %s", self.group, sub.name, e)
+                    continue
+                if new is None:
+                    continue
+                new.waiting, sub.waiting = sub.waiting, None
+                if new.generation != sub.generation:  # a newer incarnation took its place
+                    self._retire(Retired(sub, f"{replaced_why(sub, new.generation)}", lost=False))
+                else:  # the same incarnation: what it relays goes on under its name
+                    sub.retired = True
+                log.info("group %s: %s planned again; serving it", self.group, new.name)
+                self._resume(new)
+
+    def _resume(self, sub: Member) -> None:
+        """With the lock held: start the version ``sub`` waits for, or wait for its slot."""
+        raise NotImplementedError
+
     def _expire(self) -> float:
-        """Worker tick: what ran out is settled (:meth:`_deadlines`), and those that became
-        suspect while a publish waits for them at once (SuspectWatch); returns the seconds to
-        the next tick."""
+        """Worker tick: members planned again (:meth:`_replan`), what ran out is settled
+        (:meth:`_deadlines`), and those that became suspect while a publish waits for them at
+        once (SuspectWatch); returns the seconds to the next tick."""
+        self._replan()
         wait = self._deadlines()
         check = self._watch.tick()
         return wait if check is None else max(0.01, min(wait, check))

@@ -434,7 +434,7 @@ class WeightPublisher(PublisherCore):
         elif isinstance(err, PeerLostError):
             self._lost(sub, handle, err)
         elif isinstance(err, PeerNotFoundError):
-            self._unrecorded(sub, handle, err)
+            self._unrecorded(sub, version, handle, err)
         else:
             if sub.mode == "staging" and not sub.retired:
                 # Nothing was announced in the slot, but the subscriber may read it (a relay
@@ -443,7 +443,10 @@ class WeightPublisher(PublisherCore):
                 # at its deadline, but its notification may have been on its way).
                 self._worker.submit(lambda: self._ask_credits(sub, (slot, version)))
             handle.settle(sub.name, EXCLUDED, str(err))
-        if sub.waiting is not None and self._subs.get(sub.name) is sub:
+        self._resume(sub)
+
+    def _resume(self, sub: Member) -> None:
+        if sub.waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
             v, hnd, via = sub.waiting
             sub.waiting = None
             self._start(sub, v, hnd, via)
@@ -530,6 +533,7 @@ class WeightPublisher(PublisherCore):
                     sub.waiting is not None
                     and sub.mode == "staging"
                     and not sub.credits
+                    and not sub.error
                     and now - sub.asked > HELLO_AGAIN
                 ):
                     # No answer to our hello yet (it may have come when the subscriber could not

@@ -58,10 +58,10 @@ class Retired:
     lost: bool
 
 
-def replaced_why(old: Member, entry: Mapping[str, Any]) -> str:
-    """Why the member ``old`` was planned again from ``entry``."""
-    if entry["gen"] != old.generation:
-        return f"a newer incarnation of it (generation {entry['gen']}) joined"
+def replaced_why(old: Member, generation: int) -> str:
+    """Why the member ``old`` was planned again, as incarnation ``generation``."""
+    if generation != old.generation:
+        return f"a newer incarnation of it (generation {generation}) joined"
     if old.error:
         return f"it is planned again ({old.error})"
     return "it joined again with another group entry"
@@ -85,6 +85,9 @@ class Member:
         self.names: frozenset[str] = frozenset()
         self.batches: list[Batch] = []
         self.error = ""
+        # ``error`` may pass by itself (no record or connection yet: a store that restarted
+        # empty, a peer still starting): planned again while a version waits for it
+        self.transient = False
         self.vanished: float | None = None  # monotonic time its entry was found missing
         self.asked = time.monotonic()  # when we last said hello (asked for free slots)
         self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
@@ -141,6 +144,8 @@ class Member:
 
     def no_slot(self, version: int) -> str:
         """Why ``version`` found no slot free here within its deadline."""
+        if self.error:
+            return self.error
         if not self.fenced:
             return f"no free slot within the deadline of version {version} (a slow apply?)"
         cut = ", ".join(f"{r} (since version {v})" for r, v in sorted(self.fenced.values()))
@@ -196,13 +201,25 @@ class Roster:
     * an entry of a new name, generation or instance is planned (a subscriber that closed and
       one made after it on the same Transport are two members, whatever they take); a member
       whose entry was deleted (the epoch moved forward) left, and is dropped at once;
+    * every member incarnation it stops serving (left, or replaced by a newer incarnation of
+      its name) is returned by :meth:`refresh` as :class:`Retired`, and one whose peer was lost
+      goes through :meth:`lose`: the publisher settles what it held for it and hands back the
+      children it was to write, so nothing stays held for an incarnation that is gone;
     * a member that could not be planned (``error``: no record, no connection, a record of
       another generation, tensors that do not match) is planned again at every refresh while its
       entry is there: a record the store lost comes back, a connect that failed may succeed;
-    * when the epoch goes back, the store lost the group (it restarted empty): the members whose
-      entries vanished are kept, and served over their connections (which need no store), until
-      they join again (the same incarnation: nothing to plan) or for at most
-      ``liveness.stale_after(heartbeat_interval)`` seconds; after that they count as left;
+      one whose error may pass by itself (``transient``) is planned again (:meth:`replan`)
+      while a version waits for it, until that version's deadline;
+    * the store lost the group (it restarted empty) when the epoch goes back, or when the
+      publisher found its lease missing (``store_lost``: the joins after the restart may have
+      counted the epoch back up to the value read before): the members whose entries vanished
+      are kept, and served over their connections (which need no store), until they join again
+      (the same incarnation: nothing to plan) or for at most
+      ``liveness.stale_after(heartbeat_interval)`` seconds from that loss; after that they
+      count as left;
+    * a name whose incarnation was lost is skipped until an entry of a newer generation comes
+      (generations never repeat, even across a store that lost its counters: see
+      ``PeerDirectory.join``);
     * :meth:`suspects` reads each member's heartbeat: a suspect one (transport/peers/liveness.py) is
       left out of that publish at once, and tried again at the next.
     """
@@ -259,7 +276,7 @@ class Roster:
             if sub is None or sub.entry != fields or sub.error:  # any change: planned again
                 self.members[name] = self.plan(name, entry, sub)
                 if sub is not None:
-                    gone.append(Retired(sub, replaced_why(sub, entry), lost=False))
+                    gone.append(Retired(sub, replaced_why(sub, entry["gen"]), lost=False))
             else:
                 sub.vanished = None  # back in the group
         for name in check:
@@ -280,6 +297,22 @@ class Roster:
                 del self.members[name]
                 gone.append(Retired(sub, "it left the group", lost=False))
         return gone
+
+    def replan(self, sub: Member) -> Member | None:
+        """Plan ``sub`` again (its error may have passed) from its entry as the store holds it
+        now (a newer incarnation's, if one joined; the one it was planned from while the store
+        has none): the new Member in its place, or None (``sub.error`` then says why not, as
+        it is now). One store read, and a connect."""
+        entry = self.dir.entry(sub.name)
+        if entry is None or self.lost.get(sub.name, -1) >= entry["gen"]:
+            gen, inst, mode, slots, relay = sub.entry
+            entry = {"gen": gen, "inst": inst, "mode": mode, "slots": slots, "relay": relay}
+        new = self.plan(sub.name, entry, sub)
+        if new.error:
+            sub.error, sub.transient = new.error, new.transient
+            return None
+        self.members[sub.name] = new
+        return new
 
     def grace(self) -> float:
         """How long a member whose entry the store lost is served before it counts as left."""
@@ -308,13 +341,15 @@ class Roster:
             # regions, and one to an older incarnation is stale.
             conn = self.transport.core.peer(name, refresh=True)
         except TransportError as e:
-            sub.error = f"cannot connect (tried again at the next publish): {e}"
+            sub.error = f"cannot connect (tried again until the deadline): {e}"
+            sub.transient = True
             return sub
         if conn.generation != entry["gen"]:
             sub.error = (
                 f"its record is of generation {conn.generation}, its group entry of "
-                f"{entry['gen']} (tried again at the next publish)"
+                f"{entry['gen']} (tried again until the deadline)"
             )
+            sub.transient = True
             return sub
         exposed = exposed_slots(conn.regions, self.group)
         marked = inplace_mark(self.group) in conn.regions
@@ -383,7 +418,8 @@ class Roster:
         try:
             self.transport.core.send_control(sub.name, channel(self.group), encode(Hello()))
         except TransportError as e:
-            sub.error = f"cannot reach it (tried again at the next publish): {e}"
+            sub.error = f"cannot reach it (tried again until the deadline): {e}"
+            sub.transient = True
 
     def batches(self, key: frozenset[str], names: list[str], slots: int) -> list[Batch]:
         """The batches of ``names`` for slots 0 to ``slots - 1`` (checked and signed once: a

@@ -436,7 +436,7 @@ class ShardedPublisher(PublisherCore):
             self._lost(sub, handle, err)
             return
         if isinstance(err, PeerNotFoundError):
-            self._unrecorded(sub, handle, err)
+            self._unrecorded(sub, version, handle, err)
             return
         self._give_up(sub, version, slot)
         handle.settle(sub.name, EXCLUDED, f"{err}; {self._ranks.missing(version)}")
@@ -446,8 +446,11 @@ class ShardedPublisher(PublisherCore):
         abort = Abort(version=version, slot=slot)
         self._worker.submit(functools.partial(self._send, sub.name, abort))
 
+    def _resume(self, sub: Member) -> None:
+        self._next(sub)
+
     def _next(self, sub: Member) -> None:
-        if sub.waiting is not None and self._subs.get(sub.name) is sub:
+        if sub.waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
             v, hnd, _ = sub.waiting
             sub.waiting = None
             self._start(sub, v, hnd)
@@ -517,11 +520,13 @@ class ShardedPublisher(PublisherCore):
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None
-                    why = (
-                        f"the subscriber is not done with version {sub.last}; {self._ranks.missing(sub.last)}"
-                        if sub.last >= 0 and sub.settled < sub.last
-                        else "the subscriber never said which slots are free"
-                    )
+                    if sub.error:
+                        why = sub.error
+                    elif sub.last >= 0 and sub.settled < sub.last:
+                        missing = self._ranks.missing(sub.last)
+                        why = f"the subscriber is not done with version {sub.last}; {missing}"
+                    else:
+                        why = "the subscriber never said which slots are free"
                     hnd.settle(
                         sub.name,
                         EXCLUDED,
@@ -530,6 +535,7 @@ class ShardedPublisher(PublisherCore):
                 elif (
                     sub.waiting is not None
                     and sub.settled >= sub.last
+                    and not sub.error
                     and now - sub.asked > HELLO_AGAIN
                 ):
                     # no credit yet (our hello may have come before it could reach us): ask again
