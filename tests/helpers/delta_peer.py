@@ -134,6 +134,8 @@ def _child(
         "hold_patches": lambda: release.append(internals.hold_patches(sub)),
         # its record is not put back in a store that lost it (it goes on beating)
         "hold_record": lambda: release.append(internals.hold_record_restore(t)),
+        # its connections to peers that restarted stay (it has not noticed the restart yet)
+        "hold_restart_drops": lambda: release.append(internals.hold_restart_drops(t)),
         "release": lambda: release.pop()(),
     }
     serve(conn, handlers, lambda: (sub.close(), t.close()))
@@ -146,8 +148,9 @@ class DeltaSubscriber(ChildProcess):
     refused), ``received(version, timeout)`` (a window's receive), ``live`` (digests),
     ``counts``, ``state`` (version and applied version), ``hold_forwards`` (its relay keeps the
     forwards asked of it), ``hold_patches`` (it neither applies nor answers changes),
-    ``hold_record`` (its record is not put back in a store that lost it) and ``release`` (of
-    the last hold)."""
+    ``hold_record`` (its record is not put back in a store that lost it),
+    ``hold_restart_drops`` (it keeps its connections to peers that restarted) and ``release``
+    (of the last hold)."""
 
     def __init__(
         self,

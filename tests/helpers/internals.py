@@ -40,6 +40,20 @@ def drop_connection(t: transport.Transport, conn: PeerConn) -> None:
     t._peers.drop(conn)
 
 
+def hold_restart_drops(t: transport.Transport) -> Callable[[], None]:
+    """From now on ``t``'s housekeeping keeps its connections to peers that restarted (a
+    Transport that has not noticed a restart yet: its next message to the peer meets the
+    incarnation before); the returned call lets it drop them again."""
+    table = t._peers
+    original = table.drop_restarted
+    table.drop_restarted = lambda: None  # type: ignore[method-assign]
+
+    def release() -> None:
+        table.drop_restarted = original  # type: ignore[method-assign]
+
+    return release
+
+
 def plans(t: transport.Transport) -> list[Plan]:
     """The cached plans, least recently made first."""
     return t._plans.plans()

@@ -19,7 +19,9 @@ import transport
 from helpers import internals
 from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
 from helpers.polling import wait_until
+from helpers.processes import free_port
 from helpers.redis_server import RedisServer
+from helpers.ws_peer import MiB, PublisherProcess, SubscriberProcess, spec_of
 
 pytestmark = [pytest.mark.delta, pytest.mark.timeout(240)]
 
@@ -161,6 +163,12 @@ def test_a_child_restarted_while_its_relay_waits_for_its_answer(group):
         g.restart("gen-b")
         g.served()
         g.served()  # the relay's slot of the version its child never answered is free again
+    # restarted between two versions, before its relay noticed: the relay's connection is to
+    # the incarnation before, and its forward reaches the new one all the same
+    g.subs["gen-a"].call("hold_restart_drops")
+    g.restart("gen-b")
+    g.served()
+    g.served()
 
 
 @needs_own_redis
@@ -223,3 +231,43 @@ def test_subscribers_restarted_around_redis_restarts_are_served_and_an_outage_st
                 g.pub.close()
         finally:
             t.close()
+
+
+def test_a_trainer_hosting_the_embedded_store_restarted_serves_every_subscriber_again():
+    """The trainer hosts the embedded store (the default): killed, the store goes with it;
+    restarted under its name on the same address, it hosts an empty store, the subscribers put
+    their records and entries back, and its first version is done at every one of them, whole
+    (a chain of relays and a one-slot leaf)."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    spec = spec_of(2, MiB)
+    names = ["gen-a", "gen-b", "gen-z"]
+    first = PublisherProcess("trainer", url, spec, fanout="chain")  # the first opener hosts it
+    subs = [SubscriberProcess(n, url, spec, wait=False, slots=1 + (n != "gen-z")) for n in names]
+    second = None
+    try:
+        for s in subs:
+            s.started()
+        for version in (1, 2):
+            status, reasons = first.call("publish", version, float(version), 30.0, 60.0)
+            assert status == dict.fromkeys(names, "done"), reasons
+            for s in subs:
+                assert s.call("wait_for_version", version, 30) == version
+                assert s.call("apply") == version
+        first.kill()
+        second = PublisherProcess("trainer", url, spec, fanout="chain")  # an empty store
+
+        def back() -> bool:  # the group as the store shows it, read afresh
+            return second.call("refresh") == {} and set(second.call("subscribers")) == set(names)
+
+        wait_until(back, 30, "every subscriber's entry and record back in the store")
+        for version in (3, 4):
+            status, reasons = second.call("publish", version, float(version), 30.0, 60.0)
+            assert status == dict.fromkeys(names, "done"), reasons
+            for s in subs:
+                assert s.call("wait_for_version", version, 30) == version
+                assert s.call("apply") == version
+                assert s.call("live") == {n: (float(version),) * 2 for n in spec}
+    finally:
+        for child in [*subs, first, second]:
+            if child is not None:
+                child.stop()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from transport.errors import TransferTimeout
+from transport.errors import PeerLostError, TransferTimeout
 from transport.weights.group.messages import Begin, Piece, Segment, Ver, encode
 from transport.weights.group.regions import channel
 
@@ -110,9 +110,20 @@ class SegmentedWrite:
             raise TransferTimeout(f"the deadline of version {self.version} passed")
         return left
 
-    def begin(self) -> bool:
+    def begin(self, reconnect: bool = False) -> bool:
+        """Announce the write (``begin``); False if that failed (the write then ends with the
+        error). ``reconnect``: a peer found lost is looked up afresh and told once more, for a
+        writer that was handed the peer's newest incarnation by whoever planned the write (a
+        relay: the connection it holds may be to the incarnation before)."""
+        msg = encode(Begin(self.version, self.slot))
         try:
-            self.t.core.send_control(self.peer, self.chan, encode(Begin(self.version, self.slot)))
+            try:
+                self.t.core.send_control(self.peer, self.chan, msg)
+            except PeerLostError:
+                if not reconnect:
+                    raise
+                self.t.core.peer(self.peer, refresh=True)
+                self.t.core.send_control(self.peer, self.chan, msg)
         except Exception as e:
             self.fail(e)
             return False

@@ -35,6 +35,10 @@ from transport.weights.publishing.roster import (
 
 log = logging.getLogger("transport.weights")
 
+#: how long past a version's deadline the publisher settles whoever it still waits for, when
+#: nothing else did (the transfers' own deadlines report first)
+SWEEP_AFTER = 1.0
+
 _Core = TypeVar("_Core", bound="PublisherCore")
 
 
@@ -301,7 +305,7 @@ class PublisherCore:
                     continue
                 new.waiting, sub.waiting = sub.waiting, None
                 if new.generation != sub.generation:  # a newer incarnation took its place
-                    self._retire(Retired(sub, f"{replaced_why(sub, new.generation)}", lost=False))
+                    self._retire(Retired(sub, replaced_why(sub, new.generation), lost=False))
                 else:  # the same incarnation: what it relays goes on under its name
                     sub.retired = True
                 log.info("group %s: %s planned again; serving it", self.group, new.name)
@@ -324,16 +328,19 @@ class PublisherCore:
         raise NotImplementedError
 
     def _next_tick(self, now: float) -> float:
-        """With the lock held: settle whoever a handle past its deadline still waits for (the
-        subclass's :meth:`_deadlines` settled those it holds, with their reasons, first), drop
+        """With the lock held: settle whoever a handle still waits for ``SWEEP_AFTER`` seconds
+        past its deadline (the subclass's :meth:`_deadlines`, and the transfers' own deadlines,
+        settled those it holds with their reasons first; this is the net under them), drop
         the settled handles; the seconds to the nearest deadline (or to the next hello, while a
         member waits), 1 with nothing open."""
         for h in self._handles:
-            if h.deadline <= now:  # nobody was left to settle these (no member holds them)
+            if h.deadline + SWEEP_AFTER <= now:  # nobody was left to settle these
                 for name in sorted(h.pending):
                     h.settle(name, EXCLUDED, "no outcome within the deadline")
         self._handles = [h for h in self._handles if not h.done()]
-        deadlines = [h.deadline for h in self._handles]
+        deadlines = [
+            h.deadline if h.deadline > now else h.deadline + SWEEP_AFTER for h in self._handles
+        ]
         if any(s.waiting is not None for s in self._subs.values()):
             deadlines.append(now + HELLO_AGAIN)
         return max(0.01, min(deadlines) - now) if deadlines else 1.0

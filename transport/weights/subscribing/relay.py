@@ -12,6 +12,12 @@ complete here: the inbox's bytes into the child's inbox, and the child's ``patch
 forward; a child that refuses them, or a version that came here whole, is written whole. The
 publisher writes our inbox again only once every forward reading it has ended.
 
+A forward goes to the child's newest incarnation, the one the publisher planned from its group
+entry: a connection found lost at the forward's first message (a child that restarted before
+this relay noticed) is looked up afresh and told again, so that the loss of the incarnation
+before is never reported as the new one's. A forward of changes waiting for the child's
+``patched`` ends at its deadline too, so no slot here stays pinned for a child that is gone.
+
 Engine-thread entry points (``on_*``) only record and hand over to the subscriber's worker thread,
 where everything else runs, in order. The relay owns its state; what it needs of its subscriber
 comes through a :class:`RelayHost`, a handful of explicit calls.
@@ -291,7 +297,7 @@ class Relay:
             return
         if job.base >= 0:
             return  # its changes go once the version is complete here
-        if job.write.begin():
+        if job.write.begin(reconnect=True):
             for got in landed:
                 self.forward(job, got)
 
@@ -313,7 +319,7 @@ class Relay:
             why = f"version {job.version} is forwarded to {job.child} now (it restarted?)"
             self.end_changes(stale, TransportError(why))
         try:
-            if not job.write.begin():
+            if not job.write.begin(reconnect=True):
                 return
             h = self.t.core.put_control_at(
                 inbox[got.at : got.at + got.nbytes],
