@@ -89,6 +89,7 @@ def _child(
 ) -> None:
     import transport
 
+    landed: list[int] = []  # the versions that completed here, in order (on_update)
     try:
         t = transport.Transport(name, store=store, timeout=30, secret=secret)
         zeros = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in spec.items()}
@@ -96,7 +97,9 @@ def _child(
             sub: Any = transport.weights.WindowedSubscriber(t, zeros, group=group, delta=delta)
         else:
             extra = {"slots": slots} if mode == "staging" else {}
-            sub = transport.WeightSubscriber(t, zeros, group=group, delta=delta, mode=mode, **extra)
+            sub = transport.WeightSubscriber(
+                t, zeros, group=group, delta=delta, mode=mode, on_update=landed.append, **extra
+            )
     except BaseException as e:
         conn.send(("err", f"{type(e).__name__}: {e}"))
         return
@@ -129,6 +132,7 @@ def _child(
         "live": lambda: digests(sub.live),
         "counts": lambda: (sub.deltas.patched, sub.deltas.refused),
         "state": lambda: {"version": sub.version, "applied": sub.applied_version},
+        "landed": lambda: list(landed),
         # a relay that holds the forwards asked of it; a subscriber that holds its changes
         "hold_forwards": lambda: release.append(internals.hold_forwards(sub)),
         "hold_patches": lambda: release.append(internals.hold_patches(sub)),
@@ -146,7 +150,8 @@ class DeltaSubscriber(ChildProcess):
     tensors of ``spec`` (``mode="window"``: a WindowedSubscriber). Commands: ``applied(version,
     timeout)`` (digests before and after apply(), and the counts of versions patched and patches
     refused), ``received(version, timeout)`` (a window's receive), ``live`` (digests),
-    ``counts``, ``state`` (version and applied version), ``hold_forwards`` (its relay keeps the
+    ``counts``, ``state`` (version and applied version), ``landed`` (the versions completed here,
+    in order), ``hold_forwards`` (its relay keeps the
     forwards asked of it), ``hold_patches`` (it neither applies nor answers changes),
     ``hold_record`` (its record is not put back in a store that lost it),
     ``hold_restart_drops`` (it keeps its connections to peers that restarted) and ``release``

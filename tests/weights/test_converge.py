@@ -146,6 +146,32 @@ def test_a_relay_restarted_while_holding_a_forward_leaves_no_child_stuck(group, 
         assert set(r.patched) | set(r.via) == set(g.subs), (r.patched, r.via)
 
 
+def test_a_version_still_waiting_when_the_next_publish_begins_is_never_written_later(group):
+    """A child waits for a slot its restarted relay held; the trainer moves its tensors on to
+    the next version and publishes it before the older version reached the child. Handing the
+    slot back (at the next publish, when the roster meets the new relay) must not start the
+    older version then: the tensors hold the next version's bytes, which would land under the
+    older number. It is given up; the next version lands whole and exact."""
+    g = group("chain", True)
+    g.start("gen-a", "gen-b")
+    for _ in range(2):
+        g.served()
+    g.subs["gen-a"].call("hold_forwards")
+    r = g.publish(SHORT)
+    assert r.status == {"gen-a": "done", "gen-b": "excluded"}, r.reasons
+    g.version += 1
+    step(g.tensors, 0.02, seed=g.version)
+    older = g.version
+    waiting = g.pub.publish(older, timeout=30)  # gen-b waits for the slot gen-a has
+    wait_until(lambda: waiting.result.status.get("gen-a") == "done", 30, "gen-a done")
+    g.restart("gen-a")  # nothing in flight to it: the publisher learns at the next publish
+    g.served()  # the next version: its refresh hands gen-b's slot back
+    r = waiting.wait(60)
+    assert r.status["gen-b"] == "excluded", r.reasons
+    assert older not in g.subs["gen-b"].call("landed"), "written late, with the next bytes"
+    g.served()
+
+
 def test_a_child_restarted_while_its_relay_waits_for_its_answer(group):
     """A relay forwards a version's changes; its child holds them unanswered, is killed and
     restarted, twice in a row. The forward ends at its deadline, so the relay's slot is not

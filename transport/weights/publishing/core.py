@@ -220,15 +220,29 @@ class PublisherCore:
 
     # -- publishing ------------------------------------------------------------------------------
 
+    #: the newest version a publish began preparing: the tensors hold its bytes from then on,
+    #: so an older version still waiting for a slot is never started (its ``_begin`` gives it up)
+    _preparing = -1
+
     def _next_version(self, version: int | None) -> int:
-        """``version``, or the next one; TypeError or ValueError unless it moves forward."""
+        """``version``, or the next one, now being prepared; TypeError or ValueError unless it
+        moves forward."""
         if version is None:
-            return self.version + 1 if self.version >= 0 else 1
-        if not isinstance(version, int) or isinstance(version, bool):
+            version = self.version + 1 if self.version >= 0 else 1
+        elif not isinstance(version, int) or isinstance(version, bool):
             raise TypeError("version must be an int")
-        if version <= self.version:
+        elif version <= self.version:
             raise ValueError(f"versions only move forward: {version} after {self.version}")
+        with self._lock:
+            self._preparing = max(self._preparing, version)
         return version
+
+    def _startable(self, sub: Member, version: int, handle: Delivery) -> bool:
+        """With the lock held: whether ``version`` may still be written to ``sub`` from the
+        trainer's tensors: ``sub`` has no outcome of it yet (excluded while it waited, it
+        never is), and no newer version is being prepared (the tensors may hold its bytes
+        already; the newer one's begin gives this one up)."""
+        return handle.waits_for(sub.name) and version >= self._preparing
 
     def _begin(
         self, version: int, timeout: float, superseded: str

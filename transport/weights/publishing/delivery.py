@@ -188,6 +188,11 @@ class Delivery:
             callbacks, self.callbacks = self.callbacks, []
         self._call(callbacks)
 
+    def waits_for(self, name: str) -> bool:
+        """Whether ``name`` has no outcome yet."""
+        with self.cond:
+            return name in self.pending
+
     def done(self) -> bool:
         return not self.pending
 

@@ -279,7 +279,14 @@ class WeightPublisher(PublisherCore):
 
     def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
-        ``via`` write it), or wait for a free slot."""
+        ``via`` write it), or wait for a free slot; never once it is not :meth:`_startable`
+        (the tensors may hold the next version's bytes by then, which would land under this
+        version's number)."""
+        if not handle.waits_for(sub.name):
+            return
+        if not self._startable(sub, version, handle):
+            sub.waiting = (version, handle, via)  # given up by the next version's begin
+            return
         slot = sub.free_slot()
         if sub.busy is not None or slot is None:
             sub.waiting = (version, handle, via)
@@ -371,6 +378,10 @@ class WeightPublisher(PublisherCore):
                 if self._deltas is not None:  # None: delta was turned off since they were sent
                     self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._finished(sub, m.slot, m.version, handle, None)
+                return
+            if not self._startable(sub, m.version, handle):
+                why = f"it refused the changes of version {m.version} ({m.why}), and a newer one is on its way"
+                self._finished(sub, m.slot, m.version, handle, TransportError(why))
                 return
             log.info(
                 "group %s: %s refused the changes of version %d (%s); writing it whole",

@@ -511,4 +511,6 @@ class SuspectWatch:
                     log.info("group %s: %s excluded: %s", self.roster.group, sub.name, reason)
                     for h in live:
                         h.settle(sub.name, EXCLUDED, reason)
+                    if sub.waiting is not None and not sub.waiting[1].waits_for(sub.name):
+                        sub.waiting = None  # never started later, with the next one's bytes
         return self.interval

@@ -274,7 +274,13 @@ class ShardedPublisher(PublisherCore):
         return settled and (sub.mode == "inplace" or bool(sub.credits))
 
     def _start(self, sub: Member, version: int, handle: Delivery) -> None:
-        """With the lock held: begin ``version`` at ``sub`` now, or once it is ready."""
+        """With the lock held: begin ``version`` at ``sub`` now, or once it is ready; not once
+        ``sub`` has its outcome of it (the shards may hold the next version by now)."""
+        if not handle.waits_for(sub.name):
+            return
+        if not self._startable(sub, version, handle):
+            sub.waiting = (version, handle, None)  # given up by the next version's begin
+            return
         if sub.busy is not None or sub.acked is not None or not self._ready(sub):
             sub.waiting = (version, handle, None)
             return
@@ -354,6 +360,10 @@ class ShardedPublisher(PublisherCore):
                 if self._deltas is not None:  # None: delta was turned off since they were sent
                     self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._ended(sub, m.slot, m.version, p.handle, None)
+                return
+            if not self._startable(sub, m.version, p.handle):
+                why = f"it refused the changes of version {m.version} ({m.why}), and a newer one is on its way"
+                self._ended(sub, m.slot, m.version, p.handle, TransportError(why))
                 return
             log.info(
                 "group %s: %s refused rank %d's changes of version %d (%s); writing them whole",
