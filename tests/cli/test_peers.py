@@ -39,7 +39,8 @@ def test_lists_peers_with_regions_and_heartbeats():
             assert set(peers) == {"gen-0", "trainer"}
             assert peers["gen-0"]["regions"] == 2 and peers["gen-0"]["bytes"] == 4096 + 256
             assert (
-                peers["gen-0"]["generation"] == 1 and peers["gen-0"]["last_heartbeat"] is not None
+                peers["gen-0"]["generation"] == g.generation
+                and peers["gen-0"]["last_heartbeat"] is not None
             )
             table = cli("peers", "--store", store.url, "--namespace", "job")
             assert table.returncode == 0
@@ -58,10 +59,12 @@ def test_a_peer_whose_heartbeat_stopped_is_listed_as_suspect():
     interval it is given. The stopped heartbeat is written as a stopped process leaves it."""
     with TcpStore("127.0.0.1", 0, hosting="yes") as store:
         with (
-            transport.Transport("quiet", store=store, namespace="job", heartbeat_interval=3600),
+            transport.Transport(
+                "quiet", store=store, namespace="job", heartbeat_interval=3600
+            ) as quiet,
             transport.Transport("alive", store=store, namespace="job"),
         ):
-            Directory(store, "job", None).heartbeat("quiet", 1, at=time.time() - 120)
+            Directory(store, "job", None).heartbeat("quiet", quiet.generation, at=time.time() - 120)
             out = cli("peers", "--store", store.url, "--namespace", "job", "--json")
             assert out.returncode == 0, out.stderr
             peers = {p["name"]: p for p in json.loads(out.stdout)["peers"]}

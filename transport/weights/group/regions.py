@@ -1,5 +1,6 @@
 """The names of a group's regions (each subscriber's slots, the publisher's, the marks a record
-carries), its control channel, and the checks of the tensors a publisher or subscriber holds."""
+carries), its control channel (and telling a peer's newest incarnation on it), and the checks of
+the tensors a publisher or subscriber holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import torch
 
+from transport.errors import PeerLostError
 from transport.memory.local import check_tensor, dtype_name
 
 MODES = ("staging", "inplace")
@@ -118,6 +120,20 @@ def inbox_region(group: str) -> str:
 
 def channel(group: str) -> str:
     return f"ws/{group}"
+
+
+def tell_newest(transport: Any, peer: str, group: str, payload: bytes) -> None:
+    """Send ``payload`` on ``group``'s channel to the newest incarnation of ``peer``: when the
+    connection held is found lost (the peer restarted before this side noticed), the peer is
+    looked up afresh and told once more. Only for a message that vouches for nothing this side
+    wrote to the incarnation before (an answer to the peer's own message, the first message of
+    a write that the new incarnation was planned for): a bare message fails on a restarted
+    peer otherwise, as ``Transport.notify`` does."""
+    try:
+        transport.core.send_control(peer, channel(group), payload)
+    except PeerLostError:
+        transport.core.peer(peer, refresh=True)
+        transport.core.send_control(peer, channel(group), payload)
 
 
 def region(group: str, slot: int | str, name: str) -> str:

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from transport.errors import PeerLostError, TransferTimeout
+from transport.errors import TransferTimeout
 from transport.weights.group.messages import Begin, Piece, Segment, Ver, encode
-from transport.weights.group.regions import channel
+from transport.weights.group.regions import channel, region, tell_newest
 
 log = logging.getLogger("transport.weights")
 
@@ -53,6 +53,25 @@ def segments(tensors: Mapping[str, torch.Tensor], seg_bytes: int = SEGMENT_BYTES
     return bounds
 
 
+def segment_batches(
+    tensors: Mapping[str, torch.Tensor], group: str, slot: int, seg_bytes: int = SEGMENT_BYTES
+) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+    """The segments of ``tensors`` (a peer's names in sorted order) for its ``slot``: each
+    segment's first and end index and its batch (the peer's region names as keys)."""
+    names = sorted(tensors)
+    bounds = segments(tensors, seg_bytes)
+    return [
+        (a, b, {region(group, slot, n): tensors[n] for n in names[a:b]})
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+def piece_bytes(transport: Any, seg_bytes: int) -> int:
+    """How large the pieces of a tensor over ``seg_bytes`` are: as large as the Transport cuts
+    a transfer over its lanes, so that pipelining never costs the lanes."""
+    return max(seg_bytes, transport.lane_bytes if transport.lanes > 1 else 0)
+
+
 class SegmentedWrite:
     """Writes one version into one slot of a peer in segments, as they become ready: each
     segment is posted at once (announced by a ``seg`` message when the peer relays); the last one
@@ -72,7 +91,7 @@ class SegmentedWrite:
         submit: Callable[[Callable[[], Any]], None],
         done: Callable[[BaseException | None], Any],
     ) -> None:
-        self.t, self.peer, self.chan = transport, peer, channel(group)
+        self.t, self.peer, self.group, self.chan = transport, peer, group, channel(group)
         self.version, self.slot, self.deadline, self.announce = version, slot, deadline, announce
         self.submit, self.done = submit, done
         self._lock = threading.Lock()
@@ -117,12 +136,9 @@ class SegmentedWrite:
         relay: the connection it holds may be to the incarnation before)."""
         msg = encode(Begin(self.version, self.slot))
         try:
-            try:
-                self.t.core.send_control(self.peer, self.chan, msg)
-            except PeerLostError:
-                if not reconnect:
-                    raise
-                self.t.core.peer(self.peer, refresh=True)
+            if reconnect:
+                tell_newest(self.t, self.peer, self.group, msg)
+            else:
                 self.t.core.send_control(self.peer, self.chan, msg)
         except Exception as e:
             self.fail(e)

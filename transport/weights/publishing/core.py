@@ -326,7 +326,16 @@ class PublisherCore:
                 self._resume(new)
 
     def _resume(self, sub: Member) -> None:
-        """With the lock held: start the version ``sub`` waits for, or wait for its slot."""
+        """With the lock held: start the version ``sub`` waits for (:meth:`_start`), if it is
+        still a member and can be served."""
+        if sub.waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
+            version, handle, via = sub.waiting
+            sub.waiting = None
+            self._start(sub, version, handle, via)
+
+    def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
+        """With the lock held: write ``version`` to ``sub`` now (or have relay ``via`` write
+        it), or wait until it can be (``sub.waiting``); the subclass defines it."""
         raise NotImplementedError
 
     def _expire(self) -> float:

@@ -46,7 +46,12 @@ from transport.weights.group.regions import (
     inbox_region,
     region,
 )
-from transport.weights.group.segments import SEGMENT_BYTES, SegmentedWrite, segments
+from transport.weights.group.segments import (
+    SEGMENT_BYTES,
+    SegmentedWrite,
+    piece_bytes,
+    segment_batches,
+)
 from transport.weights.group.seqword import SeqWord
 from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.publishing.core import PublisherCore
@@ -397,12 +402,8 @@ class WeightPublisher(PublisherCore):
         forwards while the rest is still on its way (see ``transport.weights.group``)."""
         segs = sub.segments.get(slot)
         if segs is None:
-            names = sorted(sub.names)
-            bounds = segments({n: self._sources[n] for n in names}, self._segment_bytes)
-            segs = sub.segments[slot] = [
-                (a, b, {region(self.group, slot, n): self._sources[n] for n in names[a:b]})
-                for a, b in zip(bounds, bounds[1:], strict=False)
-            ]
+            mine = {n: self._sources[n] for n in sub.names}
+            segs = sub.segments[slot] = segment_batches(mine, self.group, slot, self._segment_bytes)
         write = SegmentedWrite(
             self.transport,
             sub.name,
@@ -417,10 +418,7 @@ class WeightPublisher(PublisherCore):
             ),
         )
         if write.begin():
-            # pieces as large as the Transport cuts over lanes: pipelining must not cost the lanes
-            lanes_on = self.transport.lanes > 1
-            step = max(self._segment_bytes, self.transport.lane_bytes if lanes_on else 0)
-            write.post(segs, self._segment_bytes, step)
+            write.post(segs, self._segment_bytes, piece_bytes(self.transport, self._segment_bytes))
 
     def _on_written(
         self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
@@ -455,12 +453,6 @@ class WeightPublisher(PublisherCore):
                 self._worker.submit(lambda: self._ask_credits(sub, (slot, version)))
             handle.settle(sub.name, EXCLUDED, str(err))
         self._resume(sub)
-
-    def _resume(self, sub: Member) -> None:
-        if sub.waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
-            v, hnd, via = sub.waiting
-            sub.waiting = None
-            self._start(sub, v, hnd, via)
 
     def _ask_credits(self, sub: Member, given_up: tuple[int, int] | None = None) -> None:
         """Ask ``sub`` which slots are free: ``hello``, or ``abort`` of ``given_up``, (slot, version)."""
@@ -517,10 +509,8 @@ class WeightPublisher(PublisherCore):
             ):
                 return  # unknown, or sent before it saw our latest version (it may name the busy slot)
             sub.credits = {s for s in slots if 0 <= s < sub.slots}
-            if sub.waiting is not None and sub.busy is None:
-                v, hnd, via = sub.waiting
-                sub.waiting = None
-                self._start(sub, v, hnd, via)
+            if sub.busy is None:
+                self._resume(sub)
 
     def _deadlines(self) -> float:
         """Subscribers still waiting for a slot at their deadline are excluded; forwards a

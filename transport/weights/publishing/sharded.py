@@ -273,9 +273,10 @@ class ShardedPublisher(PublisherCore):
         settled = sub.settled >= sub.last
         return settled and (sub.mode == "inplace" or bool(sub.credits))
 
-    def _start(self, sub: Member, version: int, handle: Delivery) -> None:
+    def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: begin ``version`` at ``sub`` now, or once it is ready; not once
-        ``sub`` has its outcome of it (the shards may hold the next version by now)."""
+        ``sub`` has its outcome of it (the shards may hold the next version by now). ``via`` is
+        always None: a rank writes every subscriber itself."""
         if not handle.waits_for(sub.name):
             return
         if not self._startable(sub, version, handle):
@@ -450,20 +451,11 @@ class ShardedPublisher(PublisherCore):
             return
         self._give_up(sub, version, slot)
         handle.settle(sub.name, EXCLUDED, f"{err}; {self._ranks.missing(version)}")
-        self._next(sub)
+        self._resume(sub)
 
     def _give_up(self, sub: Member, version: int, slot: int) -> None:
         abort = Abort(version=version, slot=slot)
         self._worker.submit(functools.partial(self._send, sub.name, abort))
-
-    def _resume(self, sub: Member) -> None:
-        self._next(sub)
-
-    def _next(self, sub: Member) -> None:
-        if sub.waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
-            v, hnd, _ = sub.waiting
-            sub.waiting = None
-            self._start(sub, v, hnd)
 
     def _heard(self, sub: Member) -> None:
         """With the lock held: settle the version ``sub`` completed or gave up, and begin the next."""
@@ -480,7 +472,7 @@ class ShardedPublisher(PublisherCore):
                     f"version {version} was given up there; {self._ranks.missing(version)}",
                 )
         if sub.acked is None:
-            self._next(sub)
+            self._resume(sub)
 
     # -- messages ----------------------------------------------------------------------------------
 
@@ -526,7 +518,7 @@ class ShardedPublisher(PublisherCore):
                         f"version {version} did not complete within the deadline; "
                         f"{self._ranks.missing(version)}",
                     )
-                    self._next(sub)
+                    self._resume(sub)
                 if sub.waiting is not None and sub.waiting[1].deadline <= now:
                     v, hnd, _ = sub.waiting
                     sub.waiting = None

@@ -16,7 +16,6 @@ from transport._closing import Closing
 from transport._transport import Transport
 from transport.errors import (
     ClosedError,
-    PeerLostError,
     TransferTimeout,
     TransportError,
     VersionGoneError,
@@ -42,6 +41,7 @@ from transport.weights.group.regions import (
     channel,
     inbox_region,
     slot_regions,
+    tell_newest,
 )
 from transport.weights.group.seqword import read_stable
 from transport.weights.group.withdraw import leftovers, withdraw
@@ -336,15 +336,10 @@ class WeightSubscriber(Closing):
             if self.relay:  # it forwards them as they are
                 self._relay.on_changes(m.version, m.base, m.at, m.nbytes)
             self._on_version(peer, m.version, m.slot)
-        reply = encode(Patched(m.version, m.slot, why[:512]))
-        try:
-            try:
-                self.transport.core.send_control(peer, channel(self.group), reply)
-            except PeerLostError:
-                # the changes came from an incarnation of ``peer`` newer than the one we last
-                # reached (a relay that restarted): that one waits for the answer
-                self.transport.core.peer(peer, refresh=True)
-                self.transport.core.send_control(peer, channel(self.group), reply)
+        try:  # to the incarnation that sent them (a relay may have restarted since we last wrote)
+            tell_newest(
+                self.transport, peer, self.group, encode(Patched(m.version, m.slot, why[:512]))
+            )
         except TransportError as e:
             log.info("could not tell %s what became of version %d: %s", peer, m.version, e)
 
