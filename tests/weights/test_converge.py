@@ -270,15 +270,21 @@ def test_a_trainer_hosting_the_embedded_store_restarted_serves_every_subscriber_
     first = PublisherProcess("trainer", url, spec, fanout="chain")  # the first opener hosts it
     subs = [SubscriberProcess(n, url, spec, wait=False, slots=1 + (n != "gen-z")) for n in names]
     second = None
+
+    def served(trainer, version):
+        """``version`` (every element holds it) is done everywhere, whole after apply()."""
+        status, reasons = trainer.call("publish", version, float(version), 30.0, 60.0)
+        assert status == dict.fromkeys(names, "done"), reasons
+        for s in subs:
+            assert s.call("wait_for_version", version, 30) == version
+            assert s.call("apply") == version
+            assert s.call("live") == {n: (float(version),) * 2 for n in spec}
+
     try:
         for s in subs:
             s.started()
         for version in (1, 2):
-            status, reasons = first.call("publish", version, float(version), 30.0, 60.0)
-            assert status == dict.fromkeys(names, "done"), reasons
-            for s in subs:
-                assert s.call("wait_for_version", version, 30) == version
-                assert s.call("apply") == version
+            served(first, version)
         first.kill()
         second = PublisherProcess("trainer", url, spec, fanout="chain")  # an empty store
 
@@ -287,12 +293,7 @@ def test_a_trainer_hosting_the_embedded_store_restarted_serves_every_subscriber_
 
         wait_until(back, 30, "every subscriber's entry and record back in the store")
         for version in (3, 4):
-            status, reasons = second.call("publish", version, float(version), 30.0, 60.0)
-            assert status == dict.fromkeys(names, "done"), reasons
-            for s in subs:
-                assert s.call("wait_for_version", version, 30) == version
-                assert s.call("apply") == version
-                assert s.call("live") == {n: (float(version),) * 2 for n in spec}
+            served(second, version)
     finally:
         for child in [*subs, first, second]:
             if child is not None:
