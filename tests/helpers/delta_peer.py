@@ -138,6 +138,9 @@ def _child(
         "hold_patches": lambda: release.append(internals.hold_patches(sub)),
         # its record is not put back in a store that lost it (it goes on beating)
         "hold_record": lambda: release.append(internals.hold_record_restore(t)),
+        # its group entry is not put back in a store that lost it
+        "hold_entry": lambda: release.append(internals.hold_entry_checks(sub)),
+        "unknown_senders": lambda: internals.unknown_senders(sub),
         # its connections to peers that restarted stay (it has not noticed the restart yet)
         "hold_restart_drops": lambda: release.append(internals.hold_restart_drops(t)),
         "release": lambda: release.pop()(),
@@ -154,8 +157,9 @@ class DeltaSubscriber(ChildProcess):
     in order), ``hold_forwards`` (its relay keeps the
     forwards asked of it), ``hold_patches`` (it neither applies nor answers changes),
     ``hold_record`` (its record is not put back in a store that lost it),
-    ``hold_restart_drops`` (it keeps its connections to peers that restarted) and ``release``
-    (of the last hold)."""
+    ``hold_restart_drops`` (it keeps its connections to peers that restarted), ``hold_entry``
+    (its group entry is not put back in a store that lost it), ``unknown_senders`` (those whose
+    messages it holds until the store knows them) and ``release`` (of the last hold)."""
 
     def __init__(
         self,

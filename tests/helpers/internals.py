@@ -303,6 +303,25 @@ def hold_patches(sub: transport.WeightSubscriber) -> Callable[[], int]:
     return release
 
 
+def hold_entry_checks(sub: transport.WeightSubscriber) -> Callable[[], None]:
+    """From now on the subscriber does not put its group entry back in a store that lost it;
+    the returned call lets it do so again."""
+    directory = sub._dir
+    original = directory.check_in
+    directory.check_in = lambda *args, **kwargs: ""  # type: ignore[method-assign]
+
+    def release() -> None:
+        directory.check_in = original  # type: ignore[method-assign]
+
+    return release
+
+
+def unknown_senders(sub: transport.WeightSubscriber) -> list[str]:
+    """The senders whose messages the subscriber holds until the store knows them."""
+    with sub._upstream._lock:
+        return sorted(sub._upstream._unknown)
+
+
 def busy_gpu(cycles: int) -> None:
     """A GPU kernel that keeps the current stream busy for about ``cycles`` clock cycles."""
     torch.cuda._sleep(cycles)  # sync-ok: a GPU kernel that orders the stream, no host wait

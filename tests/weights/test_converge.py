@@ -298,3 +298,44 @@ def test_a_trainer_hosting_the_embedded_store_restarted_serves_every_subscriber_
         for child in [*subs, first, second]:
             if child is not None:
                 child.stop()
+
+
+@needs_own_redis
+def test_a_relay_the_store_does_not_know_yet_is_heard_once_it_does(children):
+    """After Redis restarted empty, a relay forwards to a child that never heard from it
+    before, while the relay's group entry is not back yet. The child holds its messages until
+    the store names it a relay (they were dropped before, and the child never completed the
+    version its relay reported written: every later one then found no free slot there)."""
+    with RedisServer() as redis:
+        url = redis.url(0)
+        t = transport.Transport("trainer", store=url, timeout=30, secret=SECRET)
+        try:
+            g = Group(t, url, "chain", True, children)
+            try:
+                g.start("gen-a", "gen-b", "gen-c")
+                for _ in range(2):
+                    g.served()
+                g.subs.pop("gen-b").kill()  # gen-c goes under gen-a, which it never heard from
+                assert g.publish().status["gen-b"] == "lost"
+                g.subs["gen-a"].call("hold_entry")
+                redis.restart()
+                wait_until(
+                    lambda: internals.group_entry(t, "policy", "gen-c") is not None,
+                    30,
+                    "gen-c's entry back",
+                )
+
+                def heard_later():  # gen-c holds gen-a's messages; then gen-a's entry is back
+                    wait_until(
+                        lambda: "gen-a" in g.subs["gen-c"].call("unknown_senders"),
+                        30,
+                        "gen-c holding gen-a's messages",
+                    )
+                    g.subs["gen-a"].call("release")
+
+                g.served(meanwhile=heard_later)
+                g.served()
+            finally:
+                g.pub.close()
+        finally:
+            t.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +23,10 @@ Handler = Callable[[str, bytes], None]
 REFRESH_S = 2.0
 #: how long a sender that could not be checked (the store failed) is refused before another try
 RETRY_S = 0.5
+#: how long the messages of a sender the store does not know yet are held, checked again every
+#: RETRY_S: a store that restarted empty shows a relay's entry, or the publisher's lease, again
+#: within a heartbeat or a publish; a version's ``ver`` dropped meanwhile would be lost for good
+UNKNOWN_HOLD_S = 5.0
 #: messages held while their sender is checked: per sender, and in all; past either, refused
 MAX_HELD_PER_SENDER = 256
 MAX_HELD = 1024
@@ -44,6 +49,11 @@ class Upstream:
       leases and the sender's group entry (a few reads). While a sender's messages are held,
       its later ones are held behind them, so they are handled in order, on the worker, if the
       store names it the publisher or a relay (it is believed from then on);
+    * a sender the store does not know yet (no entry of it, or no lease at all: a store that
+      restarted empty and is being filled again), or that it could not be read about, keeps
+      its messages held and is checked again every :data:`RETRY_S` seconds for up to
+      :data:`UNKNOWN_HOLD_S` (a relay's ``ver`` dropped while its entry is missing would cost
+      the version for good, though its relay reports it written);
     * a sender the store names neither is refused, whatever name it gave: its held messages
       and every message it sends for the next :data:`REFRESH_S` seconds (:data:`RETRY_S` when
       the store could not be read) are dropped at once, on the engine thread, with no store
@@ -86,6 +96,8 @@ class Upstream:
         self._held_count = 0
         self._refused: OrderedDict[str, float] = OrderedDict()  # sender -> refused until
         self._next_refresh = 0.0
+        # senders the store did not know yet -> (when to check again, when to give up, handler)
+        self._unknown: dict[str, tuple[float, float, Handler]] = {}
         self.refused = 0
 
     def admit(self, peer: str, payload: bytes, handle: Handler) -> None:
@@ -126,9 +138,21 @@ class Upstream:
         return first
 
     def _check(self, peer: str, handle: Handler) -> None:
-        """Worker: is ``peer`` upstream? Then its held messages are handled, in order; else they
-        are dropped and it is refused for a while."""
+        """Worker: is ``peer`` upstream? Then its held messages are handled, in order; if the
+        store does not know it yet, they stay held and it is checked again; else they are
+        dropped and it is refused for a while."""
         verdict = True if peer in self._believed else self._is_upstream(peer)
+        if verdict is None:
+            now = time.monotonic()
+            with self._lock:
+                _, give_up, _ = self._unknown.get(peer, (0.0, now + UNKNOWN_HOLD_S, handle))
+                if now < give_up:
+                    self._unknown[peer] = (now + RETRY_S, give_up, handle)
+                    return
+                del self._unknown[peer]
+        else:
+            with self._lock:
+                self._unknown.pop(peer, None)
         if verdict:
             while True:  # messages that come meanwhile are held behind these
                 with self._lock:
@@ -166,18 +190,20 @@ class Upstream:
 
     def _is_upstream(self, peer: str) -> bool | None:
         """Worker: whether the store names ``peer`` as the publisher or a relay (and if so, it is
-        believed from now on); None if the store could not be read."""
+        believed from now on); None if the store could not be read, or does not know ``peer``
+        yet (no entry of it, or no lease at all: a store filled again after a restart)."""
         try:
             found = self._leases.read(marks=True)
             world, leases = found.world, found.leases
             ranks = {lease.name: r for r, lease in leases.items()}
             publishers = frozenset(ranks)
-            relay = peer not in publishers and self._is_relay(peer)
+            entry = None if peer in publishers else self._dir.entry(peer)
         except TransportError as e:
             log.info("group %s: cannot check sender %s: %s", self._group, peer, e)
             return None
+        relay = entry is not None and bool(entry["relay"])
         if peer not in publishers and not relay:
-            return False
+            return None if entry is None or not leases else False
         with self._lock:
             if peer in publishers:
                 self._publishers, self._ranks, self.world = publishers, ranks, world
@@ -197,11 +223,23 @@ class Upstream:
         return entry is not None and bool(entry["relay"])
 
     def refresh(self) -> float:
-        """Worker tick: rebuild the believed set when it is due; seconds until the next."""
+        """Worker tick: check again the senders the store did not know yet when they are due;
+        rebuild the believed set when it is due; seconds until the next."""
         now = time.monotonic()
-        if now < self._next_refresh:
-            return self._next_refresh - now
-        self._next_refresh = now + REFRESH_S
+        with self._lock:
+            due = [(p, h) for p, (at, _, h) in self._unknown.items() if at <= now]
+        for peer, handle in due:
+            self._check(peer, handle)
+        if now >= self._next_refresh:
+            self._next_refresh = now + REFRESH_S
+            self._rebuild()
+        with self._lock:
+            soonest = min((at for at, _, _ in self._unknown.values()), default=math.inf)
+        return max(0.01, min(self._next_refresh, soonest) - now)
+
+    def _rebuild(self) -> None:
+        """Worker: the believed set from the store's leases and the entries of the relays
+        believed so far."""
         try:
             found = self._leases.read(marks=True)
             world, leases = found.world, found.leases
@@ -209,7 +247,7 @@ class Upstream:
             relays = {n for n in self._relays if self._is_relay(n)}
         except TransportError as e:
             log.info("group %s: cannot read the group's publisher and relays: %s", self._group, e)
-            return REFRESH_S
+            return
         with self._lock:
             # a store that lost the group (a Redis restarted empty) names nobody: until the
             # publisher and relays write themselves back, those we knew stay believed
@@ -219,4 +257,3 @@ class Upstream:
             if relays or leases:
                 self._relays = frozenset(relays)
             self._believed = self._publishers | self._relays
-        return REFRESH_S
