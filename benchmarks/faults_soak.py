@@ -5,8 +5,9 @@ have no faults. Each subscriber applies every version it can and checks every el
 against what that version must hold (element i of tensor k at version N is the int32 bit pattern
 ``base + (N + phase) // 50``, base and phase hashes of i and k: 2% of the elements change per
 version). Printed: versions published and checked, mismatches, each subscriber's newest version
-against the trainer's, the convergence time after the last fault, the publishes after recovery that
-waited out their deadline, and the exclusion reasons.
+against the trainer's, the longest stretch a subscriber went without a new version (a state that
+heals only at a later fault shows here), the convergence time after the last fault, the publishes
+after recovery that waited out their deadline, and the exclusion reasons.
 
     python benchmarks/faults_soak.py --duration 60 --calm 20 --seed 1 --log /tmp/soak/1.jsonl
     python benchmarks/faults_soak.py --store embedded --fanout direct --no-delta --json r.json
@@ -339,7 +340,12 @@ def summarize(soak: Soak, pubs: list[dict[str, Any]]) -> dict[str, Any]:
     for n in NAMES:
         applied = [r for r in reps[n] if "v" in r]
         reasons = collections.Counter(short(p["reasons"][n]) for p in after if n in p["reasons"])
+        times = [r["t"] for r in applied]
         subs[n] = {
+            # the longest stretch without a new version (a kill or a freeze costs about 6 s)
+            "longest_gap_s": max(
+                (b - a for a, b in zip(times, times[1:], strict=False)), default=None
+            ),
             "newest_applied": applied[-1]["v"] if applied else None,
             "behind": last_v - applied[-1]["v"] if applied else None,
             "incarnations": len({r["pid"] for r in reps[n]}),
@@ -367,6 +373,7 @@ def summarize(soak: Soak, pubs: list[dict[str, Any]]) -> dict[str, Any]:
         "last_fault_end_s": fault_end,
         "first_version_after": first,
         "convergence_s": "never" if conv is None else conv,
+        "longest_gap_s": max((x["longest_gap_s"] or 0.0 for x in subs.values()), default=0.0),
         "deadline_outs_after_recovery": sum(p["deadline"] for p in calm),
         "publishes_after_recovery": len(calm),
         "subscribers": subs,
@@ -386,12 +393,13 @@ def print_report(r: dict[str, Any]) -> None:
         f"convergence after the last fault: {r['convergence_s']} s (every subscriber at version "
         f">= {r['first_version_after']}); after recovery {r['deadline_outs_after_recovery']} of "
         f"{r['publishes_after_recovery']} publishes waited out their deadline",
+        f"the longest stretch a subscriber went without a new version: {r['longest_gap_s']:.1f} s",
     ]
     for n, s in r["subscribers"].items():
         lines.append(
             f"  {n}: newest applied {s['newest_applied']} (behind {s['behind']}), "
             f"{s['incarnations']} incarnation(s), the last ready at {s['last_ready_s']} s, "
-            f"{s['checks']} checks, {s['bad']} bad; after "
+            f"{s['checks']} checks, {s['bad']} bad, longest gap {s['longest_gap_s']} s; after "
             f"the last fault {dict(s['status_after_last_fault'])}"
         )
         lines += [f"    {c:5d}  {why}" for why, c in s["reasons_after_last_fault"].items()]

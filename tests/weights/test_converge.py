@@ -12,6 +12,7 @@ tensor) on a small mixture-of-experts model (helpers/delta_peer.py)."""
 from __future__ import annotations
 
 import shutil
+import signal
 
 import pytest
 
@@ -169,6 +170,30 @@ def test_a_version_still_waiting_when_the_next_publish_begins_is_never_written_l
     r = waiting.wait(60)
     assert r.status["gen-b"] == "excluded", r.reasons
     assert older not in g.subs["gen-b"].call("landed"), "written late, with the next bytes"
+    g.served()
+
+
+def test_a_child_waiting_on_a_frozen_relay_takes_the_next_version_from_the_publisher(group):
+    """A relay freezes with a child's slot in hand (it missed the deadline of that version);
+    the next version waits for the child. Once the relay is suspect, the publisher fences that
+    slot and writes the waiting version itself, into the slot the child lends: the child, alive
+    and idle, is done within the deadline instead of waiting it out for its relay."""
+    g = group("chain", True)
+    g.start("gen-a", "gen-b")
+    for _ in range(2):
+        g.served()
+    g.subs["gen-a"].signal(signal.SIGSTOP)
+    try:
+        r = g.publish(2.0)  # before gen-a is suspect: gen-b's slot stays gen-a's
+        assert r.status == {"gen-a": "excluded", "gen-b": "excluded"}, r.reasons
+        r = g.publish(30.0)
+        assert r.status == {"gen-a": "excluded", "gen-b": "done"}, r.reasons
+        assert r.reasons["gen-a"].startswith("suspect"), r.reasons
+    finally:
+        g.subs["gen-a"].signal(signal.SIGCONT)
+    t = g.pub.transport
+    wait_until(lambda: {i.name: i for i in t.peers()}["gen-a"].suspect is None, 30, "gen-a beating")
+    g.served()
     g.served()
 
 

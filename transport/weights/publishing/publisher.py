@@ -61,6 +61,7 @@ from transport.weights.publishing.delivery import (
     Delivery,
     PublishHandle,
 )
+from transport.weights.publishing.handover import Handover
 from transport.weights.publishing.pack import Pack
 from transport.weights.publishing.roster import (
     Member,
@@ -73,7 +74,7 @@ from transport.weights.publishing.roster import (
 log = logging.getLogger("transport.weights")
 
 
-class WeightPublisher(PublisherCore):
+class WeightPublisher(Handover, PublisherCore):
     """Publishes ``named_tensors`` to every subscriber of ``group``.
 
     Subscribers are found through the store (one read per publish notices joins and leaves). For
@@ -247,40 +248,6 @@ class WeightPublisher(PublisherCore):
         ):
             return None
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
-
-    def _release_children(self, relay: str, why: str) -> None:
-        """With the lock held: the incarnation of ``relay`` that was asked to forward cannot
-        write any more (it is gone: ``why``); the slots it was to write, or that stayed fenced
-        for it, are the publisher's again, what it did not forward is excluded (the child is
-        told the slot's version was given up), and a version waiting to go through it is
-        written by the publisher."""
-        for sub in list(self._subs.values()):
-            sub.unfence(relay)
-            if sub.waiting is not None and sub.waiting[2] == relay:
-                sub.waiting = (sub.waiting[0], sub.waiting[1], None)
-            if sub.relay == relay and sub.busy is not None and sub.relay_handle is not None:
-                # (its outcome may be settled already, at its deadline: the slot stayed the
-                # relay's until now)
-                err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
-                self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
-
-    def _close_gap(self, sub: Member, why: str) -> bool:
-        """With the lock held (SuspectWatch): ``sub``'s relay became suspect while it was to
-        write ``sub``. The slot it was given stays fenced (the relay may have posted into it,
-        and what it posted may still land), and the publisher writes the version itself into
-        the slot ``sub`` hands back on ``lend`` (its applied newest version's), within the same
-        deadline. False when there is no time left or a newer version waits for ``sub``."""
-        handle, relay, slot, version = sub.relay_handle, sub.relay, sub.busy, sub.writing
-        if handle is None or relay is None or slot is None or sub.waiting is not None:
-            return False
-        if sub.name not in handle.pending or handle.deadline <= time.monotonic():
-            return False
-        sub.fenced[slot] = (relay, version)
-        sub.busy, sub.relay, sub.relay_handle = None, None, None
-        handle.result.via.pop(sub.name, None)
-        log.info("group %s: %s; writing %s directly", self.group, why, sub.name)
-        self._start(sub, version, handle)
-        return True
 
     def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
@@ -474,28 +441,6 @@ class WeightPublisher(PublisherCore):
             # only a member relays; a relay that floods the worker may lose a report (the
             # child's slot then stays the relay's until it leaves or is lost)
             self._worker.offer(lambda: self._on_relayed(peer, m))
-
-    def _on_relayed(self, relay: str, report: Report) -> None:
-        """A relay's report on one forward: the child's slot is the publisher's again."""
-        version, child, outcome, why = report.version, report.child, report.outcome, report.why
-        with self._lock:
-            sub = self._subs.get(child)
-            if sub is not None:
-                sub.unfence(relay, version)
-            if (
-                sub is None
-                or sub.relay != relay
-                or sub.writing != version
-                or sub.busy is None
-                or sub.relay_handle is None
-            ):
-                return
-            err: TransportError | None = None
-            if outcome == "lost":
-                err = PeerLostError(f"relay {relay} lost it: {why}", child)
-            elif outcome:
-                err = TransportError(f"relay {relay} could not forward version {version}: {why}")
-            self._finished(sub, sub.busy, version, sub.relay_handle, err)
 
     def _on_credit(self, peer: str, credit: Credit) -> None:
         slots, newest = credit.slots, credit.newest
