@@ -75,11 +75,17 @@ class Group:
 
         def back():
             names = {i.name for i in t.peers()}
-            return all(
-                n in names and internals.group_entry(t, "policy", n) is not None for n in self.subs
-            )
+            return all(n in names and self.has_entry(n) for n in self.subs)
 
         wait_until(back, 30, "every subscriber's record and group entry back in the store")
+
+    def has_entry(self, name):
+        """Whether the store holds subscriber ``name``'s group entry."""
+        return internals.group_entry(self.pub.transport, "policy", name) is not None
+
+    def entry_back(self, name):
+        """Once the store restarted empty: ``name`` has put its group entry back."""
+        wait_until(lambda: self.has_entry(name), 30, f"{name}'s group entry back")
 
     def publish(self, timeout=30.0, meanwhile=lambda: None):
         """The next version (``meanwhile()`` runs while it is in flight); its result. Every
@@ -118,6 +124,27 @@ def group(tcp_store, children):
     for t, g in made:
         g.pub.close()
         t.close()
+
+
+@pytest.fixture
+def redis_group(children):
+    """``make(fanout)``: a Redis server of the test's own (to restart empty) and a Group (delta)
+    of a trainer on it; both closed at the end. Returns (server, group)."""
+    made = []
+
+    def make(fanout):
+        redis = RedisServer()
+        url = redis.url(0)
+        t = transport.Transport("trainer", store=url, timeout=30, secret=SECRET)
+        g = Group(t, url, fanout, True, children)
+        made.append((redis, t, g))
+        return redis, g
+
+    yield make
+    for redis, t, g in made:
+        g.pub.close()
+        t.close()
+        redis.stop()
 
 
 @pytest.mark.parametrize(
@@ -224,64 +251,51 @@ def test_a_child_restarted_while_its_relay_waits_for_its_answer(group):
 
 @needs_own_redis
 def test_subscribers_restarted_around_redis_restarts_are_served_and_an_outage_stops_no_publish(
-    children,
+    redis_group,
 ):
     """Redis (no persistence) restarts empty around subscriber restarts: a subscriber killed
     before a restart and started after it (the store lost its generation counter with it), one
     killed while Redis is down and started once it is back, one restarted just before a restart.
     Each is served by the next version. While Redis is down, publishes go on to every
     subscriber the publisher knows."""
-    with RedisServer() as redis:
-        url = redis.url(0)
-        t = transport.Transport("trainer", store=url, timeout=30, secret=SECRET)
-        try:
-            g = Group(t, url, "direct", True, children)
-            try:
-                g.start("gen-a", "gen-b", "gen-c")
-                g.start("gen-z", slots=1)
-                for _ in range(2):
-                    g.served()
-                # killed before the restart, started after it
-                g.subs["gen-c"].kill()
-                r = g.publish()
-                assert r.status["gen-c"] == "lost", r.reasons
-                redis.restart()
-                g.start("gen-c")
-                g.store_back()
-                g.served()
-                # killed while the store is down; publishes go on to the others meanwhile
-                redis.stop()
-                g.subs["gen-b"].kill()
-                r = g.publish()
-                live = {"gen-a": "done", "gen-c": "done", "gen-z": "done"}
-                assert r.status == {**live, "gen-b": "lost"}, r.reasons
-                r = g.publish()  # the lost one is dropped until a newer incarnation joins
-                assert r.status == live, r.reasons
-                redis.restart()
-                g.start("gen-b")
-                g.store_back()
-                g.served()
-                # restarted just before a restart of the store; published to right after it
-                g.restart("gen-a")
-                g.served()
-                redis.restart()
-                g.served()
-                # a new incarnation whose record is not back when a publish plans it (its
-                # group entry is): planned again until the deadline, served by that version
-                g.restart("gen-b")
-                g.subs["gen-b"].call("hold_record")
-                redis.restart()
-                wait_until(
-                    lambda: internals.group_entry(t, "policy", "gen-b") is not None,
-                    30,
-                    "gen-b's group entry back",
-                )
-                g.served(meanwhile=lambda: g.subs["gen-b"].call("release"))
-                g.served()
-            finally:
-                g.pub.close()
-        finally:
-            t.close()
+    redis, g = redis_group("direct")
+    g.start("gen-a", "gen-b", "gen-c")
+    g.start("gen-z", slots=1)
+    for _ in range(2):
+        g.served()
+    # killed before the restart, started after it
+    g.subs["gen-c"].kill()
+    r = g.publish()
+    assert r.status["gen-c"] == "lost", r.reasons
+    redis.restart()
+    g.start("gen-c")
+    g.store_back()
+    g.served()
+    # killed while the store is down; publishes go on to the others meanwhile
+    redis.stop()
+    g.subs["gen-b"].kill()
+    r = g.publish()
+    live = {"gen-a": "done", "gen-c": "done", "gen-z": "done"}
+    assert r.status == {**live, "gen-b": "lost"}, r.reasons
+    r = g.publish()  # the lost one is dropped until a newer incarnation joins
+    assert r.status == live, r.reasons
+    redis.restart()
+    g.start("gen-b")
+    g.store_back()
+    g.served()
+    # restarted just before a restart of the store; published to right after it
+    g.restart("gen-a")
+    g.served()
+    redis.restart()
+    g.served()
+    # a new incarnation whose record is not back when a publish plans it (its
+    # group entry is): planned again until the deadline, served by that version
+    g.restart("gen-b")
+    g.subs["gen-b"].call("hold_record")
+    redis.restart()
+    g.entry_back("gen-b")
+    g.served(meanwhile=lambda: g.subs["gen-b"].call("release"))
+    g.served()
 
 
 def test_a_trainer_hosting_the_embedded_store_restarted_serves_every_subscriber_again():
@@ -326,41 +340,28 @@ def test_a_trainer_hosting_the_embedded_store_restarted_serves_every_subscriber_
 
 
 @needs_own_redis
-def test_a_relay_the_store_does_not_know_yet_is_heard_once_it_does(children):
+def test_a_relay_the_store_does_not_know_yet_is_heard_once_it_does(redis_group):
     """After Redis restarted empty, a relay forwards to a child that never heard from it
     before, while the relay's group entry is not back yet. The child holds its messages until
     the store names it a relay (they were dropped before, and the child never completed the
     version its relay reported written: every later one then found no free slot there)."""
-    with RedisServer() as redis:
-        url = redis.url(0)
-        t = transport.Transport("trainer", store=url, timeout=30, secret=SECRET)
-        try:
-            g = Group(t, url, "chain", True, children)
-            try:
-                g.start("gen-a", "gen-b", "gen-c")
-                for _ in range(2):
-                    g.served()
-                g.subs.pop("gen-b").kill()  # gen-c goes under gen-a, which it never heard from
-                assert g.publish().status["gen-b"] == "lost"
-                g.subs["gen-a"].call("hold_entry")
-                redis.restart()
-                wait_until(
-                    lambda: internals.group_entry(t, "policy", "gen-c") is not None,
-                    30,
-                    "gen-c's entry back",
-                )
+    redis, g = redis_group("chain")
+    g.start("gen-a", "gen-b", "gen-c")
+    for _ in range(2):
+        g.served()
+    g.subs.pop("gen-b").kill()  # gen-c goes under gen-a, which it never heard from
+    assert g.publish().status["gen-b"] == "lost"
+    g.subs["gen-a"].call("hold_entry")
+    redis.restart()
+    g.entry_back("gen-c")
 
-                def heard_later():  # gen-c holds gen-a's messages; then gen-a's entry is back
-                    wait_until(
-                        lambda: "gen-a" in g.subs["gen-c"].call("unknown_senders"),
-                        30,
-                        "gen-c holding gen-a's messages",
-                    )
-                    g.subs["gen-a"].call("release")
+    def heard_later():  # gen-c holds gen-a's messages; then gen-a's entry is back
+        wait_until(
+            lambda: "gen-a" in g.subs["gen-c"].call("unknown_senders"),
+            30,
+            "gen-c holding gen-a's messages",
+        )
+        g.subs["gen-a"].call("release")
 
-                g.served(meanwhile=heard_later)
-                g.served()
-            finally:
-                g.pub.close()
-        finally:
-            t.close()
+    g.served(meanwhile=heard_later)
+    g.served()
