@@ -237,12 +237,24 @@ class PublisherCore:
             self._preparing = max(self._preparing, version)
         return version
 
-    def _startable(self, sub: Member, version: int, handle: Delivery) -> bool:
-        """With the lock held: whether ``version`` may still be written to ``sub`` from the
-        trainer's tensors: ``sub`` has no outcome of it yet (excluded while it waited, it
-        never is), and no newer version is being prepared (the tensors may hold its bytes
-        already; the newer one's begin gives this one up)."""
-        return handle.waits_for(sub.name) and version >= self._preparing
+    def _superseded(self, version: int) -> bool:
+        """With the lock held: whether a newer version than ``version`` is being prepared (the
+        tensors may hold its bytes already: ``version`` is no longer written from them)."""
+        return version < self._preparing
+
+    def _may_start(
+        self, sub: Member, version: int, handle: Delivery, via: str | None = None
+    ) -> bool:
+        """With the lock held: whether :meth:`_start` may write ``version`` to ``sub`` from the
+        trainer's tensors now. Not once ``sub`` has its outcome of it (excluded while it
+        waited: dropped), nor while a newer version is being prepared (it keeps waiting, and
+        the newer one's begin gives it up)."""
+        if not handle.waits_for(sub.name):
+            return False
+        if self._superseded(version):
+            sub.waiting = (version, handle, via)
+            return False
+        return True
 
     def _begin(
         self, version: int, timeout: float, superseded: str

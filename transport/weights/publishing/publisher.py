@@ -251,13 +251,10 @@ class WeightPublisher(Handover, PublisherCore):
 
     def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
-        ``via`` write it), or wait for a free slot; never once it is not :meth:`_startable`
+        ``via`` write it), or wait for a free slot; never unless :meth:`_may_start`
         (the tensors may hold the next version's bytes by then, which would land under this
         version's number)."""
-        if not handle.waits_for(sub.name):
-            return
-        if not self._startable(sub, version, handle):
-            sub.waiting = (version, handle, via)  # given up by the next version's begin
+        if not self._may_start(sub, version, handle, via):
             return
         slot = sub.free_slot()
         if sub.busy is not None or slot is None:
@@ -351,7 +348,7 @@ class WeightPublisher(Handover, PublisherCore):
                     self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._finished(sub, m.slot, m.version, handle, None)
                 return
-            if not self._startable(sub, m.version, handle):
+            if self._superseded(m.version):
                 why = f"it refused the changes of version {m.version} ({m.why}), and a newer one is on its way"
                 self._finished(sub, m.slot, m.version, handle, TransportError(why))
                 return

@@ -277,10 +277,7 @@ class ShardedPublisher(PublisherCore):
         """With the lock held: begin ``version`` at ``sub`` now, or once it is ready; not once
         ``sub`` has its outcome of it (the shards may hold the next version by now). ``via`` is
         always None: a rank writes every subscriber itself."""
-        if not handle.waits_for(sub.name):
-            return
-        if not self._startable(sub, version, handle):
-            sub.waiting = (version, handle, None)  # given up by the next version's begin
+        if not self._may_start(sub, version, handle):
             return
         if sub.busy is not None or sub.acked is not None or not self._ready(sub):
             sub.waiting = (version, handle, None)
@@ -362,7 +359,7 @@ class ShardedPublisher(PublisherCore):
                     self._deltas.policy.wrote(True, time.monotonic() - sub.started)
                 self._ended(sub, m.slot, m.version, p.handle, None)
                 return
-            if not self._startable(sub, m.version, p.handle):
+            if self._superseded(m.version):
                 why = f"it refused the changes of version {m.version} ({m.why}), and a newer one is on its way"
                 self._ended(sub, m.slot, m.version, p.handle, TransportError(why))
                 return
