@@ -14,7 +14,7 @@ from helpers.llama import checkpoint_tensors, hf_model, set_version
 
 def _child(conn: Any, name: str, store: str, kind: str, group: str, names: str, parts: int) -> None:
     import transport
-    from transport.integrations.vllm.streamed import part_group
+    from transport.integrations.vllm.modes.streamed import part_group
     from transport.weights import ShardedPublisher, SourceLayout
 
     try:

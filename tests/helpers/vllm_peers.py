@@ -165,7 +165,7 @@ def _engine_state(worker: Any) -> dict[str, Any]:
 
 def _skip_tied(worker: Any, skip: bool) -> None:
     from transport.integrations.vllm import reload
-    from transport.integrations.vllm import worker as module
+    from transport.integrations.vllm.modes import loading as module
 
     def direct_but_head(model: Any, targets: dict[str, Any], tensors: Any) -> None:
         """The sharded mode's load, but the output head (tied to the embedding) takes nothing."""
@@ -184,7 +184,7 @@ def _fall_back(worker: Any, names: list[str]) -> None:
     vLLM's loader, as if the replay could not map them (and whatever shares a parameter with
     them, by the layout's own rule)."""
     from transport.integrations.vllm import shards
-    from transport.integrations.vllm import worker as module
+    from transport.integrations.vllm.modes import choice as module
 
     def learn(model: Any, spec: Any) -> Any:
         reasons = dict.fromkeys(names, "the test asked for it")
@@ -240,7 +240,7 @@ def _pub_child(
     from safetensors.torch import load_file
 
     import transport
-    from transport.integrations.vllm.streamed import part_group
+    from transport.integrations.vllm.modes.streamed import part_group
     from transport.weights import ShardedPublisher, SourceLayout
 
     try:

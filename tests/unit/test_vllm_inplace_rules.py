@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transport.integrations.vllm.inplace import live_tensors, refusals
+from transport.integrations.vllm.modes.inplace import live_tensors, refusals
 from transport.integrations.vllm.shards import Target, WorkerLayout
 from transport.weights import DestTensor, Piece
 

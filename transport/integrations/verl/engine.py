@@ -18,6 +18,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from transport import Transport
+from transport.integrations.setup import connect
 from transport.store.tcp import TcpStore
 from transport.weights.buckets.buckets import Assembler
 from transport.weights.buckets.changes import PieceCopies
@@ -141,19 +142,13 @@ class TransportCheckpointEngine(CheckpointEngine):
 
     def _join(self, url: str) -> Transport:
         if self.transport is None:
-            try:
-                self.transport = Transport(
-                    self.name,
-                    store=url,
-                    namespace=self.namespace,
-                    secret=os.environ.get("TRANSPORT_SECRET") or None,
-                )
-            except Exception as e:
-                raise type(e)(
-                    f"transport checkpoint engine {self.name} could not join store {url}: {e} "
-                    "(check engine_kwargs.transport.store or $TRANSPORT_STORE, and that trainer "
-                    "rank 0 is up when it hosts the store)"
-                ) from e
+            self.transport = connect(
+                self.name,
+                store=url,
+                namespace=self.namespace,
+                hint="check engine_kwargs.transport.store or $TRANSPORT_STORE, and that trainer "
+                "rank 0 is up when it hosts the store",
+            )
             self.inbox = Inbox(self.transport)
         return self.transport
 

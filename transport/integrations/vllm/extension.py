@@ -14,8 +14,39 @@ import dataclasses
 from typing import Any
 
 
+def install_adapter(worker: Any, update_info: dict[str, Any]) -> int | None:
+    """On one vLLM worker: install the version of a LoRA adapter that ``update_info`` names
+    (``{"adapter": ..., "version": ..., "timeout": ...}``; see modes/lora.py). Offline,
+    ``llm.collective_rpc(install_adapter, args=(update_info,))`` runs it on every worker
+    without a worker extension."""
+    return _engine(worker).update_adapter(update_info)
+
+
+def remove_adapter(worker: Any, adapter: str) -> bool:
+    """On one vLLM worker: take ``adapter`` out of vLLM and leave its group."""
+    return _engine(worker).remove_adapter(adapter)
+
+
+def _engine(worker: Any) -> Any:
+    engine = getattr(getattr(worker, "worker", worker), "weight_transfer_engine", None)
+    if engine is None or not hasattr(engine, "update_adapter"):
+        raise RuntimeError(
+            "this vLLM worker has no transport weight-transfer engine: start vLLM with "
+            '--weight-transfer-config \'{"backend": "transport"}\''
+        )
+    return engine
+
+
 class TransportState:
     """Mixed into vLLM's worker class by vLLM (it owns nothing; it reads the worker's engine)."""
+
+    def transport_adapter_update(self, update_info: dict[str, Any]) -> int | None:
+        """:func:`install_adapter` on this worker (``POST /collective_rpc`` on a server)."""
+        return install_adapter(self, update_info)
+
+    def transport_adapter_remove(self, adapter: str) -> bool:
+        """:func:`remove_adapter` on this worker."""
+        return remove_adapter(self, adapter)
 
     def transport_state(self) -> dict[str, Any] | None:
         """This worker's engine state as JSON-ready values (None without the transport backend)."""

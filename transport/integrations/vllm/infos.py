@@ -10,9 +10,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from transport.integrations.vllm.checkpoint import NAMES
+from transport.integrations.vllm.lora_spec import AdapterConfig
 
-#: environment variable holding the namespace secret (never sent through vLLM's APIs)
-SECRET_ENV = "TRANSPORT_SECRET"
 #: the version a worker reports after an update that did not reach every layer
 TORN = -2
 #: what a worker may receive: chosen, its TP slice in vLLM's format (staged, or straight into
@@ -79,7 +78,14 @@ class TransportInitInfo(WeightTransferInitInfo):
     changes (a quarter of the bytes it receives), so that a trainer publishing with ``delta``
     sends only what changed in this worker's slice (sharded and in place; streamed and whole
     workers take versions whole). The secret, if the namespace has one, comes from
-    ``$TRANSPORT_SECRET`` in vLLM's environment, never from this message."""
+    ``$TRANSPORT_SECRET`` in vLLM's environment, never from this message.
+
+    ``adapter`` makes this the init of one named LoRA adapter instead of the base model's group
+    (modes/lora.py): ``rank``, ``alpha``, ``targets`` and ``rslora`` are its config
+    (lora_spec.AdapterConfig), ``group`` carries its versions. An init of an adapter joins or
+    replaces that adapter alone (the base group and other adapters are left as they are); its
+    secret comes from ``$TRANSPORT_SECRET_<NAMESPACE>`` when set (one per tenant), else from
+    ``$TRANSPORT_SECRET``."""
 
     store: str
     namespace: str = "default"
@@ -93,8 +99,17 @@ class TransportInitInfo(WeightTransferInitInfo):
     staging_slots: int | None = None
     names: str = "model"
     delta: bool = False
+    adapter: str | None = None
+    rank: int = 0
+    alpha: float = 0.0
+    targets: list[str] = field(default_factory=list)
+    rslora: bool = False
 
     def __post_init__(self) -> None:
+        if self.adapter is not None:
+            if not isinstance(self.adapter, str) or not self.adapter:
+                raise ValueError("transport init_info: adapter must be a non-empty string")
+            self.adapter_config()  # refuses a bad rank, alpha or targets, naming it
         if not isinstance(self.delta, bool):
             raise ValueError(f"transport init_info: delta is true or false, got {self.delta!r}")
         if self.names not in NAMES:
@@ -133,6 +148,15 @@ class TransportInitInfo(WeightTransferInitInfo):
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise ValueError(f"transport init_info: timeout must be > 0 s, got {self.timeout!r}")
 
+    def adapter_config(self) -> AdapterConfig:
+        """The adapter's config (for an init with ``adapter``)."""
+        targets = self.targets if isinstance(self.targets, list) else [self.targets]
+        return AdapterConfig(self.rank, self.alpha, tuple(sorted(targets)), bool(self.rslora))
+
+    def adapter_key(self) -> tuple[Any, ...]:
+        """What identifies an adapter's init: the same again is a no-op."""
+        return (self.store, self.namespace, self.group, self.timeout, self.adapter_config())
+
 
 @dataclass
 class TransportUpdateInfo(WeightTransferUpdateInfo):
@@ -140,11 +164,14 @@ class TransportUpdateInfo(WeightTransferUpdateInfo):
     one; the trainer side always names it), or the newest complete one when None. ``timeout``
     bounds the wait for it; past it the update fails and vLLM keeps its weights.
     ``abandon=True`` drops a version an earlier update call held whose ``finish_weight_update``
-    never came (its trainer died): the finish that follows then loads nothing."""
+    never came (its trainer died): the finish that follows then loads nothing. ``adapter``
+    names the LoRA adapter whose version is installed (through the worker extension's
+    ``transport_adapter_update``, not vLLM's update phases: see modes/lora.py)."""
 
     version: int | None = None
     timeout: float = 60.0
     abandon: bool = False
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.version is not None and (
@@ -184,6 +211,27 @@ class EngineState:
     parts: int
     staging_bound: int = 0
     experts: dict[str, list[int]] = field(default_factory=dict)
+    adapters: dict[str, AdapterState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """One LoRA adapter of a worker: its ``namespace`` and ``group``, the LoRA ``lora_id`` vLLM
+    serves it under, ``version``, the version installed (None: none yet), ``registered``,
+    whether vLLM's registry holds it now (vLLM drops every adapter at the end of its own weight
+    updates), the newest ``complete`` version in staging, ``version_bytes`` (what this worker
+    receives of a version: its TP slices) and its ``rank``, ``alpha`` and ``targets``."""
+
+    namespace: str
+    group: str
+    lora_id: int
+    version: int | None
+    registered: bool
+    complete: int | None
+    version_bytes: int
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
 
 
 def parse(cls: Any, given: Any, what: str) -> Any:

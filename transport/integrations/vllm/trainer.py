@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -15,10 +14,11 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from transport import PublishResult, Transport, TransportError, WeightPublisher
+from transport.integrations.setup import choose_publisher, connect
 from transport.integrations.vllm.checkpoint import NAMES
-from transport.integrations.vllm.infos import OPEN, SECRET_ENV, mode_key, update_key
+from transport.integrations.vllm.infos import OPEN, mode_key, update_key
+from transport.integrations.vllm.modes.streamed import part_group
 from transport.integrations.vllm.plugin import BACKEND
-from transport.integrations.vllm.streamed import part_group
 from transport.weights import ShardedPublisher, SourceLayout
 
 log = logging.getLogger("transport.vllm")
@@ -179,43 +179,24 @@ class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):
             if len(dtypes) == 1:
                 init_info = replace(init_info, dtype=str(dtypes.pop()).removeprefix("torch."))
                 engine.info = init_info
-        t = Transport(
+        t = connect(
             f"{init_info.name}-r{init_info.rank}" if sharded else init_info.name,
             store=init_info.store,
             namespace=init_info.namespace,
-            secret=os.environ.get(SECRET_ENV) or None,
             timeout=init_info.timeout,
+            hint="the store of the trainer's init info",
         )
         try:
-            if init_info.layout is not None:
-                engine.publisher = ShardedPublisher(
-                    t,
-                    engine.tensors,
-                    init_info.layout,
-                    init_info.rank,
-                    group=init_info.group,
-                    delta=init_info.delta,
-                )
-            elif init_info.fanout == "direct":
-                # one rank holding every tensor whole: it writes each worker only what the
-                # worker declared it keeps (its TP slice), or whole tensors to a whole worker
-                engine.publisher = ShardedPublisher(
-                    t,
-                    engine.tensors,
-                    SourceLayout.single(engine.tensors),
-                    0,
-                    group=init_info.group,
-                    delta=init_info.delta,
-                )
-            else:
-                engine.publisher = WeightPublisher(
-                    t,
-                    engine.tensors,
-                    group=init_info.group,
-                    fanout=init_info.fanout,
-                    degree=init_info.degree,
-                    delta=init_info.delta,
-                )
+            engine.publisher = choose_publisher(
+                t,
+                engine.tensors,
+                group=init_info.group,
+                layout=init_info.layout,
+                rank=init_info.rank,
+                fanout=init_info.fanout,
+                degree=init_info.degree,
+                delta=init_info.delta,
+            )
             engine.transport = t
             if engine.is_sender:
                 client.init_weight_transfer_engine(init_info.worker_info())
@@ -476,6 +457,17 @@ class OfflineClient:
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def install_adapter(self, update_info: dict[str, Any]) -> list[int | None]:
+        """Every worker installs the adapter version ``update_info`` names (extension.py's
+        ``install_adapter``; no worker extension needed in process); then the prefix cache is
+        reset (its blocks under the adapter's id hold the previous version's keys and values).
+        The versions each worker installed."""
+        from transport.integrations.vllm.extension import install_adapter
+
+        installed = self.llm.collective_rpc(install_adapter, args=(update_info,))
+        self.llm.reset_prefix_cache()
+        return list(installed)
 
 
 class HTTPClient(HTTPVLLMWeightSyncClient):

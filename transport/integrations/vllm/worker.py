@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from transport import Transport, TransportError, VersionGoneError, WeightSubscriber
+from transport import Transport, TransportError, VersionGoneError
+from transport.integrations.setup import connect
 from transport.integrations.vllm import experts
 from transport.integrations.vllm.checkpoint import checkpoint_spec
 from transport.integrations.vllm.infos import (
     CLOSED,
     OPEN,
-    SECRET_ENV,
     TORN,
     EngineState,
     TransportInitInfo,
@@ -29,59 +27,43 @@ from transport.integrations.vllm.infos import (
     torn_mark,
     update_key,
 )
-from transport.integrations.vllm.inplace import live_tensors, refusals
-from transport.integrations.vllm.reload import (
-    direct_loaders,
-    load_direct,
-    load_tied,
-    tied_parameters,
-    unloaded_layers,
-)
-from transport.integrations.vllm.room import Room, staging_room
-from transport.integrations.vllm.shards import WorkerLayout, learn, spec_of, whole
-from transport.integrations.vllm.streamed import Stream
-from transport.weights import Snapshot, WindowedSubscriber
+from transport.integrations.vllm.modes.base import Mode, TornModel, Worker
+from transport.integrations.vllm.modes.choice import choose
+from transport.integrations.vllm.modes.inplace import InPlace
+from transport.integrations.vllm.modes.lora import Adapters
+from transport.integrations.vllm.reload import tied_parameters
+from transport.integrations.vllm.room import staging_room
 
 log = logging.getLogger("transport.vllm")
 
 
 class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInfo]):
-    """One vLLM worker's receiver. It owns a Transport and a staging WeightSubscriber of the
-    trainer's group, whose tensors depend on the mode (chosen at init and logged with why):
+    """One vLLM worker's receiver. It owns a Transport and one mode (modes/), chosen at init and
+    logged with why, which owns the subscriber of the trainer's group:
 
-    * **sharded**: this worker's own parameters in vLLM's format (its TP slice of every column-
-      and row-parallel weight, its part of fused q/k/v and gate/up, whole replicated tensors),
-      declared as a layout over the checkpoint tensors that :mod:`.shards` learned by replaying
-      vLLM's loader once; the trainer writes it only those bytes. Checkpoint tensors the replay
-      could not map travel whole and go through vLLM's loader (named in the log).
-    * **inplace**: the sharded layout, received straight into the parameters vLLM computes
-      with (a :class:`~transport.weights.WindowedSubscriber`: no staging memory), only where
-      every parameter is used as stored (:mod:`.inplace`: vLLM's GPU builds, unquantized).
-    * **streamed**: the sharded layout in parts through two buckets of half the staging bound
-      (:mod:`.streamed`), loaded into one layerwise reload inside ``finish_weight_update``.
-    * **whole**: every checkpoint tensor whole (names, shapes, dtypes that transformers builds
-      from vLLM's config on the meta device); vLLM's loader fuses and shards them.
+    * **sharded** (modes/staged.py): this worker's own parameters in vLLM's format into staging
+      copies (its TP slice of every column- and row-parallel weight, its part of fused q/k/v and
+      gate/up, whole replicated tensors), declared as a layout over the checkpoint tensors that
+      shards.py learned by replaying vLLM's loader once; checkpoint tensors the replay could not
+      map travel whole and go through vLLM's loader (named in the log).
+    * **inplace** (modes/inplace.py): the sharded layout straight into the parameters vLLM
+      computes with, only where every parameter is used as stored.
+    * **streamed** (modes/streamed.py): the sharded layout in parts through two buckets of half
+      the staging bound, loaded into one layerwise reload inside ``finish_weight_update``.
+    * **whole** (modes/staged.py): every checkpoint tensor whole; vLLM's loader fuses and shards
+      them.
 
     Rules:
 
-    * A version is loaded only once it is complete, from the staging slot the publisher does not
-      write while it is held; ``update_weights`` waits for it and holds it, and
+    * A version is loaded only once it is complete, from where the publisher does not write
+      while it is held; ``update_weights`` waits for it and holds it, and
       ``finish_weight_update`` loads it: the model and the version vLLM reports change in the
       same call, so a trainer that dies between the two leaves vLLM serving the weights it
       reports. An update that finds no complete version (timeout) fails and changes nothing.
-    * Loading is vLLM's layerwise reload (each layer materialized, loaded, processed as after
-      vLLM's own load, copied into the tensors the model computes with), inside one worker call,
-      so no engine step sees half-loaded weights. If it cannot reach every layer, finish fails
-      naming them and the worker reports ``TORN`` (-2) until a whole version loads.
-    * Staging is one or two copies of what the worker receives, within ``staging_gb``, or
-      without it within the memory free on the staging device after vLLM's own (room.py); with one,
-      the next version is written only after the last one was loaded (or dropped).
-    * In place and streamed, publishers write only inside ``finish_weight_update`` (no engine
-      step runs meanwhile), the version ``update_weights`` named; the model and the version
-      reported change in that call. A version that does not complete there after part of it
-      reached the model (its trainer died mid-write) leaves the model torn: finish fails saying
-      so and the worker reports ``TORN`` (-2) until a later version lands whole. vLLM's ``/weight_info`` keeps naming the last
-      finished version meanwhile (vLLM gives a worker no way to change it).
+    * Loading is vLLM's layerwise reload inside one worker call, so no engine step sees
+      half-loaded weights. A version that reached only part of the model (a layer the loader
+      missed, a trainer that died mid-stream or mid-write in place) fails the finish naming it,
+      and the worker reports ``TORN`` (-2) until a whole version loads.
     * From ``start_weight_update`` until a finish succeeds or an update call fails (vLLM's own
       flag), the worker marks an update open in the store (:func:`update_key`), so that a
       trainer can close one its predecessor left open without provoking vLLM's error.
@@ -97,24 +79,33 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.transport: Transport | None = None
-        self.subscriber: WeightSubscriber | None = None
         self.info: TransportInitInfo | None = None
-        #: the staging bound chosen at init
-        self.room: Room | None = None
-        self.layout: WorkerLayout | None = None
-        #: "sharded" or "whole", once initialized
-        self.mode: str | None = None
+        #: how this worker receives versions of its group, once initialized
+        self.receiver: Mode | None = None
         #: the version the model holds (-1: the weights it started with)
         self.version = -1
-        self._held: contextlib.ExitStack | None = None
-        self._snapshot: Snapshot | None = None
-        self._tied: dict[str, str] = {}
         #: per MoE layer, the experts this worker receives (see experts.received)
         self._experts: dict[str, list[int]] = {}
-        self.stream: Stream | None = None
-        #: in place or streamed: the update a finish receives
-        self._wanted: TransportUpdateInfo | None = None
+        #: the LoRA adapters this worker serves from memory (modes/lora.py), by name
+        rank = getattr(self.parallel_config, "rank", 0)
+        self.adapters = Adapters(
+            model, self.model_config, device, f"vllm-{socket.gethostname()}-{os.getpid()}-r{rank}"
+        )
         self._lock = threading.Lock()
+
+    @property
+    def mode(self) -> str | None:
+        """The mode's name (``sharded``, ``inplace``, ``streamed`` or ``whole``), once joined."""
+        return None if self.receiver is None else self.receiver.said.partition(":")[0]
+
+    @property
+    def subscriber(self) -> Any:
+        """The subscriber of the mode (the first part's, streamed), None before init."""
+        r = self.receiver
+        if r is None:
+            return None
+        stream = getattr(r, "stream", None)
+        return stream.subscribers[0] if stream is not None else getattr(r, "subscriber", None)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransportInitInfo:
         return parse(TransportInitInfo, init_dict, "init_info")
@@ -123,8 +114,21 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         return parse(TransportUpdateInfo, update_dict, "update_info")
 
     def init_transfer_engine(self, init_info: TransportInitInfo) -> None:
+        if init_info.adapter is not None:
+            with self._lock:
+                how = self.adapters.join(init_info)
+            if how != "unchanged":
+                log.info(
+                    "vLLM worker: adapter %s of namespace %s (group %s, LoRA id %d) %s",
+                    init_info.adapter,
+                    init_info.namespace,
+                    init_info.group,
+                    self.adapters.modes[init_info.adapter].id,
+                    how,
+                )
+            return
         with self._lock:
-            if self.info == init_info and self.subscriber is not None:
+            if self.info == init_info and self.receiver is not None:
                 return
             self._close()
             dtype = getattr(torch, init_info.dtype) if init_info.dtype else self.model_config.dtype
@@ -135,154 +139,79 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             spec = checkpoint_spec(self.model_config.hf_config, dtype, init_info.names)
             staging = torch.device(init_info.staging_device or self.device)
             room = staging_room(init_info.staging_gb, staging)
-            layout, mode, why = self._choose(init_info, spec, room)
-            if mode in ("inplace", "streamed"):
-                slots, why_slots = 0, "in place" if mode == "inplace" else "two buckets"
-            else:
-                slots, why_slots = _slots(init_info, layout, room)
+            choice = choose(self.model, init_info, spec, room)
             rank = getattr(self.parallel_config, "rank", 0)
             name = f"{init_info.name}-{socket.gethostname()}-{os.getpid()}-r{rank}"
-            t = Transport(
-                name[:128],
+            t = connect(
+                name,
                 store=init_info.store,
                 namespace=init_info.namespace,
-                secret=os.environ.get(SECRET_ENV) or None,
                 timeout=init_info.timeout,
+                hint="the store of init_info",
             )
-            shapes = {n: tuple(x.shape) for n, x in spec.items()}
-            sub: WeightSubscriber | None = None
-            stream: Stream | None = None
-            try:
-                if mode == "inplace":
-                    sub = WindowedSubscriber(
-                        t,
-                        live_tensors(self.model, layout),
-                        group=init_info.group,
-                        layout=layout.dest,
-                        source_shapes=shapes,
-                        delta=init_info.delta,
-                    )
-                elif mode == "streamed":
-                    bucket = room.bound // 2
-                    stream = Stream(t, layout, init_info.group, staging, shapes, bucket)
-                    sub = stream.subscribers[0]
-                else:
-                    sub = WeightSubscriber(
-                        t,
-                        spec_of(layout),
-                        group=init_info.group,
-                        mode="staging",
-                        staging_device=staging,
-                        layout=layout.dest if layout.targets else None,
-                        source_shapes=shapes,
-                        slots=slots,
-                        delta=init_info.delta,
-                    )
-                # the trainer reads it (mode_key); signed: only this worker's holder writes it
-                said = f"streamed:{len(stream.names)}" if stream is not None else mode
-                t.core.signed.set(
-                    mode_key(init_info.namespace, init_info.group, t.name), said.encode()
-                )
-            except BaseException:
-                if stream is not None:
-                    stream.close()
-                elif sub is not None:
-                    sub.close()
-                t.close()
-                raise
-            self.transport, self.subscriber, self.info, self.room = t, sub, init_info, room
-            self.layout, self.mode, self.stream = layout, mode, stream
-            self._experts = experts.received(layout, spec)
-            need = stream.nbytes if stream is not None else slots * layout.nbytes
             # which names are one tensor: learned before a reload (it gives each layer its own
             # tensors while it runs, and puts the shared ones back after)
-            self._tied = tied_parameters(self.model)
+            worker = Worker(
+                t,
+                init_info,
+                self.model,
+                self.model_config,
+                self.device,
+                staging,
+                room,
+                spec,
+                tied_parameters(self.model),
+            )
+            receiver: Mode | None = None
+            try:
+                receiver = choice.mode(worker, choice.layout)
+                # the trainer reads it (mode_key); signed: only this worker's holder writes it
+                key = mode_key(init_info.namespace, init_info.group, t.name)
+                t.core.signed.set(key, receiver.said.encode())
+            except BaseException:
+                if receiver is not None:
+                    receiver.close()
+                t.close()
+                raise
+            self.transport, self.receiver, self.info = t, receiver, init_info
+            self._experts = experts.received(choice.layout, spec)
+            layout = choice.layout
+            parts = receiver.held().parts
             log.info(
                 "vLLM worker %s joined group %s of namespace %s in the %s mode (%s): %d tensors, "
-                "%.1f MiB per version%s; %d staging slot(s) (%s), %.1f MiB on %s",
+                "%.1f MiB per version%s; %.1f MiB of staging on %s",
                 name,
                 init_info.group,
                 init_info.namespace,
                 self.mode,
-                why,
+                choice.why,
                 len(layout.dest),
                 layout.nbytes / 2**20,
-                f" in {len(stream.names)} parts" if stream else "",
-                slots,
-                why_slots,
-                need / 2**20,
+                f" in {parts} parts" if parts > 1 else "",
+                receiver.need / 2**20,
                 staging,
             )
 
-    def _choose(
-        self, info: TransportInitInfo, spec: dict[str, torch.Tensor], room: Room
-    ) -> tuple[WorkerLayout, str, str]:
-        """The layout this worker declares, its mode, and why that mode."""
-        refused = experts.refusals(self.model)
-        if refused:  # no mode helps: every update reloads these layers
-            first = "; ".join(f"{n}: {why}" for n, why in list(refused.items())[:2])
-            raise ValueError(
-                f"transport: {len(refused)} mixture-of-experts layer(s) of this model cannot "
-                f"take a weight update exactly, so this worker does not join ({first})"
-            )
-        asked = ", asked for by init_info mode"
-        if info.mode == "whole":
-            return whole(spec, "asked for by init_info"), "whole", asked[2:]
-        layout = learn(self.model, spec)
-        if layout.targets:
-            mapped = len(spec) - len(layout.fallback)
-            mode, why = (
-                "sharded",
-                f"{mapped} of {len(spec)} checkpoint tensors mapped to this worker's parameters",
-            )
-        elif info.mode in ("sharded", "inplace"):
-            raise ValueError(
-                f"transport init_info: mode {info.mode!r}, but no parameter of this model could be "
-                f"mapped to the checkpoint ({next(iter(layout.fallback.values()), '')}); use mode "
-                "'whole' or 'auto'"
-            )
-        else:
-            layout = whole(spec, "nothing mapped")
-            mode, why = "whole", "no parameter could be mapped, so whole"
-        if info.mode == "streamed":
-            return layout, "streamed", why + asked
-        if info.mode != "inplace" and (info.mode != "auto" or layout.nbytes <= room.bound):
-            return layout, mode, why + ("" if info.mode == "auto" else asked)
-        # in place, asked for, or no staging copy fits
-        copy = (
-            f"one staging copy ({layout.nbytes / 2**30:.3f} GiB) would not fit within "
-            f"{room.bound / 2**30:.3f} GiB ({room.how})"
-        )
-        refused = refusals(self.model, layout)
-        if not refused:
-            return (
-                layout,
-                "inplace",
-                why
-                + (
-                    asked
-                    if info.mode == "inplace"
-                    else f"; {copy}, and vLLM computes with every parameter as stored"
-                ),
-            )
-        first = ", ".join(f"{n} ({w})" for n, w in list(refused.items())[:4])
-        if info.mode == "inplace":
-            raise ValueError(
-                "transport init_info: this worker cannot receive in place: "
-                f"{len(refused)} of its tensors are not used as stored, for example {first}; use "
-                "mode 'sharded' (with room for one staging copy) or 'streamed'"
-            )
-        return (
-            layout,
-            "streamed",
-            (
-                f"{why}; {copy}, and it cannot be written in place ({len(refused)} tensors are not "
-                f"used as stored, for example {first}): streamed in parts of half of that bound"
-            ),
-        )
+    def update_adapter(self, update_info: dict[str, Any]) -> int | None:
+        """Install the version of the adapter ``update_info`` names (``adapter``, ``version``,
+        ``timeout``) once it is complete; returns that version. Called through the worker
+        extension (extension.py), outside vLLM's update phases, whose end drops every adapter."""
+        update = self.parse_update_info(update_info)
+        if update.adapter is None:
+            raise ValueError("transport update_info: name the adapter to install")
+        with self._lock:
+            version = self.adapters.update(update)
+        log.info("vLLM worker installed version %s of adapter %s", version, update.adapter)
+        return version
+
+    def remove_adapter(self, adapter: str) -> bool:
+        """Take ``adapter`` out of vLLM and leave its group (False: this worker has none)."""
+        with self._lock:
+            return self.adapters.remove(adapter)
 
     def start_weight_update(self) -> None:
-        self._drop()
+        if self.receiver is not None:
+            self.receiver.drop()
         self._mark(OPEN)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -304,234 +233,76 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             log.warning("vLLM worker could not mark its update %s: %s", value.decode(), e)
 
     def receive_weights(self, update_info: TransportUpdateInfo) -> None:
-        """Wait for the version and hold it where it landed (nothing of the model changes);
-        ``finish_weight_update`` loads it."""
+        """Wait for the version and hold it where it landed, or note the version the finish
+        receives (nothing of the model changes); ``finish_weight_update`` loads it."""
+        receiver = self.receiver
         if update_info.abandon:
-            held, self._wanted = self._snapshot, None
-            self._drop()
+            held = None if receiver is None else receiver.drop()
             if held is not None:
                 log.warning(
                     "vLLM worker dropped version %d of an update that was never finished; the "
                     "model keeps version %d",
-                    held.version,
+                    held,
                     self.version,
                 )
             return
-        sub = self.subscriber
-        if sub is None:
+        if receiver is None:
             raise RuntimeError(
                 "the transport weight-transfer engine was not initialized: call "
                 "init_weight_transfer_engine with the trainer's store, namespace and group first"
             )
-        self._drop()
-        if isinstance(sub, WindowedSubscriber):  # written inside finish_weight_update
-            if update_info.version is None:
-                raise ValueError(
-                    f"transport update_info: a worker {self.mode} is written inside "
-                    "finish_weight_update and needs the version named (the trainer engine does)"
-                )
-            self._wanted = update_info
-            return
-        stack = contextlib.ExitStack()
-        self._snapshot = stack.enter_context(
-            sub.read(update_info.version, timeout=update_info.timeout)
-        )
-        self._held = stack
+        receiver.receive(update_info)
 
     def finish_weight_update(self) -> None:
-        if self.stream is not None and self.subscriber is not None:
-            self._stream_in(self.stream, self.subscriber.group)
-            return
-        if isinstance(self.subscriber, WindowedSubscriber):
-            self._receive_in_place(self.subscriber)
-            return
-        snap, sub = self._snapshot, self.subscriber
-        if snap is None or sub is None:
+        receiver = self.receiver
+        if receiver is None:
             self._mark(CLOSED)
             return
         try:
-            self._load([snap.tensors], snap.version, sub.group)
-        finally:
-            self._drop()
-        self._mark(CLOSED)
-        self.version = snap.version
-        log.info("vLLM worker loaded version %d of group %s", snap.version, sub.group)
-
-    def _receive_in_place(self, sub: WindowedSubscriber) -> None:
-        """The version the update named lands in the parameters now, while vLLM runs this
-        call (no engine step runs meanwhile); the version the worker reports moves with it."""
-        wanted, self._wanted = self._wanted, None
-        if wanted is not None:
-            assert wanted.version is not None
-            try:
-                sub.receive(wanted.version, wanted.timeout)
-            except VersionGoneError:
-                self.version = sub.version  # a newer version landed whole in its place
-                raise
-            except (TransportError, RuntimeError) as e:
-                torn = sub.torn
-                if torn is None:
-                    raise  # nothing was written: the model keeps its version
-                self.version = TORN
-                self._mark(torn_mark(torn))
-                raise RuntimeError(
-                    f"version {wanted.version} of group {sub.group} did not complete in place "
-                    f"({e}): the model holds parts of versions {torn} and {sub.version} and "
-                    f"reports version {TORN} until a version lands whole (the next update)"
-                ) from e
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.version = wanted.version
-            log.info(
-                "vLLM worker received version %d of group %s in place", self.version, sub.group
-            )
-        self._mark(CLOSED)
-
-    def _stream_in(self, stream: Stream, group: str) -> None:
-        """The parts of the version the update named, loaded as each lands (see streamed.py),
-        while vLLM runs this call; the version the worker reports moves with the model."""
-        wanted, self._wanted = self._wanted, None
-        if wanted is not None:
-            assert wanted.version is not None
-            with stream.parts(wanted.version, wanted.timeout) as parts:
-                self._load(parts, wanted.version, group, len(stream.names))
-            self.version = wanted.version
-            log.info(
-                "vLLM worker loaded version %d of group %s, streamed in %d parts",
-                self.version,
-                group,
-                len(stream.names),
-            )
-        self._mark(CLOSED)
-
-    def _load(
-        self, parts: Iterable[Mapping[str, torch.Tensor]], version: int, group: str, count: int = 1
-    ) -> None:
-        """Load ``parts`` (``count`` of them, as they come) in one layerwise reload."""
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        model: Any = self.model  # a vLLM model: it has load_weights
-        layout = self.layout
-        assert layout is not None
-        targets = layout.targets
-        loaded, failed = 0, None
-        with direct_loaders(model, targets):
-            initialize_layerwise_reload(model)
-            try:
-                for tensors in parts:
-                    load_direct(model, {n: targets[n] for n in tensors if n in targets}, tensors)
-                    rest = {n: tensors[n] for n in tensors if n in layout.fallback}
-                    if rest:
-                        model.load_weights(rest.items())
-                        load_tied(model, self._tied, rest)
-                    loaded += 1
-                missing = unloaded_layers(model)
-            except BaseException as e:
-                failed = e
-            finally:
-                # finish the reload even after a failed load: it started by moving the layers
-                # to the meta device; then prepare the experts vLLM leaves unprepared
-                prepared = experts.reloaded(model)
-                finalize_layerwise_reload(model, self.model_config)
-                experts.redo(model, prepared)
-        if failed is not None:
-            if loaded == 0:
-                raise failed  # nothing of it reached the model
+            loaded = receiver.finish()
+        except TornModel as e:
             self.version = TORN
-            self._mark(torn_mark(version))
-            raise RuntimeError(
-                f"version {version} of group {group} stopped after {loaded} of its {count} parts "
-                f"({failed}): the layers of those parts hold it, the others the version before, "
-                f"so the model holds no whole version and reports {TORN} until the next update "
-                "loads one whole"
-            ) from failed
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if missing:
-            self.version = TORN
-            self._mark(torn_mark(version))
-            raise RuntimeError(
-                f"version {version} of group {group} did not reach every layer of "
-                f"the model: {', '.join(missing[:8])}"
-                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-                + " kept their previous weights (vLLM's loader took none of the checkpoint "
-                "tensors for them), so the model now holds no whole version; the next "
-                "update that reaches every layer makes it whole again"
-            )
-
-    def _drop(self) -> None:
-        """Let go of a held version (the publisher may write its slot again)."""
-        held, self._held, self._snapshot = self._held, None, None
-        if held is not None:
-            held.close()
+            self._mark(torn_mark(e.version))
+            raise
+        except VersionGoneError:
+            if isinstance(receiver, InPlace) and receiver.overtaken is not None:
+                self.version = receiver.overtaken  # a newer version landed whole in its place
+            raise
+        if loaded is not None:
+            self.version = loaded
+            log.info("vLLM worker loaded version %d of group %s", loaded, receiver.group)
+        self._mark(CLOSED)
 
     def state(self) -> EngineState:
-        sub, t, layout, snap = self.subscriber, self.transport, self.layout, self._snapshot
-        storages = {}
-        for slot in [] if sub is None or self.mode in ("inplace", "streamed") else sub.staging:
-            for x in slot.values():
-                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        for bucket in [] if self.stream is None else self.stream.buckets:
-            storages[bucket.untyped_storage().data_ptr()] = bucket.untyped_storage().nbytes()
+        receiver, t = self.receiver, self.transport
+        held = None if receiver is None else receiver.held()
+        layout = None if receiver is None else receiver.layout
         return EngineState(
             peer=None if t is None else t.name,
             mode=self.mode,
             version=self.version,
-            held=None if snap is None else snap.version,
-            complete=None if sub is None else sub.version,
-            incomplete=None if sub is None else sub.incomplete,
+            held=None if held is None else held.held,
+            complete=None if held is None else held.complete,
+            incomplete=None if held is None else held.incomplete,
             version_bytes=0 if layout is None else layout.nbytes,
-            staging_slots=0
-            if sub is None or self.mode in ("inplace", "streamed")
-            else len(sub.staging),
-            staging_bytes=sum(storages.values()),
+            staging_slots=0 if held is None else held.slots,
+            staging_bytes=0 if held is None else held.nbytes,
             fallback={} if layout is None else dict(layout.fallback),
-            staging_bound=0 if self.room is None else self.room.bound,
+            staging_bound=0 if receiver is None else receiver.worker.room.bound,
             experts=dict(self._experts),
-            parts=len(self.stream.names) if self.stream is not None else int(sub is not None),
+            parts=0 if held is None else held.parts,
+            adapters=self.adapters.state(),
         )
 
     def shutdown(self) -> None:
         with self._lock:
             self._close()
+            self.adapters.close()
 
     def _close(self) -> None:
-        self._drop()
-        sub, t, stream = self.subscriber, self.transport, self.stream
-        self.subscriber = self.transport = self.info = self.layout = self.stream = None
-        self._wanted = None
-        if stream is not None:
-            stream.close()
-        if sub is not None:
-            sub.close()
+        receiver, t = self.receiver, self.transport
+        self.receiver = self.transport = self.info = None
+        if receiver is not None:
+            receiver.close()
         if t is not None:
             t.close()
-
-
-def _slots(info: TransportInitInfo, layout: WorkerLayout, room: Room) -> tuple[int, str]:
-    """How many staging copies of ``layout``'s version this worker keeps, and why; ValueError
-    (naming the need) when the bound does not allow what is asked, or even one."""
-    bound = room.bound
-    one = layout.nbytes
-    mode = "sharded" if layout.targets else "whole"
-
-    def refuse(slots: int) -> ValueError:
-        return ValueError(
-            f"transport init_info: {slots} staging slot(s) of the {mode} mode need "
-            f"{slots * one / 2**30:.3f} GiB ({one / 2**30:.3f} GiB each), more than "
-            f"{bound / 2**30:.3f} GiB ({room.how}); raise staging_gb, use one slot, or serve with "
-            "more tensor-parallel ranks"
-        )
-
-    if info.staging_slots is not None:
-        if info.staging_slots * one > bound:
-            raise refuse(info.staging_slots)
-        return info.staging_slots, "asked for by init_info staging_slots"
-    if 2 * one <= bound:
-        return 2, f"two fit within {bound / 2**30:.3f} GiB ({room.how})"
-    if one <= bound:
-        return 1, f"two would need {2 * one / 2**30:.3f} GiB, more than {room.how}"
-    raise refuse(1)

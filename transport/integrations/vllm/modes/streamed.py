@@ -14,7 +14,7 @@ All parts of a version go into one vLLM layerwise reload inside ``finish_weight_
 is rebuilt (and processed as after vLLM's own load) once its last part landed. A version is
 therefore not whole before it reaches the model: a trainer that dies mid-stream leaves the
 layers of the parts that loaded with the new version and the rest with the old one, and the
-worker says so (see worker.py).
+worker says so (:class:`Streamed`, the mode itself).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from transport import Transport
+from transport.integrations.vllm.infos import TransportUpdateInfo
+from transport.integrations.vllm.modes.base import Held, Mode, Worker
+from transport.integrations.vllm.modes.loading import load_version
 from transport.integrations.vllm.shards import WorkerLayout
 from transport.weights import WindowedSubscriber
 
@@ -148,6 +151,81 @@ class Stream:
             sub.close()
         self.subscribers = []
         self.buckets = []
+
+
+class Streamed(Mode):
+    """A :class:`Stream` of buckets of half the staging bound each. Rules: its publishers write
+    only inside ``finish_weight_update``, the version ``receive`` named, part by part into one
+    layerwise reload; a stream that stops after some parts loaded leaves the model torn."""
+
+    name = "streamed"
+
+    def __init__(self, worker: Worker, layout: WorkerLayout) -> None:
+        super().__init__(worker, layout)
+        shapes = {n: tuple(x.shape) for n, x in worker.spec.items()}
+        self.stream = Stream(
+            worker.transport,
+            layout,
+            worker.info.group,
+            worker.staging,
+            shapes,
+            worker.room.bound // 2,
+        )
+        self._wanted: TransportUpdateInfo | None = None
+
+    @property
+    def written_in_finish(self) -> bool:
+        return True
+
+    @property
+    def said(self) -> str:
+        return f"streamed:{len(self.stream.names)}"
+
+    @property
+    def group(self) -> str:
+        return self.stream.subscribers[0].group
+
+    @property
+    def need(self) -> int:
+        return self.stream.nbytes
+
+    def receive(self, update: TransportUpdateInfo) -> None:
+        if update.version is None:
+            raise ValueError(
+                "transport update_info: a worker streamed is written inside "
+                "finish_weight_update and needs the version named (the trainer engine does)"
+            )
+        self._wanted = update
+
+    def finish(self) -> int | None:
+        wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return None
+        assert wanted.version is not None
+        count = len(self.stream.names)
+        with self.stream.parts(wanted.version, wanted.timeout) as parts:
+            load_version(self.worker, self.layout, parts, wanted.version, count)
+        return wanted.version
+
+    def drop(self) -> int | None:
+        self._wanted = None
+        return None
+
+    def held(self) -> Held:
+        sub = self.stream.subscribers[0]
+        storages = {}
+        for bucket in self.stream.buckets:
+            storages[bucket.untyped_storage().data_ptr()] = bucket.untyped_storage().nbytes()
+        return Held(
+            complete=sub.version,
+            incomplete=sub.incomplete,
+            nbytes=sum(storages.values()),
+            parts=len(self.stream.names),
+        )
+
+    def close(self) -> None:
+        self._wanted = None
+        self.stream.close()
 
 
 def _nbytes(layout: WorkerLayout, name: str) -> int:

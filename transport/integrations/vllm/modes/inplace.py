@@ -1,4 +1,5 @@
-"""Whether a vLLM worker may receive a version straight into the parameters it computes with.
+"""The in-place mode: a version straight into the parameters a vLLM worker computes with, and
+whether it may.
 
 Writing in place needs no staging memory and no load, but it is right only for a parameter that
 vLLM computes with **as stored**: the tensor its loader fills is the tensor its kernels read,
@@ -11,7 +12,7 @@ parameter of a worker's layout against these rules and says why for each one tha
 worker writes in place only when none does.
 
 It reads the model's own modules (their ``quant_method`` and, on the CPU build, the
-``cpu_linear`` vLLM picked for them); nothing of the transport core.
+``cpu_linear`` vLLM picked for them). :class:`InPlace` is the mode itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing import Any
 
 import torch
 
+from transport import TransportError, VersionGoneError
+from transport.integrations.vllm.infos import TransportUpdateInfo
+from transport.integrations.vllm.modes.base import Held, Mode, TornModel, Worker
 from transport.integrations.vllm.shards import WorkerLayout
+from transport.weights import WindowedSubscriber
 
 #: vLLM's quantization methods whose layers compute with their parameters as loaded (the CPU
 #: build aside, which :func:`refusals` checks by the kernel it picked)
@@ -87,3 +92,86 @@ def _param(model: torch.nn.Module, full: str) -> tuple[Any, Any]:
     except AttributeError:
         return None, None
     return getattr(layer, attr, None), layer
+
+
+class InPlace(Mode):
+    """A WindowedSubscriber over the parameters vLLM computes with (no staging memory). Rules: its
+    publisher writes only inside ``finish_weight_update`` (no engine step runs meanwhile), the
+    version ``receive`` named; the model and the version the worker reports change in that call.
+    A version that does not complete there after part of it reached the model (its trainer died
+    mid-write) leaves the model torn (:class:`TornModel`); one that a newer version overtook
+    leaves the model whole at that newer version (:attr:`overtaken`)."""
+
+    name = "inplace"
+
+    def __init__(self, worker: Worker, layout: WorkerLayout) -> None:
+        super().__init__(worker, layout)
+        info = worker.info
+        self.subscriber = WindowedSubscriber(
+            worker.transport,
+            live_tensors(worker.model, layout),
+            group=info.group,
+            layout=layout.dest,
+            source_shapes={n: tuple(x.shape) for n, x in worker.spec.items()},
+            delta=info.delta,
+        )
+        self._wanted: TransportUpdateInfo | None = None
+        #: the version that overtook the one an update named (it landed whole in its place)
+        self.overtaken: int | None = None
+
+    @property
+    def written_in_finish(self) -> bool:
+        return True
+
+    @property
+    def group(self) -> str:
+        return self.subscriber.group
+
+    @property
+    def need(self) -> int:
+        return 0
+
+    def receive(self, update: TransportUpdateInfo) -> None:
+        if update.version is None:
+            raise ValueError(
+                f"transport update_info: a worker {self.name} is written inside "
+                "finish_weight_update and needs the version named (the trainer engine does)"
+            )
+        self._wanted = update
+
+    def finish(self) -> int | None:
+        wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return None
+        assert wanted.version is not None
+        sub = self.subscriber
+        try:
+            sub.receive(wanted.version, wanted.timeout)
+        except VersionGoneError:
+            self.overtaken = sub.version  # a newer version landed whole in its place
+            raise
+        except (TransportError, RuntimeError) as e:
+            torn = sub.torn
+            if torn is None:
+                raise  # nothing was written: the model keeps its version
+            raise TornModel(
+                f"version {wanted.version} of group {sub.group} did not complete in place "
+                f"({e}): the model holds parts of versions {torn} and {sub.version} and "
+                "reports version -2 until a version lands whole (the next update)",
+                torn,
+            ) from e
+        if self.worker.device.type == "cuda":
+            torch.cuda.synchronize(self.worker.device)
+        return wanted.version
+
+    def drop(self) -> int | None:
+        self._wanted = None
+        return None
+
+    def held(self) -> Held:
+        sub = self.subscriber
+        return Held(complete=sub.version, incomplete=sub.incomplete)
+
+    def close(self) -> None:
+        self._wanted = None
+        self.subscriber.close()

@@ -1,0 +1,126 @@
+"""Processes of the LoRA tests: a vLLM engine with LoRA on (offline ``LLM``; at TP = 2 its two
+workers are processes of their own) beside a peft trainer whose adapter it receives through
+transport, and the reference: transformers + peft greedy tokens on the trainer's adapter."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from helpers.child import ChildProcess, serve
+from helpers.llama import NEW_TOKENS, PROMPTS, greedy, hf_model
+from helpers.vllm_peers import VLLM_ENV, llm_kwargs
+
+#: every linear module of the small Llama: what "all linear layers" targets
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_model(rank: int, alpha: float, targets: list[str] = TARGETS) -> Any:
+    """The small Llama of version 0 (the weights vLLM serves) with a peft LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+    return get_peft_model(hf_model(0), config).eval()
+
+
+def set_adapter(model: Any, version: int) -> None:
+    """The adapter's A and B of ``version`` (drawn from the version: every process alike), big
+    enough to change the model's greedy tokens."""
+    g = torch.Generator().manual_seed(7000 + version)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _lora_child(conn: Any, name: str, model_dir: str, store_url: str, tp: int, rank: int) -> None:
+    """vLLM (TP = ``tp``, LoRA ranks up to 16) and, in the same driver process, a peft trainer of
+    rank ``rank`` publishing adapter ``policy`` through an AdapterTrainer. Commands:
+    ``send(version)`` -> {"vllm": vLLM's tokens naming the adapter, "peft": transformers + peft
+    tokens on the trainer's adapter, "base": vLLM's tokens without it, "written": bytes the
+    trainer wrote to each worker meanwhile}; ``state`` -> each worker's engine state."""
+    os.environ.update(VLLM_ENV)
+    try:
+        from vllm import LLM, SamplingParams
+
+        from transport.integrations.vllm import register
+        from transport.integrations.vllm.lora_trainer import AdapterTrainer, AdapterTrainerInfo
+        from transport.integrations.vllm.trainer import OfflineClient
+
+        register()
+        kwargs = llm_kwargs(model_dir)
+        if tp > 1:
+            kwargs["tensor_parallel_size"] = tp
+            kwargs["distributed_executor_backend"] = "mp"
+        llm = LLM(**kwargs, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=4)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        model = peft_model(rank, 2.0 * rank)
+        info = AdapterTrainerInfo(store=store_url, adapter="policy", timeout=60)
+        trainer = AdapterTrainer(model, OfflineClient(llm), info)
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (0, os.getpid())))
+
+    def generate(lora: Any) -> list[list[int]]:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def send(version: int) -> dict[str, Any]:
+        set_adapter(model, version)
+        t = trainer.transport
+        assert t is not None
+        before = {n: x.written for n, x in t.traffic().items()}
+        trainer.send(version)
+        written = {n: x.written - before.get(n, 0) for n, x in t.traffic().items()}
+        return {
+            "vllm": generate(trainer.lora_request()),
+            "peft": greedy(model),
+            "base": generate(None),
+            "written": {n: w for n, w in written.items() if w},
+        }
+
+    def state() -> list[dict[str, Any]]:
+        return llm.collective_rpc(_state)
+
+    serve(conn, {"send": send, "state": state}, trainer.close)
+
+
+def _state(worker: Any) -> dict[str, Any]:
+    import dataclasses
+
+    engine = getattr(worker, "worker", worker).weight_transfer_engine
+    return dataclasses.asdict(engine.state())
+
+
+def slice_bytes(rank: int, tp: int) -> int:
+    """Bytes of one adapter version a worker keeps at tensor parallelism ``tp``, from the model's
+    shapes and vLLM's rules: column-parallel layers (q, k, v, gate, up) keep A whole and their
+    outputs' share of B, row-parallel ones (o, down) their inputs' share of A and B whole."""
+    total = 0
+    for name, p in hf_model(0).named_parameters():  # type: ignore[attr-defined]
+        short = name.rsplit(".", 2)[-2]
+        if short not in TARGETS:
+            continue
+        rows, cols = p.shape
+        a, b = rank * cols, rows * rank
+        if short in ("o_proj", "down_proj"):
+            a //= tp
+        else:
+            b //= tp
+        total += 4 * (a + b)
+    return total
+
+
+class LoraEngine(ChildProcess):
+    """:func:`_lora_child` in a child process."""
+
+    FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
+
+    def __init__(
+        self, name: str, model_dir: str, store_url: str, tp: int = 1, rank: int = 8
+    ) -> None:
+        super().__init__(name, _lora_child, (model_dir, store_url, tp, rank), 240)

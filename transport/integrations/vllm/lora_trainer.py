@@ -1,0 +1,177 @@
+"""The trainer side of LoRA adapters: a peft model's adapter, published as a named adapter of a
+vLLM server (or an in-process ``vllm.LLM``) and installed into its LoRA slots from memory."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from transport import PublishResult, Transport
+from transport.integrations.setup import choose_publisher, connect
+from transport.integrations.vllm.lora_spec import (
+    AdapterConfig,
+    adapter_group,
+    adapter_id,
+    from_peft,
+)
+from transport.integrations.vllm.trainer import UpdateError
+from transport.weights import ShardedPublisher
+
+log = logging.getLogger("transport.vllm")
+
+
+@dataclass(frozen=True)
+class AdapterTrainerInfo:
+    """Where an adapter goes: the ``store`` and ``namespace`` the vLLM workers join (a tenant's
+    own namespace, with its own secret, keeps other tenants out), the ``adapter``'s name as
+    requests name it, ``group`` (default ``adapter.<adapter>``), this trainer's peer ``name``
+    (default ``lora-<adapter>``), ``timeout`` (seconds a publish and each worker's wait may
+    take) and ``peft_adapter``, which adapter of the peft model to publish."""
+
+    store: str
+    adapter: str = "policy"
+    namespace: str = "default"
+    group: str | None = None
+    name: str | None = None
+    timeout: float = 60.0
+    peft_adapter: str = "default"
+
+    def __post_init__(self) -> None:
+        for field in ("store", "adapter", "namespace", "peft_adapter"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise ValueError(f"transport adapter trainer: {field} is a non-empty string")
+        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise ValueError(f"transport adapter trainer: timeout is > 0 s, got {self.timeout!r}")
+
+
+class AdapterTrainer:
+    """Publishes one LoRA adapter of a peft model into vLLM's LoRA slots.
+
+    It owns a Transport and the publisher of the adapter's group over the adapter's own A and B
+    parameters (registered once, read at each publish: nothing of the base model is sent), and
+    drives the install through ``client``: :class:`~transport.integrations.vllm.trainer.
+    OfflineClient` for an in-process ``vllm.LLM``, or
+    :class:`~transport.integrations.vllm.trainer.HTTPClient` for a server (see its
+    ``install_adapter``). Each worker declares the slices of A and B its LoRA layers keep, and is
+    written only those.
+
+    :meth:`send` of version ``v``: tell the workers the adapter (a no-op where they know it; a
+    restarted server joins now), publish ``v`` and wait until every worker holds it complete,
+    then have every worker install it. A version that does not reach every worker is not
+    installed anywhere (:class:`~transport.integrations.vllm.trainer.UpdateError` says why),
+    and vLLM serves the version it had.
+    """
+
+    def __init__(self, model: Any, client: Any, info: AdapterTrainerInfo) -> None:
+        config, tensors = from_peft(model, info.peft_adapter)
+        dtypes = {t.dtype for t in tensors.values()}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"transport adapter trainer: the adapter's tensors have dtypes {sorted(map(str, dtypes))}; "
+                "publish one dtype"
+            )
+        self.info = info
+        self.config: AdapterConfig = config
+        self.client = client
+        self.tensors = tensors
+        self.dtype = str(dtypes.pop()).removeprefix("torch.")
+        self.group = info.group or adapter_group(info.adapter)
+        self.version = 0
+        self.last_result: PublishResult | None = None
+        self.transport: Transport | None = connect(
+            info.name or f"lora-{info.adapter}",
+            store=info.store,
+            namespace=info.namespace,
+            timeout=info.timeout,
+            hint="the store of the adapter trainer's info",
+        )
+        try:
+            self.publisher: ShardedPublisher | None = choose_publisher(  # type: ignore[assignment]
+                self.transport, tensors, group=self.group
+            )
+            client.init_weight_transfer_engine(self.worker_info())
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def lora_id(self) -> int:
+        """The LoRA id vLLM serves this adapter under."""
+        return adapter_id(self.info.namespace, self.info.adapter)
+
+    def worker_info(self) -> dict[str, Any]:
+        """What each vLLM worker is told (small JSON: ``init_weight_transfer_engine``)."""
+        return {
+            "store": self.info.store,
+            "namespace": self.info.namespace,
+            "group": self.group,
+            "timeout": self.info.timeout,
+            "dtype": self.dtype,
+            "adapter": self.info.adapter,
+            "rank": self.config.rank,
+            "alpha": self.config.alpha,
+            "targets": list(self.config.targets),
+            "rslora": self.config.rslora,
+        }
+
+    def send(self, version: int | None = None) -> PublishResult:
+        """Publish the adapter's current values as ``version`` (default: the last one + 1) and
+        have vLLM serve it; returns the publish result."""
+        pub = self.publisher
+        if pub is None:
+            raise RuntimeError("this adapter trainer was closed")
+        v = self.version + 1 if version is None else version
+        timeout = self.info.timeout
+        # workers that hold the adapter already ignore this; a restarted server joins now
+        self.client.init_weight_transfer_engine(self.worker_info())
+        pub.refresh()
+        result = pub.publish(v, timeout=timeout).wait(timeout + 30)
+        self.last_result = result
+        if not result.done or result.excluded:
+            raise UpdateError(
+                f"version {v} of adapter {self.info.adapter!r} did not reach every vLLM worker "
+                f"(done {result.done}, excluded {result.excluded}, lost {result.lost}, reasons "
+                f"{dict(result.reasons)}); it was not installed, and vLLM serves the version it "
+                "had"
+            )
+        update = {"adapter": self.info.adapter, "version": v, "timeout": timeout}
+        try:
+            installed = self.client.install_adapter(update)
+        except Exception as e:
+            raise UpdateError(
+                f"vLLM did not install version {v} of adapter {self.info.adapter!r} ({e}); the "
+                "publish reached every worker"
+            ) from e
+        if any(x != v for x in installed):
+            raise UpdateError(
+                f"vLLM's workers installed versions {installed} of adapter "
+                f"{self.info.adapter!r}, not {v}"
+            )
+        self.version = v
+        return result
+
+    def lora_request(self) -> Any:
+        """The ``vllm.lora.request.LoRARequest`` that names this adapter (in-process vLLM)."""
+        return adapter_request(self.info.adapter, self.info.namespace)
+
+    def close(self) -> None:
+        pub, t = self.publisher, self.transport
+        self.publisher = self.transport = None
+        if pub is not None:
+            pub.close()
+        if t is not None:
+            t.close()
+
+
+def adapter_request(adapter: str, namespace: str = "default") -> Any:
+    """The ``LoRARequest`` that names adapter ``adapter`` of ``namespace`` in an in-process
+    ``vllm.LLM`` (its id is :func:`~transport.integrations.vllm.lora_spec.adapter_id`; its path
+    names no folder: vLLM never loads it from one)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(
+        lora_name=adapter,
+        lora_int_id=adapter_id(namespace, adapter),
+        lora_path=f"/transport/{namespace}/{adapter}",
+    )
