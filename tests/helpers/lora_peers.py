@@ -124,3 +124,62 @@ class LoraEngine(ChildProcess):
         self, name: str, model_dir: str, store_url: str, tp: int = 1, rank: int = 8
     ) -> None:
         super().__init__(name, _lora_child, (model_dir, store_url, tp, rank), 240)
+
+
+def _http_lora_child(conn: Any, name: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    try:  # the imports first (seconds): the test starts this child while the server starts
+        from transport.integrations.vllm.lora_trainer import AdapterTrainer, AdapterTrainerInfo
+        from transport.integrations.vllm.trainer import HTTPClient
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (0, os.getpid())))
+    held: dict[str, Any] = {}
+
+    def connect(url: str, store: str, adapter: str, namespace: str, rank: int) -> None:
+        held["model"] = model = peft_model(rank, 2.0 * rank)
+        info = AdapterTrainerInfo(
+            store=store, adapter=adapter, namespace=namespace, name=f"lora-{name}", timeout=60
+        )
+        held["trainer"] = AdapterTrainer(model, HTTPClient(url), info)
+
+    def send(version: int) -> dict[str, Any]:
+        """Install ``version``; transformers + peft's tokens on it, and the bytes written to each
+        worker meanwhile."""
+        trainer = held["trainer"]
+        set_adapter(held["model"], version)
+        before = {n: x.written for n, x in trainer.transport.traffic().items()}
+        trainer.send(version)
+        after = trainer.transport.traffic()
+        written = {n: x.written - before.get(n, 0) for n, x in after.items()}
+        return {"peft": greedy(held["model"]), "written": {n: w for n, w in written.items() if w}}
+
+    def peft_tokens(version: int) -> list[list[int]]:
+        """transformers + peft's tokens on the adapter of ``version`` (the trainer's is set)."""
+        set_adapter(held["model"], version)
+        return greedy(held["model"])
+
+    def close() -> None:
+        if "trainer" in held:
+            held["trainer"].close()
+
+    handlers = {
+        "connect": connect,
+        "send": send,
+        "peft_tokens": peft_tokens,
+        "remove": lambda: held["trainer"].remove(),
+    }
+    serve(conn, handlers, close)
+
+
+class HttpLoraTrainer(ChildProcess):
+    """A peft trainer publishing one adapter to a vLLM server through AdapterTrainer and
+    HTTPClient. ``env`` is set in the child first (a namespace's secret). Commands:
+    ``connect(url, store, adapter, namespace, rank)``, ``send(version)`` -> {"peft": reference
+    tokens, "written": bytes per worker}, ``peft_tokens(version)``, ``remove``."""
+
+    FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
+
+    def __init__(self, name: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        super().__init__(name, _http_lora_child, (env or {},), 120, wait)

@@ -35,6 +35,21 @@ ARGS = (
 )
 
 
+#: what a server serving transport's LoRA adapters adds: LoRA on (ranks up to 16, room for the
+#: eight tenants of the tests), the adapter routes (the worker extension is EXTENSION's)
+LORA_ARGS = (
+    "--enable-lora",
+    "--max-lora-rank",
+    "16",
+    "--max-loras",
+    "8",
+    "--max-cpu-loras",
+    "12",
+    "--middleware",
+    "transport.integrations.vllm.lora_routes.AdapterRoutes",
+)
+
+
 class VllmServer(Server):
     def __init__(
         self,
@@ -75,9 +90,9 @@ class VllmServer(Server):
         """Each worker's transport engine state (EngineState), in rank order."""
         return list(self.post("collective_rpc", {"method": "transport_state"})["results"])
 
-    def generate(self) -> list[list[int]]:
-        """Greedy tokens of every prompt of helpers.llama.PROMPTS."""
-        return self.complete(PROMPTS, NEW_TOKENS)
+    def generate(self, model: str | None = None) -> list[list[int]]:
+        """Greedy tokens of every prompt of helpers.llama.PROMPTS (``model``: a LoRA adapter)."""
+        return self.complete(PROMPTS, NEW_TOKENS, model)
 
     def stop(self, graceful: float = 0.0) -> None:
         super().stop(graceful)

@@ -31,5 +31,5 @@ def test_adapter_versions_land_exactly_in_process(model_dir: Path, store: TcpSto
             seen.append(got["vllm"])
         assert len({str(s) for s in seen}) == 3, "each version must serve its own tokens"
         (state,) = engine.call("state")
-        adapter = state["adapters"]["policy"]
+        adapter = state["adapters"]["default/policy"]
         assert adapter["version"] == 3 and adapter["registered"], adapter

@@ -22,9 +22,9 @@ def install_adapter(worker: Any, update_info: dict[str, Any]) -> int | None:
     return _engine(worker).update_adapter(update_info)
 
 
-def remove_adapter(worker: Any, adapter: str) -> bool:
-    """On one vLLM worker: take ``adapter`` out of vLLM and leave its group."""
-    return _engine(worker).remove_adapter(adapter)
+def remove_adapter(worker: Any, namespace: str, adapter: str) -> bool:
+    """On one vLLM worker: take ``adapter`` of ``namespace`` out of vLLM and leave its group."""
+    return _engine(worker).remove_adapter(namespace, adapter)
 
 
 def _engine(worker: Any) -> Any:
@@ -44,9 +44,9 @@ class TransportState:
         """:func:`install_adapter` on this worker (``POST /collective_rpc`` on a server)."""
         return install_adapter(self, update_info)
 
-    def transport_adapter_remove(self, adapter: str) -> bool:
+    def transport_adapter_remove(self, namespace: str, adapter: str) -> bool:
         """:func:`remove_adapter` on this worker."""
-        return remove_adapter(self, adapter)
+        return remove_adapter(self, namespace, adapter)
 
     def transport_state(self) -> dict[str, Any] | None:
         """This worker's engine state as JSON-ready values (None without the transport backend)."""

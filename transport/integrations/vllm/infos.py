@@ -165,13 +165,14 @@ class TransportUpdateInfo(WeightTransferUpdateInfo):
     bounds the wait for it; past it the update fails and vLLM keeps its weights.
     ``abandon=True`` drops a version an earlier update call held whose ``finish_weight_update``
     never came (its trainer died): the finish that follows then loads nothing. ``adapter``
-    names the LoRA adapter whose version is installed (through the worker extension's
-    ``transport_adapter_update``, not vLLM's update phases: see modes/lora.py)."""
+    names the LoRA adapter (of ``namespace``) whose version is installed (through the worker
+    extension's ``transport_adapter_update``, not vLLM's update phases: see modes/lora.py)."""
 
     version: int | None = None
     timeout: float = 60.0
     abandon: bool = False
     adapter: str | None = None
+    namespace: str = "default"
 
     def __post_init__(self) -> None:
         if self.version is not None and (

@@ -135,7 +135,12 @@ class AdapterTrainer:
                 f"{dict(result.reasons)}); it was not installed, and vLLM serves the version it "
                 "had"
             )
-        update = {"adapter": self.info.adapter, "version": v, "timeout": timeout}
+        update = {
+            "adapter": self.info.adapter,
+            "namespace": self.info.namespace,
+            "version": v,
+            "timeout": timeout,
+        }
         try:
             installed = self.client.install_adapter(update)
         except Exception as e:
@@ -150,6 +155,11 @@ class AdapterTrainer:
             )
         self.version = v
         return result
+
+    def remove(self) -> None:
+        """vLLM stops serving the adapter (requests naming it are refused) and its workers leave
+        its group; the trainer stays open (a later :meth:`send` serves it again)."""
+        self.client.remove_adapter(self.info.namespace, self.info.adapter)
 
     def lora_request(self) -> Any:
         """The ``vllm.lora.request.LoRARequest`` that names this adapter (in-process vLLM)."""

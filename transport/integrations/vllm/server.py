@@ -104,10 +104,13 @@ class VllmServer:
         """The end of the server's log."""
         return "".join(self.log.read_text(errors="replace").splitlines(True)[-lines:])
 
-    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        """Greedy token ids continuing each prompt (token ids), in one request."""
+    def complete(
+        self, prompts: list[list[int]], max_tokens: int, model: str | None = None
+    ) -> list[list[int]]:
+        """Greedy token ids continuing each prompt (token ids), in one request; ``model`` names
+        a LoRA adapter to serve them with (default: the base model)."""
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": model or self.model,
             "prompt": prompts,
             "max_tokens": max_tokens,
             "temperature": 0,

@@ -469,6 +469,12 @@ class OfflineClient:
         self.llm.reset_prefix_cache()
         return list(installed)
 
+    def remove_adapter(self, namespace: str, adapter: str) -> None:
+        """Every worker takes the adapter out of vLLM and leaves its group."""
+        from transport.integrations.vllm.extension import remove_adapter
+
+        self.llm.collective_rpc(remove_adapter, args=(namespace, adapter))
+
 
 class HTTPClient(HTTPVLLMWeightSyncClient):
     """vLLM's HTTP weight-sync client plus ``reset_prefix_cache`` (the server runs with
@@ -479,6 +485,40 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
 
         response = requests.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout)
         response.raise_for_status()
+
+    def install_adapter(self, update_info: dict[str, Any]) -> list[int | None]:
+        """The server installs the adapter version ``update_info`` names in every worker and
+        serves it under the adapter's name (lora_routes.py: the server runs with its middleware
+        and the worker extension); the versions each worker installed."""
+        answer = self._adapter_route("install", update_info, update_info["timeout"] + 60)
+        return list(answer["installed"])
+
+    def remove_adapter(self, namespace: str, adapter: str) -> None:
+        """The server stops serving the adapter and every worker leaves its group."""
+        self._adapter_route("remove", {"namespace": namespace, "adapter": adapter}, 120)
+
+    def _adapter_route(self, action: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        import requests
+
+        from transport.integrations.setup import secret_from_env
+        from transport.integrations.vllm.lora_routes import PREFIX, proof
+
+        ns, adapter, version = body["namespace"], body["adapter"], body.get("version", 0)
+        signed = {**body, "proof": proof(secret_from_env(ns), action, ns, adapter, version)}
+        response = requests.post(f"{self.base_url}{PREFIX}{action}", json=signed, timeout=timeout)
+        if response.status_code == 404 and "error" not in response.text:
+            raise RuntimeError(
+                f"the vLLM server at {self.base_url} has no transport adapter routes: start it "
+                "with --middleware transport.integrations.vllm.lora_routes.AdapterRoutes and "
+                "--worker-extension-cls transport.integrations.vllm.extension.TransportState"
+            )
+        answer = response.json()
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"the vLLM server refused to {action} adapter {adapter!r} "
+                f"({response.status_code}): {answer.get('error')}"
+            )
+        return dict(answer)
 
 
 def _torn(marks: dict[str, bytes]) -> str | None:

@@ -119,11 +119,10 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 how = self.adapters.join(init_info)
             if how != "unchanged":
                 log.info(
-                    "vLLM worker: adapter %s of namespace %s (group %s, LoRA id %d) %s",
+                    "vLLM worker: adapter %s of namespace %s (group %s) %s",
                     init_info.adapter,
                     init_info.namespace,
                     init_info.group,
-                    self.adapters.modes[init_info.adapter].id,
                     how,
                 )
             return
@@ -204,10 +203,11 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
         log.info("vLLM worker installed version %s of adapter %s", version, update.adapter)
         return version
 
-    def remove_adapter(self, adapter: str) -> bool:
-        """Take ``adapter`` out of vLLM and leave its group (False: this worker has none)."""
+    def remove_adapter(self, namespace: str, adapter: str) -> bool:
+        """Take ``adapter`` of ``namespace`` out of vLLM and leave its group (False: this
+        worker has none)."""
         with self._lock:
-            return self.adapters.remove(adapter)
+            return self.adapters.remove(namespace, adapter)
 
     def start_weight_update(self) -> None:
         if self.receiver is not None:

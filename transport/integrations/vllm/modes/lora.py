@@ -244,8 +244,13 @@ class Adapter(Mode):
         self.subscriber.close()
 
 
+def adapter_key(namespace: str, adapter: str) -> str:
+    """How a worker names an adapter: tenants' namespaces may use the same adapter names."""
+    return f"{namespace}/{adapter}"
+
+
 class Adapters:
-    """The LoRA adapters of one vLLM worker, by name. It owns each adapter's mode and one
+    """The LoRA adapters of one vLLM worker, by namespace and name (:func:`adapter_key`). It owns each adapter's mode and one
     Transport per store and namespace they use (a tenant's namespace, with its own secret: see
     setup.secret_from_env), closed with the last adapter on it. Rules: an init of an adapter
     joins it, is a no-op when nothing changed, and otherwise replaces that adapter's receiver
@@ -266,18 +271,18 @@ class Adapters:
         """Join (or replace) adapter ``info.adapter``; returns what happened, for the log."""
         from transport.integrations.setup import connect
 
-        name = info.adapter
-        assert name is not None
+        assert info.adapter is not None
+        name = adapter_key(info.namespace, info.adapter)
         key = info.adapter_key()
         if self._keys.get(name) == key:
             return "unchanged"
         config = info.adapter_config()
-        lora_id = adapter_id(info.namespace, name)
+        lora_id = adapter_id(info.namespace, info.adapter)
         clash = [n for n, m in self.modes.items() if n != name and m.id == lora_id]
         if clash:
             raise ValueError(
-                f"transport adapter {name!r} of namespace {info.namespace} would be served under "
-                f"the LoRA id of adapter {clash[0]!r}; rename one of them"
+                f"transport adapter {name!r} would be served under the LoRA id of adapter "
+                f"{clash[0]!r}; rename one of them"
             )
         lora_manager(self.model)  # refuses a vLLM without LoRA, saying how to turn it on
         dtype = getattr(torch, info.dtype) if info.dtype else torch.float32
@@ -290,7 +295,7 @@ class Adapters:
             changed = config.differences(old.config) + (
                 [f"group {old.group} -> {info.group}"] if old.group != info.group else []
             )
-            why = f"replaced ({', '.join(changed) or 'store or namespace'})"
+            why = f"replaced ({', '.join(changed) or 'store or timeout'})"
         where = (info.store, info.namespace)
         t = self._transports.get(where)
         if t is None:
@@ -307,7 +312,7 @@ class Adapters:
             t, info, self.model, self.model_config, self.device, torch.device("cpu"), room, spec
         )
         try:
-            mode = Adapter(worker, layout, name, config)
+            mode = Adapter(worker, layout, info.adapter, config)
         except BaseException:
             self._release(where)
             raise
@@ -321,8 +326,8 @@ class Adapters:
     def update(self, update: TransportUpdateInfo) -> int | None:
         """Install the version ``update`` names of adapter ``update.adapter`` (waiting for it
         to be complete); returns it."""
-        name = update.adapter
-        mode = self.modes.get(name or "")
+        name = adapter_key(update.namespace, update.adapter or "")
+        mode = self.modes.get(name)
         if mode is None:
             raise RuntimeError(
                 f"transport adapter {name!r} was not initialized on this worker: call "
@@ -331,8 +336,10 @@ class Adapters:
         mode.receive(update)
         return mode.finish()
 
-    def remove(self, name: str) -> bool:
-        """Take adapter ``name`` out of vLLM and leave its group; False when there is none."""
+    def remove(self, namespace: str, adapter: str) -> bool:
+        """Take ``adapter`` of ``namespace`` out of vLLM and leave its group; False when there is
+        none."""
+        name = adapter_key(namespace, adapter)
         mode = self.modes.get(name)
         if mode is None:
             return False

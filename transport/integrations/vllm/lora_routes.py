@@ -1,0 +1,230 @@
+"""The server side of LoRA adapters over HTTP: routes that install a version of an adapter in
+every worker and serve it under its name, added to vLLM's API server as an ASGI middleware
+(``vllm serve ... --middleware transport.integrations.vllm.lora_routes.AdapterRoutes``).
+
+vLLM's own ``/v1/load_lora_adapter`` reads a folder and gives the adapter an id of its own
+choosing; these routes instead have the workers install the version they received through
+transport (modes/lora.py, through the worker extension:
+``--worker-extension-cls transport.integrations.vllm.extension.TransportState``) and then name
+the adapter in the server's table of adapters under the id every worker installed it under
+(lora_spec.adapter_id), so ``{"model": "<adapter>"}`` in a completion request is served by it.
+
+* ``POST /transport/adapters/install`` ``{"adapter", "namespace", "version", "timeout",
+  "proof"}``: pauses scheduling until the requests running finish (vLLM's pause, mode
+  ``wait``: a request is served by one version from its first token to its last), installs the
+  version in every worker, names the adapter, resets the prefix cache (blocks of the previous
+  version's keys and values), resumes. Concurrent installs share one pause.
+* ``POST /transport/adapters/remove`` ``{"adapter", "namespace", "proof"}``: the name first
+  (new requests for it are refused), then the workers' copy, while paused.
+
+**Who may.** Where the namespace has a secret in the server's environment
+(setup.secret_from_env), ``proof`` must be :func:`proof` of the request under that secret: a
+caller without it cannot install, rename or remove a tenant's adapter. A name served by one
+namespace (or loaded from a folder) is refused to another until it is removed. The weights
+themselves only ever come from the namespace's publishers (the workers' groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from transport.integrations.setup import secret_from_env
+from transport.integrations.vllm.lora_spec import adapter_id
+
+log = logging.getLogger("transport.vllm")
+
+#: the routes' common prefix
+PREFIX = "/transport/adapters/"
+#: the largest request body the routes read
+MAX_BODY = 4096
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def proof(secret: str | None, action: str, namespace: str, adapter: str, version: int) -> str:
+    """What a caller sends to show it holds the namespace's secret: an HMAC-SHA256 of the
+    request's fields ("" without a secret)."""
+    if not secret:
+        return ""
+    message = json.dumps([action, namespace, adapter, version]).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+class RouteError(Exception):
+    """A request the routes refuse: ``status`` and a message naming the rule."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class AdapterCall:
+    """One request to the routes, checked."""
+
+    action: str
+    adapter: str
+    namespace: str
+    version: int
+    timeout: float
+    proof: str
+
+    @classmethod
+    def parse(cls, action: str, body: bytes) -> AdapterCall:
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise RouteError(400, f"the body is not JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise RouteError(400, "the body is a JSON object")
+        adapter, namespace = data.get("adapter"), data.get("namespace", "default")
+        version, timeout = data.get("version", 0), data.get("timeout", 60.0)
+        given = data.get("proof", "")
+        if not isinstance(adapter, str) or not adapter or not isinstance(namespace, str):
+            raise RouteError(400, "adapter and namespace are non-empty strings")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RouteError(400, "version is an int >= 0")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise RouteError(400, "timeout is a number of seconds > 0")
+        if not isinstance(given, str):
+            raise RouteError(400, "proof is a string")
+        return cls(action, adapter, namespace, version, float(timeout), given)
+
+    def check(self) -> None:
+        """RouteError 403 unless the proof is right for the namespace's secret (if any)."""
+        want = proof(secret_from_env(self.namespace), *self.fields())
+        if want and not hmac.compare_digest(want, self.proof):
+            raise RouteError(
+                403,
+                f"namespace {self.namespace} has a secret and this request does not prove it: "
+                "send it through the adapter trainer, which holds the namespace's secret",
+            )
+
+    def fields(self) -> tuple[str, str, str, int]:
+        return self.action, self.namespace, self.adapter, self.version
+
+
+class AdapterRoutes:
+    """The ASGI middleware: it answers the routes under :data:`PREFIX` and passes every other
+    request to vLLM's app. It owns the pause it shares among concurrent installs (vLLM's pause
+    is one flag: the first install pauses, the last resumes)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+        self._users = 0
+        self._gate = asyncio.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") != "http" or not path.startswith(PREFIX):
+            await self.app(scope, receive, send)
+            return
+        action = path[len(PREFIX) :]
+        try:
+            if scope.get("method") != "POST" or action not in ("install", "remove"):
+                raise RouteError(404, f"the routes are POST {PREFIX}install and {PREFIX}remove")
+            call = AdapterCall.parse(action, await _body(receive))
+            call.check()
+            state = scope["app"].state
+            if action == "install":
+                result: dict[str, Any] = await self.install(state, call)
+            else:
+                result = await self.remove(state, call)
+            status = 200
+        except RouteError as e:
+            status, result = e.status, {"error": str(e)}
+        except Exception as e:  # a worker's refusal, named
+            log.warning("transport adapter route %s failed: %s", path, e)
+            status, result = 500, {"error": f"{type(e).__name__}: {e}"}
+        await _respond(send, status, result)
+
+    async def install(self, state: Any, call: AdapterCall) -> dict[str, Any]:
+        from vllm.lora.request import LoRARequest
+
+        engine, models = state.engine_client, state.openai_serving_models
+        lora_id = adapter_id(call.namespace, call.adapter)
+        _check_name(models, call, lora_id)
+        update = {
+            "adapter": call.adapter,
+            "namespace": call.namespace,
+            "version": call.version,
+            "timeout": call.timeout,
+        }
+        async with self._paused(engine):
+            installed = await engine.collective_rpc(
+                "transport_adapter_update", timeout=call.timeout + 30, args=(update,)
+            )
+            _check_name(models, call, lora_id)  # another namespace may have taken it meanwhile
+            models.lora_requests[call.adapter] = LoRARequest(
+                lora_name=call.adapter,
+                lora_int_id=lora_id,
+                lora_path=f"/transport/{call.namespace}/{call.adapter}",
+            )
+            await engine.reset_prefix_cache()
+        return {"installed": list(installed), "lora_id": lora_id}
+
+    async def remove(self, state: Any, call: AdapterCall) -> dict[str, Any]:
+        engine, models = state.engine_client, state.openai_serving_models
+        lora_id = adapter_id(call.namespace, call.adapter)
+        _check_name(models, call, lora_id)
+        models.lora_requests.pop(call.adapter, None)
+        async with self._paused(engine):
+            removed = await engine.collective_rpc(
+                "transport_adapter_remove", timeout=60, args=(call.namespace, call.adapter)
+            )
+        return {"removed": list(removed)}
+
+    @contextlib.asynccontextmanager
+    async def _paused(self, engine: Any) -> AsyncIterator[None]:
+        """vLLM paused (running requests finished first) while the block runs; shared."""
+        async with self._gate:
+            if self._users == 0:
+                await engine.pause_generation(mode="wait", clear_cache=False)
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with self._gate:
+                self._users -= 1
+                if self._users == 0:
+                    await engine.resume_generation()
+
+
+def _check_name(models: Any, call: AdapterCall, lora_id: int) -> None:
+    bound = models.lora_requests.get(call.adapter)
+    if bound is not None and bound.lora_int_id != lora_id:
+        raise RouteError(
+            409,
+            f"adapter name {call.adapter!r} is served by another namespace or from a folder "
+            f"({bound.lora_path}); remove it there first, or choose another name",
+        )
+
+
+async def _body(receive: Receive) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise RouteError(413, f"the body is larger than {MAX_BODY} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _respond(send: Send, status: int, body: dict[str, Any]) -> None:
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
