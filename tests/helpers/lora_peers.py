@@ -5,6 +5,7 @@ transport, and the reference: transformers + peft greedy tokens on the trainer's
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -25,10 +26,10 @@ def peft_model(rank: int, alpha: float, targets: list[str] = TARGETS) -> Any:
     return get_peft_model(hf_model(0), config).eval()
 
 
-def set_adapter(model: Any, version: int) -> None:
-    """The adapter's A and B of ``version`` (drawn from the version: every process alike), big
-    enough to change the model's greedy tokens."""
-    g = torch.Generator().manual_seed(7000 + version)
+def set_adapter(model: Any, version: int, salt: int = 0) -> None:
+    """The adapter's A and B of ``version`` (drawn from the version and ``salt``, a tenant's
+    number: every process alike), big enough to change the model's greedy tokens."""
+    g = torch.Generator().manual_seed(7000 + 1000 * salt + version)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if ".lora_" in name:
@@ -128,6 +129,9 @@ class LoraEngine(ChildProcess):
 
 def _http_lora_child(conn: Any, name: str, env: dict[str, str]) -> None:
     os.environ.update(env)
+    # one thread: eight of these share two cores with the server's workers, whose transports
+    # must keep their heartbeats (spinning OpenMP threads starved them for seconds)
+    torch.set_num_threads(1)
     try:  # the imports first (seconds): the test starts this child while the server starts
         from transport.integrations.vllm.lora_trainer import AdapterTrainer, AdapterTrainerInfo
         from transport.integrations.vllm.trainer import HTTPClient
@@ -137,28 +141,41 @@ def _http_lora_child(conn: Any, name: str, env: dict[str, str]) -> None:
     conn.send(("ok", (0, os.getpid())))
     held: dict[str, Any] = {}
 
-    def connect(url: str, store: str, adapter: str, namespace: str, rank: int) -> None:
+    def connect(
+        url: str, store: str, adapter: str, namespace: str, rank: int, salt: int = 0
+    ) -> None:
+        held["salt"] = salt
         held["model"] = model = peft_model(rank, 2.0 * rank)
         info = AdapterTrainerInfo(
             store=store, adapter=adapter, namespace=namespace, name=f"lora-{name}", timeout=60
         )
         held["trainer"] = AdapterTrainer(model, HTTPClient(url), info)
 
-    def send(version: int) -> dict[str, Any]:
-        """Install ``version``; transformers + peft's tokens on it, and the bytes written to each
-        worker meanwhile."""
+    def send(version: int, reference: bool = True) -> dict[str, Any]:
+        """Install ``version``; transformers + peft's tokens on it (unless not ``reference``:
+        then ask ``peft_tokens`` after), the bytes written to each worker meanwhile, and the
+        seconds the send took."""
         trainer = held["trainer"]
-        set_adapter(held["model"], version)
+        set_adapter(held["model"], version, held["salt"])
         before = {n: x.written for n, x in trainer.transport.traffic().items()}
+        t0 = time.perf_counter()
         trainer.send(version)
+        seconds = time.perf_counter() - t0
         after = trainer.transport.traffic()
         written = {n: x.written - before.get(n, 0) for n, x in after.items()}
-        return {"peft": greedy(held["model"]), "written": {n: w for n, w in written.items() if w}}
+        return {
+            "peft": greedy(held["model"]) if reference else None,
+            "written": {n: w for n, w in written.items() if w},
+            "seconds": seconds,
+        }
 
-    def peft_tokens(version: int) -> list[list[int]]:
-        """transformers + peft's tokens on the adapter of ``version`` (the trainer's is set)."""
-        set_adapter(held["model"], version)
-        return greedy(held["model"])
+    def peft_tokens(version: int, prompt: list[int] | None = None, n: int = 0) -> Any:
+        """transformers + peft's tokens on the adapter of ``version`` (the trainer's is set to
+        it): of every prompt, or ``n`` tokens of ``prompt``."""
+        set_adapter(held["model"], version, held["salt"])
+        if prompt is None:
+            return greedy(held["model"])
+        return _greedy_n(held["model"], prompt, n)
 
     def close() -> None:
         if "trainer" in held:
@@ -183,3 +200,88 @@ class HttpLoraTrainer(ChildProcess):
 
     def __init__(self, name: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
         super().__init__(name, _http_lora_child, (env or {},), 120, wait)
+
+
+def _greedy_n(model: Any, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        ids = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return ids[0, len(prompt) :].tolist()
+
+
+def _outsider_child(conn: Any, name: str, env: dict[str, str]) -> None:
+    """A process without a tenant's secret that tries to reach the tenant's adapter."""
+    os.environ.update(env)
+    try:
+        import requests
+
+        from transport import Transport, TransportError
+        from transport.integrations.vllm.lora_routes import PREFIX
+        from transport.integrations.vllm.lora_trainer import AdapterTrainer, AdapterTrainerInfo
+        from transport.integrations.vllm.trainer import HTTPClient
+    except BaseException as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", (0, os.getpid())))
+
+    def attack(url: str, store: str, victim: str, namespace: str, secret: str) -> dict[str, str]:
+        """Each way in, with what stopped it (a test fails on any "reached")."""
+        out: dict[str, str] = {}
+        model = peft_model(16, 32.0)  # a config of its own: an init would replace the victim's
+        set_adapter(model, 1, 99)
+        # 1. the victim's adapter, from the victim's namespace, with a wrong secret
+        os.environ[f"TRANSPORT_SECRET_{namespace.upper().replace('-', '_')}"] = secret
+        info = AdapterTrainerInfo(store=store, adapter=victim, namespace=namespace, timeout=10)
+        try:
+            trainer = AdapterTrainer(model, HTTPClient(url), info)
+        except Exception as e:
+            out["init"] = f"refused: {type(e).__name__}: {e}"
+        else:
+            try:
+                trainer.send(1)
+                out["init"] = "reached"
+            except Exception as e:
+                out["init"] = f"publish refused: {type(e).__name__}: {e}"
+            finally:
+                trainer.close()
+        # 2. the routes, without the proof
+        for action in ("install", "remove"):
+            body = {"adapter": victim, "namespace": namespace, "version": 1, "timeout": 10}
+            r = requests.post(f"{url}{PREFIX}{action}", json=body, timeout=60)
+            out[action] = "reached" if r.status_code == 200 else f"{r.status_code} {r.text}"
+        # 3. the victim's name, from a namespace of its own (whose secret it holds)
+        info = AdapterTrainerInfo(store=store, adapter=victim, namespace="outsider", timeout=30)
+        own = AdapterTrainer(model, HTTPClient(url), info)  # its own namespace: it may
+        try:
+            own.send(1)
+            out["name"] = "reached"
+        except Exception as e:
+            out["name"] = f"refused: {type(e).__name__}: {e}"
+        finally:
+            own.close()
+        # 4. reading: the victim's namespace shows it nothing
+        t = Transport("outsider-reader", store=store, namespace=namespace, secret=secret)
+        try:
+            seen = [p.name for p in t.peers() if p.name != t.name]
+            out["read"] = f"reached {seen}" if seen else "no peer visible"
+        except TransportError as e:
+            out["read"] = f"refused: {type(e).__name__}: {e}"
+        finally:
+            t.close()
+        return out
+
+    serve(conn, {"attack": attack}, lambda: None)
+
+
+class Outsider(ChildProcess):
+    """:func:`_outsider_child`: ``attack(url, store, victim, namespace, wrong_secret)``."""
+
+    FROM_VLLM_SERVER = True  # forks from the server that imported vLLM (helpers.child)
+
+    def __init__(self, name: str, env: dict[str, str] | None = None) -> None:
+        super().__init__(name, _outsider_child, (env or {},), 120)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.lora_peers import HttpLoraTrainer, slice_bytes
+from helpers.lora_peers import HttpLoraTrainer, Outsider, slice_bytes
 from helpers.vllm_server import LORA_ARGS, VllmServer
 from transport.store.tcp import TcpStore
 
@@ -35,7 +35,9 @@ def shared(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logs = tmp_path_factory.mktemp("lora-server")
     store = TcpStore("127.0.0.1", 0, hosting="yes")
     try:
-        with VllmServer(model_dir, logs / "server.log", tp=TP, args=LORA_ARGS) as server:
+        env = {k: v for n in range(TENANTS) for k, v in tenant(n)[2].items()}
+        server = VllmServer(model_dir, logs / "server.log", tp=TP, args=LORA_ARGS, env=env)
+        with server:
             yield Shared(server, f"tcp://127.0.0.1:{store.port}?host=no", server.generate())
     finally:
         store.close()
@@ -58,3 +60,75 @@ def test_each_tp_worker_takes_its_slices_and_serves_each_version_exactly(shared:
         assert [a["version"] for a in adapters] == [3] * TP, adapters
         assert all(a["registered"] for a in adapters), adapters
         assert [a["version_bytes"] for a in adapters] == [slice_bytes(RANK, TP)] * TP
+
+
+def tenant(k: int) -> tuple[str, str, dict[str, str]]:
+    """Tenant ``k``'s adapter name, namespace and environment (its own secret)."""
+    namespace = f"tenant-{k}"
+    return f"t{k}", namespace, {f"TRANSPORT_SECRET_TENANT_{k}": f"secret-of-tenant-{k}"}
+
+
+TENANTS = 8
+
+
+def test_eight_tenants_update_at_once_and_each_is_served_its_own(shared: Shared) -> None:
+    server = shared.server
+    trainers = [HttpLoraTrainer(f"tenant{k}", tenant(k)[2], wait=False) for k in range(TENANTS)]
+    try:
+        for k, t in enumerate(trainers):
+            t.started(180)
+            adapter, namespace, _ = tenant(k)
+            t.call("connect", server.url, shared.store, adapter, namespace, RANK, k, timeout=120)
+        alone = trainers[0].call("send", 1, timeout=240)
+        for version in (2, 3):
+            for t in trainers:
+                t.begin("send", version, False)
+            got = [t.end("send", 600) for t in trainers]
+            tokens = [server.generate(tenant(k)[0]) for k in range(TENANTS)]
+            for k, t in enumerate(trainers):
+                want = t.call("peft_tokens", version, timeout=120)
+                assert tokens[k] == want, f"tenant {k}, version {version}"
+            assert len({str(t) for t in tokens}) == TENANTS, "two tenants served alike"
+        seconds = sorted(g["seconds"] for g in got)
+        print(
+            f"\none tenant alone: {alone['seconds']:.2f} s per update; eight at once: median "
+            f"{seconds[TENANTS // 2]:.2f} s, slowest {seconds[-1]:.2f} s"
+        )
+        # removed while the server serves: refused by name; the others unchanged
+        trainers[3].call("remove", timeout=120)
+        with pytest.raises(RuntimeError, match="404"):
+            server.generate(tenant(3)[0])
+        assert server.generate(tenant(4)[0]) == tokens[4]
+        states = server.transport_state()
+        assert all("tenant-3/t3" not in s["adapters"] for s in states)
+        assert all(s["adapters"]["tenant-4/t4"]["version"] == 3 for s in states)
+    finally:
+        for t in trainers:
+            t.stop()
+
+
+def test_a_tenant_without_the_secret_cannot_write_replace_or_read_anothers_adapter(
+    shared: Shared,
+) -> None:
+    server = shared.server
+    adapter, namespace, env = tenant(0)
+    with HttpLoraTrainer("victim", env) as victim, Outsider("outsider") as outsider:
+        victim.call("connect", server.url, shared.store, adapter, namespace, RANK, 0, timeout=120)
+        served = victim.call("send", 5, timeout=240)["peft"]
+        tried = outsider.call(
+            "attack",
+            server.url,
+            shared.store,
+            adapter,
+            namespace,
+            "a-wrong-guess-of-the-secret",
+            timeout=300,
+        )
+        print("\n" + "\n".join(f"{k}: {v}" for k, v in tried.items()))
+        assert not any(v.startswith("reached") for v in tried.values()), tried
+        assert tried["install"].startswith("403") and tried["remove"].startswith("403"), tried
+        assert "409" in tried["name"], tried
+        assert server.generate(adapter) == served, "the victim's adapter changed"
+        states = server.transport_state()
+        assert all(s["adapters"][f"{namespace}/{adapter}"]["version"] == 5 for s in states)
+        assert all(s["adapters"][f"{namespace}/{adapter}"]["rank"] == RANK for s in states)

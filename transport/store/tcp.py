@@ -16,7 +16,13 @@ each later call, each attempt taking up to the connect timeout.
 Measured behaviours of TCPStore (torch 2.13) this module works around:
 
 * A client object serialises its calls: a ``get`` waiting for a key holds up every
-  other thread using that object. Each thread here gets its own client.
+  other thread using that object. Each thread that waits for keys (``get``, ``wait``)
+  gets its own client; the calls that answer at once share one client per object.
+* With about 25, 50, 75... clients connected to one server, the next one to connect
+  takes 5 s (both server backends, any number of client processes; clients that come
+  and go do not add up). A process with a dozen Transports, each with a client per
+  thread, passed that count, and its heartbeats came late enough to make it a suspect:
+  hence the shared client.
 * A wait with a zero (or very short) timeout can time out even when the key
   exists, before the server's answer arrives; ``check`` is used to look first.
 * ``compare_set(key, "", new)`` sets ``key`` when it is missing *or holds the
@@ -184,6 +190,9 @@ class TcpStore(Store):
         self._port = port
         self._lock = threading.Lock()
         self._local = threading.local()
+        #: the client of the calls that answer at once, and the lock that serialises them
+        self._shared: dist.TCPStore | None = None
+        self._shared_lock = threading.RLock()  # a call may make another (a retry, a probe)
         self._closed = False
         self._master: dist.TCPStore | None = None
         self.url = self._make_url(hosting, given_timeout)
@@ -203,7 +212,8 @@ class TcpStore(Store):
         else:
             # connect now: an unreachable store fails here, within the timeout; one that lost
             # the race to host gives the winner a moment to listen on the port it bound
-            self._client(race=serve)
+            with self._shared_lock:
+                self._shared = self._connect(self._connect_timeout, race=serve)
             logger.debug("joined store %s as a client", self.url)
 
     @classmethod
@@ -276,21 +286,40 @@ class TcpStore(Store):
             logger.debug("did not host %s (%s); joining it", self.url, exc)
             return None
 
-    def _client(self, connect_timeout: float | None = None, race: bool = False) -> dist.TCPStore:
-        """This thread's client, connected on first use (a client serialises its calls);
-        ``race``: this object just failed to host the store because another opener bound the
-        port first."""
+    def _client(self, connect_timeout: float | None = None) -> dist.TCPStore:
+        """This thread's client, connected on first use: for the calls that wait for keys (a
+        client serialises its calls)."""
         if self._closed:
             raise self._closed_error()
         local = self._local
         client: dist.TCPStore | None = getattr(local, "client", None)
         if client is None:
             seconds = self._connect_timeout if connect_timeout is None else connect_timeout
-            self._probe(seconds, min(seconds, RACE_GRACE_S) if race else 0.0)
-            with self._torch_errors("connect"):
-                client = dist.TCPStore(self._host, self._port, None, False, _span(seconds))
-            local.client = client
+            client = local.client = self._connect(seconds)
         return client
+
+    @contextmanager
+    def _quick(self) -> Iterator[dist.TCPStore]:
+        """The client every thread shares for the calls that answer at once, held while the
+        block runs (connected on first use; dropped when its connection fails)."""
+        with self._shared_lock:
+            if self._closed:
+                raise self._closed_error()
+            client = self._shared
+            if client is None:
+                client = self._shared = self._connect(self._connect_timeout)
+            try:
+                yield client
+            except dist.DistNetworkError:
+                self._shared = None
+                raise
+
+    def _connect(self, seconds: float, race: bool = False) -> dist.TCPStore:
+        """A new client; ``race``: this object just failed to host the store because another
+        opener bound the port first."""
+        self._probe(seconds, min(seconds, RACE_GRACE_S) if race else 0.0)
+        with self._torch_errors("connect"):
+            return dist.TCPStore(self._host, self._port, None, False, _span(seconds))
 
     def _probe(self, seconds: float, grace: float = 0.0) -> None:
         """Fail at once when nothing listens on the port (after ``grace`` seconds of trying:
@@ -337,8 +366,7 @@ class TcpStore(Store):
                 f"a value of {len(value)} bytes is over the embedded store's limit of {MAX_VALUE_BYTES}; "
                 "store less, or use a redis:// store"
             )
-        with self._torch_errors("set"):
-            client = self._client()
+        with self._torch_errors("set"), self._quick() as client:
             client.set(key, _encode(value))  # type: ignore[arg-type]
             client.check([key])  # TCPStore does not answer a set: this answer confirms it
 
@@ -361,20 +389,20 @@ class TcpStore(Store):
 
     def try_get(self, key: str) -> bytes | None:
         key = check_key(key)
-        with self._torch_errors("try_get"):
-            raw = self._raw_try_get(self._client(), key)
+        with self._torch_errors("try_get"), self._quick() as client:
+            raw = self._raw_try_get(client, key)
         return None if raw is None else _decode(raw)
 
     def exists(self, key: str) -> bool:
         key = check_key(key)
-        with self._torch_errors("exists"):
-            return bool(self._client().check([key]))
+        with self._torch_errors("exists"), self._quick() as client:
+            return bool(client.check([key]))
 
     def add(self, key: str, amount: int = 1) -> int:
         key, amount = check_key(key), check_amount(amount)
         try:
-            with self._torch_errors("add"):
-                return int(self._client().add(key, amount))
+            with self._torch_errors("add"), self._quick() as client:
+                return int(client.add(key, amount))
         except StoreError as exc:
             if not isinstance(exc.__cause__, dist.DistNetworkError) or not self._reachable():
                 raise
@@ -398,8 +426,7 @@ class TcpStore(Store):
         if expected is not None:
             expected = check_value(expected)
         new = _encode(desired, unique=True)  # unique: the answer equals it only if we set it
-        with self._torch_errors("compare_set"):
-            client = self._client()
+        with self._torch_errors("compare_set"), self._quick() as client:
             if expected is None:
                 # Stored values are never empty, so "" matches a missing key only.
                 swapped = client.compare_set(key, b"", new) == new  # type: ignore[arg-type]
@@ -420,8 +447,8 @@ class TcpStore(Store):
 
     def delete(self, key: str) -> bool:
         key = check_key(key)
-        with self._torch_errors("delete"):
-            return bool(self._client().delete_key(key))
+        with self._torch_errors("delete"), self._quick() as client:
+            return bool(client.delete_key(key))
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         wanted = list(dict.fromkeys(check_key(k) for k in keys))
@@ -474,6 +501,7 @@ class TcpStore(Store):
                 return
             self._closed = True
             self._local = threading.local()
+            self._shared = None
             master, self._master = self._master, None
         if master is not None:
             logger.info("no longer hosting store %s", self.url)

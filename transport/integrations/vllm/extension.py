@@ -13,18 +13,38 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-def install_adapter(worker: Any, update_info: dict[str, Any]) -> int | None:
-    """On one vLLM worker: install the version of a LoRA adapter that ``update_info`` names
-    (``{"adapter": ..., "version": ..., "timeout": ...}``; see modes/lora.py). Offline,
-    ``llm.collective_rpc(install_adapter, args=(update_info,))`` runs it on every worker
-    without a worker extension."""
-    return _engine(worker).update_adapter(update_info)
+#: what :func:`adapter_call` does, by action
+ADAPTER_ACTIONS = ("init", "install", "remove")
 
 
-def remove_adapter(worker: Any, namespace: str, adapter: str) -> bool:
-    """On one vLLM worker: take ``adapter`` of ``namespace`` out of vLLM and leave its group."""
-    return _engine(worker).remove_adapter(namespace, adapter)
+def adapter_call(worker: Any, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """On one vLLM worker, an action on a LoRA adapter (modes/lora.py): ``init`` (payload: the
+    adapter's init info), ``install`` (``{"adapter", "namespace", "version", "timeout"}``) or
+    ``remove`` (``{"adapter", "namespace"}``). Returns ``{"version": ...}`` (the version
+    installed), ``{"removed": bool}``, ``{"joined": how}`` or ``{"error": message}``: it never
+    raises, since vLLM's executor of several workers hands the other workers' error replies to
+    the calls that follow one that raised. Offline, ``llm.collective_rpc(adapter_call,
+    args=(action, payload))`` runs it on every worker without a worker extension."""
+    try:
+        engine = _engine(worker)
+        if action == "init":
+            return {"joined": engine.init_adapter(payload)}
+        if action == "install":
+            return {"version": engine.update_adapter(payload)}
+        if action == "remove":
+            return {"removed": engine.remove_adapter(payload["namespace"], payload["adapter"])}
+        raise ValueError(f"transport adapter action {action!r} is not one of {ADAPTER_ACTIONS}")
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def adapter_results(results: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """Every worker's answer to :func:`adapter_call`; RuntimeError naming what each worker that
+    failed said."""
+    failed = [f"worker {k}: {r['error']}" for k, r in enumerate(results) if "error" in r]
+    if failed:
+        raise RuntimeError(f"{what} failed on vLLM's workers: " + "; ".join(failed))
+    return results
 
 
 def _engine(worker: Any) -> Any:
@@ -40,13 +60,9 @@ def _engine(worker: Any) -> Any:
 class TransportState:
     """Mixed into vLLM's worker class by vLLM (it owns nothing; it reads the worker's engine)."""
 
-    def transport_adapter_update(self, update_info: dict[str, Any]) -> int | None:
-        """:func:`install_adapter` on this worker (``POST /collective_rpc`` on a server)."""
-        return install_adapter(self, update_info)
-
-    def transport_adapter_remove(self, namespace: str, adapter: str) -> bool:
-        """:func:`remove_adapter` on this worker."""
-        return remove_adapter(self, namespace, adapter)
+    def transport_adapter(self, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """:func:`adapter_call` on this worker (the adapter routes call it: lora_routes.py)."""
+        return adapter_call(self, action, payload)
 
     def transport_state(self) -> dict[str, Any] | None:
         """This worker's engine state as JSON-ready values (None without the transport backend)."""

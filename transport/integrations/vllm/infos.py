@@ -85,7 +85,9 @@ class TransportInitInfo(WeightTransferInitInfo):
     (lora_spec.AdapterConfig), ``group`` carries its versions. An init of an adapter joins or
     replaces that adapter alone (the base group and other adapters are left as they are); its
     secret comes from ``$TRANSPORT_SECRET_<NAMESPACE>`` when set (one per tenant), else from
-    ``$TRANSPORT_SECRET``."""
+    ``$TRANSPORT_SECRET``; where there is one, ``proof`` must be lora_spec.proof of
+    :meth:`adapter_fields` under it (the adapter trainer sends it), so that a caller without the
+    secret cannot replace a tenant's adapter."""
 
     store: str
     namespace: str = "default"
@@ -104,6 +106,7 @@ class TransportInitInfo(WeightTransferInitInfo):
     alpha: float = 0.0
     targets: list[str] = field(default_factory=list)
     rslora: bool = False
+    proof: str = ""
 
     def __post_init__(self) -> None:
         if self.adapter is not None:
@@ -152,6 +155,20 @@ class TransportInitInfo(WeightTransferInitInfo):
         """The adapter's config (for an init with ``adapter``)."""
         targets = self.targets if isinstance(self.targets, list) else [self.targets]
         return AdapterConfig(self.rank, self.alpha, tuple(sorted(targets)), bool(self.rslora))
+
+    def adapter_fields(self) -> tuple[Any, ...]:
+        """What the proof of an adapter's init covers."""
+        c = self.adapter_config()
+        return (
+            "init",
+            self.namespace,
+            self.adapter,
+            self.group,
+            c.rank,
+            c.alpha,
+            c.targets,
+            c.rslora,
+        )
 
     def adapter_key(self) -> tuple[Any, ...]:
         """What identifies an adapter's init: the same again is a no-op."""

@@ -9,6 +9,8 @@ transport (modes/lora.py, through the worker extension:
 the adapter in the server's table of adapters under the id every worker installed it under
 (lora_spec.adapter_id), so ``{"model": "<adapter>"}`` in a completion request is served by it.
 
+* ``POST /transport/adapters/init`` (the adapter's init info, with its proof): every worker
+  joins the adapter's group (a no-op where nothing changed).
 * ``POST /transport/adapters/install`` ``{"adapter", "namespace", "version", "timeout",
   "proof"}``: pauses scheduling until the requests running finish (vLLM's pause, mode
   ``wait``: a request is served by one version from its first token to its last), installs the
@@ -28,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -37,27 +37,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from transport.integrations.setup import secret_from_env
-from transport.integrations.vllm.lora_spec import adapter_id
+from transport.integrations.vllm.lora_spec import adapter_id, check_proof
 
 log = logging.getLogger("transport.vllm")
 
 #: the routes' common prefix
 PREFIX = "/transport/adapters/"
+#: the routes, after PREFIX
+ACTIONS = ("init", "install", "remove")
 #: the largest request body the routes read
 MAX_BODY = 4096
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
-def proof(secret: str | None, action: str, namespace: str, adapter: str, version: int) -> str:
-    """What a caller sends to show it holds the namespace's secret: an HMAC-SHA256 of the
-    request's fields ("" without a secret)."""
-    if not secret:
-        return ""
-    message = json.dumps([action, namespace, adapter, version]).encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 class RouteError(Exception):
@@ -102,13 +95,15 @@ class AdapterCall:
 
     def check(self) -> None:
         """RouteError 403 unless the proof is right for the namespace's secret (if any)."""
-        want = proof(secret_from_env(self.namespace), *self.fields())
-        if want and not hmac.compare_digest(want, self.proof):
-            raise RouteError(
-                403,
-                f"namespace {self.namespace} has a secret and this request does not prove it: "
-                "send it through the adapter trainer, which holds the namespace's secret",
+        try:
+            check_proof(
+                secret_from_env(self.namespace),
+                self.proof,
+                f"{self.action} of adapter {self.adapter!r} of namespace {self.namespace}",
+                *self.fields(),
             )
+        except PermissionError as e:
+            raise RouteError(403, str(e)) from e
 
     def fields(self) -> tuple[str, str, str, int]:
         return self.action, self.namespace, self.adapter, self.version
@@ -131,15 +126,19 @@ class AdapterRoutes:
             return
         action = path[len(PREFIX) :]
         try:
-            if scope.get("method") != "POST" or action not in ("install", "remove"):
-                raise RouteError(404, f"the routes are POST {PREFIX}install and {PREFIX}remove")
-            call = AdapterCall.parse(action, await _body(receive))
-            call.check()
+            if scope.get("method") != "POST" or action not in ACTIONS:
+                raise RouteError(404, f"the routes are POST {PREFIX}{{{','.join(ACTIONS)}}}")
+            body = await _body(receive)
             state = scope["app"].state
-            if action == "install":
-                result: dict[str, Any] = await self.install(state, call)
+            if action == "init":
+                result: dict[str, Any] = await self.init(state, body)
             else:
-                result = await self.remove(state, call)
+                call = AdapterCall.parse(action, body)
+                call.check()
+                if action == "install":
+                    result = await self.install(state, call)
+                else:
+                    result = await self.remove(state, call)
             status = 200
         except RouteError as e:
             status, result = e.status, {"error": str(e)}
@@ -147,6 +146,28 @@ class AdapterRoutes:
             log.warning("transport adapter route %s failed: %s", path, e)
             status, result = 500, {"error": f"{type(e).__name__}: {e}"}
         await _respond(send, status, result)
+
+    async def init(self, state: Any, body: bytes) -> dict[str, Any]:
+        """Every worker joins the adapter (its init info: TransportInitInfo with ``adapter``)."""
+        from transport.integrations.vllm.infos import TransportInitInfo, parse
+
+        try:
+            info = parse(TransportInitInfo, json.loads(body), "init_info")
+        except ValueError as e:
+            raise RouteError(400, str(e)) from e
+        if info.adapter is None:
+            raise RouteError(400, "transport init_info: name the adapter to join")
+        try:
+            check_proof(
+                secret_from_env(info.namespace),
+                info.proof,
+                f"the init of adapter {info.adapter!r} of namespace {info.namespace}",
+                *info.adapter_fields(),
+            )
+        except PermissionError as e:
+            raise RouteError(403, str(e)) from e
+        results = await _workers(state, "init", json.loads(body), info.timeout + 30)
+        return {"joined": [r["joined"] for r in results]}
 
     async def install(self, state: Any, call: AdapterCall) -> dict[str, Any]:
         from vllm.lora.request import LoRARequest
@@ -161,9 +182,7 @@ class AdapterRoutes:
             "timeout": call.timeout,
         }
         async with self._paused(engine):
-            installed = await engine.collective_rpc(
-                "transport_adapter_update", timeout=call.timeout + 30, args=(update,)
-            )
+            results = await _workers(state, "install", update, call.timeout + 30)
             _check_name(models, call, lora_id)  # another namespace may have taken it meanwhile
             models.lora_requests[call.adapter] = LoRARequest(
                 lora_name=call.adapter,
@@ -171,18 +190,17 @@ class AdapterRoutes:
                 lora_path=f"/transport/{call.namespace}/{call.adapter}",
             )
             await engine.reset_prefix_cache()
-        return {"installed": list(installed), "lora_id": lora_id}
+        return {"installed": [r["version"] for r in results], "lora_id": lora_id}
 
     async def remove(self, state: Any, call: AdapterCall) -> dict[str, Any]:
         engine, models = state.engine_client, state.openai_serving_models
         lora_id = adapter_id(call.namespace, call.adapter)
         _check_name(models, call, lora_id)
         models.lora_requests.pop(call.adapter, None)
+        payload = {"namespace": call.namespace, "adapter": call.adapter}
         async with self._paused(engine):
-            removed = await engine.collective_rpc(
-                "transport_adapter_remove", timeout=60, args=(call.namespace, call.adapter)
-            )
-        return {"removed": list(removed)}
+            results = await _workers(state, "remove", payload, 60)
+        return {"removed": [r["removed"] for r in results]}
 
     @contextlib.asynccontextmanager
     async def _paused(self, engine: Any) -> AsyncIterator[None]:
@@ -198,6 +216,21 @@ class AdapterRoutes:
                 self._users -= 1
                 if self._users == 0:
                     await engine.resume_generation()
+
+
+async def _workers(
+    state: Any, action: str, payload: dict[str, Any], timeout: float
+) -> list[dict[str, Any]]:
+    """Every worker's answer to extension.adapter_call; RouteError 500 naming what failed."""
+    from transport.integrations.vllm.extension import adapter_results
+
+    results = await state.engine_client.collective_rpc(
+        "transport_adapter", timeout=timeout, args=(action, payload)
+    )
+    try:
+        return adapter_results(list(results), f"the adapter {action} of {payload.get('adapter')!r}")
+    except RuntimeError as e:
+        raise RouteError(500, str(e)) from e
 
 
 def _check_name(models: Any, call: AdapterCall, lora_id: int) -> None:

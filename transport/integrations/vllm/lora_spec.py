@@ -12,6 +12,9 @@ version and a trainer whose adapter differs is refused, naming the tensor.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import math
 import re
 import zlib
@@ -76,6 +79,27 @@ def adapter_id(namespace: str, adapter: str) -> int:
     worker and for every client, from the names alone; above the ids vLLM gives adapters loaded
     from files (it counts from 1), and checked against the ones a worker holds."""
     return 2**30 + zlib.crc32(f"{namespace}/{adapter}".encode()) % 2**30
+
+
+def proof(secret: str | None, *fields: Any) -> str:
+    """What a trainer sends with a request about an adapter (its init, an install, a removal) to
+    show it holds the namespace's secret: an HMAC-SHA256 of the request's fields as JSON ("" for
+    a namespace without a secret). vLLM's workers and the adapter routes check it against the
+    secret in their own environment."""
+    if not secret:
+        return ""
+    message = json.dumps(list(fields)).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def check_proof(secret: str | None, given: str, what: str, *fields: Any) -> None:
+    """PermissionError naming ``what`` unless ``given`` is :func:`proof` of ``fields``."""
+    want = proof(secret, *fields)
+    if want and not hmac.compare_digest(want, given if isinstance(given, str) else ""):
+        raise PermissionError(
+            f"{what}: its namespace has a secret and the request does not prove it (send it "
+            "through the adapter trainer, which holds the namespace's secret)"
+        )
 
 
 def lora_spec(

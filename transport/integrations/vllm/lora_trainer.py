@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from transport import PublishResult, Transport
-from transport.integrations.setup import choose_publisher, connect
+from transport.integrations.setup import choose_publisher, connect, secret_from_env
+from transport.integrations.vllm.infos import TransportInitInfo
 from transport.integrations.vllm.lora_spec import (
     AdapterConfig,
     adapter_group,
     adapter_id,
     from_peft,
+    proof,
 )
 from transport.integrations.vllm.trainer import UpdateError
 from transport.weights import ShardedPublisher
@@ -90,7 +92,7 @@ class AdapterTrainer:
             self.publisher: ShardedPublisher | None = choose_publisher(  # type: ignore[assignment]
                 self.transport, tensors, group=self.group
             )
-            client.init_weight_transfer_engine(self.worker_info())
+            client.init_adapter(self.worker_info())
         except BaseException:
             self.close()
             raise
@@ -101,8 +103,9 @@ class AdapterTrainer:
         return adapter_id(self.info.namespace, self.info.adapter)
 
     def worker_info(self) -> dict[str, Any]:
-        """What each vLLM worker is told (small JSON: ``init_weight_transfer_engine``)."""
-        return {
+        """What each vLLM worker is told (small JSON: the client's ``init_adapter``), with the
+        proof that this trainer holds the namespace's secret (lora_spec.proof)."""
+        info: dict[str, Any] = {
             "store": self.info.store,
             "namespace": self.info.namespace,
             "group": self.group,
@@ -114,6 +117,8 @@ class AdapterTrainer:
             "targets": list(self.config.targets),
             "rslora": self.config.rslora,
         }
+        fields = TransportInitInfo(**info).adapter_fields()
+        return {**info, "proof": proof(secret_from_env(self.info.namespace), *fields)}
 
     def send(self, version: int | None = None) -> PublishResult:
         """Publish the adapter's current values as ``version`` (default: the last one + 1) and
@@ -124,7 +129,7 @@ class AdapterTrainer:
         v = self.version + 1 if version is None else version
         timeout = self.info.timeout
         # workers that hold the adapter already ignore this; a restarted server joins now
-        self.client.init_weight_transfer_engine(self.worker_info())
+        self.client.init_adapter(self.worker_info())
         pub.refresh()
         result = pub.publish(v, timeout=timeout).wait(timeout + 30)
         self.last_result = result

@@ -458,22 +458,27 @@ class OfflineClient:
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
-    def install_adapter(self, update_info: dict[str, Any]) -> list[int | None]:
-        """Every worker installs the adapter version ``update_info`` names (extension.py's
-        ``install_adapter``; no worker extension needed in process); then the prefix cache is
-        reset (its blocks under the adapter's id hold the previous version's keys and values).
-        The versions each worker installed."""
-        from transport.integrations.vllm.extension import install_adapter
+    def init_adapter(self, init_info: dict[str, Any]) -> None:
+        """Every worker joins the adapter ``init_info`` names (a no-op where nothing changed)."""
+        self._adapter("init", init_info)
 
-        installed = self.llm.collective_rpc(install_adapter, args=(update_info,))
+    def install_adapter(self, update_info: dict[str, Any]) -> list[int | None]:
+        """Every worker installs the adapter version ``update_info`` names; then the prefix
+        cache is reset (its blocks under the adapter's id hold the previous version's keys and
+        values). The versions each worker installed."""
+        results = self._adapter("install", update_info)
         self.llm.reset_prefix_cache()
-        return list(installed)
+        return [r["version"] for r in results]
 
     def remove_adapter(self, namespace: str, adapter: str) -> None:
         """Every worker takes the adapter out of vLLM and leaves its group."""
-        from transport.integrations.vllm.extension import remove_adapter
+        self._adapter("remove", {"namespace": namespace, "adapter": adapter})
 
-        self.llm.collective_rpc(remove_adapter, args=(namespace, adapter))
+    def _adapter(self, action: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        from transport.integrations.vllm.extension import adapter_call, adapter_results
+
+        results = self.llm.collective_rpc(adapter_call, args=(action, payload))
+        return adapter_results(list(results), f"the adapter {action} of {payload.get('adapter')!r}")
 
 
 class HTTPClient(HTTPVLLMWeightSyncClient):
@@ -486,10 +491,14 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
         response = requests.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout)
         response.raise_for_status()
 
+    def init_adapter(self, init_info: dict[str, Any]) -> None:
+        """The server's workers join the adapter ``init_info`` names (lora_routes.py: the server
+        runs with its middleware and the worker extension)."""
+        self._adapter_route("init", init_info, init_info.get("timeout", 60) + 60)
+
     def install_adapter(self, update_info: dict[str, Any]) -> list[int | None]:
         """The server installs the adapter version ``update_info`` names in every worker and
-        serves it under the adapter's name (lora_routes.py: the server runs with its middleware
-        and the worker extension); the versions each worker installed."""
+        serves it under the adapter's name; the versions each worker installed."""
         answer = self._adapter_route("install", update_info, update_info["timeout"] + 60)
         return list(answer["installed"])
 
@@ -501,10 +510,13 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
         import requests
 
         from transport.integrations.setup import secret_from_env
-        from transport.integrations.vllm.lora_routes import PREFIX, proof
+        from transport.integrations.vllm.lora_routes import PREFIX
+        from transport.integrations.vllm.lora_spec import proof
 
         ns, adapter, version = body["namespace"], body["adapter"], body.get("version", 0)
-        signed = {**body, "proof": proof(secret_from_env(ns), action, ns, adapter, version)}
+        signed = body  # an init carries its own proof
+        if action != "init":
+            signed = {**body, "proof": proof(secret_from_env(ns), action, ns, adapter, version)}
         response = requests.post(f"{self.base_url}{PREFIX}{action}", json=signed, timeout=timeout)
         if response.status_code == 404 and "error" not in response.text:
             raise RuntimeError(

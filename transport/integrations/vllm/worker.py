@@ -115,17 +115,10 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
 
     def init_transfer_engine(self, init_info: TransportInitInfo) -> None:
         if init_info.adapter is not None:
-            with self._lock:
-                how = self.adapters.join(init_info)
-            if how != "unchanged":
-                log.info(
-                    "vLLM worker: adapter %s of namespace %s (group %s) %s",
-                    init_info.adapter,
-                    init_info.namespace,
-                    init_info.group,
-                    how,
-                )
-            return
+            raise ValueError(
+                "transport init_info: an adapter joins through the adapter calls (the adapter "
+                "trainer's client: lora_routes.py on a server), not vLLM's weight-transfer init"
+            )
         with self._lock:
             if self.info == init_info and self.receiver is not None:
                 return
@@ -190,6 +183,24 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
                 receiver.need / 2**20,
                 staging,
             )
+
+    def init_adapter(self, init_info: dict[str, Any]) -> str:
+        """Join (or replace) the adapter ``init_info`` names (see TransportInitInfo); returns
+        what happened. Called through the worker extension (extension.adapter_call)."""
+        info = self.parse_init_info(init_info)
+        if info.adapter is None:
+            raise ValueError("transport init_info: name the adapter to join")
+        with self._lock:
+            how = self.adapters.join(info)
+        if how != "unchanged":
+            log.info(
+                "vLLM worker: adapter %s of namespace %s (group %s) %s",
+                info.adapter,
+                info.namespace,
+                info.group,
+                how,
+            )
+        return how
 
     def update_adapter(self, update_info: dict[str, Any]) -> int | None:
         """Install the version of the adapter ``update_info`` names (``adapter``, ``version``,
