@@ -146,9 +146,8 @@ def _http_lora_child(conn: Any, name: str, env: dict[str, str]) -> None:
     ) -> None:
         held["salt"] = salt
         held["model"] = model = peft_model(rank, 2.0 * rank)
-        info = AdapterTrainerInfo(
-            store=store, adapter=adapter, namespace=namespace, name=f"lora-{name}", timeout=60
-        )
+        # the trainer's peer name is its adapter's (the default): a restarted trainer takes over
+        info = AdapterTrainerInfo(store=store, adapter=adapter, namespace=namespace, timeout=60)
         held["trainer"] = AdapterTrainer(model, HTTPClient(url), info)
 
     def send(version: int, reference: bool = True) -> dict[str, Any]:

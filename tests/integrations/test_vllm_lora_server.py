@@ -7,12 +7,16 @@ version, and the base model is neither sent nor changed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
+from helpers.child import ChildError
+from helpers.llama import PROMPTS
 from helpers.lora_peers import HttpLoraTrainer, Outsider, slice_bytes
 from helpers.vllm_server import LORA_ARGS, VllmServer
 from transport.store.tcp import TcpStore
@@ -132,3 +136,88 @@ def test_a_tenant_without_the_secret_cannot_write_replace_or_read_anothers_adapt
         states = server.transport_state()
         assert all(s["adapters"][f"{namespace}/{adapter}"]["version"] == 5 for s in states)
         assert all(s["adapters"][f"{namespace}/{adapter}"]["rank"] == RANK for s in states)
+
+
+def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int) -> Iterator[list[int]]:
+    """A streamed greedy completion: the token ids of each chunk as it arrives."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    yield list(choice.get("token_ids") or [])
+
+
+def test_a_request_running_when_a_version_lands_finishes_on_the_version_it_started_with(
+    shared: Shared,
+) -> None:
+    """The install waits for the requests running (vLLM's pause, mode wait): a long completion
+    that has its first token when the next version is sent is served by its first version to
+    the end."""
+    server, prompt, n = shared.server, PROMPTS[0], 80
+    with HttpLoraTrainer("inflight") as trainer:
+        trainer.call("connect", server.url, shared.store, "inflight", "default", RANK, 20)
+        trainer.call("send", 1, False, timeout=240)
+        old = trainer.call("peft_tokens", 1, prompt, n, timeout=120)
+        new = trainer.call("peft_tokens", 2, prompt, n, timeout=120)
+        assert old != new
+        chunks = stream_tokens(server.url, "inflight", prompt, n)
+        tokens = next(chunks)  # the request runs
+        assert tokens, "the first chunk carries the first token"
+        trainer.begin("send", 2, False)
+        for chunk in chunks:
+            tokens += chunk
+        trainer.end("send", 240)
+        assert tokens == old
+        assert server.generate("inflight") == trainer.call("peft_tokens", 2, timeout=120)
+
+
+def test_a_trainer_killed_mid_publish_leaves_a_whole_version_served_and_named(
+    shared: Shared,
+) -> None:
+    server = shared.server
+    with HttpLoraTrainer("first") as first, HttpLoraTrainer("second") as second:
+        first.call("connect", server.url, shared.store, "killed", "default", RANK, 30)
+        first.call("send", 1, False, timeout=240)
+        first.begin("send", 2, False)
+        first.kill()
+        second.call("connect", server.url, shared.store, "killed", "default", RANK, 30)
+        refs = {v: second.call("peft_tokens", v, timeout=120) for v in (1, 2, 3)}
+        states = server.transport_state()
+        versions = {s["adapters"]["default/killed"]["version"] for s in states}
+        assert len(versions) == 1, states  # every worker the same version
+        (served,) = versions
+        assert served in (1, 2) and server.generate("killed") == refs[served], served
+        # the trainer restarted: its next version lands whole
+        second.call("send", 3, False, timeout=240)
+        assert server.generate("killed") == refs[3]
+
+
+def test_a_new_rank_is_taken_and_one_beyond_vllms_limit_is_refused_naming_it(
+    shared: Shared,
+) -> None:
+    server = shared.server
+    with HttpLoraTrainer("rank8") as small, HttpLoraTrainer("rank16") as large:
+        small.call("connect", server.url, shared.store, "grows", "default", RANK, 40)
+        small.call("send", 1, False, timeout=240)
+        assert server.generate("grows") == small.call("peft_tokens", 1, timeout=120)
+        large.call("connect", server.url, shared.store, "grows", "default", 16, 41)
+        large.call("send", 2, False, timeout=240)
+        assert server.generate("grows") == large.call("peft_tokens", 2, timeout=120)
+        states = server.transport_state()
+        assert {s["adapters"]["default/grows"]["rank"] for s in states} == {16}
+    with HttpLoraTrainer("rank32") as too_large:
+        too_large.call("connect", server.url, shared.store, "grows", "default", 32, 42)
+        with pytest.raises(ChildError, match="max_lora_rank 16"):
+            too_large.call("send", 3, False, timeout=240)
+    states = server.transport_state()
+    assert {s["adapters"]["default/grows"]["version"] for s in states} == {2}

@@ -81,6 +81,7 @@ class AdapterTrainer:
         self.group = info.group or adapter_group(info.adapter)
         self.version = 0
         self.last_result: PublishResult | None = None
+        self.publisher: ShardedPublisher | None = None
         self.transport: Transport | None = connect(
             info.name or f"lora-{info.adapter}",
             store=info.store,
@@ -89,7 +90,7 @@ class AdapterTrainer:
             hint="the store of the adapter trainer's info",
         )
         try:
-            self.publisher: ShardedPublisher | None = choose_publisher(  # type: ignore[assignment]
+            self.publisher = choose_publisher(  # type: ignore[assignment]
                 self.transport, tensors, group=self.group
             )
             client.init_adapter(self.worker_info())

@@ -295,13 +295,15 @@ class Adapters:
         base = checkpoint_spec(self.model_config.hf_config, dtype)
         spec = lora_spec(base, config, dtype)
         layout = learn_slices(self.model, spec)
-        old = self.modes.get(name)
+        old = self.modes.pop(name, None)
+        self._keys.pop(name, None)
         why = "joined"
         if old is not None:
             changed = config.differences(old.config) + (
                 [f"group {old.group} -> {info.group}"] if old.group != info.group else []
             )
             why = f"replaced ({', '.join(changed) or 'store or timeout'})"
+            old.close()  # its group's channel first: the new receiver may take the same group
         where = (info.store, info.namespace)
         t = self._transports.get(where)
         if t is None:
@@ -322,11 +324,12 @@ class Adapters:
         except BaseException:
             self._release(where)
             raise
+        finally:
+            if old is not None:  # its Transport, unless the new receiver uses it
+                self._release((old.worker.info.store, old.worker.info.namespace), keep=where)
+        # vLLM serves the version it installed until a version of this config lands
+        mode.version = None if old is None else old.version
         self.modes[name], self._keys[name] = mode, key
-        if old is not None:
-            mode.version = old.version  # vLLM serves it until a version of this config lands
-            old.close()
-            self._release((old.worker.info.store, old.worker.info.namespace))
         return why
 
     def update(self, update: TransportUpdateInfo) -> int | None:
@@ -383,9 +386,9 @@ class Adapters:
         info = mode.worker.info
         self._release((info.store, info.namespace))
 
-    def _release(self, where: tuple[str, str]) -> None:
-        """Close the Transport of ``where`` once no adapter uses it."""
-        if any(
+    def _release(self, where: tuple[str, str], keep: tuple[str, str] | None = None) -> None:
+        """Close the Transport of ``where`` once no adapter uses it (and it is not ``keep``)."""
+        if where == keep or any(
             (m.worker.info.store, m.worker.info.namespace) == where for m in self.modes.values()
         ):
             return
