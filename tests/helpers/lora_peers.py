@@ -97,6 +97,34 @@ def _state(worker: Any) -> dict[str, Any]:
     return dataclasses.asdict(engine.state())
 
 
+def part_bytes(rank: int, tp: int, worker: int, world: int, trainer_rank: int) -> int:
+    """Bytes trainer rank ``trainer_rank`` of ``world`` (holding each A and B's rows as
+    ``torch.chunk`` splits them: FSDP's rule) writes worker ``worker`` of ``tp`` per version: the
+    part of that worker's slices (vLLM's rules, as :func:`slice_bytes`) that it holds."""
+
+    def share(n: int, parts: int, k: int) -> tuple[int, int]:
+        step = -(-n // parts)
+        return min(k * step, n), min((k + 1) * step, n)
+
+    def overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+        return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+    total = 0
+    for name, p in hf_model(0).named_parameters():  # type: ignore[attr-defined]
+        short = name.rsplit(".", 2)[-2]
+        if short not in TARGETS:
+            continue
+        out, inputs = p.shape
+        row = short in ("o_proj", "down_proj")
+        # A: rank x inputs (row layers keep their inputs' share); B: outputs x rank
+        a_rows, a_cols = (0, rank), share(inputs, tp, worker) if row else (0, inputs)
+        b_rows, b_cols = (0, out) if row else share(out, tp, worker), (0, rank)
+        mine_a, mine_b = share(rank, world, trainer_rank), share(out, world, trainer_rank)
+        total += overlap(a_rows, mine_a) * (a_cols[1] - a_cols[0])
+        total += overlap(b_rows, mine_b) * (b_cols[1] - b_cols[0])
+    return 4 * total
+
+
 def slice_bytes(rank: int, tp: int) -> int:
     """Bytes of one adapter version a worker keeps at tensor parallelism ``tp``, from the model's
     shapes and vLLM's rules: column-parallel layers (q, k, v, gate, up) keep A whole and their
@@ -142,12 +170,29 @@ def _http_lora_child(conn: Any, name: str, env: dict[str, str]) -> None:
     held: dict[str, Any] = {}
 
     def connect(
-        url: str, store: str, adapter: str, namespace: str, rank: int, salt: int = 0
+        url: str,
+        store: str,
+        adapter: str,
+        namespace: str,
+        rank: int,
+        salt: int = 0,
+        trainer_rank: int = 0,
+        world: int = 1,
     ) -> None:
+        """A trainer of a rank-``rank`` adapter; ``trainer_rank`` of ``world``: one rank of a
+        trainer whose adapter is sharded (each holds the whole model here and publishes only
+        its shards)."""
         held["salt"] = salt
         held["model"] = model = peft_model(rank, 2.0 * rank)
         # the trainer's peer name is its adapter's (the default): a restarted trainer takes over
-        info = AdapterTrainerInfo(store=store, adapter=adapter, namespace=namespace, timeout=60)
+        info = AdapterTrainerInfo(
+            store=store,
+            adapter=adapter,
+            namespace=namespace,
+            timeout=60,
+            rank=trainer_rank,
+            world=world,
+        )
         held["trainer"] = AdapterTrainer(model, HTTPClient(url), info)
 
     def send(version: int, reference: bool = True) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import requests
 
 from helpers.child import ChildError
 from helpers.llama import PROMPTS
-from helpers.lora_peers import HttpLoraTrainer, Outsider, slice_bytes
+from helpers.lora_peers import HttpLoraTrainer, Outsider, part_bytes, slice_bytes
 from helpers.vllm_server import LORA_ARGS, VllmServer
 from transport.store.tcp import TcpStore
 
@@ -221,3 +221,27 @@ def test_a_new_rank_is_taken_and_one_beyond_vllms_limit_is_refused_naming_it(
             too_large.call("send", 3, False, timeout=240)
     states = server.transport_state()
     assert {s["adapters"]["default/grows"]["version"] for s in states} == {2}
+
+
+def test_a_sharded_trainer_writes_each_worker_only_its_part_of_its_slices(shared: Shared) -> None:
+    """An adapter sharded over two trainer ranks (FSDP's rule: each A and B split along its
+    first dim) is published without a gather: each rank writes each TP worker only the part of
+    that worker's slices it holds, and rank 0 has vLLM install the version."""
+    server, world = shared.server, 2
+    with HttpLoraTrainer("shard0") as r0, HttpLoraTrainer("shard1") as r1:
+        for k, r in enumerate((r0, r1)):
+            args = (server.url, shared.store, "sharded", "default", RANK, 50, k, world)
+            r.call("connect", *args, timeout=120)
+        for version in (1, 2):
+            for r in (r0, r1):
+                r.begin("send", version, False)
+            got = [r.end("send", 240) for r in (r0, r1)]
+            for k, g in enumerate(got):
+                want = {w: part_bytes(RANK, TP, w, world, k) for w in range(TP)}
+                by_worker = {
+                    int(n.split("-r")[-1].split("-")[0]): b for n, b in g["written"].items()
+                }
+                assert by_worker == {w: b for w, b in want.items() if b}, (k, g["written"], want)
+            assert server.generate("sharded") == r0.call("peft_tokens", version, timeout=120)
+        total = sum(part_bytes(RANK, TP, 0, world, k) for k in range(world))
+        assert total == slice_bytes(RANK, TP)  # the two ranks' parts make each worker's slices

@@ -4,8 +4,11 @@ vLLM server (or an in-process ``vllm.LLM``) and installed into its LoRA slots fr
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from transport import PublishResult, Transport
 from transport.integrations.setup import choose_publisher, connect, secret_from_env
@@ -18,7 +21,7 @@ from transport.integrations.vllm.lora_spec import (
     proof,
 )
 from transport.integrations.vllm.trainer import UpdateError
-from transport.weights import ShardedPublisher
+from transport.weights import ShardedPublisher, SourceLayout
 
 log = logging.getLogger("transport.vllm")
 
@@ -29,7 +32,10 @@ class AdapterTrainerInfo:
     own namespace, with its own secret, keeps other tenants out), the ``adapter``'s name as
     requests name it, ``group`` (default ``adapter.<adapter>``), this trainer's peer ``name``
     (default ``lora-<adapter>``), ``timeout`` (seconds a publish and each worker's wait may
-    take) and ``peft_adapter``, which adapter of the peft model to publish."""
+    take) and ``peft_adapter``, which adapter of the peft model to publish. ``rank`` of
+    ``world``: a trainer whose adapter is sharded over ``world`` ranks (FSDP: every A and B split
+    along its first dim as ``torch.chunk`` splits it); every rank publishes its own shards and
+    rank 0 has vLLM install each version once every rank's parts landed."""
 
     store: str
     adapter: str = "policy"
@@ -38,8 +44,15 @@ class AdapterTrainerInfo:
     name: str | None = None
     timeout: float = 60.0
     peft_adapter: str = "default"
+    rank: int = 0
+    world: int = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(
+                f"transport adapter trainer: rank {self.rank!r} is not one of the {self.world!r} "
+                "ranks of the trainer"
+            )
         for field in ("store", "adapter", "namespace", "peft_adapter"):
             if not isinstance(getattr(self, field), str) or not getattr(self, field):
                 raise ValueError(f"transport adapter trainer: {field} is a non-empty string")
@@ -58,6 +71,11 @@ class AdapterTrainer:
     ``install_adapter``). Each worker declares the slices of A and B its LoRA layers keep, and is
     written only those.
 
+    Sharded (``info.world`` > 1): each rank passes its own model (its parameters, or ``shards``:
+    its local shard of each tensor by the names of lora_spec, for a model whose parameters are
+    FSDP's shards) and publishes only its shards, so no rank gathers; each worker is written, by
+    each rank, the part of its slices that rank holds.
+
     :meth:`send` of version ``v``: tell the workers the adapter (a no-op where they know it; a
     restarted server joins now), publish ``v`` and wait until every worker holds it complete,
     then have every worker install it. A version that does not reach every worker is not
@@ -65,7 +83,13 @@ class AdapterTrainer:
     and vLLM serves the version it had.
     """
 
-    def __init__(self, model: Any, client: Any, info: AdapterTrainerInfo) -> None:
+    def __init__(
+        self,
+        model: Any,
+        client: Any,
+        info: AdapterTrainerInfo,
+        shards: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         config, tensors = from_peft(model, info.peft_adapter)
         dtypes = {t.dtype for t in tensors.values()}
         if len(dtypes) != 1:
@@ -76,14 +100,22 @@ class AdapterTrainer:
         self.info = info
         self.config: AdapterConfig = config
         self.client = client
-        self.tensors = tensors
         self.dtype = str(dtypes.pop()).removeprefix("torch.")
         self.group = info.group or adapter_group(info.adapter)
         self.version = 0
         self.last_result: PublishResult | None = None
         self.publisher: ShardedPublisher | None = None
+        self.layout: SourceLayout | None = None
+        if info.world > 1:  # this rank's shards of the adapter's tensors, and every rank's
+            shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+            self.layout = SourceLayout.split(info.world, shapes)
+            tensors = (
+                dict(shards) if shards is not None else _shards(tensors, self.layout, info.rank)
+            )
+        self.tensors = tensors
+        default = f"lora-{info.adapter}" + (f"-r{info.rank}" if info.world > 1 else "")
         self.transport: Transport | None = connect(
-            info.name or f"lora-{info.adapter}",
+            info.name or default,
             store=info.store,
             namespace=info.namespace,
             timeout=info.timeout,
@@ -91,9 +123,10 @@ class AdapterTrainer:
         )
         try:
             self.publisher = choose_publisher(  # type: ignore[assignment]
-                self.transport, tensors, group=self.group
+                self.transport, tensors, group=self.group, layout=self.layout, rank=info.rank
             )
-            client.init_adapter(self.worker_info())
+            if info.rank == 0:
+                client.init_adapter(self.worker_info())
         except BaseException:
             self.close()
             raise
@@ -129,11 +162,15 @@ class AdapterTrainer:
             raise RuntimeError("this adapter trainer was closed")
         v = self.version + 1 if version is None else version
         timeout = self.info.timeout
-        # workers that hold the adapter already ignore this; a restarted server joins now
-        self.client.init_adapter(self.worker_info())
+        if self.info.rank == 0:
+            # workers that hold the adapter already ignore this; a restarted server joins now
+            self.client.init_adapter(self.worker_info())
         pub.refresh()
         result = pub.publish(v, timeout=timeout).wait(timeout + 30)
         self.last_result = result
+        if self.info.rank != 0:  # rank 0 has vLLM install it
+            self.version = v
+            return result
         if not result.done or result.excluded:
             raise UpdateError(
                 f"version {v} of adapter {self.info.adapter!r} did not reach every vLLM worker "
@@ -191,3 +228,21 @@ def adapter_request(adapter: str, namespace: str = "default") -> Any:
         lora_int_id=adapter_id(namespace, adapter),
         lora_path=f"/transport/{namespace}/{adapter}",
     )
+
+
+def _shards(
+    tensors: Mapping[str, torch.Tensor], layout: SourceLayout, rank: int
+) -> dict[str, torch.Tensor]:
+    """``rank``'s shard of each tensor: a DTensor's local shard (FSDP2 shards dim 0, as
+    ``layout`` says), or a view of the rows ``layout`` gives it of a whole tensor."""
+    out = {}
+    for name, t in tensors.items():
+        held = layout.tensors[name].held[rank]
+        local = getattr(t, "to_local", None)
+        if local is not None:
+            out[name] = local()
+        elif held.dim is None:
+            out[name] = t
+        else:
+            out[name] = t.narrow(held.dim, held.start, held.stop - held.start)
+    return out
