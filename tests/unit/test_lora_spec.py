@@ -158,3 +158,25 @@ def test_the_routes_answer_only_their_own_paths_and_bound_what_they_read(
     body = json.dumps({"adapter": "a", "namespace": "tenant-9", "version": 1}).encode()
     status, answer = asyncio.run(call("/transport/adapters/install", "POST", body))
     assert status == 403 and "does not prove it" in answer["error"]
+    init = {
+        "store": "tcp://127.0.0.1:1",
+        "namespace": "tenant-9",
+        "group": "adapter.a",
+        "adapter": "a",
+        "rank": 4,
+        "alpha": 8.0,
+        "targets": ["q_proj"],
+    }
+    status, answer = asyncio.run(
+        call("/transport/adapters/init", "POST", json.dumps(init).encode())
+    )
+    assert status == 403 and "the init of adapter 'a'" in answer["error"]
+    init["rank"] = 0
+    status, answer = asyncio.run(
+        call("/transport/adapters/init", "POST", json.dumps(init).encode())
+    )
+    assert status == 400 and "rank is an int >= 1" in answer["error"]
+    status, answer = asyncio.run(
+        call("/transport/adapters/init", "POST", b'{"store": "x", "bogus": 1}')
+    )
+    assert status == 400 and "unknown fields ['bogus']" in answer["error"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -129,16 +130,16 @@ class AdapterRoutes:
             if scope.get("method") != "POST" or action not in ACTIONS:
                 raise RouteError(404, f"the routes are POST {PREFIX}{{{','.join(ACTIONS)}}}")
             body = await _body(receive)
-            state = scope["app"].state
             if action == "init":
-                result: dict[str, Any] = await self.init(state, body)
+                info = _checked_init(body)  # before anything of vLLM's is touched
+                result: dict[str, Any] = await self.init(scope["app"].state, info)
             else:
                 call = AdapterCall.parse(action, body)
                 call.check()
                 if action == "install":
-                    result = await self.install(state, call)
+                    result = await self.install(scope["app"].state, call)
                 else:
-                    result = await self.remove(state, call)
+                    result = await self.remove(scope["app"].state, call)
             status = 200
         except RouteError as e:
             status, result = e.status, {"error": str(e)}
@@ -147,26 +148,10 @@ class AdapterRoutes:
             status, result = 500, {"error": f"{type(e).__name__}: {e}"}
         await _respond(send, status, result)
 
-    async def init(self, state: Any, body: bytes) -> dict[str, Any]:
-        """Every worker joins the adapter (its init info: TransportInitInfo with ``adapter``)."""
-        from transport.integrations.vllm.infos import TransportInitInfo, parse
-
-        try:
-            info = parse(TransportInitInfo, json.loads(body), "init_info")
-        except ValueError as e:
-            raise RouteError(400, str(e)) from e
-        if info.adapter is None:
-            raise RouteError(400, "transport init_info: name the adapter to join")
-        try:
-            check_proof(
-                secret_from_env(info.namespace),
-                info.proof,
-                f"the init of adapter {info.adapter!r} of namespace {info.namespace}",
-                *info.adapter_fields(),
-            )
-        except PermissionError as e:
-            raise RouteError(403, str(e)) from e
-        results = await _workers(state, "init", json.loads(body), info.timeout + 30)
+    async def init(self, state: Any, info: Any) -> dict[str, Any]:
+        """Every worker joins the adapter (its checked init info: TransportInitInfo)."""
+        payload = dataclasses.asdict(info)
+        results = await _workers(state, "init", payload, info.timeout + 30)
         return {"joined": [r["joined"] for r in results]}
 
     async def install(self, state: Any, call: AdapterCall) -> dict[str, Any]:
@@ -216,6 +201,28 @@ class AdapterRoutes:
                 self._users -= 1
                 if self._users == 0:
                     await engine.resume_generation()
+
+
+def _checked_init(body: bytes) -> Any:
+    """The init info of an adapter in ``body``, its proof checked (RouteError 400 or 403)."""
+    from transport.integrations.vllm.infos import TransportInitInfo, parse
+
+    try:
+        info = parse(TransportInitInfo, json.loads(body), "init_info")
+    except ValueError as e:
+        raise RouteError(400, str(e)) from e
+    if info.adapter is None:
+        raise RouteError(400, "transport init_info: name the adapter to join")
+    try:
+        check_proof(
+            secret_from_env(info.namespace),
+            info.proof,
+            f"the init of adapter {info.adapter!r} of namespace {info.namespace}",
+            *info.adapter_fields(),
+        )
+    except PermissionError as e:
+        raise RouteError(403, str(e)) from e
+    return info
 
 
 async def _workers(

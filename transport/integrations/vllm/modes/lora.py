@@ -191,12 +191,12 @@ class Adapter(Mode):
         helper = PEFTHelper.from_dict({**self.config.peft(), "vllm_max_position_embeddings": None})
         helper.validate_legal(manager.lora_config)
         full = {}
-        for name, got in tensors.items():
-            whole = torch.zeros(self._full[name], dtype=got.dtype)
+        for name, got in tensors.items():  # copies: the staging slot takes later versions
             piece = self.layout.dest[name].pieces[0].take
             if piece.dim is None:
-                whole.copy_(got)
+                whole = got.clone()
             else:
+                whole = torch.zeros(self._full[name], dtype=got.dtype)
                 whole.narrow(piece.dim, piece.start, piece.stop - piece.start).copy_(got)
             full[f"base_model.model.{name}"] = whole
         mapper = getattr(self.worker.model, "hf_to_vllm_mapper", None)
