@@ -55,16 +55,20 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
 #: environment: the forkserver starts with Python's default path, not the test process's)
 PRELOAD = ["numpy", "torch", "transport", "transport.weights"]
 #: what the forkserver of the children that run vLLM imports besides: its offline engine, its
-#: trainer side, transformers (the trainers build their models with it)
+#: trainer side, transformers and peft (the trainers build their models with them: eight LoRA
+#: tenants importing them at once starved the tests running beside them)
 VLLM_PRELOAD = [
     *PRELOAD,
     "transformers",
+    "transformers.models.llama",
+    "peft",
     "safetensors.torch",
     "vllm",
     "vllm.entrypoints.llm",
     "vllm.distributed.weight_transfer",
     "transport.integrations.vllm.trainer",
     "transport.integrations.vllm.worker",
+    "transport.integrations.vllm.lora_trainer",
 ]
 #: the second forkserver (multiprocessing's own serves the other children)
 _VLLM_SERVER = forkserver.ForkServer()

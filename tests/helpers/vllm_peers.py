@@ -63,7 +63,7 @@ def llm_kwargs(model_dir: Path | str) -> dict[str, Any]:
 def compute_as_stored() -> None:
     """From now on (before the engine loads its model) vLLM's CPU build computes every linear
     layer with its parameter as stored, as vLLM's GPU builds do, instead of a copy packed for
-    oneDNN: the models of this process can then be written in place (integrations/vllm/inplace.py).
+    oneDNN: the models of this process can then be written in place (integrations/vllm/as_stored.py).
     Other processes: ``AS_STORED_PATH`` on their PYTHONPATH."""
     from vllm.model_executor.layers import utils
 

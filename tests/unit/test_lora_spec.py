@@ -21,6 +21,10 @@ from transport.integrations.vllm.lora_spec import (
     proof,
 )
 
+#: the adapter's wire needs peft and transformers, its init route vLLM's info types: the first
+#: environment's (the test command's second one has none of them)
+pytestmark = [pytest.mark.vllm, pytest.mark.lora]
+
 
 def small_peft(rank: int = 4, targets: list[str] | None = None) -> object:
     from peft import LoraConfig, get_peft_model

@@ -1,4 +1,4 @@
-"""When a vLLM worker may write a version in place (transport/integrations/vllm/inplace.py),
+"""When a vLLM worker may write a version in place (transport/integrations/vllm/as_stored.py),
 without a vLLM engine: modules standing in for vLLM's layers, each with the quantization method
 and, on the CPU build, the kernel vLLM picked. Every rule that refuses is named, per parameter."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transport.integrations.vllm.modes.inplace import live_tensors, refusals
+from transport.integrations.vllm.as_stored import live_tensors, refusals
 from transport.integrations.vllm.shards import Target, WorkerLayout
 from transport.weights import DestTensor, Piece
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from transport.integrations.vllm import experts
+from transport.integrations.vllm.as_stored import refusals
 from transport.integrations.vllm.infos import TransportInitInfo
 from transport.integrations.vllm.modes.base import Mode
-from transport.integrations.vllm.modes.inplace import InPlace, refusals
+from transport.integrations.vllm.modes.inplace import InPlace
 from transport.integrations.vllm.modes.staged import Staged
 from transport.integrations.vllm.modes.streamed import Streamed
 from transport.integrations.vllm.room import Room
