@@ -35,14 +35,15 @@ ARGS = (
 )
 
 
-#: what a server serving transport's LoRA adapters adds: LoRA on (ranks up to 16, room for the
-#: eight tenants of the tests), the adapter routes (the worker extension is EXTENSION's)
+#: what a server serving transport's LoRA adapters adds: LoRA on (ranks up to 16; two adapters
+#: in a batch, the tests' requests name one each; every adapter of the tests registered), the
+#: adapter routes (the worker extension is EXTENSION's)
 LORA_ARGS = (
     "--enable-lora",
     "--max-lora-rank",
     "16",
     "--max-loras",
-    "8",
+    "2",
     "--max-cpu-loras",
     "12",
     "--middleware",
