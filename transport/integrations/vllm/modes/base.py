@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -123,3 +124,66 @@ class Mode(ABC):
 
 #: the function that makes a mode (the mode's class): what choice.py returns
 ModeFactory = Callable[[Worker, WorkerLayout], Mode]
+
+
+class Staging(Mode):
+    """A mode whose versions land in staging copies while vLLM serves: :meth:`receive` waits for
+    the version in ``self.subscriber`` (a staging WeightSubscriber the subclass makes) and holds
+    its slot, so the publisher does not write it; :meth:`drop` lets go of it."""
+
+    subscriber: Any
+    _stack: contextlib.ExitStack | None = None
+    _snapshot: Any = None
+
+    @property
+    def group(self) -> str:
+        return str(self.subscriber.group)
+
+    @property
+    def snapshot(self) -> Any:
+        """The version held (a Snapshot: ``version``, ``tensors``), None when none is."""
+        return self._snapshot
+
+    def receive(self, update: TransportUpdateInfo) -> None:
+        self.drop()
+        stack = contextlib.ExitStack()
+        self._snapshot = stack.enter_context(
+            self.subscriber.read(update.version, timeout=update.timeout)
+        )
+        self._stack = stack
+
+    def drop(self) -> int | None:
+        stack, snap = self._stack, self._snapshot
+        self._stack = self._snapshot = None
+        if stack is not None:
+            stack.close()
+        return None if snap is None else int(snap.version)
+
+
+class WrittenInFinish(Mode):
+    """A mode whose publisher writes only inside ``finish_weight_update``: :meth:`receive`
+    notes the version (it must be named), :meth:`finish` of the subclass receives it
+    (:meth:`take` hands it over once)."""
+
+    _wanted: TransportUpdateInfo | None = None
+
+    @property
+    def written_in_finish(self) -> bool:
+        return True
+
+    def receive(self, update: TransportUpdateInfo) -> None:
+        if update.version is None:
+            raise ValueError(
+                f"transport update_info: a worker {self.name} is written inside "
+                "finish_weight_update and needs the version named (the trainer engine does)"
+            )
+        self._wanted = update
+
+    def take(self) -> TransportUpdateInfo | None:
+        """The update the finish receives (None: none was named), once."""
+        wanted, self._wanted = self._wanted, None
+        return wanted
+
+    def drop(self) -> int | None:
+        self._wanted = None
+        return None

@@ -7,13 +7,12 @@ import torch
 
 from transport import TransportError, VersionGoneError
 from transport.integrations.vllm.as_stored import live_tensors
-from transport.integrations.vllm.infos import TransportUpdateInfo
-from transport.integrations.vllm.modes.base import Held, Mode, TornModel, Worker
+from transport.integrations.vllm.modes.base import Held, TornModel, Worker, WrittenInFinish
 from transport.integrations.vllm.shards import WorkerLayout
 from transport.weights import WindowedSubscriber
 
 
-class InPlace(Mode):
+class InPlace(WrittenInFinish):
     """A WindowedSubscriber over the parameters vLLM computes with (no staging memory). Rules: its
     publisher writes only inside ``finish_weight_update`` (no engine step runs meanwhile), the
     version ``receive`` named; the model and the version the worker reports change in that call.
@@ -34,13 +33,8 @@ class InPlace(Mode):
             source_shapes={n: tuple(x.shape) for n, x in worker.spec.items()},
             delta=info.delta,
         )
-        self._wanted: TransportUpdateInfo | None = None
         #: the version that overtook the one an update named (it landed whole in its place)
         self.overtaken: int | None = None
-
-    @property
-    def written_in_finish(self) -> bool:
-        return True
 
     @property
     def group(self) -> str:
@@ -50,16 +44,8 @@ class InPlace(Mode):
     def need(self) -> int:
         return 0
 
-    def receive(self, update: TransportUpdateInfo) -> None:
-        if update.version is None:
-            raise ValueError(
-                f"transport update_info: a worker {self.name} is written inside "
-                "finish_weight_update and needs the version named (the trainer engine does)"
-            )
-        self._wanted = update
-
     def finish(self) -> int | None:
-        wanted, self._wanted = self._wanted, None
+        wanted = self.take()
         if wanted is None:
             return None
         assert wanted.version is not None
@@ -83,14 +69,10 @@ class InPlace(Mode):
             torch.cuda.synchronize(self.worker.device)
         return wanted.version
 
-    def drop(self) -> int | None:
-        self._wanted = None
-        return None
-
     def held(self) -> Held:
         sub = self.subscriber
         return Held(complete=sub.version, incomplete=sub.incomplete)
 
     def close(self) -> None:
-        self._wanted = None
+        self.drop()
         self.subscriber.close()

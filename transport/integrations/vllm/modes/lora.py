@@ -30,7 +30,6 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,10 +39,9 @@ from transport import WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
 from transport.integrations.vllm.infos import AdapterState, TransportInitInfo, TransportUpdateInfo
 from transport.integrations.vllm.lora_spec import AdapterConfig, adapter_id, check_proof, lora_spec
-from transport.integrations.vllm.modes.base import Held, Mode, Worker
+from transport.integrations.vllm.modes.base import Held, Staging, Worker
 from transport.integrations.vllm.room import Room
 from transport.integrations.vllm.shards import WorkerLayout, spec_of
-from transport.weights import Snapshot
 from transport.weights.layouts import DestTensor, Piece, Slice
 
 
@@ -118,7 +116,7 @@ def _slice(name: str, meta: torch.Tensor, kept: torch.Tensor) -> DestTensor:
     raise ValueError(f"transport adapter: vLLM keeps a slice of {name} along both dims")
 
 
-class Adapter(Mode):
+class Adapter(Staging):
     """One named adapter of this worker: a staging WeightSubscriber of its group (two slots: the
     next version lands while one is held) and the adapter's place in vLLM's LoRA manager. Rules:
     :meth:`receive` waits for a complete version and holds it; :meth:`finish` installs it (the
@@ -147,27 +145,13 @@ class Adapter(Mode):
             source_shapes=self._full,
             slots=2,
         )
-        self._held: contextlib.ExitStack | None = None
-        self._snapshot: Snapshot | None = None
-
-    @property
-    def group(self) -> str:
-        return self.subscriber.group
 
     @property
     def need(self) -> int:
         return 2 * self.layout.nbytes
 
-    def receive(self, update: TransportUpdateInfo) -> None:
-        self.drop()
-        stack = contextlib.ExitStack()
-        self._snapshot = stack.enter_context(
-            self.subscriber.read(update.version, timeout=update.timeout)
-        )
-        self._held = stack
-
     def finish(self) -> int | None:
-        snap = self._snapshot
+        snap = self.snapshot
         if snap is None:
             return None
         try:
@@ -222,15 +206,8 @@ class Adapter(Mode):
             manager.remove_adapter(self.id)
         self.version = None
 
-    def drop(self) -> int | None:
-        held, snap = self._held, self._snapshot
-        self._held = self._snapshot = None
-        if held is not None:
-            held.close()
-        return None if snap is None else snap.version
-
     def held(self) -> Held:
-        sub, snap = self.subscriber, self._snapshot
+        sub, snap = self.subscriber, self.snapshot
         return Held(
             held=None if snap is None else snap.version,
             complete=sub.version,

@@ -6,17 +6,13 @@ vLLM's loader to fuse and shard."""
 
 from __future__ import annotations
 
-import contextlib
-
 from transport import WeightSubscriber
-from transport.integrations.vllm.infos import TransportUpdateInfo
-from transport.integrations.vllm.modes.base import Held, Mode, Worker
+from transport.integrations.vllm.modes.base import Held, Staging, Worker
 from transport.integrations.vllm.modes.loading import load_version
 from transport.integrations.vllm.shards import WorkerLayout, spec_of
-from transport.weights import Snapshot
 
 
-class Staged(Mode):
+class Staged(Staging):
     """A staging WeightSubscriber of the group with one or two slots (see :func:`slots`). Rules:
     ``receive`` waits for the version and holds its slot (the publisher does not write a held
     slot), ``finish`` loads it and lets go; with one slot the next version is written only after
@@ -39,31 +35,17 @@ class Staged(Mode):
             slots=self.slots,
             delta=info.delta,
         )
-        self._held: contextlib.ExitStack | None = None
-        self._snapshot: Snapshot | None = None
 
     @property
     def said(self) -> str:
         return "sharded" if self.layout.targets else "whole"
 
     @property
-    def group(self) -> str:
-        return self.subscriber.group
-
-    @property
     def need(self) -> int:
         return self.slots * self.layout.nbytes
 
-    def receive(self, update: TransportUpdateInfo) -> None:
-        self.drop()
-        stack = contextlib.ExitStack()
-        self._snapshot = stack.enter_context(
-            self.subscriber.read(update.version, timeout=update.timeout)
-        )
-        self._held = stack
-
     def finish(self) -> int | None:
-        snap = self._snapshot
+        snap = self.snapshot
         if snap is None:
             return None
         try:
@@ -72,15 +54,8 @@ class Staged(Mode):
             self.drop()
         return snap.version
 
-    def drop(self) -> int | None:
-        held, snap = self._held, self._snapshot
-        self._held = self._snapshot = None
-        if held is not None:
-            held.close()
-        return None if snap is None else snap.version
-
     def held(self) -> Held:
-        sub, snap = self.subscriber, self._snapshot
+        sub, snap = self.subscriber, self.snapshot
         storages = {}
         for slot in sub.staging:
             for x in slot.values():

@@ -28,8 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from transport import Transport
-from transport.integrations.vllm.infos import TransportUpdateInfo
-from transport.integrations.vllm.modes.base import Held, Mode, Worker
+from transport.integrations.vllm.modes.base import Held, Worker, WrittenInFinish
 from transport.integrations.vllm.modes.loading import load_version
 from transport.integrations.vllm.shards import WorkerLayout
 from transport.weights import WindowedSubscriber
@@ -153,7 +152,7 @@ class Stream:
         self.buckets = []
 
 
-class Streamed(Mode):
+class Streamed(WrittenInFinish):
     """A :class:`Stream` of buckets of half the staging bound each. Rules: its publishers write
     only inside ``finish_weight_update``, the version ``receive`` named, part by part into one
     layerwise reload; a stream that stops after some parts loaded leaves the model torn."""
@@ -171,11 +170,6 @@ class Streamed(Mode):
             shapes,
             worker.room.bound // 2,
         )
-        self._wanted: TransportUpdateInfo | None = None
-
-    @property
-    def written_in_finish(self) -> bool:
-        return True
 
     @property
     def said(self) -> str:
@@ -189,16 +183,8 @@ class Streamed(Mode):
     def need(self) -> int:
         return self.stream.nbytes
 
-    def receive(self, update: TransportUpdateInfo) -> None:
-        if update.version is None:
-            raise ValueError(
-                "transport update_info: a worker streamed is written inside "
-                "finish_weight_update and needs the version named (the trainer engine does)"
-            )
-        self._wanted = update
-
     def finish(self) -> int | None:
-        wanted, self._wanted = self._wanted, None
+        wanted = self.take()
         if wanted is None:
             return None
         assert wanted.version is not None
@@ -206,10 +192,6 @@ class Streamed(Mode):
         with self.stream.parts(wanted.version, wanted.timeout) as parts:
             load_version(self.worker, self.layout, parts, wanted.version, count)
         return wanted.version
-
-    def drop(self) -> int | None:
-        self._wanted = None
-        return None
 
     def held(self) -> Held:
         sub = self.stream.subscribers[0]
@@ -224,7 +206,7 @@ class Streamed(Mode):
         )
 
     def close(self) -> None:
-        self._wanted = None
+        self.drop()
         self.stream.close()
 
 
