@@ -10,7 +10,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from transport.integrations.vllm.checkpoint import NAMES
-from transport.integrations.vllm.lora_spec import AdapterConfig
+from transport.integrations.vllm.lora_spec import AdapterConfig, check_proof
 
 #: the version a worker reports after an update that did not reach every layer
 TORN = -2
@@ -168,6 +168,18 @@ class TransportInitInfo(WeightTransferInitInfo):
             c.alpha,
             c.targets,
             c.rslora,
+        )
+
+    def check_proof(self) -> None:
+        """PermissionError unless ``proof`` proves this adapter init under the namespace's
+        secret in this process's environment (none to prove without one)."""
+        from transport.integrations.setup import secret_from_env
+
+        check_proof(
+            secret_from_env(self.namespace),
+            self.proof,
+            f"the init of adapter {self.adapter!r} of namespace {self.namespace}",
+            *self.adapter_fields(),
         )
 
     def adapter_key(self) -> tuple[Any, ...]:

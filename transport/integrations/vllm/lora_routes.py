@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,15 +96,13 @@ class AdapterCall:
 
     def check(self) -> None:
         """RouteError 403 unless the proof is right for the namespace's secret (if any)."""
-        try:
+        with _forbidden():
             check_proof(
                 secret_from_env(self.namespace),
                 self.proof,
                 f"{self.action} of adapter {self.adapter!r} of namespace {self.namespace}",
                 *self.fields(),
             )
-        except PermissionError as e:
-            raise RouteError(403, str(e)) from e
 
     def fields(self) -> tuple[str, str, str, int]:
         return self.action, self.namespace, self.adapter, self.version
@@ -203,6 +201,15 @@ class AdapterRoutes:
                     await engine.resume_generation()
 
 
+@contextlib.contextmanager
+def _forbidden() -> Iterator[None]:
+    """A proof that fails (PermissionError) as RouteError 403."""
+    try:
+        yield
+    except PermissionError as e:
+        raise RouteError(403, str(e)) from e
+
+
 def _checked_init(body: bytes) -> Any:
     """The init info of an adapter in ``body``, its proof checked (RouteError 400 or 403)."""
     from transport.integrations.vllm.infos import TransportInitInfo, parse
@@ -213,15 +220,8 @@ def _checked_init(body: bytes) -> Any:
         raise RouteError(400, str(e)) from e
     if info.adapter is None:
         raise RouteError(400, "transport init_info: name the adapter to join")
-    try:
-        check_proof(
-            secret_from_env(info.namespace),
-            info.proof,
-            f"the init of adapter {info.adapter!r} of namespace {info.namespace}",
-            *info.adapter_fields(),
-        )
-    except PermissionError as e:
-        raise RouteError(403, str(e)) from e
+    with _forbidden():
+        info.check_proof()
     return info
 
 

@@ -165,7 +165,6 @@ class AdapterTrainer:
         if self.info.rank == 0:
             # workers that hold the adapter already ignore this; a restarted server joins now
             self.client.init_adapter(self.worker_info())
-        pub.refresh()
         result = pub.publish(v, timeout=timeout).wait(timeout + 30)
         self.last_result = result
         if self.info.rank != 0:  # rank 0 has vLLM install it

@@ -101,11 +101,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
     @property
     def subscriber(self) -> Any:
         """The subscriber of the mode (the first part's, streamed), None before init."""
-        r = self.receiver
-        if r is None:
-            return None
-        stream = getattr(r, "stream", None)
-        return stream.subscribers[0] if stream is not None else getattr(r, "subscriber", None)
+        return None if self.receiver is None else self.receiver.subscriber
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TransportInitInfo:
         return parse(TransportInitInfo, init_dict, "init_info")

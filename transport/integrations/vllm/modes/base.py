@@ -73,6 +73,8 @@ class Mode(ABC):
 
     #: the mode's name as the init info and the worker's state say it
     name: ClassVar[str]
+    #: its subscriber (the first part's, streamed), made by the subclass
+    subscriber: Any
 
     def __init__(self, worker: Worker, layout: WorkerLayout) -> None:
         self.worker = worker
@@ -131,7 +133,6 @@ class Staging(Mode):
     the version in ``self.subscriber`` (a staging WeightSubscriber the subclass makes) and holds
     its slot, so the publisher does not write it; :meth:`drop` lets go of it."""
 
-    subscriber: Any
     _stack: contextlib.ExitStack | None = None
     _snapshot: Any = None
 

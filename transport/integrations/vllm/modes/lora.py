@@ -38,7 +38,7 @@ import torch
 from transport import WeightSubscriber
 from transport.integrations.vllm.checkpoint import checkpoint_spec
 from transport.integrations.vllm.infos import AdapterState, TransportInitInfo, TransportUpdateInfo
-from transport.integrations.vllm.lora_spec import AdapterConfig, adapter_id, check_proof, lora_spec
+from transport.integrations.vllm.lora_spec import AdapterConfig, adapter_id, lora_spec
 from transport.integrations.vllm.modes.base import Held, Staging, Worker
 from transport.integrations.vllm.room import Room
 from transport.integrations.vllm.shards import WorkerLayout, spec_of
@@ -246,15 +246,10 @@ class Adapters:
 
     def join(self, info: TransportInitInfo) -> str:
         """Join (or replace) adapter ``info.adapter``; returns what happened, for the log."""
-        from transport.integrations.setup import connect, secret_from_env
+        from transport.integrations.setup import connect
 
         assert info.adapter is not None
-        check_proof(
-            secret_from_env(info.namespace),
-            info.proof,
-            f"the init of adapter {info.adapter!r} of namespace {info.namespace}",
-            *info.adapter_fields(),
-        )
+        info.check_proof()
         name = adapter_key(info.namespace, info.adapter)
         key = info.adapter_key()
         if self._keys.get(name) == key:

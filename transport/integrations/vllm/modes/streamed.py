@@ -170,6 +170,7 @@ class Streamed(WrittenInFinish):
             shapes,
             worker.room.bound // 2,
         )
+        self.subscriber = self.stream.subscribers[0]
 
     @property
     def said(self) -> str:
@@ -177,7 +178,7 @@ class Streamed(WrittenInFinish):
 
     @property
     def group(self) -> str:
-        return self.stream.subscribers[0].group
+        return self.subscriber.group
 
     @property
     def need(self) -> int:
@@ -194,7 +195,7 @@ class Streamed(WrittenInFinish):
         return wanted.version
 
     def held(self) -> Held:
-        sub = self.stream.subscribers[0]
+        sub = self.subscriber
         storages = {}
         for bucket in self.stream.buckets:
             storages[bucket.untyped_storage().data_ptr()] = bucket.untyped_storage().nbytes()
