@@ -15,7 +15,10 @@ the adapter in the server's table of adapters under the id every worker installe
   "proof"}``: pauses scheduling until the requests running finish (vLLM's pause, mode
   ``wait``: a request is served by one version from its first token to its last), installs the
   version in every worker, names the adapter, resets the prefix cache (blocks of the previous
-  version's keys and values), resumes. Concurrent installs share one pause.
+  version's keys and values), resumes. Concurrent installs share one pause. With
+  ``"as_model": true`` the adapter is also served under the base model's own name(s): a request
+  for the model gets the adapter (what an RL rollout that names the model wants, TRL's among
+  them); an install without it gives the model's name back to the base model.
 * ``POST /transport/adapters/remove`` ``{"adapter", "namespace", "proof"}``: the name first
   (new requests for it are refused), then the workers' copy, while paused.
 
@@ -23,7 +26,10 @@ the adapter in the server's table of adapters under the id every worker installe
 (setup.secret_from_env), ``proof`` must be :func:`proof` of the request under that secret: a
 caller without it cannot install, rename or remove a tenant's adapter. A name served by one
 namespace (or loaded from a folder) is refused to another until it is removed. The weights
-themselves only ever come from the namespace's publishers (the workers' groups).
+themselves only ever come from the namespace's publishers (the workers' groups). Only one
+namespace may serve an adapter under the model's name, so that one tenant cannot take every
+other tenant's base model: ``default``, or the one the server names in
+``$TRANSPORT_MODEL_NAMESPACE``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +55,9 @@ PREFIX = "/transport/adapters/"
 ACTIONS = ("init", "install", "remove")
 #: the largest request body the routes read
 MAX_BODY = 4096
+#: the server's environment variable naming the namespace that may serve an adapter under the
+#: base model's name (default: "default")
+MODEL_NAMESPACE_ENV = "TRANSPORT_MODEL_NAMESPACE"
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -72,6 +82,7 @@ class AdapterCall:
     version: int
     timeout: float
     proof: str
+    as_model: bool = False
 
     @classmethod
     def parse(cls, action: str, body: bytes) -> AdapterCall:
@@ -83,7 +94,7 @@ class AdapterCall:
             raise RouteError(400, "the body is a JSON object")
         adapter, namespace = data.get("adapter"), data.get("namespace", "default")
         version, timeout = data.get("version", 0), data.get("timeout", 60.0)
-        given = data.get("proof", "")
+        given, as_model = data.get("proof", ""), data.get("as_model", False)
         if not isinstance(adapter, str) or not adapter or not isinstance(namespace, str):
             raise RouteError(400, "adapter and namespace are non-empty strings")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -92,7 +103,9 @@ class AdapterCall:
             raise RouteError(400, "timeout is a number of seconds > 0")
         if not isinstance(given, str):
             raise RouteError(400, "proof is a string")
-        return cls(action, adapter, namespace, version, float(timeout), given)
+        if not isinstance(as_model, bool):
+            raise RouteError(400, "as_model is true or false")
+        return cls(action, adapter, namespace, version, float(timeout), given, as_model)
 
     def check(self) -> None:
         """RouteError 403 unless the proof is right for the namespace's secret (if any)."""
@@ -104,8 +117,30 @@ class AdapterCall:
                 *self.fields(),
             )
 
-    def fields(self) -> tuple[str, str, str, int]:
-        return self.action, self.namespace, self.adapter, self.version
+    def fields(self) -> tuple[Any, ...]:
+        return install_fields(
+            self.action, self.namespace, self.adapter, self.version, self.as_model
+        )
+
+    def check_model_namespace(self) -> None:
+        """RouteError 403 if this call would serve its adapter under the model's name from a
+        namespace the server does not allow to."""
+        allowed = os.environ.get(MODEL_NAMESPACE_ENV) or "default"
+        if self.as_model and self.namespace != allowed:
+            raise RouteError(
+                403,
+                f"only namespace {allowed!r} may serve an adapter under the model's name (the "
+                f"server's ${MODEL_NAMESPACE_ENV}); namespace {self.namespace!r} serves "
+                f"{self.adapter!r} under its own name",
+            )
+
+
+def install_fields(
+    action: str, namespace: str, adapter: str, version: int, as_model: bool = False
+) -> tuple[Any, ...]:
+    """What the proof of an install or a removal covers (lora_spec.proof)."""
+    fields: tuple[Any, ...] = (action, namespace, adapter, version)
+    return (*fields, "as_model") if as_model else fields
 
 
 class AdapterRoutes:
@@ -134,6 +169,7 @@ class AdapterRoutes:
             else:
                 call = AdapterCall.parse(action, body)
                 call.check()
+                call.check_model_namespace()
                 if action == "install":
                     result = await self.install(scope["app"].state, call)
                 else:
@@ -157,7 +193,9 @@ class AdapterRoutes:
 
         engine, models = state.engine_client, state.openai_serving_models
         lora_id = adapter_id(call.namespace, call.adapter)
-        _check_name(models, call, lora_id)
+        names = _served_names(models, call)
+        for name in names:
+            _check_name(models, call, lora_id, name)
         update = {
             "adapter": call.adapter,
             "namespace": call.namespace,
@@ -166,20 +204,24 @@ class AdapterRoutes:
         }
         async with self._paused(engine):
             results = await _workers(state, "install", update, call.timeout + 30)
-            _check_name(models, call, lora_id)  # another namespace may have taken it meanwhile
-            models.lora_requests[call.adapter] = LoRARequest(
+            for name in names:  # another namespace may have taken one meanwhile
+                _check_name(models, call, lora_id, name)
+            request = LoRARequest(
                 lora_name=call.adapter,
                 lora_int_id=lora_id,
                 lora_path=f"/transport/{call.namespace}/{call.adapter}",
             )
+            _unbind(models, lora_id)  # the model's names, if this adapter held them
+            for name in names:
+                models.lora_requests[name] = request
             await engine.reset_prefix_cache()
         return {"installed": [r["version"] for r in results], "lora_id": lora_id}
 
     async def remove(self, state: Any, call: AdapterCall) -> dict[str, Any]:
         engine, models = state.engine_client, state.openai_serving_models
         lora_id = adapter_id(call.namespace, call.adapter)
-        _check_name(models, call, lora_id)
-        models.lora_requests.pop(call.adapter, None)
+        _check_name(models, call, lora_id, call.adapter)
+        _unbind(models, lora_id)
         payload = {"namespace": call.namespace, "adapter": call.adapter}
         async with self._paused(engine):
             results = await _workers(state, "remove", payload, 60)
@@ -240,14 +282,29 @@ async def _workers(
         raise RouteError(500, str(e)) from e
 
 
-def _check_name(models: Any, call: AdapterCall, lora_id: int) -> None:
-    bound = models.lora_requests.get(call.adapter)
+def _served_names(models: Any, call: AdapterCall) -> list[str]:
+    """The names an install serves its adapter under: its own, and the base model's with
+    ``as_model``."""
+    names = [call.adapter]
+    if call.as_model:
+        names += [p.name for p in models.base_model_paths if p.name != call.adapter]
+    return names
+
+
+def _check_name(models: Any, call: AdapterCall, lora_id: int, name: str) -> None:
+    bound = models.lora_requests.get(name)
     if bound is not None and bound.lora_int_id != lora_id:
         raise RouteError(
             409,
-            f"adapter name {call.adapter!r} is served by another namespace or from a folder "
+            f"name {name!r} is served by another adapter, namespace or folder "
             f"({bound.lora_path}); remove it there first, or choose another name",
         )
+
+
+def _unbind(models: Any, lora_id: int) -> None:
+    """Every name that serves the adapter ``lora_id`` stops serving it."""
+    for name in [n for n, r in models.lora_requests.items() if r.lora_int_id == lora_id]:
+        del models.lora_requests[name]
 
 
 async def _body(receive: Receive) -> bytes:

@@ -35,7 +35,9 @@ class AdapterTrainerInfo:
     take) and ``peft_adapter``, which adapter of the peft model to publish. ``rank`` of
     ``world``: a trainer whose adapter is sharded over ``world`` ranks (FSDP: every A and B split
     along its first dim as ``torch.chunk`` splits it); every rank publishes its own shards and
-    rank 0 has vLLM install each version once every rank's parts landed."""
+    rank 0 has vLLM install each version once every rank's parts landed. ``as_model``: a
+    server also serves the adapter under the base model's name (lora_routes.py), so that
+    requests for the model get the adapter (an RL rollout that names the model)."""
 
     store: str
     adapter: str = "policy"
@@ -46,6 +48,7 @@ class AdapterTrainerInfo:
     peft_adapter: str = "default"
     rank: int = 0
     world: int = 1
+    as_model: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
@@ -183,6 +186,8 @@ class AdapterTrainer:
             "version": v,
             "timeout": timeout,
         }
+        if self.info.as_model:
+            update["as_model"] = True
         try:
             installed = self.client.install_adapter(update)
         except Exception as e:

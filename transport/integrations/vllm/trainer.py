@@ -466,6 +466,11 @@ class OfflineClient:
         """Every worker installs the adapter version ``update_info`` names; then the prefix
         cache is reset (its blocks under the adapter's id hold the previous version's keys and
         values). The versions each worker installed."""
+        if update_info.get("as_model"):
+            raise ValueError(
+                "as_model serves an adapter under the model's name on a server; an in-process "
+                "vLLM names the adapter in each request (AdapterTrainer.lora_request())"
+            )
         results = self._adapter("install", update_info)
         self.llm.reset_prefix_cache()
         return [r["version"] for r in results]
@@ -491,6 +496,32 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
         response = requests.post(f"{self.base_url}/reset_prefix_cache", timeout=self.timeout)
         response.raise_for_status()
 
+    def pause(self, mode: str = "keep") -> None:
+        """vLLM schedules nothing until :meth:`resume`; ``mode`` says what becomes of running
+        requests: ``"keep"`` freezes them (they go on after the resume, on whatever weights
+        vLLM then holds), ``"wait"`` lets them finish first (each is served by one version)."""
+        import requests
+
+        if mode not in ("keep", "wait"):
+            raise ValueError(f"pause mode is 'keep' or 'wait', got {mode!r}")
+        params = {"mode": mode, "clear_cache": "false"}
+        response = requests.post(f"{self.base_url}/pause", params=params, timeout=self.timeout)
+        response.raise_for_status()
+
+    def resume(self) -> None:
+        import requests
+
+        response = requests.post(f"{self.base_url}/resume", timeout=self.timeout)
+        response.raise_for_status()
+
+    def weight_version(self) -> str | None:
+        """The weight version vLLM reports (the last ``finish_weight_update`` named)."""
+        import requests
+
+        response = requests.get(f"{self.base_url}/weight_info", timeout=self.timeout)
+        response.raise_for_status()
+        return response.json().get("weight_version")
+
     def init_adapter(self, init_info: dict[str, Any]) -> None:
         """The server's workers join the adapter ``init_info`` names (lora_routes.py: the server
         runs with its middleware and the worker extension)."""
@@ -510,13 +541,14 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
         import requests
 
         from transport.integrations.setup import secret_from_env
-        from transport.integrations.vllm.lora_routes import PREFIX
+        from transport.integrations.vllm.lora_routes import PREFIX, install_fields
         from transport.integrations.vllm.lora_spec import proof
 
         ns, adapter, version = body["namespace"], body["adapter"], body.get("version", 0)
         signed = body  # an init carries its own proof
         if action != "init":
-            signed = {**body, "proof": proof(secret_from_env(ns), action, ns, adapter, version)}
+            fields = install_fields(action, ns, adapter, version, body.get("as_model", False))
+            signed = {**body, "proof": proof(secret_from_env(ns), *fields)}
         response = requests.post(f"{self.base_url}{PREFIX}{action}", json=signed, timeout=timeout)
         if response.status_code == 404 and "error" not in response.text:
             raise RuntimeError(

@@ -1,0 +1,309 @@
+"""TRL's AsyncGRPOTrainer against a real vLLM server (the CPU build), syncing through transport:
+the job of tests/integrations/test_trl.py, run as a script (TRL spawns its rollout process,
+which imports the reward from examples/trl_task.py) and answered with a JSON report.
+
+    python tests/helpers/trl_job.py --work DIR --report FILE [--steps 10]
+
+One server (LoRA on, transport's adapter routes) serves three phases in turn:
+
+* ``lora``: a run of ``steps`` optimizer steps training a LoRA adapter; only the adapter is
+  synced (served under the model's name). Before every step: vLLM's greedy tokens and
+  transformers' on the trainer's current weights, the adapter's bytes each worker receives.
+  The adapter is removed at the end (the model's name serves the base model again).
+* ``full``: the same run syncing the whole model, plus a last step before whose sync the server
+  is killed: TRL's ``train()`` must raise the transfer's error. Before every step, as above,
+  plus the weights of each version; every sample the trainer takes is recorded with the
+  version TRL tagged it with and vLLM's log-probabilities of its tokens, and after the run each
+  is matched against transformers' log-probabilities under every version.
+* ``restart``: a server restarted on the same port takes the transfer's next sync whole.
+
+Each phase records the rewards TRL logged, the sync times, and the memory (RSS) of the trainer
+and of the server's processes before the first and the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+
+import torch  # noqa: E402
+import trl_grpo  # noqa: E402
+import trl_task  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+#: samples whose log-probabilities are matched against every version (the first ones taken)
+MATCHED = 240
+#: a sample's vLLM log-probabilities match a version's when no token differs by more
+TOLERANCE = 2e-3
+
+
+class Recorder:
+    """Stands in for the trainer's rollout queue (``trainer.rollout_queue``): passes every
+    sample on and keeps the first :data:`MATCHED`."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+        self.samples: list[dict[str, Any]] = []
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        sample = self.queue.get(*args, **kwargs)
+        if len(self.samples) < MATCHED:
+            self.samples.append(
+                {
+                    "input_ids": [int(x) for x in sample.input_ids],
+                    "mask": [int(x) for x in sample.completion_mask],
+                    "old": [float(x) for x in sample.old_log_probs],
+                    "tag": int(sample.model_version),
+                }
+            )
+        return sample
+
+    def qsize(self) -> int:
+        return int(self.queue.qsize())
+
+
+def recording_client(url: str, timeout: float, mode: str) -> Any:
+    """The transfer's PausingClient, recording each of its calls to the server in ``calls`` as
+    it returns (a pause made inside ``start_weight_update`` comes before it)."""
+    from transport.integrations.trl.transfer import PausingClient
+
+    class Recording(PausingClient):
+        calls: list[str] = []
+
+        def _record(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            self.calls.append(name)
+            return result
+
+    for name in (
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "pause",
+        "resume",
+    ):
+        original = getattr(PausingClient, name)
+
+        def method(self: Any, *a: Any, _name: str = name, _fn: Any = original, **k: Any) -> Any:
+            return self._record(_name, _fn, self, *a, **k)
+
+        setattr(Recording, name, method)
+    client = Recording(url, timeout, mode)
+    client.calls = []
+    return client
+
+
+class Probe(TrainerCallback):
+    """Before every optimizer step (every sync before it has landed): vLLM's greedy tokens
+    against transformers' on the trainer's weights, the version vLLM reports, the memory; in
+    a full run, the weights of the version just synced. ``kill_after``: kill the server at the
+    end of that step, before TRL's sync."""
+
+    def __init__(self, server: Any, folder: Path, transfer: Any, kill_after: int | None) -> None:
+        self.server, self.folder, self.transfer = server, folder, transfer
+        self.kill_after = kill_after
+        self.checks: list[dict[str, Any]] = []
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.memory: list[dict[str, int]] = []
+        self.killed_at: float | None = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        model = kw["model"]
+        ref = trl_task.reference(self.folder, model)
+        want = trl_task.greedy(ref)
+        got = self.server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
+        served = self.server.get("weight_info")["weight_version"]
+        workers = self.server.post("collective_rpc", {"method": "transport_state"})["results"]
+        self.checks.append(
+            {
+                "step": state.global_step,
+                "version": self.transfer.version,
+                "served": served,
+                "equal": got == want,
+                "got": got,
+                "want": want,
+                "adapters": workers[0].get("adapters", {}),
+                "model_version": workers[0]["version"],
+            }
+        )
+        if not hasattr(model, "peft_config"):
+            self.weights[self.transfer.version] = {
+                n: t.detach().clone() for n, t in model.state_dict().items()
+            }
+        self.memory.append({"trainer": _rss([os.getpid()]), "server": _server_rss(self.server)})
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.kill_after is not None and state.global_step == self.kill_after:
+            self.server.kill()
+            self.killed_at = time.monotonic()
+
+
+def _rss(pids: list[int]) -> int:
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _server_rss(server: Any) -> int:
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    return _rss([root.pid, *(c.pid for c in root.children(recursive=True))])
+
+
+def run(
+    server: Any, folder: Path, work: Path, steps: int, lora: bool, kill_after: int | None
+) -> dict[str, Any]:
+    """One TRL run of ``steps`` optimizer steps; its report."""
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from transport.integrations.trl import TransportWeightTransfer
+    from transport.integrations.trl.cpu import cpu_trainer
+    from transport.integrations.vllm.server import free_port
+
+    store = f"tcp://127.0.0.1:{free_port()}"
+    name = "lora" if lora else "full"
+    transfer = TransportWeightTransfer(
+        server.url,
+        store=store,
+        adapter="policy" if lora else None,
+        timeout=60,
+        client=recording_client(server.url, 90, "keep"),
+    )
+    probe = Probe(server, folder, transfer, kill_after)
+    lr = 5e-2 if lora else 1e-2
+    with cpu_trainer():
+        trainer = AsyncGRPOTrainer(
+            model=str(folder),
+            reward_funcs=trl_task.sevens_reward,
+            args=trl_grpo.grpo_config(work / f"out-{name}", server.url, steps, lr),
+            train_dataset=Dataset.from_dict({"prompt": trl_task.prompts() * 100}),
+            weight_transfer=transfer,
+            callbacks=[transfer, probe] if lora else [probe],
+            peft_config=trl_grpo.lora_config() if lora else None,
+        )
+    recorder = Recorder(trainer.rollout_queue)
+    trainer.rollout_queue = recorder
+    report: dict[str, Any] = {"error": None}
+    t0 = time.monotonic()
+    try:
+        trainer.train()
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+        if probe.killed_at is not None:
+            report["error_after_kill_s"] = time.monotonic() - probe.killed_at
+    report["train_s"] = time.monotonic() - t0
+    if report["error"] is None:  # the last sync (after the last step) against the last weights
+        want = trl_task.greedy(trl_task.reference(folder, trainer.model))
+        got = server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
+        report["final"] = {"equal": got == want, "got": got, "want": want}
+    report["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    report["step_s"] = [h["perf/step_s"] for h in trainer.state.log_history if "perf/step_s" in h]
+    report["syncs"] = [
+        {"version": s.version, "seconds": s.seconds, "publish_s": s.publish_s, "load_s": s.load_s}
+        for s in transfer.history
+    ]
+    report["checks"] = probe.checks
+    report["calls"] = list(transfer.client.calls)
+    report["memory"] = probe.memory
+    report["adapter_bytes"] = sum(
+        p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n
+    )
+    report["model_bytes"] = sum(
+        p.numel() * p.element_size()
+        for n, p in trainer.model.named_parameters()
+        if "lora_" not in n
+    )
+    if not lora:
+        report["samples"] = match(recorder.samples, probe.weights, folder)
+    report["trainer"] = trainer
+    report["transfer"] = transfer
+    return report
+
+
+def match(
+    samples: list[dict[str, Any]], weights: dict[int, dict[str, torch.Tensor]], folder: Path
+) -> list[dict[str, Any]]:
+    """Each sample's tag and the versions whose log-probabilities of its completion tokens
+    are vLLM's (within TOLERANCE)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    out = [{"tag": s["tag"], "matches": [], "closest": {}} for s in samples]
+    for version, state in sorted(weights.items()):
+        model.load_state_dict(state)
+        with torch.no_grad():
+            for s, o in zip(samples, out, strict=True):
+                ids = torch.tensor([s["input_ids"]])
+                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+                mine = logp.gather(1, ids[0, 1:, None])[:, 0]
+                at = [i for i, m in enumerate(s["mask"]) if m and i > 0]
+                diff = max(abs(float(mine[i - 1]) - s["old"][i]) for i in at) if at else 0.0
+                o["closest"][version] = diff
+                if diff <= TOLERANCE:
+                    o["matches"].append(version)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--report", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    from transport.integrations.vllm.server import VllmServer
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="trl-job-"))
+    folder = trl_task.make_model(work / "model")
+    server_args = trl_grpo.SERVER_ARGS + trl_grpo.LORA_SERVER_ARGS
+    report: dict[str, Any] = {}
+    server = VllmServer(folder, work / "vllm.log", args=server_args)
+    try:
+        lora = run(server, folder, work, args.steps, lora=True, kill_after=None)
+        transfer = lora.pop("transfer")
+        lora.pop("trainer")
+        transfer.client.remove_adapter("default", "policy")
+        report["lora"] = lora
+        full = run(server, folder, work, args.steps + 1, lora=False, kill_after=args.steps + 1)
+        transfer, trainer = full.pop("transfer"), full.pop("trainer")
+        report["full"] = full
+        server.kill()
+        t0 = time.monotonic()
+        server = VllmServer(folder, work / "vllm.log", args=server_args, port=server.port)
+        restart: dict[str, Any] = {"start_s": time.monotonic() - t0}
+        before = server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
+        transfer.send_weights(iter(trainer.model.named_parameters()))
+        restart["before"] = before
+        restart["got"] = server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
+        restart["want"] = trl_task.greedy(trl_task.reference(folder, trainer.model))
+        restart["served"] = server.get("weight_info")["weight_version"]
+        restart["version"] = transfer.version
+        transfer.destroy()
+        report["restart"] = restart
+    finally:
+        server.kill()
+        report["server_log"] = server.tail(30)
+        args.report.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""TRL's AsyncGRPOTrainer (from the registry) trains against a real vLLM server (the CPU build)
+and syncs after every optimizer step through transport: one job (tests/helpers/trl_job.py: a
+LoRA run, a full run whose server is killed before its last sync, and the server restarted),
+and each test checks one claim of its report. The job takes minutes: it runs once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from helpers.processes import REPO
+
+pytestmark = [pytest.mark.vllm, pytest.mark.trl, pytest.mark.lora, pytest.mark.timeout(1200)]
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    for module in ("vllm", "trl", "peft"):
+        if subprocess.run([sys.executable, "-c", f"import {module}"]).returncode != 0:
+            if os.environ.get("TRANSPORT_TEST_VLLM") == "1":
+                pytest.fail(f"{module} is not installed (examples/setup_vllm.sh installs it)")
+            pytest.skip(f"{module} is not installed (examples/setup_vllm.sh installs it)")
+    work = tmp_path_factory.mktemp("trl")
+    out = work / "report.json"
+    job = [sys.executable, str(REPO / "tests/helpers/trl_job.py"), "--work", str(work)]
+    proc = subprocess.run(
+        [*job, "--report", str(out), "--steps", str(STEPS)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
+    return dict(json.loads(out.read_text()))
+
+
+def rose(rewards: list[float]) -> bool:
+    """The mean reward of the last three steps is at least three times that of the first two
+    (a random policy scores about 1/16; the runs reach well over 0.3)."""
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
+    return last >= 3 * first and last > 0.15
+
+
+def test_lora_run_syncs_only_the_adapter_and_vllm_serves_it_under_the_models_name(report):
+    lora = report["lora"]
+    assert lora["error"] is None, lora["error"]
+    assert [s["version"] for s in lora["syncs"]] == list(range(1, STEPS + 2))
+    assert len(lora["checks"]) == STEPS
+    for check in lora["checks"]:
+        # requests name the model (as TRL's rollouts do) and are served by the newest adapter
+        assert check["equal"], check
+        (adapter,) = check["adapters"].values()
+        assert adapter["version"] == check["version"]
+        # each version moved the adapter's bytes and nothing of the base model
+        assert adapter["version_bytes"] == lora["adapter_bytes"]
+        assert check["model_version"] == -1  # the base weights vLLM started with
+    assert lora["final"]["equal"], lora["final"]
+    assert lora["adapter_bytes"] * 10 < lora["model_bytes"]
+
+
+def test_lora_run_reward_rises(report):
+    assert rose(report["lora"]["rewards"]), report["lora"]["rewards"]
+
+
+def test_full_run_vllm_holds_the_trainers_weights_after_every_sync(report):
+    full = report["full"]
+    assert len(full["checks"]) == STEPS + 1
+    for check in full["checks"]:
+        assert check["equal"], check
+        assert check["served"] == str(check["version"])  # vLLM reports the version it loaded
+
+
+def test_full_run_reward_rises(report):
+    assert rose(report["full"]["rewards"][:STEPS]), report["full"]["rewards"]
+
+
+def test_full_run_samples_carry_the_version_that_produced_them(report):
+    samples = report["full"]["samples"]
+    assert len(samples) >= 100
+    for s in samples:
+        assert s["matches"] == [s["tag"]], s
+
+
+def test_every_sync_pauses_vllm_only_to_load_and_resumes_it(report):
+    calls = report["full"]["calls"]
+    load = [
+        "init_weight_transfer_engine",
+        "pause",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "resume",
+    ]
+    # every sync that reached the server: joined, published, then paused only to load
+    assert calls[: len(load) * (STEPS + 1)] == load * (STEPS + 1), calls
+
+
+def test_a_killed_server_fails_the_sync_with_an_error_naming_it(report):
+    full = report["full"]
+    error = full["error"]
+    assert error is not None and error.startswith("SyncError: "), error
+    assert f"version {STEPS + 2} to the vLLM server at http://" in error, error
+    # no hang: the error came within the transfer's deadline (60 s) and its HTTP round trips
+    assert full["error_after_kill_s"] < 60 + 90, full
+
+
+def test_a_restarted_server_takes_the_next_sync_whole(report):
+    restart = report["restart"]
+    assert restart["got"] == restart["want"], restart
+    assert restart["before"] != restart["want"]  # it started on the checkpoint's weights
+    assert restart["served"] == str(restart["version"])
