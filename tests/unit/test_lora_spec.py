@@ -6,12 +6,18 @@ that names the rule."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from transport.integrations.vllm.lora_routes import AdapterCall, AdapterRoutes, RouteError
+from transport.integrations.vllm.lora_routes import (
+    MODEL_NAMESPACE_ENV,
+    AdapterCall,
+    AdapterRoutes,
+    RouteError,
+)
 from transport.integrations.vllm.lora_spec import (
     AdapterConfig,
     adapter_id,
@@ -115,6 +121,7 @@ def test_a_proof_holds_only_for_its_secret_and_fields() -> None:
         (b'{"adapter": "a", "version": true}', r"version is an int >= 0"),
         (b'{"adapter": "a", "timeout": 0}', "timeout is a number of seconds > 0"),
         (b'{"adapter": "a", "proof": 7}', "proof is a string"),
+        (b'{"adapter": "a", "as_model": "yes"}', "as_model is true or false"),
     ],
 )
 def test_the_routes_refuse_a_malformed_request_naming_the_rule(body: bytes, rule: str) -> None:
@@ -184,3 +191,27 @@ def test_the_routes_answer_only_their_own_paths_and_bound_what_they_read(
         call("/transport/adapters/init", "POST", b'{"store": "x", "bogus": 1}')
     )
     assert status == 400 and "unknown fields ['bogus']" in answer["error"]
+
+
+def test_serving_an_adapter_under_the_models_name_is_proven_and_one_namespaces_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRANSPORT_SECRET_TENANT_A", "secret-of-tenant-a")
+    body = {"adapter": "policy", "namespace": "tenant-a", "version": 3}
+    plain = AdapterCall.parse("install", json.dumps(body).encode())
+    as_model = AdapterCall.parse("install", json.dumps({**body, "as_model": True}).encode())
+    # the proof of a plain install does not let a replay take the model's name
+    signed = proof("secret-of-tenant-a", *plain.fields())
+    dataclasses.replace(plain, proof=signed).check()
+    with pytest.raises(RouteError, match="does not prove it") as e:
+        dataclasses.replace(as_model, proof=signed).check()
+    assert e.value.status == 403
+    dataclasses.replace(as_model, proof=proof("secret-of-tenant-a", *as_model.fields())).check()
+    # a tenant's namespace may not take every tenant's base model
+    monkeypatch.delenv(MODEL_NAMESPACE_ENV, raising=False)
+    plain.check_model_namespace()
+    with pytest.raises(RouteError, match="only namespace 'default' may serve") as e:
+        as_model.check_model_namespace()
+    assert e.value.status == 403
+    monkeypatch.setenv(MODEL_NAMESPACE_ENV, "tenant-a")
+    as_model.check_model_namespace()
