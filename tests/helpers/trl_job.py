@@ -17,6 +17,11 @@ One server (LoRA on, transport's adapter routes) serves three phases in turn:
   is matched against transformers' log-probabilities under every version.
 * ``restart``: a server restarted on the same port takes the transfer's next sync whole.
 
+With ``--baseline`` it also times vLLM's own file round trip in the same run, three times each:
+the adapter saved by peft and loaded with ``/v1/load_lora_adapter``, the model saved in
+safetensors and reloaded with ``reload_weights`` (each until a request is served by it), and
+three more syncs of the model through transport (benchmarks/trl_sync.py reports them).
+
 Each phase records the rewards TRL logged, the sync times, and the memory (RSS) of the trainer
 and of the server's processes before the first and the last step.
 """
@@ -244,23 +249,62 @@ def match(
     samples: list[dict[str, Any]], weights: dict[int, dict[str, torch.Tensor]], folder: Path
 ) -> list[dict[str, Any]]:
     """Each sample's tag and the versions whose log-probabilities of its completion tokens
-    are vLLM's (within TOLERANCE)."""
+    are vLLM's (within TOLERANCE): one forward of every sample per version, padded on the
+    right (a causal model's earlier positions do not see the padding)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    out = [{"tag": s["tag"], "matches": [], "closest": {}} for s in samples]
+    out: list[dict[str, Any]] = [{"tag": s["tag"], "matches": [], "closest": {}} for s in samples]
+    if not samples:
+        return out
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), width), trl_task.PAD)
+    for k, s in enumerate(samples):
+        ids[k, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
     for version, state in sorted(weights.items()):
         model.load_state_dict(state)
         with torch.no_grad():
-            for s, o in zip(samples, out, strict=True):
-                ids = torch.tensor([s["input_ids"]])
-                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-                mine = logp.gather(1, ids[0, 1:, None])[:, 0]
-                at = [i for i, m in enumerate(s["mask"]) if m and i > 0]
-                diff = max(abs(float(mine[i - 1]) - s["old"][i]) for i in at) if at else 0.0
-                o["closest"][version] = diff
-                if diff <= TOLERANCE:
-                    o["matches"].append(version)
+            logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
+        mine = logp.gather(2, ids[:, 1:, None])[..., 0]
+        for k, (s, o) in enumerate(zip(samples, out, strict=True)):
+            at = [i for i, m in enumerate(s["mask"]) if m and i > 0]
+            diff = max(abs(float(mine[k, i - 1]) - s["old"][i]) for i in at) if at else 0.0
+            o["closest"][version] = diff
+            if diff <= TOLERANCE:
+                o["matches"].append(version)
+    return out
+
+
+def file_adapter_s(server: Any, model: Any, work: Path) -> list[float]:
+    """Seconds of the adapter's file round trip: peft's save, vLLM's load, one request."""
+    out = []
+    for k in range(3):
+        t0 = time.perf_counter()
+        model.save_pretrained(work / f"adapter-{k}")
+        server.post(
+            "v1/load_lora_adapter",
+            {"lora_name": f"file-{k}", "lora_path": str(work / f"adapter-{k}")},
+        )
+        server.complete(trl_task.CHECK_PROMPTS[:1], 1, model=f"file-{k}")
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def file_model_s(server: Any, model: Any, work: Path) -> list[float]:
+    """Seconds of the model's file round trip: safetensors, vLLM's reload_weights, a request."""
+    from safetensors.torch import save_file
+
+    out = []
+    for k in range(3):
+        folder = work / f"weights-{k}"
+        folder.mkdir()
+        t0 = time.perf_counter()
+        state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"))
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        server.post("collective_rpc", rpc)
+        server.complete(trl_task.CHECK_PROMPTS[:1], 1)
+        out.append(time.perf_counter() - t0)
     return out
 
 
@@ -269,6 +313,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--baseline", action="store_true", help="time the file round trips too")
     args = ap.parse_args()
     from transport.integrations.vllm.server import VllmServer
 
@@ -276,11 +321,13 @@ def main() -> None:
     folder = trl_task.make_model(work / "model")
     server_args = trl_grpo.SERVER_ARGS + trl_grpo.LORA_SERVER_ARGS
     report: dict[str, Any] = {}
-    server = VllmServer(folder, work / "vllm.log", args=server_args)
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if args.baseline else None
+    server = VllmServer(folder, work / "vllm.log", args=server_args, env=env)
     try:
         lora = run(server, folder, work, args.steps, lora=True, kill_after=None)
-        transfer = lora.pop("transfer")
-        lora.pop("trainer")
+        transfer, trainer = lora.pop("transfer"), lora.pop("trainer")
+        if args.baseline:
+            lora["file_s"] = file_adapter_s(server, trainer.model, work)
         transfer.client.remove_adapter("default", "policy")
         report["lora"] = lora
         full = run(server, folder, work, args.steps + 1, lora=False, kill_after=args.steps + 1)
@@ -288,7 +335,7 @@ def main() -> None:
         report["full"] = full
         server.kill()
         t0 = time.monotonic()
-        server = VllmServer(folder, work / "vllm.log", args=server_args, port=server.port)
+        server = VllmServer(folder, work / "vllm.log", args=server_args, port=server.port, env=env)
         restart: dict[str, Any] = {"start_s": time.monotonic() - t0}
         before = server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
         transfer.send_weights(iter(trainer.model.named_parameters()))
@@ -297,6 +344,15 @@ def main() -> None:
         restart["want"] = trl_task.greedy(trl_task.reference(folder, trainer.model))
         restart["served"] = server.get("weight_info")["weight_version"]
         restart["version"] = transfer.version
+        if args.baseline:
+            ours = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                transfer.send_weights(iter(trainer.model.named_parameters()))
+                server.complete(trl_task.CHECK_PROMPTS[:1], 1)
+                ours.append(time.perf_counter() - t0)
+            restart["transport_s"] = ours
+            restart["file_s"] = file_model_s(server, trainer.model, work)
         transfer.destroy()
         report["restart"] = restart
     finally:
