@@ -87,7 +87,6 @@ def reference(folder: Path, trained: object) -> object:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    state = {n: t.detach().clone() for n, t in trained.state_dict().items()}  # type: ignore[attr-defined]
     if hasattr(trained, "peft_config"):
         from peft import get_peft_model, set_peft_model_state_dict
         from peft.utils import get_peft_model_state_dict
@@ -95,7 +94,7 @@ def reference(folder: Path, trained: object) -> object:
         ref = get_peft_model(ref, trained.peft_config["default"])
         set_peft_model_state_dict(ref, get_peft_model_state_dict(trained))  # type: ignore[arg-type]
     else:
-        ref.load_state_dict(state)
+        ref.load_state_dict({n: t.detach().clone() for n, t in trained.state_dict().items()})  # type: ignore[attr-defined]
     return ref.eval()
 
 

@@ -277,14 +277,16 @@ def match(
 
 def file_adapter_s(server: Any, model: Any, work: Path) -> list[float]:
     """Seconds of the adapter's file round trip: peft's save, vLLM's load, one request."""
+    import requests
+
     out = []
     for k in range(3):
         t0 = time.perf_counter()
         model.save_pretrained(work / f"adapter-{k}")
-        server.post(
-            "v1/load_lora_adapter",
-            {"lora_name": f"file-{k}", "lora_path": str(work / f"adapter-{k}")},
-        )
+        body = {"lora_name": f"file-{k}", "lora_path": str(work / f"adapter-{k}")}
+        requests.post(
+            f"{server.url}/v1/load_lora_adapter", json=body, timeout=120
+        ).raise_for_status()
         server.complete(trl_task.CHECK_PROMPTS[:1], 1, model=f"file-{k}")
         out.append(time.perf_counter() - t0)
     return out
