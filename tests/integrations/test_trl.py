@@ -66,10 +66,6 @@ def test_lora_run_syncs_only_the_adapter_and_vllm_serves_it_under_the_models_nam
     assert lora["adapter_bytes"] * 10 < lora["model_bytes"]
 
 
-def test_lora_run_reward_rises(report):
-    assert rose(report["lora"]["rewards"]), report["lora"]["rewards"]
-
-
 def test_full_run_vllm_holds_the_trainers_weights_after_every_sync(report):
     full = report["full"]
     assert len(full["checks"]) == STEPS + 1
@@ -100,8 +96,10 @@ def test_every_sync_pauses_vllm_only_to_load_and_resumes_it(report):
         "reset_prefix_cache",
         "resume",
     ]
-    # every sync that reached the server: joined, published, then paused only to load
-    assert calls[: len(load) * (STEPS + 1)] == load * (STEPS + 1), calls
+    # the first sync's trainer joins the server's workers, then every sync that reached the
+    # server: joined (a no-op for workers that listen), published, paused only to load
+    assert calls[0] == "init_weight_transfer_engine", calls
+    assert calls[1:] == load * (STEPS + 1), calls
 
 
 def test_a_killed_server_fails_the_sync_with_an_error_naming_it(report):
