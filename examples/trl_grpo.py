@@ -43,9 +43,14 @@ LORA_SERVER_ARGS = (
 )
 
 
-def grpo_config(out: Path, url: str, steps: int, lr: float) -> object:
-    """TRL's configuration for the task: 8 completions of 8 tokens per prompt, a sync after
-    every optimizer step, at most one version between a sample and the step it trains."""
+def grpo_config(
+    out: Path, url: str, steps: int, lr: float, accumulation: int = 4, queue: int = 64
+) -> object:
+    """TRL's configuration for the task: 8 completions of 8 tokens per prompt, ``accumulation``
+    micro-batches of up to 128 tokens per optimizer step and a sync after each, at most one
+    version between a sample and the step it trains, at most ``queue`` samples waiting (and
+    half as many requests in flight: TRL's rollouts outrun a CPU trainer, and the samples they
+    make beyond that are only dropped as stale)."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     return AsyncGRPOConfig(
@@ -54,12 +59,13 @@ def grpo_config(out: Path, url: str, steps: int, lr: float) -> object:
         max_steps=steps,
         learning_rate=lr,
         per_device_train_batch_size=8,
-        gradient_accumulation_steps=4,
+        gradient_accumulation_steps=accumulation,
         num_generations=8,
         max_completion_length=trl_task.COMPLETION,
         temperature=1.0,
         max_staleness=1,
-        queue_maxsize=64,
+        queue_maxsize=queue,
+        max_inflight_tasks=queue // 2,
         logging_steps=1,
         report_to=[],
         use_cpu=not _has_cuda(),

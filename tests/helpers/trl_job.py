@@ -14,7 +14,8 @@ One server (LoRA on, transport's adapter routes) serves three phases in turn:
   is killed: TRL's ``train()`` must raise the transfer's error. Before every step, as above,
   plus the weights of each version; every sample the trainer takes is recorded with the
   version TRL tagged it with and vLLM's log-probabilities of its tokens, and after the run each
-  is matched against transformers' log-probabilities under every version.
+  is matched against transformers' log-probabilities under every version. The transfer pauses
+  vLLM with mode ``wait`` (running requests finish first: no sample mixes two versions).
 * ``restart``: a server restarted on the same port takes the transfer's next sync whole.
 
 With ``--baseline`` it also times vLLM's own file round trip in the same run, three times each:
@@ -192,7 +193,7 @@ def run(
         store=store,
         adapter="policy" if lora else None,
         timeout=60,
-        client=recording_client(server.url, 90, "keep"),
+        client=recording_client(server.url, 90, "wait"),
     )
     probe = Probe(server, folder, transfer, kill_after)
     lr = 5e-2 if lora else 1e-2
@@ -200,7 +201,10 @@ def run(
         trainer = AsyncGRPOTrainer(
             model=str(folder),
             reward_funcs=trl_task.sevens_reward,
-            args=trl_grpo.grpo_config(work / f"out-{name}", server.url, steps, lr),
+            # half the example's batch: the job shares two cores with the rest of the suite
+            args=trl_grpo.grpo_config(
+                work / f"out-{name}", server.url, steps, lr, accumulation=2, queue=32
+            ),
             train_dataset=Dataset.from_dict({"prompt": trl_task.prompts() * 100}),
             weight_transfer=transfer,
             callbacks=[transfer, probe] if lora else [probe],
