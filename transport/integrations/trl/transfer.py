@@ -102,8 +102,9 @@ class TransportWeightTransfer(TrainerCallback):
 
     Versions count the syncs from 1, as TRL's ``model_version`` does after each. Every failure
     raises :class:`SyncError` naming the server within ``timeout`` seconds (plus the HTTP
-    round trips), after resuming a pause it made. :meth:`destroy` closes everything; a later
-    sync opens it again. Secrets come from the environment (``$TRANSPORT_SECRET`` or the
+    round trips), after resuming a pause it made. :meth:`destroy` closes everything (vLLM goes
+    on serving the last version it loaded, an adapter under the model's name included); a
+    later sync opens it again. Secrets come from the environment (``$TRANSPORT_SECRET`` or the
     namespace's own), on both sides.
     """
 
