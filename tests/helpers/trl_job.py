@@ -201,9 +201,10 @@ def run(
         trainer = AsyncGRPOTrainer(
             model=str(folder),
             reward_funcs=trl_task.sevens_reward,
-            # half the example's batch: the job shares two cores with the rest of the suite
+            # a half (full) or a quarter (LoRA: its reward is not checked) of the example's
+            # batch: the job shares two cores with the rest of the suite
             args=trl_grpo.grpo_config(
-                work / f"out-{name}", server.url, steps, lr, accumulation=2, queue=32
+                work / f"out-{name}", server.url, steps, lr, accumulation=1 if lora else 2, queue=32
             ),
             train_dataset=Dataset.from_dict({"prompt": trl_task.prompts() * 100}),
             weight_transfer=transfer,
