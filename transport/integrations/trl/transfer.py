@@ -10,7 +10,6 @@ weight-transfer backend), with a deadline on every step, on GPUs or CPUs.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -22,6 +21,7 @@ from transformers import TrainerCallback
 
 from transport import TransportError
 from transport.integrations.vllm.lora_trainer import AdapterTrainer, AdapterTrainerInfo
+from transport.integrations.vllm.server import wait_healthy
 from transport.integrations.vllm.trainer import (
     HTTPClient,
     TransportTrainer,
@@ -151,22 +151,12 @@ class TransportWeightTransfer(TrainerCallback):
 
     def init_weight_transfer(self) -> None:
         """Waits (up to the timeout) until the server answers; SyncError naming it if not."""
-        import requests
-
-        end = time.monotonic() + self.info.timeout
-        while True:
-            try:
-                if requests.get(f"{self.server_url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > end:
-                raise SyncError(
-                    f"the vLLM server at {self.server_url} did not answer /health within "
-                    f"{self.info.timeout:g} s; start it with --weight-transfer-config "
-                    '\'{"backend": "transport"}\' (and VLLM_SERVER_DEV_MODE=1)'
-                )
-            threading.Event().wait(0.5)
+        if not wait_healthy(self.server_url, self.info.timeout):
+            raise SyncError(
+                f"the vLLM server at {self.server_url} did not answer /health within "
+                f"{self.info.timeout:g} s; start it with --weight-transfer-config "
+                '\'{"backend": "transport"}\' (and VLLM_SERVER_DEV_MODE=1)'
+            )
 
     def pause(self) -> None:
         """Whole models: the server pauses once the version starts to load (PausingClient).

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, timeout: float, check: Callable[[], None] | None = None) -> bool:
+    """Whether the server at ``url`` answered ``/health`` within ``timeout`` seconds (asked
+    every half second; ``check`` runs before each ask and may raise to give up)."""
+    import requests
+
+    end = time.monotonic() + timeout
+    while True:
+        if check is not None:
+            check()
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        if time.monotonic() > end:
+            return False
+        threading.Event().wait(0.5)
 
 
 class VllmServer:
@@ -85,20 +104,12 @@ class VllmServer:
             raise
 
     def _wait_healthy(self, timeout: float) -> None:
-        import requests
+        if not wait_healthy(self.url, timeout, self._check_running):
+            raise TimeoutError(f"vLLM was not healthy within {timeout} s:\n{self.tail()}")
 
-        end = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > end:
-                raise TimeoutError(f"vLLM was not healthy within {timeout} s:\n{self.tail()}")
-            threading.Event().wait(0.5)
+    def _check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.tail()}")
 
     def tail(self, lines: int = 40) -> str:
         """The end of the server's log."""
