@@ -17,6 +17,7 @@ from helpers.redis_server import (
     external_redis_url,
     flush,
 )
+from helpers.scheduling import order
 from transport.store import MemoryStore, Store, store_from_url
 from transport.store.tcp import TcpStore
 
@@ -83,29 +84,21 @@ def writer(tcp_store: Store) -> Iterator[transport.Transport]:
         yield t
 
 
-#: files of minutes (vLLM servers, clusters of hosts, 100,000 tensors, the GPU dry run's installs),
-#: collected first. Under ``--dist loadfile`` xdist then hands out the files with the most tests
-#: first (its default reordering, kept on purpose), and these, with few tests each, run last,
-#: while the cheap files have freed the CPUs: measured on the whole suite, 1,132 s that way against
-#: 1,331 s with these files first, where vLLM servers started side by side and two tests ran past
-#: their deadlines. This order decides among files with as many tests, and in one process
-#: (TRANSPORT_TEST_WORKERS=0).
-LONG_FILES = (
-    "integrations/test_vllm_moe_tp2.py",
-    "integrations/test_vllm_tp2.py",
-    "integrations/test_verl.py",
-    "integrations/test_vllm_tp2_server.py",
-    "cli/test_bench.py",
-    "weights/test_scale.py",
-    "test_gpu_check.py",
-    "integrations/",
-    "hosts/",
-)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def longest_first(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return next((i for i, part in enumerate(LONG_FILES) if part in path), len(LONG_FILES))
+    """The files of the server lane first, in its order, then the long files (helpers/
+    scheduling.py): the order the lane runs in, and the order of a run in one process."""
 
-    items.sort(key=longest_first)  # stable: a file's tests stay together, in their order
+    items.sort(
+        key=lambda item: order(item.nodeid)
+    )  # stable: a file's tests stay together, in their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` (the test command's): the files that start vLLM servers in one lane,
+    the longest files first (helpers/scheduling.py)."""
+    if config.getoption("dist", "no") != "loadfile":
+        return None
+    from helpers.scheduling import LaneScheduling
+
+    return LaneScheduling(config, log)

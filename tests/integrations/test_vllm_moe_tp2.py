@@ -1,9 +1,13 @@
 """Mixtures of experts served by vLLM's HTTP server (CPU build) at TP = 2 and updated through the
 ``transport`` backend, the trainer through vLLM's own trainer factory: each tensor-parallel
 worker receives exactly its slice of every expert, and with expert parallelism exactly the whole
-experts it hosts (test_vllm_moe.py: one worker, every mode; the same models and checks). One
-server per model, shared by its tests in order (a server's start is most of what such a test
-costs on this kind of machine); the expert-parallel server last."""
+experts it hosts (test_vllm_moe.py: one worker, every mode, both models, the same checks).
+
+Two servers, one after the other (a server's start is most of what such a test costs on this
+kind of machine): the Qwen2-MoE at TP = 2 (shared and routed experts, tied embeddings), shared
+by the first two tests in order; then the Qwen3-MoE with expert parallelism. The Qwen3-MoE's
+tensor-parallel slices are the Qwen2-MoE's rules on the same fused experts (its single-worker
+tests are in test_vllm_moe.py), and its server here is the expert-parallel one."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.llama import MOE, fused_expert_names, kept_bytes, model_bytes
+from helpers.llama import fused_expert_names, kept_bytes, model_bytes
 from helpers.tp2_updates import Updates, run_updates, staging_for
 from helpers.vllm_peers import HttpTrainer, send_counting
 from helpers.vllm_server import VllmServer
@@ -24,7 +28,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 @dataclass
 class Served:
-    """A module's server of one mixture of experts at TP = 2 and its trainer (vLLM's trainer
+    """The module's server of a mixture of experts at TP = 2 and its trainer (vLLM's trainer
     factory, over vLLM's HTTP client), shared by the tests of that model, which run in order;
     ``version``: the version the server serves (each test starts there)."""
 
@@ -34,9 +38,9 @@ class Served:
     version: int = 0
 
 
-@pytest.fixture(scope="module", params=MOE)
-def served(request, model_dir_of, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    kind: str = request.param
+@pytest.fixture(scope="module")
+def served(model_dir_of, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    kind = "qwen2-moe"
     folder: Path = model_dir_of(kind)
     log = tmp_path_factory.mktemp(f"{kind}-server") / "server.log"
     # the trainer child imports while the server starts
@@ -80,7 +84,6 @@ def test_each_tp_worker_receives_its_slice_of_every_expert(served: Served, store
             )
 
 
-@pytest.mark.parametrize("served", ["qwen2-moe"], indirect=True)  # its server, still up
 def test_a_tied_model_with_room_for_one_copy_keeps_one_slot_and_outlives_a_trainer_gone(
     served: Served, store, reference
 ):
