@@ -92,11 +92,17 @@ if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
 fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
+# One OpenMP thread per process: the suite runs dozens of processes on two cores, and a pool per
+# process spends its waits spinning (the suite ran in 0.94x the time this way, in one
+# measurement). vLLM's workers bind their own threads (VLLM_CPU_OMP_THREADS_BIND).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # The suite runs in ${TRANSPORT_TEST_WORKERS:-3} pytest-xdist workers, a test file per worker at a
 # time (module fixtures such as a vLLM engine stay whole); most tests wait on processes, deadlines
-# and the network, so three workers keep two cores busy. Each worker has Redis databases of its
-# own (tests/helpers/redis_server.py). The slowest tests are listed at the end.
+# and the network, so three workers keep two cores busy. The files that start vLLM servers run one
+# after another in one worker from the start, the longest other files first in the others
+# (tests/helpers/scheduling.py). Each worker has Redis databases of its own
+# (tests/helpers/redis_server.py). The slowest tests are listed at the end.
 # TRANSPORT_TEST_WORKERS=0 runs everything in this one process.
 WORKERS=${TRANSPORT_TEST_WORKERS:-3}
 if [ "$WORKERS" = "0" ]; then
