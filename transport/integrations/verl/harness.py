@@ -112,8 +112,11 @@ class StandInTrainer(Worker):
     """A trainer rank in verl's harness without FSDP (see the module docstring). Every rank loads
     the checkpoint and yields all of it, as verl's FSDP engine does after its all-gathers. On an
     even ``global_steps`` it yields every weight negated (a test then sees that an update's bytes
-    are fresh, not a bucket's leftovers). ``hold_at`` (set per rank) stops the stream at that
-    tensor until the :class:`Gate` opens (the actor serves other calls meanwhile); ``flatten_next`` sends one tensor in another shape."""
+    are fresh, not a bucket's leftovers). It hands the engine a plain generator, as verl's worker
+    does. ``hold_at`` (set per rank) stops the next update's stream at that tensor until the
+    :class:`Gate` opens; the actor serves other calls meanwhile, so that stream is an async
+    generator (transport's engine takes either kind). ``flatten_next`` sends one tensor in
+    another shape."""
 
     def __init__(self, model_path: str, config: CheckpointEngineConfig) -> None:
         super().__init__()
@@ -131,23 +134,36 @@ class StandInTrainer(Worker):
             backend, bucket_size=config.update_weights_bucket_megabytes << 20, **kwargs
         )
 
-    async def _weights(self, step: int | None) -> Any:
+    def _tensor(self, i: int, name: str, p: torch.Tensor, sign: int, step: int | None) -> Any:
+        if name == self.flatten:
+            p = p.reshape(-1)
+        if self.perturb:  # other elements each step, the same on every rank
+            p = _flip_low_bits(p, self.perturb, seed=i * 1_000_003 + (step or 0))
+        return p if sign == 1 else -p
+
+    def _weights(self, step: int | None) -> Any:
+        """A plain generator, as verl's worker hands its engine (``get_per_tensor_param``)."""
         sign = -1 if step is not None and step % 2 == 0 else 1
         for i, (name, p) in enumerate(self.model.state_dict().items()):
-            if self.hold is not None and i == self.hold[0]:
-                gate, self.hold = self.hold[1], None
-                await gate.reach.remote()  # the actor serves other calls meanwhile
-            if name == self.flatten:
-                p = p.reshape(-1)
-            if self.perturb:  # other elements each step, the same on every rank
-                p = _flip_low_bits(p, self.perturb, seed=i * 1_000_003 + (step or 0))
-            yield name, (p if sign == 1 else -p)
+            yield name, self._tensor(i, name, p, sign, step)
+
+    async def _held_weights(self, step: int | None, index: int, gate: Any) -> Any:
+        """The same tensors as an async generator that waits at tensor ``index`` for ``gate``
+        (the actor serves other calls meanwhile): only for engines that take async iterators,
+        as transport's does; verl's nixl engine iterates with a plain ``for``."""
+        sign = -1 if step is not None and step % 2 == 0 else 1
+        for i, (name, p) in enumerate(self.model.state_dict().items()):
+            if i == index:
+                await gate.reach.remote()
+            yield name, self._tensor(i, name, p, sign, step)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
-        return await self.checkpoint_engine.send_weights(
-            self._weights(global_steps), global_steps=global_steps
-        )
+        weights = self._weights(global_steps)
+        if self.hold is not None:
+            (index, gate), self.hold = self.hold, None
+            weights = self._held_weights(global_steps, index, gate)
+        return await self.checkpoint_engine.send_weights(weights, global_steps=global_steps)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
