@@ -68,10 +68,16 @@ def rank(scope: str) -> int:
     return 1 + next(found, len(LONG_FILES))
 
 
+def queue_order(scopes: list[str]) -> list[str]:
+    """Units of work in the order they are dealt out: by ``rank``, stable (xdist's order, most
+    tests first, decides among equals)."""
+    return sorted(scopes, key=rank)
+
+
 class LaneScheduling(LoadFileScheduling):
     """xdist's file-by-file scheduling with the files of SERVER_LANE as one unit of work, and the
-    queue ordered by ``rank`` before the first unit is dealt out (stable: xdist's order, most
-    tests first, decides among equals). Owns nothing but the queue's order."""
+    queue put in ``queue_order`` before the first unit is dealt out. Owns nothing but the
+    queue's order."""
 
     def __init__(self, config: Any, log: Any = None) -> None:
         super().__init__(config, log)
@@ -84,8 +90,8 @@ class LaneScheduling(LoadFileScheduling):
 
     def _assign_work_unit(self, node: Any) -> None:
         if not self._ordered:
-            ordered = sorted(self.workqueue.items(), key=lambda unit: rank(unit[0]))
+            units = dict(self.workqueue)
             self.workqueue.clear()
-            self.workqueue.update(ordered)
+            self.workqueue.update((scope, units[scope]) for scope in queue_order(list(units)))
             self._ordered = True
         super()._assign_work_unit(node)
