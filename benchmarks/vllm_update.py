@@ -236,8 +236,10 @@ def run_tp(tp: int, args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
         )
 
     out: dict[str, Any] = {"tp": tp, "modes": {}}
-    # streamed: room for half a copy of a worker's slice (the model over tp, the norms aside)
-    half = sum(x.numel() * x.element_size() for x in state.values()) / tp / 2 / 2**30
+    # streamed: room for half a copy of a worker's slice (the model over tp, the norms aside),
+    # and at least two buckets of its largest tensor (a model of one small layer has few tensors)
+    sizes = [x.numel() * x.element_size() for x in state.values()]
+    half = max(sum(sizes) / tp / 2, 4 * max(sizes)) / 2**30
     engine = None
     try:
         if args.worker_spin_s is not None:

@@ -34,6 +34,7 @@ LONG_FILES = (
     "cli/test_bench.py",
     "test_wheel.py",
     "test_gpu_check.py",
+    "test_benchmarks.py",
     "integrations/",
     "hosts/",
     "weights/test_converge.py",

@@ -51,9 +51,9 @@ def plan_parts(layout: WorkerLayout, bucket: int) -> list[list[str]]:
         nbytes = _aligned(math.prod(d.shape) * d.dtype.itemsize)
         if nbytes > bucket:
             raise ValueError(
-                f"tensor {name} ({nbytes / 2**20:.1f} MiB) is larger than one bucket of a streamed "
-                f"version ({bucket / 2**20:.1f} MiB: half of the staging bound); raise staging_gb to at "
-                f"least {2 * nbytes / 2**30:.3f} GiB"
+                f"tensor {name} ({nbytes / 2**20:.4g} MiB) is larger than one bucket of a streamed "
+                f"version ({bucket / 2**20:.4g} MiB: half of the staging bound); raise staging_gb to "
+                f"at least {2 * nbytes / 2**30:.4g} GiB"
             )
         if used + nbytes > bucket:
             parts.append([])
