@@ -57,6 +57,10 @@ def qwen_config(layers: int) -> Any:
     )
 
 
+#: the values vLLM's ``--max-lora-rank`` accepts (vLLM 0.32)
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def traffic(t: Any) -> int:
     return sum(x.written for x in t.traffic().values())
 
@@ -69,7 +73,16 @@ def main() -> None:
     ap.add_argument("--merged-rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    ranks = [int(r) for r in args.ranks.split(",")]
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        ap.error(f"--ranks must be a comma list of whole numbers, got {args.ranks!r}")
+    # the server's --max-lora-rank is the largest of them, and vLLM accepts only these
+    if max(ranks) not in VLLM_MAX_LORA_RANKS or min(ranks) < 1:
+        ap.error(
+            f"--ranks {args.ranks}: the largest becomes vLLM's --max-lora-rank, which must be one "
+            f"of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}"
+        )
 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
