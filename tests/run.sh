@@ -93,8 +93,8 @@ fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 # One OpenMP thread per process: the suite runs dozens of processes on two cores, and a pool per
-# process spends its waits spinning (the suite ran in 0.94x the time this way, in one
-# measurement). vLLM's workers bind their own threads (VLLM_CPU_OMP_THREADS_BIND).
+# process spends its waits spinning. vLLM's workers bind their own threads
+# (VLLM_CPU_OMP_THREADS_BIND).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # The suite runs in ${TRANSPORT_TEST_WORKERS:-3} pytest-xdist workers, a test file per worker at a
