@@ -51,7 +51,7 @@ import numpy as np
 from transport.backends.base import DONE, IN_PROGRESS, Backend, device_parts
 from transport.errors import BackendError, PeerLostError, RegionError, TransportError
 
-log = logging.getLogger("transport.backends.nixl")
+log = logging.getLogger(__name__)
 
 #: how an agent makes progress for incoming transfers (see the module docstring)
 PROGRESS_MODES = ("auto", "events", "poll")
@@ -110,7 +110,7 @@ def _rdma_devices() -> bool:
         return False
 
 
-def _load() -> tuple[ModuleType, ModuleType]:
+def load_nixl() -> tuple[ModuleType, ModuleType]:
     """Import NIXL's Python API quietly: (the _api module, the _bindings module)."""
     global _mods
     with _lock:
@@ -188,7 +188,7 @@ def progress_mode(progress: str | None, ucx_tls: str | None = None) -> str:
 
 def nixl_exception_classes() -> dict[str, type[BaseException]]:
     """Every exception class NIXL's bindings define (for the mapping test)."""
-    _, b = _load()
+    _, b = load_nixl()
     return {
         n: getattr(b, n)
         for n in dir(b)
@@ -206,7 +206,7 @@ class NixlBackend(Backend):
     name = "nixl"
 
     def __init__(self, agent_name: str, num_threads: int = 0, progress: str | None = None) -> None:
-        api, b = _load()
+        api, b = load_nixl()
         self._b = b
         self.agent_name = agent_name
         self.progress = progress_mode(progress)

@@ -80,7 +80,7 @@ def subscriber(a: argparse.Namespace) -> int:
         return 1
     torch.set_num_threads(1)
     import transport
-    from transport.errors import TransferTimeout
+    from transport import TransferTimeout
 
     fd = os.open(a.out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # a write per line: kill-safe
 

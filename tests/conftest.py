@@ -18,7 +18,8 @@ from helpers.redis_server import (
     flush,
 )
 from helpers.scheduling import order
-from transport.store import MemoryStore, Store, store_from_url
+from transport import Store, store_from_url
+from transport.store import MemoryStore
 from transport.store.tcp import TcpStore
 
 

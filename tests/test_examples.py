@@ -81,7 +81,7 @@ def test_push_weights_rejects_bad_arguments():
 
 def test_importing_nixl_leaves_logging_alone():
     code = (
-        "import logging; import transport.backends.nixl as n; n._load(); "
+        "import logging; import transport.backends.nixl as n; n.load_nixl(); "
         "print(logging.raiseExceptions, logging.getLogger('nixl').getEffectiveLevel() >= logging.WARNING)"
     )
     out = subprocess.run(

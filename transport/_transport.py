@@ -1,6 +1,6 @@
 """The Transport: one process's endpoint, a facade over its parts.
 
-Each job lives in a part of its own, wired here and sharing one :class:`Endpoint`:
+Each job lives in a part of its own, wired here and sharing one :class:`SharedState`:
 
 * ``memory/regions.py``: the memory we expose and register, our peer record, withdrawal;
 * ``peers/table.py``: connections to peers (connect, refresh, drop, restarts);
@@ -31,8 +31,6 @@ from transport.backends.base import READ, WRITE
 from transport.contract import CoreLink
 from transport.control import ControlChannel, Notification
 from transport.dumps import Dumps
-from transport.endpoint import Endpoint, State
-from transport.engine import Engine
 from transport.errors import ClosedError, PeerWaitTimeout, WireFormatError
 from transport.handle import Handle
 from transport.housekeeping import Housekeeping
@@ -42,8 +40,10 @@ from transport.peers.admission import Admission
 from transport.peers.directory import Directory
 from transport.peers.liveness import suspicion
 from transport.peers.table import PeerInfo, PeerTable, PeerTraffic, peer_info
+from transport.progress_engine import ProgressEngine
 from transport.security.signed import SignedStore
 from transport.settings import Settings, check_lanes, positive
+from transport.shared_state import SharedState, State
 from transport.store import DEFAULT_STORE_URL, Store, store_from_url
 from transport.trace import DEFAULT_CAPACITY, FlightRecorder
 from transport.transfers.batch import Batch, make_batch
@@ -52,7 +52,7 @@ from transport.transfers.paths import Request, Transfers
 from transport.transfers.plan_cache import PlanCache
 from transport.wire import RegionInfo, agent_name, check_name
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 
 class Transport(Closing):
@@ -165,7 +165,7 @@ class Transport(Closing):
                 self.store.close()
             raise
         self._owns_store = owns_store
-        ep = self._ep = Endpoint(
+        ep = self._ep = SharedState(
             self.name,
             self.namespace,
             self.generation,
@@ -195,7 +195,7 @@ class Transport(Closing):
             self._control,
         )
         retries = self._transfers.retries
-        ep.engine = self._engine = Engine(
+        ep.engine = self._engine = ProgressEngine(
             be,
             self.name,
             self._control.route,

@@ -1,10 +1,27 @@
-"""The internal contract between the core and the layers above it (weights/, cuda/).
+"""The internal contract between the core and the layers above it (weights/, integrations/).
 
-Those layers use a Transport's public API plus this: :class:`CoreLink`, reached as
-``transport.core``, the handful of calls they need that users do not (control messages, a put
-that carries one, a fresh view of a peer, a peer's liveness, polling hints, the stream machinery). Nothing else of
-the core is theirs to touch, and ruff's SLF001 (private member access) keeps it so. Users should
-not need it; it may change with the library.
+Those layers import the public API (``transport``, ``transport.store``, ``transport.backends``)
+and this module, nothing else of the core; ``tests/test_layering.py`` fails otherwise. This
+module holds two things:
+
+* :class:`CoreLink`, reached as ``transport.core``: the handful of calls of one Transport they
+  need that users do not (control messages, a put that carries one, a fresh view of a peer, a
+  peer's liveness, polling hints, the stream machinery).
+* The core's helpers those layers share, re-exported here so that the core may move them:
+
+  - closing: :class:`Closing` (a context manager that calls ``close()``);
+  - bulk work: :func:`without_gc` (the garbage collector held off while it runs);
+  - host memory: :class:`HostCopies` and :func:`native` (parallel copies between host tensors);
+  - tensors: :func:`check_tensor`, :func:`dtype_name`; batches: :func:`make_batch`;
+  - liveness: :func:`stale_after`, :func:`staleness`, ``GONE_BEATS``, ``GONE_MIN_S`` (when a
+    peer's heartbeat says it is suspect or gone);
+  - signed store values: :class:`SignedStore`, :class:`Inspector`; store counters:
+    :class:`Counter`, :func:`index_counter`, :func:`clock_floor`;
+  - messages: :func:`unpack` (strict, size-limited msgpack), :func:`is_count`, ``NAME_RE``,
+    :func:`check_region_name`, ``MAX_RECORD_BYTES``.
+
+Nothing else of the core is theirs to touch, and ruff's SLF001 (private member access) keeps
+it so. Users should not need it; it may change with the library.
 
 Control messages are the library's own notifications: each layer listens on a channel of its
 own (``ws/<group>`` for a weight group), and a channel has one handler at a time.
@@ -16,13 +33,49 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from transport._closing import Closing
+from transport.gc_pause import without_gc
+from transport.host_copy import HostCopies, native
+from transport.memory.local import check_tensor, dtype_name
+from transport.peers.liveness import GONE_BEATS, GONE_MIN_S, stale_after, staleness
+from transport.security.signed import Inspector, SignedStore
+from transport.store.counters import Counter, clock_floor, index_counter
+from transport.transfers.batch import make_batch
+from transport.wire import MAX_RECORD_BYTES, NAME_RE, check_region_name, is_count, unpack
+
 if TYPE_CHECKING:
     import torch
 
     from transport.handle import Handle
-    from transport.security.signed import SignedStore
     from transport.transfers.batch import Batch
     from transport.wire import RegionInfo
+
+__all__ = [
+    "GONE_BEATS",
+    "GONE_MIN_S",
+    "MAX_RECORD_BYTES",
+    "NAME_RE",
+    "Closing",
+    "ControlHandler",
+    "CoreLink",
+    "Counter",
+    "HostCopies",
+    "Inspector",
+    "PeerView",
+    "SignedStore",
+    "check_region_name",
+    "check_tensor",
+    "clock_floor",
+    "dtype_name",
+    "index_counter",
+    "is_count",
+    "make_batch",
+    "native",
+    "stale_after",
+    "staleness",
+    "unpack",
+    "without_gc",
+]
 
 #: ``handler(peer, payload)``: runs on the engine thread, so it only does bookkeeping and hands
 #: the rest to a thread of its own

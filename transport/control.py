@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from transport.contract import ControlHandler
-from transport.endpoint import Endpoint, State
 from transport.errors import (
     PeerLostError,
     SignatureError,
@@ -21,6 +20,7 @@ from transport.errors import (
 from transport.peers.senders import HOLD_S, REFUSE_S, Senders
 from transport.peers.table import PeerTable
 from transport.security.sealing import FrameOpener
+from transport.shared_state import SharedState, State
 from transport.wire import (
     TAG_CONTROL,
     check_name,
@@ -30,7 +30,7 @@ from transport.wire import (
     peer_of_agent,
 )
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 #: user notifications held until read, in count and in payload bytes; past either, the newest
 #: are dropped (and counted, and logged), so a peer flooding us cannot grow our memory unbounded
@@ -63,7 +63,7 @@ class ControlChannel:
 
     def __init__(
         self,
-        ep: Endpoint,
+        ep: SharedState,
         peers: PeerTable,
         max_queued: int = MAX_QUEUED_NOTIFICATIONS,
         max_queued_bytes: int = MAX_QUEUED_BYTES,

@@ -11,11 +11,11 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from transport.endpoint import Endpoint
+from transport.shared_state import SharedState
 from transport.store.counters import Counter
 from transport.trace import ENV_DIR as TRACE_ENV_DIR
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 #: automatic dumps after errors: at most one per this many seconds per Transport
 DUMP_MIN_INTERVAL = 5.0
@@ -40,7 +40,9 @@ class Dumps:
     every peer answers that request.
     """
 
-    def __init__(self, ep: Endpoint, trace_dir: str | os.PathLike[str] | None, inline: Any) -> None:
+    def __init__(
+        self, ep: SharedState, trace_dir: str | os.PathLike[str] | None, inline: Any
+    ) -> None:
         self._ep = ep
         env_dir = os.environ.get(TRACE_ENV_DIR)
         self.trace_dir = Path(trace_dir) if trace_dir else (Path(env_dir) if env_dir else None)

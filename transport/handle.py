@@ -256,7 +256,7 @@ def _run_callback(fn: Callable[[Handle], Any], h: Handle) -> None:
     except Exception:  # a user's callback must not kill the engine
         import logging
 
-        logging.getLogger("transport.handle").exception("done-callback %r of %r raised", fn, h)
+        logging.getLogger(__name__).exception("done-callback %r of %r raised", fn, h)
 
 
 def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> None:

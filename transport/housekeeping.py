@@ -8,13 +8,13 @@ import time
 
 from transport.control import ControlChannel
 from transport.dumps import Dumps
-from transport.endpoint import Endpoint
 from transport.memory.regions import Regions
 from transport.peers.table import PeerTable
+from transport.shared_state import SharedState
 from transport.transfers.paths import Transfers
 from transport.transfers.plan_cache import PlanCache
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 
 class Housekeeping:
@@ -33,7 +33,7 @@ class Housekeeping:
 
     def __init__(
         self,
-        ep: Endpoint,
+        ep: SharedState,
         peers: PeerTable,
         plans: PlanCache,
         regions: Regions,

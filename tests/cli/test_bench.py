@@ -453,7 +453,7 @@ def test_memcpy_system_keeps_the_contract_and_verifies_every_byte():
 
 
 def test_runner_records_interleaved_systems_with_paired_ratios_and_refuses_lost_bytes():
-    from transport.cli import CliError
+    from transport import CliError
     from transport.cli.bench._runner import Results, Timing, Turn, measure
     from transport.cli.bench.put import PutCase
 

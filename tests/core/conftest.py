@@ -9,7 +9,7 @@ import pytest
 
 from helpers.peer import Peer
 from helpers.redis_server import ANY_STORE_DB, database, flush
-from transport.store import Store, store_from_url
+from transport import Store, store_from_url
 from transport.store.tcp import TcpStore
 
 

@@ -21,7 +21,7 @@ from helpers.polling import wait_until
 from helpers.processes import free_port
 from helpers.redis_server import RedisServer
 from helpers.ws_peer import SubscriberProcess, publish_served
-from transport.errors import StoreError
+from transport import StoreError
 from transport.peers import table as peer_table
 from transport.weights.group.lease import current_lease
 

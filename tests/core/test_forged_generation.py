@@ -12,8 +12,8 @@ import transport
 from helpers import internals
 from helpers.polling import wait_until
 from helpers.ws_peer import SubscriberProcess, publish_served
+from transport import store_from_url
 from transport.peers.directory import Directory
-from transport.store import store_from_url
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,8 +16,8 @@ import torch
 import transport
 from helpers import internals
 from helpers.peer import Peer, pattern, sha
-from transport.engine import FAILED, Op
-from transport.handle import Handle
+from transport import Handle
+from transport.progress_engine import FAILED, Op
 from transport.transfers.lanes import EDGE_BYTES
 from transport.transfers.plan import Part
 
@@ -28,7 +28,7 @@ def nothing_in_flight(t: transport.Transport, timeout: float = 5.0) -> bool:
     """No part of any transfer queued or posted on any agent, and no plan busy. Each engine
     withdraws the parts of a failed transfer on its own thread (within a loop of it), so this
     polls until the deadline."""
-    from transport.engine import POSTED, QUEUED
+    from transport.progress_engine import POSTED, QUEUED
 
     engines = [internals.engine(t), *(lane.engine for lane in internals.lanes(t))]
     end = time.monotonic() + timeout

@@ -19,7 +19,7 @@ import transport
 from helpers.outsider import Outsider
 from helpers.peer import Peer, sha
 from helpers.polling import wait_until
-from transport.errors import SignatureError, TransportError
+from transport import SignatureError, TransportError
 from transport.security import signed
 from transport.security.sealing import keys_for
 from transport.wire import agent_name, decode_peer_record, frame_user_notification

@@ -15,16 +15,10 @@ import pytest
 import transport
 from helpers.peer import Peer, pattern, sha
 from helpers.polling import wait_until
+from transport import RegionInfo, store_from_url
 from transport.memory.region_codec import MAX_REGIONS, MAX_TOTAL_DIMS
 from transport.security import signed
-from transport.store import store_from_url
-from transport.wire import (
-    PeerRecord,
-    RegionInfo,
-    decode_heartbeat,
-    decode_peer_record,
-    encode_peer_record,
-)
+from transport.wire import PeerRecord, decode_heartbeat, decode_peer_record, encode_peer_record
 
 pytestmark = pytest.mark.timeout(300)
 

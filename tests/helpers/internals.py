@@ -14,13 +14,13 @@ import torch
 
 import transport
 from transport.backends.base import Backend
-from transport.engine import Engine, Op
 from transport.memory.local import LocalMemory
 from transport.peers.conn import PeerConn
+from transport.progress_engine import Op, ProgressEngine
 from transport.store import MemoryStore
 from transport.transfers.lanes import Lane
 from transport.transfers.plan import Plan
-from transport.weights.group.directory import GroupDirectory
+from transport.weights.group.group_directory import GroupDirectory
 
 # -- a Transport's parts --------------------------------------------------------------------------
 
@@ -74,12 +74,12 @@ def lanes(t: transport.Transport) -> list[Lane]:
     return t._transfers.lanes.lanes
 
 
-def engine(t: transport.Transport) -> Engine:
+def engine(t: transport.Transport) -> ProgressEngine:
     """The Transport's own progress engine."""
     return t._engine
 
 
-def engine_ops(e: Engine) -> list[Op]:
+def engine_ops(e: ProgressEngine) -> list[Op]:
     """The ops an engine holds: in flight and queued."""
     return [*e._inflight, *e._queue]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from transport.wire import PeerRecord, RegionInfo
+from transport import RegionInfo
+from transport.wire import PeerRecord
 
 
 def record(**over: Any) -> PeerRecord:

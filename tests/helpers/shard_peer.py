@@ -94,7 +94,7 @@ def dest_layout(spec: dict[str, tuple[int, ...]], kind: str) -> dict[str, Any] |
     if kind == "bf16":
         return {n: DestTensor(d.shape, torch.bfloat16, d.pieces) for n, d in full_copy(src).items()}
     if kind == "fp8":  # every matrix in e4m3 with 128x128 block scales, the norms as they are
-        from transport.weights.layouts import fp8
+        from transport.weights import fp8
 
         return fp8(full_copy(src), block=(128, 128))
     rank, degree = (int(x) for x in kind[2:].split("of"))

@@ -97,7 +97,7 @@ def _sub_child(
 ) -> None:
     import transport
     from transport.weights.group.messages import Begin, decode
-    from transport.weights.group.regions import channel
+    from transport.weights.group.region_names import channel
 
     watch = _Watch()
     try:

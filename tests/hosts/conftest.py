@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from transport.cluster import ClusterError, check_rights
+from transport import ClusterError
+from transport.cluster import check_rights
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -29,7 +29,7 @@ import ray  # noqa: E402
 
 import transport  # noqa: E402
 from helpers.polling import wait_until  # noqa: E402
-from transport.errors import SignatureError  # noqa: E402
+from transport import SignatureError  # noqa: E402
 
 SECRET = "verl-job-secret-0123"
 

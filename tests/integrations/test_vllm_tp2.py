@@ -28,7 +28,8 @@ from helpers.netns import Within, inside
 from helpers.tp2_updates import TP, Updates, run_updates, staging_for
 from helpers.vllm_peers import HttpTrainer
 from helpers.vllm_server import VllmServer
-from transport.cluster import Cluster, ClusterError, Link, check_rights
+from transport import ClusterError
+from transport.cluster import Cluster, Link, check_rights
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

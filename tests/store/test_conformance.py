@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers.processes import PythonProcess
-from transport.errors import ClosedError, StoreError, StoreTimeout
-from transport.store import Store
+from transport import ClosedError, Store, StoreError, StoreTimeout
 
 pytestmark = pytest.mark.timeout(30)
 

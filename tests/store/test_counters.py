@@ -7,8 +7,7 @@ import logging
 
 import pytest
 
-from transport.errors import StoreError
-from transport.store import Store
+from transport import Store, StoreError
 from transport.store.counters import (
     INDEX_MARGIN,
     MAX_COUNTER,

@@ -11,15 +11,8 @@ import pytest
 
 from helpers.processes import REPO, PythonProcess, free_port
 from helpers.redis_server import RedisServer
-from transport.errors import StoreError
-from transport.store import (
-    DEFAULT_STORE_URL,
-    MemoryStore,
-    RedisStore,
-    TcpStore,
-    as_store,
-    store_from_url,
-)
+from transport import StoreError, store_from_url
+from transport.store import DEFAULT_STORE_URL, MemoryStore, RedisStore, TcpStore, as_store
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -257,7 +257,7 @@ def test_an_outsider_can_neither_connect_nor_write_nor_forge() -> None:
 
     from torch.distributed._transport import new_transport
 
-    from transport.errors import SignatureError
+    from transport import SignatureError
     from transport.integrations.torch_api import EndpointUrl
 
     secret = "s3cret-s3cret"

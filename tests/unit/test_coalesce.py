@@ -9,7 +9,7 @@ import torch
 from helpers import internals
 from helpers.loopback_net import pattern
 from transport.transfers.plan import coalesce
-from transport.weights.layouts.flat import flat_like
+from transport.weights import flat_like
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers.loopback_net import pattern
-from transport.weights.layouts.flat import copy_runs, flat_like
+from transport.weights import flat_like
+from transport.weights.layouts.flat import copy_runs
 
 
 @pytest.fixture(autouse=True, params=["compiled", "torch"])

@@ -12,18 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.weights.delta.codec import (
-    CHUNK,
-    MASK,
-    SPARSE,
-    WHOLE,
-    ChangeSet,
-    DeltaError,
-    DeltaLayout,
-    encode,
-)
+from transport import DeltaError
+from transport.weights import flat_like
+from transport.weights.delta.codec import CHUNK, MASK, SPARSE, WHOLE, ChangeSet, DeltaLayout, encode
 from transport.weights.delta.decoder import apply, decode
-from transport.weights.layouts.flat import flat_like
 
 pytestmark = pytest.mark.delta
 

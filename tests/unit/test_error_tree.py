@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import transport
-from transport.errors import TransportError
+from transport import TransportError
 
 # modules that import a framework only a machine with it has (vLLM, verl, Ray)
 OPTIONAL = ("transport.integrations.",)

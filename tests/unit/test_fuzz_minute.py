@@ -18,12 +18,12 @@ import time
 import msgpack
 import pytest
 
-from transport.errors import WireFormatError
+from transport import RegionInfo, WireFormatError
 from transport.weights.group.messages import (
     Abort,
     Credit,
     Forward,
-    Piece,
+    PartLanded,
     Report,
     Segment,
     Target,
@@ -33,7 +33,6 @@ from transport.weights.group.messages import decode as decode_ws
 from transport.weights.group.messages import encode as encode_ws
 from transport.wire import (
     PeerRecord,
-    RegionInfo,
     decode_heartbeat,
     decode_peer_record,
     encode_heartbeat,
@@ -78,7 +77,7 @@ def _seeds() -> list[tuple[str, bytes]]:
         ("ws", encode_ws(Credit((0, 1), 4))),
         ("ws", encode_ws(Report(9, "gen-1", "fail", "why"))),
         ("ws", encode_ws(Segment(9, 0, 2, 5))),
-        ("ws", encode_ws(Piece(9, 0, 2, 4096, 8192))),
+        ("ws", encode_ws(PartLanded(9, 0, 2, 4096, 8192))),
         ("ws", encode_ws(Abort(9, 1))),
     ]
 

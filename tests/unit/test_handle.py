@@ -7,7 +7,7 @@ import sys
 import threading
 
 import transport
-from transport.handle import Handle
+from transport import Handle
 
 
 def test_a_waiter_that_sees_a_failed_handle_done_also_sees_its_error():

@@ -7,10 +7,14 @@ import msgpack
 import pytest
 import torch
 
-from transport.errors import WireFormatError
-from transport.weights import DestTensor, Piece, Slice, SourceLayout, full_copy, tp_shard
-from transport.weights.layouts import fp8
-from transport.weights.layouts.wire import decode_dest, decode_sources, encode_dest, source_digest
+from transport import WireFormatError
+from transport.weights import DestTensor, Piece, Slice, SourceLayout, fp8, full_copy, tp_shard
+from transport.weights.layouts.encoding import (
+    decode_dest,
+    decode_sources,
+    encode_dest,
+    source_digest,
+)
 
 SRC = SourceLayout.split(
     2,

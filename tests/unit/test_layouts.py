@@ -8,18 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transport.weights.layouts import (
-    DestTensor,
-    LayoutError,
-    Piece,
-    Slice,
-    SourceLayout,
-    apply_runs,
-    check,
-    full_copy,
-    plan,
-    tp_shard,
-)
+from transport import LayoutError
+from transport.weights import DestTensor, Piece, Slice, SourceLayout, full_copy, tp_shard
+from transport.weights.layouts import apply_runs, check, plan
 
 H, FF, V = 64, 96, 80  # hidden, intermediate, vocabulary: small, and uneven over 3 ranks
 

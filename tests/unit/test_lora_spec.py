@@ -12,12 +12,8 @@ import json
 import pytest
 import torch
 
-from transport.integrations.vllm.lora_routes import (
-    MODEL_NAMESPACE_ENV,
-    AdapterCall,
-    AdapterRoutes,
-    RouteError,
-)
+from transport import RouteError
+from transport.integrations.vllm.lora_routes import MODEL_NAMESPACE_ENV, AdapterCall, AdapterRoutes
 from transport.integrations.vllm.lora_spec import (
     AdapterConfig,
     adapter_id,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from transport import BackendError, PeerLostError, RegionError, TransportError
 from transport.backends import available, backend_class, new_backend
 from transport.backends.nixl import (
     NIXL_ERRORS,
     NixlBackend,
-    _load,
+    load_nixl,
     map_nixl_error,
     nixl_exception_classes,
 )
-from transport.errors import BackendError, PeerLostError, RegionError, TransportError
 
 
 def test_no_nixl_exception_is_left_unmapped():
@@ -49,7 +49,7 @@ class FakeAgent:
 
 
 def fake_backend(exc: BaseException | None = None, status: object = None) -> NixlBackend:
-    _, b = _load()
+    _, b = load_nixl()
     be = object.__new__(NixlBackend)
     be._b = b
     be._raw = FakeAgent(exc, status)
@@ -97,7 +97,7 @@ def test_backend_methods_raise_mapped_errors(call, exc, expect):
 
 
 def test_error_statuses_are_errors_too():
-    _, b = _load()
+    _, b = load_nixl()
     with pytest.raises(BackendError, match="status"):
         fake_backend(status=b.NIXL_ERR_BACKEND).post(1, b"", "p")
     with pytest.raises(PeerLostError, match="status"):

@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 from helpers.records import record
-from transport.errors import WireFormatError
+from transport import RegionInfo, WireFormatError
 from transport.memory.region_codec import MAX_REGIONS, device_ok
 from transport.wire import (
     DTYPE_SIZES,
     FORMAT_VERSION,
     MAX_DIMS,
-    RegionInfo,
     decode_peer_record,
     encode_peer_record,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transport.errors import SignatureError
+from transport import SignatureError
 from transport.security.sealing import (
     REPLAY_WINDOW,
     TRAILER_BYTES,

@@ -10,14 +10,8 @@ import torch
 
 import transport
 from helpers.shard_peer import shard_of
-from transport.weights import (
-    DestTensor,
-    LayoutError,
-    ShardedPublisher,
-    SourceLayout,
-    full_copy,
-    tp_shard,
-)
+from transport import LayoutError
+from transport.weights import DestTensor, ShardedPublisher, SourceLayout, full_copy, tp_shard
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,7 +186,7 @@ def test_layouts_that_do_not_fit_are_refused_before_any_byte_moves(loopback_net)
 
 
 def test_fp8_block_and_tensor_scales_equal_a_reference_quantization(loopback_net):
-    from transport.weights.layouts import fp8
+    from transport.weights import fp8
     from transport.weights.layouts.convert import fp8_blockwise, fp8_per_tensor
 
     src, shards, pubs = _trainer(loopback_net, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from transport.errors import SignatureError, WireFormatError
+from transport import SignatureError, WireFormatError
 from transport.security import signed
 from transport.security.sealing import keys_for
 from transport.store.memory import MemoryStore

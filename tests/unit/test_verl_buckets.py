@@ -15,21 +15,26 @@ import torch
 
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
-from transport import Handle
-from transport.errors import TransportError, WireFormatError
+from transport import (
+    Handle,
+    TransportError,
+    UpdateAbortedError,
+    UpdateSupersededError,
+    WireFormatError,
+)
 from transport.weights.buckets.buckets import (
     ALIGN,
     Assembler,
+    BucketPiece,
     Packer,
-    Piece,
     Planned,
     read_header,
 )
 from transport.weights.buckets.changes import PieceCopies
-from transport.weights.buckets.inbox import Inbox, UpdateSuperseded
+from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.messages import Abort, Bucket, Free, decode, encode
 from transport.weights.buckets.receiver import BucketReceiver
-from transport.weights.buckets.sender import BucketSender, UpdateAborted
+from transport.weights.buckets.sender import BucketSender
 from transport.weights.buckets.targets import SLOTS
 from transport.weights.buckets.topology import EngineInfo, build_plans
 from transport.weights.delta.policy import DeltaPolicy
@@ -96,7 +101,7 @@ def test_packing_and_reading_back_gives_every_tensor_bit_for_bit() -> None:
 
 def test_a_header_that_breaks_a_rule_is_refused_naming_the_tensor() -> None:
     good = ["w", "float32", [4], 0, 16, 0]
-    assert read_header(msgpack.packb([good]), 16) == [Piece("w", "float32", (4,), 0, 16, 0)]
+    assert read_header(msgpack.packb([good]), 16) == [BucketPiece("w", "float32", (4,), 0, 16, 0)]
     cases = {
         "dtype 'complex'": ["w", "complex", [4], 0, 16, 0],
         "not an aligned run": ["w", "float32", [4], ALIGN // 2, 16, 0],
@@ -117,17 +122,17 @@ def test_a_header_that_breaks_a_rule_is_refused_naming_the_tensor() -> None:
 def test_a_tensor_that_changes_shape_or_is_cut_short_is_refused_with_its_name() -> None:
     asm = Assembler("cpu")
     bucket = torch.zeros(256, dtype=torch.uint8)
-    list(asm.tensors(bucket, [Piece("q_proj", "bfloat16", (4, 8), 0, 64, 0)]))
+    list(asm.tensors(bucket, [BucketPiece("q_proj", "bfloat16", (4, 8), 0, 64, 0)]))
     with pytest.raises(
         WireFormatError, match=r"q_proj arrived as bfloat16\[8, 4\] but was bfloat16\[4, 8\]"
     ):
-        list(asm.tensors(bucket, [Piece("q_proj", "bfloat16", (8, 4), 0, 64, 0)]))
+        list(asm.tensors(bucket, [BucketPiece("q_proj", "bfloat16", (8, 4), 0, 64, 0)]))
     asm.begin()
-    list(asm.tensors(bucket, [Piece("big", "uint8", (100,), 0, 64, 0)]))
+    list(asm.tensors(bucket, [BucketPiece("big", "uint8", (100,), 0, 64, 0)]))
     with pytest.raises(WireFormatError, match="big stopped at byte 64 of 100 and other"):
-        list(asm.tensors(bucket, [Piece("other", "uint8", (4,), 0, 4, 0)]))
+        list(asm.tensors(bucket, [BucketPiece("other", "uint8", (4,), 0, 4, 0)]))
     asm.begin()
-    list(asm.tensors(bucket, [Piece("big", "uint8", (100,), 0, 64, 0)]))
+    list(asm.tensors(bucket, [BucketPiece("big", "uint8", (100,), 0, 64, 0)]))
     with pytest.raises(WireFormatError, match="ended with tensor big at byte 64 of 100"):
         asm.check_complete()
 
@@ -516,13 +521,13 @@ def test_a_trainer_rank_that_is_gone_fails_the_update_everywhere_naming_it(loopb
     senders = job.send_all(weights)
     results = list(receive_all(job))
     for got in results:
-        assert isinstance(got, UpdateAborted), got
+        assert isinstance(got, UpdateAbortedError), got
         assert f"trainer rank 1 ({gone}) is gone" in str(
             got
         ) and "received 1 buckets of the update" in str(got)
     for th in senders[:1]:
         th.join(30)
-    assert isinstance(job.send_errors[0], UpdateAborted), job.send_errors[0]
+    assert isinstance(job.send_errors[0], UpdateAbortedError), job.send_errors[0]
     assert f"trainer rank 1 ({gone}) is gone" in str(job.send_errors[0])
 
 
@@ -548,9 +553,9 @@ def test_a_relay_that_leaves_costs_only_its_subtree_and_they_name_it(loopback_ne
         th.join(60)
     assert all(torch.equal(results[0][n], t) for n, t in weights.items())  # the root completes
     assert isinstance(
-        results[2], UpdateAborted
+        results[2], UpdateAbortedError
     ) and f"relay {relay.name}, this worker's parent, is gone" in str(results[2])
-    assert isinstance(results[3], UpdateAborted) and "stopped relaying" in str(results[3])
+    assert isinstance(results[3], UpdateAbortedError) and "stopped relaying" in str(results[3])
     for th in senders:
         th.join(30)
     assert job.send_errors == [None]
@@ -562,7 +567,7 @@ def test_an_update_superseded_mid_flight_stops_everywhere_and_the_next_lands_who
     """verl's manager starts the next update at the first error it sees, while other engines
     still run the failed one. Here the trainer waits for a slot, the relay's consumer holds a
     tensor, and its child waits for a bucket, when every engine begins the next update: each
-    old one stops (UpdateSuperseded, naming both updates) at its next step, even the relay once
+    old one stops (UpdateSupersededError, naming both updates) at its next step, even the relay once
     its consumer resumes in the middle of the next update, and the next update's bytes land
     exactly at both workers."""
     old_weights, new_weights = model(100, seed=1), model(100, seed=2)
@@ -595,7 +600,7 @@ def test_an_update_superseded_mid_flight_stops_everywhere_and_the_next_lands_who
     job.next_update()
     new_token = job.tp[0].token
     old_sender.join(30)
-    assert isinstance(old_errors[0], UpdateSuperseded), old_errors[0]
+    assert isinstance(old_errors[0], UpdateSupersededError), old_errors[0]
     assert f"update {old_token}" in str(old_errors[0]) and f"by update {new_token}" in str(
         old_errors[0]
     )
@@ -608,7 +613,7 @@ def test_an_update_superseded_mid_flight_stops_everywhere_and_the_next_lands_who
     for th in [*old, *new, *senders]:
         th.join(60)
     for got in old_results:
-        assert isinstance(got, UpdateSuperseded), got
+        assert isinstance(got, UpdateSupersededError), got
     assert job.send_errors == [None]
     for got in new_results:
         assert not isinstance(got, BaseException), got
@@ -629,7 +634,7 @@ def test_begin_waits_for_the_puts_the_superseded_update_has_in_flight(loopback_n
         inbox.begin(second, settle_timeout=0.05)
     started: list[str] = []
     with pytest.raises(
-        UpdateSuperseded, match=f"update {first} on {inbox.transport.name} was superseded"
+        UpdateSupersededError, match=f"update {first} on {inbox.transport.name} was superseded"
     ):
         inbox.post(first, lambda: started.append("posted"))  # type: ignore[arg-type, return-value]
     assert not started

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from transport.integrations.vllm.shards import _layout, _Numbering, _Params, fall_back, whole
-from transport.weights import Slice
-from transport.weights.layouts import SourceLayout, apply_runs, plan
+from transport.weights import Slice, SourceLayout
+from transport.weights.layouts import apply_runs, plan
 
 H = 8
 SPEC = {

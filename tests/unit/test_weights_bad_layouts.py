@@ -14,19 +14,11 @@ from hypothesis import strategies as st
 
 import transport
 from helpers.shard_peer import shard_of
-from transport.errors import WireFormatError
-from transport.weights import (
-    DestTensor,
-    LayoutError,
-    Piece,
-    ShardedPublisher,
-    Slice,
-    SourceLayout,
-    full_copy,
-)
+from transport import LayoutError, WireFormatError
+from transport.weights import DestTensor, Piece, ShardedPublisher, Slice, SourceLayout, full_copy
 from transport.weights.layouts import Quant, check, plan_all
 from transport.weights.layouts.convert import FP8
-from transport.weights.layouts.wire import decode_dest, encode_dest
+from transport.weights.layouts.encoding import decode_dest, encode_dest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ import torch
 import transport
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
-from transport.store import Store
+from transport import Store
 from transport.weights.group.messages import Begin, Credit, Hello, Ver, encode
 from transport.weights.group.worker import Worker
 from transport.weights.subscribing.upstream import MAX_HELD_PER_SENDER

@@ -25,7 +25,7 @@ from helpers.shard_peer import shard_of
 from transport.security import signed
 from transport.weights import ShardedPublisher, SourceLayout
 from transport.weights.group.lease import FREE, Lease
-from transport.weights.layouts.wire import source_digest
+from transport.weights.layouts.encoding import source_digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,7 +143,7 @@ def test_a_lease_of_an_older_incarnation_put_back_is_ignored_and_taken_back(loop
 def test_without_a_secret_a_store_writer_sets_what_readers_believe_but_stops_nobody(
     loopback_net, caplog
 ):
-    from transport.weights.group.directory import GroupDirectory
+    from transport.weights.group.group_directory import GroupDirectory
     from transport.weights.group.lease import GroupLeases
 
     trainer = _Trainer(loopback_net)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import internals
 from helpers.loopback_net import pattern
-from transport.weights.layouts.flat import flat_like
+from transport.weights import flat_like
 from transport.weights.publishing.pack import PACK_MIN_TENSORS, PACK_TENSOR_BYTES, Pack, packable
 
 pytestmark = pytest.mark.timeout(60)

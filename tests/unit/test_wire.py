@@ -11,13 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.records import record
-from transport.errors import SignatureError, WireFormatError
+from transport import RegionInfo, SignatureError, WireFormatError
 from transport.memory.region_codec import MAX_MAP_BYTES
 from transport.wire import (
     FORMAT_VERSION,
     MAX_RECORD_BYTES,
     MAX_REGIONS,
-    RegionInfo,
     agent_name,
     check_name,
     decode_heartbeat,

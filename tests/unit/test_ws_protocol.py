@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.errors import WireFormatError
+from transport import WireFormatError
 from transport.weights.group.messages import (
     KINDS,
     MAX_DEGREE,

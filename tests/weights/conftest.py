@@ -10,7 +10,7 @@ import pytest
 
 import transport
 from helpers.ws_peer import PublisherProcess, SubscriberProcess
-from transport.store import Store
+from transport import Store
 
 
 @pytest.fixture

@@ -37,11 +37,11 @@ from helpers.shard_peer import (
     source_layout,
 )
 from helpers.ws_peer import make_tensors, spec_of
+from transport import Store, store_from_url
 from transport.security import signed
-from transport.store import Store, store_from_url
 from transport.weights import ShardedPublisher, full_copy
 from transport.weights.group.lease import Lease
-from transport.weights.layouts.wire import encode_dest
+from transport.weights.layouts.encoding import encode_dest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from helpers.shard_peer import GeneratorProcess, RankProcess, model_spec
-from transport.store import Store
+from transport import Store
 
 pytestmark = pytest.mark.timeout(600)
 

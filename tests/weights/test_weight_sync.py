@@ -15,7 +15,7 @@ import transport
 from helpers.polling import wait_until
 from helpers.ws_peer import MiB, make_tensors, spec_of
 from transport.weights.group.messages import Abort, Hello, Ver, encode
-from transport.weights.group.regions import channel
+from transport.weights.group.region_names import channel
 
 # Tensors of several dtypes and shapes; the inplace subscriber takes a subset of them.
 SPEC = {

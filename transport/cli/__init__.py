@@ -13,11 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from transport.errors import TransportError
-
-
-class CliError(TransportError):
-    """A failure to report in one line (exit status 1)."""
+from transport import CliError, TransportError
 
 
 def build_parser() -> argparse.ArgumentParser:

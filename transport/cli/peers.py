@@ -10,10 +10,10 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from transport.errors import WireFormatError
+from transport import WireFormatError, store_from_url
 from transport.peers.directory import Directory
 from transport.peers.liveness import suspicion
-from transport.store import DEFAULT_STORE_URL, store_from_url
+from transport.store import DEFAULT_STORE_URL
 from transport.wire import check_name
 
 

@@ -34,7 +34,7 @@ def _bytes(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transport.cli import CliError
+    from transport import CliError
 
     d = Path(args.dir)
     if not d.is_dir():

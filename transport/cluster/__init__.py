@@ -3,6 +3,7 @@ drills that must cross a network: see hosts.py."""
 
 from transport.cluster.hosts import Cluster, Host, Traffic
 from transport.cluster.leftovers import check_rights, clean_leftovers
-from transport.cluster.links import ClusterError, Link
+from transport.cluster.links import Link
+from transport.errors import ClusterError
 
 __all__ = ["Cluster", "ClusterError", "Host", "Link", "Traffic", "check_rights", "clean_leftovers"]

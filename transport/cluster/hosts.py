@@ -46,9 +46,10 @@ from transport.cluster.leftovers import (
     run,
     save_state,
 )
-from transport.cluster.links import ClusterError, Link, Shaper
+from transport.cluster.links import Link, Shaper
+from transport.errors import ClusterError
 
-log = logging.getLogger("transport.cluster")
+log = logging.getLogger(__name__)
 
 #: the hosts' network; the store is .1, the trainer .2, generator i is .10 + i
 NETWORK = "198.18.0"

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from transport.cluster.links import ClusterError
+from transport.errors import ClusterError
 
 #: the start of every namespace and interface name a cluster makes
 PREFIX = "tpc"

@@ -13,17 +13,13 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from transport.errors import TransportError
+from transport.errors import ClusterError
 
 _RATE = re.compile(r"\A(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)\Z")
 _DELAY = re.compile(r"\A\d+(\.\d+)?(us|ms|s)\Z")
 _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 #: the nftables table a host's loss lives in
 LOSS_TABLE = "transport_loss"
-
-
-class ClusterError(TransportError, RuntimeError):
-    """A cluster could not be made or changed; the message says what it needs."""
 
 
 @dataclass(frozen=True)

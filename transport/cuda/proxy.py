@@ -33,7 +33,7 @@ import torch
 
 from transport.errors import TransferTimeout, TransportError
 
-log = logging.getLogger("transport.cuda")
+log = logging.getLogger(__name__)
 
 BELL, DONE, FAILED, GAVE_UP = range(4)
 #: ``done`` of every slot once the proxy closed: past any sequence number a stream will ring

@@ -35,7 +35,7 @@ from transport.backends.base import Backend
 from transport.errors import RegistrationBudgetError
 from transport.wire import DTYPE_SIZES
 
-log = logging.getLogger("transport.memory")
+log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {getattr(torch, n): n for n in DTYPE_SIZES if hasattr(torch, n)}
 

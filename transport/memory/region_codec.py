@@ -42,8 +42,8 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from transport.bulk import bulk
 from transport.errors import WireFormatError
+from transport.gc_pause import without_gc
 
 # The budget of one record, for its reader: what the largest real model needs, not what the wire
 # could carry. DeepSeek-V3 has about 91,000 tensors, so a subscriber with two staging slots lists
@@ -145,7 +145,7 @@ def _pack(values: list[int], dtype: np.dtype) -> bytes:
     return np.asarray(values, dtype).tobytes()
 
 
-@bulk  # 200,000 new objects would start many collections, each scanning them all
+@without_gc  # 200,000 new objects would start many collections, each scanning them all
 def decode_memory_map(
     data: bytes,
     dtypes: Sequence[str],

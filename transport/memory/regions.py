@@ -25,10 +25,10 @@ import msgpack
 import torch
 
 from transport._version import __version__
-from transport.bulk import bulk
-from transport.endpoint import Endpoint
 from transport.errors import StoreError, TransportError, WireFormatError
+from transport.gc_pause import without_gc
 from transport.memory.local import check_tensor, dtype_name
+from transport.shared_state import SharedState
 from transport.wire import (
     ACCESS_MODES,
     MAX_NOTIFY_BYTES,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from transport.peers.table import PeerTable
     from transport.transfers.plan_cache import PlanCache
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 CHANNEL = "tx/withdraw"
 #: how often a withdrawal that waits for silent peers looks whether they left
@@ -175,7 +175,7 @@ class Regions:
     """
 
     def __init__(
-        self, ep: Endpoint, control: ControlChannel, peers: PeerTable, plans: PlanCache
+        self, ep: SharedState, control: ControlChannel, peers: PeerTable, plans: PlanCache
     ) -> None:
         self._ep = ep
         self._control = control
@@ -194,7 +194,7 @@ class Regions:
 
     # -- exposing and registering ------------------------------------------------------------
 
-    @bulk
+    @without_gc
     def expose_all(self, tensors: Mapping[str, torch.Tensor], access: str) -> dict[str, RegionInfo]:
         ep = self._ep
         ep.check_open()

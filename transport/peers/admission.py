@@ -8,10 +8,10 @@ lookups find it, or the peer marked left.
 
 from __future__ import annotations
 
-from transport.endpoint import Endpoint
 from transport.errors import ClosedError
 from transport.peers.conn import PeerConn
 from transport.peers.table import PeerTable
+from transport.shared_state import SharedState
 
 
 class Admission:
@@ -19,7 +19,7 @@ class Admission:
     (transport/contract.py). It owns nothing: the directory keeps the records, the peer table
     the connections. Thread-safe as they are."""
 
-    def __init__(self, ep: Endpoint, peers: PeerTable) -> None:
+    def __init__(self, ep: SharedState, peers: PeerTable) -> None:
         self._ep = ep
         self._peers = peers
 

@@ -32,7 +32,7 @@ from transport.wire import (
     record_generation,
 )
 
-log = logging.getLogger("transport.peers")
+log = logging.getLogger(__name__)
 
 #: decoded records kept (by their stored bytes) for the peers fetched most recently, and the
 #: memory they may hold together (estimated by :func:`decoded_bytes`; the newest is always kept)

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from transport.endpoint import Endpoint
 from transport.errors import (
     BackendError,
     PeerLostError,
@@ -19,9 +18,10 @@ from transport.errors import (
 )
 from transport.peers.conn import PeerConn, Traffic
 from transport.peers.liveness import suspicion
+from transport.shared_state import SharedState
 from transport.wire import PeerRecord
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 #: how long a lost peer's new incarnation is looked up in the store before the loss is reported
 RESTART_LOOKUP_S = 2.0
@@ -93,7 +93,7 @@ class PeerTable:
     own lock). :meth:`on_lost` runs on the engine thread and takes only the connection's lock.
     """
 
-    def __init__(self, ep: Endpoint) -> None:
+    def __init__(self, ep: SharedState) -> None:
         self._ep = ep
         self.lock = threading.RLock()
         self._conns: dict[str, PeerConn] = {}

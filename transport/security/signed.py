@@ -36,7 +36,7 @@ from transport.wire import NAME_RE, unpack
 if TYPE_CHECKING:
     from transport.store.base import Store
 
-log = logging.getLogger("transport.signed")
+log = logging.getLogger(__name__)
 
 ENVELOPE_VERSION = 1
 #: the largest signed value: a declared layout of 262,144 tensors fits

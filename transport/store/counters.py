@@ -32,7 +32,7 @@ from collections.abc import Callable
 from transport.errors import StoreError
 from transport.store.base import Store
 
-log = logging.getLogger("transport.store")
+log = logging.getLogger(__name__)
 
 #: the largest value a counter may hold: exact as a float, far below 2**63 (where TCPStore wraps
 #: and Redis refuses) and below the 2**62 a peer record's generation may reach

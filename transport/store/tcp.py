@@ -69,7 +69,7 @@ from transport.store.base import (
     deadline_after,
 )
 
-logger = logging.getLogger("transport.store.tcp")
+logger = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 #: how long an opener that lost the race to host a store waits for the winner to listen

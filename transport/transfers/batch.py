@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from transport.bulk import bulk
+from transport.gc_pause import without_gc
 from transport.memory.local import check_tensor
 
 #: the (region name, tensor) pairs of a transfer
@@ -64,7 +64,7 @@ def mapping_items(obj: Mapping[str, torch.Tensor]) -> tuple[Items, tuple[Any, ..
     return items, sig
 
 
-@bulk
+@without_gc
 def make_batch(
     tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor, int]],
 ) -> Batch:

@@ -26,18 +26,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import transport.backends as _backends
-from transport.engine import Engine
 from transport.memory.local import LocalMemory
 from transport.peers.conn import PeerConn
+from transport.progress_engine import ProgressEngine
 from transport.transfers.plan import Plan
 from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
-    from transport.endpoint import Endpoint
+    from transport.shared_state import SharedState
     from transport.transfers.batch import Items
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 # The first and last parts of a cut transfer: the first is posted before every other part and the
 # last after them, each alone, so they are small (with 64 MiB parts the lanes idled for a
@@ -73,7 +73,9 @@ class Lane:
     def __init__(self, backend: Backend, name: str, idle_interval: float) -> None:
         self.backend = backend
         self.mem = LocalMemory(backend)
-        self.engine = Engine(backend, name, lambda n: None, self._on_lost, None, idle_interval)
+        self.engine = ProgressEngine(
+            backend, name, lambda n: None, self._on_lost, None, idle_interval
+        )
         self.conns: dict[str, PeerConn] = {}
         self.lock = threading.Lock()
         self.engine.start()
@@ -112,7 +114,7 @@ class LaneSet:
     (:meth:`split`). Each lane's engine wakes the Transport's engine as each part ends.
     """
 
-    def __init__(self, ep: Endpoint) -> None:
+    def __init__(self, ep: SharedState) -> None:
         self._ep = ep
         self.lock = threading.Lock()
         self.lanes: list[Lane] = []

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from transport.backends.base import WRITE
-from transport.endpoint import Endpoint, State
-from transport.engine import Engine, Op
 from transport.errors import PeerLostError, TransportError
 from transport.handle import Handle
 from transport.memory.local import check_tensor
 from transport.peers.table import PeerTable
+from transport.progress_engine import Op, ProgressEngine
 from transport.settings import positive
+from transport.shared_state import SharedState, State
 from transport.transfers.batch import Batch, Items, Offset, mapping_items
 from transport.transfers.lanes import LaneSet
 from transport.transfers.plan import Plan
@@ -38,7 +38,7 @@ from transport.transfers.plan_cache import PlanCache
 from transport.transfers.retries import Retries, unclaimer
 from transport.wire import frame_control, frame_user_notification
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Transfers:
 
     def __init__(
         self,
-        ep: Endpoint,
+        ep: SharedState,
         peers: PeerTable,
         plans: PlanCache,
         local_names: Mapping[tuple[int, int], str],
@@ -285,7 +285,7 @@ class Transfers:
         elif not self.lanes.lanes:
             ep.engine.submit(ops)
         else:
-            by_engine: dict[int, tuple[Engine, list[Op]]] = {}
+            by_engine: dict[int, tuple[ProgressEngine, list[Op]]] = {}
             for o in ops:
                 eng = o.engine or ep.engine
                 by_engine.setdefault(id(eng), (eng, []))[1].append(o)

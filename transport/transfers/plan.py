@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from transport.backends.base import READ, WRITE, Backend, device_parts
-from transport.bulk import bulk
 from transport.errors import RegionError
+from transport.gc_pause import without_gc
 from transport.memory.local import LocalMemory, Registration, check_tensor, device_of, dtype_name
 from transport.peers.conn import PeerConn
 from transport.transfers.batch import Offset
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 
-log = logging.getLogger("transport.plan")
+log = logging.getLogger(__name__)
 
 
 class Part:
@@ -266,7 +266,7 @@ def _cut_at(
     return ll, lr, rl, rr
 
 
-@bulk
+@without_gc
 def build_plan(
     backend: Backend,
     mem: LocalMemory,

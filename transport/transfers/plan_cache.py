@@ -6,10 +6,10 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from transport.endpoint import Endpoint
 from transport.errors import PeerLostError, RegionError, RegistrationBudgetError
 from transport.peers.conn import PeerConn
 from transport.peers.table import PeerTable
+from transport.shared_state import SharedState
 from transport.transfers.batch import Offset
 from transport.transfers.plan import Plan, build_plan
 
@@ -37,7 +37,7 @@ class PlanCache:
     when implicit registrations are over their bounds, idle plans pinning them are shed.
     """
 
-    def __init__(self, ep: Endpoint, peers: PeerTable) -> None:
+    def __init__(self, ep: SharedState, peers: PeerTable) -> None:
         self._ep = ep
         self._peers = peers
         self.lock = threading.RLock()

@@ -7,14 +7,14 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from transport.endpoint import Endpoint, State
-from transport.engine import QUEUED, Op
 from transport.handle import Handle
 from transport.peers.table import PeerTable
+from transport.progress_engine import QUEUED, Op
+from transport.shared_state import SharedState, State
 from transport.transfers.plan import Plan
 from transport.transfers.plan_cache import PlanCache
 
-log = logging.getLogger("transport")
+log = logging.getLogger(__name__)
 
 
 def unclaimer(plans: PlanCache, plan: Plan) -> Callable[[Handle], None]:
@@ -35,7 +35,7 @@ class Retries:
     in its heartbeats; :meth:`close` fails whatever is still queued.
     """
 
-    def __init__(self, ep: Endpoint, peers: PeerTable, plans: PlanCache) -> None:
+    def __init__(self, ep: SharedState, peers: PeerTable, plans: PlanCache) -> None:
         self._ep = ep
         self._peers = peers
         self._plans = plans

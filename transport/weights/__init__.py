@@ -3,7 +3,6 @@ subscribers (generators) of a named group, each in the layout and dtype it decla
 
 from transport.weights.layouts import (
     DestTensor,
-    LayoutError,
     Piece,
     Slice,
     SourceLayout,
@@ -16,12 +15,12 @@ from transport.weights.layouts import (
 from transport.weights.publishing.delivery import PublishHandle, PublishResult
 from transport.weights.publishing.publisher import WeightPublisher
 from transport.weights.publishing.sharded import ShardedPublisher
-from transport.weights.subscribing.subscriber import Snapshot, WeightSubscriber
+from transport.weights.subscribing.snapshot import Snapshot
+from transport.weights.subscribing.subscriber import WeightSubscriber
 from transport.weights.subscribing.window import WindowedSubscriber
 
 __all__ = [
     "DestTensor",
-    "LayoutError",
     "Piece",
     "PublishHandle",
     "PublishResult",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from transport.cli import CliError
+from transport import CliError
 
 BASELINES = ("raw", "gloo", "memcpy", "nccl", "mooncake", "torch")
 PUT_SIZES = "4K,64K,1M,16M,64M,256M,1G"  # put.SIZES, without importing torch for --help

@@ -50,7 +50,7 @@ def address_toward(peer: str | None) -> str:
     return addr
 
 
-class Engine:
+class MooncakeEngine:
     """One process's Mooncake engine (TCP, P2P handshake) and the memory it registered. It owns
     the engine; :meth:`session` is the name peers write to."""
 
@@ -76,7 +76,7 @@ class Mooncake(System):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: MooncakeEngine,
         session: str,
         op: str,
         local: list[torch.Tensor],

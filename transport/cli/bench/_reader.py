@@ -15,13 +15,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from transport import PeerWaitTimeout, TransferTimeout, Transport
-from transport.cli import CliError
+from transport import CliError, PeerWaitTimeout, StoreError, TransferTimeout, Transport
 from transport.cli.bench import _mooncake, _util
 from transport.cli.bench._runner import Workload
 from transport.cli.bench._session import NOTE, bench_secret, decode, encode, get_blob, put_blob
 from transport.cli.bench._systems import Group, device_for, new_agent
-from transport.errors import StoreError
 
 
 def _present(t: Transport, name: str) -> bool:
@@ -114,7 +112,7 @@ class Reader:
 
     def on_mooncake(self, m: dict[str, Any]) -> dict[str, Any]:
         """Start Mooncake's engine over this reader's memory; its session and ``buf``'s address."""
-        self.mooncake = _mooncake.Engine(
+        self.mooncake = _mooncake.MooncakeEngine(
             _mooncake.address_toward(urlsplit(self.store_url).hostname), self.mine
         )
         return {

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from transport.cli import CliError
+from transport import CliError
 from transport.cli.bench._util import fmt_time
 
 SYSTEM_ORDER = [

@@ -18,8 +18,7 @@ from typing import IO, Any
 
 import torch
 
-from transport import Transport
-from transport.cli import CliError
+from transport import CliError, Transport
 from transport.cli.bench import _report
 from transport.cli.bench._session import Session, writer_session
 from transport.cli.bench._systems import Group, System

@@ -24,10 +24,15 @@ from typing import Any
 import msgpack
 import torch
 
-from transport import PeerWaitTimeout, TransferTimeout, Transport
-from transport.cli import CliError
+from transport import (
+    CliError,
+    PeerWaitTimeout,
+    StoreTimeout,
+    TransferTimeout,
+    Transport,
+    WireFormatError,
+)
 from transport.cli.bench import _util
-from transport.errors import StoreTimeout, WireFormatError
 
 PREFIX = "transport-bench"
 MAX_MESSAGE = 60 << 10
@@ -260,9 +265,9 @@ def writer_session(
 ) -> Iterator[Session]:
     """The writer's session with local readers (``transport bench *command``) or the ``peers`` of
     a store. Leaving tells every reader done, then closes all (local readers killed on failure)."""
+    from transport import store_from_url
     from transport.cli.bench import names
     from transport.cli.peers import client_url
-    from transport.store import store_from_url
     from transport.store.tcp import TcpStore
     from transport.transfers.lanes import default_lanes
 

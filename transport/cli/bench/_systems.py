@@ -126,9 +126,9 @@ class Memcpy(System):
 
 
 def new_agent(name: str) -> Any:
-    from transport.backends.nixl import _load
+    from transport.backends.nixl import load_nixl
 
-    api, _ = _load()
+    api, _ = load_nixl()
     sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, sync_mode=sync))
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from transport.cli import CliError
+from transport import CliError
 
 #: flags of the local run that the hosts' runs must not get (the launcher's own)
 OWN_FLAGS = ("--link",)
@@ -39,7 +39,8 @@ def child_argv(argv: Sequence[str], drop: Sequence[str] = OWN_FLAGS) -> list[str
 def run_across(args: argparse.Namespace, readers: int) -> int:
     """Bring up a cluster of ``readers`` generator hosts, run the writer and the readers in it,
     print the bytes on every link; the writer's exit status."""
-    from transport.cluster import Cluster, ClusterError, Link, check_rights
+    from transport import ClusterError
+    from transport.cluster import Cluster, Link, check_rights
 
     try:
         check_rights()

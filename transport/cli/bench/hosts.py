@@ -359,10 +359,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def run_hosts(args: argparse.Namespace) -> int:
     """``transport bench sync --hosts``: every N of ``--hosts``, then the table, JSON, plot."""
-    from transport.cli import CliError
+    from transport import CliError, ClusterError
     from transport.cli.bench import parse_baselines
     from transport.cli.bench._util import parse_size
-    from transport.cluster import ClusterError, check_rights
+    from transport.cluster import check_rights
 
     try:
         check_rights()

@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 
 import transport
-from transport.cli import CliError
+from transport import CliError
 from transport.cli.bench import _report
 from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import NOTE, Session, get_blob, put_blob
@@ -200,7 +200,7 @@ class PutWorkload(Workload):
             return
         (m,) = s.ask(s.readers[:1], "mooncake")
         here = _mooncake.address_toward(m["address"])
-        self.mooncake = (_mooncake.Engine(here, self.lbuf), m)
+        self.mooncake = (_mooncake.MooncakeEngine(here, self.lbuf), m)
 
     def _start_torch_api(self, s: Session, res: Results) -> None:
         """torch's transport API in the writer and the first reader: torch's NIXL backend and

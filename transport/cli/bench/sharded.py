@@ -32,7 +32,7 @@ from typing import IO, Any
 
 import torch
 
-from transport.cli import CliError
+from transport import CliError
 
 GROUPS = {
     "ours": "bench-ours",
@@ -134,8 +134,7 @@ def source_layout(c: Config) -> Any:
 def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]:
     """Generator ``g``'s layout: whole tensors or its TP=2 shard with fused parameters; in
     ``dtype`` (fp8: quantized with block scales when ``quantize``, else plain fp8)."""
-    from transport.weights import DestTensor, full_copy, tp_shard
-    from transport.weights.layouts.planning import fp8
+    from transport.weights import DestTensor, fp8, full_copy, tp_shard
 
     src = source_layout(c)
     if c.dest_layout == "full":
@@ -214,7 +213,8 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
     import torch.distributed as dist
 
     import transport
-    from transport.weights import ShardedPublisher, WeightPublisher
+    from transport import WeightPublisher
+    from transport.weights import ShardedPublisher
 
     torch.set_num_threads(1)
     src = source_layout(c)
@@ -240,7 +240,7 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
         want = torch.float8_e4m3fn if c.dest_dtype == "fp8" else getattr(torch, c.dest_dtype)
         conv = {n: x.to(want) if x.dim() == 2 else x for n, x in mine.items()}
         from transport.weights import SourceLayout
-        from transport.weights.layouts.planning import SourceTensor
+        from transport.weights.layouts import SourceTensor
 
         nsrc = SourceLayout(
             src.world,

@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 
 import transport
-from transport.cli import CliError
+from transport import CliError
 from transport.cli.bench import _report, _util
 from transport.cli.bench._runner import Ratio, Record, Results, Timing, Turn, Workload
 from transport.cli.bench._session import Session

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from transport.wire import MAX_RECORD_BYTES, NAME_RE, check_region_name
+from transport.contract import MAX_RECORD_BYTES, NAME_RE, check_region_name
 
 ENVELOPE_VERSION = 1
 BACKEND = "transport"

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch.distributed._transport import Transport as TorchApi
 
-from transport.errors import PeerNotFoundError, RegionError
-from transport.handle import Handle
+from transport import Handle, PeerNotFoundError, RegionError
 from transport.integrations.torch_api import engines
 from transport.integrations.torch_api.descriptors import EndpointUrl, RemoteRegion
 from transport.integrations.torch_api.memory import (

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from transport import Transport
+from transport import Transport, TransportError
 from transport.contract import PeerView
-from transport.errors import TransportError
 from transport.store import MemoryStore
 
-log = logging.getLogger("transport.torch_api")
+log = logging.getLogger(__name__)
 
 #: the control channel between engines (transport/contract.py): "bye GENERATION" at close
 CHANNEL = "torch-api"

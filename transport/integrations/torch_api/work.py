@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed import Work
 
-from transport.handle import Handle
+from transport import Handle
 
 
 def check_timeout(timeout: float | None) -> None:

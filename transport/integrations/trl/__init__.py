@@ -7,6 +7,7 @@ and syncs every version into a vLLM server through the ``transport`` backend (vL
 Nothing here imports TRL, vLLM or transformers until it is used.
 """
 
-from transport.integrations.trl.transfer import SyncError, TransportWeightTransfer
+from transport import SyncError
+from transport.integrations.trl.transfer import TransportWeightTransfer
 
 __all__ = ["SyncError", "TransportWeightTransfer"]

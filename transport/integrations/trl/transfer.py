@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from transport import TransportError
+from transport import SyncError
 from transport.integrations.vllm.lora_trainer import AdapterTrainer, AdapterTrainerInfo
 from transport.integrations.vllm.server import wait_healthy
 from transport.integrations.vllm.trainer import (
@@ -32,14 +32,6 @@ log = logging.getLogger(__name__)
 
 #: what becomes of the server's running requests while a version loads (HTTPClient.pause)
 PAUSE_MODES = ("keep", "wait")
-
-
-class SyncError(TransportError):
-    """A sync the vLLM server did not take. The message names the server, the version and the
-    cause; the server serves the weights it had (a worker whose model a failed in-place write
-    left torn says so: vLLM then reports the weight version ``torn:V``). The transfer stays
-    usable: the next sync tells the server's workers the group again (a restarted server joins)
-    and sends the whole version."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from transport import Transport
 from transport.integrations.setup import connect
-from transport.store.tcp import TcpStore
+from transport.store import TcpStore
 from transport.weights.buckets.buckets import Assembler
 from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
@@ -29,7 +29,7 @@ from transport.weights.buckets.targets import SLOTS
 from transport.weights.buckets.topology import EngineInfo, UpdatePlan, build_plans
 from transport.weights.delta.policy import DeltaPolicy
 
-log = logging.getLogger("transport.verl")
+log = logging.getLogger(__name__)
 
 
 def node_address() -> str:

@@ -44,10 +44,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mutabl
 from dataclasses import dataclass
 from typing import Any
 
+from transport import RouteError
 from transport.integrations.setup import secret_from_env
 from transport.integrations.vllm.lora_spec import adapter_id, check_proof
 
-log = logging.getLogger("transport.vllm")
+log = logging.getLogger(__name__)
 
 #: the routes' common prefix
 PREFIX = "/transport/adapters/"
@@ -62,14 +63,6 @@ MODEL_NAMESPACE_ENV = "TRANSPORT_MODEL_NAMESPACE"
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
-class RouteError(Exception):
-    """A request the routes refuse: ``status`` and a message naming the rule."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

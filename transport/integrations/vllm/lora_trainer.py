@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from transport import PublishResult, Transport
+from transport import PublishResult, Transport, UpdateError
 from transport.integrations.setup import choose_publisher, connect, secret_from_env
 from transport.integrations.vllm.infos import TransportInitInfo
 from transport.integrations.vllm.lora_spec import (
@@ -20,10 +20,9 @@ from transport.integrations.vllm.lora_spec import (
     from_peft,
     proof,
 )
-from transport.integrations.vllm.trainer import UpdateError
 from transport.weights import ShardedPublisher, SourceLayout
 
-log = logging.getLogger("transport.vllm")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

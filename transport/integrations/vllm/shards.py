@@ -44,7 +44,7 @@ import torch
 
 from transport.weights import DestTensor, Piece, Slice
 
-log = logging.getLogger("transport.vllm")
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"\.(\d+)\.")
 

@@ -13,7 +13,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from transport import PublishResult, Transport, TransportError, WeightPublisher
+from transport import PublishResult, Transport, UpdateError, WeightPublisher
 from transport.integrations.setup import choose_publisher, connect
 from transport.integrations.vllm.checkpoint import NAMES
 from transport.integrations.vllm.infos import OPEN, mode_key, update_key
@@ -21,7 +21,7 @@ from transport.integrations.vllm.modes.streamed import part_group
 from transport.integrations.vllm.plugin import BACKEND
 from transport.weights import ShardedPublisher, SourceLayout
 
-log = logging.getLogger("transport.vllm")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,11 +99,6 @@ class SendTimes:
 
     publish_s: float
     update_s: float
-
-
-class UpdateError(TransportError):
-    """vLLM did not take a version (the message says which, and what the publish reported);
-    vLLM keeps serving the weights it had."""
 
 
 class TransportTrainer(TrainerWeightTransferEngine[TransportTrainerInitInfo]):

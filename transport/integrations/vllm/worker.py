@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from transport import Transport, TransportError, VersionGoneError
+from transport import TornModelError, Transport, TransportError, VersionGoneError
 from transport.integrations.setup import connect
 from transport.integrations.vllm import experts
 from transport.integrations.vllm.checkpoint import checkpoint_spec
@@ -27,14 +27,14 @@ from transport.integrations.vllm.infos import (
     torn_mark,
     update_key,
 )
-from transport.integrations.vllm.modes.base import Mode, TornModel, Worker
+from transport.integrations.vllm.modes.base import Mode, Worker
 from transport.integrations.vllm.modes.choice import choose
 from transport.integrations.vllm.modes.inplace import InPlace
 from transport.integrations.vllm.modes.lora import Adapters
 from transport.integrations.vllm.reload import tied_parameters
 from transport.integrations.vllm.room import staging_room
 
-log = logging.getLogger("transport.vllm")
+log = logging.getLogger(__name__)
 
 
 class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInfo]):
@@ -267,7 +267,7 @@ class TransportEngine(WeightTransferEngine[TransportInitInfo, TransportUpdateInf
             return
         try:
             loaded = receiver.finish()
-        except TornModel as e:
+        except TornModelError as e:
             self.version = TORN
             self._mark(torn_mark(e.version))
             raise

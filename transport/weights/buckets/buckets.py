@@ -1,7 +1,7 @@
 """How a stream of ``(name, tensor)`` becomes buckets, and buckets become tensors again.
 
 A bucket is one contiguous run of bytes: the tensors' data, each at a 64-byte aligned offset, then
-the **header** (:class:`Piece` records, msgpack) after the data. One put carries both, so the
+the **header** (:class:`BucketPiece` records, msgpack) after the data. One put carries both, so the
 metadata travels with the bytes it describes and no message has to hold thousands of names.
 
 Sender side, :class:`Packer`: every trainer rank runs the same packing over the same stream (verl's
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from transport.errors import WireFormatError
-from transport.wire import unpack
+from transport import WireFormatError
+from transport.contract import unpack
 
 #: where each piece starts in a bucket: a multiple of this many bytes (any dtype can be viewed)
 ALIGN = 64
@@ -58,7 +58,7 @@ def aligned(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class Piece:
+class BucketPiece:
     """Bytes ``[chunk_at, chunk_at + nbytes)`` of tensor ``name`` (``shape``, ``dtype``), lying
     at ``offset`` in the bucket. A whole tensor is one piece with ``chunk_at == 0`` and
     ``nbytes == total``."""
@@ -87,7 +87,7 @@ def header_cost(name: str, ndim: int) -> int:
     return len(name.encode()) + PIECE_OVERHEAD + 9 * ndim
 
 
-def encode_header(pieces: list[Piece]) -> bytes:
+def encode_header(pieces: list[BucketPiece]) -> bytes:
     return msgpack.packb([p.wire() for p in pieces])
 
 
@@ -96,7 +96,7 @@ class Planned:
     """One bucket as the packer closed it: its index, pieces and where its header goes."""
 
     index: int
-    pieces: list[Piece]
+    pieces: list[BucketPiece]
     data_bytes: int
     header: bytes
 
@@ -119,7 +119,7 @@ class Packer:
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
         self.index = 0
-        self._pieces: list[Piece] = []
+        self._pieces: list[BucketPiece] = []
         self._used = 0
         self._header = 16  # the msgpack array's own header
 
@@ -138,7 +138,7 @@ class Packer:
 
     def add(
         self, name: str, tensor: torch.Tensor
-    ) -> Iterator[tuple[Piece, torch.Tensor] | Planned]:
+    ) -> Iterator[tuple[BucketPiece, torch.Tensor] | Planned]:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in DTYPES:
             raise TypeError(
@@ -167,7 +167,7 @@ class Packer:
                 continue
             take = min(room, total - done)
             offset = aligned(self._used)
-            piece = Piece(name, dtype, shape, offset, take, done)
+            piece = BucketPiece(name, dtype, shape, offset, take, done)
             self._pieces.append(piece)
             self._used = offset + take
             self._header += header_cost(name, len(shape))
@@ -187,7 +187,7 @@ class Packer:
         return self._close()
 
 
-def read_header(raw: bytes, data_bytes: int, names: set[str] | None = None) -> list[Piece]:
+def read_header(raw: bytes, data_bytes: int, names: set[str] | None = None) -> list[BucketPiece]:
     """The pieces of a header a peer wrote, each checked: a known dtype, a shape of ints >= 0,
     an aligned offset, its bytes inside the bucket's data and inside its tensor."""
     rows = unpack(
@@ -217,7 +217,7 @@ def read_header(raw: bytes, data_bytes: int, names: set[str] | None = None) -> l
         for field, value in (("offset", offset), ("nbytes", nbytes), ("chunk_at", chunk_at)):
             if type(value) is not int or value < 0:
                 raise WireFormatError(f"tensor {name}: {field} must be an int >= 0, got {value!r}")
-        piece = Piece(name, dtype, tuple(shape), offset, nbytes, chunk_at)
+        piece = BucketPiece(name, dtype, tuple(shape), offset, nbytes, chunk_at)
         if offset % ALIGN or offset + nbytes > data_bytes:
             raise WireFormatError(
                 f"tensor {name}: bytes [{offset}, {offset + nbytes}) are not an aligned run inside "
@@ -243,7 +243,7 @@ class Assembler:
     def __init__(self, device: torch.device | str) -> None:
         self.device = device
         self.known: dict[str, tuple[str, tuple[int, ...]]] = {}
-        self._merging: Piece | None = None
+        self._merging: BucketPiece | None = None
         self._merged: torch.Tensor | None = None
         self._filled = 0
 
@@ -251,7 +251,7 @@ class Assembler:
         """A new update: a tensor cut off by an earlier one is dropped."""
         self._merging, self._merged, self._filled = None, None, 0
 
-    def _check_known(self, piece: Piece) -> None:
+    def _check_known(self, piece: BucketPiece) -> None:
         seen = self.known.get(piece.name)
         if seen is not None and seen != (piece.dtype, piece.shape):
             raise WireFormatError(
@@ -262,7 +262,7 @@ class Assembler:
         self.known[piece.name] = (piece.dtype, piece.shape)
 
     def tensors(
-        self, bucket: torch.Tensor, pieces: list[Piece]
+        self, bucket: torch.Tensor, pieces: list[BucketPiece]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors that ``pieces`` of ``bucket`` (a uint8 tensor) complete."""
         for piece in pieces:

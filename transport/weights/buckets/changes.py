@@ -13,27 +13,27 @@ from __future__ import annotations
 
 import torch
 
-from transport.errors import WireFormatError
-from transport.weights.buckets.buckets import DTYPES, Piece
-from transport.weights.delta.codec import ChangeSet, DeltaError, DeltaLayout
+from transport import DeltaError, WireFormatError
+from transport.weights.buckets.buckets import DTYPES, BucketPiece
+from transport.weights.delta.codec import ChangeSet, DeltaLayout
 from transport.weights.delta.decoder import apply, decode
 
 #: the codec's version and base of a bucket's changes: the update's tokens say which they are
 _VERSION, _BASE = 1, 0
 
 
-def _dtype(p: Piece) -> torch.dtype:
+def _dtype(p: BucketPiece) -> torch.dtype:
     """The dtype a piece is compared in: its own where its bytes are whole elements."""
     dt = DTYPES[p.dtype]
     size = dt.itemsize
     return dt if p.nbytes % size == 0 and p.chunk_at % size == 0 else torch.uint8
 
 
-def _key(i: int, p: Piece) -> str:
+def _key(i: int, p: BucketPiece) -> str:
     return f"{i:07d}:{p.name}@{p.chunk_at}"  # in the bucket's order, and naming the tensor
 
 
-def layout_of(pieces: list[Piece]) -> DeltaLayout:
+def layout_of(pieces: list[BucketPiece]) -> DeltaLayout:
     """The codec's layout of a bucket: its pieces in order, each as elements of its dtype."""
     meta = {}
     for i, p in enumerate(pieces):
@@ -72,11 +72,11 @@ class PieceCopies:
             del self.copies[key]
         self.token = token
 
-    def _copy(self, p: Piece) -> torch.Tensor | None:
+    def _copy(self, p: BucketPiece) -> torch.Tensor | None:
         got = self.copies.get((p.name, p.chunk_at))
         return got if got is not None and got.numel() == p.nbytes else None
 
-    def store(self, pieces: list[Piece], data: torch.Tensor) -> None:
+    def store(self, pieces: list[BucketPiece], data: torch.Tensor) -> None:
         """Keep the bytes of ``pieces`` as they lie in ``data`` (a bucket's data, uint8)."""
         for p in pieces:
             src = data[p.offset : p.offset + p.nbytes]
@@ -87,7 +87,7 @@ class PieceCopies:
                 old.copy_(src)
             self._touched.add((p.name, p.chunk_at))
 
-    def encode(self, pieces: list[Piece], data: torch.Tensor) -> torch.Tensor | None:
+    def encode(self, pieces: list[BucketPiece], data: torch.Tensor) -> torch.Tensor | None:
         """The changes of ``pieces`` (in ``data``) against the copies, which then hold them;
         None when a piece has no copy or the changes exceed half the data (the copies are
         brought up to date all the same: the bucket goes raw)."""
@@ -105,7 +105,7 @@ class PieceCopies:
         enc = found.encode(_VERSION, _BASE, limit=sum(p.nbytes for p in pieces) // 2)
         return None if enc is None else enc.blob
 
-    def apply(self, pieces: list[Piece], blob: torch.Tensor, out: torch.Tensor) -> None:
+    def apply(self, pieces: list[BucketPiece], blob: torch.Tensor, out: torch.Tensor) -> None:
         """Apply a bucket's changes onto the copies and lay the pieces out in ``out`` (uint8, as
         the bucket's data would have held them raw). WireFormatError (nothing written) when a
         piece has no copy here or the changes break a rule of their format."""

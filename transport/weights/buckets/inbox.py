@@ -5,12 +5,12 @@ on the Transport's engine thread and only files messages (a message that breaks 
 belongs to another update, is logged and dropped: no frame stops the engine). The one thread that
 drives an update calls :meth:`Inbox.wait` with a condition over what was filed; while it waits, it
 reads the heartbeat of each peer it depends on every :data:`WATCH_INTERVAL` seconds, so a peer
-that died or froze ends the wait in seconds (:class:`PeerGone`) instead of at the deadline.
+that died or froze ends the wait in seconds (:class:`PeerGoneError`) instead of at the deadline.
 
 One update at a time: :meth:`Inbox.begin` of the next update supersedes one that still runs on
 this engine (an orchestrator such as verl's manager moves on at the first error it sees, while a
 trainer rank may still be sending the failed update). From then on the old update's waits, posts
-and checks raise :class:`UpdateSuperseded`, so it never writes a slot or a buffer of the next
+and checks raise :class:`UpdateSupersededError`, so it never writes a slot or a buffer of the next
 one; and ``begin`` returns only once every put the old update had in flight has settled, so no
 byte of it lands in a slot after the next update's first put. Every post therefore goes through
 :meth:`Inbox.post`, under the same lock as the switch.
@@ -24,28 +24,23 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from transport import Handle, Transport
-from transport.errors import PeerNotFoundError, TransferTimeout, TransportError, WireFormatError
+from transport import (
+    Handle,
+    PeerGoneError,
+    PeerNotFoundError,
+    TransferTimeout,
+    Transport,
+    TransportError,
+    UpdateSupersededError,
+    WireFormatError,
+)
 from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, Free, decode
 
-log = logging.getLogger("transport.verl")
+log = logging.getLogger(__name__)
 
 #: how often a waiting engine reads the heartbeats of the peers it depends on
 WATCH_INTERVAL = 1.0
 T = TypeVar("T")
-
-
-class PeerGone(TransportError):
-    """A peer an update depends on is suspect (dead, frozen, partitioned) or left the store."""
-
-    def __init__(self, peer: str, why: str) -> None:
-        super().__init__(f"peer {peer} is gone: {why}")
-        self.peer = peer
-        self.why = why
-
-
-class UpdateSuperseded(TransportError):
-    """The engine began another update while this one still ran: this one stopped."""
 
 
 class Inbox:
@@ -82,7 +77,7 @@ class Inbox:
                 self.free.clear()
                 self.aborts.clear()
                 self._generations.clear()
-                self._cond.notify_all()  # an old update's wait raises UpdateSuperseded
+                self._cond.notify_all()  # an old update's wait raises UpdateSupersededError
             flying, self._flying = self._flying, []
         deadline = time.monotonic() + settle_timeout
         for handle in flying:
@@ -103,10 +98,10 @@ class Inbox:
             )
 
     def check(self, token: str) -> None:
-        """UpdateSuperseded when the engine began another update than ``token``."""
+        """UpdateSupersededError when the engine began another update than ``token``."""
         current = self._token
         if current != token:
-            raise UpdateSuperseded(
+            raise UpdateSupersededError(
                 f"update {token} on {self.transport.name} was superseded by update {current} "
                 "(its init_process_group came before this one ended, as verl's manager does "
                 "after the first error it sees); it stopped here, and the next update writes once "
@@ -114,7 +109,7 @@ class Inbox:
             )
 
     def post(self, token: str, put: Callable[[], Handle]) -> Handle:
-        """Start ``put`` for update ``token`` unless it was superseded (UpdateSuperseded, nothing
+        """Start ``put`` for update ``token`` unless it was superseded (UpdateSupersededError, nothing
         started); the handle is kept until the next :meth:`begin` has seen it settle."""
         with self._switch:
             self.check(token)
@@ -165,7 +160,7 @@ class Inbox:
             except TransportError as e:
                 why = f"{type(e).__name__}: {e}"
             if why:
-                raise PeerGone(peer, why)
+                raise PeerGoneError(peer, why)
 
     def wait(
         self,
@@ -176,9 +171,9 @@ class Inbox:
         what: str,
         token: str | None = None,
     ) -> T:
-        """Return ``ready()`` (called under the inbox's lock) once it is not None. PeerGone when a
+        """Return ``ready()`` (called under the inbox's lock) once it is not None. PeerGoneError when a
         peer of ``watch()`` is gone; TransferTimeout naming ``what`` after ``timeout`` s;
-        UpdateSuperseded when another update than ``token`` (if given) begins."""
+        UpdateSupersededError when another update than ``token`` (if given) begins."""
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + WATCH_INTERVAL
         core = self.transport.core

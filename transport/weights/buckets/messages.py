@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from transport.errors import WireFormatError
-from transport.wire import unpack
+from transport import WireFormatError
+from transport.contract import unpack
 
 #: the control channel of the bucket protocol (one per Transport: an engine owns its Transport)
 CHANNEL = "verl/buckets"

@@ -25,17 +25,22 @@ from functools import partial
 
 import torch
 
-from transport import Handle, Transport
-from transport.errors import TransportError, WireFormatError
+from transport import (
+    Handle,
+    PeerGoneError,
+    Transport,
+    TransportError,
+    UpdateAbortedError,
+    WireFormatError,
+)
 from transport.weights.buckets.buckets import Assembler, read_header
 from transport.weights.buckets.changes import PieceCopies
-from transport.weights.buckets.inbox import Inbox, PeerGone
+from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
-from transport.weights.buckets.sender import UpdateAborted
 from transport.weights.buckets.targets import Targets, tell
 from transport.weights.buckets.topology import UpdatePlan
 
-log = logging.getLogger("transport.verl")
+log = logging.getLogger(__name__)
 
 
 class BucketReceiver:
@@ -68,7 +73,7 @@ class BucketReceiver:
         self.buckets = 0
 
     def _live(self) -> None:
-        """UpdateSuperseded when the engine began another update (called after every await and
+        """UpdateSupersededError when the engine began another update (called after every await and
         every tensor yielded: the slots and the copies are the next update's from then on)."""
         self.inbox.check(self.plan.token)
 
@@ -103,7 +108,7 @@ class BucketReceiver:
             )
         )
         if isinstance(got, Abort):
-            raise UpdateAborted(f"{self.plan.parent} stopped relaying: {got.reason}")
+            raise UpdateAbortedError(f"{self.plan.parent} stopped relaying: {got.reason}")
         if got.slot != index % 2:
             raise WireFormatError(
                 f"bucket {index} came in slot {got.slot}; it belongs in {index % 2}"
@@ -172,15 +177,17 @@ class BucketReceiver:
                 index += 1
         except (TransportError, asyncio.CancelledError, GeneratorExit) as e:
             error: BaseException = e
-            whole = isinstance(e, PeerGone) and e.peer in self.plan.trainers
-            if isinstance(e, PeerGone) and whole:
+            whole = isinstance(e, PeerGoneError) and e.peer in self.plan.trainers
+            if isinstance(e, PeerGoneError) and whole:
                 rank = self.plan.trainers.index(e.peer)
-                error = UpdateAborted(
+                error = UpdateAbortedError(
                     f"trainer rank {rank} ({e.peer}) is gone ({e.why}); {self.transport.name} "
                     f"received {self.buckets} buckets of the update, which is incomplete"
                 )
-            elif isinstance(e, PeerGone):
-                error = UpdateAborted(f"relay {e.peer}, this worker's parent, is gone ({e.why})")
+            elif isinstance(e, PeerGoneError):
+                error = UpdateAbortedError(
+                    f"relay {e.peer}, this worker's parent, is gone ({e.why})"
+                )
             why = str(error)[:MAX_REASON] or type(e).__name__
             tell(
                 self.transport,

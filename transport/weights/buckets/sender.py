@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transport import Handle, Transport
-from transport.errors import TransportError
+from transport import Handle, Transport, UpdateAbortedError
 from transport.weights.buckets.buckets import Packer, Planned, aligned
 from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
@@ -32,10 +31,6 @@ from transport.weights.buckets.messages import MAX_REASON, Abort, Bucket
 from transport.weights.buckets.targets import Targets, tell
 from transport.weights.buckets.topology import UpdatePlan
 from transport.weights.delta.policy import DeltaPolicy
-
-
-class UpdateAborted(TransportError):
-    """The update cannot complete: a worker it depends on is gone, or another said so."""
 
 
 @dataclass
@@ -114,10 +109,10 @@ class BucketSender:
         self.targets.take_aborts()
         if self.targets.whole is not None:
             peer, abort = self.targets.whole
-            raise UpdateAborted(f"{peer} aborted the update: {abort.reason}")
+            raise UpdateAbortedError(f"{peer} aborted the update: {abort.reason}")
 
     def _live(self) -> None:
-        """UpdateSuperseded when the engine began another update (called after every await:
+        """UpdateSupersededError when the engine began another update (called after every await:
         the buffers and the copies are the next update's from then on)."""
         self.targets.inbox.check(self.plan.token)
 

@@ -4,7 +4,7 @@ One mechanism for both writers: wait until each target freed the slot of a bucke
 their heartbeats), post the bucket to those that did, wait for the posts to land, tell them an
 abort. A target that is gone, whose put fails or that aborted the update is dropped with its
 reason, and the others go on. An update that the engine superseded (inbox.py) raises
-UpdateSuperseded from every wait and post instead.
+UpdateSupersededError from every wait and post instead.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from functools import partial
 
 import torch
 
-from transport import Handle, Transport
-from transport.errors import TransportError
-from transport.weights.buckets.inbox import Inbox, PeerGone, UpdateSuperseded
+from transport import Handle, PeerGoneError, Transport, TransportError, UpdateSupersededError
+from transport.weights.buckets.inbox import Inbox
 from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, encode
 
-log = logging.getLogger("transport.verl")
+log = logging.getLogger(__name__)
 
 #: the region of a rollout worker that holds its two bucket slots
 SLOTS = "verl.slots"
@@ -104,9 +103,9 @@ class Targets:
                     token=self.token,
                 )
             )
-        except UpdateSuperseded:
+        except UpdateSupersededError:
             raise
-        except PeerGone as e:
+        except PeerGoneError as e:
             self.drop(e.peer, e.why)
         except TransportError as e:
             for peer in waiting:
@@ -115,7 +114,7 @@ class Targets:
 
     def post(self, src: torch.Tensor, msg: Bucket, bucket_bytes: int) -> list[tuple[str, Handle]]:
         """Put ``src`` into slot ``msg.slot`` of each target that freed it, ``msg`` its
-        notification; the handles, to :meth:`land`. UpdateSuperseded (nothing posted) when the
+        notification; the handles, to :meth:`land`. UpdateSupersededError (nothing posted) when the
         engine began another update."""
         payload = encode(msg)
         core = self.transport.core
@@ -136,7 +135,7 @@ class Targets:
             )
             try:
                 out.append((peer, self.inbox.post(self.token, put)))
-            except UpdateSuperseded:
+            except UpdateSupersededError:
                 raise
             except TransportError as e:
                 self.drop(peer, f"its bucket put failed ({type(e).__name__}: {e})")

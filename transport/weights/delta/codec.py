@@ -37,8 +37,6 @@ from dataclasses import dataclass
 
 import torch
 
-from transport.errors import WireFormatError
-
 #: elements per chunk: an offset inside one fits 16 bits
 CHUNK_BITS = 16
 CHUNK = 1 << CHUNK_BITS
@@ -63,11 +61,6 @@ def _pack_bits(rows: torch.Tensor) -> torch.Tensor:
     bit j (the blob's MASK section)."""
     words = rows.contiguous().view(torch.uint8).view(torch.int64)
     return (((words * _PACK) >> 56) & 0xFF).to(torch.uint8).view(-1, CHUNK // 8)
-
-
-class DeltaError(WireFormatError):
-    """A delta that breaks a rule of its format, or does not fit the layout it names: nothing
-    of it was applied."""
 
 
 def width_of(t: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from transport import DeltaError
 from transport.weights.delta.codec import (
     CHUNK,
     CHUNK_BITS,
@@ -26,7 +27,6 @@ from transport.weights.delta.codec import (
     MASK,
     SPARSE,
     WHOLE,
-    DeltaError,
     DeltaLayout,
     Group,
     padded,

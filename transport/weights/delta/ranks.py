@@ -11,7 +11,7 @@ import torch
 from transport.weights.delta.codec import ChangeSet, DeltaLayout, Encoded
 from transport.weights.delta.policy import DeltaPolicy
 from transport.weights.delta.source import MAX_SHARE, Outbox
-from transport.weights.layouts.planning import DestTensor
+from transport.weights.layouts import DestTensor
 from transport.weights.publishing.write_plan import Item, SlotWrites
 
 #: plans a slot's writes into the given pool, naming each destination tensor by its own name

@@ -9,7 +9,7 @@ import torch
 
 from transport.weights.delta.codec import DeltaLayout, Encoded, encode
 from transport.weights.delta.policy import DeltaPolicy
-from transport.weights.layouts.flat import flat_like
+from transport.weights.layouts import flat_like
 
 #: ``delta=`` values a publisher takes
 MODES = (False, True, "auto")

@@ -74,7 +74,7 @@ Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
   have landed in ``slot``; the relay forwards them at once (a pipeline: every hop copies while the
   one before it still writes). The writer's last segment carries ``ver`` and is posted only after
   the others have landed, so ``ver`` still means "all of it".
-* writer -> relay ``{"k": "part", "v": N, "s": slot, "a": i, "o": offset, "n": bytes}`` (Piece):
+* writer -> relay ``{"k": "part", "v": N, "s": slot, "a": i, "o": offset, "n": bytes}`` (PartLanded):
   the notification of one piece of a tensor larger than a segment: bytes ``offset`` to
   ``offset + bytes - 1`` of tensor ``i`` have landed; the relay forwards them at once, so one huge
   tensor (an embedding) is pipelined too.

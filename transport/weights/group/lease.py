@@ -41,25 +41,23 @@ from typing import TYPE_CHECKING
 import msgpack
 import torch
 
-from transport.errors import (
+from transport import (
     GroupBusyError,
     PeerNotFoundError,
+    Store,
     StoreError,
     TransportError,
     WireFormatError,
 )
-from transport.peers.liveness import GONE_BEATS, GONE_MIN_S, staleness
-from transport.security.signed import SignedStore
-from transport.store import Store
-from transport.weights.group.directory import reader
-from transport.weights.group.regions import marked_rank, rank_mark
+from transport.contract import GONE_BEATS, GONE_MIN_S, SignedStore, is_count, staleness, unpack
+from transport.weights.group.group_directory import reader
+from transport.weights.group.region_names import marked_rank, rank_mark
 from transport.weights.group.withdraw import withdraw
-from transport.wire import is_count, unpack
 
 if TYPE_CHECKING:
     from transport import Transport
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 FREE = b""  # a lease given back
 

@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from transport.errors import WireFormatError
-from transport.wire import NAME_RE, is_count, unpack
+from transport import WireFormatError
+from transport.contract import NAME_RE, is_count, unpack
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: the most children one relay serves (the publisher's ``degree``)
 MAX_DEGREE = 16
@@ -138,7 +138,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Piece:
+class PartLanded:
     """writer -> relay: bytes ``offset`` to ``offset + nbytes - 1`` of tensor ``index`` of
     ``version`` have landed in ``slot``."""
 
@@ -214,7 +214,7 @@ Message = (
     | Credit
     | Forward
     | Segment
-    | Piece
+    | PartLanded
     | Patch
     | Patched
     | Report
@@ -230,7 +230,7 @@ KINDS: dict[str, type[Message]] = {
         Credit,
         Forward,
         Segment,
-        Piece,
+        PartLanded,
         Patch,
         Patched,
         Report,
@@ -292,7 +292,7 @@ def decode(payload: bytes) -> Message:
         return Forward(raw["version"], raw["ms"], _targets(raw["targets"]))
     if cls is Segment and not raw["first"] < raw["end"]:
         raise WireFormatError("a segment must name at least one tensor")
-    if cls in (Piece, Patch) and not raw["nbytes"]:
+    if cls in (PartLanded, Patch) and not raw["nbytes"]:
         raise WireFormatError(f"a {cls.KIND} must hold at least one byte")
     if cls is Patch and not raw["base"] < raw["version"]:
         raise WireFormatError("a patch's base must be older than its version")

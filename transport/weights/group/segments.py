@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from transport.errors import TransferTimeout
-from transport.weights.group.messages import Begin, Piece, Segment, Ver, encode
-from transport.weights.group.regions import channel, region, tell_newest
+from transport import TransferTimeout
+from transport.weights.group.messages import Begin, PartLanded, Segment, Ver, encode
+from transport.weights.group.region_names import channel, region, tell_newest
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: the size of the segments a version is cut into on its way to a relay
 SEGMENT_BYTES = 32 << 20
@@ -172,7 +172,7 @@ class SegmentedWrite:
         try:
             src, at = piece(t, offset, nbytes), offset // t.element_size()
             if self.announce:
-                msg = encode(Piece(self.version, self.slot, a, offset, nbytes))
+                msg = encode(PartLanded(self.version, self.slot, a, offset, nbytes))
                 h = self.t.core.put_control_at(
                     src, key, at, self.peer, self.chan, msg, self._left()
                 )

@@ -10,9 +10,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from transport._transport import Transport
-from transport.errors import TransferTimeout
-from transport.weights.group.regions import PUB_SLOT, SEQ_NAME, region
+from transport import TransferTimeout, Transport
+from transport.weights.group.region_names import PUB_SLOT, SEQ_NAME, region
 
 
 class SeqWord:

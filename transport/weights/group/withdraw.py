@@ -20,12 +20,12 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from transport.errors import ClosedError
+from transport import ClosedError
 
 if TYPE_CHECKING:
     from transport import Transport
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: the most seconds a close spends withdrawing its regions
 WITHDRAW_S = 10.0

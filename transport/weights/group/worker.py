@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: the most pieces of work that peers' messages may have waiting on one worker
 MAX_OFFERED = 4096

@@ -12,9 +12,10 @@ that overlap, shapes or dtypes that disagree) with every problem named; :func:`p
 rank's :class:`Run` list, computed once and replayed every version. A replicated source is
 written by exactly one rank per piece, the pieces dealt round robin over the ranks. The modules:
 ``types`` (the value types), ``rules`` (what a pair must satisfy), ``planning`` (checks, runs,
-the common destination layouts), ``wire`` (a declared layout in the store), ``flat`` (tensors as
+the common destination layouts), ``encoding`` (a declared layout in the store), ``flat`` (tensors as
 views of one buffer, and the copies between two such sets), ``convert`` (dtype conversions on the
-way). Import the public names from here or from ``transport.weights``.
+way). Import the names ``transport.weights`` exports from there (one path for each name), the
+rest from here.
 """
 
 from transport.weights.layouts.flat import flat_like
@@ -34,7 +35,6 @@ from transport.weights.layouts.planning import (
 from transport.weights.layouts.types import (
     Box,
     DestTensor,
-    LayoutError,
     Piece,
     Quant,
     Run,
@@ -46,7 +46,6 @@ from transport.weights.layouts.types import (
 __all__ = [
     "Box",
     "DestTensor",
-    "LayoutError",
     "Piece",
     "Quant",
     "Run",

@@ -7,8 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from transport.bulk import bulk
-from transport.host_copy import HostCopies, native
+from transport.contract import HostCopies, native, without_gc
 
 
 def flat_like(
@@ -24,7 +23,7 @@ def flat_like(
     return flat_copies(named, 1, device)[0]
 
 
-@bulk
+@without_gc
 def flat_copies(
     named: Mapping[str, torch.Tensor], count: int, device: torch.device | str | None = None
 ) -> list[dict[str, torch.Tensor]]:
@@ -91,7 +90,7 @@ def copy_runs(dst: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) 
     return copy_runs_from(dst, [src])[0]
 
 
-@bulk
+@without_gc
 def copy_runs_from(
     dst: Mapping[str, torch.Tensor], srcs: Sequence[Mapping[str, torch.Tensor]]
 ) -> list[CopyRuns]:

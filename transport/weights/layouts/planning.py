@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from transport import LayoutError
 from transport.weights.layouts import rules
 from transport.weights.layouts.convert import FP8
 from transport.weights.layouts.flat import flat_like
@@ -17,7 +18,6 @@ from transport.weights.layouts.rules import scale_shape
 from transport.weights.layouts.types import (
     Box,
     DestTensor,
-    LayoutError,
     Piece,
     Quant,
     Run,

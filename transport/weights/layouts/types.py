@@ -14,15 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transport.errors import TransportError
-
-
-class LayoutError(TransportError, ValueError):
-    """A source and a destination layout do not fit; ``problems`` lists every mismatch by name."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        super().__init__(f"{len(self.problems)} layout problem(s): " + "; ".join(self.problems))
+from transport import LayoutError
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,11 @@ from typing import TypeVar
 
 import torch
 
-from transport._transport import Transport
-from transport.errors import ClosedError, StoreError, TransportError
+from transport import ClosedError, StoreError, Transport, TransportError
 from transport.weights.delta.source import check_delta
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import HELLO_AGAIN, Message, encode
-from transport.weights.group.regions import channel
+from transport.weights.group.region_names import channel
 from transport.weights.group.worker import Worker
 from transport.weights.publishing.delivery import (
     EXCLUDED,
@@ -33,7 +32,7 @@ from transport.weights.publishing.roster import (
     replaced_why,
 )
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: how long past a version's deadline the publisher settles whoever it still waits for, when
 #: nothing else did (the transfers' own deadlines report first)

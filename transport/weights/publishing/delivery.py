@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transport.errors import ClosedError, TransferTimeout
+from transport import ClosedError, TransferTimeout
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 DONE, EXCLUDED, LOST = "done", "excluded", "lost"
 

@@ -8,12 +8,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from transport.errors import PeerLostError, TransportError
+from transport import PeerLostError, TransportError
 from transport.weights.group.messages import Report
 from transport.weights.publishing.delivery import EXCLUDED, Delivery
 from transport.weights.publishing.roster import Member
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 class Handover:

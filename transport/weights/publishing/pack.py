@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from transport.bulk import bulk
-from transport.host_copy import HostCopies, native
-from transport.weights.layouts.flat import flat_like, storage_bytes
+from transport.contract import HostCopies, native, without_gc
+from transport.weights.layouts import flat_like
+from transport.weights.layouts.flat import storage_bytes
 
 #: tensors of at most this many bytes are packed: below it, one descriptor per subscriber costs
 #: more than copying the tensor once for all of them
@@ -38,7 +38,7 @@ class Pack:
     place), as for any batch.
     """
 
-    @bulk
+    @without_gc
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         chosen = packable(tensors)
         views = flat_like({n: tensors[n] for n in chosen}) if chosen else {}

@@ -11,14 +11,14 @@ from typing import Any, overload
 
 import torch
 
-from transport._transport import Transport
-from transport.errors import (
+from transport import (
+    Handle,
     PeerLostError,
     PeerNotFoundError,
     TransferTimeout,
+    Transport,
     TransportError,
 )
-from transport.handle import Handle
 from transport.weights.delta.codec import Encoded
 from transport.weights.delta.source import DeltaSource, check_delta
 from transport.weights.group.lease import PublisherLease
@@ -38,7 +38,7 @@ from transport.weights.group.messages import (
     decode_from,
     encode,
 )
-from transport.weights.group.regions import (
+from transport.weights.group.region_names import (
     PUB_SLOT,
     SEQ_NAME,
     channel,
@@ -55,12 +55,7 @@ from transport.weights.group.segments import (
 from transport.weights.group.seqword import SeqWord
 from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.publishing.core import PublisherCore
-from transport.weights.publishing.delivery import (
-    DONE,
-    EXCLUDED,
-    Delivery,
-    PublishHandle,
-)
+from transport.weights.publishing.delivery import DONE, EXCLUDED, Delivery, PublishHandle
 from transport.weights.publishing.handover import Handover
 from transport.weights.publishing.pack import Pack
 from transport.weights.publishing.roster import (
@@ -71,7 +66,7 @@ from transport.weights.publishing.roster import (
     fanout_tree,
 )
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 class WeightPublisher(Handover, PublisherCore):

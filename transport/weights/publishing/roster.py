@@ -13,13 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transport.bulk import bulk
-from transport.errors import TransportError
-from transport.peers.liveness import stale_after
-from transport.transfers.batch import Batch
-from transport.weights.group.directory import GroupDirectory
+from transport import Batch, TransportError
+from transport.contract import stale_after, without_gc
+from transport.weights.group.group_directory import GroupDirectory
 from transport.weights.group.messages import MAX_DEGREE, Hello, encode
-from transport.weights.group.regions import (
+from transport.weights.group.region_names import (
     channel,
     exposed_slots,
     inbox_region,
@@ -34,7 +32,7 @@ if TYPE_CHECKING:
     from transport.contract import PeerView
     from transport.weights.publishing.write_plan import SlotWrites
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -328,7 +326,7 @@ class Roster:
         self.reread = True
         return True
 
-    @bulk
+    @without_gc
     def plan(self, name: str, entry: dict[str, Any], before: Member | None) -> Member:
         """A new Member for ``entry``: connected afresh, its tensors matched (``error`` says why
         it cannot be served; ``before``, the member it replaces, keeps a repeated error from

@@ -10,21 +10,22 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from transport._transport import Transport
-from transport.errors import (
+from transport import (
     ClosedError,
+    Handle,
+    LayoutError,
     PeerLostError,
     PeerNotFoundError,
     TransferTimeout,
+    Transport,
     TransportError,
     WireFormatError,
 )
-from transport.handle import Handle
-from transport.memory.local import dtype_name
+from transport.contract import dtype_name
 from transport.weights.delta.codec import Encoded
 from transport.weights.delta.ranks import Planner, RankDeltas
 from transport.weights.delta.source import check_delta
-from transport.weights.group.directory import WHOLE, GroupDirectory
+from transport.weights.group.group_directory import WHOLE, GroupDirectory
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import (
     HELLO_AGAIN,
@@ -38,31 +39,24 @@ from transport.weights.group.messages import (
     decode_from,
     encode,
 )
-from transport.weights.group.regions import channel, inbox_region, region
+from transport.weights.group.region_names import channel, inbox_region, region
 from transport.weights.group.worker import Worker
-from transport.weights.layouts.planning import (
+from transport.weights.layouts import (
     DestTensor,
-    LayoutError,
     SourceLayout,
     check,
     check_shards,
     full_copy,
     plan_all,
 )
-from transport.weights.layouts.wire import decode_dest, decode_sources, source_digest
+from transport.weights.layouts.encoding import decode_dest, decode_sources, source_digest
 from transport.weights.publishing.core import PublisherCore
-from transport.weights.publishing.delivery import (
-    DONE,
-    EXCLUDED,
-    Delivery,
-    Landing,
-    PublishHandle,
-)
+from transport.weights.publishing.delivery import DONE, EXCLUDED, Delivery, Landing, PublishHandle
 from transport.weights.publishing.roster import Member, PatchInFlight
 from transport.weights.publishing.trainer_ranks import TrainerRanks
 from transport.weights.publishing.write_plan import SlotWrites, plan_writes
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: bytes of converted data per transfer, and the pool of staging buffers they go through
 CHUNK_BYTES = 8 << 20

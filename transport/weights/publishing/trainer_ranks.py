@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import re
 
-from transport._transport import Transport
-from transport.errors import TransportError
-from transport.weights.group.directory import GroupDirectory
+from transport import LayoutError, Transport, TransportError
+from transport.weights.group.group_directory import GroupDirectory
 from transport.weights.group.lease import GroupLeases, Lease, holder_alive
-from transport.weights.layouts.planning import LayoutError
 
 _VERSION = re.compile(rb"-1|0|[1-9][0-9]{0,18}")
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from transport.transfers.batch import Batch, make_batch
+from transport import Batch
+from transport.contract import make_batch
+from transport.weights.layouts import Box, DestTensor, Run
 from transport.weights.layouts.convert import FP8, FP8_MAX, fp8_blockwise
-from transport.weights.layouts.planning import Box, DestTensor, Run
 from transport.weights.layouts.rules import scale_shape
 
 #: a write: (region name, tensor, offset in elements of the region)

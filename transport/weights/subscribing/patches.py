@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from transport.weights.group.messages import Patch
-from transport.weights.subscribing.inbox import DeltaInbox, delta_inbox
+from transport.weights.subscribing.delta_inbox import DeltaInbox, delta_inbox
 from transport.weights.subscribing.slots import Slots
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 class Patches:

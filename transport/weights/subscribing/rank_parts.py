@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 class RankParts:

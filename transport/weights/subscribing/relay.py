@@ -34,21 +34,21 @@ from typing import Any
 
 import torch
 
-from transport.errors import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
+from transport import PeerLostError, PeerNotFoundError, TransferTimeout, TransportError
 from transport.weights.group.messages import (
     Begin,
     Forward,
+    PartLanded,
     Patch,
     Patched,
-    Piece,
     Report,
     Segment,
     encode,
 )
-from transport.weights.group.regions import channel, inbox_region, match_regions, region
+from transport.weights.group.region_names import channel, inbox_region, match_regions, region
 from transport.weights.group.segments import SegmentedWrite
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class Relay:
             inc[1].append((a, b))
         self.host.offer(lambda: self.segment(version, (a, b)))
 
-    def on_part(self, m: Piece) -> None:
+    def on_part(self, m: PartLanded) -> None:
         version, slot, a, offset, nbytes = m.version, m.slot, m.index, m.offset, m.nbytes
         with self._lock:
             inc = self.incoming.get(version)

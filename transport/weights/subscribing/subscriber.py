@@ -12,15 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
-from transport._closing import Closing
-from transport._transport import Transport
-from transport.errors import (
-    ClosedError,
-    TransferTimeout,
-    TransportError,
-    VersionGoneError,
-)
-from transport.weights.group.directory import GroupDirectory
+from transport import ClosedError, TransferTimeout, Transport, TransportError, VersionGoneError
+from transport.contract import Closing
+from transport.weights.group.group_directory import GroupDirectory
 from transport.weights.group.lease import GroupLeases
 from transport.weights.group.messages import (
     Abort,
@@ -29,15 +23,15 @@ from transport.weights.group.messages import (
     Forward,
     Hello,
     Lend,
+    PartLanded,
     Patch,
     Patched,
-    Piece,
     Segment,
     Ver,
     decode_from,
     encode,
 )
-from transport.weights.group.regions import (
+from transport.weights.group.region_names import (
     channel,
     inbox_region,
     slot_regions,
@@ -46,16 +40,16 @@ from transport.weights.group.regions import (
 from transport.weights.group.seqword import read_stable
 from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.group.worker import Worker
+from transport.weights.layouts import DestTensor
 from transport.weights.layouts.flat import copy_runs_from, flat_copies
-from transport.weights.layouts.planning import DestTensor
-from transport.weights.subscribing.given import Snapshot, check_given
 from transport.weights.subscribing.patches import Patches
 from transport.weights.subscribing.rank_parts import RankParts
 from transport.weights.subscribing.relay import Relay, RelayHost
 from transport.weights.subscribing.slots import Slots
+from transport.weights.subscribing.snapshot import Snapshot, check_given
 from transport.weights.subscribing.upstream import Upstream
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 #: tells apart the subscribers one process makes (their group entries say which one they are)
 _instances = itertools.count(1)
@@ -274,7 +268,7 @@ class WeightSubscriber(Closing):
         elif isinstance(m, Segment):
             if self.relay:
                 self._relay.on_seg(m)
-        elif isinstance(m, Piece):
+        elif isinstance(m, PartLanded):
             if self.relay:
                 self._relay.on_part(m)
         elif isinstance(m, Forward):

@@ -9,11 +9,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from transport.errors import TransportError
-from transport.weights.group.directory import GroupDirectory
+from transport import TransportError
+from transport.weights.group.group_directory import GroupDirectory
 from transport.weights.group.lease import GroupLeases
 
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], None]
 

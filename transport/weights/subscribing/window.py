@@ -8,9 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from transport._transport import Transport
-from transport.errors import ClosedError, TransferTimeout, VersionGoneError
-from transport.weights.layouts.planning import DestTensor
+from transport import ClosedError, TransferTimeout, Transport, VersionGoneError
+from transport.weights.layouts import DestTensor
 from transport.weights.subscribing.subscriber import WeightSubscriber
 
 

@@ -50,16 +50,6 @@ class Held:
     parts: int = 1
 
 
-class TornModel(RuntimeError):
-    """Part of ``version`` reached the model and the rest did not: the model holds no whole
-    version (the engine reports ``TORN`` and marks it in the store until a version loads
-    whole)."""
-
-    def __init__(self, message: str, version: int) -> None:
-        super().__init__(message)
-        self.version = version
-
-
 class Mode(ABC):
     """One way a vLLM worker receives versions of its group. It owns its subscriber(s) and
     staging memory (never the Transport). Rules every mode keeps:
@@ -67,7 +57,7 @@ class Mode(ABC):
     * nothing of the model changes before :meth:`finish`; what :meth:`receive` waits for it
       holds (the publisher does not write it meanwhile) until :meth:`finish` or :meth:`drop`;
     * :meth:`finish` returns the version now in the model (None: nothing was loaded), raises
-      :class:`TornModel` when part of a version reached the model and the rest did not, and any
+      :class:`TornModelError` when part of a version reached the model and the rest did not, and any
       other error when nothing reached it;
     * :meth:`close` lets go of every subscriber and buffer; the mode is not used after."""
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from transport import TransportError, VersionGoneError
+from transport import TornModelError, TransportError, VersionGoneError
 from transport.integrations.vllm.as_stored import live_tensors
-from transport.integrations.vllm.modes.base import Held, TornModel, Worker, WrittenInFinish
+from transport.integrations.vllm.modes.base import Held, Worker, WrittenInFinish
 from transport.integrations.vllm.shards import WorkerLayout
 from transport.weights import WindowedSubscriber
 
@@ -17,7 +17,7 @@ class InPlace(WrittenInFinish):
     publisher writes only inside ``finish_weight_update`` (no engine step runs meanwhile), the
     version ``receive`` named; the model and the version the worker reports change in that call.
     A version that does not complete there after part of it reached the model (its trainer died
-    mid-write) leaves the model torn (:class:`TornModel`); one that a newer version overtook
+    mid-write) leaves the model torn (:class:`TornModelError`); one that a newer version overtook
     leaves the model whole at that newer version (:attr:`overtaken`)."""
 
     name = "inplace"
@@ -59,7 +59,7 @@ class InPlace(WrittenInFinish):
             torn = sub.torn
             if torn is None:
                 raise  # nothing was written: the model keeps its version
-            raise TornModel(
+            raise TornModelError(
                 f"version {wanted.version} of group {sub.group} did not complete in place "
                 f"({e}): the model holds parts of versions {torn} and {sub.version} and "
                 "reports version -2 until a version lands whole (the next update)",

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from transport import TornModelError
 from transport.integrations.vllm import experts
 from transport.integrations.vllm.infos import TORN
-from transport.integrations.vllm.modes.base import TornModel, Worker
+from transport.integrations.vllm.modes.base import Worker
 from transport.integrations.vllm.reload import (
     direct_loaders,
     load_direct,
@@ -30,7 +31,7 @@ def load_version(
     """Load ``parts`` (``count`` of them, as they come) of ``version`` in one layerwise reload:
     each layer materialized, loaded, processed as after vLLM's own load and copied into the
     tensors the model computes with. Raises what stopped it when nothing reached the model, and
-    :class:`TornModel` when some parts, or not every layer, did."""
+    :class:`TornModelError` when some parts, or not every layer, did."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
@@ -63,7 +64,7 @@ def load_version(
     if failed is not None:
         if loaded == 0:
             raise failed  # nothing of it reached the model
-        raise TornModel(
+        raise TornModelError(
             f"version {version} of group {group} stopped after {loaded} of its {count} parts "
             f"({failed}): the layers of those parts hold it, the others the version before, "
             f"so the model holds no whole version and reports {TORN} until the next update "
@@ -73,7 +74,7 @@ def load_version(
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
     if missing:
-        raise TornModel(
+        raise TornModelError(
             f"version {version} of group {group} did not reach every layer of "
             f"the model: {', '.join(missing[:8])}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

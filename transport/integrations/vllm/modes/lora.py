@@ -42,7 +42,7 @@ from transport.integrations.vllm.lora_spec import AdapterConfig, adapter_id, lor
 from transport.integrations.vllm.modes.base import Held, Staging, Worker
 from transport.integrations.vllm.room import Room
 from transport.integrations.vllm.shards import WorkerLayout, spec_of
-from transport.weights.layouts import DestTensor, Piece, Slice
+from transport.weights import DestTensor, Piece, Slice
 
 
 def lora_manager(model: Any) -> Any:

@@ -46,7 +46,7 @@ def paused_gc() -> Iterator[None]:
                 gc.enable()
 
 
-def bulk(fn: Callable[P, R]) -> Callable[P, R]:
+def without_gc(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` runs with the collector paused (:func:`paused_gc`)."""
 
     @functools.wraps(fn)

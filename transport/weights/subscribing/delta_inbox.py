@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from transport.weights.delta.codec import DeltaError, DeltaLayout
+from transport import DeltaError
+from transport.weights.delta.codec import DeltaLayout
 from transport.weights.delta.decoder import apply, decode
 from transport.weights.layouts.flat import CopyRuns, copy_runs
 

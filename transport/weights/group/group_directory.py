@@ -10,16 +10,19 @@ from typing import Any
 
 import msgpack
 
-from transport.errors import WireFormatError
-from transport.security.signed import Inspector, SignedStore
-from transport.store.base import Store
-from transport.store.counters import Counter, clock_floor, index_counter
-from transport.weights.group.regions import MODES
-from transport.wire import NAME_RE, unpack
+from transport import Store, WireFormatError
+from transport.contract import (
+    NAME_RE,
+    Counter,
+    Inspector,
+    SignedStore,
+    clock_floor,
+    index_counter,
+    unpack,
+)
+from transport.weights.group.region_names import MODES
 
-log = logging.getLogger("transport.weights")
-
-log = logging.getLogger("transport.weights")
+log = logging.getLogger(__name__)
 
 
 class GroupDirectory:

@@ -21,10 +21,9 @@ from typing import Any
 import msgpack
 import torch
 
-from transport.errors import WireFormatError
-from transport.memory.local import dtype_name
+from transport import WireFormatError
+from transport.contract import dtype_name, is_count, unpack
 from transport.weights.layouts.planning import DestTensor, Piece, Quant, Slice, SourceLayout
-from transport.wire import is_count, unpack
 
 #: the most destination tensors and pieces one subscriber may declare
 MAX_TENSORS = 1 << 18

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from transport.errors import PeerLostError
-from transport.memory.local import check_tensor, dtype_name
+from transport import PeerLostError
+from transport.contract import check_tensor, dtype_name
 
 MODES = ("staging", "inplace")
 

@@ -13,9 +13,9 @@ from transport.wire import agent_name
 
 if TYPE_CHECKING:
     from transport.backends.base import Backend
-    from transport.engine import Engine
     from transport.memory.local import LocalMemory
     from transport.peers.directory import Directory
+    from transport.progress_engine import ProgressEngine
     from transport.settings import Settings
     from transport.store import Store
     from transport.trace import FlightRecorder
@@ -30,7 +30,7 @@ class State(enum.Enum):
 
 
 @dataclass(eq=False)
-class Endpoint:
+class SharedState:
     """The identity and shared services of one Transport, handed to each of its parts
     (regions, peer table, plan cache, transfers, control channel, housekeeping, dumps).
 
@@ -54,7 +54,7 @@ class Endpoint:
     recorder: FlightRecorder
     settings: Settings
     created: float
-    engine: Engine = field(init=False)
+    engine: ProgressEngine = field(init=False)
     state: State = State.OPEN
     lock: threading.RLock = field(default_factory=threading.RLock)
     wake: threading.Event = field(default_factory=threading.Event)

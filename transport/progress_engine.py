@@ -30,7 +30,7 @@ from transport.handle import ENGINE_THREAD_PREFIX, Handle
 from transport.peers.conn import PeerConn
 from transport.transfers.plan import Part, Plan
 
-log = logging.getLogger("transport.engine")
+log = logging.getLogger(__name__)
 
 QUEUED, POSTED, OK, FAILED, RETIRED = 0, 1, 2, 3, 4  # RETIRED: replaced by a retry
 
@@ -82,11 +82,13 @@ class Op:
         )
         self.group: list[Op] | None = None  # all parts of this handle to this peer
         self.retry: Any = None  # what the Transport needs to re-plan for a restarted peer
-        self.engine: Engine | None = None  # the engine that runs it, when it is a lane's
-        self.wakes: list[Engine] | None = None  # other engines holding parts that wait for it
+        self.engine: ProgressEngine | None = None  # the engine that runs it, when it is a lane's
+        self.wakes: list[ProgressEngine] | None = (
+            None  # other engines holding parts that wait for it
+        )
 
 
-class Engine:
+class ProgressEngine:
     """The progress engine of one agent (a Transport's or a lane's): a daemon thread named
     ``transport-engine-<name>``, from :meth:`start` to :meth:`stop`.
 

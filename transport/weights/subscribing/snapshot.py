@@ -1,4 +1,5 @@
-"""What a WeightSubscriber is given, checked before it holds anything, and what it hands out."""
+"""The Snapshot a WeightSubscriber hands out, and the check of what it is given (before it holds
+anything)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from transport.weights.group.regions import MODES, check_named_tensors
-from transport.weights.layouts.planning import DestTensor, check_dest
-from transport.weights.layouts.wire import encode_dest
+from transport.weights.group.region_names import MODES, check_named_tensors
+from transport.weights.layouts import DestTensor, check_dest
+from transport.weights.layouts.encoding import encode_dest
 
 
 @dataclass(frozen=True)
