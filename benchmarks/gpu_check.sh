@@ -66,8 +66,8 @@ say "ready after ${SECONDS} s"
 
 # 4. The GPU tests (and, on the GPU machine, the stream tests that run anywhere: a dry run leaves
 #    them to the test suite, which runs them anyway): 4 minutes at most.
-suites=(tests/gpu)
-[ -z "$DRY" ] && suites+=(tests/core/test_stream.py)
+mapfile -t suites < <(find tests -name 'test_*_gpu.py' | sort)  # every GPU test file (marker cuda)
+[ -z "$DRY" ] && suites+=(tests/cuda/test_stream.py)
 #    Each test without a timeout of its own gets 60 s: a test that hangs fails and the rest still
 #    run and report (the outer timeout would lose the whole report). At 45 s faulthandler's own
 #    thread prints every thread's stack, which it can do while a thread blocked in C holds the GIL.

@@ -13,7 +13,7 @@ joins a store that the bench hosts in one ``prepare``, which allocates nothing):
 holds (ours keeps its buckets between updates on the CPU; verl's nixl engine allocates them in
 every ``prepare``) plus what an update adds at its peak. verl's mock adapter
 clones every weight it receives and drops it (it checks nothing here: checking keeps a copy of
-the model and loads the checkpoint; tests/integrations/test_verl.py checks every weight).
+the model and loads the checkpoint; tests/integrations/verl/test_verl.py checks every weight).
 
     python benchmarks/verl_update.py                 # ~3 min: 330 MB of bf16, 64 MiB buckets
     python benchmarks/verl_update.py --hidden 512 --layers 4 --updates 3   # ~1 min

@@ -64,7 +64,7 @@ fi
 install --no-deps -e .
 "$VENV/bin/python" -c "
 import torch, torch.distributed._transport as api, transport.backends.nixl as n
-n._load()
+n.load_nixl()
 assert {'transport', 'nixl'} <= set(api.available_transports()), api.available_transports()
 from torch.distributed._transport.nixl import NIXLTransport
 assert NIXLTransport.supported()

@@ -22,7 +22,7 @@ if ! vllm_imports 2>/dev/null; then
         exit 2
     }
 fi
-# TRL's AsyncGRPOTrainer (examples/trl_grpo.py, tests/integrations/test_trl.py) and peft for its
+# TRL's AsyncGRPOTrainer (examples/trl_grpo.py, tests/integrations/trl/test_trl.py) and peft for its
 # LoRA runs: TRL's other needs (transformers, accelerate, datasets) came with vLLM
 if ! .venv/bin/python -c "import trl, peft" 2>/dev/null; then
     venv_install "trl==1.16.0" "peft>=0.17" "torch==2.13.0"

@@ -1,15 +1,24 @@
-"""Shared fixtures. Stores: ``store`` runs a test on every kind, ``interprocess_store``
-on the kinds other processes can reach; ``redis_url`` is a real Redis server; ``tcp_store`` is the
-embedded store hosted by the test process, and ``writer`` a Transport on it."""
+"""Shared fixtures; the folders of tests mirror the packages, and what a test needs is a fixture
+here or a marker, never its folder.
+
+Stores: ``store`` runs a test on every kind, ``interprocess_store`` and ``any_store`` on the kinds
+other processes can reach; ``redis_url`` is a real Redis server; ``tcp_store`` is the embedded
+store hosted by the test process, ``writer`` and ``trainer`` Transports on it. ``loopback_net``
+makes loopback Transports in this process (marker ``unit``); ``spawn`` and ``children`` start
+child processes that are always stopped; ``rights`` skips a test of hosts on network namespaces
+(marker ``hosts``) where it may not make them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 import transport
+from helpers.loopback_net import LoopbackNet
 from helpers.redis_server import (
+    ANY_STORE_DB,
     CONFORMANCE_DB,
     SHARED_DB,
     RedisServer,
@@ -18,7 +27,9 @@ from helpers.redis_server import (
     flush,
 )
 from helpers.scheduling import order
-from transport import Store, store_from_url
+from helpers.ws_peer import PublisherProcess, SubscriberProcess
+from transport import ClusterError, Store, store_from_url
+from transport.cluster import check_rights
 from transport.store import MemoryStore
 from transport.store.tcp import TcpStore
 
@@ -78,11 +89,76 @@ def tcp_store() -> Iterator[Store]:
     s.close()
 
 
+@pytest.fixture(params=["tcp", "redis"])
+def any_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """The embedded TCPStore, then a real Redis server (this worker's database for it, flushed)."""
+    if request.param == "tcp":
+        s: Store = TcpStore("127.0.0.1", 0, hosting="yes")
+    else:
+        url = database(request.getfixturevalue("redis_url"), ANY_STORE_DB)
+        flush(url)
+        s = store_from_url(url)
+    yield s
+    s.close()
+
+
 @pytest.fixture
 def writer(tcp_store: Store) -> Iterator[transport.Transport]:
     """A Transport named "writer" in the test process."""
     with transport.Transport("writer", store=tcp_store, timeout=30) as t:
         yield t
+
+
+@pytest.fixture
+def trainer(tcp_store: Store) -> Iterator[transport.Transport]:
+    """A Transport named "trainer" in the test process."""
+    with transport.Transport("trainer", store=tcp_store, timeout=30) as t:
+        yield t
+
+
+@pytest.fixture
+def loopback_net() -> Iterator[LoopbackNet]:
+    """An empty in-memory store; ``loopback_net.make(role)`` adds a loopback Transport to it."""
+    net = LoopbackNet()
+    yield net
+    net.close()
+
+
+@pytest.fixture
+def spawn(tcp_store: Store) -> Iterator[Callable[..., Any]]:
+    """``spawn("sub", name, spec, ...)`` or ``spawn("pub", name, spec, ...)`` starts a child on
+    the test's store (``wait=False`` to start several at once); all are stopped at the end."""
+    started: list[Any] = []
+
+    def start(kind: str, name: str, spec: Any, **kwargs: Any) -> Any:
+        cls = SubscriberProcess if kind == "sub" else PublisherProcess
+        child = cls(name, tcp_store.url, spec, **kwargs)
+        started.append(child)
+        return child
+
+    yield start
+    for child in reversed(started):
+        child.stop()
+
+
+@pytest.fixture
+def children() -> Iterator[list[Any]]:
+    """A list to put child processes in (ChildProcess): all are stopped at the end, the last
+    started first."""
+    out: list[Any] = []
+    yield out
+    for c in reversed(out):
+        c.stop()
+
+
+@pytest.fixture
+def rights() -> None:
+    """Skip, with the reason, where this process may not make network namespaces (root and
+    iproute2; the test command runs as root in CI, so there they run)."""
+    try:
+        check_rights()
+    except ClusterError as e:
+        pytest.skip(str(e))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

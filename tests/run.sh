@@ -7,7 +7,7 @@
 #     (examples/setup_torch215.sh); TRANSPORT_TEST_TORCH215=0 leaves it out
 #   - Debian's redis-server (installed when missing), started on a free loopback port and
 #     stopped afterwards, unless TRANSPORT_TEST_REDIS_URL names a server to use instead
-#   - as root: Debian's iproute2 and nftables (installed when missing) for tests/hosts
+#   - as root: Debian's iproute2 and nftables (installed when missing) for the hosts tests (marker hosts)
 # Python packages go in through uv (examples/install.sh: seconds where pip takes minutes);
 # TRANSPORT_INSTALLER=pip installs them with pip.
 # Arguments are passed to pytest (for example: bash tests/run.sh -k faults -x).
@@ -21,7 +21,7 @@ fi
 source examples/install.sh  # venv_install: uv, with pip's configuration passed on
 # The CPU build of torch pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
 venv_install "torch==2.13.0" -e ".[dev]"
-.venv/bin/python -c "import torch, transport, transport.backends.nixl as n; n._load()" || {
+.venv/bin/python -c "import torch, transport, transport.backends.nixl as n; n.load_nixl()" || {
     echo "tests/run.sh: the environment did not install cleanly (see above)" >&2
     exit 2
 }
@@ -46,7 +46,7 @@ if [ "$SECOND" != "0" ] && ! wait "$SETUP_SECOND"; then
 fi
 [ "$SECOND" = "0" ] || rm -f "$SETUP_LOG"
 
-# The hosts tests (tests/hosts: network namespaces, as root) shape links with tc and, where the
+# The hosts tests (marker hosts: network namespaces, as root) shape links with tc and, where the
 # kernel lacks tc's netem, drop packets with nftables: install iproute2 and nftables when missing.
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     missing=""
@@ -111,18 +111,20 @@ else
     PARALLEL=(-n "$WORKERS" --dist loadfile)
 fi
 status=0
-.venv/bin/python -m pytest "${PARALLEL[@]}" --durations=25 --ignore=tests/torch_api "$@" || status=$?
+.venv/bin/python -m pytest "${PARALLEL[@]}" --durations=25 --ignore=tests/integrations/torch_api "$@" || status=$?
 
 # The second environment, torch 2.15 (vLLM's CPU build pins 2.13 in the first): torch's transport
-# API on this library (tests/torch_api), the stores (the TCPStore is torch's) and the unit tests of
-# the core and the weight-sync layer. Not run twice: the decoders' fuzzing (no torch in them) and
-# the tests of vLLM and verl, which are not in this environment. Arguments go to both runs.
+# API on this library (marker torch_api), the stores (marker stores: the TCPStore is torch's) and
+# the tests that run in one process (marker unit: the core and the weight-sync layer on the
+# loopback backend). Not run twice: the decoders' fuzzing (no torch in them) and the tests of
+# vLLM, TRL and verl, which are not in this environment. Arguments go to both runs.
 if [ "$SECOND" != "0" ]; then
     echo "tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
     TRANSPORT_TEST_TORCH_API=1 .venv-torch215/bin/python -m pytest "${PARALLEL[@]}" \
-        -m "not vllm and not verl" tests/torch_api tests/store tests/unit \
-        --ignore=tests/unit/test_fuzz_minute.py --ignore=tests/unit/test_ws_protocol.py \
-        --ignore=tests/unit/test_weights_bad_layouts.py --ignore=tests/unit/test_wire.py \
-        --ignore=tests/unit/test_region_table_bounds.py "$@" || status=$?
+        -m "(unit or stores or torch_api) and not vllm and not verl" tests \
+        --ignore=tests/integrations/trl --ignore=tests/integrations/verl \
+        --ignore=tests/test_fuzz_minute.py --ignore=tests/weights/group/test_messages.py \
+        --ignore=tests/weights/layouts/test_bad_layouts.py --ignore=tests/core/test_wire.py \
+        --ignore=tests/memory/test_region_table_bounds.py "$@" || status=$?
 fi
 exit $status

@@ -9,7 +9,8 @@ from its syntax tree (no module is imported), checked against four rules.
    (``transport``, ``transport.store``, ``transport.backends``) and the internal contract
    (``transport.contract``).
 3. No module imports a private name (``_x``) or a private module (``_x.py``) of another package.
-4. No import cycle among the modules a module imports when it is imported.
+
+(No import cycle, counting every import, is tests/test_structure.py's rule.)
 
 Each rule is also run on a made-up module that breaks it, so that a checker that sees nothing
 fails here too.
@@ -20,11 +21,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.source import modules
 
 #: layers from the bottom; a module belongs to the deepest prefix that names it, else the core
 LAYERS = {"transport.weights": 1, "transport.integrations": 2, "transport.cli": 3}
@@ -52,18 +52,6 @@ def layer(module: str) -> int:
         if module == prefix or module.startswith(prefix + "."):
             return rank
     return 0
-
-
-def modules() -> dict[str, Path]:
-    """Every module of the package, by dotted name (backends/ is installed as transport.backends)."""
-    found = {}
-    for top, name in ((ROOT / "transport", "transport"), (ROOT / "backends", "transport.backends")):
-        for path in sorted(top.rglob("*.py")):
-            parts = path.relative_to(top).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join((name, *parts))] = path
-    return found
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -184,51 +172,6 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.endswith("__")
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
-def import_time_graph(all_imports: list[Import], known: set[str]) -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for imp in all_imports:
-        if imp.at_import_time:
-            for target in resolve(imp, known):
-                if target != imp.importer:
-                    graph.setdefault(imp.importer, set()).add(target)
-    return graph
-
-
 # -- the package -------------------------------------------------------------------------------
 
 
@@ -248,13 +191,6 @@ def test_package_keeps_rule(package: tuple[list[Import], set[str]], rule) -> Non
     assert len(all_imports) > 500  # the whole package was read
     broken = [line for imp in all_imports for line in rule(imp, known)]
     assert broken == [], "\n".join(broken)
-
-
-def test_package_has_no_import_cycle(package: tuple[list[Import], set[str]]) -> None:
-    all_imports, known = package
-    graph = import_time_graph(all_imports, known)
-    assert len(graph) > 100
-    assert cycles(graph) == []
 
 
 # -- each rule catches what it is for ---------------------------------------------------------------
@@ -320,13 +256,3 @@ def test_private_catches_private_names_and_modules() -> None:
     assert len(broken) == 2
     inside = "from transport._transport import Transport\n"
     assert not [line for imp in _made_up("transport.wire", inside) for line in private(imp, KNOWN)]
-
-
-def test_cycles_finds_a_loop_at_import_time_only() -> None:
-    a = _made_up("transport.wire", "import transport.peers.liveness\n")
-    b = _made_up("transport.peers.liveness", "from transport import wire\n")
-    assert cycles(import_time_graph(a + b, KNOWN)) == [
-        ["transport.peers.liveness", "transport.wire"]
-    ]
-    lazy = _made_up("transport.peers.liveness", "def f():\n    from transport import wire\n")
-    assert cycles(import_time_graph(a + lazy, KNOWN)) == []

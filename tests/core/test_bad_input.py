@@ -101,7 +101,7 @@ def test_bad_arguments(w):
         w.put(torch.ones(4), ["recv", "recv"], "rw")
     with pytest.raises(TypeError, match="notify must be bytes"):
         w.put(torch.ones(4), "recv", "rw", notify="text")
-    if not torch.cuda.is_available():  # tests/core/test_stream.py has the rest
+    if not torch.cuda.is_available():  # tests/cuda/test_stream.py has the rest
         with pytest.raises(RuntimeError, match="no CUDA device"):
             w.put(torch.ones(4), "recv", "rw", stream=object())
     with pytest.raises(ValueError, match="key= cannot be combined with a dict"):

@@ -377,7 +377,7 @@ def test_a_flood_of_unread_notifications_costs_bounded_memory(tcp_store, writer)
         p.call("sha", "x")  # started
         # the receiver proves who the writer is (its record in the store) at the first frame;
         # frames of a sender not proven yet wait in a bounded queue of their own (a flood from an
-        # unknown agent is refused past it, tests/unit/test_senders.py): this test floods a
+        # unknown agent is refused past it, tests/peers/test_senders.py): this test floods a
         # known peer
         writer.notify("recv", b"hello")
         assert p.call("notification", 30) == ("writer", b"hello")

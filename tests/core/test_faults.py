@@ -117,7 +117,7 @@ def test_wait_timeout_does_not_cancel_the_transfer(tcp_store, writer):
     """A wait that runs out cancels nothing: the transfer lands once the peer runs again. (A
     one-sided write may also complete while the peer is stopped, the writer copying: then the
     wait does not run out. That the wait never cancels is shown deterministically, with a
-    frozen agent, in tests/unit/test_core_failures.py.)"""
+    frozen agent, in tests/core/test_failures.py.)"""
     with Peer("slow", tcp_store.url, {"x": ("uint8", MiB, "rw")}) as r:
         writer.wait_for_peer("slow", 30)
         writer.put(torch.zeros(MiB, dtype=torch.uint8), "slow", "x", notify=b"a").wait(10)

@@ -1,4 +1,4 @@
-"""The trainer and the generators of the hosts tests (tests/hosts), each in a host of a cluster
+"""The trainer and the generators of the hosts tests (marker hosts), each in a host of a cluster
 (transport/cluster/), driven over stdin and stdout one JSON line per command: a generator ``V`` (wait for version V,
 apply it, answer what the live tensors hold), the trainer ``V DEADLINE`` (publish V; ``0 0``
 waits for the generators to join) or ``suspect NAME`` (why it takes that peer for gone).

@@ -16,27 +16,28 @@ from xdist.scheduler import LoadFileScheduling
 
 #: files that start vLLM servers of two workers (or TRL's job): one after another, in one lane
 SERVER_LANE = (
-    "integrations/test_trl.py",
-    "integrations/test_vllm_moe_tp2.py",
-    "integrations/test_vllm_tp2_server.py",
-    "integrations/test_vllm_lora_server.py",
-    "integrations/test_vllm_tp2.py",
-    "integrations/test_verl.py",
+    "integrations/trl/test_trl.py",
+    "integrations/vllm/test_vllm_moe_tp2.py",
+    "integrations/vllm/test_vllm_tp2_server.py",
+    "integrations/vllm/test_vllm_lora_server.py",
+    "integrations/vllm/test_vllm_tp2.py",
+    "integrations/verl/test_verl.py",
 )
 
 #: files of tens of seconds or more outside the lane (clusters of hosts, 100,000 tensors, the
 #: wheel and the GPU dry run's installs, vLLM engines in one process): dealt out first, in this
 #: order; the rest follow, the files with the most tests first (xdist's own order)
 LONG_FILES = (
-    "hosts/test_link_faults.py",
+    "cluster/test_link_faults.py",
     "weights/test_scale.py",
-    "hosts/test_cluster.py",
+    "cluster/test_cluster.py",
     "cli/test_bench.py",
     "test_wheel.py",
     "test_gpu_check.py",
     "test_benchmarks.py",
     "integrations/",
-    "hosts/",
+    "cli/test_bench_hosts.py",
+    "transfers/test_small_messages.py",
     "weights/test_converge.py",
 )
 

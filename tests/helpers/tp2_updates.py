@@ -1,5 +1,5 @@
 """The update sequence that the tensor-parallel server tests run against a vLLM server of two
-workers (tests/integrations/test_vllm_tp2.py, test_vllm_moe_tp2.py): a trainer connected with a
+workers (tests/integrations/vllm/test_vllm_tp2.py, test_vllm_moe_tp2.py): a trainer connected with a
 staging bound, three versions with each worker's bytes counted and vLLM's tokens compared with
 transformers', then a trainer that dies between vLLM's update and finish calls."""
 

@@ -1,5 +1,5 @@
 """TRL's AsyncGRPOTrainer against a real vLLM server (the CPU build), syncing through transport:
-the job of tests/integrations/test_trl.py, run as a script (TRL spawns its rollout process,
+the job of tests/integrations/trl/test_trl.py, run as a script (TRL spawns its rollout process,
 which imports the reward from examples/trl_task.py) and answered with a JSON report.
 
     python tests/helpers/trl_job.py --work DIR --report FILE [--steps 10]

@@ -1,4 +1,4 @@
-"""verl's own harness around the verl engine, as tests/integrations/test_verl.py runs it: a small
+"""verl's own harness around the verl engine, as tests/integrations/verl/test_verl.py runs it: a small
 Qwen3-MoE checkpoint and the Ray job (verl's CheckpointEngineManager, its rollout
 CheckpointEngineWorkerTest with the mock server adapter, two stand-in trainer ranks). Importing
 verl's harness costs seconds of CPU: the test imports this module in its fixture, not when

@@ -66,11 +66,3 @@ def store() -> Iterator[TcpStore]:
     s = TcpStore("127.0.0.1", 0, hosting="yes")
     yield s
     s.close()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test of this folder runs a vLLM engine or needs vLLM: ``pytest -m vllm`` runs them."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm)

@@ -13,7 +13,7 @@ import pytest
 from helpers.processes import PythonProcess
 from transport import ClosedError, Store, StoreError, StoreTimeout
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.stores, pytest.mark.timeout(30)]
 
 
 def test_set_get_and_try_get(store: Store) -> None:

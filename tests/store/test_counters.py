@@ -16,7 +16,7 @@ from transport.store.counters import (
     index_counter,
 )
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.stores, pytest.mark.timeout(30)]
 
 # what an outsider or a bug may leave where a counter belongs: not a number, empty, negative,
 # over 2**63 (Redis refuses it, TCPStore cannot parse it), just under 2**63 (TCPStore wraps to a

@@ -14,7 +14,7 @@ from helpers.redis_server import RedisServer
 from transport import StoreError, store_from_url
 from transport.store import DEFAULT_STORE_URL, MemoryStore, RedisStore, TcpStore, as_store
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.stores, pytest.mark.timeout(30)]
 
 
 @pytest.mark.parametrize("url", ["ftp://host:1", "127.0.0.1:29517", "etcd://h:2379", ""])

@@ -29,7 +29,7 @@ Python object per number it refuses. msgpack's limits keep a list to MAX_REGIONS
 string to a name's length, and the map may hold no list or map but its own two lists and
 itself: a small compressed map cannot make a reader build more objects than the largest honest
 one. (Written as lists, a map of 64 KiB made a reader build gigabytes of them before it counted
-the regions; tests/unit/test_region_table_bounds.py keeps such maps.)
+the regions; tests/memory/test_region_table_bounds.py keeps such maps.)
 """
 
 from __future__ import annotations
