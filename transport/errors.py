@@ -101,6 +101,8 @@ class PeerGoneError(PeerLostError):
     """A peer a weight update depends on is suspect (dead, frozen, partitioned) or left the
     store, as its heartbeat or record says: ``why`` says which."""
 
+    peer: str
+
     def __init__(self, peer: str, why: str) -> None:
         super().__init__(f"peer {peer} is gone: {why}", peer)
         self.why = why

@@ -20,7 +20,7 @@ from transport.progress_engine import Op, ProgressEngine
 from transport.store import MemoryStore
 from transport.transfers.lanes import Lane
 from transport.transfers.plan import Plan
-from transport.weights.group.group_directory import GroupDirectory
+from transport.weights.group.group_directory import GroupDirectory, GroupEntry
 
 # -- a Transport's parts --------------------------------------------------------------------------
 
@@ -218,7 +218,7 @@ def empty_memory_store(store: MemoryStore) -> None:
         store._data.values.clear()
 
 
-def group_entry(t: transport.Transport, group: str, name: str) -> dict[str, Any] | None:
+def group_entry(t: transport.Transport, group: str, name: str) -> GroupEntry | None:
     """Subscriber ``name``'s entry in ``group`` as the store holds it (None: it has none)."""
     return GroupDirectory(t.store, t.namespace, group).entry(name)
 

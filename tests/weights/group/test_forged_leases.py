@@ -143,7 +143,7 @@ def test_a_lease_of_an_older_incarnation_put_back_is_ignored_and_taken_back(loop
 def test_without_a_secret_a_store_writer_sets_what_readers_believe_but_stops_nobody(
     loopback_net, caplog
 ):
-    from transport.weights.group.group_directory import GroupDirectory
+    from transport.weights.group.group_directory import GroupDirectory, GroupEntry
     from transport.weights.group.lease import GroupLeases
 
     trainer = _Trainer(loopback_net)
@@ -168,7 +168,7 @@ def test_without_a_secret_a_store_writer_sets_what_readers_believe_but_stops_nob
     store.delete(prefix + "lease/1")
     assert GroupLeases(reader, "policy").read().world == 1
     directory = GroupDirectory(reader.core.signed, reader.namespace, "policy")
-    assert directory.entry("gen-x") == entry
+    assert directory.entry("gen-x") == GroupEntry(7, 1, "inplace", 1, True)
     assert directory.layout("gen-x", 7) == b"anything"
     # What it cannot do: garbage in every value of the group stops no publish and no
     # subscriber; each is skipped with a warning, and its writer puts its own value back.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
 
 import msgpack
 
@@ -23,6 +23,20 @@ from transport.contract import (
 from transport.weights.group.region_names import MODES
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    """A subscriber's entry in its group, as it signed it: which incarnation of its peer
+    (``generation``) and which subscriber of that incarnation (``instance``) it is, how it
+    receives (``mode``, ``slots``) and whether it relays. Two entries that differ in anything
+    are two members."""
+
+    generation: int
+    instance: int
+    mode: str
+    slots: int
+    relay: bool
 
 
 class GroupDirectory:
@@ -111,7 +125,7 @@ class GroupDirectory:
         (this incarnation's, this instance's)."""
         name = self.signed.writer
         entry = self.entry(name)
-        if entry is not None and (entry["gen"], entry["inst"]) == (
+        if entry is not None and (entry.generation, entry.instance) == (
             self.signed.generation,
             self.instance,
         ):
@@ -179,9 +193,9 @@ class GroupDirectory:
             return None
         return value.body
 
-    def entry(self, name: str) -> dict[str, Any] | None:
-        """Subscriber ``name``'s entry: a map of ``gen``, ``inst``, ``mode``, ``slots`` and
-        ``relay``; None when there is none it signed (missing, or not valid: logged)."""
+    def entry(self, name: str) -> GroupEntry | None:
+        """Subscriber ``name``'s entry; None when there is none it signed (missing, or not
+        valid: logged)."""
         key = self.prefix + f"sub/{name}"
         value = self.signed.read(key, f"the group entry {key}", writer=name)
         if value is None:
@@ -211,7 +225,7 @@ class GroupDirectory:
                 value.generation,
             )
             return None
-        return m
+        return GroupEntry(m["gen"], m["inst"], m["mode"], m["slots"], m["relay"])
 
     def names(self) -> list[str]:
         """The members that ever joined, in joining order; a name that is not a peer name (the
@@ -230,7 +244,7 @@ class GroupDirectory:
                 out.append(name)
         return out
 
-    def entries(self, names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    def entries(self, names: Iterable[str] | None = None) -> dict[str, GroupEntry]:
         """The entry of every member, or of ``names`` (those that left have none); an entry that
         is not valid is skipped with a warning naming its key, so one bad entry never stops the
         group."""

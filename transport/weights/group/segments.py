@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,15 +54,24 @@ def segments(tensors: Mapping[str, torch.Tensor], seg_bytes: int = SEGMENT_BYTES
     return bounds
 
 
+@dataclass(frozen=True)
+class SegmentBatch:
+    """One segment of a peer's tensors (in sorted order of their names) for one of its slots:
+    the indexes ``first`` to ``end - 1``, and its batch (the peer's region names as keys)."""
+
+    first: int
+    end: int
+    batch: dict[str, torch.Tensor]
+
+
 def segment_batches(
     tensors: Mapping[str, torch.Tensor], group: str, slot: int, seg_bytes: int = SEGMENT_BYTES
-) -> list[tuple[int, int, dict[str, torch.Tensor]]]:
-    """The segments of ``tensors`` (a peer's names in sorted order) for its ``slot``: each
-    segment's first and end index and its batch (the peer's region names as keys)."""
+) -> list[SegmentBatch]:
+    """The segments of ``tensors`` (a peer's names in sorted order) for its ``slot``."""
     names = sorted(tensors)
     bounds = segments(tensors, seg_bytes)
     return [
-        (a, b, {region(group, slot, n): tensors[n] for n in names[a:b]})
+        SegmentBatch(a, b, {region(group, slot, n): tensors[n] for n in names[a:b]})
         for a, b in zip(bounds, bounds[1:], strict=False)
     ]
 
@@ -102,14 +112,14 @@ class SegmentedWrite:
 
     def post(
         self,
-        segs: list[tuple[int, int, dict[str, torch.Tensor]]],
+        segs: list[SegmentBatch],
         segment_bytes: int,
         step: int,
     ) -> None:
-        """Write every segment of ``segs`` (first and end index, and the batch of each, in
-        order), a tensor larger than ``segment_bytes`` alone in ``step``-byte pieces; the last
-        one ends the write."""
-        for i, (a, b, batch) in enumerate(segs):
+        """Write every segment of ``segs`` (in order), a tensor larger than ``segment_bytes``
+        alone in ``step``-byte pieces; the last one ends the write."""
+        for i, seg in enumerate(segs):
+            a, b, batch = seg.first, seg.end, seg.batch
             last = i == len(segs) - 1
             alone = next(iter(batch.items())) if b == a + 1 else None
             if alone is not None and alone[1].nbytes > segment_bytes:

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
-from transport import ClosedError, StoreError, Transport, TransportError
+from transport import (
+    ClosedError,
+    Handle,
+    StoreError,
+    TransferTimeout,
+    Transport,
+    TransportError,
+)
+from transport.weights.delta.policy import DeltaPolicy
 from transport.weights.delta.source import check_delta
 from transport.weights.group.lease import PublisherLease
-from transport.weights.group.messages import HELLO_AGAIN, Message, encode
+from transport.weights.group.messages import (
+    HELLO_AGAIN,
+    Credit,
+    Hello,
+    Message,
+    Patched,
+    decode_from,
+    encode,
+)
 from transport.weights.group.region_names import channel
 from transport.weights.group.worker import Worker
 from transport.weights.publishing.delivery import (
@@ -24,13 +41,11 @@ from transport.weights.publishing.delivery import (
     Delivery,
     close_all,
 )
-from transport.weights.publishing.roster import (
-    Member,
-    Retired,
-    Roster,
-    SuspectWatch,
-    replaced_why,
-)
+from transport.weights.publishing.members import Member, RankMember, Retired, Waiting, replaced_why
+from transport.weights.publishing.roster import Roster, SuspectWatch
+
+if TYPE_CHECKING:
+    from transport.contract import PeerView
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +56,16 @@ SWEEP_AFTER = 1.0
 _Core = TypeVar("_Core", bound="PublisherCore")
 
 
-class PublisherCore:
+M = TypeVar("M", bound=Member)
+
+
+class _DeltaCopies(Protocol):
+    """What the shared handlers read of a publisher's delta copies: the auto policy."""
+
+    policy: DeltaPolicy
+
+
+class PublisherCore(Generic[M]):
     """The scaffolding that :class:`WeightPublisher` and :class:`ShardedPublisher` share: the
     group's lease, the roster of subscribers, the lock over the members' state, the handles of
     the publishes still open, the thread that runs their callbacks, the worker thread that
@@ -50,9 +74,11 @@ class PublisherCore:
 
     Rules: a subclass builds its own state first, then calls ``super().__init__``, which
     subscribes to the group's channel and acquires the lease last (a failure there undoes what
-    this class began, and nothing is left registered); it defines ``_on_message`` (on the
-    engine's control thread: decode, then hand the work to ``_worker``) and ``_deadlines``
-    (with the lock taken: settle what ran out, return :meth:`_next_tick`). Every member's state
+    this class began, and nothing is left registered). The messages of the group's channel and
+    the deadlines are handled here, once for both; what differs is each subclass's: its
+    credits (``_on_credit``), its writes (``_start``, ``_finished``, ``_write_whole``), what it
+    holds per member (``_member_deadlines``, ``_no_start``, ``_awaits_credit``) and the
+    messages only it takes (``_on_other``). Every member's state
     is read and changed with ``_lock`` held. Versions only move forward (:meth:`_next_version`).
     :meth:`close` settles every open handle with ClosedError, stops the threads and gives the
     lease back; a subclass adds its own steps through :meth:`_closing`. ``delta`` is set here
@@ -66,13 +92,14 @@ class PublisherCore:
         tensors: Mapping[str, torch.Tensor],
         lease: PublisherLease,
         name: str,
-        planner: Callable[[Member, object], str] | None = None,
-        on_gap: Callable[[Member, str], bool] = lambda sub, why: False,
+        member_type: type[M],
+        planner: Callable[[RankMember, PeerView], str] | None = None,
+        on_gap: Callable[[M, str], bool] = lambda sub, why: False,
     ) -> None:
         self.transport = transport
         self.group = group
         self.version = -1
-        self._roster = Roster(transport, group, tensors, planner=planner)
+        self._roster = Roster(transport, group, tensors, member_type, planner)
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []
@@ -155,26 +182,18 @@ class PublisherCore:
         sub = gone.member
         sub.retired = True
         status = LOST if gone.lost else EXCLUDED
-        held = [
-            sub.waiting[1] if sub.waiting is not None else None,
-            sub.relay_handle,
-            sub.patch.handle if sub.patch is not None else None,
-            sub.acked[2] if sub.acked is not None else None,
-        ]
-        sub.waiting, sub.relay_handle, sub.patch, sub.acked = None, None, None, None
-        for handle in held:
-            if handle is not None:
-                handle.settle(sub.name, status, gone.why)
+        for handle in sub.let_go():
+            handle.settle(sub.name, status, gone.why)
         self._retired(gone)
 
-    def _lost(self, sub: Member, handle: Delivery, err: BaseException) -> None:
+    def _lost(self, sub: M, handle: Delivery, err: BaseException) -> None:
         """With the lock held: a write to ``sub`` met the loss of its peer: ``handle`` says so,
         and the incarnation is retired, dropped until a newer one joins."""
         handle.settle(sub.name, LOST, str(err))
         if self._roster.lose(sub):
             self._retire(Retired(sub, f"it was lost ({err})", lost=True))
 
-    def _unrecorded(self, sub: Member, version: int, handle: Delivery, err: BaseException) -> None:
+    def _unrecorded(self, sub: M, version: int, handle: Delivery, err: BaseException) -> None:
         """With the lock held: a write of ``version`` to ``sub`` found no record of it in the
         store. Not gone: a store that restarted empty lacks it until the peer puts it back
         (within a heartbeat), so it is planned again until the version's deadline
@@ -185,12 +204,76 @@ class PublisherCore:
             return
         sub.error, sub.transient = why, True
         if sub.waiting is None:
-            sub.waiting = (version, handle, None)
+            sub.waiting = Waiting(version, handle)
         else:  # a newer version waits for it already
             handle.settle(sub.name, EXCLUDED, why)
 
     def _retired(self, gone: Retired) -> None:
         """With the lock held: the subclass's part of :meth:`_retire` (nothing by default)."""
+
+    #: the subclass's copies for delta versions, with their ``policy`` (None: delta is off)
+    _deltas: _DeltaCopies | None = None
+
+    # -- what a write of a version comes to --------------------------------------------------------
+
+    def _finished(
+        self, sub: M, slot: int, version: int, handle: Delivery, err: BaseException | None
+    ) -> None:
+        """With the lock held: this publisher's write of ``version`` into ``slot`` of ``sub``
+        landed (``err`` None) or failed; the subclass defines what follows."""
+        raise NotImplementedError
+
+    def _write_whole(self, sub: M, slot: int, version: int, handle: Delivery) -> None:
+        """With the lock held: write ``version`` whole into ``slot`` of ``sub``, which refused
+        its changes; the subclass defines it."""
+        raise NotImplementedError
+
+    def _changes(self, version: int) -> str:
+        """What this publisher's changes of ``version`` are called in messages."""
+        return f"the changes of version {version}"
+
+    def _on_patch_put(self, sub: M, slot: int | None, version: int, h: Handle) -> None:
+        """Worker: the put of the changes of ``version`` (into ``slot``; None: whichever is in
+        flight) ended. Landed, the subscriber's ``patched`` tells the rest; failed, the write
+        has its outcome now."""
+        err = h.exception(0)
+        with self._lock:
+            p = None if err is None else sub.take_patch(version, slot)
+            if p is not None:
+                self._finished(sub, p.slot, version, p.handle, err)
+
+    def _on_patched(self, peer: str, m: Patched) -> None:
+        """Worker: ``peer`` applied the changes of a version (or refused them: they are written
+        whole, unless a newer version is being prepared)."""
+        with self._lock:
+            sub = self._subs.get(peer)
+            p = None if sub is None else sub.take_patch(m.version, m.slot)
+            if sub is None or p is None:
+                return
+            if not m.why:
+                p.handle.result.patched[peer] = p.nbytes
+                if self._deltas is not None:  # None: delta was turned off since they were sent
+                    self._deltas.policy.wrote(True, time.monotonic() - sub.started)
+                self._finished(sub, m.slot, m.version, p.handle, None)
+                return
+            changes = self._changes(m.version)
+            if self._superseded(m.version):
+                why = f"it refused {changes} ({m.why}), and a newer one is on its way"
+                self._finished(sub, m.slot, m.version, p.handle, TransportError(why))
+                return
+            log.info(
+                "group %s: %s refused %s (%s); writing it whole", self.group, peer, changes, m.why
+            )
+            self._write_whole(sub, m.slot, m.version, p.handle)
+
+    def _patch_deadlines(self, now: float) -> None:
+        """With the lock held: changes not applied by their version's deadline fail it."""
+        for sub in list(self._subs.values()):
+            p = sub.patch
+            if p is not None and p.handle.deadline <= now:
+                sub.patch = None
+                why = f"it did not apply {self._changes(p.version)} within the deadline"
+                self._finished(sub, p.slot, p.version, p.handle, TransferTimeout(why))
 
     # -- delta -----------------------------------------------------------------------------------
 
@@ -241,9 +324,7 @@ class PublisherCore:
         tensors may hold its bytes already: ``version`` is no longer written from them)."""
         return version < self._preparing
 
-    def _may_start(
-        self, sub: Member, version: int, handle: Delivery, via: str | None = None
-    ) -> bool:
+    def _may_start(self, sub: M, version: int, handle: Delivery, via: str | None = None) -> bool:
         """With the lock held: whether :meth:`_start` may write ``version`` to ``sub`` from the
         trainer's tensors now. Not once ``sub`` has its outcome of it (excluded while it
         waited: dropped), nor while a newer version is being prepared (it keeps waiting, and
@@ -251,13 +332,11 @@ class PublisherCore:
         if not handle.waits_for(sub.name):
             return False
         if self._superseded(version):
-            sub.waiting = (version, handle, via)
+            sub.waiting = Waiting(version, handle, via)
             return False
         return True
 
-    def _begin(
-        self, version: int, timeout: float, superseded: str
-    ) -> tuple[Delivery, list[Member]]:
+    def _begin(self, version: int, timeout: float, superseded: str) -> tuple[Delivery, list[M]]:
         """With the lock held: the handle of ``version`` (every member pending until
         ``timeout`` seconds from now) and the members to start it at; the others are settled
         now: those that cannot be served, and those whose heartbeat stopped (at once, not at
@@ -279,7 +358,7 @@ class PublisherCore:
         for sub in subs:
             if sub.waiting is not None:  # a newer version supersedes the one that waited
                 why = sub.error or f"{superseded} before version {version} replaced it"
-                sub.waiting[1].settle(sub.name, EXCLUDED, why)
+                sub.waiting.handle.settle(sub.name, EXCLUDED, why)
                 sub.waiting = None
             if sub.error and not sub.transient:
                 handle.settle(sub.name, EXCLUDED, sub.error)
@@ -289,7 +368,7 @@ class PublisherCore:
                 handle.settle(sub.name, EXCLUDED, why)
                 continue
             if sub.error:  # planned again until the deadline (:meth:`_replan`)
-                sub.waiting = (version, handle, None)
+                sub.waiting = Waiting(version, handle)
                 continue
             start.append(sub)
         return handle, start
@@ -297,7 +376,25 @@ class PublisherCore:
     # -- messages and deadlines ------------------------------------------------------------------
 
     def _on_message(self, peer: str, payload: bytes) -> None:
+        """Engine thread: decode a message of the group's channel and hand it to the worker. A
+        credit says a subscriber's whole state, so only the newest counts, and a flood of them
+        (from anyone) queues one piece of work per sender."""
+        if (m := decode_from(peer, payload)) is None:
+            return
+        if isinstance(m, Credit):
+            self._worker.latest(("credit", peer), m, functools.partial(self._on_credit, peer))
+        elif isinstance(m, Patched):
+            self._worker.offer(functools.partial(self._on_patched, peer, m))
+        else:
+            self._on_other(peer, m)
+
+    def _on_credit(self, peer: str, credit: Credit) -> None:
+        """Worker: ``peer`` said which of its slots are free and what they hold; the subclass
+        defines what follows."""
         raise NotImplementedError
+
+    def _on_other(self, peer: str, m: Message) -> None:
+        """Engine thread: a message other than a credit or a patched (nothing by default)."""
 
     def _send(self, peer: str, msg: Message) -> None:
         """Send ``msg`` to ``peer`` on the group's channel; a failure is logged (the deadline
@@ -336,15 +433,15 @@ class PublisherCore:
                 log.info("group %s: %s planned again; serving it", self.group, new.name)
                 self._resume(new)
 
-    def _resume(self, sub: Member) -> None:
+    def _resume(self, sub: M) -> None:
         """With the lock held: start the version ``sub`` waits for (:meth:`_start`), if it is
         still a member and can be served."""
-        if sub.waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
-            version, handle, via = sub.waiting
+        waiting = sub.waiting
+        if waiting is not None and self._subs.get(sub.name) is sub and not sub.error:
             sub.waiting = None
-            self._start(sub, version, handle, via)
+            self._start(sub, waiting.version, waiting.handle, waiting.via)
 
-    def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
+    def _start(self, sub: M, version: int, handle: Delivery, via: str | None = None) -> None:
         """With the lock held: write ``version`` to ``sub`` now (or have relay ``via`` write
         it), or wait until it can be (``sub.waiting``); the subclass defines it."""
         raise NotImplementedError
@@ -359,6 +456,37 @@ class PublisherCore:
         return wait if check is None else max(0.01, min(wait, check))
 
     def _deadlines(self) -> float:
+        """Worker tick: changes not applied in time fail their version; then each member's own
+        deadlines (:meth:`_member_deadlines`); a version still waiting for a member at its
+        deadline is excluded there (:meth:`_no_start` says why), and a member a version waits
+        for that never answered our hello is asked again every ``HELLO_AGAIN`` seconds (the
+        answer may have come when it could not reach us: a store that lost our record, say)."""
+        now = time.monotonic()
+        with self._lock:
+            self._patch_deadlines(now)
+            for sub in list(self._subs.values()):
+                self._member_deadlines(sub, now)
+                waiting = sub.waiting
+                if waiting is None:
+                    continue
+                if waiting.handle.deadline <= now:
+                    sub.waiting = None
+                    waiting.handle.settle(sub.name, EXCLUDED, self._no_start(sub, waiting.version))
+                elif self._awaits_credit(sub) and not sub.error and now - sub.asked > HELLO_AGAIN:
+                    sub.asked = now
+                    self._worker.submit(functools.partial(self._send, sub.name, Hello()))
+            return self._next_tick(now)
+
+    def _member_deadlines(self, sub: M, now: float) -> None:
+        """With the lock held: what the subclass holds for ``sub`` that ran out (nothing by
+        default)."""
+
+    def _no_start(self, sub: M, version: int) -> str:
+        """Why ``version``, waiting for ``sub``, could not begin there by its deadline."""
+        raise NotImplementedError
+
+    def _awaits_credit(self, sub: M) -> bool:
+        """Whether the version waiting for ``sub`` waits for a credit it has not sent."""
         raise NotImplementedError
 
     def _next_tick(self, now: float) -> float:

@@ -3,6 +3,7 @@ gone: :class:`Handover`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 from transport import PeerLostError, TransportError
 from transport.weights.group.messages import Report
 from transport.weights.publishing.delivery import EXCLUDED, Delivery
-from transport.weights.publishing.roster import Member
+from transport.weights.publishing.members import Fence, PublisherMember
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,14 @@ class Handover:
     """
 
     group: str
-    _subs: dict[str, Member]
+    _subs: dict[str, PublisherMember]
     _lock: threading.RLock
 
     if TYPE_CHECKING:
 
         def _finished(
             self,
-            sub: Member,
+            sub: PublisherMember,
             slot: int,
             version: int,
             handle: Delivery,
@@ -45,10 +46,10 @@ class Handover:
         ) -> None: ...
 
         def _start(
-            self, sub: Member, version: int, handle: Delivery, via: str | None = None
+            self, sub: PublisherMember, version: int, handle: Delivery, via: str | None = None
         ) -> None: ...
 
-        def _resume(self, sub: Member) -> None: ...
+        def _resume(self, sub: PublisherMember) -> None: ...
 
     def _release_children(self, relay: str, why: str) -> None:
         """With the lock held: the incarnation of ``relay`` that was asked to forward cannot
@@ -58,15 +59,15 @@ class Handover:
         written by the publisher."""
         for sub in list(self._subs.values()):
             sub.unfence(relay)
-            if sub.waiting is not None and sub.waiting[2] == relay:
-                sub.waiting = (sub.waiting[0], sub.waiting[1], None)
+            if sub.waiting is not None and sub.waiting.via == relay:
+                sub.waiting = dataclasses.replace(sub.waiting, via=None)
             if sub.relay == relay and sub.busy is not None and sub.relay_handle is not None:
                 # (its outcome may be settled already, at its deadline: the slot stayed the
                 # relay's until now)
                 err = TransportError(f"relay {relay} {why} before forwarding version {sub.writing}")
                 self._finished(sub, sub.busy, sub.writing, sub.relay_handle, err)
 
-    def _close_gap(self, sub: Member, why: str) -> bool:
+    def _close_gap(self, sub: PublisherMember, why: str) -> bool:
         """With the lock held (SuspectWatch): ``sub``'s relay became suspect while it was to
         write ``sub``. The slot it was given stays fenced (the relay may have posted into it,
         and what it posted may still land), and the publisher writes ``sub`` itself into the
@@ -76,11 +77,11 @@ class Handover:
         handle, relay, slot, version = sub.relay_handle, sub.relay, sub.busy, sub.writing
         if handle is None or relay is None or slot is None:
             return False
-        sub.fenced[slot] = (relay, version)
+        sub.fenced[slot] = Fence(relay, version)
         sub.busy, sub.relay, sub.relay_handle = None, None, None
         handle.result.via.pop(sub.name, None)
-        if sub.waiting is not None and sub.waiting[2] == relay:
-            sub.waiting = (sub.waiting[0], sub.waiting[1], None)
+        if sub.waiting is not None and sub.waiting.via == relay:
+            sub.waiting = dataclasses.replace(sub.waiting, via=None)
         live = sub.name in handle.pending and handle.deadline > time.monotonic()
         if sub.waiting is None and not live:
             return False

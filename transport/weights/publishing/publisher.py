@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -23,19 +22,17 @@ from transport.weights.delta.codec import Encoded
 from transport.weights.delta.source import DeltaSource, check_delta
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import (
-    HELLO_AGAIN,
     Abort,
     Begin,
     Credit,
     Forward,
     Hello,
     Lend,
+    Message,
     Patch,
-    Patched,
     Report,
     Target,
     Ver,
-    decode_from,
     encode,
 )
 from transport.weights.group.region_names import (
@@ -57,19 +54,14 @@ from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.publishing.core import PublisherCore
 from transport.weights.publishing.delivery import DONE, EXCLUDED, Delivery, PublishHandle
 from transport.weights.publishing.handover import Handover
+from transport.weights.publishing.members import PatchInFlight, PublisherMember, Retired, Waiting
 from transport.weights.publishing.pack import Pack
-from transport.weights.publishing.roster import (
-    Member,
-    PatchInFlight,
-    Retired,
-    check_fanout,
-    fanout_tree,
-)
+from transport.weights.publishing.roster import check_fanout, fanout_tree
 
 log = logging.getLogger(__name__)
 
 
-class WeightPublisher(Handover, PublisherCore):
+class WeightPublisher(Handover, PublisherCore[PublisherMember]):
     """Publishes ``named_tensors`` to every subscriber of ``group``.
 
     Subscribers are found through the store (one read per publish notices joins and leaves). For
@@ -145,6 +137,7 @@ class WeightPublisher(Handover, PublisherCore):
             self._sources,
             PublisherLease(transport, group),
             f"transport-ws-pub-{group}",
+            PublisherMember,
             on_gap=self._close_gap,
         )
         try:
@@ -233,7 +226,7 @@ class WeightPublisher(Handover, PublisherCore):
                 self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
 
-    def _patch_for(self, sub: Member, version: int) -> Encoded | None:
+    def _patch_for(self, sub: PublisherMember, version: int) -> Encoded | None:
         """With the lock held: ``version``'s changes if ``sub`` takes them (it holds their base:
         the slot written holds it, or is made a copy of the newest); None: whole. A relay whose
         forwards of an older version may still read its inbox takes the version whole."""
@@ -244,7 +237,9 @@ class WeightPublisher(Handover, PublisherCore):
             return None
         return self._deltas.changes_for(version, sub.completed, sub.inbox, len(sub.names))
 
-    def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
+    def _start(
+        self, sub: PublisherMember, version: int, handle: Delivery, via: str | None = None
+    ) -> None:
         """With the lock held: write ``version`` into a free slot of ``sub`` now (or have relay
         ``via`` write it), or wait for a free slot; never unless :meth:`_may_start`
         (the tensors may hold the next version's bytes by then, which would land under this
@@ -253,7 +248,7 @@ class WeightPublisher(Handover, PublisherCore):
             return
         slot = sub.free_slot()
         if sub.busy is not None or slot is None:
-            sub.waiting = (version, handle, via)
+            sub.waiting = Waiting(version, handle, via)
             if sub.busy is None and sub.fenced and sub.lend_asked < version:
                 sub.lend_asked = version  # once: it lends when it can (its newest, once applied)
                 self._worker.submit(lambda: self._send(sub.name, Lend(version)))
@@ -283,7 +278,7 @@ class WeightPublisher(Handover, PublisherCore):
         self._write(sub, slot, version, handle, patch)
 
     def _write(
-        self, sub: Member, slot: int, version: int, handle: Delivery, patch: Encoded | None
+        self, sub: PublisherMember, slot: int, version: int, handle: Delivery, patch: Encoded | None
     ) -> None:
         """With the lock held: write ``version`` into ``slot`` of ``sub``: whole, or its changes
         ``patch`` (staged in the outbox) into its inbox (it answers ``patched``)."""
@@ -322,41 +317,12 @@ class WeightPublisher(Handover, PublisherCore):
                 lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
             )
 
-    def _on_patch_put(self, sub: Member, slot: int, version: int, h: Handle) -> None:
-        """The changes landed (the subscriber's ``patched`` tells the rest), or failed."""
-        err = h.exception(0)
-        with self._lock:
-            p = None if err is None else sub.take_patch(version, slot)
-            if p is not None:
-                self._finished(sub, slot, version, p.handle, err)
+    def _write_whole(self, sub: PublisherMember, slot: int, version: int, handle: Delivery) -> None:
+        self._write(sub, slot, version, handle, None)
 
-    def _on_patched(self, peer: str, m: Patched) -> None:
-        with self._lock:
-            sub = self._subs.get(peer)
-            p = None if sub is None else sub.take_patch(m.version, m.slot)
-            if sub is None or p is None:
-                return
-            handle = p.handle
-            if not m.why:
-                handle.result.patched[peer] = p.nbytes
-                if self._deltas is not None:  # None: delta was turned off since they were sent
-                    self._deltas.policy.wrote(True, time.monotonic() - sub.started)
-                self._finished(sub, m.slot, m.version, handle, None)
-                return
-            if self._superseded(m.version):
-                why = f"it refused the changes of version {m.version} ({m.why}), and a newer one is on its way"
-                self._finished(sub, m.slot, m.version, handle, TransportError(why))
-                return
-            log.info(
-                "group %s: %s refused the changes of version %d (%s); writing it whole",
-                self.group,
-                peer,
-                m.version,
-                m.why,
-            )
-            self._write(sub, m.slot, m.version, handle, None)
-
-    def _write_segments(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
+    def _write_segments(
+        self, sub: PublisherMember, slot: int, version: int, handle: Delivery
+    ) -> None:
         """With the lock held: write a relay in segments, each announced as it lands, so that it
         forwards while the rest is still on its way (see ``transport.weights.group``)."""
         segs = sub.segments.get(slot)
@@ -380,12 +346,19 @@ class WeightPublisher(Handover, PublisherCore):
             write.post(segs, self._segment_bytes, piece_bytes(self.transport, self._segment_bytes))
 
     def _on_written(
-        self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
+        self,
+        sub: PublisherMember,
+        slot: int,
+        version: int,
+        handle: Delivery,
+        err: BaseException | None,
     ) -> None:
         with self._lock:
             self._finished(sub, slot, version, handle, err)
 
-    def _on_done(self, sub: Member, slot: int, version: int, handle: Delivery, h: Handle) -> None:
+    def _on_done(
+        self, sub: PublisherMember, slot: int, version: int, handle: Delivery, h: Handle
+    ) -> None:
         with self._lock:
             err = h.exception(0)
             if err is None and self._deltas is not None:
@@ -393,7 +366,12 @@ class WeightPublisher(Handover, PublisherCore):
             self._finished(sub, slot, version, handle, err)
 
     def _finished(
-        self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
+        self,
+        sub: PublisherMember,
+        slot: int,
+        version: int,
+        handle: Delivery,
+        err: BaseException | None,
     ) -> None:
         sub.busy, sub.relay, sub.relay_handle, sub.patch = None, None, None, None
         if err is None:
@@ -409,29 +387,21 @@ class WeightPublisher(Handover, PublisherCore):
                 # forwarding what landed of it): it says which slots are free when it runs again,
                 # and ignores the version's ``ver`` should it still come (the write was withdrawn
                 # at its deadline, but its notification may have been on its way).
-                self._worker.submit(lambda: self._ask_credits(sub, (slot, version)))
+                abort = Abort(version=version, slot=slot)
+                self._worker.submit(lambda: self._ask_credits(sub, abort))
             handle.settle(sub.name, EXCLUDED, str(err))
         self._resume(sub)
 
-    def _ask_credits(self, sub: Member, given_up: tuple[int, int] | None = None) -> None:
-        """Ask ``sub`` which slots are free: ``hello``, or ``abort`` of ``given_up``, (slot, version)."""
+    def _ask_credits(self, sub: PublisherMember, abort: Abort | None = None) -> None:
+        """Ask ``sub`` which slots are free: ``hello``, or ``abort`` (a version given up in a
+        slot), whose answer says it too."""
         sub.asked = time.monotonic()
-        self._send(
-            sub.name, Hello() if given_up is None else Abort(version=given_up[1], slot=given_up[0])
-        )
+        self._send(sub.name, Hello() if abort is None else abort)
 
-    def _on_message(self, peer: str, payload: bytes) -> None:
-        if (m := decode_from(peer, payload)) is None:
-            return
-        if isinstance(m, Credit):
-            # a credit says the subscriber's whole state: only the newest counts, and a flood
-            # of them (from anyone) queues one piece of work per sender
-            self._worker.latest(("credit", peer), m, lambda c: self._on_credit(peer, c))
-        elif isinstance(m, Patched):
-            self._worker.offer(lambda: self._on_patched(peer, m))
-        elif isinstance(m, Report) and peer in self._subs:
+    def _on_other(self, peer: str, m: Message) -> None:
+        if isinstance(m, Report) and peer in self._subs:
             # only a member relays; a relay that floods the worker may lose a report (the
-            # child's slot then stays the relay's until it leaves or is lost)
+            # child's slot then stays the relay's until it leaves or is gone)
             self._worker.offer(lambda: self._on_relayed(peer, m))
 
     def _on_credit(self, peer: str, credit: Credit) -> None:
@@ -449,40 +419,22 @@ class WeightPublisher(Handover, PublisherCore):
             if sub.busy is None:
                 self._resume(sub)
 
-    def _deadlines(self) -> float:
-        """Subscribers still waiting for a slot at their deadline are excluded; forwards a
-        relay did not report on in time too."""
-        now = time.monotonic()
-        with self._lock:
-            for sub in list(self._subs.values()):
-                p = sub.patch
-                if p is not None and p.handle.deadline <= now:
-                    why = f"it did not apply the changes of version {p.version} within the deadline"
-                    self._finished(sub, p.slot, p.version, p.handle, TransferTimeout(why))
-                h = sub.relay_handle
-                if h is not None and h.deadline <= now and sub.name in h.pending:
-                    # Excluded now; the slot stays the relay's until it reports or is gone.
-                    h.settle(
-                        sub.name,
-                        EXCLUDED,
-                        f"relay {sub.relay} did not forward version {sub.writing} within the deadline",
-                    )
-                if (
-                    sub.waiting is not None
-                    and sub.mode == "staging"
-                    and not sub.credits
-                    and not sub.error
-                    and now - sub.asked > HELLO_AGAIN
-                ):
-                    # No answer to our hello yet (it may have come when the subscriber could not
-                    # reach us: a store that lost our record, say): ask again.
-                    sub.asked = now
-                    self._worker.submit(functools.partial(self._ask_credits, sub))
-                if sub.waiting is not None and sub.waiting[1].deadline <= now:
-                    v, hnd, _ = sub.waiting
-                    sub.waiting = None
-                    hnd.settle(sub.name, EXCLUDED, sub.no_slot(v))
-            return self._next_tick(now)
+    def _member_deadlines(self, sub: PublisherMember, now: float) -> None:
+        """A forward its relay did not report on in time is excluded."""
+        h = sub.relay_handle
+        if h is not None and h.deadline <= now and sub.name in h.pending:
+            # Excluded now; the slot stays the relay's until it reports or is gone.
+            h.settle(
+                sub.name,
+                EXCLUDED,
+                f"relay {sub.relay} did not forward version {sub.writing} within the deadline",
+            )
+
+    def _no_start(self, sub: PublisherMember, version: int) -> str:
+        return sub.no_slot(version)
+
+    def _awaits_credit(self, sub: PublisherMember) -> bool:
+        return sub.mode == "staging" and not sub.credits
 
     @property
     def segment_bytes(self) -> int:

@@ -1,5 +1,5 @@
-"""The publisher's side of a group's membership: its view of each subscriber, the roster of them
-it reads from the store, and the fan-outs."""
+"""The publisher's side of a group's membership: the roster of its subscribers, read from the
+store (each one's view in members.py), the fan-outs, and the watch of their heartbeats."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
 from transport import Batch, TransportError
 from transport.contract import stale_after, without_gc
-from transport.weights.group.group_directory import GroupDirectory
+from transport.weights.group.group_directory import GroupDirectory, GroupEntry
 from transport.weights.group.messages import MAX_DEGREE, Hello, encode
 from transport.weights.group.region_names import (
     channel,
@@ -26,132 +25,19 @@ from transport.weights.group.region_names import (
     region,
 )
 from transport.weights.publishing.delivery import EXCLUDED, Delivery
+from transport.weights.publishing.members import (
+    Member,
+    PublisherMember,
+    RankMember,
+    Retired,
+    replaced_why,
+)
 
 if TYPE_CHECKING:
     from transport import Transport
     from transport.contract import PeerView
-    from transport.weights.publishing.write_plan import SlotWrites
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PatchInFlight:
-    """A version's changes (``nbytes``) written into a subscriber's inbox for ``slot``, waiting
-    for its ``patched``."""
-
-    version: int
-    slot: int
-    handle: Delivery
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Retired:
-    """A member incarnation the roster no longer serves, and why: it left, a newer incarnation
-    of its name replaced it, or (``lost``) its peer went away."""
-
-    member: Member
-    why: str
-    lost: bool
-
-
-def replaced_why(old: Member, generation: int) -> str:
-    """Why the member ``old`` was planned again, as incarnation ``generation``."""
-    if generation != old.generation:
-        return f"a newer incarnation of it (generation {generation}) joined"
-    if old.error:
-        return f"it is planned again ({old.error})"
-    return "it joined again with another group entry"
-
-
-class Member:
-    """The publisher's view of one subscriber incarnation: what it takes (``names``, the
-    ``batches`` per slot), what went wrong when it was planned (``error``: it is planned again at
-    the next publish), since when its group entry is missing from a store that lost the group
-    (``vanished``), its free slots (``credits``), the slot being written and by whom, the version
-    waiting for a slot, the slots fenced off for a relay that was cut off while writing them, and
-    the segments of a version in flight. The publisher changes it under its own lock only."""
-
-    def __init__(
-        self, name: str, generation: int, mode: str, slots: int, relay: bool, instance: int = 0
-    ) -> None:
-        self.name, self.generation, self.mode, self.slots = name, generation, mode, slots
-        self.instance = instance  # which subscriber of that incarnation (its group entry says)
-        self.entry = (generation, instance, mode, slots, relay)  # as its group entry said
-        self.can_relay = relay and mode == "staging"
-        self.names: frozenset[str] = frozenset()
-        self.batches: list[Batch] = []
-        self.error = ""
-        # ``error`` may pass by itself (no record or connection yet: a store that restarted
-        # empty, a peer still starting): planned again while a version waits for it
-        self.transient = False
-        self.vanished: float | None = None  # monotonic time its entry was found missing
-        self.asked = time.monotonic()  # when we last said hello (asked for free slots)
-        self.credits: set[int] = set(range(slots)) if mode == "inplace" else set()
-        self.completed = -1  # the newest version that landed there
-        self.held: dict[int, int] = {}  # credited slot -> the version it holds whole (staging)
-        self.inbox = 0  # bytes of its delta inbox (0: it takes versions whole only)
-        self.delta_key: object = None  # a sharded rank's key of its layout (weights/delta/ranks.py)
-        self.patch: PatchInFlight | None = None  # changes written, waiting for ``patched``
-        self.started = 0.0  # when the write of ``busy`` began
-        self.busy: int | None = None  # slot being written
-        self.writing = -1  # the version being written into it
-        # a version waiting for a credit, and the relay to write it (None: the publisher)
-        self.waiting: tuple[int, Delivery, str | None] | None = None
-        self.relay: str | None = None  # the relay writing ``busy``, which only it can give back
-        self.relay_handle: Delivery | None = None
-        # slots a relay was cut off while writing (slot -> (relay, version)): nobody else
-        # writes them until that relay reports on this subscriber or is gone
-        self.fenced: dict[int, tuple[str, int]] = {}
-        self.lend_asked = -1  # the newest version it was asked to lend a slot for
-        self.segments: dict[int, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
-        # a sharded trainer's rank (weights/publishing/sharded.py): what it writes per slot, the newest
-        # version the subscriber completed and settled (its credits), the version this rank
-        # last began there, and the one whose completion it waits to hear of
-        self.writes: list[SlotWrites] = []
-        self.newest = -1
-        self.settled = -1
-        self.last = -1
-        self.acked: tuple[int, int, Delivery] | None = None
-        # no longer served (left, replaced by a newer incarnation, lost): what completes for it
-        # later is settled, and nothing more is sent to its name on its account
-        self.retired = False
-
-    def free_slot(self) -> int | None:
-        """A slot the publisher may write now: credited, neither being written nor fenced."""
-        busy = {self.busy} if self.busy is not None else set()
-        free = sorted(self.credits - busy - set(self.fenced))
-        return free[0] if free else None
-
-    def take_patch(self, version: int, slot: int | None = None) -> PatchInFlight | None:
-        """The changes in flight that a ``patched`` (or their put's end) of ``version`` in
-        ``slot`` (None: any) answers, no longer in flight; None if it answers none."""
-        p = self.patch
-        if p is None or p.version != version or (slot is not None and p.slot != slot):
-            return None
-        self.patch = None
-        return p
-
-    def unfence(self, relay: str, version: int | None = None) -> None:
-        """``relay`` reported on this subscriber (on ``version`` or a later one: its writes here
-        have drained) or is gone (``version`` None): the slots fenced for it are free again."""
-        for slot, (r, v) in list(self.fenced.items()):
-            if r == relay and (version is None or version >= v):
-                del self.fenced[slot]
-
-    def no_slot(self, version: int) -> str:
-        """Why ``version`` found no slot free here within its deadline."""
-        if self.error:
-            return self.error
-        if not self.fenced:
-            return f"no free slot within the deadline of version {version} (a slow apply?)"
-        cut = ", ".join(f"{r} (since version {v})" for r, v in sorted(self.fenced.values()))
-        return (
-            f"no free slot within the deadline of version {version}: one is fenced for "
-            f"relay {cut}, cut off while writing it, until it reports or is gone; the other "
-            "holds its newest version, which it had not applied (so it could not lend it)"
-        )
 
 
 FANOUTS = ("direct", "chain", "tree")
@@ -168,7 +54,7 @@ def check_fanout(fanout: object, degree: object) -> tuple[str, int]:
     return str(fanout), degree
 
 
-def fanout_tree(subs: list[Member], fanout: str, degree: int) -> dict[str, str]:
+def fanout_tree(subs: list[PublisherMember], fanout: str, degree: int) -> dict[str, str]:
     """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
     publisher writes; none with ``"direct"``). The publisher writes the first; subscriber ``i``
     goes under subscriber ``(i - 1) // k`` (``k`` = 1 for a chain, ``degree`` for a tree). Relays
@@ -187,7 +73,10 @@ def fanout_tree(subs: list[Member], fanout: str, degree: int) -> dict[str, str]:
     return via
 
 
-class Roster:
+M = TypeVar("M", bound=Member)
+
+
+class Roster(Generic[M]):
     """The subscribers of one group as the publisher serves them: one :class:`Member` per
     subscriber incarnation, planned (connected afresh, its tensors matched) when it joins.
 
@@ -227,15 +116,17 @@ class Roster:
         transport: Transport,
         group: str,
         tensors: Mapping[str, torch.Tensor],
-        planner: Callable[[Member, PeerView], str] | None = None,
+        member_type: type[M],
+        planner: Callable[[RankMember, PeerView], str] | None = None,
     ) -> None:
         self.transport = transport
         self.group = group
         self.tensors = tensors
         # how a sharded rank plans a member (sets its ``writes``; returns what is wrong, or "")
         self.planner = planner
+        self.member_type = member_type  # what each publisher keeps of a member
         self.dir = GroupDirectory(transport.core.signed, transport.namespace, group)
-        self.members: dict[str, Member] = {}
+        self.members: dict[str, M] = {}
         self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self.epoch = -1  # the group's epoch when it was last read
         self.reread = False  # read every entry at the next refresh, whatever the epoch
@@ -266,15 +157,14 @@ class Roster:
         entries = self.dir.entries(None if full else check)
         now, seen, gone = time.monotonic(), set(), []
         for name, entry in entries.items():
-            if self.lost.get(name, -1) >= entry["gen"]:
+            if self.lost.get(name, -1) >= entry.generation:
                 continue  # died without leaving the group (or an older incarnation's, put back)
             seen.add(name)
             sub = self.members.get(name)
-            fields = (entry["gen"], entry["inst"], entry["mode"], entry["slots"], entry["relay"])
-            if sub is None or sub.entry != fields or sub.error:  # any change: planned again
+            if sub is None or sub.entry != entry or sub.error:  # any change: planned again
                 self.members[name] = self.plan(name, entry, sub)
                 if sub is not None:
-                    gone.append(Retired(sub, replaced_why(sub, entry["gen"]), lost=False))
+                    gone.append(Retired(sub, replaced_why(sub, entry.generation), lost=False))
             else:
                 sub.vanished = None  # back in the group
         for name in check:
@@ -296,15 +186,14 @@ class Roster:
                 gone.append(Retired(sub, "it left the group", lost=False))
         return gone
 
-    def replan(self, sub: Member) -> Member | None:
+    def replan(self, sub: M) -> M | None:
         """Plan ``sub`` again (its error may have passed) from its entry as the store holds it
         now (a newer incarnation's, if one joined; the one it was planned from while the store
         has none): the new Member in its place, or None (``sub.error`` then says why not, as
         it is now). One store read, and a connect."""
         entry = self.dir.entry(sub.name)
-        if entry is None or self.lost.get(sub.name, -1) >= entry["gen"]:
-            gen, inst, mode, slots, relay = sub.entry
-            entry = {"gen": gen, "inst": inst, "mode": mode, "slots": slots, "relay": relay}
+        if entry is None or self.lost.get(sub.name, -1) >= entry.generation:
+            entry = sub.entry
         new = self.plan(sub.name, entry, sub)
         if new.error:
             sub.error, sub.transient = new.error, new.transient
@@ -316,7 +205,7 @@ class Roster:
         """How long a member whose entry the store lost is served before it counts as left."""
         return stale_after(self.transport.heartbeat_interval)
 
-    def lose(self, sub: Member) -> bool:
+    def lose(self, sub: M) -> bool:
         """``sub`` went away (its peer was lost): dropped until a newer incarnation joins. False
         if it was no longer a member."""
         if self.members.get(sub.name) is not sub:
@@ -327,13 +216,47 @@ class Roster:
         return True
 
     @without_gc
-    def plan(self, name: str, entry: dict[str, Any], before: Member | None) -> Member:
-        """A new Member for ``entry``: connected afresh, its tensors matched (``error`` says why
-        it cannot be served; ``before``, the member it replaces, keeps a repeated error from
-        being logged at every publish)."""
-        sub = Member(
-            name, entry["gen"], entry["mode"], entry["slots"], entry["relay"], entry["inst"]
-        )
+    def plan(self, name: str, entry: GroupEntry, before: M | None) -> M:
+        """A new member for ``entry`` (``member_type``: a :class:`RankMember` a sharded rank
+        plans with ``planner``, a :class:`PublisherMember` whose tensors are matched by name):
+        connected afresh (``error`` says why it cannot be served; ``before``, the member it
+        replaces, keeps a repeated error from being logged at every publish)."""
+        sub = self.member_type(name, entry)
+        conn = self._connect(sub, before)
+        if conn is None:
+            return sub
+        if isinstance(sub, RankMember):
+            self._plan_rank(sub, conn, before)
+        elif isinstance(sub, PublisherMember):
+            self._plan_names(sub, conn, before)
+        return sub
+
+    def _plan_names(self, sub: PublisherMember, conn: PeerView, before: Member | None) -> None:
+        """A publisher's member: the tensors it exposes matched by name, then asked for its
+        free slots (staging)."""
+        name = sub.name
+        names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")
+        if not names and not problems:
+            problems.append("it exposes none of the publisher's tensors")
+        if problems:
+            sub.error = (
+                f"subscriber {name!r} does not match ({len(problems)} problems): "
+                + "; ".join(problems)
+            )
+            if before is None or before.error != sub.error:
+                log.error("group %s: %s", self.group, sub.error)
+            return
+        sub.names = frozenset(names)
+        sub.batches = self.batches(sub.names, names, sub.slots)
+        inbox = conn.regions.get(inbox_region(self.group))
+        sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
+        if sub.mode == "staging":
+            self._hello(sub)
+
+    def _connect(self, sub: Member, before: Member | None) -> PeerView | None:
+        """Connect to ``sub`` afresh and check that its record agrees with its entry: what the
+        connection shows, or None (``sub.error`` says why)."""
+        name = sub.name
         try:
             # Read its record afresh: a connection made before it subscribed lacks the group's
             # regions, and one to an older incarnation is stale.
@@ -341,14 +264,14 @@ class Roster:
         except TransportError as e:
             sub.error = f"cannot connect (tried again until the deadline): {e}"
             sub.transient = True
-            return sub
-        if conn.generation != entry["gen"]:
+            return None
+        if conn.generation != sub.generation:
             sub.error = (
                 f"its record is of generation {conn.generation}, its group entry of "
-                f"{entry['gen']} (tried again until the deadline)"
+                f"{sub.generation} (tried again until the deadline)"
             )
             sub.transient = True
-            return sub
+            return None
         exposed = exposed_slots(conn.regions, self.group)
         marked = inplace_mark(self.group) in conn.regions
         if exposed and marked != (sub.mode == "inplace"):
@@ -362,7 +285,7 @@ class Roster:
             )
             if before is None or before.error != sub.error:
                 log.error("group %s: subscriber %r: %s", self.group, name, sub.error)
-            return sub
+            return None
         if exposed and exposed != sub.slots:
             # the entry is its own (signed), but of another subscriber of this incarnation, put
             # back: writing slots it does not expose, or its only slot in place, would fail or
@@ -373,40 +296,27 @@ class Roster:
             )
             if before is None or before.error != sub.error:
                 log.error("group %s: subscriber %r: %s", self.group, name, sub.error)
-            return sub
-        if self.planner is not None:
-            try:
-                sub.error = self.planner(sub, conn)
-            except Exception as e:  # what a subscriber declared must never stop a publish
-                sub.error = (
-                    f"subscriber {name!r} cannot be planned ({type(e).__name__}: {e}; tried "
-                    "again at the next publish)"
-                )
-                if before is None or before.error != sub.error:
-                    log.exception("group %s: planning subscriber %r failed", self.group, name)
-            else:
-                if sub.error and (before is None or before.error != sub.error):
-                    log.error("group %s: %s", self.group, sub.error)
-            self._hello(sub)
-            return sub
-        names, problems = match_regions(conn.regions, self.group, self.tensors, "publisher")
-        if not names and not problems:
-            problems.append("it exposes none of the publisher's tensors")
-        if problems:
+            return None
+        return conn
+
+    def _plan_rank(self, sub: RankMember, conn: PeerView, before: Member | None) -> None:
+        """A sharded rank's member: planned by the rank's ``planner`` (which sets its
+        ``writes``), then asked for its free slots (in place too: its credits say which versions
+        it completed)."""
+        assert self.planner is not None
+        try:
+            sub.error = self.planner(sub, conn)
+        except Exception as e:  # what a subscriber declared must never stop a publish
             sub.error = (
-                f"subscriber {name!r} does not match ({len(problems)} problems): "
-                + "; ".join(problems)
+                f"subscriber {sub.name!r} cannot be planned ({type(e).__name__}: {e}; tried "
+                "again at the next publish)"
             )
             if before is None or before.error != sub.error:
+                log.exception("group %s: planning subscriber %r failed", self.group, sub.name)
+        else:
+            if sub.error and (before is None or before.error != sub.error):
                 log.error("group %s: %s", self.group, sub.error)
-            return sub
-        sub.names = frozenset(names)
-        sub.batches = self.batches(sub.names, names, sub.slots)
-        inbox = conn.regions.get(inbox_region(self.group))
-        sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
-        if sub.mode == "staging":
-            self._hello(sub)
-        return sub
+        self._hello(sub)
 
     def _hello(self, sub: Member) -> None:
         """Ask ``sub`` for its free slots (a sharded rank asks in-place members too: their
@@ -460,11 +370,11 @@ class SuspectWatch:
 
     def __init__(
         self,
-        roster: Roster,
+        roster: Roster[Any],
         lock: threading.RLock,
         handles: Callable[[], Iterable[Delivery]],
         interval: float,
-        cut_off: Callable[[Member, str], bool] = lambda sub, why: False,
+        cut_off: Callable[[Any, str], bool] = lambda sub, why: False,
     ) -> None:
         self.roster, self.lock, self.handles, self.interval = roster, lock, handles, interval
         self.cut_off = cut_off
@@ -509,6 +419,6 @@ class SuspectWatch:
                     log.info("group %s: %s excluded: %s", self.roster.group, sub.name, reason)
                     for h in live:
                         h.settle(sub.name, EXCLUDED, reason)
-                    if sub.waiting is not None and not sub.waiting[1].waits_for(sub.name):
+                    if sub.waiting is not None and not sub.waiting.handle.waits_for(sub.name):
                         sub.waiting = None  # never started later, with the next one's bytes
         return self.interval

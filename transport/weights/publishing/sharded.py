@@ -16,7 +16,6 @@ from transport import (
     LayoutError,
     PeerLostError,
     PeerNotFoundError,
-    TransferTimeout,
     Transport,
     TransportError,
     WireFormatError,
@@ -28,15 +27,11 @@ from transport.weights.delta.source import check_delta
 from transport.weights.group.group_directory import WHOLE, GroupDirectory
 from transport.weights.group.lease import PublisherLease
 from transport.weights.group.messages import (
-    HELLO_AGAIN,
     Abort,
     Begin,
     Credit,
-    Hello,
     Patch,
-    Patched,
     Ver,
-    decode_from,
     encode,
 )
 from transport.weights.group.region_names import channel, inbox_region, region
@@ -52,7 +47,7 @@ from transport.weights.layouts import (
 from transport.weights.layouts.encoding import decode_dest, decode_sources, source_digest
 from transport.weights.publishing.core import PublisherCore
 from transport.weights.publishing.delivery import DONE, EXCLUDED, Delivery, Landing, PublishHandle
-from transport.weights.publishing.roster import Member, PatchInFlight
+from transport.weights.publishing.members import Acked, PatchInFlight, RankMember, Waiting
 from transport.weights.publishing.trainer_ranks import TrainerRanks
 from transport.weights.publishing.write_plan import SlotWrites, plan_writes
 
@@ -63,7 +58,7 @@ CHUNK_BYTES = 8 << 20
 POOL_BYTES = 32 << 20
 
 
-class ShardedPublisher(PublisherCore):
+class ShardedPublisher(PublisherCore[RankMember]):
     """Rank ``rank`` of a sharded trainer: publishes its ``shards`` (name -> the slice
     ``layout`` says this rank holds) to every subscriber of ``group``.
 
@@ -148,6 +143,7 @@ class ShardedPublisher(PublisherCore):
             self._local,
             PublisherLease(transport, group, rank, self.world, self.digest),
             f"transport-ws-rank{rank}-{group}",
+            RankMember,
             planner=self._plan_member,
         )
         try:
@@ -158,7 +154,7 @@ class ShardedPublisher(PublisherCore):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _plan_member(self, sub: Member, conn: object) -> str:
+    def _plan_member(self, sub: RankMember, conn: object) -> str:
         """The writes of this rank into ``sub`` (planned once per incarnation), or why not."""
         try:
             raw = self._dir.layout(sub.name, sub.generation)
@@ -263,18 +259,20 @@ class ShardedPublisher(PublisherCore):
         self._worker.submit(lambda: None)  # the tick watches the new deadline
         return handle.handle
 
-    def _ready(self, sub: Member) -> bool:
+    def _ready(self, sub: RankMember) -> bool:
         settled = sub.settled >= sub.last
         return settled and (sub.mode == "inplace" or bool(sub.credits))
 
-    def _start(self, sub: Member, version: int, handle: Delivery, via: str | None = None) -> None:
+    def _start(
+        self, sub: RankMember, version: int, handle: Delivery, via: str | None = None
+    ) -> None:
         """With the lock held: begin ``version`` at ``sub`` now, or once it is ready; not once
         ``sub`` has its outcome of it (the shards may hold the next version by now). ``via`` is
         always None: a rank writes every subscriber itself."""
         if not self._may_start(sub, version, handle):
             return
         if sub.busy is not None or sub.acked is not None or not self._ready(sub):
-            sub.waiting = (version, handle, None)
+            sub.waiting = Waiting(version, handle)
             return
         slot = 0 if sub.mode == "inplace" else min(sub.credits)
         sub.busy, sub.writing, sub.last = slot, version, version
@@ -285,7 +283,7 @@ class ShardedPublisher(PublisherCore):
                 sub.name, channel(self.group), encode(Begin(version, slot))
             )
         except TransportError as e:
-            self._ended(sub, slot, version, handle, e)
+            self._finished(sub, slot, version, handle, e)
             return
         patch = self._patch_for(sub, slot, version)
         if patch is not None:
@@ -294,7 +292,7 @@ class ShardedPublisher(PublisherCore):
             return
         self._writer.submit(functools.partial(self._write, sub, slot, version, handle))
 
-    def _patch_for(self, sub: Member, slot: int, version: int) -> Encoded | None:
+    def _patch_for(self, sub: RankMember, slot: int, version: int) -> Encoded | None:
         """With the lock held: the changes of this rank's parts of ``version`` for ``slot`` of
         ``sub``, or None (whole). In place the live tensors hold the newest version; in staging,
         with one rank, the subscriber copies its newest version into a slot that holds
@@ -305,11 +303,11 @@ class ShardedPublisher(PublisherCore):
         holds = sub.newest if single else sub.held.get(slot, -1)
         return self._deltas.changes_for(sub.delta_key, version, holds, self._share(sub))
 
-    def _share(self, sub: Member) -> int:
+    def _share(self, sub: RankMember) -> int:
         """Bytes of ``sub``'s inbox that are this rank's (from ``rank * share`` on)."""
         return sub.inbox // self.world // 8 * 8
 
-    def _write_patch(self, sub: Member, slot: int, handle: Delivery, patch: Encoded) -> None:
+    def _write_patch(self, sub: RankMember, slot: int, handle: Delivery, patch: Encoded) -> None:
         """Writer thread: this rank's changes into its share of ``sub``'s inbox; the
         subscriber's ``patched`` says the rest."""
         version, n = patch.version, patch.blob.numel()
@@ -327,47 +325,21 @@ class ShardedPublisher(PublisherCore):
         except TransportError as e:
             with self._lock:
                 if sub.take_patch(version) is not None:
-                    self._ended(sub, slot, version, handle, e)
+                    self._finished(sub, slot, version, handle, e)
             return
         h.add_done_callback(
-            lambda h: self._worker.submit(functools.partial(self._on_patch_put, sub, version, h))
+            lambda h: self._worker.submit(
+                functools.partial(self._on_patch_put, sub, None, version, h)
+            )
         )
 
-    def _on_patch_put(self, sub: Member, version: int, h: Handle) -> None:
-        """The changes landed (the subscriber's ``patched`` tells the rest), or failed."""
-        err = h.exception(0)
-        with self._lock:
-            p = None if err is None else sub.take_patch(version)
-            if p is not None:
-                self._ended(sub, p.slot, version, p.handle, err)
+    def _write_whole(self, sub: RankMember, slot: int, version: int, handle: Delivery) -> None:
+        self._writer.submit(functools.partial(self._write, sub, slot, version, handle))
 
-    def _on_patched(self, peer: str, m: Patched) -> None:
-        with self._lock:
-            sub = self._subs.get(peer)
-            p = None if sub is None else sub.take_patch(m.version, m.slot)
-            if sub is None or p is None:
-                return
-            if not m.why:
-                p.handle.result.patched[peer] = p.nbytes
-                if self._deltas is not None:  # None: delta was turned off since they were sent
-                    self._deltas.policy.wrote(True, time.monotonic() - sub.started)
-                self._ended(sub, m.slot, m.version, p.handle, None)
-                return
-            if self._superseded(m.version):
-                why = f"it refused the changes of version {m.version} ({m.why}), and a newer one is on its way"
-                self._ended(sub, m.slot, m.version, p.handle, TransportError(why))
-                return
-            log.info(
-                "group %s: %s refused rank %d's changes of version %d (%s); writing them whole",
-                self.group,
-                peer,
-                self.rank,
-                m.version,
-                m.why,
-            )
-        self._writer.submit(functools.partial(self._write, sub, m.slot, m.version, p.handle))
+    def _changes(self, version: int) -> str:
+        return f"rank {self.rank}'s changes of version {version}"
 
-    def _write(self, sub: Member, slot: int, version: int, handle: Delivery) -> None:
+    def _write(self, sub: RankMember, slot: int, version: int, handle: Delivery) -> None:
         """Writer thread: post this rank's writes of ``version`` into ``slot`` (converting through
         the pool), then ``ver`` once all of them landed."""
         writes: SlotWrites = sub.writes[slot]
@@ -401,7 +373,7 @@ class ShardedPublisher(PublisherCore):
 
     def _landed(
         self,
-        sub: Member,
+        sub: RankMember,
         slot: int,
         version: int,
         handle: Delivery,
@@ -422,16 +394,16 @@ class ShardedPublisher(PublisherCore):
             except TransportError as e:
                 err = e
         with self._lock:
-            self._ended(sub, slot, version, handle, err)
+            self._finished(sub, slot, version, handle, err)
 
-    def _ended(
-        self, sub: Member, slot: int, version: int, handle: Delivery, err: BaseException | None
+    def _finished(
+        self, sub: RankMember, slot: int, version: int, handle: Delivery, err: BaseException | None
     ) -> None:
         """With the lock held: this rank's part of ``version`` at ``sub`` landed (it waits to hear
         that the version completed) or failed."""
         sub.busy = None
         if err is None:
-            sub.acked = (version, slot, handle)
+            sub.acked = Acked(version, slot, handle)
             self._heard(sub)
             return
         if isinstance(err, PeerLostError):
@@ -444,14 +416,14 @@ class ShardedPublisher(PublisherCore):
         handle.settle(sub.name, EXCLUDED, f"{err}; {self._ranks.missing(version)}")
         self._resume(sub)
 
-    def _give_up(self, sub: Member, version: int, slot: int) -> None:
+    def _give_up(self, sub: RankMember, version: int, slot: int) -> None:
         abort = Abort(version=version, slot=slot)
         self._worker.submit(functools.partial(self._send, sub.name, abort))
 
-    def _heard(self, sub: Member) -> None:
+    def _heard(self, sub: RankMember) -> None:
         """With the lock held: settle the version ``sub`` completed or gave up, and begin the next."""
         if sub.acked is not None:
-            version, _, handle = sub.acked
+            version, handle = sub.acked.version, sub.acked.handle
             if sub.newest >= version:
                 sub.acked = None
                 handle.settle(sub.name, DONE)
@@ -467,16 +439,6 @@ class ShardedPublisher(PublisherCore):
 
     # -- messages ----------------------------------------------------------------------------------
 
-    def _on_message(self, peer: str, payload: bytes) -> None:
-        m = decode_from(peer, payload)
-        if m is None:
-            return
-        if isinstance(m, Credit):
-            # only the newest credit of a subscriber counts: a flood queues one piece of work
-            self._worker.latest(("credit", peer), m, functools.partial(self._on_credit, peer))
-        elif isinstance(m, Patched):
-            self._worker.offer(functools.partial(self._on_patched, peer, m))
-
     def _on_credit(self, peer: str, credit: Credit) -> None:
         with self._lock:
             sub = self._subs.get(peer)
@@ -488,53 +450,32 @@ class ShardedPublisher(PublisherCore):
                 sub.held = {s: credit.held(s) for s in sub.credits}
             self._heard(sub)
 
-    def _deadlines(self) -> float:
-        """Versions not complete at their deadline are given up; versions that could not
-        begin by then are excluded."""
-        now = time.monotonic()
-        with self._lock:
-            for sub in self._subs.values():
-                p = sub.patch
-                if p is not None and p.handle.deadline <= now:
-                    sub.patch = None
-                    why = f"it did not apply rank {self.rank}'s changes of version {p.version} in time"
-                    self._ended(sub, p.slot, p.version, p.handle, TransferTimeout(why))
-                if sub.acked is not None and sub.acked[2].deadline <= now:
-                    version, slot, handle = sub.acked
-                    sub.acked = None
-                    self._give_up(sub, version, slot)
-                    handle.settle(
-                        sub.name,
-                        EXCLUDED,
-                        f"version {version} did not complete within the deadline; "
-                        f"{self._ranks.missing(version)}",
-                    )
-                    self._resume(sub)
-                if sub.waiting is not None and sub.waiting[1].deadline <= now:
-                    v, hnd, _ = sub.waiting
-                    sub.waiting = None
-                    if sub.error:
-                        why = sub.error
-                    elif sub.last >= 0 and sub.settled < sub.last:
-                        missing = self._ranks.missing(sub.last)
-                        why = f"the subscriber is not done with version {sub.last}; {missing}"
-                    else:
-                        why = "the subscriber never said which slots are free"
-                    hnd.settle(
-                        sub.name,
-                        EXCLUDED,
-                        f"version {v} could not begin within the deadline: {why}",
-                    )
-                elif (
-                    sub.waiting is not None
-                    and sub.settled >= sub.last
-                    and not sub.error
-                    and now - sub.asked > HELLO_AGAIN
-                ):
-                    # no credit yet (our hello may have come before it could reach us): ask again
-                    sub.asked = now
-                    self._worker.submit(functools.partial(self._send, sub.name, Hello()))
-            return self._next_tick(now)
+    def _member_deadlines(self, sub: RankMember, now: float) -> None:
+        """A version this rank wrote that did not complete by its deadline is given up."""
+        acked = sub.acked
+        if acked is not None and acked.handle.deadline <= now:
+            sub.acked = None
+            self._give_up(sub, acked.version, acked.slot)
+            acked.handle.settle(
+                sub.name,
+                EXCLUDED,
+                f"version {acked.version} did not complete within the deadline; "
+                f"{self._ranks.missing(acked.version)}",
+            )
+            self._resume(sub)
+
+    def _no_start(self, sub: RankMember, version: int) -> str:
+        if sub.error:
+            why = sub.error
+        elif sub.last >= 0 and sub.settled < sub.last:
+            missing = self._ranks.missing(sub.last)
+            why = f"the subscriber is not done with version {sub.last}; {missing}"
+        else:
+            why = "the subscriber never said which slots are free"
+        return f"version {version} could not begin within the deadline: {why}"
+
+    def _awaits_credit(self, sub: RankMember) -> bool:
+        return sub.settled >= sub.last
 
     def _switch_deltas(self, mode: bool | str) -> None:
         self._deltas: RankDeltas | None = None

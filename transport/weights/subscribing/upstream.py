@@ -201,7 +201,7 @@ class Upstream:
         except TransportError as e:
             log.info("group %s: cannot check sender %s: %s", self._group, peer, e)
             return None
-        relay = entry is not None and bool(entry["relay"])
+        relay = entry is not None and entry.relay
         if peer not in publishers and not relay:
             return None if entry is None or not leases else False
         with self._lock:
@@ -220,7 +220,7 @@ class Upstream:
     def _is_relay(self, peer: str) -> bool:
         """Whether the group's entry of ``peer`` says it relays (one that is not valid does not)."""
         entry = self._dir.entry(peer)
-        return entry is not None and bool(entry["relay"])
+        return entry is not None and entry.relay
 
     def refresh(self) -> float:
         """Worker tick: check again the senders the store did not know yet when they are due;
