@@ -51,6 +51,11 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
             conn.send(("ok", result))
 
 
+#: how long a child may take to start before the test fails as hung: a deadline against hangs,
+#: not a claim about speed (under the full suite a plain Peer's start, a NIXL agent and its
+#: record, was measured past 60 s on the 2-core machine)
+START_TIMEOUT = 180.0
+
 #: what the forkserver imports before it forks any child (importable from the installed
 #: environment: the forkserver starts with Python's default path, not the test process's)
 PRELOAD = ["numpy", "torch", "transport", "transport.weights"]

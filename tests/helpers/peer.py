@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from helpers import internals
-from helpers.child import ChildError, ChildProcess, serve
+from helpers.child import START_TIMEOUT, ChildError, ChildProcess, serve
 
 # name -> (dtype, numel, access) or (dtype, numel, access, device), e.g. device "cuda:0"
 Regions = dict[str, tuple[Any, ...]]
@@ -136,7 +136,7 @@ class Peer(ChildProcess):
         name: str,
         store_url: str,
         regions: Regions | None = None,
-        start_timeout: float = 60,
+        start_timeout: float = START_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         super().__init__(name, _child, (store_url, regions or {}, kwargs), start_timeout)
@@ -178,5 +178,7 @@ def _cycler_child(conn: Any, name: str, store: str, nbytes: int) -> None:
 class Cycler(ChildProcess):
     """A child process that opens and closes a Transport named ``name`` on command."""
 
-    def __init__(self, name: str, store_url: str, nbytes: int, start_timeout: float = 60) -> None:
+    def __init__(
+        self, name: str, store_url: str, nbytes: int, start_timeout: float = START_TIMEOUT
+    ) -> None:
         super().__init__(name, _cycler_child, (store_url, nbytes), start_timeout)

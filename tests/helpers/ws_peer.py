@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from helpers import internals
-from helpers.child import ChildError, ChildProcess, serve
+from helpers.child import START_TIMEOUT, ChildError, ChildProcess, serve
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
 
@@ -356,7 +356,7 @@ class SubscriberProcess(ChildProcess):
         spec: Spec,
         group: str = "policy",
         mode: str = "staging",
-        start_timeout: float = 60,
+        start_timeout: float = START_TIMEOUT,
         wait: bool = True,
         relay: bool = True,
         slots: int = 2,
@@ -387,7 +387,7 @@ class PublisherProcess(ChildProcess):
         store_url: str,
         spec: Spec,
         group: str = "policy",
-        start_timeout: float = 60,
+        start_timeout: float = START_TIMEOUT,
         wait: bool = True,
         fanout: str = "direct",
         **kwargs: Any,
