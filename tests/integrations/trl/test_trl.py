@@ -82,11 +82,17 @@ def test_full_run_every_sample_comes_whole_from_one_version_no_older_than_its_ta
     # the job pauses with mode "wait": a request running when a version starts to load
     # finishes on the version it started with, so no sample mixes two; TRL tags a group of
     # completions with the version of its first request, so a group that a sync splits has
-    # later members from the next version (tagged one older: TRL's staleness errs long)
+    # later members from the next version (tagged one older: TRL's staleness errs long).
+    # A torn sample matches no version. A short, near-certain completion can match two
+    # versions within the tolerance, so the version that explains it best is judged against
+    # its tag, and most samples must match their tag's version alone.
     samples = report["full"]["samples"]
     assert len(samples) >= 100
     for s in samples:
-        assert len(s["matches"]) == 1 and s["matches"][0] >= s["tag"], s
+        assert s["matches"], s
+        least = min(s["closest"].values())
+        best = [int(v) for v, diff in s["closest"].items() if diff == least]
+        assert max(best) >= s["tag"], s
     assert sum(s["matches"] == [s["tag"]] for s in samples) * 2 > len(samples)
 
 
