@@ -27,7 +27,6 @@ from typing import TypeVar
 from transport import (
     Handle,
     PeerGoneError,
-    PeerNotFoundError,
     TransferTimeout,
     Transport,
     TransportError,
@@ -35,6 +34,7 @@ from transport import (
     WireFormatError,
 )
 from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, Free, decode
+from transport.weights.peer_watch import PeerWatch
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Inbox:
         self.buckets: dict[tuple[str, int], Bucket] = {}
         self.free: dict[str, int] = {}
         self.aborts: list[tuple[str, Abort]] = []
-        self._generations: dict[str, int] = {}
+        self._watch = PeerWatch(transport)
         self._closed = False
         self._stop = transport.core.on_control(CHANNEL, self._on_message)
 
@@ -76,7 +76,7 @@ class Inbox:
                 self.buckets.clear()
                 self.free.clear()
                 self.aborts.clear()
-                self._generations.clear()
+                self._watch.forget()
                 self._cond.notify_all()  # an old update's wait raises UpdateSupersededError
             flying, self._flying = self._flying, []
         deadline = time.monotonic() + settle_timeout
@@ -148,15 +148,9 @@ class Inbox:
         return index < 2 or self.free.get(peer, -1) >= index
 
     def _check(self, watch: Iterable[str]) -> None:
-        core = self.transport.core
         for peer in watch:
             try:
-                gen = self._generations.get(peer)
-                if gen is None:
-                    gen = self._generations[peer] = core.peer(peer).generation
-                why = core.suspect(peer, gen)
-            except PeerNotFoundError:
-                why = "it left the store (its record is gone)"
+                why = self._watch.why(peer)
             except TransportError as e:
                 why = f"{type(e).__name__}: {e}"
             if why:

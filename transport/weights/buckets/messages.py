@@ -1,10 +1,10 @@
-"""The bucket protocol's control messages as typed values, and their one encoder and decoder.
+"""The bucket protocol's control messages as typed values, encoded and decoded by the one codec
+of weight sync (weights/message_codec.py: its kind under ``"k"``, short keys for the fields).
 
 Every message names the update it belongs to (``token``: minted once per update by
 :func:`~transport.weights.buckets.topology.build_plans`), so a message of an earlier update
-that arrives late is told apart and ignored. On the wire a message is a msgpack map with its kind
-under ``"kind"``; :func:`decode` is the only place that reads a peer's bytes (exact field sets,
-types and ranges, or :class:`~transport.errors.WireFormatError`).
+that arrives late is told apart and ignored. :func:`decode` is the only place that reads a
+peer's bytes (exact field sets, types and ranges, or :class:`~transport.errors.WireFormatError`).
 
 * :class:`Bucket` (sender -> receiver, the notification of the bucket's put): bucket ``index`` of
   the update has landed in ``slot``; its tensors' metadata lies in the bucket itself at
@@ -19,13 +19,10 @@ types and ranges, or :class:`~transport.errors.WireFormatError`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-import msgpack
-
-from transport import WireFormatError
-from transport.contract import unpack
+from transport.weights.message_codec import Codec
 
 #: the control channel of the bucket protocol (one per Transport: an engine owns its Transport)
 CHANNEL = "verl/buckets"
@@ -41,6 +38,16 @@ class Bucket:
     ``changes``: bytes of its changes at its start (0: its data, raw)."""
 
     KIND: ClassVar[str] = "bucket"
+    WIRE: ClassVar[dict[str, str]] = {
+        "token": "t",
+        "index": "i",
+        "slot": "s",
+        "data_bytes": "n",
+        "header_at": "h",
+        "header_bytes": "hn",
+        "last": "l",
+        "changes": "c",
+    }
     token: str
     index: int
     slot: int
@@ -50,14 +57,23 @@ class Bucket:
     last: bool
     changes: int = 0
 
+    def wire_rule(self) -> str:
+        if self.slot > 1:
+            return f"a bucket's slot is 0 or 1, got {self.slot}"
+        return token_rule(self.token)
+
 
 @dataclass(frozen=True)
 class Free:
     """The receiver's slot ``index % 2`` may take bucket ``index`` of update ``token``."""
 
     KIND: ClassVar[str] = "free"
+    WIRE: ClassVar[dict[str, str]] = {"token": "t", "index": "i"}
     token: str
     index: int
+
+    def wire_rule(self) -> str:
+        return token_rule(self.token)
 
 
 @dataclass(frozen=True)
@@ -66,49 +82,31 @@ class Abort:
     update cannot complete on any worker."""
 
     KIND: ClassVar[str] = "abort"
+    WIRE: ClassVar[dict[str, str]] = {"token": "t", "reason": "e", "whole": "w"}
     token: str
     reason: str
     whole: bool
 
+    def wire_rule(self) -> str:
+        return token_rule(self.token)
+
+
+def token_rule(token: str) -> str:
+    """The rule an update's token breaks ("" when it keeps them)."""
+    if len(token) != TOKEN_CHARS or not set(token) <= _TOKEN_OK:
+        return f"an update token is {TOKEN_CHARS} hex digits, got {token!r}"
+    return ""
+
 
 Message = Bucket | Free | Abort
-KINDS: dict[str, type[Bucket] | type[Free] | type[Abort]] = {
-    cls.KIND: cls for cls in (Bucket, Free, Abort)
-}
-_INTS = ("index", "slot", "data_bytes", "header_at", "header_bytes", "changes")
-
-
-def encode(msg: Message) -> bytes:
-    """The wire form of ``msg``."""
-    return msgpack.packb({"kind": msg.KIND, **asdict(msg)})
-
-
-def decode(payload: bytes) -> Message:
-    """A peer's bytes as a message, or WireFormatError naming the broken rule."""
-    m: Any = unpack(
-        payload, "bucket-protocol message", 8192, max_str=MAX_REASON, max_array=0, max_map=10
-    )
-    kind = m.get("kind") if isinstance(m, dict) else None
-    cls = KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise WireFormatError(f"unknown bucket-protocol message {str(m)[:80]}")
-    names = {f.name for f in fields(cls)}
-    if set(m) != names | {"kind"}:
-        raise WireFormatError(
-            f"a {kind!r} message has the fields {sorted(names)}, got {sorted(set(m) - {'kind'})}"
-        )
-    raw = {name: m[name] for name in names}
-    token = raw["token"]
-    if not isinstance(token, str) or len(token) != TOKEN_CHARS or not set(token) <= _TOKEN_OK:
-        raise WireFormatError(f"an update token is {TOKEN_CHARS} hex digits, got {token!r}")
-    for name in _INTS:
-        if name in raw and (type(raw[name]) is not int or raw[name] < 0):
-            raise WireFormatError(f"field {name!r} of a {kind!r} message must be an int >= 0")
-    for name in ("last", "whole"):
-        if name in raw and type(raw[name]) is not bool:
-            raise WireFormatError(f"field {name!r} of a {kind!r} message must be a bool")
-    if "reason" in raw and not isinstance(raw["reason"], str):
-        raise WireFormatError("an abort's reason must be a str")
-    if cls is Bucket and raw["slot"] > 1:
-        raise WireFormatError(f"a bucket's slot is 0 or 1, got {raw['slot']}")
-    return cls(**raw)
+#: the bucket protocol's codec (weights/message_codec.py)
+CODEC: Codec[Message] = Codec(
+    "bucket-protocol",
+    (Bucket, Free, Abort),
+    max_bytes=8192,
+    max_str=MAX_REASON,
+    max_array=0,
+    max_map=10,
+)
+encode = CODEC.encode
+decode = CODEC.decode

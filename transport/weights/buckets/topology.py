@@ -7,9 +7,10 @@ class's ``build_topology`` in the driver with all of them (trainer ranks first),
 
 The plan: bucket ``k`` of an update is filled and sent by trainer rank ``k % trainers`` (every
 rank holds every tensor, so the ranks share the sending); it lands in slot ``k % 2`` of each
-receiver. Receivers form a tree of ``degree`` children per node (``degree == 0``: no relays, the
-trainer ranks write every rollout worker themselves); the roots take buckets from the trainer
-ranks, every other worker from its parent, which relays each bucket it received.
+receiver. Receivers form a tree of ``degree`` children per node with ``degree`` roots
+(weights/relay_tree.py, the weight groups' shape too; ``degree == 0``: no relays, the trainer
+ranks write every rollout worker themselves); the roots take buckets from the trainer ranks,
+every other worker from its parent, which relays each bucket it received.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import secrets
 from dataclasses import dataclass
 
 from transport.weights.buckets.messages import TOKEN_CHARS
+from transport.weights.relay_tree import children_of, parent_of
 
 #: the relay degree that "auto" picks above this many rollout workers (direct at or below)
 AUTO_DIRECT_MAX = 4
@@ -107,7 +109,9 @@ def build_plans(
     if len(set(names)) != len(names):
         raise ValueError(f"build_topology: two engines share a peer name: {names}")
     t_names, r_names = tuple(names[:trainers]), names[trainers:]
-    roots = r_names if degree == 0 else r_names[:degree]
+    # the trainer ranks write the first ``degree`` workers (every one without relays)
+    first = len(r_names) if degree == 0 else degree
+    roots = r_names[:first]
     # changes only when every engine takes them and every one's copies hold the same update
     holds = {i.holds for i in infos}
     base = holds.pop() if all(i.delta for i in infos) and len(holds) == 1 else ""
@@ -117,8 +121,9 @@ def build_plans(
     ]
     r_plans = []
     for i in range(len(r_names)):
-        children = () if degree == 0 else tuple(r_names[(i + 1) * degree : (i + 2) * degree])
-        parent = None if degree == 0 or i < degree else r_names[i // degree - 1]
+        children = tuple(r_names[j] for j in children_of(i, len(r_names), max(first, 1), degree))
+        up = parent_of(i, max(first, 1), degree)
+        parent = None if up is None else r_names[up]
         r_plans.append(
             UpdatePlan(token, "rollout", i, store, bucket, t_names, children, parent, base)
         )

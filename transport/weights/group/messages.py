@@ -1,24 +1,19 @@
-"""The weight-sync control messages as typed values, and their one encoder and one decoder.
+"""The weight groups' control messages as typed values, encoded and decoded by the one codec of
+weight sync (weights/message_codec.py: its kind under ``"k"``, one-letter keys for the fields).
 
-What each message means, who sends it and when is in the docstring of ``transport.weights.group``. On the wire a
-message is a msgpack map with its kind under ``"k"`` and one-letter keys for its fields (the
-notifications stay small); in the code it is a frozen dataclass with named fields. :func:`decode`
-is the only place that reads a peer's bytes: exact field sets, types and ranges, or
-:class:`WireFormatError`.
+What each message means, who sends it and when is in the docstring of
+``transport.weights.group``. :func:`decode` is the only place that reads a peer's bytes: exact
+field sets, types and ranges, or :class:`WireFormatError`.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import msgpack
-
 from transport import WireFormatError
-from transport.contract import NAME_RE, is_count, unpack
-
-log = logging.getLogger(__name__)
+from transport.contract import NAME_RE, is_count
+from transport.weights.message_codec import Codec
 
 #: the most children one relay serves (the publisher's ``degree``)
 MAX_DEGREE = 16
@@ -100,6 +95,19 @@ class Credit:
                 return v
         return -1
 
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> Credit:
+        slots = raw["slots"]
+        if not isinstance(slots, list) or not all(is_count(x) and x < MAX_SLOT for x in slots):
+            raise WireFormatError("credit slots must be a list of small ints")
+        holds = raw["holds"]
+        if not isinstance(holds, list) or len(holds) not in (0, len(slots)):
+            raise WireFormatError("a credit says the version each credited slot holds, or none")
+        for x in [raw["newest"], raw["settled"], *holds]:
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise WireFormatError("credit versions must be ints")
+        return cls(tuple(slots), raw["newest"], raw["settled"], tuple(holds))
+
 
 @dataclass(frozen=True)
 class Target:
@@ -112,6 +120,9 @@ class Target:
     relays: bool
     base: int = -1
 
+    def to_wire(self) -> list[Any]:
+        return [self.child, self.slot, int(self.relays), self.base]
+
 
 @dataclass(frozen=True)
 class Forward:
@@ -122,6 +133,10 @@ class Forward:
     targets: tuple[Target, ...]
     KIND: ClassVar[str] = "fwd"
     WIRE: ClassVar[dict[str, str]] = {"version": "v", "ms": "t", "targets": "to"}
+
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> Forward:
+        return cls(_count(cls, raw, "version"), _count(cls, raw, "ms"), _targets(raw["targets"]))
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,9 @@ class Segment:
     end: int
     KIND: ClassVar[str] = "seg"
     WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s", "first": "a", "end": "b"}
+
+    def wire_rule(self) -> str:
+        return "" if self.first < self.end else "a segment must name at least one tensor"
 
 
 @dataclass(frozen=True)
@@ -155,6 +173,9 @@ class PartLanded:
         "offset": "o",
         "nbytes": "n",
     }
+
+    def wire_rule(self) -> str:
+        return "" if self.nbytes else "a part must hold at least one byte"
 
 
 @dataclass(frozen=True)
@@ -178,6 +199,11 @@ class Patch:
         "at": "a",
     }
 
+    def wire_rule(self) -> str:
+        if not self.nbytes:
+            return "a patch must hold at least one byte"
+        return "" if self.base < self.version else "a patch's base must be older than its version"
+
 
 @dataclass(frozen=True)
 class Patched:
@@ -191,6 +217,12 @@ class Patched:
     KIND: ClassVar[str] = "patched"
     WIRE: ClassVar[dict[str, str]] = {"version": "v", "slot": "s", "why": "e"}
 
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> Patched:
+        if not isinstance(raw["why"], str):
+            raise WireFormatError("a patched message says why as a str")
+        return cls(_count(cls, raw, "version"), _count(cls, raw, "slot"), raw["why"])
+
 
 @dataclass(frozen=True)
 class Report:
@@ -203,6 +235,16 @@ class Report:
     why: str
     KIND: ClassVar[str] = "fwdr"
     WIRE: ClassVar[dict[str, str]] = {"version": "v", "child": "c", "outcome": "x", "why": "e"}
+
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> Report:
+        if (
+            not _name(raw["child"])
+            or raw["outcome"] not in OUTCOMES
+            or not isinstance(raw["why"], str)
+        ):
+            raise WireFormatError("malformed relay report")
+        return cls(_count(cls, raw, "version"), raw["child"], raw["outcome"], raw["why"])
 
 
 Message = (
@@ -238,81 +280,26 @@ KINDS: dict[str, type[Message]] = {
 }
 
 
-def encode(msg: Message) -> bytes:
-    """The wire form of ``msg``."""
-    out: dict[str, Any] = {"k": msg.KIND}
-    for f in fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, tuple) and value and isinstance(value[0], Target):
-            value = [[t.child, t.slot, int(t.relays), t.base] for t in value]
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[msg.WIRE[f.name]] = value
-    packed: bytes = msgpack.packb(out, use_bin_type=True)
-    return packed
+#: the weight groups' codec (weights/message_codec.py)
+CODEC: Codec[Message] = Codec(
+    "weight-sync",
+    KINDS.values(),
+    max_bytes=1 << 16,
+    max_str=1024,
+    max_array=MAX_DEGREE * 2,
+    max_map=8,
+)
+encode = CODEC.encode
+decode = CODEC.decode
+decode_from = CODEC.decode_from
 
 
-def decode(payload: bytes) -> Message:
-    """A peer's bytes as a message, or :class:`WireFormatError` naming the broken rule."""
-    m = unpack(
-        payload, "weight-sync message", 1 << 16, max_str=1024, max_array=MAX_DEGREE * 2, max_map=8
-    )
-    kind = m.get("k") if isinstance(m, dict) else None
-    cls = KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None or set(m) != set(cls.WIRE.values()) | {"k"}:
-        raise WireFormatError(f"malformed weight-sync message {str(m)[:80]}")
-    raw = {name: m[key] for name, key in cls.WIRE.items()}
-    for name in (
-        "version",
-        "slot",
-        "ms",
-        "first",
-        "end",
-        "index",
-        "offset",
-        "nbytes",
-        "base",
-        "at",
-    ):
-        if name in raw and cls is not Credit and not is_count(raw[name]):
-            key = cls.WIRE[name]
-            raise WireFormatError(f"weight-sync message field {key!r} must be a non-negative int")
-    if cls is Credit:
-        slots = raw["slots"]
-        if not isinstance(slots, list) or not all(is_count(x) and x < MAX_SLOT for x in slots):
-            raise WireFormatError("credit slots must be a list of small ints")
-        holds = raw["holds"]
-        if not isinstance(holds, list) or len(holds) not in (0, len(slots)):
-            raise WireFormatError("a credit says the version each credited slot holds, or none")
-        for x in [raw["newest"], raw["settled"], *holds]:
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise WireFormatError("credit versions must be ints")
-        return Credit(tuple(slots), raw["newest"], raw["settled"], tuple(holds))
-    if cls is Forward:
-        return Forward(raw["version"], raw["ms"], _targets(raw["targets"]))
-    if cls is Segment and not raw["first"] < raw["end"]:
-        raise WireFormatError("a segment must name at least one tensor")
-    if cls in (PartLanded, Patch) and not raw["nbytes"]:
-        raise WireFormatError(f"a {cls.KIND} must hold at least one byte")
-    if cls is Patch and not raw["base"] < raw["version"]:
-        raise WireFormatError("a patch's base must be older than its version")
-    if cls is Patched and not isinstance(raw["why"], str):
-        raise WireFormatError("a patched message says why as a str")
-    if cls is Report and (
-        not _name(raw["child"]) or raw["outcome"] not in OUTCOMES or not isinstance(raw["why"], str)
-    ):
-        raise WireFormatError("malformed relay report")
-    return cls(**raw)
-
-
-def decode_from(peer: str, payload: bytes) -> Message | None:
-    """``payload`` of ``peer`` decoded, or None (logged) when it breaks a rule: one bad message
-    never stops a member of the group."""
-    try:
-        return decode(payload)
-    except WireFormatError as e:
-        log.warning("dropping a weight-sync message from %s: %s", peer, e)
-        return None
+def _count(cls: type[Message], raw: dict[str, Any], name: str) -> int:
+    value = raw[name]
+    if not is_count(value):
+        key = cls.WIRE[name]
+        raise WireFormatError(f"field {key!r} of a {cls.KIND!r} message must be a non-negative int")
+    return int(value)
 
 
 def _targets(to: Any) -> tuple[Target, ...]:

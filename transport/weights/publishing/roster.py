@@ -24,6 +24,7 @@ from transport.weights.group.region_names import (
     match_regions,
     region,
 )
+from transport.weights.peer_watch import PeerWatch
 from transport.weights.publishing.delivery import EXCLUDED, Delivery
 from transport.weights.publishing.members import (
     Member,
@@ -32,6 +33,7 @@ from transport.weights.publishing.members import (
     Retired,
     replaced_why,
 )
+from transport.weights.relay_tree import parent_of
 
 if TYPE_CHECKING:
     from transport import Transport
@@ -56,8 +58,9 @@ def check_fanout(fanout: object, degree: object) -> tuple[str, int]:
 
 def fanout_tree(subs: list[PublisherMember], fanout: str, degree: int) -> dict[str, str]:
     """The chain or tree over ``subs``: subscriber -> the relay that writes it (the others the
-    publisher writes; none with ``"direct"``). The publisher writes the first; subscriber ``i``
-    goes under subscriber ``(i - 1) // k`` (``k`` = 1 for a chain, ``degree`` for a tree). Relays
+    publisher writes; none with ``"direct"``). The tree has one root (weights/relay_tree.py):
+    the publisher writes the first; subscriber ``i`` goes under subscriber ``(i - 1) // k``
+    (``k`` = 1 for a chain, ``degree`` for a tree). Relays
     come first, by name, so that every publish to the same members builds the same tree (and the
     relays reuse their prepared transfers). A subscriber goes under a relay only if the relay
     holds every tensor it takes."""
@@ -67,7 +70,9 @@ def fanout_tree(subs: list[PublisherMember], fanout: str, degree: int) -> dict[s
     k = 1 if fanout == "chain" else degree
     via = {}
     for i in range(1, len(order)):
-        parent = order[(i - 1) // k]
+        up = parent_of(i, 1, k)
+        assert up is not None
+        parent = order[up]
         if parent.can_relay and order[i].names <= parent.names:
             via[order[i].name] = parent.name
     return via
@@ -126,6 +131,7 @@ class Roster(Generic[M]):
         self.planner = planner
         self.member_type = member_type  # what each publisher keeps of a member
         self.dir = GroupDirectory(transport.core.signed, transport.namespace, group)
+        self._watch = PeerWatch(transport)  # the members' heartbeats
         self.members: dict[str, M] = {}
         self.lost: dict[str, int] = {}  # name -> generation of a subscriber that went away
         self.epoch = -1  # the group's epoch when it was last read
@@ -345,12 +351,7 @@ class Roster(Generic[M]):
 
     def suspects(self, members: Iterable[Member]) -> dict[str, str]:
         """Why each of ``members`` is suspect now, by its heartbeat (one store read each)."""
-        out = {}
-        for sub in members:
-            why = self.transport.core.suspect(sub.name, sub.generation)
-            if why:
-                out[sub.name] = why
-        return out
+        return self._watch.suspects({sub.name: sub.generation for sub in members})
 
 
 class SuspectWatch:

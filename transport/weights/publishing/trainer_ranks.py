@@ -8,6 +8,7 @@ import re
 from transport import LayoutError, Transport, TransportError
 from transport.weights.group.group_directory import GroupDirectory
 from transport.weights.group.lease import GroupLeases, Lease, holder_alive
+from transport.weights.peer_watch import PeerWatch
 
 _VERSION = re.compile(rb"-1|0|[1-9][0-9]{0,18}")
 
@@ -25,6 +26,7 @@ class TrainerRanks:
         self.transport, self.rank, self.world, self.digest = transport, rank, world, digest
         self._dir = directory
         self._leases = GroupLeases(transport, directory.group)
+        self._watch = PeerWatch(transport)
 
     def check(self) -> None:
         """The other ranks' leases (those that count: signed by their live holders) must
@@ -88,7 +90,7 @@ class TrainerRanks:
                         f"(its newest: {newest})"
                     )
                     continue
-                suspect = self.transport.core.suspect(lease.name, lease.generation)
+                suspect = self._watch.why(lease.name, lease.generation)
                 out.append(
                     f"rank {r} ({lease.name}) began it, but its parts did not complete"
                     + (f" (suspect: {suspect})" if suspect else "")
