@@ -2,4 +2,13 @@
 receivers learn names, shapes and dtypes only as the tensors arrive (verl's checkpoint engine,
 transport/integrations/verl/, runs on it). Each bucket carries its own header; every trainer rank
 sees the whole stream and the ranks split the buckets without talking; receivers relay in a tree
-above a few of them. Framework-free: it needs only this library."""
+above a few of them. Framework-free: it needs only this library.
+
+What it shares with the weight groups (one implementation each, in weights/): the control
+messages' codec (message_codec.py), the relay tree's shape (relay_tree.py), the judgment of the
+peers it waits on (peer_watch.py) and the changes of a delta update (weights/delta/: the same
+blob, checked whole before a byte is written). What is its own follows from a stream whose
+layout nobody knows in advance: a bucket's header instead of a declared layout, a ring of two
+slots freed bucket by bucket (``Free``) instead of a version's credits, an update token and its
+supersession instead of a group's versions and leases.
+"""

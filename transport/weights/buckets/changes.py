@@ -4,9 +4,10 @@ With ``delta`` on every engine of an update, each side keeps a copy of the piece
 trainer rank: the buckets it fills) or received (a rollout worker: every bucket), named by the
 update they hold (``token``). When every engine holds the same update (the plan's ``base``, see
 topology.py), a trainer rank sends each bucket as the changes of its pieces against its copies
-(weights/delta/codec.py: the same blob and rules as a weight group's), unless they would take
-more than half the bucket's data; the rollout worker applies them onto its copies and yields
-the tensors from those, bit for bit what the bucket would have held raw.
+(weights/delta/: the same blob, rules and application as a weight group's), unless they would
+take more than ``MAX_SHARE`` (half) of the bucket's data, a weight group's limit too; the
+rollout worker applies them onto its copies and yields the tensors from those, bit for bit what
+the bucket would have held raw.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from transport import DeltaError, WireFormatError
 from transport.weights.buckets.buckets import DTYPES, BucketPiece
 from transport.weights.delta.codec import ChangeSet, DeltaLayout
-from transport.weights.delta.decoder import apply, decode
+from transport.weights.delta.decoder import patch
+from transport.weights.delta.source import MAX_SHARE
 
 #: the codec's version and base of a bucket's changes: the update's tokens say which they are
 _VERSION, _BASE = 1, 0
@@ -89,7 +91,7 @@ class PieceCopies:
 
     def encode(self, pieces: list[BucketPiece], data: torch.Tensor) -> torch.Tensor | None:
         """The changes of ``pieces`` (in ``data``) against the copies, which then hold them;
-        None when a piece has no copy or the changes exceed half the data (the copies are
+        None when a piece has no copy or the changes exceed ``MAX_SHARE`` of the data (the copies are
         brought up to date all the same: the bucket goes raw)."""
         olds = [self._copy(p) for p in pieces]
         if any(o is None for o in olds):
@@ -102,7 +104,7 @@ class PieceCopies:
             cur = data[p.offset : p.offset + p.nbytes].view(dt)
             found.compare(_key(i, p), 0, cur, old.view(dt))
             self._touched.add((p.name, p.chunk_at))
-        enc = found.encode(_VERSION, _BASE, limit=sum(p.nbytes for p in pieces) // 2)
+        enc = found.encode(_VERSION, _BASE, limit=int(sum(p.nbytes for p in pieces) * MAX_SHARE))
         return None if enc is None else enc.blob
 
     def apply(self, pieces: list[BucketPiece], blob: torch.Tensor, out: torch.Tensor) -> None:
@@ -115,16 +117,15 @@ class PieceCopies:
             raise WireFormatError(
                 f"a bucket came as changes to tensors this worker holds no copy of: {missing[:3]}"
             )
-        try:
-            decoded = decode(layout_of(pieces), blob, _VERSION, _BASE)
-        except DeltaError as e:
-            raise WireFormatError(f"a bucket's changes: {e}") from e
         targets = {}
         for i, (p, old) in enumerate(zip(pieces, olds, strict=True)):
             assert old is not None
             targets[_key(i, p)] = old.view(_dtype(p))
-            self._touched.add((p.name, p.chunk_at))
-        apply(decoded, targets)
+        try:
+            patch(layout_of(pieces), blob, _VERSION, _BASE, targets)
+        except DeltaError as e:
+            raise WireFormatError(f"a bucket's changes: {e}") from e
+        self._touched.update((p.name, p.chunk_at) for p in pieces)
         for p, old in zip(pieces, olds, strict=True):
             assert old is not None
             out[p.offset : p.offset + p.nbytes].copy_(old)

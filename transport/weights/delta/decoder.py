@@ -194,6 +194,20 @@ def apply(decoded: Decoded, targets: Mapping[str, torch.Tensor]) -> int:
     return written
 
 
+def patch(
+    layout: DeltaLayout,
+    blob: torch.Tensor,
+    version: int,
+    base: int,
+    targets: Mapping[str, torch.Tensor],
+) -> int:
+    """The changes in ``blob`` (made for ``layout``, from ``base`` to ``version``) checked
+    whole, then applied onto ``targets``: the one way both protocols apply a delta (a weight
+    group's inbox, a bucket's changes). DeltaError, with nothing written, when they break a
+    rule of their format or were made for other tensors or another base."""
+    return apply(decode(layout, blob, version, base), targets)
+
+
 def _runs(
     group: Group, bounds: list[int], targets: Mapping[str, torch.Tensor]
 ) -> Iterator[tuple[Callable[[torch.Tensor, torch.Tensor], None], int, int]]:

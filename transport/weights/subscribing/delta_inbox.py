@@ -6,7 +6,7 @@ import torch
 
 from transport import DeltaError
 from transport.weights.delta.codec import DeltaLayout
-from transport.weights.delta.decoder import apply, decode
+from transport.weights.delta.decoder import patch
 from transport.weights.layouts.flat import CopyRuns, copy_runs
 
 #: the share of a subscriber's bytes its inbox holds when ``delta=True``: changes of up to
@@ -77,8 +77,7 @@ class DeltaInbox:
                 f"delta: bytes {at} to {at + nbytes} announced, the inbox holds "
                 f"{self.buffer.numel()}"
             )
-        decoded = decode(self.layout, self.buffer[at : at + nbytes], version, base)
-        apply(decoded, self.slots[dst])
+        patch(self.layout, self.buffer[at : at + nbytes], version, base, self.slots[dst])
 
     def prime(self, src: int, dst: int) -> None:
         """Slot ``dst`` becomes a copy of slot ``src``."""
