@@ -60,8 +60,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=HERE / "results-trl.json")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="the job's folder (its model, server log and report.json); default: a new one",
+    )
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="trl-bench-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="trl-bench-"))
     report_path = work / "report.json"
     job = HERE.parent / "tests" / "helpers" / "trl_job.py"
     cmd = [sys.executable, str(job), "--work", str(work), "--report", str(report_path)]

@@ -12,8 +12,9 @@ engine has its agent and no bucket (verl's nixl engine makes its agent when it i
 joins a store that the bench hosts in one ``prepare``, which allocates nothing): what the engine
 holds (ours keeps its buckets between updates on the CPU; verl's nixl engine allocates them in
 every ``prepare``) plus what an update adds at its peak. verl's mock adapter
-clones every weight it receives and drops it (it checks nothing here: checking keeps a copy of
-the model and loads the checkpoint; tests/integrations/verl/test_verl.py checks every weight).
+clones every weight it receives and drops it (it checks nothing by default: checking keeps a copy
+of the model and loads the checkpoint; ``--check`` does, after the last update, and the test
+command runs the smallest run so: tests/test_benchmarks_servers.py).
 
     python benchmarks/verl_update.py                 # ~3 min: 330 MB of bf16, 64 MiB buckets
     python benchmarks/verl_update.py --hidden 512 --layers 4 --updates 3   # ~1 min
@@ -89,6 +90,7 @@ def run_one(
     updates: int,
     store: str,
     delta: float = 0.0,
+    check: bool = False,
 ) -> dict:
     kwargs, module = ENGINES[engine]
     backend = engine.removesuffix("-delta")
@@ -112,7 +114,7 @@ def run_one(
     rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=cfg)
     rollout, replicas = asyncio.run(
         create_rollout_worker_group(
-            rollout_pool, HFModelConfig(path=str(model)), rollout_config, False
+            rollout_pool, HFModelConfig(path=str(model)), rollout_config, check
         )
     )
     manager = CheckpointEngineManager(config=cfg, actor_wg=actor, replicas=replicas)
@@ -139,6 +141,8 @@ def run_one(
         k: max(peak_rss_bytes(p) - b for p, b in zip(v, before[k], strict=False))
         for k, v in pids.items()
     }
+    if check:  # every worker's weights of the last update against the checkpoint (raises)
+        ray.get([w.check_weights.remote() for w in rollout.workers])
     for handle in list(actor.workers) + list(rollout.workers):
         ray.kill(handle)
     return {
@@ -148,6 +152,7 @@ def run_one(
         "update_s_all": times,
         "trainer_mem": grew["trainer"],
         "rollout_mem": grew["rollout"],
+        "checked": check,
     }
 
 
@@ -169,8 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         help="each update flips the lowest bit of this share of every tensor's elements (0.022: "
         "one step of AdamW at lr 1e-6 in bf16); add transport-delta to --engines",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="verl's mock adapter keeps every weight it receives, and each rollout worker's are "
+        "compared with the checkpoint after the last update (the memory figures then include "
+        "that copy); not with --delta",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.check and args.delta:
+        p.error("--check compares with the checkpoint, which --delta changes: give one of them")
     ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False)
     hosted = TcpStore(node_address(), 0, hosting="yes")
     store = f"tcp://{node_address()}:{hosted.port}?host=no"
@@ -191,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.updates,
                         store,
                         args.delta,
+                        args.check,
                     )
                     rows.append(row)
                     print(

@@ -14,7 +14,8 @@ from typing import Any
 
 from xdist.scheduler import LoadFileScheduling
 
-#: files that start vLLM servers of two workers (or TRL's job): one after another, in one lane
+#: files that start vLLM servers of two workers, TRL's job or Ray clusters (verl's): one after
+#: another, in one lane
 SERVER_LANE = (
     "integrations/trl/test_trl.py",
     "integrations/vllm/test_vllm_moe_tp2.py",
@@ -22,6 +23,7 @@ SERVER_LANE = (
     "integrations/vllm/test_vllm_lora_server.py",
     "integrations/vllm/test_vllm_tp2.py",
     "integrations/verl/test_verl.py",
+    "test_benchmarks_servers.py",
 )
 
 #: files of tens of seconds or more outside the lane (clusters of hosts, 100,000 tensors, the

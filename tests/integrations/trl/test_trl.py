@@ -1,7 +1,9 @@
 """TRL's AsyncGRPOTrainer (from the registry) trains against a real vLLM server (the CPU build)
 and syncs after every optimizer step through transport: one job (tests/helpers/trl_job.py: a
 LoRA run, a full run whose server is killed before its last sync, and the server restarted),
-and each test checks one claim of its report. The job takes minutes: it runs once per session.
+and each test checks one claim of its report. The job takes minutes: it runs once per session,
+through its benchmark (benchmarks/trl_sync.py, which adds the file round trips it compares
+with), so that the benchmark runs in the test command too.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 pytest.fail(f"{module} is not installed (examples/setup_vllm.sh installs it)")
             pytest.skip(f"{module} is not installed (examples/setup_vllm.sh installs it)")
     work = tmp_path_factory.mktemp("trl")
-    out = work / "report.json"
-    job = [sys.executable, str(REPO / "tests/helpers/trl_job.py"), "--work", str(work)]
+    out, summary = work / "report.json", work / "summary.json"
+    bench = [sys.executable, str(REPO / "benchmarks/trl_sync.py"), "--work", str(work)]
     proc = subprocess.run(
-        [*job, "--report", str(out), "--steps", str(STEPS)],
+        [*bench, "--out", str(summary), "--steps", str(STEPS)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1100,
     )
     assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-    return dict(json.loads(out.read_text()))
+    report = dict(json.loads(out.read_text()))
+    report["summary"] = json.loads(summary.read_text())
+    return report
 
 
 def rose(rewards: list[float]) -> bool:
@@ -127,3 +131,15 @@ def test_a_restarted_server_takes_the_next_sync_whole(report):
     assert restart["got"] == restart["want"], restart
     assert restart["before"] != restart["want"]  # it started on the checkpoint's weights
     assert restart["served"] == str(restart["version"])
+
+
+def test_the_benchmark_compares_each_sync_with_vllms_file_round_trip(report):
+    """benchmarks/trl_sync.py's figures of the same run: each sync's share of a step, and the
+    file round trips (peft's save and vLLM's adapter load; safetensors and reload_weights) in
+    the same run, timed as often as ours."""
+    summary, restart = report["summary"], report["restart"]
+    for phase in ("full", "lora"):
+        assert 0 < summary[phase]["sync_share_of_step"], summary[phase]
+        assert summary[phase]["file_median_s"] > 0, summary[phase]
+    assert len(report["lora"]["file_s"]) == len(restart["file_s"]) == 3
+    assert len(restart["transport_s"]) == 3
