@@ -166,7 +166,8 @@ class Soak:
     def __init__(self, a: argparse.Namespace, store_url: str, files: str) -> None:
         self.a, self.store_url, self.files = a, store_url, files
         self.t0 = time.monotonic()
-        self.until = self.t0 + 180 + a.duration + 60  # subscribers end by themselves past this
+        # subscribers end by themselves past this
+        self.until = self.t0 + 180 + a.duration + a.converge_by + 60
         self.secret, self.namespace = secrets.token_hex(16), f"soak-{os.getpid()}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.lock, self.stop = threading.Lock(), threading.Event()
@@ -277,6 +278,17 @@ class Soak:
                     out[name][-1]["t"] = round(out[name][-1]["t"] - self.t0, 3)
         return out
 
+    def all_hold(self, version: int) -> bool:
+        """Whether every subscriber has applied ``version`` or a newer one."""
+        reps = self.reports()
+        return all(any(r.get("v", -1) >= version for r in reps[n]) for n in NAMES)
+
+    def converged(self, pubs: list[dict[str, Any]]) -> bool:
+        """Whether every subscriber holds a version published after the last fault ended."""
+        end = max((f["end"] for f in self.faults), default=0.0)
+        after = [p["v"] for p in pubs if "error" not in p and p["t"] >= end]
+        return bool(after) and self.all_hold(after[0])
+
     def settle(self, last: int, timeout: float = 5.0) -> None:
         """Give the subscribers up to ``timeout`` s to apply and check version ``last``."""
         end = time.monotonic() + timeout
@@ -290,7 +302,13 @@ class Soak:
 def publish_loop(soak: Soak, pub: Any, tensors: list[torch.Tensor], out: list[Any]) -> None:
     exp, ints = Expected(), [x.view(torch.int32) for x in tensors]
     n, tick = 0, time.monotonic()
-    while soak.now() < soak.a.duration and not soak.stop.is_set():
+
+    def more() -> bool:  # past the duration only while a subscriber has not caught up
+        if soak.now() < soak.a.duration:
+            return True
+        return soak.now() < soak.a.duration + soak.a.converge_by and not soak.converged(out)
+
+    while more() and not soak.stop.is_set():
         n += 1
         for k, x in enumerate(ints):
             exp.write(k, n, x)
@@ -365,7 +383,7 @@ def summarize(soak: Soak, pubs: list[dict[str, Any]]) -> dict[str, Any]:
         "published": len(ok),
         "publish_errors": len(pubs) - len(ok),
         "last_version": last_v,
-        "rate": len(ok) / max(soak.a.duration, 1e-9),
+        "rate": len(ok) / max(soak.a.duration, pubs[-1]["t"] if pubs else 0.0, 1e-9),
         "deadline_outs": sum(p["deadline"] for p in pubs),
         "checked": len(checks),
         "bad": sum(not r["ok"] for r in checks),
@@ -437,7 +455,7 @@ def trainer(a: argparse.Namespace) -> int:
         thread = threading.Thread(target=publish_loop, args=args, name="publish", daemon=True)
         thread.start()
         soak.fault_loop(redis)  # in the main thread, which spawns every subscriber
-        thread.join(a.duration + 60)
+        thread.join(a.duration + a.converge_by + 60)
         soak.settle(max((p["v"] for p in pubs if "error" not in p), default=0))
         rep = summarize(soak, pubs)
     finally:
@@ -458,7 +476,7 @@ def trainer(a: argparse.Namespace) -> int:
     return 0 if rep["bad"] == 0 and rep["convergence_s"] != "never" else 1
 
 
-ARGS = ("fanout", "delta", "store", "seed", "duration", "calm", "warmup")
+ARGS = ("fanout", "delta", "store", "seed", "duration", "calm", "warmup", "converge_by")
 
 
 def main() -> int:
@@ -470,6 +488,14 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of publishing")
     ap.add_argument("--calm", type=float, default=20.0, help="seconds without faults at the end")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds before the first fault")
+    ap.add_argument(
+        "--converge-by",
+        type=float,
+        default=0.0,
+        help="publish past --duration, for at most this many more seconds, until every "
+        "subscriber holds a version published after the last fault (a restart on a loaded "
+        "machine may take longer than the calm; 0: stop at --duration)",
+    )
     ap.add_argument("--log", default=None, help="JSON lines: faults and publish errors")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--child-logs", default=None, help="keep subscribers' reports, stderr here")

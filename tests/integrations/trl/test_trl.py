@@ -139,7 +139,7 @@ def test_the_benchmark_compares_each_sync_with_vllms_file_round_trip(report):
     the same run, timed as often as ours."""
     summary, restart = report["summary"], report["restart"]
     for phase in ("full", "lora"):
-        assert 0 < summary[phase]["sync_share_of_step"], summary[phase]
+        assert summary[phase]["sync_share_of_step"] > 0, summary[phase]
         assert summary[phase]["file_median_s"] > 0, summary[phase]
     assert len(report["lora"]["file_s"]) == len(restart["file_s"]) == 3
     assert len(restart["transport_s"]) == 3
