@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -70,7 +71,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24, help="Qwen2.5-0.5B has 24")
     ap.add_argument("--ranks", default="16,64")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--merged-rounds", type=int, default=3)
+    ap.add_argument("--merged-rounds", type=int, default=3, help="0: leave out TRL's merged way")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
@@ -186,50 +187,58 @@ def main() -> None:
             }
             trainer.close()
             base = peft_model.unload()  # the base model again, for the next rank
-        # merged: the last rank's adapter merged into the base, every weight sent
-        rank = ranks[-1]
-        peft_model = get_peft_model(
-            base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS)
-        )
-        with torch.no_grad():
-            for n, p in peft_model.named_parameters():
-                if "lora_" in n:
-                    p.normal_(0, 0.01)
-        source = {
-            n.replace(".base_layer", ""): p.detach()
-            for n, p in peft_model.get_base_model().named_parameters()
-            if "lora_" not in n
-        }
-        info = TransportTrainerInitInfo(store=url, namespace="merged", timeout=300, rank=0)
-        merged_trainer = TransportTrainer.trainer_init(
-            info, client=HTTPClient(server.url), source=source
-        )
-        merged, merged_sent = [], []
-        for k in range(args.merged_rounds + 1):
-            before = traffic(merged_trainer.transport)
-            t0 = time.perf_counter()
-            peft_model.merge_adapter()
-            merged_trainer.send_weights(k + 1)
-            peft_model.unmerge_adapter()
-            server.complete(PROMPT, 1)
-            t1 = time.perf_counter()
-            merged_sent.append(traffic(merged_trainer.transport) - before)
-            print(f"merged round {k}: {t1 - t0:.3f} s, {merged_sent[-1] / MiB:.0f} MiB", flush=True)
-            if k:
-                merged.append(t1 - t0)
-        merged_trainer.shutdown()
-        results["merged"] = {
-            "rank": rank,
-            "s": statistics.median(merged),
-            "sent_mib": statistics.median(merged_sent[1:]) / MiB,
-        }
-        for r in ranks:
-            m = results[f"r{r}"]
-            m["merged_over_transport_s"] = results["merged"]["s"] / m["transport_s"]
-            m["merged_bytes_over_transport"] = results["merged"]["sent_mib"] / m["sent_mib"]
+        if args.merged_rounds > 0:  # 0: the adapter ways only
+            # merged: the last rank's adapter merged into the base, every weight sent
+            rank = ranks[-1]
+            peft_model = get_peft_model(
+                base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS)
+            )
+            with torch.no_grad():
+                for n, p in peft_model.named_parameters():
+                    if "lora_" in n:
+                        p.normal_(0, 0.01)
+            source = {
+                n.replace(".base_layer", ""): p.detach()
+                for n, p in peft_model.get_base_model().named_parameters()
+                if "lora_" not in n
+            }
+            info = TransportTrainerInitInfo(store=url, namespace="merged", timeout=300, rank=0)
+            merged_trainer = TransportTrainer.trainer_init(
+                info, client=HTTPClient(server.url), source=source
+            )
+            merged, merged_sent = [], []
+            for k in range(args.merged_rounds + 1):
+                before = traffic(merged_trainer.transport)
+                t0 = time.perf_counter()
+                peft_model.merge_adapter()
+                merged_trainer.send_weights(k + 1)
+                peft_model.unmerge_adapter()
+                server.complete(PROMPT, 1)
+                t1 = time.perf_counter()
+                merged_sent.append(traffic(merged_trainer.transport) - before)
+                print(
+                    f"merged round {k}: {t1 - t0:.3f} s, {merged_sent[-1] / MiB:.0f} MiB",
+                    flush=True,
+                )
+                if k:
+                    merged.append(t1 - t0)
+            merged_trainer.shutdown()
+            results["merged"] = {
+                "rank": rank,
+                "s": statistics.median(merged),
+                "sent_mib": statistics.median(merged_sent[1:]) / MiB,
+            }
+            for r in ranks:
+                m = results[f"r{r}"]
+                m["merged_over_transport_s"] = results["merged"]["s"] / m["transport_s"]
+                m["merged_bytes_over_transport"] = results["merged"]["sent_mib"] / m["sent_mib"]
+    except BaseException:
+        print(f"the server's log ends with:\n{server.tail(40)}", file=sys.stderr)
+        raise
     finally:
         server.kill()
         store.close()
+        shutil.rmtree(work, ignore_errors=True)  # the model: hundreds of MiB
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from helpers.child import START_TIMEOUT
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -72,8 +74,10 @@ class PythonProcess:
         self.stdout = LineReader(self.proc.stdout)
         self.stderr = LineReader(self.proc.stderr)
 
-    def expect_line(self, timeout: float = 20.0) -> str:
-        """The child's next stdout line; fails with its stderr when it exits first or is silent."""
+    def expect_line(self, timeout: float = START_TIMEOUT) -> str:
+        """The child's next stdout line; fails with its stderr when it exits first or is silent
+        past ``timeout`` (by default the children's start deadline: against hangs, never a
+        claim about speed; a loaded machine starts a Python process in tens of seconds)."""
         try:
             line = self.stdout.next_line(timeout)
         except queue.Empty:

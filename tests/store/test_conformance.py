@@ -129,7 +129,7 @@ import json, sys
 from transport.store import store_from_url
 store = store_from_url(sys.argv[1])
 print("ready", flush=True)
-store.get("go", timeout=20)
+store.get("go", timeout=300)  # until the other child started too: a deadline against hangs
 print(json.dumps([store.add("counter", 1) for _ in range(int(sys.argv[2]))]), flush=True)
 store.close()
 """
