@@ -9,6 +9,9 @@ from its syntax tree (no module is imported), checked against four rules.
    (``transport``, ``transport.store``, ``transport.backends``) and the internal contract
    (``transport.contract``).
 3. No module imports a private name (``_x``) or a private module (``_x.py``) of another package.
+4. integrations/ import weights/ only through its packages (``transport.weights``,
+   ``transport.weights.<package>``), never a module inside one: a package's ``__init__`` says
+   what it offers the layers above.
 
 (No import cycle, counting every import, is tests/test_structure.py's rule.)
 
@@ -164,6 +167,21 @@ def private(imp: Import, known: set[str]) -> list[str]:
     return bad
 
 
+def past_packages(imp: Import, known: set[str]) -> list[str]:
+    """Rule 4: integrations/ importing a module inside a package of weights/."""
+    if layer(imp.importer) != 2:
+        return []
+    bad = []
+    for target in resolve(imp, known):
+        parts = target.split(".")
+        if layer(target) == 1 and len(parts) > 3:
+            bad.append(
+                f"{imp.importer}:{imp.line} imports {target}: integrations import weights/ "
+                f"through its packages (export it from {'.'.join(parts[:3])})"
+            )
+    return bad
+
+
 def _inside(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
@@ -185,7 +203,9 @@ def package() -> tuple[list[Import], set[str]]:
     return all_imports, set(found)
 
 
-@pytest.mark.parametrize("rule", [upward, past_api, private], ids=lambda r: r.__name__)
+@pytest.mark.parametrize(
+    "rule", [upward, past_api, private, past_packages], ids=lambda r: r.__name__
+)
 def test_package_keeps_rule(package: tuple[list[Import], set[str]], rule) -> None:
     all_imports, known = package
     assert len(all_imports) > 500  # the whole package was read
@@ -256,3 +276,12 @@ def test_private_catches_private_names_and_modules() -> None:
     assert len(broken) == 2
     inside = "from transport._transport import Transport\n"
     assert not [line for imp in _made_up("transport.wire", inside) for line in private(imp, KNOWN)]
+
+
+def test_past_packages_catches_an_integration_reaching_into_a_package_of_weights() -> None:
+    found = _made_up(
+        "transport.integrations.vllm.trainer",
+        "from transport.weights.group.lease import Lease\nfrom transport.weights.group import x\n",
+    )
+    broken = [line for imp in found for line in past_packages(imp, KNOWN)]
+    assert len(broken) == 1 and "transport.weights.group.lease" in broken[0], broken

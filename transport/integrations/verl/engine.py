@@ -20,14 +20,18 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 from transport import Transport
 from transport.integrations.setup import connect
 from transport.store import TcpStore
-from transport.weights.buckets.buckets import Assembler
-from transport.weights.buckets.changes import PieceCopies
-from transport.weights.buckets.inbox import Inbox
-from transport.weights.buckets.receiver import BucketReceiver
-from transport.weights.buckets.sender import BucketSender
-from transport.weights.buckets.targets import SLOTS
-from transport.weights.buckets.topology import EngineInfo, UpdatePlan, build_plans
-from transport.weights.delta.policy import DeltaPolicy
+from transport.weights.buckets import (
+    SLOTS,
+    Assembler,
+    BucketReceiver,
+    BucketSender,
+    EngineInfo,
+    Inbox,
+    PieceCopies,
+    UpdatePlan,
+    build_plans,
+)
+from transport.weights.delta import DeltaPolicy
 
 log = logging.getLogger(__name__)
 

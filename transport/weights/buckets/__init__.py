@@ -12,3 +12,23 @@ layout nobody knows in advance: a bucket's header instead of a declared layout, 
 slots freed bucket by bucket (``Free``) instead of a version's credits, an update token and its
 supersession instead of a group's versions and leases.
 """
+
+from transport.weights.buckets.buckets import Assembler
+from transport.weights.buckets.changes import PieceCopies
+from transport.weights.buckets.inbox import Inbox
+from transport.weights.buckets.receiver import BucketReceiver
+from transport.weights.buckets.sender import BucketSender
+from transport.weights.buckets.targets import SLOTS
+from transport.weights.buckets.topology import EngineInfo, UpdatePlan, build_plans
+
+__all__ = [
+    "SLOTS",
+    "Assembler",
+    "BucketReceiver",
+    "BucketSender",
+    "EngineInfo",
+    "Inbox",
+    "PieceCopies",
+    "UpdatePlan",
+    "build_plans",
+]
