@@ -88,10 +88,13 @@ class Codec(Generic[M]):
         self.kinds: dict[str, type[M]] = {cls.KIND: cls for cls in kinds}
         self._limits = {"max_str": max_str, "max_array": max_array, "max_map": max_map}
         self._max_bytes = max_bytes
+        #: each kind's fields and their annotations, read once (decode runs per notification)
+        self._types: dict[str, dict[str, Any]] = {}
         for cls in self.kinds.values():
-            names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-            if set(cls.WIRE) != names or KIND_KEY in cls.WIRE.values():
+            types = {f.name: f.type for f in fields(cls)}  # type: ignore[arg-type]
+            if set(cls.WIRE) != set(types) or KIND_KEY in cls.WIRE.values():
                 raise TypeError(f"{cls.__name__}.WIRE must give a key to each field, never 'k'")
+            self._types[cls.KIND] = types
 
     def encode(self, msg: M) -> bytes:
         """The wire form of ``msg``."""
@@ -113,7 +116,7 @@ class Codec(Generic[M]):
         if build is not None:
             msg: M = build(raw)
         else:
-            types = {f.name: f.type for f in fields(cls)}  # type: ignore[arg-type]
+            types = self._types[cls.KIND]
             checked = {n: _checked(cls.KIND, cls.WIRE[n], types[n], v) for n, v in raw.items()}
             msg = cls(**checked)
         rule = getattr(msg, "wire_rule", None)
