@@ -35,6 +35,7 @@ from transport import (
 )
 from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, Free, decode
 from transport.weights.peer_watch import PeerWatch
+from transport.weights.slot_credits import SlotCredits
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Inbox:
         self._flying: list[Handle] = []
         self._token: str | None = None
         self.buckets: dict[tuple[str, int], Bucket] = {}
-        self.free: dict[str, int] = {}
+        self.credits: dict[str, SlotCredits] = {}  # by target: what it freed for which bucket
         self.aborts: list[tuple[str, Abort]] = []
         self._watch = PeerWatch(transport)
         self._closed = False
@@ -74,7 +75,7 @@ class Inbox:
             with self._cond:
                 old, self._token = self._token, token
                 self.buckets.clear()
-                self.free.clear()
+                self.credits.clear()
                 self.aborts.clear()
                 self._watch.forget()
                 self._cond.notify_all()  # an old update's wait raises UpdateSupersededError
@@ -138,14 +139,28 @@ class Inbox:
             if isinstance(msg, Bucket):
                 self.buckets.setdefault((peer, msg.index), msg)
             elif isinstance(msg, Free):
-                self.free[peer] = max(self.free.get(peer, -1), msg.index)
+                self._credits(peer).grant(msg.index % 2, upto=msg.index)
             else:
                 self.aborts.append((peer, msg))
             self._cond.notify_all()
 
+    def _credits(self, peer: str) -> SlotCredits:
+        """(under the lock) ``peer``'s credits: its two slots start free for buckets 0 and 1."""
+        credits = self.credits.get(peer)
+        if credits is None:
+            credits = self.credits[peer] = SlotCredits(range(2), numbered=True)
+        return credits
+
     def may_write(self, peer: str, index: int) -> bool:
-        """Whether ``peer`` freed its slot for bucket ``index`` (slots start free)."""
-        return index < 2 or self.free.get(peer, -1) >= index
+        """Whether ``peer`` freed its slot for bucket ``index`` (slot ``index % 2``)."""
+        with self._cond:
+            return self._credits(peer).may_write(index % 2, index)
+
+    def spend(self, peer: str, index: int) -> None:
+        """Bucket ``index`` was posted to ``peer``: the credit it used is spent (one for a
+        later bucket, already come, is kept)."""
+        with self._cond:
+            self._credits(peer).spend(index % 2, index)
 
     def _check(self, watch: Iterable[str]) -> None:
         for peer in watch:

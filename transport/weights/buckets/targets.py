@@ -135,6 +135,7 @@ class Targets:
             )
             try:
                 out.append((peer, self.inbox.post(self.token, put)))
+                self.inbox.spend(peer, msg.index)
             except UpdateSupersededError:
                 raise
             except TransportError as e:

@@ -13,6 +13,7 @@ from transport import Batch
 from transport.weights.group.group_directory import GroupEntry
 from transport.weights.group.segments import SegmentBatch
 from transport.weights.publishing.delivery import Delivery
+from transport.weights.slot_credits import SlotCredits
 
 if TYPE_CHECKING:
     from transport.weights.publishing.write_plan import SlotWrites
@@ -97,7 +98,8 @@ class Member:
         self.transient = False
         self.vanished: float | None = None  # monotonic time its entry was found missing
         self.asked = time.monotonic()  # when we last said hello (asked for free slots)
-        self.credits: set[int] = set(range(self.slots)) if self.mode == "inplace" else set()
+        # what it credited (weights/slot_credits.py): in place, its one slot, always
+        self.credits = SlotCredits(range(self.slots) if self.mode == "inplace" else ())
         self.inbox = 0  # bytes of its delta inbox (0: it takes versions whole only)
         self.patch: PatchInFlight | None = None  # changes written, waiting for ``patched``
         self.started = 0.0  # when the write of ``busy`` began
@@ -147,7 +149,7 @@ class PublisherMember(Member):
     def free_slot(self) -> int | None:
         """A slot the publisher may write now: credited, neither being written nor fenced."""
         busy = {self.busy} if self.busy is not None else set()
-        free = sorted(self.credits - busy - set(self.fenced))
+        free = self.credits.free(but=busy | set(self.fenced))
         return free[0] if free else None
 
     def unfence(self, relay: str, version: int | None = None) -> None:
@@ -183,15 +185,14 @@ class PublisherMember(Member):
 
 class RankMember(Member):
     """A subscriber as one rank of a :class:`ShardedPublisher` serves it: what the rank writes
-    per slot, its layout's key for the rank's delta copies, the version each credited slot holds
-    whole, the newest version the subscriber completed and settled (its credits), the version
-    this rank last began there, and the one whose completion it waits to hear of."""
+    per slot, its layout's key for the rank's delta copies, the newest version the subscriber
+    completed and settled (its credits), the version this rank last began there, and the one
+    whose completion it waits to hear of."""
 
     def __init__(self, name: str, entry: GroupEntry) -> None:
         super().__init__(name, entry)
         self.writes: list[SlotWrites] = []
         self.delta_key: object = None  # weights/delta/ranks.py
-        self.held: dict[int, int] = {}  # credited slot -> the version it holds whole (staging)
         self.newest = -1
         self.settled = -1
         self.last = -1

@@ -255,7 +255,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             return
         sub.busy, sub.writing = slot, version
         if sub.mode == "staging":
-            sub.credits.discard(slot)
+            sub.credits.spend(slot)
         left = handle.deadline - time.monotonic()
         patch = self._patch_for(sub, version)
         if via is not None and via in self._subs and left > 0:
@@ -415,7 +415,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                 or (sub.busy is not None and newest < sub.writing)
             ):
                 return  # unknown, or sent before it saw our latest version (it may name the busy slot)
-            sub.credits = {s for s in slots if 0 <= s < sub.slots}
+            sub.credits.say(s for s in slots if 0 <= s < sub.slots)
             if sub.busy is None:
                 self._resume(sub)
 

@@ -274,9 +274,10 @@ class ShardedPublisher(PublisherCore[RankMember]):
         if sub.busy is not None or sub.acked is not None or not self._ready(sub):
             sub.waiting = Waiting(version, handle)
             return
-        slot = 0 if sub.mode == "inplace" else min(sub.credits)
+        slot = 0 if sub.mode == "inplace" else sub.credits.free()[0]
+        holds = sub.credits.held(slot)
         sub.busy, sub.writing, sub.last = slot, version, version
-        sub.credits.discard(slot)
+        sub.credits.spend(slot)
         sub.started = time.monotonic()
         try:
             self.transport.core.send_control(
@@ -285,22 +286,23 @@ class ShardedPublisher(PublisherCore[RankMember]):
         except TransportError as e:
             self._finished(sub, slot, version, handle, e)
             return
-        patch = self._patch_for(sub, slot, version)
+        patch = self._patch_for(sub, holds, version)
         if patch is not None:
             sub.patch = PatchInFlight(version, slot, handle, patch.blob.numel())
             self._writer.submit(functools.partial(self._write_patch, sub, slot, handle, patch))
             return
         self._writer.submit(functools.partial(self._write, sub, slot, version, handle))
 
-    def _patch_for(self, sub: RankMember, slot: int, version: int) -> Encoded | None:
-        """With the lock held: the changes of this rank's parts of ``version`` for ``slot`` of
-        ``sub``, or None (whole). In place the live tensors hold the newest version; in staging,
-        with one rank, the subscriber copies its newest version into a slot that holds
-        another; with more, the slot itself must hold the base."""
+    def _patch_for(self, sub: RankMember, holds: int, version: int) -> Encoded | None:
+        """With the lock held: the changes of this rank's parts of ``version`` for the slot of
+        ``sub`` that its credit said holds version ``holds`` whole, or None (whole). In place
+        the live tensors hold the newest version; in staging, with one rank, the subscriber
+        copies its newest version into a slot that holds another; with more, the slot itself
+        must hold the base."""
         if self._deltas is None or not sub.inbox:
             return None
-        single = self.world == 1 or sub.mode == "inplace"
-        holds = sub.newest if single else sub.held.get(slot, -1)
+        if self.world == 1 or sub.mode == "inplace":
+            holds = sub.newest
         return self._deltas.changes_for(sub.delta_key, version, holds, self._share(sub))
 
     def _share(self, sub: RankMember) -> int:
@@ -446,8 +448,8 @@ class ShardedPublisher(PublisherCore[RankMember]):
                 return
             sub.settled, sub.newest = credit.settled, max(sub.newest, credit.newest)
             if sub.mode == "staging":
-                sub.credits = {s for s in credit.slots if 0 <= s < sub.slots}
-                sub.held = {s: credit.held(s) for s in sub.credits}
+                slots = [s for s in credit.slots if 0 <= s < sub.slots]
+                sub.credits.say(slots, [credit.held(s) for s in slots])
             self._heard(sub)
 
     def _member_deadlines(self, sub: RankMember, now: float) -> None:
