@@ -40,7 +40,7 @@ PINGS: Codec[Ping] = Codec("ping", (Ping,), max_bytes=256, max_str=64, max_array
         (group.CODEC, group.Patch(4, 1, 3, 4096)),
         (buckets.CODEC, buckets.Bucket(TOKEN, 3, 1, 100, 128, 40, False, 0)),
         (buckets.CODEC, buckets.Free(TOKEN, 9)),
-        (buckets.CODEC, buckets.Abort(TOKEN, "rank 1 is gone", True)),
+        (buckets.CODEC, buckets.Stop(TOKEN, "rank 1 is gone", True)),
         (PINGS, Ping(3, False, "hi")),
     ],
 )
@@ -71,7 +71,7 @@ def test_fields_are_checked_by_their_annotation(fields, rule):
 
 def test_a_message_of_one_protocol_is_garbage_to_the_other():
     with pytest.raises(WireFormatError, match="malformed"):
-        group.decode(buckets.encode(buckets.Abort(TOKEN, "why", False)))
+        group.decode(buckets.encode(buckets.Stop(TOKEN, "why", False)))
     with pytest.raises(WireFormatError, match="malformed"):
         buckets.decode(group.encode(group.Abort(3, 1)))
 

@@ -4,9 +4,15 @@ subscribers (generators) of a named group, each in the layout and dtype it decla
 Two protocols run on it: the weight groups (group/, publishing/, subscribing/: layouts declared
 up front, versions written into credited slots) and the bucket stream (buckets/: self-describing
 buckets for receivers that learn the layout as it arrives, verl's). The ideas both use exist
-once, here: the control messages' codec (message_codec.py), the relay tree (relay_tree.py), the
+once, here, and both protocols use them: the control messages' codec (message_codec.py), the
+relay tree (relay_tree.py), slot credits (slot_credits.py), supersession (supersession.py), the
 judgment of the peers waited on (peer_watch.py), the changes of delta updates (delta/) and the
-layouts (layouts/)."""
+layouts (layouts/).
+
+What each protocol calls an abort is not one idea, and so has two names: a group's ``Abort``
+gives up one write into one slot (the slot's credit comes back with the subscriber's answer);
+the bucket stream's ``Stop`` ends a whole update for the peers it is sent to (whole: for
+every worker)."""
 
 from transport.weights.layouts import (
     DestTensor,

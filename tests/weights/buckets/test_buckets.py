@@ -32,7 +32,7 @@ from transport.weights.buckets.buckets import (
 )
 from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
-from transport.weights.buckets.messages import Abort, Bucket, Free, decode, encode
+from transport.weights.buckets.messages import Bucket, Free, Stop, decode, encode
 from transport.weights.buckets.receiver import BucketReceiver
 from transport.weights.buckets.sender import BucketSender
 from transport.weights.buckets.targets import SLOTS
@@ -143,7 +143,7 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
         Bucket(token, 3, 1, 100, 128, 40, False),
         Bucket(token, 4, 0, 100, 64, 40, True, 60),
         Free(token, 5),
-        Abort(token, "why", True),
+        Stop(token, "why", True),
     ):
         assert decode(encode(msg)) == msg
     bucket = {"t": token, "i": 0, "s": 0, "n": 0, "h": 0, "hn": 0, "l": False, "c": 0}
@@ -155,7 +155,7 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
         (msgpack.packb({"k": "bucket", **bucket, "s": 2}), "slot is 0 or 1"),
         (msgpack.packb({"k": "bucket", **bucket, "c": -1}), "non-negative"),
         (msgpack.packb({"k": "bucket", **bucket, "l": 0}), "must be a bool"),
-        (msgpack.packb({"k": "abort", "t": token, "e": b"x", "w": True}), "must be a str"),
+        (msgpack.packb({"k": "stop", "t": token, "e": b"x", "w": True}), "must be a str"),
         (msgpack.packb({"k": "nope"}), "malformed"),
         (msgpack.packb({"kind": "free", "token": token, "index": 1}), "malformed"),
         (b"\x00" * 9000, "limit"),

@@ -33,9 +33,10 @@ from transport import (
     UpdateSupersededError,
     WireFormatError,
 )
-from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, Free, decode
+from transport.weights.buckets.messages import CHANNEL, Bucket, Free, Stop, decode
 from transport.weights.peer_watch import PeerWatch
 from transport.weights.slot_credits import SlotCredits
+from transport.weights.supersession import Supersession
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,10 @@ class Inbox:
         self._cond = threading.Condition()
         self._switch = threading.Lock()  # a post and the switch to the next update
         self._flying: list[Handle] = []
-        self._token: str | None = None
+        self._update: Supersession[str] = Supersession()  # the live update's token
         self.buckets: dict[tuple[str, int], Bucket] = {}
         self.credits: dict[str, SlotCredits] = {}  # by target: what it freed for which bucket
-        self.aborts: list[tuple[str, Abort]] = []
+        self.stops: list[tuple[str, Stop]] = []
         self._watch = PeerWatch(transport)
         self._closed = False
         self._stop = transport.core.on_control(CHANNEL, self._on_message)
@@ -73,10 +74,10 @@ class Inbox:
         ``begin`` waits for them again)."""
         with self._switch:
             with self._cond:
-                old, self._token = self._token, token
+                old = self._update.begin(token)
                 self.buckets.clear()
                 self.credits.clear()
-                self.aborts.clear()
+                self.stops.clear()
                 self._watch.forget()
                 self._cond.notify_all()  # an old update's wait raises UpdateSupersededError
             flying, self._flying = self._flying, []
@@ -100,8 +101,8 @@ class Inbox:
 
     def check(self, token: str) -> None:
         """UpdateSupersededError when the engine began another update than ``token``."""
-        current = self._token
-        if current != token:
+        if self._update.superseded(token):
+            current = self._update.live
             raise UpdateSupersededError(
                 f"update {token} on {self.transport.name} was superseded by update {current} "
                 "(its init_process_group came before this one ended, as verl's manager does "
@@ -133,7 +134,7 @@ class Inbox:
             log.warning("dropping a bucket-protocol message from %s: %s", peer, e)
             return
         with self._cond:
-            if msg.token != self._token:
+            if self._update.superseded(msg.token):
                 log.debug("dropping a message of another update from %s: %s", peer, msg)
                 return
             if isinstance(msg, Bucket):
@@ -141,7 +142,7 @@ class Inbox:
             elif isinstance(msg, Free):
                 self._credits(peer).grant(msg.index % 2, upto=msg.index)
             else:
-                self.aborts.append((peer, msg))
+                self.stops.append((peer, msg))
             self._cond.notify_all()
 
     def _credits(self, peer: str) -> SlotCredits:

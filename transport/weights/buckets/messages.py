@@ -12,9 +12,11 @@ peer's bytes (exact field sets, types and ranges, or :class:`~transport.errors.W
   (``data_bytes``, as the header lays it out) the bucket holds that many bytes of its changes
   (changes.py).
 * :class:`Free` (receiver -> the sender of bucket ``index``): my slot ``index % 2`` may take
-  bucket ``index`` (I am done with bucket ``index - 2``: yielded, and relayed to my children).
-* :class:`Abort` (anyone -> the others): I stop this update, because of ``reason``; ``whole``
-  says that the update cannot complete anywhere (a trainer rank is gone), not only here.
+  bucket ``index`` (I am done with bucket ``index - 2``: yielded, and relayed to my children);
+  a numbered slot credit (weights/slot_credits.py).
+* :class:`Stop` (anyone -> the others): I stop this update, because of ``reason``; ``whole``
+  says that the update cannot complete anywhere (a trainer rank is gone), not only here. Not
+  a weight group's ``Abort``, which gives up one write into one slot.
 """
 
 from __future__ import annotations
@@ -77,11 +79,11 @@ class Free:
 
 
 @dataclass(frozen=True)
-class Abort:
+class Stop:
     """The sender of this message stops update ``token`` because of ``reason``; ``whole``: the
     update cannot complete on any worker."""
 
-    KIND: ClassVar[str] = "abort"
+    KIND: ClassVar[str] = "stop"
     WIRE: ClassVar[dict[str, str]] = {"token": "t", "reason": "e", "whole": "w"}
     token: str
     reason: str
@@ -98,11 +100,11 @@ def token_rule(token: str) -> str:
     return ""
 
 
-Message = Bucket | Free | Abort
+Message = Bucket | Free | Stop
 #: the bucket protocol's codec (weights/message_codec.py)
 CODEC: Codec[Message] = Codec(
     "bucket-protocol",
-    (Bucket, Free, Abort),
+    (Bucket, Free, Stop),
     max_bytes=8192,
     max_str=MAX_REASON,
     max_array=0,

@@ -8,7 +8,7 @@ bucket's last one and the relays have landed, the slot is free again: ``Free(k +
 sender of bucket ``k + 2``. Meanwhile bucket ``k + 1`` lands in the other slot.
 
 Failure: the sender of the bucket awaited is gone (its heartbeat, seconds) -> the update fails
-here, naming it, and every trainer rank and child is told (``Abort``; whole when a trainer rank
+here, naming it, and every trainer rank and child is told (``Stop``; whole when a trainer rank
 is gone). A child that dies is dropped and the others go on. Anything else that fails here
 (a header that breaks a rule, a tensor that changed its shape) aborts this worker's update only.
 When the engine begins another update before this one ended, this one stops at its next step
@@ -36,7 +36,7 @@ from transport import (
 from transport.weights.buckets.buckets import Assembler, read_header
 from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
-from transport.weights.buckets.messages import CHANNEL, MAX_REASON, Abort, Bucket, Free, encode
+from transport.weights.buckets.messages import CHANNEL, MAX_REASON, Bucket, Free, Stop, encode
 from transport.weights.buckets.targets import Targets, tell
 from transport.weights.buckets.topology import UpdatePlan
 
@@ -81,23 +81,23 @@ class BucketReceiver:
         b = self.plan.bucket_bytes
         return self.slots[slot * b : (slot + 1) * b]
 
-    def _upstream_abort(self) -> Abort | None:
-        """(under the inbox's lock) an abort from whoever this worker depends on: its parent, or
+    def _upstream_stop(self) -> Stop | None:
+        """(under the inbox's lock) a stop from whoever this worker depends on: its parent, or
         a trainer rank's ``whole`` one (a trainer rank that failed tells its targets; a root
-        relays nothing of it, its children see their parent abort)."""
-        for peer, abort in self.inbox.aborts:
-            if peer == self.plan.parent or (abort.whole and peer in self.plan.trainers):
-                return abort
+        relays nothing of it, its children see their parent stop)."""
+        for peer, stop in self.inbox.stops:
+            if peer == self.plan.parent or (stop.whole and peer in self.plan.trainers):
+                return stop
         return None
 
     async def _bucket(self, index: int) -> Bucket:
         sender = self.plan.sender_of(index)
 
-        def ready() -> Bucket | Abort | None:
+        def ready() -> Bucket | Stop | None:
             got = self.inbox.buckets.get((sender, index))
-            return got if got is not None else self._upstream_abort()
+            return got if got is not None else self._upstream_stop()
 
-        got: Bucket | Abort = await asyncio.to_thread(  # type: ignore[assignment]
+        got: Bucket | Stop = await asyncio.to_thread(  # type: ignore[assignment]
             partial(
                 self.inbox.wait,
                 ready,
@@ -107,7 +107,7 @@ class BucketReceiver:
                 token=self.plan.token,
             )
         )
-        if isinstance(got, Abort):
+        if isinstance(got, Stop):
             raise UpdateAbortedError(f"{self.plan.parent} stopped relaying: {got.reason}")
         if got.slot != index % 2:
             raise WireFormatError(
@@ -134,7 +134,7 @@ class BucketReceiver:
             return []
         await self.children.wait_free(msg.index)
         self._live()
-        self.children.take_aborts()
+        self.children.take_stops()
         src = self._slot(msg.slot)[: msg.header_at + msg.header_bytes]
         return self.children.post(src, msg, self.plan.bucket_bytes)
 
@@ -192,7 +192,7 @@ class BucketReceiver:
             tell(
                 self.transport,
                 [*self.plan.trainers, *self.children.peers],
-                Abort(self.plan.token, why, whole),
+                Stop(self.plan.token, why, whole),
             )
             if error is e:
                 raise

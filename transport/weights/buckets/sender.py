@@ -9,8 +9,8 @@ relayed bucket ``k - 2``), as one put per target whose notification is the bucke
 fills its other send buffer (one rank alone has two), or, with several ranks, skips the others'
 buckets.
 
-A target that dies, freezes or aborts is dropped (with its reason) and the others complete; an
-``Abort(whole=True)`` (a receiver found another trainer rank gone) fails this rank's update with
+A target that dies, freezes or stops is dropped (with its reason) and the others complete; an
+``Stop(whole=True)`` (a receiver found another trainer rank gone) fails this rank's update with
 that reason. When the engine begins another update before this one ended, this one stops at its
 next step (after every await it checks that it is still the engine's update: inbox.py).
 """
@@ -27,7 +27,7 @@ from transport import Handle, Transport, UpdateAbortedError
 from transport.weights.buckets.buckets import Packer, Planned, aligned
 from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
-from transport.weights.buckets.messages import MAX_REASON, Abort, Bucket
+from transport.weights.buckets.messages import MAX_REASON, Bucket, Stop
 from transport.weights.buckets.targets import Targets, tell
 from transport.weights.buckets.topology import UpdatePlan
 from transport.weights.delta.policy import DeltaPolicy
@@ -104,12 +104,12 @@ class BucketSender:
         self._flying: list[list[tuple[str, Handle]]] = [[] for _ in buffers]
         self._filling: list[int] = [-1 for _ in buffers]
 
-    def _aborts(self) -> None:
-        """Read the new aborts; raise if one says that the whole update is lost."""
-        self.targets.take_aborts()
+    def _stops(self) -> None:
+        """Read the new stops; raise if one says that the whole update is lost."""
+        self.targets.take_stops()
         if self.targets.whole is not None:
-            peer, abort = self.targets.whole
-            raise UpdateAbortedError(f"{peer} aborted the update: {abort.reason}")
+            peer, stop = self.targets.whole
+            raise UpdateAbortedError(f"{peer} aborted the update: {stop.reason}")
 
     def _live(self) -> None:
         """UpdateSupersededError when the engine began another update (called after every await:
@@ -153,8 +153,8 @@ class BucketSender:
         )
         inbox = self.targets.inbox
         while not all(inbox.may_write(p, planned.index) for p in self.targets.peers):
-            await self.targets.wait_free(planned.index)  # freed, dropped, or an abort came
-            self._aborts()
+            await self.targets.wait_free(planned.index)  # freed, dropped, or a stop came
+            self._stops()
         src = buf[: at + len(planned.header)]
         if src.is_cuda:  # the copies into it were queued on the current stream
             torch.cuda.current_stream(src.device).synchronize()
@@ -175,13 +175,13 @@ class BucketSender:
 
     async def send(self, weights: Iterable[tuple[str, torch.Tensor]] | object) -> SendReport:
         """Pack ``weights``, ship this rank's buckets, wait until they landed. On any failure
-        every target is told (``Abort``, whole: the update cannot complete) before it raises."""
+        every target is told (``Stop``, whole: the update cannot complete) before it raises."""
         start = time.perf_counter()
         try:
             await self._send(weights)
         except BaseException as e:
             why = f"trainer rank {self.plan.rank} ({self.transport.name}) failed: {type(e).__name__}: {e}"
-            tell(self.transport, self.targets.peers, Abort(self.plan.token, why[:MAX_REASON], True))
+            tell(self.transport, self.targets.peers, Stop(self.plan.token, why[:MAX_REASON], True))
             raise
         if self.copies is not None:  # they hold this update now
             self.copies.end(self.plan.token)
@@ -230,4 +230,4 @@ class BucketSender:
         for flying in self._flying:
             await self.targets.land(flying)
         self._live()  # the copies are still this update's
-        self._aborts()
+        self._stops()

@@ -2,7 +2,7 @@
 
 One mechanism for both writers: wait until each target freed the slot of a bucket (watching
 their heartbeats), post the bucket to those that did, wait for the posts to land, tell them an
-abort. A target that is gone, whose put fails or that aborted the update is dropped with its
+stop. A target that is gone, whose put fails or that stopped the update is dropped with its
 reason, and the others go on. An update that the engine superseded (inbox.py) raises
 UpdateSupersededError from every wait and post instead.
 """
@@ -18,7 +18,7 @@ import torch
 
 from transport import Handle, PeerGoneError, Transport, TransportError, UpdateSupersededError
 from transport.weights.buckets.inbox import Inbox
-from transport.weights.buckets.messages import CHANNEL, Abort, Bucket, encode
+from transport.weights.buckets.messages import CHANNEL, Bucket, Stop, encode
 
 log = logging.getLogger(__name__)
 
@@ -26,22 +26,22 @@ log = logging.getLogger(__name__)
 SLOTS = "verl.slots"
 
 
-def tell(transport: Transport, peers: Iterable[str], abort: Abort) -> None:
-    """Send ``abort`` to each of ``peers`` (one that cannot be reached is logged)."""
-    payload = encode(abort)
+def tell(transport: Transport, peers: Iterable[str], stop: Stop) -> None:
+    """Send ``stop`` to each of ``peers`` (one that cannot be reached is logged)."""
+    payload = encode(stop)
     for peer in peers:
         try:
             transport.core.send_control(peer, CHANNEL, payload)
         except TransportError as e:
-            log.info("could not tell %s that update %s stopped: %s", peer, abort.token, e)
+            log.info("could not tell %s that update %s stopped: %s", peer, stop.token, e)
 
 
 class Targets:
     """The targets of one writer in one update, and those it dropped (name -> why).
 
     Rules: a bucket goes only to a target that freed its slot (:meth:`wait_free` first) and
-    has not aborted (read at each post); the aborts of the update are read once each
-    (:meth:`take_aborts`), and a target's own abort drops it."""
+    has not stopped (read at each post); the stops of the update are read once each
+    (:meth:`take_stops`), and a target's own stop drops it."""
 
     def __init__(
         self,
@@ -59,8 +59,8 @@ class Targets:
         self.timeout = timeout
         self.who = who
         self.dropped: dict[str, str] = {}
-        self.whole: tuple[str, Abort] | None = None
-        self._aborts_read = 0
+        self.whole: tuple[str, Stop] | None = None
+        self._stops_read = 0
 
     def drop(self, peer: str, why: str) -> None:
         if peer in self.peers:
@@ -68,27 +68,27 @@ class Targets:
             self.dropped[peer] = why
             log.warning("%s drops %s: %s", self.who, peer, why)
 
-    def take_aborts(self) -> list[tuple[str, Abort]]:
-        """The aborts that came since the last call; each target among their senders is dropped,
+    def take_stops(self) -> list[tuple[str, Stop]]:
+        """The stops that came since the last call; each target among their senders is dropped,
         and the first that says the whole update is lost is kept (``whole``)."""
-        new = self.inbox.aborts[self._aborts_read :]
-        self._aborts_read += len(new)
-        for peer, abort in new:
-            self.drop(peer, f"it aborted the update: {abort.reason}")
-            if abort.whole and self.whole is None:
-                self.whole = (peer, abort)
+        new = self.inbox.stops[self._stops_read :]
+        self._stops_read += len(new)
+        for peer, stop in new:
+            self.drop(peer, f"it stopped the update: {stop.reason}")
+            if stop.whole and self.whole is None:
+                self.whole = (peer, stop)
         return new
 
     def _over(self, waiting: list[str], index: int) -> bool | None:
-        """(under the inbox's lock) every one of ``waiting`` freed its slot, or an abort came."""
-        if len(self.inbox.aborts) > self._aborts_read:
+        """(under the inbox's lock) every one of ``waiting`` freed its slot, or a stop came."""
+        if len(self.inbox.stops) > self._stops_read:
             return True
         return True if all(self.inbox.may_write(p, index) for p in waiting) else None
 
     async def wait_free(self, index: int) -> None:
         """Wait until each target freed its slot for bucket ``index`` or was dropped; returns
-        early when an abort comes (read it with :meth:`take_aborts`)."""
-        self.take_aborts()
+        early when a stop comes (read it with :meth:`take_stops`)."""
+        self.take_stops()
         waiting = [p for p in self.peers if not self.inbox.may_write(p, index)]
         if not waiting:
             return
@@ -118,7 +118,7 @@ class Targets:
         engine began another update."""
         payload = encode(msg)
         core = self.transport.core
-        self.take_aborts()
+        self.take_stops()
         out = []
         for peer in list(self.peers):
             if not self.inbox.may_write(peer, msg.index):

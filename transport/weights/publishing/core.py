@@ -43,6 +43,7 @@ from transport.weights.publishing.delivery import (
 )
 from transport.weights.publishing.members import Member, RankMember, Retired, Waiting, replaced_why
 from transport.weights.publishing.roster import Roster, SuspectWatch
+from transport.weights.supersession import Supersession
 
 if TYPE_CHECKING:
     from transport.contract import PeerView
@@ -99,6 +100,8 @@ class PublisherCore(Generic[M]):
         self.transport = transport
         self.group = group
         self.version = -1
+        # the newest version a publish began preparing (weights/supersession.py)
+        self._preparing: Supersession[int] = Supersession()
         self._roster = Roster(transport, group, tensors, member_type, planner)
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
@@ -302,13 +305,11 @@ class PublisherCore(Generic[M]):
 
     # -- publishing ------------------------------------------------------------------------------
 
-    #: the newest version a publish began preparing: the tensors hold its bytes from then on,
-    #: so an older version still waiting for a slot is never started (its ``_begin`` gives it up)
-    _preparing = -1
-
     def _next_version(self, version: int | None) -> int:
-        """``version``, or the next one, now being prepared; TypeError or ValueError unless it
-        moves forward."""
+        """``version``, or the next one, now being prepared: the tensors hold its bytes from
+        then on, so it supersedes every older version (weights/supersession.py: one still
+        waiting for a slot is never started, and its ``_begin`` gives it up); TypeError or
+        ValueError unless it moves forward."""
         if version is None:
             version = self.version + 1 if self.version >= 0 else 1
         elif not isinstance(version, int) or isinstance(version, bool):
@@ -316,13 +317,15 @@ class PublisherCore(Generic[M]):
         elif version <= self.version:
             raise ValueError(f"versions only move forward: {version} after {self.version}")
         with self._lock:
-            self._preparing = max(self._preparing, version)
+            live = self._preparing.live
+            if live is None or version > live:
+                self._preparing.begin(version)
         return version
 
     def _superseded(self, version: int) -> bool:
         """With the lock held: whether a newer version than ``version`` is being prepared (the
         tensors may hold its bytes already: ``version`` is no longer written from them)."""
-        return version < self._preparing
+        return self._preparing.superseded(version)
 
     def _may_start(self, sub: M, version: int, handle: Delivery, via: str | None = None) -> bool:
         """With the lock held: whether :meth:`_start` may write ``version`` to ``sub`` from the
