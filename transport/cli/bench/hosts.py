@@ -89,7 +89,7 @@ def trainer(args: argparse.Namespace) -> None:
     """A WeightPublisher; ``sync FANOUT STEPS SEGMENT DELTA`` publishes STEPS versions with
     that fan-out, segment size (bytes; 0: the default) and ``delta`` (off, on, auto)."""
     import transport
-    from transport.weights.group.segments import SEGMENT_BYTES
+    from transport.weights.group import SEGMENT_BYTES
 
     t = transport.Transport("trainer", store=args.store, timeout=60)
     state = _tensors(args.mib, args.count)

@@ -165,7 +165,7 @@ def dest_layout(c: Config, g: int, dtype: str, quantize: bool) -> dict[str, Any]
 
 def full_converted(full: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
     """What the baseline's rank 0 publishes: the gathered tensors in ``dtype``."""
-    from transport.weights.layouts.convert import fp8_blockwise
+    from transport.weights.layouts import fp8_blockwise
 
     if dtype == "float32":
         return full
@@ -320,7 +320,7 @@ def _rank_main(conn: Any, c: Config, rank: int, store_url: str, gloo_port: int) 
 
 def _gen_main(conn: Any, c: Config, g: int, store_url: str) -> None:
     import transport
-    from transport.weights.layouts.convert import fp8_blockwise
+    from transport.weights.layouts import fp8_blockwise
 
     torch.set_num_threads(1)
     t = transport.Transport(f"bench-gen{g}", store=store_url, timeout=c.timeout)

@@ -26,9 +26,9 @@ from transport.cli.bench._session import Session
 from transport.cli.bench._systems import Dist, Group, Memcpy, RawLink, RawNixl, Route, System
 from transport.cli.bench._util import as_bytes, check_all, fill_all, fmt_time, human_bytes
 from transport.weights import flat_like
-from transport.weights.delta.codec import as_ints, width_of
-from transport.weights.group.messages import MAX_DEGREE
-from transport.weights.publishing.roster import FANOUTS
+from transport.weights.delta import as_ints, width_of
+from transport.weights.group import MAX_DEGREE
+from transport.weights.publishing import FANOUTS
 
 GROUP = "bench"
 ROLES_IN_LAYER = ["q", "k", "v", "o", "up", "down", "norm1", "norm2"]

@@ -92,3 +92,8 @@ or is gone, so two writers never share a slot. Meanwhile the slot is fenced: the
 one slot left, and every version it takes goes into its newest version's slot once applied
 (``lend``), as for a one-slot subscriber.
 """
+
+from transport.weights.group.messages import MAX_DEGREE
+from transport.weights.group.segments import SEGMENT_BYTES
+
+__all__ = ["MAX_DEGREE", "SEGMENT_BYTES"]

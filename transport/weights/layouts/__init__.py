@@ -18,6 +18,7 @@ way). Import the names ``transport.weights`` exports from there (one path for ea
 rest from here.
 """
 
+from transport.weights.layouts.convert import fp8_blockwise
 from transport.weights.layouts.flat import flat_like
 from transport.weights.layouts.planning import (
     apply_runs,
@@ -55,6 +56,7 @@ __all__ = [
     "apply_runs",
     "check",
     "flat_like",
+    "fp8_blockwise",
     "check_dest",
     "check_shards",
     "fp8",
