@@ -12,9 +12,10 @@ protocols keep one per reader, under their own lock, and say credits in one of t
 * the bucket stream's ``Free(k)`` frees one slot for one write of a numbered stream
   (:meth:`SlotCredits.grant` with ``upto=k``): slot ``k % 2`` may take bucket ``k`` and none
   before it. The number matters because several trainer ranks write one reader's two slots in
-  turn: a credit for bucket ``k`` must not let a rank write bucket ``k - 2`` of another rank's
-  turn, and a credit that comes while its slot's previous write is still being posted must
-  survive that write's spending (:meth:`SlotCredits.spend` spends only what the write covers).
+  turn: a rank may write bucket ``k`` only once the reader has yielded bucket ``k - 2``,
+  whichever rank wrote it (a credit without a number would let it overwrite that bucket), and
+  a credit that comes while its slot's previous write is still being posted must survive that
+  write's spending (:meth:`SlotCredits.spend` spends only what the write covers).
 """
 
 from __future__ import annotations
