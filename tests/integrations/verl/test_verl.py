@@ -149,6 +149,9 @@ def test_a_worker_killed_mid_update_is_dropped_and_the_others_complete(job):
 
 
 def test_outsiders_can_neither_write_nor_read_a_worker(job):
+    # a rollout worker joins the store and exposes its slots at its first update: one has run
+    # whether or not this test runs after the others
+    job.update(14)
     infos = ray.get(job.actor.execute_checkpoint_engine(["prepare"] * 2))
     worker = ray.get(job.rollout.workers[0].execute_checkpoint_engine.remote("prepare"))
     for secret in (None, "not-the-job-secret"):
