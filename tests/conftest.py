@@ -10,7 +10,10 @@ child processes that are always stopped; ``rights`` skips a test of hosts on net
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +35,15 @@ from transport import ClusterError, Store, store_from_url
 from transport.cluster import check_rights
 from transport.store import MemoryStore
 from transport.store.tcp import TcpStore
+
+#: every Python process the tests start (children, servers, benchmarks, Ray's workers) runs
+#: helpers/startup/sitecustomize.py first, and so does this one: the garbage collector's passes
+#: come later (the module says why)
+STARTUP = Path(__file__).parent / "helpers" / "startup"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(STARTUP), os.environ.get("PYTHONPATH")) if p
+)
+import helpers.startup.sitecustomize  # noqa: E402, F401  (this process's thresholds)
 
 
 @pytest.fixture(scope="session")
@@ -168,6 +180,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(
         key=lambda item: order(item.nodeid)
     )  # stable: a file's tests stay together, in their order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported and built (torch, vLLM's modules where a file imports them, the
+    test items) stays for the whole run: frozen out of the garbage collector's passes, which
+    would otherwise walk it again at every full pass of every test."""
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -3,7 +3,8 @@ the middle generator's link is cut, then healed; then every link dropping 5% of 
 What is checked is outcomes, never times: every generator still reachable gets every byte of
 the version within the publish, the cut one is excluded with a reason that names it, nobody's
 publish hangs past its deadline, and the cut generator catches up with the next version once
-the link is back.
+the link is back. Under loss, a generator may be excluded (its heartbeats late) but never holds
+a torn version, and once the loss ends every generator takes the next version.
 
 The chain closes over the gap: the generator the cut one was to relay to gets the version from
 the trainer itself, in the same publish. Not into the slot the cut relay was given (it owns
@@ -13,6 +14,7 @@ into the slot of the version it already applied, which it lends for that."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 
@@ -27,6 +29,11 @@ pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600), pytest.mark.slow]
 TENSORS, NUMEL = 4, 1 << 18
 #: a publish's deadline
 DEADLINE = 20.0
+
+
+def heard(trainer: PythonProcess, name: str) -> bool:
+    """Whether the trainer hears generator ``name`` (takes it for alive)."""
+    return not ask(trainer, f"suspect {name}")["suspect"]
 
 
 def test_a_cut_link_excludes_whom_it_cuts_off_and_they_catch_up_when_it_heals(rights):
@@ -65,18 +72,36 @@ def test_a_cut_link_excludes_whom_it_cuts_off_and_they_catch_up_when_it_heals(ri
         assert ask(gens[2], "2") == whole(2, TENSORS)
         # the link comes back: gen1 catches up with the next version
         cluster.cut(cluster.generator(1), cut=False)
-        wait_until(lambda: not ask(trainer, "suspect gen1")["suspect"], 60, "gen1 heard again")
+        wait_until(partial(heard, trainer, "gen1"), 60, "gen1 heard again")
         r = ask(trainer, f"3 {DEADLINE}", timeout=DEADLINE + 120)
         assert set(r["status"].values()) == {"done"}, r
         for g in gens:
             assert ask(g, "3") == whole(3, TENSORS)
 
-        # every link drops 5% of its packets (both ways): slower, never torn, never hung
+        # every link drops 5% of its packets (both ways): slower, never torn, never hung. A
+        # generator whose heartbeats TCP retransmits past the suspicion bound (5 s: a few losses
+        # of one segment in a row, backing off) may be excluded, with its reason, and is written
+        # again once it is heard; whoever reports a version holds it whole
         for host in cluster.hosts.values():
             cluster.shape(host, Link.parse("1gbit,,5%"))
         for v in (4, 5):
             r = ask(trainer, f"{v} {3 * DEADLINE}", timeout=3 * DEADLINE + 120)
             print(f"version {v} with 5% loss on every link: {r['s']:.2f} s, {r['status']}")
-            assert set(r["status"].values()) == {"done"}, r
-            for g in gens:
-                assert ask(g, str(v)) == whole(v, TENSORS)
+            assert r["s"] < 3 * DEADLINE + 30, r  # settled by its deadline, never hung
+            assert set(r["status"]) == {"gen0", "gen1", "gen2"}, r
+            for i, g in enumerate(gens):
+                status = r["status"][f"gen{i}"]
+                assert status in ("done", "excluded"), r
+                if status == "done":
+                    assert ask(g, str(v)) == whole(v, TENSORS)
+                else:
+                    assert r["reasons"][f"gen{i}"], r
+        # the loss ends: every generator is heard again and takes the next version whole
+        for host in cluster.hosts.values():
+            cluster.shape(host, Link.parse("1gbit"))
+        for name in ("gen0", "gen1", "gen2"):
+            wait_until(partial(heard, trainer, name), 60, f"{name} heard again")
+        r = ask(trainer, f"6 {DEADLINE}", timeout=DEADLINE + 120)
+        assert set(r["status"].values()) == {"done"}, r
+        for g in gens:
+            assert ask(g, "6") == whole(6, TENSORS)

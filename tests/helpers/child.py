@@ -19,6 +19,7 @@ here run everything in their own process, and vLLM's servers spawn theirs."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -110,7 +111,11 @@ def _starting(vllm: bool) -> Iterator[None]:
 
 
 def _with_environ(environ: dict[str, str], target: Any, *args: Any) -> None:
-    """Run ``target(*args)`` with the parent's environment of the start."""
+    """Run ``target(*args)`` with the parent's environment of the start, the objects inherited
+    from the server frozen out of the garbage collector's passes: they are the imported modules,
+    alive for the child's life, and a pass that walks them (millions with vLLM's imports) writes
+    to every page of the inherited heap, which the fork then copies."""
+    gc.freeze()
     os.environ.clear()
     os.environ.update(environ)
     target(*args)

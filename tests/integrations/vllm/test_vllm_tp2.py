@@ -33,8 +33,18 @@ from transport.cluster import Cluster, Link, check_rights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), pytest.mark.slow]
 
-#: what every process of a cluster runs with: UCX and gloo on the host's link
-NET = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
+#: what every process of a cluster runs with: UCX and gloo on the host's link, and progress made
+#: by the engines' polls. With UCX kept to TCP, ``auto`` would pick NIXL's progress thread; in
+#: two vLLM workers bound to one core each, that thread was seen (in one full run of the suite
+#: out of two) to spin in poll() for two minutes after the workers joined, holding both cores of
+#: the machine and starving the tests beside it. What this file checks is which bytes reach each
+#: worker, not how a receiver wakes.
+NET = {
+    "UCX_TLS": "tcp",
+    "UCX_NET_DEVICES": "eth0",
+    "GLOO_SOCKET_IFNAME": "eth0",
+    "TRANSPORT_PROGRESS": "poll",
+}
 
 
 @dataclass
