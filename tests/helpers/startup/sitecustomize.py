@@ -6,7 +6,7 @@ The tests start hundreds of Python processes (peers, servers, benchmarks, vLLM's
 workers, Ray's workers), and most of each one's CPU goes to importing torch, vLLM or Ray: millions
 of objects, all kept. With CPython's thresholds a pass runs every 700 of them and a full pass
 each time the survivors grew by a quarter, each walking everything alive; in a profile of the
-whole suite those passes were a sixth of the CPU of both cores. They find almost nothing to
+whole suite those passes were a large share of the CPU of both cores, finding almost nothing to
 collect. What a process keeps and frees is unchanged: cycles are collected as before, later."""
 
 from __future__ import annotations
