@@ -116,14 +116,14 @@ status=0
 # The second environment, torch 2.15 (vLLM's CPU build pins 2.13 in the first): torch's transport
 # API on this library (marker torch_api), the stores (marker stores: the TCPStore is torch's) and
 # the tests that run in one process (marker unit: the core and the weight-sync layer on the
-# loopback backend). Not run twice: the decoders' fuzzing (no torch in them) and the tests of
-# vLLM, TRL and verl, which are not in this environment. Arguments go to both runs.
+# loopback backend). Not run twice: the decoders' fuzzing (marker fuzz, tests/fuzz) and the tests
+# of vLLM, TRL and verl, which are not in this environment. Arguments go to both runs.
 if [ "$SECOND" != "0" ]; then
     echo "tests/run.sh: the same library under torch 2.15 (.venv-torch215)"
     TRANSPORT_TEST_TORCH_API=1 .venv-torch215/bin/python -m pytest "${PARALLEL[@]}" \
         -m "(unit or stores or torch_api) and not vllm and not verl" tests \
         --ignore=tests/integrations/trl --ignore=tests/integrations/verl \
-        --ignore=tests/test_fuzz_minute.py --ignore=tests/weights/group/test_messages.py \
+        --ignore=tests/weights/group/test_messages.py \
         --ignore=tests/weights/layouts/test_bad_layouts.py --ignore=tests/core/test_wire.py \
         --ignore=tests/memory/test_region_table_bounds.py "$@" || status=$?
 fi

@@ -34,6 +34,7 @@ LONG_FILES = (
     "weights/test_scale.py",
     "cluster/test_cluster.py",
     "cli/test_bench.py",
+    "fuzz/test_fuzz.py",
     "test_wheel.py",
     "test_gpu_check.py",
     "test_benchmarks.py",

@@ -120,15 +120,15 @@ class TransportInitInfo(WeightTransferInitInfo):
                 f"transport init_info: names is one of {NAMES} (how the trainer names its "
                 f"tensors), got {self.names!r}"
             )
-        if self.staging_slots not in (None, 1, 2):
+        if self.staging_slots is not None and (
+            type(self.staging_slots) is not int or self.staging_slots not in (1, 2)
+        ):
             raise ValueError(
                 f"transport init_info: staging_slots is 1 or 2, got {self.staging_slots!r}"
             )
         if self.mode not in MODES:
             raise ValueError(f"transport init_info: mode must be one of {MODES}, got {self.mode!r}")
-        if self.staging_gb is not None and (
-            not isinstance(self.staging_gb, (int, float)) or self.staging_gb <= 0
-        ):
+        if self.staging_gb is not None and (not _number(self.staging_gb) or self.staging_gb <= 0):
             raise ValueError(
                 f"transport init_info: staging_gb must be > 0, got {self.staging_gb!r}"
             )
@@ -143,13 +143,28 @@ class TransportInitInfo(WeightTransferInitInfo):
         for name in ("store", "namespace", "group", "name"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"transport init_info: {name} must be a non-empty string")
-        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+        if self.dtype is not None and not (
+            isinstance(self.dtype, str)
+            and isinstance(getattr(torch, self.dtype, None), torch.dtype)
+        ):
             raise ValueError(
                 f"transport init_info: dtype {self.dtype!r} is not a torch dtype name "
                 "(for example 'float32' or 'bfloat16')"
             )
-        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+        if not _number(self.timeout) or self.timeout <= 0:
             raise ValueError(f"transport init_info: timeout must be > 0 s, got {self.timeout!r}")
+        if (
+            type(self.rank) is not int
+            or not _number(self.alpha)
+            or not isinstance(self.targets, (list, str))
+            or not all(isinstance(t, str) for t in self.targets)
+            or not isinstance(self.rslora, bool)
+            or not isinstance(self.proof, str)
+        ):
+            raise ValueError(
+                "transport init_info: an adapter's rank is an int, alpha a number, targets "
+                "module names (a list, or one string), rslora true or false and proof a string"
+            )
 
     def adapter_config(self) -> AdapterConfig:
         """The adapter's config (for an init with ``adapter``)."""
@@ -210,8 +225,16 @@ class TransportUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(
                 f"transport update_info: version must be an int >= 0, got {self.version!r}"
             )
-        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+        if not _number(self.timeout) or self.timeout <= 0:
             raise ValueError(f"transport update_info: timeout must be > 0 s, got {self.timeout!r}")
+        if not isinstance(self.abandon, bool):
+            raise ValueError(
+                f"transport update_info: abandon is true or false, got {self.abandon!r}"
+            )
+        if not (self.adapter is None or (isinstance(self.adapter, str) and self.adapter)):
+            raise ValueError("transport update_info: adapter is a non-empty string or null")
+        if not (isinstance(self.namespace, str) and self.namespace):
+            raise ValueError("transport update_info: namespace must be a non-empty string")
 
 
 @dataclass(frozen=True)
@@ -262,6 +285,11 @@ class AdapterState:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+
+
+def _number(value: object) -> bool:
+    """Whether a JSON value is a number (true and false are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse(cls: Any, given: Any, what: str) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+from transport.contract import NAME_RE
 from transport.weights.buckets.messages import TOKEN_CHARS
 from transport.weights.relay_tree import children_of, parent_of
 
@@ -69,6 +70,22 @@ class UpdatePlan:
         return index % len(self.trainers) == self.rank
 
 
+def introduction_rule(info: EngineInfo) -> str:
+    """The rule an engine's introduction breaks ("" when it keeps them): what ``prepare()``
+    returns travels through verl (Ray) before the plans are built from it."""
+    if not isinstance(info.name, str) or not NAME_RE.fullmatch(info.name):
+        return "its name is not a peer name (letters, digits and ._:- up to 128 characters)"
+    if info.store is not None and not (isinstance(info.store, str) and info.store):
+        return "its store is a URL or None"
+    if type(info.bucket_bytes) is not int or info.bucket_bytes < 1:
+        return "its bucket size is a positive int"
+    if info.degree is not None and not (type(info.degree) is int and 0 <= info.degree <= 64):
+        return "its relay degree is an int from 0 to 64, or None"
+    if type(info.delta) is not bool or not isinstance(info.holds, str):
+        return "delta is true or false, and holds a str"
+    return ""
+
+
 def build_plans(
     trainers: int, rollouts: int, infos: list[EngineInfo]
 ) -> tuple[list[UpdatePlan], list[UpdatePlan]]:
@@ -85,6 +102,10 @@ def build_plans(
             f"build_topology: every engine must be a transport engine (got {kinds}); set "
             "checkpoint_engine.backend=transport on the trainer and the rollout side alike"
         )
+    for k, info in enumerate(infos):
+        broken = introduction_rule(info)
+        if broken:
+            raise ValueError(f"build_topology: engine {k} ({str(info)[:200]}): {broken}")
     stores = {i.store for i in infos if i.store is not None}
     if len(stores) != 1:
         raise ValueError(

@@ -19,6 +19,8 @@ from transport.weights.message_codec import Codec
 MAX_DEGREE = 16
 #: slots are small numbers (a staging subscriber has two)
 MAX_SLOT = 8
+#: the largest version a message may name (a signed 64-bit int)
+MAX_VERSION = (1 << 63) - 1
 #: what a relay report may say of a forward: landed, the child went away, or it failed
 OUTCOMES = ("", "lost", "fail")
 
@@ -104,8 +106,10 @@ class Credit:
         if not isinstance(holds, list) or len(holds) not in (0, len(slots)):
             raise WireFormatError("a credit says the version each credited slot holds, or none")
         for x in [raw["newest"], raw["settled"], *holds]:
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise WireFormatError("credit versions must be ints")
+            if not isinstance(x, int) or isinstance(x, bool) or not -1 <= x <= MAX_VERSION:
+                raise WireFormatError(
+                    f"credit versions are ints from -1 (none) to {MAX_VERSION}, got {x!r}"
+                )
         return cls(tuple(slots), raw["newest"], raw["settled"], tuple(holds))
 
 

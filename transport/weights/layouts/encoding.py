@@ -117,6 +117,7 @@ def _dest(name: str, e: Any) -> DestTensor:
         not isinstance(shape, list)
         or not 0 < len(shape) <= MAX_DIMS
         or not all(is_count(n) for n in shape)
+        or not isinstance(dtype, str)
         or dtype not in DTYPES
         or not is_count(dim)
         or dim >= len(shape)
