@@ -219,6 +219,181 @@ def test_delete(store: Store) -> None:
     assert store.delete("never") is False
 
 
+def test_compare_delete_deletes_only_the_expected_value(store: Store) -> None:
+    store.set("k", b"mine")
+    assert store.compare_delete("k", b"other") is False  # another value: kept
+    assert store.get("k") == b"mine"
+    assert store.compare_delete("k", b"mine") is True
+    assert store.try_get("k") is None
+    assert store.compare_delete("k", b"mine") is False  # already gone
+    assert store.compare_delete("never", b"x") is False  # missing: not created either
+    assert store.try_get("never") is None
+    # a value written by compare_set or add is compared by its value (the embedded store may
+    # keep it with a header)
+    assert store.compare_set("cs", None, b"v") is True
+    assert store.compare_delete("cs", b"v") is True
+    store.add("n", 7)
+    assert store.compare_delete("n", b"8") is False
+    assert store.compare_delete("n", b"7") is True
+    assert store.try_get("n") is None
+
+
+def test_a_compare_deleted_key_is_missing_to_every_method(store: Store) -> None:
+    def deleted(key: str) -> str:
+        store.set(key, b"old")
+        assert store.compare_delete(key, b"old") is True
+        return key
+
+    k = deleted("k")
+    assert store.try_get(k) is None
+    assert not store.exists(k)
+    assert store.delete(k) is False
+    with pytest.raises(StoreTimeout):
+        store.get(k, timeout=0)
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout, match="'k'"):
+        store.get(k, timeout=0.05)
+    assert time.monotonic() - start >= 0.05
+    with pytest.raises(StoreTimeout):
+        store.wait([k], timeout=0)
+    store.set("there", b"1")
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout, match=r"\['k'\]"):
+        store.wait(["there", k], timeout=0.05)
+    assert time.monotonic() - start >= 0.05
+    assert store.compare_set(k, b"old", b"x") is False
+    assert store.compare_set(k, b"", b"x") is False
+    assert store.compare_delete(k, b"old") is False
+    assert store.try_get(k) is None
+    # writes over it work as on a key that never was
+    assert store.compare_set(k, None, b"created") is True
+    assert store.get(k) == b"created"
+    assert store.compare_set(deleted("c"), None, b"") is True
+    assert store.get("c") == b""
+    assert store.add(deleted("n"), 5) == 5
+    assert store.add("n", 1) == 6
+    store.set(deleted("s"), b"again")
+    assert store.get("s", timeout=0) == b"again"
+    assert store.exists("s")
+    store.wait(["s"], timeout=0)
+    assert store.delete(deleted("d")) is False
+    store.set("d", b"back")
+    assert store.delete("d") is True
+    assert store.try_get("d") is None
+
+
+@pytest.mark.parametrize("call", ["get", "wait"])
+def test_a_wait_on_a_compare_deleted_key_ends_when_it_is_set(store: Store, call: str) -> None:
+    store.set("late", b"old")
+    assert store.compare_delete("late", b"old")
+    about_to_wait = threading.Event()
+    got: list[bytes | None] = []
+
+    def waiter() -> None:
+        about_to_wait.set()
+        if call == "get":
+            got.append(store.get("late", timeout=20))
+        else:
+            store.wait(["late"], timeout=20)
+            got.append(store.try_get("late"))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert about_to_wait.wait(10)
+    store.set("late", b"new")
+    thread.join(25)
+    assert got == [b"new"]
+
+
+def test_compare_delete_has_one_winner_among_threads(store: Store) -> None:
+    contenders, rounds = 4, 25
+    start = threading.Barrier(contenders + 1)
+
+    def claim(_: int) -> list[bool]:
+        won = []
+        for i in range(rounds):
+            start.wait(10)  # the round's value is set
+            won.append(store.compare_delete("k", f"v{i}".encode()))
+            start.wait(10)  # everyone tried
+        return won
+
+    with ThreadPoolExecutor(contenders) as pool:
+        results = pool.map(claim, range(contenders))
+        for i in range(rounds):
+            store.set("k", f"v{i}".encode())
+            start.wait(10)
+            start.wait(10)
+            assert store.try_get("k") is None
+        by_contender = list(results)
+    assert [sum(won[i] for won in by_contender) for i in range(rounds)] == [1] * rounds
+
+
+def test_a_value_set_while_another_thread_compare_deletes_the_old_one_survives(
+    store: Store,
+) -> None:
+    # Either order is fine (deleted then set, or set then not deleted); the new value is never
+    # lost. A store that swapped the old value for a marker and then deleted the key blindly
+    # would lose the sets that land in between.
+    rounds = 100
+    start = threading.Barrier(2)
+    deleted = []
+
+    def deleter() -> None:
+        for i in range(rounds):
+            start.wait(10)
+            deleted.append(store.compare_delete(f"k{i}", b"old"))
+
+    thread = threading.Thread(target=deleter)
+    thread.start()
+    try:
+        for i in range(rounds):
+            store.set(f"k{i}", b"old")
+            start.wait(10)
+            store.set(f"k{i}", b"new")
+    finally:
+        thread.join(30)
+    assert [store.try_get(f"k{i}") for i in range(rounds)] == [b"new"] * rounds
+    assert len(deleted) == rounds
+
+
+DELETER = """
+import json, sys
+from transport.store import store_from_url
+store = store_from_url(sys.argv[1])
+me, rounds = sys.argv[2], int(sys.argv[3])
+print("ready", flush=True)
+won = []
+for i in range(rounds):
+    store.get(f"go/{i}", timeout=300)  # the round's value is set (a deadline against hangs)
+    won.append(store.compare_delete("k", f"v{i}".encode()))
+    store.set(f"done/{i}/{me}", b"")
+print(json.dumps(won), flush=True)
+store.close()
+"""
+
+
+def test_compare_delete_has_one_winner_among_processes(interprocess_store: Store) -> None:
+    store, rounds = interprocess_store, 20
+    children = [PythonProcess(DELETER, store.url, str(n), str(rounds)) for n in range(2)]
+    try:
+        for child in children:
+            assert child.expect_line() == "ready"
+        mine = []
+        for i in range(rounds):
+            store.set("k", f"v{i}".encode())
+            store.set(f"go/{i}", b"")
+            mine.append(store.compare_delete("k", f"v{i}".encode()))
+            store.wait([f"done/{i}/{n}" for n in range(2)], timeout=60)
+            assert store.try_get("k") is None
+        theirs = [json.loads(child.expect_line()) for child in children]
+        for child in children:
+            assert child.finish() == 0
+    finally:
+        for child in children:
+            child.kill()
+    assert [mine[i] + sum(t[i] for t in theirs) for i in range(rounds)] == [1] * rounds
+
+
 def test_wait_for_several_keys(store: Store) -> None:
     store.set("a", b"1")
     store.wait(["a"], timeout=0)
@@ -274,6 +449,7 @@ def test_a_closed_store_raises_closed_error(store: Store) -> None:
         lambda: store.try_get("k"),
         lambda: store.add("n"),
         lambda: store.compare_set("k", None, b"v"),
+        lambda: store.compare_delete("k", b"v"),
         lambda: store.delete("k"),
         lambda: store.wait(["k"]),
     ]
@@ -292,15 +468,46 @@ def test_context_manager_closes(store: Store) -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [b"", b"\x00", b"a\x00b\x00", bytes(range(256)), b"\xff", b"\xff" * 20, b"-12", b" 7"],
-    ids=["empty", "nul", "nuls", "all-bytes", "ff", "ff-run", "negative-text", "space-digit"],
+    [
+        b"",
+        b"\x00",
+        b"a\x00b\x00",
+        bytes(range(256)),
+        b"\xff",
+        b"\xff" * 20,
+        b"-12",
+        b" 7",
+        b"0\xff",
+        b"0\xff" + b"\x01" * 8,
+    ],
+    ids=[
+        "empty",
+        "nul",
+        "nuls",
+        "all-bytes",
+        "ff",
+        "ff-run",
+        "negative-text",
+        "space-digit",
+        "zero-ff",  # the embedded store's tombstones start so: a value that does is a value
+        "zero-ff-nonce",
+    ],
 )
 def test_binary_values_round_trip(store: Store, value: bytes) -> None:
     store.set("k", value)
     assert store.get("k") == value
     assert store.try_get("k") == value
+    assert store.exists("k")
+    store.wait(["k"], timeout=0)
     assert store.compare_set("k", value, value + b"!") is True
     assert store.get("k") == value + b"!"
+    assert store.compare_delete("k", value) is False
+    assert store.compare_delete("k", value + b"!") is True
+    assert store.try_get("k") is None
+    assert store.compare_set("k", None, value) is True
+    assert store.get("k") == value
+    assert store.compare_delete("k", value) is True
+    assert not store.exists("k")
 
 
 def test_a_1_mib_value_round_trips(store: Store) -> None:
@@ -332,6 +539,12 @@ def test_arguments_are_type_checked(store: Store) -> None:
         store.add("n", True)
     with pytest.raises(TypeError):
         store.compare_set("k", "a", b"b")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="encode"):
+        store.compare_delete("k", "a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.compare_delete("k", None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.compare_delete("", b"v")
     with pytest.raises(ValueError):
         store.get("k", timeout=-1)
     with pytest.raises(TypeError):

@@ -45,6 +45,9 @@ REGION_BYTES = 250
 #: checked to exist at every one): a model's record is a megabyte, a heartbeat a second
 SMALL_RECORD = 64 << 10
 FULL_CHECK_EVERY = 16
+#: how many times ``leave`` reads and judges again a record or heartbeat rewritten between its
+#: read and its compare_delete before it leaves the value there
+LEAVE_TRIES = 8
 
 
 class Directory:
@@ -219,22 +222,59 @@ class Directory:
     def leave(self, name: str, generation: int) -> None:
         """Remove our record and heartbeat, unless a newer incarnation of the name has replaced
         them. The ``left`` mark goes first: a reader that finds no record finds the mark (the
-        notifications this incarnation sent before it went are still its own)."""
+        notifications this incarnation sent before it went are still its own).
+
+        Each value is deleted with ``compare_delete`` of the very bytes read and judged ours (or
+        garbage), never with a plain delete: a newer incarnation that writes its record or
+        heartbeat between our read and our delete keeps it (else it would vanish from the
+        namespace while alive). A value rewritten in between is read and judged again (our own
+        heartbeat thread may beat once more while we close), up to LEAVE_TRIES times."""
         key = self.key("peers", name)
         raw = self.store.try_get(key)
         if raw is None:
             return
+        marked = False
+        for _ in range(LEAVE_TRIES):
+            if raw is None or self._generation_of(name, raw, generation) != generation:
+                break  # gone, or a newer (or older) incarnation's: not ours to delete
+            if not marked:
+                gone = self.key("left", name)
+                self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
+                marked = True
+            if self.store.compare_delete(key, raw):
+                break
+            raw = self.store.try_get(key)
+        else:
+            self._gave_up(key, name, generation)
+        hb = self.key("hb", name)
+        for _ in range(LEAVE_TRIES):
+            raw = self.store.try_get(hb)
+            if raw is None:
+                return
+            beat = self._heartbeat(name, raw)
+            if beat is not None and beat[0] > generation:
+                return  # a newer incarnation's goes on beating
+            if self.store.compare_delete(hb, raw):
+                return
+        self._gave_up(hb, name, generation)
+
+    def _generation_of(self, name: str, raw: bytes, ours: int) -> int:
+        """The generation of the record ``raw`` of ``name``; ``ours`` for garbage (which the
+        leaving incarnation removes as its own)."""
         try:
-            current = self._decode(name, raw).generation
+            return self._decode(name, raw).generation
         except WireFormatError:
-            current = generation
-        if current == generation:
-            gone = self.key("left", name)
-            self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
-            self.store.delete(key)
-        beat = self.last_heartbeat(name)
-        if beat is None or beat[0] <= generation:  # a newer incarnation's goes on beating
-            self.store.delete(self.key("hb", name))
+            return ours
+
+    def _gave_up(self, key: str, name: str, generation: int) -> None:
+        log.warning(
+            "%s#%d left the namespace but %s was rewritten %d times while it removed it; "
+            "it stays (its readers judge it by generation and age)",
+            name,
+            generation,
+            key,
+            LEAVE_TRIES,
+        )
 
     def left(self, name: str) -> int | None:
         """The generation of ``name`` that last left the namespace by closing (None: none did,
@@ -339,10 +379,12 @@ class Directory:
     def last_heartbeat(self, name: str) -> tuple[int, float] | None:
         """The last heartbeat of ``name`` (generation, wall time); None when there is none or it
         is not valid (malformed, not signed with the secret, another peer's: logged)."""
+        raw = self.store.try_get(self.key("hb", name))
+        return None if raw is None else self._heartbeat(name, raw)
+
+    def _heartbeat(self, name: str, raw: bytes) -> tuple[int, float] | None:
+        """The heartbeat of ``name`` stored as ``raw``; None when it is not valid (logged)."""
         key = self.key("hb", name)
-        raw = self.store.try_get(key)
-        if raw is None:
-            return None
         try:
             value = signed.decode(self.keys, key, raw, f"the heartbeat of {name!r}")
             gen, t = decode_heartbeat(value.body)

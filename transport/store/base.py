@@ -26,7 +26,22 @@ DEFAULT_TIMEOUT = 30.0
 
 
 class Store(Closing, abc.ABC):
-    """Abstract key-value store. Implementations: memory, tcp (torch TCPStore), redis."""
+    """Abstract key-value store. Implementations: memory, tcp (torch TCPStore), redis.
+
+    Two conditional writes make read-decide-write sequences safe between processes:
+
+    * :meth:`compare_set` replaces a value only if it is still the one the caller read (or
+      creates the key only if it is still missing);
+    * :meth:`compare_delete` deletes a value only if it is still the one the caller read, so a
+      value that someone wrote after the read (a restarted peer's record, say) survives.
+
+    Each is atomic against every other call on the store, from any thread or process, and
+    answers exactly: ``True`` only for the call that made the change, so among callers racing
+    on one value at most one wins. A plain :meth:`delete` is blind: it removes whatever the key
+    holds by then. A deleted key, however it was deleted, is missing to every method: ``get``
+    and ``wait`` wait for it, ``try_get`` gives ``None``, ``exists`` and ``delete`` give
+    ``False``, ``compare_set(key, None, ...)`` creates it and ``add`` starts from 0.
+    """
 
     #: the URL this store was opened from (for messages and for child processes)
     url: str = ""
@@ -69,8 +84,16 @@ class Store(Closing, abc.ABC):
         """
 
     @abc.abstractmethod
+    def compare_delete(self, key: str, expected: bytes) -> bool:
+        """Atomically delete ``key`` if its value is exactly ``expected``; return whether it did.
+
+        A missing key or any other value (one written since the caller read ``expected``)
+        is left as it is and answers ``False``. Use it instead of reading then deleting.
+        """
+
+    @abc.abstractmethod
     def delete(self, key: str) -> bool:
-        """Delete ``key``; return whether it existed."""
+        """Delete ``key``, whatever it holds; return whether it existed."""
 
     @abc.abstractmethod
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:

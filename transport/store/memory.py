@@ -127,6 +127,15 @@ class MemoryStore(Store):
             self._data.changed.notify_all()
             return True
 
+    def compare_delete(self, key: str, expected: bytes) -> bool:
+        key, expected = check_key(key), check_value(expected)
+        with self._data.changed:
+            self._check_open()
+            if self._data.values.get(key) != expected:
+                return False
+            del self._data.values[key]
+            return True
+
     def delete(self, key: str) -> bool:
         key = check_key(key)
         with self._data.changed:

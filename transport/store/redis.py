@@ -51,6 +51,14 @@ redis.call('SET', KEYS[1], ARGV[3])
 return 1
 """
 
+# KEYS[1]; ARGV[1] the value the key must hold to be deleted (GET answers false when it is missing).
+_COMPARE_DELETE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 
 def parse_redis_url(url: str) -> tuple[str, float | None]:
     """Check a redis URL; return it without our own options, and its ``timeout``."""
@@ -101,6 +109,7 @@ class RedisStore(Store):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"redis store URL {redact_url(url)!r}: {exc}") from None
         self._compare_set = self._redis.register_script(_COMPARE_SET)
+        self._compare_delete = self._redis.register_script(_COMPARE_DELETE)
         try:
             with self._redis_errors("connect"):
                 self._redis.ping()
@@ -192,6 +201,11 @@ class RedisStore(Store):
         match = b"" if expected is None else check_value(expected)
         with self._redis_errors("compare_set"):
             return bool(self._compare_set(keys=[key], args=[flag, match, desired]))
+
+    def compare_delete(self, key: str, expected: bytes) -> bool:
+        key, expected = check_key(key), check_value(expected)
+        with self._redis_errors("compare_delete"):
+            return bool(self._compare_delete(keys=[key], args=[expected]))
 
     def delete(self, key: str) -> bool:
         key = check_key(key)

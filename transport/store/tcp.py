@@ -27,10 +27,22 @@ Measured behaviours of TCPStore (torch 2.13) this module works around:
   exists, before the server's answer arrives; ``check`` is used to look first.
 * ``compare_set(key, "", new)`` sets ``key`` when it is missing *or holds the
   empty value*, and the returned value alone cannot tell success from failure.
-  Values that are empty or start with byte 0xFF, and values written by
-  ``compare_set``, are therefore stored with a 9-byte header (0xFF and a random
-  nonce), which makes every compare-and-set exact. A successful ``compare_set``
-  writes the plain value back right away, so ``add`` works on it afterwards.
+  Values that are empty or start with byte 0xFF or with the two bytes ``0`` 0xFF,
+  and values written by ``compare_set``, are therefore stored with a 9-byte header
+  (0xFF and a random nonce), which makes every compare-and-set exact. A successful
+  ``compare_set`` writes the plain value back right away, so ``add`` works on it
+  afterwards.
+* There is no conditional delete (``delete_key`` is blind). ``compare_delete``
+  compare-and-sets the value it expects to a *tombstone*: ``0`` 0xFF and a random
+  nonce, a stored form no value takes (see above), unique so that the answer tells
+  whether this call made the swap. Every method takes a tombstone for a missing key:
+  ``get`` and ``wait`` poll it (1 ms to 50 ms) until a value replaces it, ``try_get``
+  gives None, ``exists`` and ``delete`` give False (and leave it), ``compare_set(key,
+  None, v)`` swaps it for ``v``, and ``add`` counts it as 0 by itself (the server
+  reads the leading ``0``). A tombstone stays, a few bytes, until the key is written
+  again: removing it with ``delete_key`` could remove a value set just before. Telling
+  a tombstone from a value takes reading the value, so ``exists``, ``wait`` and
+  ``delete`` read the value of a key that is there (``check`` alone cannot tell).
 * ``add`` on a value that is not a decimal integer makes the server drop the
   connection; it is reported as :class:`~transport.errors.StoreError`. The server
   parses a leading integer (``add`` on ``b"12abc"`` gives 13) and wraps at 2**63.
@@ -88,8 +100,17 @@ _GRACE = 1.0
 _LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
 
 
+# What compare_delete leaves: the tombstone's prefix and a nonce. The server's add reads the
+# leading "0" of it, and values starting with it are stored with the header.
+_TOMB = b"0\xff"
+_TOMB_NONCE_LEN = 8
+# How a get or wait polls a key that holds a tombstone (TCPStore's wait sees the key as there).
+_FIRST_POLL = 0.001
+_MAX_POLL = 0.05
+
+
 def _encode(value: bytes, *, unique: bool = False) -> bytes:
-    if unique or not value or value.startswith(_MARK):
+    if unique or not _plain(value):
         return _MARK + os.urandom(_HEADER_LEN - 1) + value
     return value
 
@@ -99,7 +120,17 @@ def _decode(raw: bytes) -> bytes:
 
 
 def _plain(value: bytes) -> bool:
-    return bool(value) and not value.startswith(_MARK)
+    """Whether ``value`` is stored as it is (it looks neither like a header nor a tombstone)."""
+    return bool(value) and not value.startswith(_MARK) and not value.startswith(_TOMB)
+
+
+def _tombstone() -> bytes:
+    return _TOMB + os.urandom(_TOMB_NONCE_LEN)
+
+
+def _live(raw: bytes) -> bool:
+    """Whether a stored ``raw`` value is a value, not a tombstone."""
+    return not raw.startswith(_TOMB)
 
 
 def _span(seconds: float) -> datetime.timedelta:
@@ -380,23 +411,44 @@ class TcpStore(Store):
 
         with self._torch_errors("get"):
             client = self._client()
+        pause = _FIRST_POLL
         while True:
             with self._torch_errors("get"):
                 raw = self._raw_try_get(client, key)
-            if raw is not None:
+            if raw is None:
+                self._wait_until(client, [key], deadline, "get", missing)
+            elif _live(raw):
                 return _decode(raw)
-            self._wait_until(client, [key], deadline, "get", missing)
+            else:  # a tombstone: TCPStore's wait sees a key there
+                pause = self._pause(pause, deadline, missing)
 
     def try_get(self, key: str) -> bytes | None:
         key = check_key(key)
         with self._torch_errors("try_get"), self._quick() as client:
             raw = self._raw_try_get(client, key)
-        return None if raw is None else _decode(raw)
+        return _decode(raw) if raw is not None and _live(raw) else None
 
     def exists(self, key: str) -> bool:
         key = check_key(key)
         with self._torch_errors("exists"), self._quick() as client:
-            return bool(client.check([key]))
+            return not self._absent(client, key)
+
+    def _absent(self, client: dist.TCPStore, key: str) -> bool:
+        """Whether ``key`` is missing or holds a tombstone (``check`` first: a missing key is not
+        read)."""
+        raw = self._raw_try_get(client, key)
+        return raw is None or not _live(raw)
+
+    def _pause(self, pause: float, deadline: float, missing: Callable[[], str]) -> float:
+        """Sleep ``pause`` (less when the deadline comes first) before a key holding a tombstone
+        is looked at again; StoreTimeout at the deadline. Returns the next pause."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreTimeout(f"{missing()} in store {self.url}")
+        time.sleep(min(pause, left))
+        if self._closed:
+            raise self._closed_error()
+        return min(pause * 2, _MAX_POLL)
 
     def add(self, key: str, amount: int = 1) -> int:
         key, amount = check_key(key), check_amount(amount)
@@ -428,26 +480,52 @@ class TcpStore(Store):
         new = _encode(desired, unique=True)  # unique: the answer equals it only if we set it
         with self._torch_errors("compare_set"), self._quick() as client:
             if expected is None:
-                # Stored values are never empty, so "" matches a missing key only.
-                swapped = client.compare_set(key, b"", new) == new  # type: ignore[arg-type]
+                swapped = self._create(client, key, new)
             else:
-                swapped = False
-                raw = self._raw_try_get(client, key)
-                while raw is not None and _decode(raw) == expected:
-                    current = client.compare_set(key, raw, new)  # type: ignore[arg-type]
-                    if current == new:
-                        swapped = True
-                        break
-                    # TCPStore answers the expected value itself when the key is missing.
-                    raw = None if current == raw else current
+                swapped = self._swap(client, key, expected, new)
             if swapped and _plain(desired):
                 # Plain again, unless changed since.
                 client.compare_set(key, new, desired)  # type: ignore[arg-type]
         return swapped
 
+    def compare_delete(self, key: str, expected: bytes) -> bool:
+        key, expected = check_key(key), check_value(expected)
+        with self._torch_errors("compare_delete"), self._quick() as client:
+            return self._swap(client, key, expected, _tombstone())
+
+    @staticmethod
+    def _create(client: dist.TCPStore, key: str, new: bytes) -> bool:
+        """Set ``key`` to ``new`` (unique) if it is missing or holds a tombstone."""
+        # Stored values are never empty, so "" matches a missing key only.
+        held = b""
+        while True:
+            current = client.compare_set(key, held, new)  # type: ignore[arg-type]
+            if current == new:
+                return True
+            if held and current == held:
+                held = b""  # TCPStore answers the expected value itself: the tombstone went
+            elif _live(current):
+                return False
+            else:
+                held = current  # a tombstone: swap that
+
+    def _swap(self, client: dist.TCPStore, key: str, expected: bytes, new: bytes) -> bool:
+        """Set ``key`` to ``new`` (unique) if its value is ``expected``, whatever header the
+        stored form of ``expected`` carries."""
+        raw = self._raw_try_get(client, key)
+        while raw is not None and _live(raw) and _decode(raw) == expected:
+            current = client.compare_set(key, raw, new)  # type: ignore[arg-type]
+            if current == new:
+                return True
+            # TCPStore answers the expected value itself when the key is missing.
+            raw = None if current == raw else current
+        return False
+
     def delete(self, key: str) -> bool:
         key = check_key(key)
         with self._torch_errors("delete"), self._quick() as client:
+            if self._absent(client, key):
+                return False  # a tombstone stays: deleting it could delete a value set since
             return bool(client.delete_key(key))
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
@@ -457,16 +535,25 @@ class TcpStore(Store):
 
         def missing() -> str:
             try:
-                absent = [k for k in wanted if not client.check([k])]
+                absent = [k for k in wanted if self._absent(client, k)]
             except RuntimeError:
                 absent = wanted
             return f"keys {absent!r} did not appear within {seconds:g} s"
 
         with self._torch_errors("wait"):
             client = self._client()
-            if not wanted or client.check(wanted):
+            if not wanted:
                 return
-        self._wait_until(client, wanted, deadline, "wait", missing)
+        pause = _FIRST_POLL
+        while True:
+            with self._torch_errors("wait"):
+                there = bool(client.check(wanted))
+            if not there:
+                self._wait_until(client, wanted, deadline, "wait", missing)
+            with self._torch_errors("wait"):
+                if not any(self._absent(client, k) for k in wanted):
+                    return
+            pause = self._pause(pause, deadline, missing)  # a tombstone, or a key deleted since
 
     def _wait_until(
         self,

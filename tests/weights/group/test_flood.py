@@ -58,6 +58,10 @@ class CountingStore(Store):
         self._read()
         return self.inner.compare_set(key, expected, desired)
 
+    def compare_delete(self, key: str, expected: bytes) -> bool:
+        self._read()
+        return self.inner.compare_delete(key, expected)
+
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)
 
