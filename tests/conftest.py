@@ -45,6 +45,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 import helpers.startup.sitecustomize  # noqa: E402, F401  (this process's thresholds)
 
+#: a test past its timeout fails wherever the alarm lands (a ``__del__``, a garbage-collector
+#: callback: frames whose exceptions Python drops), and one that goes on ends the process
+#: (helpers/timeouts/guard.py)
+pytest_plugins = ("helpers.timeouts.guard",)
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
