@@ -171,3 +171,67 @@ def test_leave_gives_up_on_a_heartbeat_rewritten_at_every_read(
     assert "rewritten" in caplog.text and key in caplog.text
     assert directory.last_heartbeat(NAME) == (gen, float(peers.LEAVE_TRIES))
     assert store.try_get(directory.key("peers", NAME)) is None
+
+
+def test_an_older_incarnation_that_leaves_late_never_lowers_the_left_mark(
+    store: Store, secret: bytes | None
+) -> None:
+    """Generation 1 reads its record and judges it its own; before it marks that it left,
+    generation 2 starts and leaves (mark: 2). Generation 1's mark comes late and must not put
+    the mark back to 1: a reader would take generation 2's notifications as a live peer's."""
+    racing = Interleaving(store)
+    old = Directory(racing, NS, secret)
+    new = Directory(store, NS, secret)
+    first = _start(old)
+    second: list[int] = []
+
+    def newer_comes_and_goes() -> None:
+        second.append(_start(new))
+        new.leave(NAME, second[0])
+
+    racing.after_read(old.key("peers", NAME), newer_comes_and_goes)
+
+    old.leave(NAME, first)
+
+    assert racing.fired and second and second[0] > first
+    assert new.left(NAME) == second[0], "the left mark went back to an older incarnation"
+    assert store.try_get(new.key("peers", NAME)) is None
+
+
+def test_a_newer_mark_written_while_the_old_one_raises_its_own_stays(
+    store: Store, secret: bytes | None
+) -> None:
+    """The newer incarnation starts and leaves right after the old one read the mark (to raise
+    it): the old one's conditional write loses, and the newer mark stays."""
+    racing = Interleaving(store)
+    old = Directory(racing, NS, secret)
+    new = Directory(store, NS, secret)
+    first = _start(old)
+    second: list[int] = []
+
+    def newer_comes_and_goes() -> None:
+        second.append(_start(new))
+        new.leave(NAME, second[0])
+
+    racing.after_read(old.key("left", NAME), newer_comes_and_goes)
+
+    old.leave(NAME, first)
+
+    assert racing.fired == [old.key("left", NAME)] and second and second[0] > first
+    assert new.left(NAME) == second[0], "the left mark went back to an older incarnation"
+
+
+def test_the_left_mark_rises_over_an_older_one_and_garbage(
+    store: Store, secret: bytes | None
+) -> None:
+    directory = Directory(store, NS, secret)
+    first = _start(directory)
+    directory.leave(NAME, first)
+    assert directory.left(NAME) == first
+    second = _start(directory)
+    directory.leave(NAME, second)
+    assert directory.left(NAME) == second
+    store.set(directory.key("left", NAME), b"\xc1garbage")
+    third = _start(directory)
+    directory.leave(NAME, third)
+    assert directory.left(NAME) == third

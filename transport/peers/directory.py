@@ -45,8 +45,8 @@ REGION_BYTES = 250
 #: checked to exist at every one): a model's record is a megabyte, a heartbeat a second
 SMALL_RECORD = 64 << 10
 FULL_CHECK_EVERY = 16
-#: how many times ``leave`` reads and judges again a record or heartbeat rewritten between its
-#: read and its compare_delete before it leaves the value there
+#: how many times ``leave`` reads and judges again a record, heartbeat or ``left`` mark rewritten
+#: between its read and its compare_delete (or compare_set) before it leaves the value there
 LEAVE_TRIES = 8
 
 
@@ -222,7 +222,8 @@ class Directory:
     def leave(self, name: str, generation: int) -> None:
         """Remove our record and heartbeat, unless a newer incarnation of the name has replaced
         them. The ``left`` mark goes first: a reader that finds no record finds the mark (the
-        notifications this incarnation sent before it went are still its own).
+        notifications this incarnation sent before it went are still its own); it is raised to
+        our generation, never lowered (``_mark_left``).
 
         Each value is deleted with ``compare_delete`` of the very bytes read and judged ours (or
         garbage), never with a plain delete: a newer incarnation that writes its record or
@@ -238,8 +239,7 @@ class Directory:
             if raw is None or self._generation_of(name, raw, generation) != generation:
                 break  # gone, or a newer (or older) incarnation's: not ours to delete
             if not marked:
-                gone = self.key("left", name)
-                self.store.set(gone, signed.encode(self.keys, gone, name, generation, b""))
+                self._mark_left(name, generation)
                 marked = True
             if self.store.compare_delete(key, raw):
                 break
@@ -276,13 +276,42 @@ class Directory:
             LEAVE_TRIES,
         )
 
+    def _mark_left(self, name: str, generation: int) -> None:
+        """Raise the ``left`` mark of ``name`` to ``generation``; never lower it. An incarnation
+        that leaves late (its close ran after a newer one had already left) finds the newer
+        mark and leaves it, so the mark only ever goes up: whoever reads it learns the newest
+        incarnation that left. The mark is replaced with ``compare_set`` of the very bytes read
+        and judged lower (or missing, or not valid), so a higher one written in between stays;
+        a mark rewritten between every read and write is left as it is after LEAVE_TRIES."""
+        key = self.key("left", name)
+        mark = signed.encode(self.keys, key, name, generation, b"")
+        for _ in range(LEAVE_TRIES):
+            raw = self.store.try_get(key)
+            if raw is not None:
+                stored = self._left_of(name, raw)
+                if stored is not None and stored >= generation:
+                    return  # this incarnation's mark, or a newer one's: it stands
+            if self.store.compare_set(key, raw, mark):
+                return
+        log.warning(
+            "%s#%d left the namespace but its mark %s was rewritten %d times while it raised "
+            "it; it stays as it is",
+            name,
+            generation,
+            key,
+            LEAVE_TRIES,
+        )
+
     def left(self, name: str) -> int | None:
         """The generation of ``name`` that last left the namespace by closing (None: none did,
-        or the store lost it, or the value is not valid)."""
+        or the store lost it, or the value is not valid). The mark only goes up (``leave``)."""
+        raw = self.store.try_get(self.key("left", name))
+        return None if raw is None else self._left_of(name, raw)
+
+    def _left_of(self, name: str, raw: bytes) -> int | None:
+        """The generation the stored ``left`` mark ``raw`` of ``name`` says; None when it is not
+        valid (malformed, not signed with the secret, another peer's: logged)."""
         key = self.key("left", name)
-        raw = self.store.try_get(key)
-        if raw is None:
-            return None
         try:
             value = signed.decode(self.keys, key, raw, f"the leave of {name!r}")
         except WireFormatError as e:

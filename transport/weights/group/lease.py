@@ -238,17 +238,20 @@ class PublisherLease:
             return False
         lost = self._claim(first=False)
         if self.mine.rank == 0:
+            # put back over exactly what was read (compare_set): a count that a publisher which
+            # took the lease over since wrote in between stays (and we learn of the takeover at
+            # our next publish), as does our own written again by a concurrent ensure
             body = str(self.mine.world).encode()
-            if self.transport.store.try_get(self._ranks_key) != self.signed.encode(
-                self._ranks_key, body
+            raw = self.transport.store.try_get(self._ranks_key)
+            if raw != self.signed.encode(self._ranks_key, body) and self.signed.compare_set(
+                self._ranks_key, raw, body
             ):
                 log.warning(
-                    "group %s: the store lost the count of ranks %s (or holds one that "
+                    "group %s: the store lost the count of ranks %s (or held one that "
                     "is not ours); wrote it back",
                     self.group,
                     self._ranks_key,
                 )
-                self.signed.set(self._ranks_key, body)
         return lost
 
     def release(self) -> None:
