@@ -205,9 +205,14 @@ def unpack(
         raise WireFormatError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from e
 
 
+#: the largest count a peer may send: a signed 64-bit int (msgpack carries up to 2**64 - 1)
+MAX_COUNT = (1 << 63) - 1
+
+
 def is_count(value: object) -> bool:
-    """Whether ``value`` decoded from the wire is a count: an int (not a bool), at least 0."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """Whether ``value`` decoded from the wire is a count: an int (not a bool), from 0 to
+    MAX_COUNT."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 def _check_fields(obj: object, fields: dict[str, type] | set[str], what: str) -> dict[str, Any]:

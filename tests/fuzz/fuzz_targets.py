@@ -286,6 +286,7 @@ def _group_seeds() -> list[bytes]:
             m.Patch(9, 1, 8, 4096, 64),
             m.Patched(9, 1, ""),
             m.Report(9, "gen-1", "fail", "why"),
+            m.Report(9, "gen-2", "", "", 4096),
         )
     ]
 

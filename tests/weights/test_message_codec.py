@@ -54,8 +54,11 @@ def test_each_protocol_puts_its_kind_under_one_key_and_round_trips(codec, msg):
 @pytest.mark.parametrize(
     "fields, rule",
     [
-        ({"c": True, "l": False, "n": ""}, "'c' of a 'ping' message must be a non-negative int"),
-        ({"c": -1, "l": False, "n": ""}, "non-negative int"),
+        (
+            {"c": True, "l": False, "n": ""},
+            "'c' of a 'ping' message must be a non-negative 64-bit int",
+        ),
+        ({"c": -1, "l": False, "n": ""}, "non-negative 64-bit int"),
         ({"c": 1, "l": 1, "n": ""}, "'l' of a 'ping' message must be a bool"),
         ({"c": 1, "l": True, "n": b"x"}, "'n' of a 'ping' message must be a str"),
         ({"c": 1, "l": True}, "malformed ping message"),

@@ -61,7 +61,9 @@ def _checked(kind: str, key: str, annotation: Any, value: Any) -> Any:
     """``value`` of field ``key`` if its annotation's rule holds, else WireFormatError."""
     name = _type_name(annotation)
     if name == "int" and not is_count(value):
-        raise WireFormatError(f"field {key!r} of a {kind!r} message must be a non-negative int")
+        raise WireFormatError(
+            f"field {key!r} of a {kind!r} message must be a non-negative 64-bit int (0 to 2**63 - 1)"
+        )
     if name == "bool" and type(value) is not bool:
         raise WireFormatError(f"field {key!r} of a {kind!r} message must be a bool")
     if name == "str" and not isinstance(value, str):

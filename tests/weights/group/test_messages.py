@@ -38,8 +38,9 @@ GOOD = [
     ("patch", {"v": 8, "s": 1, "p": 6, "n": 4096, "a": 1 << 20}),
     ("patched", {"v": 8, "s": 0, "e": ""}),
     ("patched", {"v": 8, "s": 0, "e": "it holds version 5, not 7"}),
-    ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": ""}),
-    ("fwdr", {"v": 7, "c": "gen-1", "x": "lost", "e": "peer 'gen-1' was lost"}),
+    ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": "", "n": 0}),
+    ("fwdr", {"v": 7, "c": "gen-1", "x": "", "e": "", "n": 4096}),  # landed as changes
+    ("fwdr", {"v": 7, "c": "gen-1", "x": "lost", "e": "peer 'gen-1' was lost", "n": 0}),
 ]
 
 
@@ -102,11 +103,18 @@ BAD = [
     (raw({"k": "abort", "v": 1, "s": -1}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": -4, "n": 4}), "non-negative"),
     (raw({"k": "part", "v": 1, "s": 0, "a": 1, "o": 0}), "malformed"),
-    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "maybe", "e": ""}), "relay report"),
-    (raw({"k": "fwdr", "v": 1, "c": 5, "x": "", "e": ""}), "relay report"),
-    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x"}), "relay report"),
-    (raw({"k": "fwdr", "v": 1, "c": "x" * 300, "x": "", "e": ""}), "relay report"),
-    (raw({"k": "fwdr", "v": 1, "c": "a/b", "x": "", "e": ""}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "maybe", "e": "", "n": 0}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": 5, "x": "", "e": "", "n": 0}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": b"x", "n": 0}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "x" * 300, "x": "", "e": "", "n": 0}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "a/b", "x": "", "e": "", "n": 0}), "relay report"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": ""}), "malformed"),  # no bytes
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": "", "n": -1}), "non-negative"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": "", "n": True}), "non-negative"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": "", "n": "8"}), "non-negative"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "", "e": "", "n": 1 << 63}), "64-bit"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "fail", "e": "x", "n": 8}), "that landed"),
+    (raw({"k": "fwdr", "v": 1, "c": "gen-1", "x": "lost", "e": "", "n": 8}), "that landed"),
     (raw({"k": "patch", "v": 8, "s": 0, "p": 8, "n": 10, "a": 0}), "base must be older"),
     (raw({"k": "patch", "v": 8, "s": 0, "p": 3, "n": 0, "a": 0}), "at least one byte"),
     (raw({"k": "patch", "v": 8, "s": 0, "p": -1, "n": 10, "a": 0}), "non-negative"),
@@ -139,7 +147,7 @@ _value = st.recursive(_leaf, lambda c: st.lists(c, max_size=4), max_leaves=8)
 @given(
     st.sampled_from([k for k, _ in GOOD]),
     st.dictionaries(
-        st.sampled_from(["v", "s", "t", "to", "c", "x", "e", "a", "b"]), _value, max_size=5
+        st.sampled_from(["v", "s", "t", "to", "c", "x", "e", "a", "b", "n"]), _value, max_size=5
     ),
 )
 def test_well_formed_msgpack_of_any_shape_decodes_or_is_refused(kind, fields):

@@ -66,9 +66,10 @@ Delta updates (``delta=True`` on both sides; weights/delta/):
 
 Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
 
-* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot, relays], ...]}``
+* publisher -> relay ``{"k": "fwd", "v": N, "t": ms, "to": [[child, slot, relays, base], ...]}``
   (Forward): write version N into each child's slot (within ``t`` milliseconds) as it lands here;
-  ``relays`` (0/1): the child forwards it in turn, so announce each segment to it
+  ``relays`` (0/1): the child forwards it in turn, so announce each segment to it; ``base``: the
+  version the child holds whole (-1: none), onto which the version's changes may go
 * writer -> relay ``{"k": "seg", "v": N, "s": slot, "a": i, "b": j}`` (Segment): the notification
   of one segment of version N: the tensors ``i`` to ``j - 1`` of the relay's names in sorted order
   have landed in ``slot``; the relay forwards them at once (a pipeline: every hop copies while the
@@ -78,10 +79,12 @@ Relayed fan-out (the publisher's ``fanout`` is ``chain`` or ``tree``):
   the notification of one piece of a tensor larger than a segment: bytes ``offset`` to
   ``offset + bytes - 1`` of tensor ``i`` have landed; the relay forwards them at once, so one huge
   tensor (an embedding) is pipelined too.
-* relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why}`` (Report): what
-  became of one forward: outcome ``""`` (landed), ``"lost"`` (the child went away: the publisher
-  drops it until it joins again) or ``"fail"`` (anything else, a child whose record the store
-  lacks for the moment included: it misses that version and is tried again at the next)
+* relay -> publisher ``{"k": "fwdr", "v": N, "c": child, "x": outcome, "e": why, "n": bytes}``
+  (Report): what became of one forward: outcome ``""`` (landed), ``"lost"`` (the child went away:
+  the publisher drops it until it joins again) or ``"fail"`` (anything else, a child whose record
+  the store lacks for the moment included: it misses that version and is tried again at the
+  next); ``n``: the bytes of changes the relay wrote and the child applied (0: it took the
+  version whole, or the forward did not land)
 
 A staging subscriber has two slots. It never credits the slot that holds its newest complete
 version, nor the slot an ``apply()`` is copying from, nor a slot it is forwarding from, so nobody

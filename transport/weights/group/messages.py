@@ -231,14 +231,23 @@ class Patched:
 @dataclass(frozen=True)
 class Report:
     """relay -> publisher: what became of the forward of ``version`` to ``child``: ``outcome``
-    is one of :data:`OUTCOMES`, ``why`` says why it failed."""
+    is one of :data:`OUTCOMES`, ``why`` says why it failed; ``patched``: the bytes of the
+    version's changes the relay wrote into the child's inbox and the child applied (0: it took
+    the version whole, or the forward did not land; only a landed forward carries bytes)."""
 
     version: int
     child: str
     outcome: str
     why: str
+    patched: int = 0
     KIND: ClassVar[str] = "fwdr"
-    WIRE: ClassVar[dict[str, str]] = {"version": "v", "child": "c", "outcome": "x", "why": "e"}
+    WIRE: ClassVar[dict[str, str]] = {
+        "version": "v",
+        "child": "c",
+        "outcome": "x",
+        "why": "e",
+        "patched": "n",
+    }
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> Report:
@@ -248,7 +257,13 @@ class Report:
             or not isinstance(raw["why"], str)
         ):
             raise WireFormatError("malformed relay report")
-        return cls(_count(cls, raw, "version"), raw["child"], raw["outcome"], raw["why"])
+        version, patched = _count(cls, raw, "version"), _count(cls, raw, "patched")
+        return cls(version, raw["child"], raw["outcome"], raw["why"], patched)
+
+    def wire_rule(self) -> str:
+        if self.patched and self.outcome:
+            return "a relay report carries bytes of changes only for a forward that landed"
+        return ""
 
 
 Message = (
@@ -302,7 +317,9 @@ def _count(cls: type[Message], raw: dict[str, Any], name: str) -> int:
     value = raw[name]
     if not is_count(value):
         key = cls.WIRE[name]
-        raise WireFormatError(f"field {key!r} of a {cls.KIND!r} message must be a non-negative int")
+        raise WireFormatError(
+            f"field {key!r} of a {cls.KIND!r} message must be a non-negative 64-bit int (0 to 2**63 - 1)"
+        )
     return int(value)
 
 

@@ -34,8 +34,10 @@ class PublishResult:
     reasons: dict[str, str] = field(default_factory=dict)
     #: subscribers a relay was asked to serve -> that relay (the others were written directly)
     via: dict[str, str] = field(default_factory=dict)
-    #: subscribers that took the version as its changes (``delta=True``) -> the bytes written
-    #: to them (the others that are done took it whole)
+    #: subscribers that took the version as its changes (``delta=True``) -> the bytes of
+    #: changes written into their inbox and applied there, whoever wrote them: the publisher, or
+    #: the relay in ``via`` (which forwards the blob it took, so the same bytes), as its report
+    #: says; the others that are done took it whole (one that refused the changes too)
     patched: dict[str, int] = field(default_factory=dict)
 
     def with_status(self, s: str) -> list[str]:

@@ -94,7 +94,10 @@ class Handover:
         return True
 
     def _on_relayed(self, relay: str, report: Report) -> None:
-        """A relay's report on one forward: the child's slot is the publisher's again."""
+        """A relay's report on one forward: the child's slot is the publisher's again. A
+        forward that landed as changes (``report.patched``: their bytes) is in the result's
+        ``patched``, as the publisher's own writes of changes are, while the version still
+        waits for the child (one excluded at its deadline meanwhile stays out of it)."""
         version, child, outcome, why = report.version, report.child, report.outcome, report.why
         with self._lock:
             sub = self._subs.get(child)
@@ -113,4 +116,6 @@ class Handover:
                 err = PeerLostError(f"relay {relay} lost it: {why}", child)
             elif outcome:
                 err = TransportError(f"relay {relay} could not forward version {version}: {why}")
+            elif report.patched and sub.relay_handle.waits_for(child):
+                sub.relay_handle.result.patched[child] = report.patched
             self._finished(sub, sub.busy, version, sub.relay_handle, err)

@@ -10,7 +10,10 @@ A version that came here as its changes (a ``patch`` into our inbox) goes on as 
 changes to each child the publisher says holds their base (the target's ``base``), once it is
 complete here: the inbox's bytes into the child's inbox, and the child's ``patched`` ends the
 forward; a child that refuses them, or a version that came here whole, is written whole. The
-publisher writes our inbox again only once every forward reading it has ended.
+report of a forward that the child applied as changes carries their bytes (those written into
+its inbox: the blob as it came here), so that the publisher's result says who took the version
+as changes, whoever wrote them; one written whole carries 0. The publisher writes our inbox
+again only once every forward reading it has ended.
 
 A forward goes to the child's newest incarnation, the one the publisher planned from its group
 entry: a connection found lost at the forward's first message (a child that restarted before
@@ -126,6 +129,7 @@ class _Job:
         self.pieces: dict[str, dict[int, int]] = {}  # name -> {offset: bytes} forwarded so far
         self.write: SegmentedWrite | None = None
         self.applying = False  # its changes landed at the child: it waits for its ``patched``
+        self.nbytes = 0  # the bytes of changes written into the child's inbox (0: none)
 
 
 class Relay:
@@ -321,6 +325,7 @@ class Relay:
         try:
             if not job.write.begin(reconnect=True):
                 return
+            job.nbytes = got.nbytes
             h = self.t.core.put_control_at(
                 inbox[got.at : got.at + got.nbytes],
                 inbox_region(self.group),
@@ -353,17 +358,18 @@ class Relay:
         job.write.fail(err)
 
     def patched(self, job: _Job, why: str) -> None:
-        """The child applied the changes (``why`` empty), or refused them: then whole."""
+        """The child applied the changes (``why`` empty: the report says their bytes), or
+        refused them: then whole."""
         if job.ended:
             return
         if not why:
-            self.ended(job, None)
+            self.ended(job, None, job.nbytes)
             return
         log.info("%s refused the changes of version %d: %s", job.child, job.version, why)
         self.whole(job)
 
     def whole(self, job: _Job) -> None:
-        job.base = -1
+        job.base, job.nbytes = -1, 0
         assert job.write is not None
         job.write.end(self.batch(job, job.names))
 
@@ -431,7 +437,9 @@ class Relay:
         self.children[child] = (conn.generation, names)
         return names
 
-    def ended(self, job: _Job, err: BaseException | None) -> None:
+    def ended(self, job: _Job, err: BaseException | None, patched: int = 0) -> None:
+        """The forward ended: landed (``err`` None; ``patched``: the bytes of changes the child
+        applied, 0: it took the version whole) or failed; the publisher is told either way."""
         if job.ended:
             return
         job.ended = True
@@ -443,7 +451,7 @@ class Relay:
                 del self.patching[job.child]
         self.host.unpin(job.src)
         if err is None:
-            self.report(job.publisher, job.version, job.child, "", "")
+            self.report(job.publisher, job.version, job.child, "", "", patched)
         else:
             self.children.pop(job.child, None)  # its record is read afresh next time
             lost = isinstance(err, PeerLostError)
@@ -456,12 +464,16 @@ class Relay:
             self.report(job.publisher, job.version, job.child, "lost" if lost else "fail", why)
         self.host.credit()  # the slot may be free now
 
-    def report(self, publisher: str, version: int, child: str, outcome: str, why: str) -> None:
+    def report(
+        self, publisher: str, version: int, child: str, outcome: str, why: str, patched: int = 0
+    ) -> None:
+        """Tell ``publisher`` what became of the forward of ``version`` to ``child`` (a
+        :class:`Report`; ``patched``: the bytes of changes it applied, for a landed forward)."""
         try:
             self.t.core.send_control(
                 publisher,
                 channel(self.group),
-                encode(Report(version, child, outcome, why[:900])),
+                encode(Report(version, child, outcome, why[:900], patched)),
             )
         except TransportError as e:
             log.info(
