@@ -27,7 +27,8 @@ def add_parser(sub: Any) -> None:
         "--link",
         type=Link.parse,
         default=Link(),
-        help="every link's shape: RATE[,DELAY[,LOSS%%]], such as 2gbit,100us (default: unshaped)",
+        help="every link's shape: RATE[,DELAY[,LOSS%%[,REORDER%%[,DUP%%]]]], such as "
+        "2gbit,100us (default: unshaped)",
     )
     up.add_argument(
         "--store",

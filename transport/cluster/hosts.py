@@ -2,11 +2,11 @@
 
 Each **host** (a store, a trainer, N generators) is a network namespace with one interface,
 ``eth0``, the end of a veth pair whose other end is a port of a bridge, the **switch**, in a
-namespace of its own. Each link is shaped in both directions (rate, delay, loss: links.py), on
-the host's end (what it sends) and the switch's (what it receives). The hosts have
-addresses in 198.18.0.0/24 (a benchmarking range) that exist only inside them: nothing touches
-an interface, address or route of the machine's own namespace, which cannot reach the hosts and
-which they cannot reach.
+namespace of its own. Each link is shaped in both directions (rate, delay, loss, reordering,
+duplication: links.py), on the host's end (what it sends) and the switch's (what it receives).
+The hosts have addresses in 198.18.0.0/24 (a benchmarking range) that exist only inside them:
+nothing touches an interface, address or route of the machine's own namespace, which cannot
+reach the hosts and which they cannot reach.
 
 Processes in a host see the others only through the links. UCX, left alone, would still move
 bytes between them through shared memory or CMA (they share one kernel), so every process the
@@ -192,7 +192,8 @@ class Cluster:
         self.shape(host, self.link)
 
     def shape(self, host: Host, link: Link) -> None:
-        """Shape ``host``'s link as ``link`` from now on (both directions)."""
+        """Shape ``host``'s link as ``link`` from now on, in both directions, replacing what it
+        had (``Link("1gbit")`` takes its loss, reordering and duplication away)."""
         for namespace, dev in ((host.namespace, "eth0"), (self.switch, host.port)):
             self._shaper.shape(namespace, dev, link)
         self._shaper.lose(host.namespace, link.loss)

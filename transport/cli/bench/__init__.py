@@ -63,7 +63,7 @@ PUT = [
         "the readers drain (with --secret: numbered and MACed)",
     ),
     (
-        "--link RATE[,DELAY[,LOSS%]]",
+        "--link RATE[,DELAY[,LOSS%[,REORDER%[,DUP%]]]]",
         str,
         None,
         "across hosts on this machine (root): the writer "
@@ -133,7 +133,7 @@ SYNC: list[tuple[str, Any, Any, str]] = [
         "link (default --params 16M --tensors 32 --steps 5)",
     ),
     (
-        "--link RATE[,DELAY[,LOSS%]]",
+        "--link RATE[,DELAY[,LOSS%[,REORDER%[,DUP%]]]]",
         str,
         "2gbit",
         "with --hosts: every link's shape (default 2gbit)",
