@@ -73,6 +73,10 @@ if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
         --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log"
     stop_redis() {
         # never the reason this command fails: its exit status is pytest's
+        if [ -n "${PROBE:-}" ]; then
+            kill "$PROBE" 2>/dev/null || true
+            .venv/bin/python tests/helpers/redis_probe.py report "$REDIS_URL" "$REDIS_DIR/silences.jsonl" || true
+        fi
         local pid=""
         [ -f "$REDIS_DIR/redis.pid" ] && pid=$(cat "$REDIS_DIR/redis.pid" 2>/dev/null || true)
         if [ -n "$pid" ]; then
@@ -89,6 +93,12 @@ if [ -z "${TRANSPORT_TEST_REDIS_URL:-}" ]; then
     done
     redis-cli -p "$REDIS_PORT" ping | grep -q PONG || { echo "tests/run.sh: redis-server did not start" >&2; cat "$REDIS_DIR/redis.log" >&2; exit 2; }
     export TRANSPORT_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
+    # Is the server ever silent, and whose fault is it? Its own stalls over 100 ms (LATENCY
+    # LATEST) and a probe's pings, reported at the end (tests/helpers/redis_probe.py).
+    REDIS_URL=$TRANSPORT_TEST_REDIS_URL
+    redis-cli -p "$REDIS_PORT" config set latency-monitor-threshold 100 >/dev/null
+    .venv/bin/python tests/helpers/redis_probe.py watch "$REDIS_URL" "$REDIS_DIR/silences.jsonl" &
+    PROBE=$!
 fi
 
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
