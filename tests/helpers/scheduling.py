@@ -26,10 +26,11 @@ SERVER_LANE = (
     "test_benchmarks_servers.py",
 )
 
-#: files of tens of seconds or more outside the lane (clusters of hosts, 100,000 tensors, the
+#: files of tens of seconds or more outside the lane (clusters of hosts, the chaos runs, 100,000 tensors, the
 #: wheel and the GPU dry run's installs, vLLM engines in one process): dealt out first, in this
 #: order; the rest follow, the files with the most tests first (xdist's own order)
 LONG_FILES = (
+    "cluster/test_chaos.py",
     "cluster/test_link_faults.py",
     "weights/test_scale.py",
     "cluster/test_cluster.py",
