@@ -54,6 +54,9 @@ from transport.wire import RegionInfo, agent_name, check_name
 
 log = logging.getLogger(__name__)
 
+#: the longest ``close`` waits for a write of our record or heartbeat in flight before it leaves
+RETIRE_WAIT = 10.0
+
 
 class Transport(Closing):
     """One process's endpoint for one-sided tensor transfers.
@@ -295,7 +298,12 @@ class Transport(Closing):
 
     def close(self) -> None:
         """Leave the namespace, fail transfers still in flight with ClosedError, release everything.
-        Idempotent. Closing the process that hosts the embedded store stops that store."""
+        Idempotent. Closing the process that hosts the embedded store stops that store.
+
+        Nothing of ours is written to the store after we left it: the housekeeping threads'
+        writes of our record and heartbeat (and an expose's racing the close) end first
+        (``Directory.retire``, which waits for the one in flight, at most ``min(timeout, 10)``
+        s), else a closed peer would look alive until its heartbeat aged out."""
         ep = self._ep
         with ep.lock:
             if ep.state is State.CLOSED:
@@ -303,6 +311,12 @@ class Transport(Closing):
             ep.state = State.CLOSED
         ep.stopping.set()
         ep.wake.set()
+        if not ep.directory.retire(self.name, min(ep.settings.timeout, RETIRE_WAIT)):
+            log.warning(
+                "transport %s: a write of its record or heartbeat was still in flight when it "
+                "left the namespace; it may land after (readers judge it by age)",
+                self.name,
+            )
         try:
             ep.directory.leave(self.name, self.generation)
         except Exception as e:

@@ -28,7 +28,10 @@ class Housekeeping:
     of notifications to check, dumps, withdrawals), and every ``heartbeat_interval``: restoring
     our record if the store lost it, the namespace's dump requests, dropping connections to
     peers that restarted, letting go of the plans of dropped connections. Rules: it never holds
-    a lock across parts; a store that is down costs a warning per round, never a thread.
+    a lock across parts; a store that is down costs a warning per round, never a thread; its
+    writes of our record and heartbeat stop before the Transport leaves the namespace, and none
+    lands after (``Transport.close`` retires the name in the directory first, which waits for
+    the write in flight: ``Directory.retire``), so a closed peer never looks alive again.
     """
 
     def __init__(

@@ -48,6 +48,9 @@ FULL_CHECK_EVERY = 16
 #: how many times ``leave`` reads and judges again a record, heartbeat or ``left`` mark rewritten
 #: between its read and its compare_delete (or compare_set) before it leaves the value there
 LEAVE_TRIES = 8
+#: likewise for ``restore`` and ``heartbeat``: how many times they read and judge again a record
+#: or heartbeat rewritten between their read and their compare_set before they skip the write
+WRITE_TRIES = 8
 
 
 class Directory:
@@ -63,6 +66,13 @@ class Directory:
     that ever joined, live or not); ``leave`` deletes a record only if no newer incarnation has
     replaced it. A counter holding garbage never stops a join or a listing: see
     :meth:`generation_counter` and :meth:`members_counter` for how each is repaired.
+
+    Our own values (one incarnation per value, DESIGN.md's failure model): ``restore`` and
+    ``heartbeat`` never write over a newer incarnation's record or heartbeat, and write with
+    ``compare_set`` of the very bytes they read and judged, so one written in between stays.
+    Once :meth:`retire` has run for a name, nothing of that name is written any more
+    (``publish``, ``restore`` and ``heartbeat`` do nothing): the closing peer retires before it
+    leaves, so that no write of its housekeeping threads lands after ``leave`` removed them.
     """
 
     def __init__(self, store: Store, namespace: str, secret: bytes | None) -> None:
@@ -77,6 +87,10 @@ class Directory:
         self._decoded: OrderedDict[str, tuple[bytes, PeerRecord, int]] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._checks: dict[str, int] = {}  # restore() calls per record name
+        # our record's and heartbeat's writes check _retired and write under _own_lock: retire()
+        # waits there for the write in flight, and no later one writes
+        self._own_lock = threading.Lock()
+        self._retired: set[str] = set()
         self._admit_lock = threading.Lock()
         self.keys: Keys | None = keys_for(secret, namespace) if secret else None
 
@@ -158,9 +172,32 @@ class Directory:
             self.store.set(self.key("members", "by-name", name), str(idx).encode())
 
     def publish(self, record: PeerRecord) -> None:
+        """Write our record ``record`` (a new revision, or its first); nothing once retired."""
         raw = encode_peer_record(record, self.secret)
-        self.store.set(self.key("peers", record.name), raw)
-        self._written[record.name] = raw
+        with self._own_lock:
+            if record.name in self._retired:
+                return
+            self.store.set(self.key("peers", record.name), raw)
+            self._written[record.name] = raw
+
+    def retire(self, name: str, timeout: float) -> bool:
+        """From now on write nothing of ``name`` (our own peer): its ``publish``, ``restore``
+        and ``heartbeat`` do nothing. A closing peer calls it before :meth:`leave`: a write of
+        its housekeeping threads (or of an expose racing the close) that landed after leave
+        removed the record and heartbeat would make the closed peer look alive until its
+        heartbeat aged out.
+
+        Each of those writes checks and writes under one lock, so this waits for the one in
+        flight (a store call, or the few of a restore, each within the store's deadline), at
+        most ``timeout`` seconds. False if that ran out: ``name`` is retired all the same, but
+        the write in flight may still land (the caller says so)."""
+        got = self._own_lock.acquire(timeout=timeout)
+        try:
+            self._retired.add(name)
+        finally:
+            if got:
+                self._own_lock.release()
+        return got
 
     def written(self, name: str) -> bytes | None:
         """The bytes of our record ``name`` as we last stored them (sealed with a secret)."""
@@ -360,50 +397,100 @@ class Directory:
         holds one we did not write (garbage, a forgery, a record of another incarnation that
         is not newer): the generation counter, the membership index and the record. True if it
         was put back. A record over SMALL_RECORD is read back whole at every FULL_CHECK_EVERY-th
-        call only; the others check that it exists."""
+        call only; the others check that it exists.
+
+        The record is written with ``compare_set`` of the very bytes read and judged (None where
+        it read none), never with a plain set: a newer incarnation of the name that writes its
+        record between our read and our write keeps it (else the live peer's record would be
+        the old incarnation's). What is found rewritten is read and judged again, up to
+        WRITE_TRIES times. Nothing is written once the name is retired (:meth:`retire`)."""
         key, written = self.key("peers", record.name), self._written.get(record.name)
         n = self._checks[record.name] = self._checks.get(record.name, 0) + 1
+        raw: bytes | None
         if written is not None and len(written) > SMALL_RECORD and n % FULL_CHECK_EVERY:
             raw = written if self.store.exists(key) else None
         else:
             raw = self.store.try_get(key)
-        if raw is not None and raw == written:
-            return False  # what we wrote: nothing to decode
-        if raw is not None:
-            # not the bytes we wrote: only its generation is read (never the memory map it
-            # lists: a record a store writer made as large as the limits allow costs nothing)
-            try:
-                stored = record_generation(raw, self.secret, self.namespace)
-            except WireFormatError as e:
-                log.warning(
-                    "the record of %s in the store is not valid (%s); writing ours again",
-                    record.name,
-                    e,
-                )
-            else:
-                if stored > record.generation:
-                    return False  # a newer incarnation of the name: not ours to replace
-                log.warning(
-                    "the record of %s in the store is not the one it wrote; writing it again",
-                    record.name,
-                )
-        # Our record is missing, garbage or an older incarnation's, so ours is the newest
-        # incarnation the store shows: garbage in the counter is set to our generation (a joiner
-        # takes the next one after it), and the membership index gets us back. (A store that lost
-        # the record may have lost or spoiled these too, whatever the record's key holds now.)
-        self.generation_counter(record.name).raise_to(record.generation)
-        if self.store.try_get(self.key("members", "by-name", record.name)) is None:
-            idx = self.members_counter().add(1)
-            self.store.set(self.key("members", str(idx)), record.name.encode())
-            self.store.set(self.key("members", "by-name", record.name), str(idx).encode())
-        self.publish(record)
+        ours: bytes | None = None
+        repaired = False
+        for _ in range(WRITE_TRIES):
+            if raw is not None and (raw == written or not self._replaceable(record, raw)):
+                return False  # what we wrote, or a newer incarnation's
+            if ours is None:
+                ours = encode_peer_record(record, self.secret)
+            with self._own_lock:
+                if record.name in self._retired:
+                    return False
+                if not repaired:
+                    # Our record is missing, garbage or an older incarnation's, so ours is the
+                    # newest incarnation the store shows: garbage in the counter is set to our
+                    # generation (a joiner takes the next one after it), and the membership index
+                    # gets us back. (A store that lost the record may have lost or spoiled these
+                    # too, whatever the record's key holds now.)
+                    self.generation_counter(record.name).raise_to(record.generation)
+                    self._enlist(record.name)
+                    repaired = True
+                if self.store.compare_set(key, raw, ours):
+                    self._written[record.name] = ours
+                    return True
+            raw = self.store.try_get(key)
+        log.warning(
+            "the record of %s was rewritten %d times while it put its own back; left as it is",
+            record.name,
+            WRITE_TRIES,
+        )
+        return False
+
+    def _replaceable(self, record: PeerRecord, raw: bytes) -> bool:
+        """Whether ``raw``, stored as the record of ``record.name`` and not the bytes we wrote,
+        may be replaced by ``record``: garbage or a record of an incarnation that is not newer
+        (logged). Only its generation is read, never the memory map it lists: a record a store
+        writer made as large as the limits allow costs nothing."""
+        try:
+            stored = record_generation(raw, self.secret, self.namespace)
+        except WireFormatError as e:
+            log.warning(
+                "the record of %s in the store is not valid (%s); writing ours again",
+                record.name,
+                e,
+            )
+            return True
+        if stored > record.generation:
+            return False  # a newer incarnation of the name: not ours to replace
+        log.warning(
+            "the record of %s in the store is not the one it wrote; writing it again", record.name
+        )
         return True
 
-    def heartbeat(self, name: str, generation: int, at: float | None = None) -> None:
-        """Write the heartbeat of ``name`` (of ``generation``): now, or at wall time ``at``."""
+    def heartbeat(self, name: str, generation: int, at: float | None = None) -> bool:
+        """Write the heartbeat of ``name`` (of ``generation``): now, or at wall time ``at``.
+        True if written; False over a newer incarnation's heartbeat (the name was restarted
+        elsewhere, and that one beats for it now), once the name is retired (:meth:`retire`),
+        or if the heartbeat was rewritten at every one of WRITE_TRIES reads (logged).
+
+        It replaces the very bytes it read and judged with ``compare_set`` (None where it read
+        none), so a newer incarnation's heartbeat written in between stays."""
         key = self.key("hb", name)
         body = encode_heartbeat(generation, time.time() if at is None else at)
-        self.store.set(key, signed.encode(self.keys, key, name, generation, body))
+        value = signed.encode(self.keys, key, name, generation, body)
+        for _ in range(WRITE_TRIES):
+            raw = self.store.try_get(key)
+            if raw is not None:
+                beat = self._heartbeat(name, raw)
+                if beat is not None and beat[0] > generation:
+                    return False
+            with self._own_lock:
+                if name in self._retired:
+                    return False
+                if self.store.compare_set(key, raw, value):
+                    return True
+        log.warning(
+            "the heartbeat of %s#%d was rewritten %d times while it beat; this beat is skipped",
+            name,
+            generation,
+            WRITE_TRIES,
+        )
+        return False
 
     def last_heartbeat(self, name: str) -> tuple[int, float] | None:
         """The last heartbeat of ``name`` (generation, wall time); None when there is none or it

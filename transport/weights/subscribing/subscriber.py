@@ -167,6 +167,8 @@ class WeightSubscriber(Closing):
         self._ranks = RankParts(group, self.slots)  # a sharded trainer's parts in flight
         self._publishers: set[str] = set()
         self._closed = False
+        # the tick's check_in and close's leave, one at a time (see _check_in)
+        self._membership = threading.Lock()
         self.relay = relay and mode == "staging" and self.slots == 2
         self._relay = Relay(
             transport,
@@ -362,12 +364,45 @@ class WeightSubscriber(Closing):
                 size = 0 if self._declared is None else len(self._declared)
                 self._next_layout_check = now + max(1.0, size / LAYOUT_CHECK_BYTES_PER_S)
             try:
-                why = self._dir.check_in(self._entry, self.slots, self.relay, self._declared, full)
+                why = self._check_in(full)
                 if why:
                     log.warning("group %s: %s; joined again", self.group, why)
             except TransportError as e:
                 log.info("group %s: cannot check our entry: %s", self.group, e)
         return min(wait, max(0.01, self._next_entry_check - now))
+
+    def _check_in(self, full: bool) -> str:
+        """``GroupDirectory.check_in`` of our entry, unless close began: under the membership
+        lock, which close holds while it leaves, so a check that read our entry before the
+        leave never puts it back after (the closed subscriber would stay in the group, planned
+        by the publisher, its regions withdrawn)."""
+        with self._membership:
+            if self._closed:
+                return ""
+            return self._dir.check_in(self._entry, self.slots, self.relay, self._declared, full)
+
+    def _leave(self) -> None:
+        """Leave the group once the check of our entry in flight (if any) has ended: no check
+        begins after ``_closed`` is set, and this waits for one that began before (its store
+        calls each have the store's deadline), at most ``min(transport.timeout, 10)`` s."""
+        lock = self._membership
+        got = lock.acquire(blocking=False)
+        if not got:
+            log.debug("group %s: closing waits for the check of its entry in flight", self.group)
+            got = lock.acquire(timeout=min(self.transport.timeout, 10.0))
+            if not got:
+                log.warning(
+                    "group %s: the check of our entry did not end in time; leaving anyway (it "
+                    "may put the entry back: publishers then find its regions gone)",
+                    self.group,
+                )
+        try:
+            self._dir.leave()
+        except TransportError as e:
+            log.warning("could not leave group %s: %s", self.group, e)
+        finally:
+            if got:
+                lock.release()
 
     # -- what the relay asks of us (RelayHost) ---------------------------------------------------
 
@@ -558,7 +593,9 @@ class WeightSubscriber(Closing):
     def close(self) -> None:
         """Leave the group (publishers drop this subscriber on their next publish) and withdraw
         its regions (``Transport.unexpose``, at most ``min(transport.timeout, 10)`` s in all: see
-        weights/group/withdraw.py), so that a new member of the group may use this Transport."""
+        weights/group/withdraw.py), so that a new member of the group may use this Transport.
+        The leave is the last word on our entry: a periodic check of it that began before waits
+        to end first (``_leave``), and none begins after."""
         if self._closed:
             return
         self._closed = True
@@ -569,10 +606,7 @@ class WeightSubscriber(Closing):
                 lambda: not self._slots.forwarding and not self._relay.has_pending(),
                 self.transport.timeout,
             )
-        try:
-            self._dir.leave()
-        except TransportError as e:
-            log.warning("could not leave group %s: %s", self.group, e)
+        self._leave()
         self._worker.stop()
         self._stop_control()
         self._withdraw()  # while polling fast: the peers' answers come as control messages
