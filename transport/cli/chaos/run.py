@@ -366,6 +366,10 @@ class Run:
         while events and not self.outcome.violations:
             at, _, phase, f = events[0]
             if self.log.now() >= at:
+                for v in self.checker.poll():  # what happened before the fault is judged first
+                    self.violate(v)
+                if self.outcome.violations:
+                    break
                 heapq.heappop(events)
                 if phase == "begin":
                     self.begin(f)
