@@ -11,6 +11,7 @@ few percent of a version, as between two RL steps.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 
@@ -57,6 +58,24 @@ class Content:
             if not torch.equal(expected, live):
                 bad += int(expected.ne(live).sum())
         return bad
+
+    def which(
+        self, version: int, tensors: dict[str, torch.Tensor], span: int = 8
+    ) -> dict[str, Any]:
+        """For a version that does not match: per tensor that differs, the version within
+        ``span`` of ``version`` it holds whole, or the count of its wrong elements (what a torn
+        version is made of)."""
+        out: dict[str, Any] = {}
+        for k, name in enumerate(self.names()):
+            live = tensors[name].view(torch.int32)
+            if torch.equal(self._fill(k, version, self._scratch), live):
+                continue
+            out[name] = int(self._scratch.ne(live).sum())
+            for other in range(max(0, version - span), version + span + 1):
+                if torch.equal(self._fill(k, other, self._scratch), live):
+                    out[name] = f"version {other}"
+                    break
+        return out
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

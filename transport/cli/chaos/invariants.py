@@ -137,7 +137,8 @@ class Checker:
             v = int(line["v"])
             if line["bad"]:
                 self.violations.append(
-                    f"{who} applied version {v} with {line['bad']} wrong elements"
+                    f"{who} applied version {v} with {line['bad']} wrong elements: "
+                    f"{line.get('torn', '')}"
                 )
             if v < inc.newest:
                 self.violations.append(f"{who} applied version {v} after version {inc.newest}")

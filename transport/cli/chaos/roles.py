@@ -98,7 +98,8 @@ def generator(a: argparse.Namespace) -> int:
             if planted and version >= 3:
                 tensors[content.names()[0]].view(torch.int32)[7] ^= 1
             bad = content.mismatches(version, tensors)
-            report(v=version, bad=bad, digest=digest(tensors))
+            torn = content.which(version, tensors) if bad else {}
+            report(v=version, bad=bad, digest=digest(tensors), torn=torn)
             applied = version
         for note in t.notifications(timeout=0):
             report(note=note.payload.decode(errors="replace"), sender=note.peer)
