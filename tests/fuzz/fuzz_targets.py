@@ -749,7 +749,7 @@ TARGETS: tuple[Target, ...] = (
         _run_group_entry,
         (),
         _group_entry_seeds,
-        _decoders(group_directory.GroupDirectory.entry),
+        _decoders(group_directory.GroupDirectory.entry, group_directory.GroupDirectory._entry_of),  # noqa: SLF001
     ),
     Target(
         "counter",
@@ -783,7 +783,12 @@ TARGETS: tuple[Target, ...] = (
         _run_vllm_infos,
         (),
         _vllm_infos_seeds,
-        ("transport.integrations.vllm.infos:parse",),
+        (
+            "transport.integrations.vllm.infos:parse",
+            "transport.integrations.vllm.infos:_number",
+            "transport.integrations.vllm.infos:TransportInitInfo.__post_init__",
+            "transport.integrations.vllm.infos:TransportUpdateInfo.__post_init__",
+        ),
     ),
     Target(
         "lora_route",
