@@ -37,7 +37,7 @@ from transport.housekeeping import Housekeeping
 from transport.memory.local import LocalMemory, default_budget
 from transport.memory.regions import Regions
 from transport.peers.admission import Admission
-from transport.peers.directory import Directory
+from transport.peers.directory import RETIRE_WAIT, Directory
 from transport.peers.liveness import suspicion
 from transport.peers.table import PeerInfo, PeerTable, PeerTraffic, peer_info
 from transport.progress_engine import ProgressEngine
@@ -53,9 +53,6 @@ from transport.transfers.plan_cache import PlanCache
 from transport.wire import RegionInfo, agent_name, check_name
 
 log = logging.getLogger(__name__)
-
-#: the longest ``close`` waits for a write of our record or heartbeat in flight before it leaves
-RETIRE_WAIT = 10.0
 
 
 class Transport(Closing):
@@ -302,7 +299,7 @@ class Transport(Closing):
 
         Nothing of ours is written to the store after we left it: the housekeeping threads'
         writes of our record and heartbeat (and an expose's racing the close) end first
-        (``Directory.retire``, which waits for the one in flight, at most ``min(timeout, 10)``
+        (``Directory.depart``, which waits for the one in flight, at most ``min(timeout, 10)``
         s), else a closed peer would look alive until its heartbeat aged out."""
         ep = self._ep
         with ep.lock:
@@ -311,16 +308,7 @@ class Transport(Closing):
             ep.state = State.CLOSED
         ep.stopping.set()
         ep.wake.set()
-        if not ep.directory.retire(self.name, min(ep.settings.timeout, RETIRE_WAIT)):
-            log.warning(
-                "transport %s: a write of its record or heartbeat was still in flight when it "
-                "left the namespace; it may land after (readers judge it by age)",
-                self.name,
-            )
-        try:
-            ep.directory.leave(self.name, self.generation)
-        except Exception as e:
-            log.warning("could not remove %s from the store: %s", self.name, e)
+        ep.directory.depart(self.name, self.generation, min(ep.settings.timeout, RETIRE_WAIT))
         self._transfers.stop()
         self._engine.stop()
         self._housekeeping.join(5.0)

@@ -39,7 +39,7 @@ def test_a_seeded_run_converges_under_every_kind_of_fault_and_its_replay_runs_th
     rights, tmp_path
 ):
     first = tmp_path / "first"
-    done = chaos("--seed", "7", "--duration", "40", "--out", str(first), "--json", f"{first}.json")
+    done = chaos("--seed", "7", "--duration", "30", "--out", str(first), "--json", f"{first}.json")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     o = json.loads(Path(f"{first}.json").read_text())
     print(f"\nchaos, seed 7: {json.dumps(o)}")
@@ -52,9 +52,11 @@ def test_a_seeded_run_converges_under_every_kind_of_fault_and_its_replay_runs_th
     assert o["converged_s"] is not None
 
     again = tmp_path / "again"
-    done = chaos("--replay", str(first / "events.jsonl"), "--out", str(again))
+    # its first 15 s again, from the log: the same faults at the same times
+    done = chaos("--replay", str(first / "events.jsonl"), "--until", "15", "--out", str(again))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert faults(again) == faults(first)
+    replayed = faults(again)
+    assert replayed and replayed == [f for f in faults(first) if f[1] + f[4] <= 15]
 
 
 def test_a_planted_corruption_stops_the_run_with_its_log_and_every_dump(rights, tmp_path):

@@ -831,12 +831,12 @@ SELFTESTS: tuple[Target, ...] = (
 
 BY_NAME = {t.name: t for t in (*TARGETS, *SELFTESTS)}
 #: what some targets import on their first input (vLLM takes seconds): the runner imports them
-#: first, under instrumentation
-LAZY = (
-    "transport.integrations.torch_api.descriptors",
-    "transport.integrations.vllm.infos",
-    "transport.integrations.vllm.lora_routes",
-)
+#: first, under instrumentation, when it runs those targets
+LAZY = {
+    "torch_api_descriptor": "transport.integrations.torch_api.descriptors",
+    "vllm_infos": "transport.integrations.vllm.infos",
+    "lora_route": "transport.integrations.vllm.lora_routes",
+}
 
 
 def lines_of(obj: object) -> tuple[str, set[int] | None]:

@@ -63,7 +63,7 @@ class BudgetExceeded(MemoryError):
     """An input made its decoder allocate more than the target's budget (a finding)."""
 
 
-def _import_targets(instrument: bool) -> Any:
+def _import_targets(instrument: bool, selected: list[str] | None = None) -> Any:
     import torch  # noqa: F401 (imported outside the instrumentation: it is not ours)
 
     if instrument:
@@ -77,8 +77,9 @@ def _import_targets(instrument: bool) -> Any:
             with atheris.instrument_imports(include=list(INSTRUMENTED)):
                 import fuzz_targets
 
-                for name in fuzz_targets.LAZY:
-                    importlib.import_module(name)
+                for name, module in fuzz_targets.LAZY.items():
+                    if selected is None or name in selected:
+                        importlib.import_module(module)
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.coverage_of:
         _replay_all(args.coverage_of, selected or [])
         return 0
-    mod = _import_targets(instrument=not (args.write_seeds or args.replay))
+    mod = _import_targets(not (args.write_seeds or args.replay), selected)
     targets = mod.names(selected)
     if args.write_seeds:
         write_seeds(targets)

@@ -48,6 +48,8 @@ FULL_CHECK_EVERY = 16
 #: how many times ``leave`` reads and judges again a record, heartbeat or ``left`` mark rewritten
 #: between its read and its compare_delete (or compare_set) before it leaves the value there
 LEAVE_TRIES = 8
+#: the longest a closing Transport waits for a write of its record or heartbeat in flight
+RETIRE_WAIT = 10.0
 #: likewise for ``restore`` and ``heartbeat``: how many times they read and judge again a record
 #: or heartbeat rewritten between their read and their compare_set before they skip the write
 WRITE_TRIES = 8
@@ -255,6 +257,21 @@ class Directory:
                 _, (_, _, dropped) = self._decoded.popitem(last=False)
                 held -= dropped
         return rec
+
+    def depart(self, name: str, generation: int, wait: float) -> None:
+        """A closing Transport's side of the namespace: retire the name (no write of its record
+        or heartbeat lands after; the one in flight is waited for, at most ``wait`` seconds),
+        then leave. Never raises: a store that cannot be reached is logged."""
+        if not self.retire(name, wait):
+            log.warning(
+                "transport %s: a write of its record or heartbeat was still in flight when it "
+                "left the namespace; it may land after (readers judge it by age)",
+                name,
+            )
+        try:
+            self.leave(name, generation)
+        except Exception as e:
+            log.warning("could not remove %s from the store: %s", name, e)
 
     def leave(self, name: str, generation: int) -> None:
         """Remove our record and heartbeat, unless a newer incarnation of the name has replaced

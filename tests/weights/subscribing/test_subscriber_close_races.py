@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.stores, pytest.mark.unit, pytest.mark.timeout(60)]
 NS = "sub-close-race"
 GROUP = "policy"
 CLOSER = "test-closer"  # the thread that closes the subscriber
-SUBSCRIBER_LOG = "transport.weights.subscribing.subscriber"
+SUBSCRIBER_LOG = "transport.weights.subscribing.membership"
 #: loopback agents live in one table per process: each Transport of these tests its own name
 _names = itertools.count()
 

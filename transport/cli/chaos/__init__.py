@@ -49,6 +49,11 @@ def add_parser(sub: Any) -> None:
         "a bit of what it applied): proves the run can fail",
     )
     p.add_argument("--replay", type=Path, help="run the schedule (and settings) of an event log")
+    p.add_argument(
+        "--until",
+        type=float,
+        help="with --replay: only the faults that begin before this many seconds",
+    )
     p.add_argument("--out", type=Path, help="the run's folder (default: a new temporary one)")
     p.add_argument("--json", type=Path, help="write the outcome here too")
     p.set_defaults(run=run)
@@ -59,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         header, schedule = from_log(args.replay)
         fields = {k: header[k] for k in Config.__dataclass_fields__ if k in header}
         config = Config(**fields)
+        if args.until is not None:
+            schedule = [f for f in schedule if f.at + f.hold <= args.until]
+            config.duration = args.until
     else:
         kinds = kinds_for(args.store, args.kinds.split(",") if args.kinds else None)
         if args.generators < 1:

@@ -42,6 +42,7 @@ from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.group.worker import Worker
 from transport.weights.layouts import DestTensor
 from transport.weights.layouts.flat import copy_runs_from, flat_copies
+from transport.weights.subscribing.membership import Membership
 from transport.weights.subscribing.patches import Patches
 from transport.weights.subscribing.rank_parts import RankParts
 from transport.weights.subscribing.relay import Relay, RelayHost
@@ -167,8 +168,6 @@ class WeightSubscriber(Closing):
         self._ranks = RankParts(group, self.slots)  # a sharded trainer's parts in flight
         self._publishers: set[str] = set()
         self._closed = False
-        # the tick's check_in and close's leave, one at a time (see _check_in)
-        self._membership = threading.Lock()
         self.relay = relay and mode == "staging" and self.slots == 2
         self._relay = Relay(
             transport,
@@ -193,6 +192,9 @@ class WeightSubscriber(Closing):
         )
         self._upstream = Upstream(GroupLeases(transport, group), group, self._dir, self._submit)
         self._declared = given.declared
+        self._membership = Membership(
+            self._dir, self._entry, self.slots, self.relay, self._declared
+        )
         self._next_layout_check = math.inf
         ended = lambda: transport.closed  # noqa: E731 - the worker's end condition
         self._worker = Worker(f"transport-ws-sub-{group}", tick=self._tick, until=ended)
@@ -364,45 +366,12 @@ class WeightSubscriber(Closing):
                 size = 0 if self._declared is None else len(self._declared)
                 self._next_layout_check = now + max(1.0, size / LAYOUT_CHECK_BYTES_PER_S)
             try:
-                why = self._check_in(full)
+                why = self._membership.check_in(full)
                 if why:
                     log.warning("group %s: %s; joined again", self.group, why)
             except TransportError as e:
                 log.info("group %s: cannot check our entry: %s", self.group, e)
         return min(wait, max(0.01, self._next_entry_check - now))
-
-    def _check_in(self, full: bool) -> str:
-        """``GroupDirectory.check_in`` of our entry, unless close began: under the membership
-        lock, which close holds while it leaves, so a check that read our entry before the
-        leave never puts it back after (the closed subscriber would stay in the group, planned
-        by the publisher, its regions withdrawn)."""
-        with self._membership:
-            if self._closed:
-                return ""
-            return self._dir.check_in(self._entry, self.slots, self.relay, self._declared, full)
-
-    def _leave(self) -> None:
-        """Leave the group once the check of our entry in flight (if any) has ended: no check
-        begins after ``_closed`` is set, and this waits for one that began before (its store
-        calls each have the store's deadline), at most ``min(transport.timeout, 10)`` s."""
-        lock = self._membership
-        got = lock.acquire(blocking=False)
-        if not got:
-            log.debug("group %s: closing waits for the check of its entry in flight", self.group)
-            got = lock.acquire(timeout=min(self.transport.timeout, 10.0))
-            if not got:
-                log.warning(
-                    "group %s: the check of our entry did not end in time; leaving anyway (it "
-                    "may put the entry back: publishers then find its regions gone)",
-                    self.group,
-                )
-        try:
-            self._dir.leave()
-        except TransportError as e:
-            log.warning("could not leave group %s: %s", self.group, e)
-        finally:
-            if got:
-                lock.release()
 
     # -- what the relay asks of us (RelayHost) ---------------------------------------------------
 
@@ -595,7 +564,7 @@ class WeightSubscriber(Closing):
         its regions (``Transport.unexpose``, at most ``min(transport.timeout, 10)`` s in all: see
         weights/group/withdraw.py), so that a new member of the group may use this Transport.
         The leave is the last word on our entry: a periodic check of it that began before waits
-        to end first (``_leave``), and none begins after."""
+        to end first (membership.py), and none begins after."""
         if self._closed:
             return
         self._closed = True
@@ -606,7 +575,7 @@ class WeightSubscriber(Closing):
                 lambda: not self._slots.forwarding and not self._relay.has_pending(),
                 self.transport.timeout,
             )
-        self._leave()
+        self._membership.leave(min(self.transport.timeout, 10.0))
         self._worker.stop()
         self._stop_control()
         self._withdraw()  # while polling fast: the peers' answers come as control messages
