@@ -118,6 +118,8 @@ class Cluster:
     processes: list[subprocess.Popen[Any]] = field(default_factory=list)
     _baseline: dict[str, Traffic] = field(default_factory=dict)
     _shaper: Shaper = field(default_factory=Shaper)
+    #: the process of the store :meth:`start_store` started last (None before)
+    store_process: subprocess.Popen[Any] | None = None
 
     @property
     def switch(self) -> str:
@@ -236,10 +238,14 @@ class Cluster:
         self.processes.append(proc)
         return proc
 
-    def start_store(self, kind: str = "tcp", timeout: float = 60.0) -> str:
+    def start_store(
+        self, kind: str = "tcp", timeout: float = 60.0, probe_from: Host | None = None
+    ) -> str:
         """Start a store in the store host, reachable from every host, and return its URL:
         ``tcp`` the embedded store (TCPStore), ``redis`` a Redis server (Debian's
-        ``redis-server``). ClusterError if it does not listen within ``timeout`` seconds."""
+        ``redis-server``); :attr:`store_process` is its process. ClusterError if it does not
+        listen within ``timeout`` seconds, as seen from ``probe_from`` (default: the trainer's
+        host, through the links; the store's own host sees it whatever the links do)."""
         host = self.store_host
         if kind == "tcp":
             argv = [sys.executable, "-c", _TCP_STORE, host.address, str(STORE_PORT)]
@@ -268,6 +274,7 @@ class Cluster:
         # store keeps writing to the file, which goes once it ends
         with tempfile.TemporaryFile() as errors:
             proc = self.start(host, argv, stdout=subprocess.DEVNULL, stderr=errors)
+            self.store_process = proc
             # listening: a connection from the trainer's host (through the links) is accepted
             probe = [
                 sys.executable,
@@ -278,7 +285,7 @@ class Cluster:
                 str(timeout),
             ]
             done = subprocess.run(
-                self.trainer.command(probe),
+                (probe_from or self.trainer).command(probe),
                 env=self.env(),
                 capture_output=True,
                 text=True,

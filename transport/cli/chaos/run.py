@@ -191,9 +191,10 @@ class Run:
             time.sleep(TICK)  # reports are files: nothing to wait on
 
     def start_store(self) -> None:
-        self.store_url = self.cluster.start_store(self.c.store)
-        self.store_proc = self.cluster.processes[-1]  # start_store starts it last
-        self.log.write("store", url=self.store_url, pid=self.store_proc.pid)
+        # seen from its own host: a restart waits for nothing the schedule may have cut
+        self.store_url = self.cluster.start_store(self.c.store, probe_from=self.cluster.store_host)
+        self.store_proc = proc = self.cluster.store_process
+        self.log.write("store", url=self.store_url, pid=None if proc is None else proc.pid)
 
     def stop_store(self) -> None:
         proc, self.store_proc = self.store_proc, None
