@@ -332,7 +332,8 @@ class Transport(Closing):
         self, tensors: Mapping[str, torch.Tensor], access: str = "rw"
     ) -> dict[str, RegionInfo]:
         """Expose many tensors with one record update (for example ``model.state_dict()``).
-        Everything is checked before anything is exposed."""
+        Everything is checked before anything is exposed, and it is all or nothing: when the
+        store cannot take the record (StoreError), none of them is exposed."""
         return self._regions.expose_all(tensors, access)
 
     def unexpose(self, name: str | Sequence[str], timeout: float | None = None) -> list[str]:

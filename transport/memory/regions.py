@@ -236,10 +236,22 @@ class Regions:
                     [reg.device for reg in regs],
                 )
             )
+            keys = list(zip(addrs, sizes, strict=True))
+            named = {k: self.local_names[k] for k in keys if k in self.local_names}
             self._regions.update(zip(names, zip(views, infos, strict=True), strict=True))
             self._under.update(zip(names, [spans[id(reg)] for reg in regs], strict=True))
-            self.local_names.update(zip(zip(addrs, sizes, strict=True), names, strict=True))
-            self.publish()
+            self.local_names.update(zip(keys, names, strict=True))
+            try:
+                self.publish()
+            except BaseException:
+                # all or nothing: regions no record shows are not exposed (the same names may
+                # be exposed again once the store answers)
+                for name in names:
+                    del self._regions[name], self._under[name]
+                for k in keys:
+                    self.local_names.pop(k, None)
+                self.local_names.update(named)
+                raise
         return dict(zip(names, infos, strict=True))
 
     def register(self, tensor: torch.Tensor, name: str | None) -> None:
