@@ -27,6 +27,7 @@ import torch
 import transport.backends as _backends
 from transport._closing import Closing
 from transport._version import __version__
+from transport.at_exit import close_at_exit
 from transport.backends.base import READ, WRITE
 from transport.contract import CoreLink
 from transport.control import ControlChannel, Notification
@@ -230,6 +231,7 @@ class Transport(Closing):
         except BaseException:
             self.close()
             raise
+        close_at_exit(self)  # NIXL's threads abort an exiting process that did not close
         self._housekeeping.start()
         log.info(
             "transport %s#%d joined namespace %s on %s",

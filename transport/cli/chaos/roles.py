@@ -22,7 +22,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +37,7 @@ SLACK = 5.0
 WAIT = 1.0
 #: the small tensor every notified put carries
 PROBE = "probe"
+T = TypeVar("T")
 
 
 class Report:
@@ -64,19 +66,27 @@ def _join(a: argparse.Namespace, name: str, report: Report) -> transport.Transpo
             time.sleep(0.5)  # the store is restarting: a retry's pause
 
 
+def _until_made(make: Callable[[], T], what: str, report: Report) -> T:
+    """``make()``, tried again while the store cannot be reached (it may be restarting)."""
+    while True:
+        try:
+            return make()
+        except TransportError as e:
+            report(error=f"{what}: {type(e).__name__}: {e}"[:300])
+            time.sleep(0.5)  # the store is restarting: a retry's pause
+
+
 def generator(a: argparse.Namespace) -> int:
     report = Report(a.report)
     content = Content(a.tensors, a.numel)
     tensors = content.empty()
     t = _join(a, a.name, report)
-    t.expose(PROBE, torch.zeros(16))
-    while True:
-        try:
-            sub = transport.WeightSubscriber(t, tensors, group="chaos", delta=True)
-            break
-        except TransportError as e:
-            report(error=f"subscribe: {type(e).__name__}: {e}"[:300])
-            time.sleep(0.5)  # a retry's pause
+    _until_made(lambda: t.expose(PROBE, torch.zeros(16)), "expose", report)
+    sub = _until_made(
+        lambda: transport.WeightSubscriber(t, tensors, group="chaos", delta=True),
+        "subscribe",
+        report,
+    )
     report(ready=True)
     # --plant corrupt:NAME: this generator flips a bit of what it applied (the run must catch it)
     planted = os.environ.get("TRANSPORT_CHAOS_PLANT") == f"corrupt:{a.name}"
@@ -116,8 +126,12 @@ def trainer(a: argparse.Namespace) -> int:
     probe = torch.zeros(16)
     t.register(probe, PROBE)
     delta = {"on": a.delta}
-    pub = transport.WeightPublisher(
-        t, state, group="chaos", fanout=a.fanout, degree=a.degree, delta=a.delta
+    pub = _until_made(
+        lambda: transport.WeightPublisher(
+            t, state, group="chaos", fanout=a.fanout, degree=a.degree, delta=a.delta
+        ),
+        "publish",
+        report,
     )
 
     def commands() -> None:
