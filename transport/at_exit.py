@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class _Closable(Protocol):
+    """What is closed at exit: anything with an idempotent ``close``."""
+
     def close(self) -> None: ...
 
 
