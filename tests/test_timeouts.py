@@ -46,7 +46,7 @@ def land_alarm(mark):
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.05)
         while True:
-            time.sleep(0.01)
+            time.sleep(0.01)  # sync-ok: only the alarm ends this wait
     finally:
         (MARKS / mark).touch()
 
@@ -118,7 +118,7 @@ def test_alarm_in_bare_except():
 def test_alarm_in_del_then_loops():
     LandsInDel("then_loops")
     while True:
-        time.sleep(0.01)
+        time.sleep(0.01)  # sync-ok: only the alarm ends this wait
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_cleanup_after_the_alarm_runs_to_its_end():
     finally:
         end = time.monotonic() + 0.5  # five times the guard's retry
         while time.monotonic() < end:
-            time.sleep(0.01)
+            time.sleep(0.01)  # sync-ok: only the alarm ends this wait
         (MARKS / "cleanup_done").touch()
 
 
@@ -155,7 +155,7 @@ def test_real_deadline_in_del():
     class WaitsForTheAlarm:
         def __del__(self):
             while True:
-                time.sleep(0.01)
+                time.sleep(0.01)  # sync-ok: only the alarm ends this wait
 
     WaitsForTheAlarm()
 
@@ -171,7 +171,7 @@ class SwallowsEverything:
         signal.setitimer(signal.ITIMER_REAL, 0.05)
         while True:
             try:
-                time.sleep(0.01)
+                time.sleep(0.01)  # sync-ok: only the alarm ends this wait
             except BaseException:
                 (MARKS / "swallowed").touch()
 
@@ -192,7 +192,7 @@ STUCK_IN_C = """
 def test_stuck_in_c():
     LandsInDel("c")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-    ctypes.PyDLL(None).sleep(600)
+    ctypes.PyDLL(None).sleep(600)  # sync-ok: stuck in C, ended by the guard
 """
 
 

@@ -210,7 +210,7 @@ def fuzz(targets: list[Any], out: Path, args: argparse.Namespace) -> list[Outcom
                 if time.monotonic() - began > limit:  # libFuzzer's own limits failed
                     os.kill(cpid, signal.SIGKILL)
                     outcome.error = f"did not end within {limit:.0f} s"
-            time.sleep(0.2)
+            time.sleep(0.2)  # sync-ok: children are reaped by polling waitpid
             continue
         if pid not in running:
             continue

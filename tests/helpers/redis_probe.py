@@ -55,9 +55,9 @@ def watch(url: str, log: str) -> None:
                 f.write(json.dumps(line) + "\n")
         last = info or last
         if error:
-            time.sleep(1.0)  # the server is gone or restarting: ask again later
+            time.sleep(1.0)  # sync-ok: the server is gone or restarting, ask again later
         woke_by = time.monotonic() + PERIOD
-        time.sleep(PERIOD)
+        time.sleep(PERIOD)  # sync-ok: the probe's period
 
 
 def _cpu(info: dict) -> float:
