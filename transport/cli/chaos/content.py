@@ -63,18 +63,28 @@ class Content:
         self, version: int, tensors: dict[str, torch.Tensor], span: int = 8
     ) -> dict[str, Any]:
         """For a version that does not match: per tensor that differs, the version within
-        ``span`` of ``version`` it holds whole, or the count of its wrong elements (what a torn
-        version is made of)."""
+        ``span`` of ``version`` it holds whole, or how many of its elements are wrong, the span
+        they lie in and what that span holds (another version, zeros): what a torn version is
+        made of."""
         out: dict[str, Any] = {}
         for k, name in enumerate(self.names()):
             live = tensors[name].view(torch.int32)
             if torch.equal(self._fill(k, version, self._scratch), live):
                 continue
-            out[name] = int(self._scratch.ne(live).sum())
+            wrong = self._scratch.ne(live).nonzero().flatten()
+            first, last = int(wrong[0]), int(wrong[-1])
+            out[name] = f"{wrong.numel()} wrong in [{first}, {last}]"
             for other in range(max(0, version - span), version + span + 1):
-                if torch.equal(self._fill(k, other, self._scratch), live):
+                held = self._fill(k, other, self._scratch)
+                if torch.equal(held, live):
                     out[name] = f"version {other}"
                     break
+                if torch.equal(held[first : last + 1], live[first : last + 1]):
+                    out[name] += f", version {other} there"
+                    break
+            else:
+                if not bool(live[wrong].any()):
+                    out[name] += ", zeros there"
         return out
 
 
