@@ -24,7 +24,8 @@ class Slots:
     lock (which ``lock`` is). A writer takes
     only :meth:`free` slots: never the newest complete version's (until handed back), the held
     one, one a forward or a copy reads, or one being primed; one read or apply at a time. A
-    slot is primed only when it has just become free (so no writer was offered it since).
+    slot is primed only when it has just become free (so no writer was offered it since) and
+    no version is being written into it.
     """
 
     def __init__(self, count: int, lock: threading.Condition) -> None:
@@ -85,7 +86,14 @@ class Slots:
         if src is None or self.handed_back or src in self.torn:
             return None
         want = self.version[src]
-        dst = [k for k in self.free() if k not in before and self.holds(k) != want]
+        # never one a version is being written into: a slot that a forward of the arriving
+        # version pinned becomes free again when the forward ends, before the version lands
+        # here, and a copy then would write the newest version over the arriving one
+        dst = [
+            k
+            for k in self.free()
+            if k not in before and k not in self.writing and self.holds(k) != want
+        ]
         if not dst:
             return None
         self.priming.update(dst)
