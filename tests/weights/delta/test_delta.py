@@ -17,7 +17,7 @@ import torch
 
 import transport
 from helpers import internals
-from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
+from helpers.delta_peer import digests, model, model_spec, step
 
 pytestmark = [pytest.mark.delta, pytest.mark.timeout(180)]
 
@@ -26,20 +26,6 @@ SPEC = model_spec()
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-@pytest.fixture
-def start(tcp_store):
-    children = []
-
-    def make(name, **kwargs):
-        child = DeltaSubscriber(name, tcp_store.url, SPEC, **kwargs)
-        children.append(child)
-        return child
-
-    yield make
-    for c in reversed(children):
-        c.stop()
 
 
 def publish(pub, tensors, version, want_done):

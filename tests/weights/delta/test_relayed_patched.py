@@ -9,26 +9,12 @@ from __future__ import annotations
 import pytest
 
 import transport
-from helpers.delta_peer import DeltaSubscriber, digests, model, model_spec, step
+from helpers.delta_peer import digests, model, model_spec, step
 from transport.weights.delta.codec import DeltaLayout, encode
 
 pytestmark = [pytest.mark.delta, pytest.mark.timeout(180)]
 
 SPEC = model_spec()
-
-
-@pytest.fixture
-def start(tcp_store):
-    children = []
-
-    def make(name, **kwargs):
-        child = DeltaSubscriber(name, tcp_store.url, SPEC, **kwargs)
-        children.append(child)
-        return child
-
-    yield make
-    for c in reversed(children):
-        c.stop()
 
 
 def changes_bytes(tensors, base, version) -> int:
