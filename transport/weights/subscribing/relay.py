@@ -422,7 +422,8 @@ class Relay:
         return {region(self.group, job.dst, n): self.staging[job.src][n] for n in names}
 
     def child_names(self, child: str) -> list[str]:
-        """The names ``child`` takes (its record is read afresh once per incarnation)."""
+        """The names ``child`` takes (its record is read afresh once per incarnation, and until
+        it shows the child's slots: TransportError while it shows none)."""
         conn = self.t.core.peer(child)
         known = self.children.get(child)
         if known is not None and known[0] == conn.generation:
@@ -432,6 +433,14 @@ class Relay:
         if problems:  # the publisher places a child only under a relay holding all it takes
             raise TransportError(
                 f"child {child!r} does not match this relay: {'; '.join(problems)}"
+            )
+        if not names:
+            # a new incarnation whose record does not show its slots yet: a forward of nothing
+            # would still end with ``ver``, and the child would take a version it never got
+            # (not kept: its record is read again at the next forward)
+            raise TransportError(
+                f"child {child!r} (generation {conn.generation}) exposes none of group "
+                f"{self.group!r}'s slots yet; it takes the next version"
             )
         names.sort()
         self.children[child] = (conn.generation, names)
