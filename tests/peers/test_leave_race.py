@@ -7,11 +7,12 @@ whose ``try_get`` runs it right after reading the key (no timing involved)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import pytest
 
 from helpers.records import record
+from helpers.stores import ForwardingStore
 from transport import Store
 from transport.peers import directory as peers
 from transport.peers.directory import Directory
@@ -22,13 +23,13 @@ NS = "leave-race"
 NAME = "gen-0"
 
 
-class Interleaving(Store):
+class Interleaving(ForwardingStore):
     """``inner`` as it is, except that right after ``try_get`` reads a key given to
     :meth:`after_read`, the function given with it runs: what another process does between a
     read and the write the reader decides on. The owner closes ``inner``."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner, self.url = inner, inner.url
+        super().__init__(inner)
         self._hooks: dict[str, Callable[[], None]] = {}
         self.fired: list[str] = []
 
@@ -43,33 +44,6 @@ class Interleaving(Store):
             self.fired.append(key)
             action()
         return raw
-
-    def set(self, key: str, value: bytes) -> None:
-        self.inner.set(key, value)
-
-    def get(self, key: str, timeout: float | None = None) -> bytes:
-        return self.inner.get(key, timeout)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def add(self, key: str, amount: int = 1) -> int:
-        return self.inner.add(key, amount)
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        return self.inner.compare_set(key, expected, desired)
-
-    def compare_delete(self, key: str, expected: bytes) -> bool:
-        return self.inner.compare_delete(key, expected)
-
-    def delete(self, key: str) -> bool:
-        return self.inner.delete(key)
-
-    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
-        self.inner.wait(keys, timeout)
-
-    def close(self) -> None:
-        pass
 
 
 def _start(directory: Directory) -> int:

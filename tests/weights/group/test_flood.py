@@ -6,7 +6,6 @@ version still completes. On the loopback backend."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 import transport
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
+from helpers.stores import ForwardingStore
 from transport import Store
 from transport.weights.group.messages import Begin, Credit, Hello, Ver, encode
 from transport.weights.group.worker import Worker
@@ -25,51 +25,37 @@ N = 4096
 FLOOD = 5000
 
 
-class CountingStore(Store):
+class CountingStore(ForwardingStore):
     """``inner`` as it is, counting the reads made through it (the owner closes ``inner``)."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner, self.reads, self.url = inner, 0, inner.url
+        super().__init__(inner)
+        self.reads = 0
         self._lock = threading.Lock()
 
     def _read(self) -> None:
         with self._lock:
             self.reads += 1
 
-    def set(self, key: str, value: bytes) -> None:
-        self.inner.set(key, value)
-
     def get(self, key: str, timeout: float | None = None) -> bytes:
         self._read()
-        return self.inner.get(key, timeout)
+        return super().get(key, timeout)
 
     def try_get(self, key: str) -> bytes | None:
         self._read()
-        return self.inner.try_get(key)
+        return super().try_get(key)
 
     def exists(self, key: str) -> bool:
         self._read()
-        return self.inner.exists(key)
-
-    def add(self, key: str, amount: int = 1) -> int:
-        return self.inner.add(key, amount)
+        return super().exists(key)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         self._read()
-        return self.inner.compare_set(key, expected, desired)
+        return super().compare_set(key, expected, desired)
 
     def compare_delete(self, key: str, expected: bytes) -> bool:
         self._read()
-        return self.inner.compare_delete(key, expected)
-
-    def delete(self, key: str) -> bool:
-        return self.inner.delete(key)
-
-    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
-        self.inner.wait(keys, timeout)
-
-    def close(self) -> None:
-        pass
+        return super().compare_delete(key, expected)
 
 
 def test_a_flood_from_a_peer_that_is_not_the_publisher_costs_bounded_memory_and_reads(
