@@ -298,6 +298,7 @@ def _bucket_seed() -> list[Any]:
         b.Bucket(token, 3, 1, 1 << 20, 4096, 512, False, 0),
         b.Bucket(token, 4, 0, 100, 0, 64, True, 80),
         b.Free(token, 3),
+        b.Begun(token),
         b.Stop(token, "the trainer rank died", True),
     ]
 

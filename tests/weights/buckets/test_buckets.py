@@ -32,7 +32,7 @@ from transport.weights.buckets.buckets import (
 )
 from transport.weights.buckets.changes import PieceCopies
 from transport.weights.buckets.inbox import Inbox
-from transport.weights.buckets.messages import Bucket, Free, Stop, decode, encode
+from transport.weights.buckets.messages import Begun, Bucket, Free, Stop, decode, encode
 from transport.weights.buckets.receiver import BucketReceiver
 from transport.weights.buckets.sender import BucketSender
 from transport.weights.buckets.targets import SLOTS
@@ -143,6 +143,7 @@ def test_messages_round_trip_and_garbage_is_refused() -> None:
         Bucket(token, 3, 1, 100, 128, 40, False),
         Bucket(token, 4, 0, 100, 64, 40, True, 60),
         Free(token, 5),
+        Begun(token),
         Stop(token, "why", True),
     ):
         assert decode(encode(msg)) == msg
@@ -203,6 +204,11 @@ class Job:
     def next_update(self) -> None:
         """Plan the next update and begin it on every engine (as init_process_group does: one
         still running is superseded); new senders and receivers over the same memory."""
+        self.plan()
+        self.begin(range(len(self.t)))
+
+    def plan(self) -> None:
+        """Plan the next update (no engine begins it yet: :meth:`begin`)."""
         trainers, bucket = self.trainers, self.bucket
         infos = []
         for i, t in enumerate(self.t):
@@ -210,42 +216,58 @@ class Job:
             info = EngineInfo(t.name, "mem://" if i == 0 else None, bucket, self.degree)
             infos.append(replace(info, delta=self.copies is not None, holds=held))
         self.tp, self.rp = build_plans(trainers, len(self.t) - trainers, infos)
-        for ib, p in zip(self.inbox, self.tp + self.rp, strict=False):
-            ib.begin(p.token, 30.0)
+        self.senders: list = [None] * trainers
+        self.receivers: list = [None] * len(self.rp)
+        self.send_errors: list[BaseException | None] = [None] * trainers
+
+    def begin(self, engines) -> None:
+        """Begin the planned update on ``engines`` (indices, trainer ranks first), in order."""
+        trainers, bucket = self.trainers, self.bucket
         mine = self.copies or [None] * len(self.t)
-        self.senders = [
-            BucketSender(self.t[r], self.inbox[r], p, self.buffers[r], 10.0, mine[r], self.rules[r])
-            for r, p in enumerate(self.tp)
-        ]
-        self.receivers = [
-            BucketReceiver(
-                self.t[trainers + i],
-                self.inbox[trainers + i],
-                p,
+        plans = self.tp + self.rp
+        for e in engines:
+            self.inbox[e].begin(plans[e].token, 30.0, writes=plans[e].targets)
+            if e < trainers:
+                self.senders[e] = BucketSender(
+                    self.t[e],
+                    self.inbox[e],
+                    plans[e],
+                    self.buffers[e],
+                    10.0,
+                    mine[e],
+                    self.rules[e],
+                )
+                continue
+            i = e - trainers
+            self.receivers[i] = BucketReceiver(
+                self.t[e],
+                self.inbox[e],
+                plans[e],
                 self.slots[i],
                 Assembler("cpu"),
                 10.0,
-                mine[trainers + i],
+                mine[e],
                 torch.empty(bucket, dtype=torch.uint8),
             )
-            for i, p in enumerate(self.rp)
-        ]
 
     def send_all(self, weights: dict[str, torch.Tensor]) -> list[threading.Thread]:
         self.send_errors: list[BaseException | None] = [None] * len(self.senders)
 
-        def run(i: int) -> None:
-            try:
-                asyncio.run(self.senders[i].send(iter(weights.items())))
-            except BaseException as e:  # noqa: BLE001 - the test reads it
-                self.send_errors[i] = e
+        return [self.send(i, iter(weights.items())) for i in range(len(self.senders))]
 
-        threads = [
-            threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.senders))
-        ]
-        for th in threads:
-            th.start()
-        return threads
+    def send(self, rank: int, items: Iterator[tuple[str, torch.Tensor]]) -> threading.Thread:
+        """Rank ``rank`` sends ``items`` in a thread (its error, if any, in ``send_errors``)."""
+        sender, errors = self.senders[rank], self.send_errors
+
+        def run() -> None:
+            try:
+                asyncio.run(sender.send(items))
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                errors[rank] = e
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        return th
 
 
 def collect(
@@ -470,9 +492,8 @@ def test_a_receiver_that_leaves_is_dropped_with_its_reason_and_the_others_comple
     waits = record_waits(monkeypatch)
     senders = job.send_all(weights)
     if when != "at once":
-        # no receiver runs yet: each rank posted its first bucket to every worker (so it holds a
-        # connection to the one that leaves) and waits for the slot of its second one
-        for index in (2, 3):
+        # no receiver runs yet: each rank waits for the slot of its first bucket at every worker
+        for index in (0, 1):
             wait_until(
                 lambda index=index: any(f"free slot for bucket {index} at" in w for w in waits),
                 30,
@@ -622,3 +643,155 @@ def test_begin_waits_for_the_puts_the_superseded_update_has_in_flight(loopback_n
     pending.part_done("reader", None)
     inbox.begin(third, settle_timeout=5.0)
     inbox.check(third)
+
+
+def gated(
+    items: dict[str, torch.Tensor], at: str, gate: threading.Event
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` in order, waiting for ``gate`` before tensor ``at`` (a trainer's stream that
+    stalls)."""
+    for name, t in items.items():
+        if name == at:
+            assert gate.wait(60), "the gate never opened"
+        yield name, t
+
+
+def first_in_bucket(items: dict[str, torch.Tensor], bucket: int, index: int) -> str:
+    """The name of the first tensor whose bytes go into bucket ``index``."""
+    packer = Packer(bucket)
+    for name, t in items.items():
+        before = packer.index
+        for item in packer.add(name, t):
+            if not isinstance(item, Planned) and packer.index == index:
+                return name
+        if before == index:
+            return name
+    raise AssertionError(f"no bucket {index}")
+
+
+@pytest.mark.parametrize("order", ["trainers first", "receivers first"])
+def test_engines_that_begin_an_update_in_any_order_and_send_at_once_land_it_whole(
+    loopback_net, order
+) -> None:
+    """An orchestrator that starts each engine's part as soon as its init_process_group
+    returned, without waiting for the others: the trainer ranks send before a relay and its
+    child began the update, or the child begins before its relay. No bucket is dropped as a
+    message of another update, and every byte lands."""
+    first, second = model(100, seed=3), model(100, seed=4)
+    job = Job(loopback_net, 2, 3, 32 * KIB, degree=1)  # ranks -> r2 -> r3 -> r4
+    job.send_all(first)
+    for got in receive_all(job):
+        assert not isinstance(got, BaseException), got
+    job.plan()
+    engines = [0, 1, 2, 3, 4] if order == "trainers first" else [4, 3, 2, 1, 0]
+    results: list = [None] * 3
+    threads = []
+
+    def receive(i: int) -> None:
+        try:
+            results[i] = collect(job.receivers[i])
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            results[i] = e
+
+    for e in engines:
+        job.begin([e])
+        if e < 2:
+            threads.append(job.send(e, iter(second.items())))
+        else:
+            threads.append(threading.Thread(target=receive, args=(e - 2,), daemon=True))
+            threads[-1].start()
+    for th in threads:
+        th.join(60)
+    assert job.send_errors == [None, None]
+    for got in results:
+        assert not isinstance(got, BaseException), got
+        assert list(got) == list(second)
+        assert all(torch.equal(got[n], t) for n, t in second.items())
+
+
+def test_a_rank_still_in_the_old_update_cannot_land_a_put_in_the_next(loopback_net) -> None:
+    """Three trainer ranks write one worker's two slots in turn. Rank 2 holds the worker's credit
+    for bucket 2 (slot 0) of the old update, its stream stalled, when the orchestrator begins the
+    next update on every engine but rank 2. Rank 2's stream then goes on and puts the old
+    bucket 2 into slot 0; only then is rank 2 told of the next update. The worker freed its
+    slots for the next update only once rank 2 began it too, so the next update's bucket 0 is
+    not overwritten: every byte of it is the next update's."""
+    bucket = 32 * KIB
+    old = {f"w{i}": pattern(3 * KIB, 100 + i) for i in range(60)}
+    new = {f"w{i}": pattern(3 * KIB, 200 + i) for i in range(60)}
+    job = Job(loopback_net, 3, 1, bucket)
+    worker = job.t[3].name
+    gate = threading.Event()
+    at = first_in_bucket(old, bucket, 2)
+    old_threads = [job.send(0, iter(old.items())), job.send(1, iter(old.items()))]
+    stale = job.send(2, gated(old, at, gate))
+    old_result: list = [None]
+    # the worker's consumer holds the first tensor of bucket 1: it freed slot 0 for bucket 2, and
+    # it does not see the next update begin (so it tells no rank to stop) until it resumes
+    hold, held = threading.Event(), []
+    at_bucket_1 = list(old).index(first_in_bucket(old, bucket, 1))
+
+    def receive_old() -> None:
+        try:
+            old_result[0] = collect(job.receivers[0], hold, at=at_bucket_1, held=held)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            old_result[0] = e
+
+    old_receiver = threading.Thread(target=receive_old, daemon=True)
+    old_receiver.start()
+    wait_until(
+        lambda: job.inbox[2].may_write(worker, 2), 30, "rank 2 holding the slot for bucket 2"
+    )
+    stale_sender = job.senders[2]
+    job.plan()
+    job.begin([0, 1, 3])  # every engine but rank 2
+    results: list = [None]
+
+    def receive_new() -> None:
+        try:
+            results[0] = collect(job.receivers[0])
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            results[0] = e
+
+    new_threads = [job.send(0, iter(new.items())), job.send(1, iter(new.items()))]
+    new_receiver = threading.Thread(target=receive_new, daemon=True)
+    new_receiver.start()
+    gate.set()  # rank 2 goes on with the old update and puts bucket 2 into slot 0
+    wait_until(lambda: stale_sender.report.buckets == 1, 30, "rank 2's put of the old bucket 2")
+    job.begin([2])  # now rank 2 hears of the next update (its old put settles first)
+    new_threads.append(job.send(2, iter(new.items())))
+    new_receiver.join(60)
+    hold.set()
+    for th in [*old_threads, stale, old_receiver, *new_threads]:
+        th.join(60)
+    assert isinstance(old_result[0], UpdateSupersededError), old_result[0]
+    assert job.send_errors == [None, None, None]
+    got = results[0]
+    assert not isinstance(got, BaseException), got
+    assert list(got) == list(new)
+    wrong = [n for n, t in new.items() if not torch.equal(got[n], t)]
+    assert not wrong, f"tensors of the old update in the new one: {wrong}"
+
+
+def test_messages_of_an_update_not_begun_yet_are_kept_up_to_a_bound(loopback_net) -> None:
+    """A peer's ``Begun`` that comes before this engine began its update is filed when the
+    update begins; beyond MAX_EARLY such messages the oldest go, so a peer cannot grow an
+    engine's memory with messages of updates that never begin."""
+    from transport.weights.buckets import inbox as inbox_module
+    from transport.weights.buckets.messages import CHANNEL
+
+    writer, reader = loopback_net.make("writer"), loopback_net.make("reader")
+    inbox = Inbox(reader)
+    tokens = [f"{i:016x}" for i in range(inbox_module.MAX_EARLY + 10)]
+    arrived = threading.Event()
+    reader.core.on_control("probe", lambda peer, payload: arrived.set())
+    for token in tokens:
+        writer.core.send_control(reader.name, CHANNEL, encode(Begun(token)))
+    writer.core.send_control(reader.name, "probe", b"after them")  # in order on one connection
+    assert arrived.wait(30)
+    inbox.begin(tokens[-1])
+    assert writer.name in inbox.begun
+    inbox.begin(tokens[0])  # the first was dropped for a later one
+    assert writer.name not in inbox.begun
+    inbox.begin(tokens[20])  # early messages are filed by the next begin only, then forgotten
+    assert writer.name not in inbox.begun

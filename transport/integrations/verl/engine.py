@@ -83,9 +83,10 @@ class TransportCheckpointEngine(CheckpointEngine):
     ``send_weights`` (trainer) or ``receive_weights`` (rollout) -> ``finalize``, once per update;
     ``init_process_group`` of the next update supersedes one still running on this engine (verl's
     manager moves on at the first error while other ranks still send): that one stops at its
-    next step, and ``init_process_group`` returns once its puts in flight settled, so once every
-    engine's returned (verl's manager waits for all), no byte of it lands in the next update;
-    a tensor yielded by ``receive_weights`` is a view of a bucket, valid until the next tensor
+    next step, and ``init_process_group`` returns once its puts in flight settled. A rollout
+    worker frees its slots for an update only once every engine that writes it began that
+    update, so no byte of an earlier one lands in it even when an orchestrator starts sending
+    before every engine's ``init_process_group`` returned (verl's manager waits for all); a tensor yielded by ``receive_weights`` is a view of a bucket, valid until the next tensor
     of another bucket is asked for (clone it to keep it).
     """
 
@@ -200,7 +201,8 @@ class TransportCheckpointEngine(CheckpointEngine):
             self._slots = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self.device)
             t.expose(SLOTS, self._slots, access="w")
         self.plan = plan
-        self.inbox.begin(plan.token, self.timeout)  # supersedes one still running here
+        # supersedes one still running here, then tells the peers this engine writes
+        self.inbox.begin(plan.token, self.timeout, writes=plan.targets)
 
     def finalize(self) -> None:
         """End the update; without ``keep_buckets``, give the buckets' memory back."""

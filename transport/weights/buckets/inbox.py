@@ -2,10 +2,11 @@
 
 The :class:`Inbox` owns the control channel ``verl/buckets`` of one Transport. Its handler runs
 on the Transport's engine thread and only files messages (a message that breaks a rule, or that
-belongs to another update, is logged and dropped: no frame stops the engine). The one thread that
-drives an update calls :meth:`Inbox.wait` with a condition over what was filed; while it waits, it
-reads the heartbeat of each peer it depends on every :data:`WATCH_INTERVAL` seconds, so a peer
-that died or froze ends the wait in seconds (:class:`PeerGoneError`) instead of at the deadline.
+belongs to an earlier update, is logged and dropped: no frame stops the engine). The one thread
+that drives an update calls :meth:`Inbox.wait` with a condition over what was filed; while it
+waits, it reads the heartbeat of each peer it depends on every :data:`WATCH_INTERVAL` seconds, so
+a peer that died or froze ends the wait in seconds (:class:`PeerGoneError`) instead of at the
+deadline.
 
 One update at a time: :meth:`Inbox.begin` of the next update supersedes one that still runs on
 this engine (an orchestrator such as verl's manager moves on at the first error it sees, while a
@@ -13,7 +14,16 @@ trainer rank may still be sending the failed update). From then on the old updat
 and checks raise :class:`UpdateSupersededError`, so it never writes a slot or a buffer of the next
 one; and ``begin`` returns only once every put the old update had in flight has settled, so no
 byte of it lands in a slot after the next update's first put. Every post therefore goes through
-:meth:`Inbox.post`, under the same lock as the switch.
+:meth:`Inbox.post`, under the same lock as the switch. Once settled, ``begin`` tells the peers this
+engine writes (:class:`~.messages.Begun`); a receiver frees its slots for an update only once
+every writer of it said so, which covers the other engines too: an orchestrator that does not
+wait for every engine's ``init_process_group`` before the first sends cannot have a put of an
+earlier update, from an engine not yet told of the next one, land in a slot of the next.
+
+Engines begin an update at different times, so a message may come for an update this engine has
+not begun yet (a ``Begun`` or a ``Free`` from a peer that began first). Such a message is kept,
+up to :data:`MAX_EARLY` of them, and filed when its update begins; a message of an update begun
+here before is dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -33,7 +44,16 @@ from transport import (
     UpdateSupersededError,
     WireFormatError,
 )
-from transport.weights.buckets.messages import CHANNEL, Bucket, Free, Stop, decode
+from transport.weights.buckets.messages import (
+    CHANNEL,
+    Begun,
+    Bucket,
+    Free,
+    Message,
+    Stop,
+    decode,
+    encode,
+)
 from transport.weights.peer_watch import PeerWatch
 from transport.weights.slot_credits import SlotCredits
 from transport.weights.supersession import Supersession
@@ -42,6 +62,10 @@ log = logging.getLogger(__name__)
 
 #: how often a waiting engine reads the heartbeats of the peers it depends on
 WATCH_INTERVAL = 1.0
+#: messages kept for updates not begun here yet (the oldest goes first beyond this)
+MAX_EARLY = 4096
+#: updates begun here whose late messages are dropped, not kept as early ones
+PAST_KEPT = 8
 T = TypeVar("T")
 
 
@@ -50,7 +74,9 @@ class Inbox:
     the module docstring).
 
     Rules: :meth:`begin` starts an update (what an earlier one left is dropped, its puts in
-    flight settled first); one thread at a time waits; an update's puts go through :meth:`post`
+    flight settled first, then its writes are told); the messages of an update not begun yet
+    wait for it (at most :data:`MAX_EARLY`); a writer's first two buckets wait for the
+    receiver's ``Free`` (no slot is assumed free); one thread at a time waits; an update's puts go through :meth:`post`
     and its code calls :meth:`check` after each await, so an update that was superseded stops;
     :meth:`close` stops listening and wakes that thread."""
 
@@ -63,22 +89,33 @@ class Inbox:
         self.buckets: dict[tuple[str, int], Bucket] = {}
         self.credits: dict[str, SlotCredits] = {}  # by target: what it freed for which bucket
         self.stops: list[tuple[str, Stop]] = []
+        self.begun: set[str] = set()  # the writers that began the live update
+        self._early: deque[tuple[str, Message]] = deque(maxlen=MAX_EARLY)
+        self._past: deque[str] = deque(maxlen=PAST_KEPT)  # updates begun before the live one
         self._watch = PeerWatch(transport)
         self._closed = False
         self._stop = transport.core.on_control(CHANNEL, self._on_message)
 
-    def begin(self, token: str, settle_timeout: float = 300.0) -> None:
-        """Start update ``token``: the one before it (if it still runs) is superseded, and this
-        returns once each of its puts in flight has settled. TransportError when some did not
-        within ``settle_timeout`` s (update ``token`` is begun all the same, and the next
-        ``begin`` waits for them again)."""
+    def begin(self, token: str, settle_timeout: float = 300.0, writes: Iterable[str] = ()) -> None:
+        """Start update ``token``: the one before it (if it still runs) is superseded, and once
+        each of its puts in flight has settled, each peer this engine ``writes`` in update
+        ``token`` is told (``Begun``). TransportError when some did not settle within
+        ``settle_timeout`` s (update ``token`` is begun all the same, its writes are not told,
+        and the next ``begin`` waits for them again)."""
         with self._switch:
             with self._cond:
                 old = self._update.begin(token)
+                if old is not None and old != token:
+                    self._past.append(old)
                 self.buckets.clear()
                 self.credits.clear()
                 self.stops.clear()
+                self.begun.clear()
                 self._watch.forget()
+                early, self._early = list(self._early), deque(maxlen=MAX_EARLY)
+                for peer, msg in early:
+                    if msg.token == token:
+                        self._file(peer, msg)
                 self._cond.notify_all()  # an old update's wait raises UpdateSupersededError
             flying, self._flying = self._flying, []
         deadline = time.monotonic() + settle_timeout
@@ -98,6 +135,12 @@ class Inbox:
                 f"{settle_timeout:g} s; update {token} cannot write while they may still land in "
                 "its slots (a peer that froze: its puts fail at the engine's timeout; try again then)"
             )
+        payload = encode(Begun(token))
+        for peer in writes:
+            try:
+                self.transport.core.send_control(peer, CHANNEL, payload)
+            except TransportError as e:  # it is dropped when its slot is waited for
+                log.info("could not tell %s that update %s began: %s", peer, token, e)
 
     def check(self, token: str) -> None:
         """UpdateSupersededError when the engine began another update than ``token``."""
@@ -134,22 +177,36 @@ class Inbox:
             log.warning("dropping a bucket-protocol message from %s: %s", peer, e)
             return
         with self._cond:
-            if self._update.superseded(msg.token):
-                log.debug("dropping a message of another update from %s: %s", peer, msg)
+            if msg.token in self._past:
+                log.debug("dropping a message of an earlier update from %s: %s", peer, msg)
                 return
-            if isinstance(msg, Bucket):
-                self.buckets.setdefault((peer, msg.index), msg)
-            elif isinstance(msg, Free):
-                self._credits(peer).grant(msg.index % 2, upto=msg.index)
-            else:
-                self.stops.append((peer, msg))
+            if self._update.superseded(msg.token):  # an update not begun here yet
+                if len(self._early) == MAX_EARLY:
+                    log.warning(
+                        "more than %d early bucket messages: dropping the oldest", MAX_EARLY
+                    )
+                self._early.append((peer, msg))
+                return
+            self._file(peer, msg)
             self._cond.notify_all()
 
+    def _file(self, peer: str, msg: Message) -> None:
+        """(under the lock) file ``msg`` of the live update."""
+        if isinstance(msg, Bucket):
+            self.buckets.setdefault((peer, msg.index), msg)
+        elif isinstance(msg, Free):
+            self._credits(peer).grant(msg.index % 2, upto=msg.index)
+        elif isinstance(msg, Begun):
+            self.begun.add(peer)
+        else:
+            self.stops.append((peer, msg))
+
     def _credits(self, peer: str) -> SlotCredits:
-        """(under the lock) ``peer``'s credits: its two slots start free for buckets 0 and 1."""
+        """(under the lock) ``peer``'s credits: none until it frees a slot (its ``Free(0)`` and
+        ``Free(1)`` come once it began the update and its writers did)."""
         credits = self.credits.get(peer)
         if credits is None:
-            credits = self.credits[peer] = SlotCredits(range(2), numbered=True)
+            credits = self.credits[peer] = SlotCredits()
         return credits
 
     def may_write(self, peer: str, index: int) -> bool:

@@ -13,7 +13,10 @@ peer's bytes (exact field sets, types and ranges, or :class:`~transport.errors.W
   (changes.py).
 * :class:`Free` (receiver -> the sender of bucket ``index``): my slot ``index % 2`` may take
   bucket ``index`` (I am done with bucket ``index - 2``: yielded, and relayed to my children);
-  a numbered slot credit (weights/slot_credits.py).
+  a numbered slot credit (weights/slot_credits.py). The first two, ``Free(0)`` and ``Free(1)``,
+  go once the receiver began the update and every writer of it said :class:`Begun`.
+* :class:`Begun` (writer -> its targets, at the start of each update): I began update
+  ``token``; no put of an earlier update of mine is in flight, and none will start.
 * :class:`Stop` (anyone -> the others): I stop this update, because of ``reason``; ``whole``
   says that the update cannot complete anywhere (a trainer rank is gone), not only here. Not
   a weight group's ``Abort``, which gives up one write into one slot.
@@ -79,6 +82,19 @@ class Free:
 
 
 @dataclass(frozen=True)
+class Begun:
+    """The sender began update ``token``: every put it started for an earlier update has
+    settled, and it starts none again."""
+
+    KIND: ClassVar[str] = "begun"
+    WIRE: ClassVar[dict[str, str]] = {"token": "t"}
+    token: str
+
+    def wire_rule(self) -> str:
+        return token_rule(self.token)
+
+
+@dataclass(frozen=True)
 class Stop:
     """The sender of this message stops update ``token`` because of ``reason``; ``whole``: the
     update cannot complete on any worker."""
@@ -100,11 +116,11 @@ def token_rule(token: str) -> str:
     return ""
 
 
-Message = Bucket | Free | Stop
+Message = Bucket | Free | Begun | Stop
 #: the bucket protocol's codec (weights/message_codec.py)
 CODEC: Codec[Message] = Codec(
     "bucket-protocol",
-    (Bucket, Free, Stop),
+    (Bucket, Free, Begun, Stop),
     max_bytes=8192,
     max_str=MAX_REASON,
     max_array=0,

@@ -1,7 +1,9 @@
 """A rollout worker's side of one update: take each bucket as it lands, relay it, yield its tensors.
 
-Bucket ``k`` comes from ``plan.sender_of(k)`` (a trainer rank, or the parent relay) into slot
-``k % 2``; the worker reads the bucket's header from its own memory, checks it
+The worker opens the update by freeing both slots (``Free(0)`` and ``Free(1)``), once every
+peer that writes it in this update said it began it (``Begun``: none of its puts of an earlier
+update can land any more; inbox.py). Bucket ``k`` comes from ``plan.sender_of(k)`` (a trainer
+rank, or the parent relay) into slot ``k % 2``; the worker reads the bucket's header from its own memory, checks it
 (:func:`~.buckets.read_header`), starts relaying the bucket to its children (each once it freed
 its slot), and yields the bucket's tensors. When the caller asks for the tensor after the
 bucket's last one and the relays have landed, the slot is free again: ``Free(k + 2)`` goes to the
@@ -90,6 +92,39 @@ class BucketReceiver:
                 return stop
         return None
 
+    async def _open(self) -> None:
+        """Wait until every writer of this worker began the update, then free both slots."""
+        writers = self.plan.senders()
+
+        def ready() -> bool | Stop | None:
+            if all(p in self.inbox.begun for p in writers):
+                return True
+            return self._upstream_stop()
+
+        got = await asyncio.to_thread(
+            partial(
+                self.inbox.wait,
+                ready,
+                watch=lambda: [p for p in writers if p not in self.inbox.begun],
+                timeout=self.timeout,
+                what=f"the start of the update at {', '.join(writers)}",
+                token=self.plan.token,
+            )
+        )
+        if isinstance(got, Stop):
+            raise UpdateAbortedError(f"the update stopped before it began here: {got.reason}")
+        self._live()
+        for index in (0, 1):
+            self._free(index)
+
+    def _free(self, index: int) -> None:
+        """Free slot ``index % 2`` for bucket ``index`` at its sender."""
+        sender = self.plan.sender_of(index)
+        try:
+            self.transport.core.send_control(sender, CHANNEL, encode(Free(self.plan.token, index)))
+        except TransportError as e:  # a gone sender is found while waiting for it
+            log.info("could not free a slot at %s: %s", sender, e)
+
     async def _bucket(self, index: int) -> Bucket:
         sender = self.plan.sender_of(index)
 
@@ -142,6 +177,7 @@ class BucketReceiver:
         self.assembler.begin()
         index = 0
         try:
+            await self._open()
             while True:
                 msg = await self._bucket(index)
                 self._live()  # the wait's thread may return just before a switch
@@ -167,13 +203,7 @@ class BucketReceiver:
                     if self.copies is not None:  # they hold this update now
                         self.copies.end(self.plan.token)
                     return
-                after = self.plan.sender_of(index + 2)
-                try:
-                    self.transport.core.send_control(
-                        after, CHANNEL, encode(Free(self.plan.token, index + 2))
-                    )
-                except TransportError as e:  # a gone sender is found while waiting for it
-                    log.info("could not free a slot at %s: %s", after, e)
+                self._free(index + 2)
                 index += 1
         except (TransportError, asyncio.CancelledError, GeneratorExit) as e:
             error: BaseException = e

@@ -65,6 +65,10 @@ class UpdatePlan:
         """The peer that writes bucket ``index`` to this rollout worker."""
         return self.parent if self.parent is not None else self.trainers[index % len(self.trainers)]
 
+    def senders(self) -> tuple[str, ...]:
+        """Every peer that writes this rollout worker: its parent, or every trainer rank."""
+        return (self.parent,) if self.parent is not None else self.trainers
+
     def sends(self, index: int) -> bool:
         """Whether this trainer rank fills and sends bucket ``index``."""
         return index % len(self.trainers) == self.rank
