@@ -209,3 +209,19 @@ def test_the_left_mark_rises_over_an_older_one_and_garbage(
     third = _start(directory)
     directory.leave(NAME, third)
     assert directory.left(NAME) == third
+
+
+def test_leave_after_the_store_lost_the_record_still_marks_it_and_removes_the_heartbeat(
+    store: Store, secret: bytes | None
+) -> None:
+    """A store restarted empty lost the record; the heartbeat thread wrote a beat since. The
+    incarnation that leaves still marks that it left and takes its heartbeat along."""
+    directory = Directory(store, NS, secret)
+    gen = _start(directory)
+    store.delete(directory.key("peers", NAME))
+
+    directory.leave(NAME, gen)
+
+    assert directory.left(NAME) == gen
+    assert directory.last_heartbeat(NAME) is None
+    assert not store.exists(directory.key("hb", NAME))

@@ -286,9 +286,10 @@ class Directory:
         heartbeat thread may beat once more while we close), up to LEAVE_TRIES times."""
         key = self.key("peers", name)
         raw = self.store.try_get(key)
-        if raw is None:
-            return
         marked = False
+        if raw is None:  # the store lost it (restarted empty): readers must still learn we left
+            self._mark_left(name, generation)
+            marked = True
         for _ in range(LEAVE_TRIES):
             if raw is None or self._generation_of(name, raw, generation) != generation:
                 break  # gone, or a newer (or older) incarnation's: not ours to delete
