@@ -107,7 +107,7 @@ class BucketReceiver:
                 ready,
                 watch=lambda: [p for p in writers if p not in self.inbox.begun],
                 timeout=self.timeout,
-                what=f"the start of the update at {', '.join(writers)}",
+                what=f"word that the update began at {', '.join(writers)}",
                 token=self.plan.token,
             )
         )
