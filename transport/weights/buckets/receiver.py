@@ -2,7 +2,9 @@
 
 The worker opens the update by freeing both slots (``Free(0)`` and ``Free(1)``), once every
 peer that writes it in this update said it began it (``Begun``: none of its puts of an earlier
-update can land any more; inbox.py). Bucket ``k`` comes from ``plan.sender_of(k)`` (a trainer
+update can land any more; inbox.py). A peer that wrote this worker in an earlier update but
+does not in this one (the plan changed) is not waited for; verl builds every update's plan from
+the same engines in the same order, so a worker's writers stay the same. Bucket ``k`` comes from ``plan.sender_of(k)`` (a trainer
 rank, or the parent relay) into slot ``k % 2``; the worker reads the bucket's header from its own memory, checks it
 (:func:`~.buckets.read_header`), starts relaying the bucket to its children (each once it freed
 its slot), and yields the bucket's tensors. When the caller asks for the tensor after the
