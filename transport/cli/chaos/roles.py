@@ -9,7 +9,8 @@ with ``t`` from CLOCK_MONOTONIC, which every process of the machine shares.
   updates (``delta on`` / ``delta off``).
 * A **generator** applies every version it can, checks every element against what the version
   must hold and digests what it applied; it reports each notification and every call that took
-  longer than its timeout allows.
+  longer than its timeout allows. A call still running half a second before that bound has
+  every thread's stack written next to the report (``REPORT.stacks``): what it waited on.
 * The **churner** joins the group and leaves it again, under one name, until its time is up,
   checking what it received in between.
 """
@@ -17,6 +18,7 @@ with ``t`` from CLOCK_MONOTONIC, which every process of the machine shares.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -91,8 +93,10 @@ def generator(a: argparse.Namespace) -> int:
     # --plant corrupt:NAME: this generator flips a bit of what it applied (the run must catch it)
     planted = os.environ.get("TRANSPORT_CHAOS_PLANT") == f"corrupt:{a.name}"
     applied, last_tick = -1, time.monotonic()
+    stacks = open(a.report + ".stacks", "a")  # noqa: SIM115 - open while the process lives
     while True:
         began = time.monotonic()
+        faulthandler.dump_traceback_later(WAIT + SLACK - 0.5, file=stacks)
         try:
             sub.wait_for_version(applied + 1, timeout=WAIT)
             version = sub.apply()
@@ -101,6 +105,8 @@ def generator(a: argparse.Namespace) -> int:
         except TransportError as e:
             report(error=f"{type(e).__name__}: {e}"[:300])
             version = applied
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         took = time.monotonic() - began
         if took > WAIT + SLACK:
             report(slow="wait_for_version+apply", began=began, took=round(took, 3))
