@@ -795,3 +795,40 @@ def test_messages_of_an_update_not_begun_yet_are_kept_up_to_a_bound(loopback_net
     assert writer.name not in inbox.begun
     inbox.begin(tokens[20])  # early messages are filed by the next begin only, then forgotten
     assert writer.name not in inbox.begun
+
+
+def test_a_worker_that_joins_the_store_after_its_trainer_began_still_gets_every_byte(
+    loopback_net,
+) -> None:
+    """Engines without a store of their own join it in their init_process_group, so a trainer
+    rank may begin an update before its worker is in the store: its ``Begun`` finds nobody. It
+    is said again while the rank waits for the worker's first free slot, and the update lands."""
+    weights, bucket = model(60, seed=5), 32 * KIB
+    trainer = loopback_net.make("t0", heartbeat_interval=0.2)
+    late = loopback_net.name("r1")
+    infos = [EngineInfo(trainer.name, "mem://", bucket, 0), EngineInfo(late, None, bucket, 0)]
+    (tp,), (rp,) = build_plans(1, 1, infos)
+    inbox = Inbox(trainer)
+    inbox.begin(tp.token, 30.0, writes=tp.targets)  # the worker is not in the store yet
+    buffers = [torch.empty(bucket, dtype=torch.uint8) for _ in range(2)]
+    sender = BucketSender(trainer, inbox, tp, buffers, 30.0)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            asyncio.run(sender.send(iter(weights.items())))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+
+    th = threading.Thread(target=send, daemon=True)
+    th.start()
+    worker = loopback_net.make("r1", heartbeat_interval=0.2)
+    slots = torch.zeros(2 * bucket, dtype=torch.uint8)
+    worker.expose(SLOTS, slots, access="w")
+    worker_inbox = Inbox(worker)
+    worker_inbox.begin(rp.token, 30.0, writes=rp.targets)
+    got = collect(BucketReceiver(worker, worker_inbox, rp, slots, Assembler("cpu"), 30.0))
+    th.join(30)
+    assert errors == [] and sender.report.dropped == {}
+    assert list(got) == list(weights)
+    assert all(torch.equal(got[n], t) for n, t in weights.items())

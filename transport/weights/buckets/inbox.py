@@ -90,6 +90,7 @@ class Inbox:
         self.credits: dict[str, SlotCredits] = {}  # by target: what it freed for which bucket
         self.stops: list[tuple[str, Stop]] = []
         self.begun: set[str] = set()  # the writers that began the live update
+        self._settled: str | None = None  # the update whose begin saw every older put settle
         self._early: deque[tuple[str, Message]] = deque(maxlen=MAX_EARLY)
         self._past: deque[str] = deque(maxlen=PAST_KEPT)  # updates begun before the live one
         self._watch = PeerWatch(transport)
@@ -135,11 +136,22 @@ class Inbox:
                 f"{settle_timeout:g} s; update {token} cannot write while they may still land in "
                 "its slots (a peer that froze: its puts fail at the engine's timeout; try again then)"
             )
+        with self._switch:
+            if self._update.live == token:
+                self._settled = token
+        self.say_begun(token, writes)
+
+    def say_begun(self, token: str, peers: Iterable[str]) -> None:
+        """Tell ``peers`` that this engine began update ``token`` (``Begun``), if its begin saw
+        every put of an earlier update settle. Said again while a writer waits for a target's
+        first free slot: a target that had not joined the store yet missed it."""
+        if self._settled != token:
+            return
         payload = encode(Begun(token))
-        for peer in writes:
+        for peer in peers:
             try:
                 self.transport.core.send_control(peer, CHANNEL, payload)
-            except TransportError as e:  # it is dropped when its slot is waited for
+            except TransportError as e:  # said again while its first slot is waited for
                 log.info("could not tell %s that update %s began: %s", peer, token, e)
 
     def check(self, token: str) -> None:
@@ -237,10 +249,12 @@ class Inbox:
         timeout: float,
         what: str,
         token: str | None = None,
+        every: Callable[[], None] | None = None,
     ) -> T:
         """Return ``ready()`` (called under the inbox's lock) once it is not None. PeerGoneError when a
         peer of ``watch()`` is gone; TransferTimeout naming ``what`` after ``timeout`` s;
-        UpdateSupersededError when another update than ``token`` (if given) begins."""
+        UpdateSupersededError when another update than ``token`` (if given) begins. ``every``
+        runs each :data:`WATCH_INTERVAL` while it waits (a message said again)."""
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + WATCH_INTERVAL
         core = self.transport.core
@@ -266,5 +280,7 @@ class Inbox:
                         continue
                 next_check = time.monotonic() + WATCH_INTERVAL
                 self._check(watch())
+                if every is not None:
+                    every()
         finally:
             core.waiting(-1)

@@ -142,6 +142,8 @@ class BucketReceiver:
                 timeout=self.timeout,  # type: ignore[arg-type]
                 what=f"bucket {index} from {sender}",
                 token=self.plan.token,
+                # the first slots' Free said again: a sender that joined the store late missed it
+                every=partial(self._free, index) if index < 2 else None,
             )
         )
         if isinstance(got, Stop):

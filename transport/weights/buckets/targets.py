@@ -101,6 +101,7 @@ class Targets:
                     timeout=self.timeout,
                     what=f"free slot for bucket {index} at {', '.join(waiting)}",
                     token=self.token,
+                    every=partial(self._say_begun, waiting, index),
                 )
             )
         except UpdateSupersededError:
@@ -111,6 +112,13 @@ class Targets:
             for peer in waiting:
                 if not self.inbox.may_write(peer, index):
                     self.drop(peer, str(e))
+
+    def _say_begun(self, waiting: list[str], index: int) -> None:
+        """While the first buckets wait: say ``Begun`` again to the targets that freed no slot
+        (one that joined the store after this engine began the update missed it)."""
+        if index < 2:
+            silent = [p for p in waiting if not self.inbox.may_write(p, index)]
+            self.inbox.say_begun(self.token, silent)
 
     def post(self, src: torch.Tensor, msg: Bucket, bucket_bytes: int) -> list[tuple[str, Handle]]:
         """Put ``src`` into slot ``msg.slot`` of each target that freed it, ``msg`` its
