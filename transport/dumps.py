@@ -90,6 +90,14 @@ class Dumps:
         self._reason = reason
         self._ep.wake.set()
 
+    def write_soon(self, reason: str) -> None:
+        """Write a dump from a thread of its own, now (an open Transport only): SIGUSR1's, which
+        must not wait behind housekeeping that a store which cannot be reached holds up."""
+        if self._ep.open:
+            threading.Thread(
+                target=self._to_dir, args=(reason,), name="transport-dump", daemon=True
+            ).start()
+
     @property
     def pending(self) -> bool:
         return self._reason is not None
@@ -152,7 +160,7 @@ def _watch_sigusr1(d: Dumps) -> None:
 
 def _on_sigusr1(signum: int, frame: Any) -> None:
     for d in list(_sigusr1_dumps):
-        d.request("SIGUSR1")  # a closed Transport's housekeeping no longer runs: nothing written
+        d.write_soon("SIGUSR1")  # a closed Transport writes nothing
     prev = _sigusr1_previous
     if callable(prev) and prev not in (signal.SIG_IGN, signal.SIG_DFL):
         prev(signum, frame)

@@ -327,13 +327,23 @@ class Run:
             self.outcome.violations.append(what)
             self.log.write("violation", what=what)
 
-    def dump_all(self) -> None:
-        """Every live process writes its flight recorder (SIGUSR1)."""
-        for proc in self.procs.values():
+    def dump_all(self, timeout: float = 20.0) -> None:
+        """Every live process writes its flight recorder (SIGUSR1); waits until each dump is
+        there (a file naming its pid), at most ``timeout`` s, and logs the processes without."""
+        asked = {}
+        for role, proc in self.procs.items():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.popen.pid, signal.SIGCONT)
                 os.kill(proc.popen.pid, signal.SIGUSR1)
-        time.sleep(3.0)  # they write from their housekeeping threads
+                asked[role] = proc.popen.pid
+        end = time.monotonic() + timeout
+        while asked and time.monotonic() < end:
+            for role, pid in list(asked.items()):
+                if any((self.folder / "traces" / role).glob(f"*.{pid}.*.jsonl")):
+                    del asked[role]
+            time.sleep(TICK)  # dumps are files: nothing to wait on
+        if asked:
+            self.log.write("no dump", processes=asked)
 
     # -- the run ---------------------------------------------------------------------------------
 

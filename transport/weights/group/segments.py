@@ -145,6 +145,9 @@ class SegmentedWrite:
         writer that was handed the peer's newest incarnation by whoever planned the write (a
         relay: the connection it holds may be to the incarnation before)."""
         msg = encode(Begin(self.version, self.slot))
+        self.t.recorder.record(
+            "ws-plan", op="write", peers=self.peer, info=f"v{self.version} slot {self.slot}"
+        )
         try:
             if reconnect:
                 tell_newest(self.t, self.peer, self.group, msg)

@@ -254,6 +254,9 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                 self._worker.submit(lambda: self._send(sub.name, Lend(version)))
             return
         sub.busy, sub.writing = slot, version
+        self.transport.recorder.record(
+            "ws-plan", op="start", peers=sub.name, info=f"v{version} slot {slot} via {via}"
+        )
         if sub.mode == "staging":
             sub.credits.spend(slot)
         left = handle.deadline - time.monotonic()
@@ -373,6 +376,12 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         handle: Delivery,
         err: BaseException | None,
     ) -> None:
+        self.transport.recorder.record(
+            "ws-plan",
+            op="finished",
+            peers=sub.name,
+            info=f"v{version} slot {slot}: {'done' if err is None else repr(err)[:150]}",
+        )
         sub.busy, sub.relay, sub.relay_handle, sub.patch = None, None, None, None
         if err is None:
             sub.completed = max(sub.completed, version)
@@ -408,12 +417,16 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         slots, newest = credit.slots, credit.newest
         with self._lock:
             sub = self._subs.get(peer)
-            if (
+            ignored = (
                 sub is None
                 or sub.mode != "staging"
                 or newest < sub.completed
                 or (sub.busy is not None and newest < sub.writing)
-            ):
+            )
+            self.transport.recorder.record(
+                "ws-plan", op="credit", peers=peer, info=f"{credit!r} ignored={ignored}"[:200]
+            )
+            if ignored or sub is None:
                 return  # unknown, or sent before it saw our latest version (it may name the busy slot)
             sub.credits.say(s for s in slots if 0 <= s < sub.slots)
             if sub.busy is None:

@@ -238,6 +238,9 @@ class WeightSubscriber(Closing):
         m = decode_from(peer, payload)
         if m is None:
             return
+        # the flight recorder keeps what each message said (versions, slots): a torn or lost
+        # version is read back from the dumps of both ends
+        self.transport.recorder.record("ws-in", op=type(m).__name__, peers=peer, info=repr(m)[:200])
         if isinstance(m, Hello):
             with self._lock:
                 self._publishers.add(peer)
@@ -293,6 +296,21 @@ class WeightSubscriber(Closing):
                     version,
                     slot,
                     peer,
+                )
+                return
+            later = self._slots.writing.get(slot, version)
+            if later > version:
+                # the late end of a write given up here: a newer version began in that slot
+                # since, so the slot holds neither whole (found by transport chaos: a put that
+                # crossed a cut link completed after the next version's relay wrote the slot)
+                log.warning(
+                    "group %s: ignoring version %d in slot %d from %s: version %d began there "
+                    "since",
+                    self.group,
+                    version,
+                    slot,
+                    peer,
+                    later,
                 )
                 return
             rank, world = self._upstream.rank_of(peer), self._upstream.world
