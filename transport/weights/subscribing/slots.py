@@ -52,6 +52,19 @@ class Slots:
         self.torn.discard(slot)
         self.writing.pop(slot, None)
 
+    def refuses(self, slot: int, version: int) -> str:
+        """Why ``version``'s notification for ``slot`` completes nothing ("" when it does): its
+        publisher gave it up (whose next credit may already hand the slot out), or a newer
+        version began in the slot since (the late end of a write given up here: the slot holds
+        neither whole; found by transport chaos, a put that crossed a cut link completing after
+        the next version's relay had begun writing the slot)."""
+        if self.aborted.get(slot) == version:
+            return "its publisher gave it up"
+        later = self.writing.get(slot, version)
+        if later > version:
+            return f"version {later} began there since"
+        return ""
+
     def begin(self, slot: int, version: int) -> None:
         """A publisher began writing ``version`` into ``slot``: a slot where another version was
         begun and never landed is torn."""

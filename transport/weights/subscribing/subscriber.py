@@ -288,29 +288,15 @@ class WeightSubscriber(Closing):
             )
             return
         with self._lock:
-            if self._slots.aborted.get(slot) == version:
-                # given up by its publisher, whose next credit may already hand this slot out
-                log.info(
-                    "group %s: ignoring version %d in slot %d: %s gave it up",
-                    self.group,
-                    version,
-                    slot,
-                    peer,
-                )
-                return
-            later = self._slots.writing.get(slot, version)
-            if later > version:
-                # the late end of a write given up here: a newer version began in that slot
-                # since, so the slot holds neither whole (found by transport chaos: a put that
-                # crossed a cut link completed after the next version's relay wrote the slot)
+            why = self._slots.refuses(slot, version)
+            if why:
                 log.warning(
-                    "group %s: ignoring version %d in slot %d from %s: version %d began there "
-                    "since",
+                    "group %s: ignoring version %d in slot %d from %s: %s",
                     self.group,
                     version,
                     slot,
                     peer,
-                    later,
+                    why,
                 )
                 return
             rank, world = self._upstream.rank_of(peer), self._upstream.world
