@@ -18,12 +18,12 @@ with ``t`` from CLOCK_MONOTONIC, which every process of the machine shares.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,6 +53,52 @@ class Report:
         line = json.dumps({"t": time.monotonic(), "pid": os.getpid(), **fields}) + "\n"
         with self._lock:
             os.write(self._fd, line.encode())
+
+
+class StackWatch:
+    """Writes every thread's stack to a file when a call runs past a bound: what it waited on.
+
+    It owns one daemon thread that holds the interpreter lock while it reads the stacks
+    (``sys._current_frames``), so reading them is safe whatever the other threads do (the
+    faulthandler module's watchdog reads them without that lock, and crashed a generator that
+    resumed from SIGSTOP while it wrote). Rules: one call watched at a time; :meth:`arm` before
+    it, :meth:`disarm` after; a call that ends first writes nothing.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._cond = threading.Condition()
+        self._due: float | None = None
+        threading.Thread(target=self._run, name="chaos-stack-watch", daemon=True).start()
+
+    def arm(self, seconds: float) -> None:
+        with self._cond:
+            self._due = time.monotonic() + seconds
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._due = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._due is None or time.monotonic() < self._due:
+                    left = None if self._due is None else self._due - time.monotonic()
+                    self._cond.wait(left)
+                self._due = None
+            self._write()
+
+    def _write(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        parts = [f"-- {time.monotonic():.3f}: a call ran past its bound\n"]
+        for ident, frame in sys._current_frames().items():  # noqa: SLF001 - documented in sys
+            if ident != me:
+                parts.append(f"Thread {names.get(ident, ident)}:\n")
+                parts.extend(traceback.format_stack(frame))
+        with open(self._path, "a") as f:
+            f.write("".join(parts))
 
 
 def _join(a: argparse.Namespace, name: str, report: Report) -> transport.Transport:
@@ -93,10 +139,10 @@ def generator(a: argparse.Namespace) -> int:
     # --plant corrupt:NAME: this generator flips a bit of what it applied (the run must catch it)
     planted = os.environ.get("TRANSPORT_CHAOS_PLANT") == f"corrupt:{a.name}"
     applied, last_tick = -1, time.monotonic()
-    stacks = open(a.report + ".stacks", "a")  # noqa: SIM115 - open while the process lives
+    stacks = StackWatch(a.report + ".stacks")
     while True:
         began = time.monotonic()
-        faulthandler.dump_traceback_later(WAIT + SLACK - 0.5, file=stacks)
+        stacks.arm(WAIT + SLACK - 0.5)
         try:
             sub.wait_for_version(applied + 1, timeout=WAIT)
             version = sub.apply()
@@ -106,7 +152,7 @@ def generator(a: argparse.Namespace) -> int:
             report(error=f"{type(e).__name__}: {e}"[:300])
             version = applied
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            stacks.disarm()
         took = time.monotonic() - began
         if took > WAIT + SLACK:
             report(slow="wait_for_version+apply", began=began, took=round(took, 3))
