@@ -31,12 +31,13 @@ How NIXL 1.5 is driven here, and why:
   is deregistered, so the cache never serves a stale one. ``UCX_MEM_MMAP_HOOK_MODE=none`` is
   set unless the user set it: UCX then runs without its registration cache (its supported
   configuration for processes it cannot patch, such as sanitizer builds).
-* UCX's TCP transport connects with a blocking ``connect()`` (``UCX_TCP_CONN_NB=n``, its
-  default): the first contact with a peer whose link is down holds the connecting thread until
-  the kernel gives up (3 s for an address nobody answers for, 38 s for a peer that restarted
-  behind a cut link), whatever deadline its caller has. ``UCX_TCP_CONN_NB=y`` returns at once,
-  but with it a process crashed (SIGSEGV) in NIXL's ``loadRemoteMD`` after a peer's remote
-  disconnect, in 2 of 5 short chaos runs; it stays UCX's default here (benchmarks/README.md).
+* UCX's TCP transport connects with a blocking ``connect()`` unless ``UCX_TCP_CONN_NB=y``: the
+  first contact with a peer whose link is down held the connecting thread until the kernel gave
+  up (3 s for an address nobody answers for, 38 s for a peer that restarted behind a cut link,
+  where the old neighbour entry keeps the SYNs going out), whatever deadline the caller had.
+  Non-blocking, loading the peer returns at once and the first transfer to it fails at its
+  own deadline, as every other fault of a peer does; ``UCX_TCP_CONN_NB=y`` is set unless the
+  user set it.
 * NIXL reports failures as many exception types and as status codes; all of
   them become errors of :mod:`transport.errors` in :func:`map_nixl_error`.
 """
@@ -125,6 +126,7 @@ def load_nixl() -> tuple[ModuleType, ModuleType]:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         os.environ.setdefault("UCX_LOG_LEVEL", "fatal")  # UCX errors surface as our exceptions
         os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")  # see the module docstring
+        os.environ.setdefault("UCX_TCP_CONN_NB", "y")  # no connect() blocks past a deadline
         if not _rdma_devices():
             # with the verbs library installed but no RDMA device, UCX's ib module crashes the
             # process as it exits (SIGSEGV after a clean run); without devices it has no use

@@ -50,9 +50,11 @@ class PeerWaitTimeout(PeerNotFoundError, TimeoutError):
 class TransferTimeout(TransportError, TimeoutError):
     """A deadline passed.
 
-    Raised by a transfer whose deadline expired (the transfer was withdrawn and
-    the peer marked suspect) and by ``wait(timeout)`` when the wait ran out
-    first; in the second case the transfer itself goes on until its own deadline.
+    Raised by a transfer whose deadline expired (the transfer was given up and
+    the peer marked suspect; its notification is never sent, but bytes the
+    connection already carried may still land, after the link comes back) and
+    by ``wait(timeout)`` when the wait ran out first; in the second case the
+    transfer itself goes on until its own deadline.
     """
 
 

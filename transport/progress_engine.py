@@ -335,7 +335,8 @@ class ProgressEngine:
             what = "could not be reached in time to post it"
         return TransferTimeout(
             f"{op.plan.op} of {op.part.nbytes} bytes to peer {conn.name!r}: its deadline of "
-            f"{op.timeout:.3g} s passed and the peer {what}; the transfer was withdrawn "
+            f"{op.timeout:.3g} s passed and the peer {what}; the transfer was given up, and "
+            "no notification of it follows, though bytes already on their way may still land "
             "(a frozen or partitioned peer; pass a longer timeout= if it is just slow)"
         )
 

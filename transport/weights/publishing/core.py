@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 import torch
 
@@ -184,6 +184,7 @@ class PublisherCore(Generic[M]):
         (:meth:`_retired`): nothing stays fenced, lent or waited for on its account."""
         sub = gone.member
         sub.retired = True
+        self._replaced(cast(M, sub))
         status = LOST if gone.lost else EXCLUDED
         for handle in sub.let_go():
             handle.settle(sub.name, status, gone.why)
@@ -213,6 +214,11 @@ class PublisherCore(Generic[M]):
 
     def _retired(self, gone: Retired) -> None:
         """With the lock held: the subclass's part of :meth:`_retire` (nothing by default)."""
+
+    def _replaced(self, old: M) -> None:
+        """With the lock held: ``old`` is no longer served; if another member of its
+        incarnation took its place, the subclass keeps what ``old`` may still be writing from
+        that member (nothing by default)."""
 
     #: the subclass's copies for delta versions, with their ``policy`` (None: delta is off)
     _deltas: _DeltaCopies | None = None
@@ -433,6 +439,7 @@ class PublisherCore(Generic[M]):
                     self._retire(Retired(sub, replaced_why(sub, new.generation), lost=False))
                 else:  # the same incarnation: what it relays goes on under its name
                     sub.retired = True
+                    self._replaced(sub)
                 log.info("group %s: %s planned again; serving it", self.group, new.name)
                 self._resume(new)
 

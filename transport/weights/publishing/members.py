@@ -61,10 +61,15 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Fence:
-    """A slot that ``relay`` was cut off while writing (version ``version``): nobody else
-    writes it until that relay reports on the member or is gone."""
+    """A slot whose write of version ``version`` may still be landing: nobody else writes it
+    until that write is known to have drained. ``relay``: the relay that was cut off while
+    writing it (drained once it reports on the member, or gone); None: the publisher's own
+    write, which ended at its deadline with its bytes possibly still on the way (a transfer
+    given up is not withdrawn from the connection), or which an earlier plan of the same
+    incarnation still had in flight (drained once that write ends, or once a later write of
+    ours to the member landed: one connection delivers in order)."""
 
-    relay: str
+    relay: str | None
     version: int
 
 
@@ -152,9 +157,10 @@ class PublisherMember(Member):
         free = self.credits.free(but=busy | set(self.fenced))
         return free[0] if free else None
 
-    def unfence(self, relay: str, version: int | None = None) -> None:
+    def unfence(self, relay: str | None, version: int | None = None) -> None:
         """``relay`` reported on this subscriber (on ``version`` or a later one: its writes here
-        have drained) or is gone (``version`` None): the slots fenced for it are free again."""
+        have drained) or is gone (``version`` None): the slots fenced for it are free again.
+        ``relay`` None: the publisher's own writes up to ``version`` have drained."""
         for slot, fence in list(self.fenced.items()):
             if fence.relay == relay and (version is None or version >= fence.version):
                 del self.fenced[slot]
@@ -165,14 +171,19 @@ class PublisherMember(Member):
             return self.error
         if not self.fenced:
             return f"no free slot within the deadline of version {version} (a slow apply?)"
-        cut = ", ".join(
-            f"{f.relay} (since version {f.version})"
-            for f in sorted(self.fenced.values(), key=lambda f: (f.relay, f.version))
+        fences = sorted(self.fenced.values(), key=lambda f: (f.relay or "", f.version))
+        why = "; ".join(
+            f"relay {f.relay} was cut off while writing version {f.version} there, until it "
+            "reports or is gone"
+            if f.relay is not None
+            else f"our write of version {f.version} there may still be landing, until a later "
+            "write of ours lands"
+            for f in fences
         )
         return (
-            f"no free slot within the deadline of version {version}: one is fenced for "
-            f"relay {cut}, cut off while writing it, until it reports or is gone; the other "
-            "holds its newest version, which it had not applied (so it could not lend it)"
+            f"no free slot within the deadline of version {version}: {len(fences)} fenced "
+            f"({why}); the other holds its newest version, which it had not applied (so it "
+            "could not lend it)"
         )
 
     def let_go(self) -> list[Delivery]:

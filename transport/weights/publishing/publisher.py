@@ -54,7 +54,13 @@ from transport.weights.group.withdraw import leftovers, withdraw
 from transport.weights.publishing.core import PublisherCore
 from transport.weights.publishing.delivery import DONE, EXCLUDED, Delivery, PublishHandle
 from transport.weights.publishing.handover import Handover
-from transport.weights.publishing.members import PatchInFlight, PublisherMember, Retired, Waiting
+from transport.weights.publishing.members import (
+    Fence,
+    PatchInFlight,
+    PublisherMember,
+    Retired,
+    Waiting,
+)
 from transport.weights.publishing.pack import Pack
 from transport.weights.publishing.roster import check_fanout, fanout_tree
 
@@ -357,6 +363,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         err: BaseException | None,
     ) -> None:
         with self._lock:
+            self._fence_if_unsure(sub, slot, version, err)
             self._finished(sub, slot, version, handle, err)
 
     def _on_done(
@@ -366,7 +373,33 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             err = h.exception(0)
             if err is None and self._deltas is not None:
                 self._deltas.policy.wrote(False, time.monotonic() - sub.started)
+            self._fence_if_unsure(sub, slot, version, err)
             self._finished(sub, slot, version, handle, err)
+
+    def _fence_if_unsure(
+        self, sub: PublisherMember, slot: int, version: int, err: BaseException | None
+    ) -> None:
+        """With the lock held: our put of ``version`` into ``slot`` ended at its deadline. The
+        transfer is given up, not withdrawn: what was already handed to the connection may
+        still land there (a link that comes back). The slot is fenced until a later write of
+        ours to this incarnation lands (the connection delivers in order), so that no relay
+        writes a newer version under those bytes."""
+        if isinstance(err, TransferTimeout) and sub.mode == "staging":
+            sub.fenced[slot] = Fence(None, version)
+            self.transport.recorder.record(
+                "ws-plan", op="fence", peers=sub.name, info=f"v{version} slot {slot}: unsure"
+            )
+
+    def _replaced(self, old: PublisherMember) -> None:
+        """With the lock held: ``old`` was planned again as another member of the same
+        incarnation. What ``old`` may still be writing stays fenced in the new member (its
+        write ends on ``old``'s account, which unfences it: :meth:`_finished`)."""
+        new = self._subs.get(old.name)
+        if new is None or new is old or new.generation != old.generation:
+            return
+        new.fenced.update(old.fenced)
+        if old.busy is not None:
+            new.fenced[old.busy] = Fence(old.relay, old.writing)
 
     def _finished(
         self,
@@ -382,7 +415,12 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             peers=sub.name,
             info=f"v{version} slot {slot}: {'done' if err is None else repr(err)[:150]}",
         )
+        direct = sub.relay is None
         sub.busy, sub.relay, sub.relay_handle, sub.patch = None, None, None, None
+        if direct and not isinstance(err, TransferTimeout):
+            # what we wrote before this write has drained (one connection delivers in order),
+            # and so has this write, into a member planned again since (:meth:`_replaced`)
+            self._drained(sub, version)
         if err is None:
             sub.completed = max(sub.completed, version)
             handle.settle(sub.name, DONE)
@@ -400,6 +438,14 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                 self._worker.submit(lambda: self._ask_credits(sub, abort))
             handle.settle(sub.name, EXCLUDED, str(err))
         self._resume(sub)
+
+    def _drained(self, sub: PublisherMember, version: int) -> None:
+        """With the lock held: our writes to ``sub``'s incarnation up to ``version`` drained."""
+        sub.unfence(None, version)
+        now = self._subs.get(sub.name)
+        if sub.retired and now is not None and now.generation == sub.generation:
+            now.unfence(None, version)
+            self._resume(now)
 
     def _ask_credits(self, sub: PublisherMember, abort: Abort | None = None) -> None:
         """Ask ``sub`` which slots are free: ``hello``, or ``abort`` (a version given up in a
@@ -428,7 +474,9 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             )
             if ignored or sub is None:
                 return  # unknown, or sent before it saw our latest version (it may name the busy slot)
-            sub.credits.say(s for s in slots if 0 <= s < sub.slots)
+            # never the slot being written: a credit cannot be for what follows that write (it
+            # is credited anew once the write landed, or was given up)
+            sub.credits.say(s for s in slots if 0 <= s < sub.slots and s != sub.busy)
             if sub.busy is None:
                 self._resume(sub)
 

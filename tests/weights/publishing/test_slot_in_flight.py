@@ -1,0 +1,114 @@
+"""A slot the publisher is writing, or may still be writing, is handed to no other write.
+
+Two ways it was handed out before (found by ``transport chaos``: a generator applied a version
+with the next version's bytes in its last tensors, written into the same slot by a relay while
+the publisher's own write of it was still landing):
+
+* a credit that comes while a write is in flight and names that slot (a subscriber lists every
+  slot it does not hold a version in, the one being written too) was taken as a credit for the
+  next write, which then went into the slot the first write had just filled;
+* a write that ended at its deadline is given up, not withdrawn: its bytes may still land once
+  the link comes back, so the slot stays fenced until a later write of ours to the subscriber
+  landed (one connection delivers in order), and the subscriber still gets every later version.
+
+On the loopback backend; the generator's transfers held as a stopped process holds them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transport
+from helpers.loopback_net import frozen, pattern
+from helpers.polling import wait_until
+from transport.weights.group.messages import Credit, encode
+from transport.weights.group.region_names import channel
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+N = 4096
+
+
+def plans(t: transport.Transport, op: str, peer: str) -> list[str]:
+    """What the publisher's flight recorder says it did (``op``) for ``peer``, in order."""
+    return [
+        e["info"]
+        for e in t.recorder.events()
+        if e["kind"] == "ws-plan" and e["op"] == op and peer in e["peers"]
+    ]
+
+
+def slot_of(t: transport.Transport, peer: str, version: int) -> int:
+    """The slot of ``peer`` that ``version`` was planned into (``ws-plan`` ``start``)."""
+    (info,) = [i for i in plans(t, "start", peer) if i.startswith(f"v{version} ")]
+    return int(info.split()[2])
+
+
+def test_a_credit_naming_the_slot_being_written_does_not_hand_it_to_the_next_version(
+    loopback_net,
+):
+    trainer = loopback_net.make("trainer")
+    weights = {"w": pattern(N, 1)}
+    pub = transport.WeightPublisher(trainer, weights, group="policy")
+    gen = loopback_net.make("gen")
+    live = {"w": torch.zeros(N, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    weights["w"].copy_(pattern(N, 2))
+    with frozen(gen):
+        second = pub.publish(2, timeout=60)
+        wait_until(lambda: plans(trainer, "start", gen.name)[1:], 10, "version 2 planned")
+        busy = slot_of(trainer, gen.name, 2)
+        # what a subscriber that holds version 2 already (from a relay, or from the publisher
+        # incarnation before this one) says while this write is in flight: every slot it
+        # holds no version in, the one being written too
+        stale = Credit((busy,), 2, 2)
+        gen.core.send_control(trainer.name, channel("policy"), encode(stale))
+
+        def read() -> list[str]:
+            return [i for i in plans(trainer, "credit", gen.name) if i.startswith(repr(stale))]
+
+        wait_until(read, 10, "the credit read")
+        assert read() == [f"{stale!r} ignored=False"]
+        third = pub.publish(3, timeout=60)  # waits for the slot; starts once version 2 landed
+    assert second.wait(10).done == [gen.name]
+    assert third.wait(10).done == [gen.name]
+    assert slot_of(trainer, gen.name, 3) != busy, plans(trainer, "start", gen.name)
+    sub.wait_for_version(3, timeout=10)
+    assert sub.apply() == 3 and torch.equal(live["w"], pattern(N, 2))
+    with sub.read(3) as snap:
+        assert torch.equal(snap.tensors["w"], pattern(N, 2))
+    pub.close()
+    sub.close()
+
+
+def test_a_write_given_up_at_its_deadline_fences_its_slot_and_later_versions_still_arrive(
+    loopback_net,
+):
+    trainer = loopback_net.make("trainer")
+    weights = {"w": pattern(N, 1)}
+    pub = transport.WeightPublisher(trainer, weights, group="policy")
+    gen = loopback_net.make("gen")
+    live = {"w": torch.zeros(N, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    sub.wait_for_version(1, timeout=10)
+    assert sub.apply() == 1
+    weights["w"].copy_(pattern(N, 2))
+    with frozen(gen):
+        result = pub.publish(2, timeout=0.5).wait(10)
+    assert result.excluded == [gen.name], result
+    given_up = slot_of(trainer, gen.name, 2)
+    assert plans(trainer, "fence", gen.name) == [f"v2 slot {given_up}: unsure"]
+    for version in (3, 4, 5):
+        weights["w"].copy_(pattern(N, version))
+        assert pub.publish(version, timeout=10).wait(20).done == [gen.name], version
+        sub.wait_for_version(version, timeout=10)
+        assert sub.apply() == version and torch.equal(live["w"], pattern(N, version))
+    # version 3 went elsewhere (the generator lent the slot of the version it had applied);
+    # once it landed, the fenced slot was the publisher's to write again
+    assert slot_of(trainer, gen.name, 3) != given_up
+    assert given_up in {slot_of(trainer, gen.name, v) for v in (4, 5)}
+    pub.close()
+    sub.close()
