@@ -11,6 +11,7 @@ module holds two things:
 
   - closing: :class:`Closing` (a context manager that calls ``close()``);
   - bulk work: :func:`without_gc` (the garbage collector held off while it runs);
+  - transfers: :func:`give_up` (a put's transfers withdrawn now, as their deadline would);
   - host memory: :class:`HostCopies` and :func:`native` (parallel copies between host tensors);
   - tensors: :func:`check_tensor`, :func:`dtype_name`; batches: :func:`make_batch`;
   - liveness: :func:`stale_after`, :func:`staleness`, ``GONE_BEATS``, ``GONE_MIN_S`` (when a
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from transport._closing import Closing
 from transport.gc_pause import without_gc
+from transport.handle import give_up
 from transport.host_copy import HostCopies, native
 from transport.memory.local import check_tensor, dtype_name
 from transport.peers.liveness import GONE_BEATS, GONE_MIN_S, stale_after, staleness
@@ -67,6 +69,7 @@ __all__ = [
     "check_tensor",
     "clock_floor",
     "dtype_name",
+    "give_up",
     "index_counter",
     "is_count",
     "make_batch",

@@ -35,8 +35,8 @@ class Handle:
     Users call :meth:`done`, :meth:`wait`, :meth:`exception`, :meth:`add_done_callback` or await
     it. The core's side (the engine and the transfer paths; not for users): :meth:`set_parts`,
     :meth:`part_done`, :meth:`resize`, :meth:`complete_now`, ``poller`` (drives the progress of
-    a transfer the caller posted, from the waiting thread) and ``recorder`` (where its end is
-    recorded).
+    a transfer the caller posted, from the waiting thread), ``recorder`` (where its end is
+    recorded) and ``canceller`` (what :func:`give_up` calls).
     """
 
     __slots__ = (
@@ -45,6 +45,7 @@ class Handle:
         "_error",
         "_remaining",
         "_state",
+        "canceller",
         "errors",
         "id",
         "nbytes",
@@ -68,6 +69,8 @@ class Handle:
         self.poller: Callable[[], None] | None = None
         self.id = next(handle_ids)  # names it in the flight recorder
         self.recorder: FlightRecorder | None = None  # where its end is recorded
+        # gives up the transfers it stands for (:func:`give_up`), set where they are made
+        self.canceller: Callable[[str], None] | None = None
 
     # -- the core's side: completion (by an engine, the transfer paths, or a waiter polling) --
 
@@ -257,6 +260,17 @@ def _run_callback(fn: Callable[[Handle], Any], h: Handle) -> None:
         import logging
 
         logging.getLogger(__name__).exception("done-callback %r of %r raised", fn, h)
+
+
+def give_up(handle: Handle, why: str) -> None:
+    """Give up the transfers ``handle`` stands for now, as their deadline would (the engine
+    withdraws them within one of its ticks): ``handle`` fails with TransferTimeout naming
+    ``why``, and no notification of them is sent. What the connection already carries may
+    still land. A handle already complete, or whose transfers were made elsewhere, is left as
+    it is (it completes by its own deadline)."""
+    cancel = handle.canceller
+    if cancel is not None and not handle.done():
+        cancel(why)
 
 
 def wait_all(handles: Iterable[Handle], timeout: float | None = None) -> None:

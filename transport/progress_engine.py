@@ -17,6 +17,7 @@ the latency of a notification without spinning a core that the writer may need.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -51,6 +52,7 @@ class Op:
         "deadline",
         "engine",
         "error",
+        "given_up",
         "group",
         "handle",
         "lock",
@@ -75,6 +77,7 @@ class Op:
         self.timeout = timeout
         self.state = QUEUED
         self.error: BaseException | None = None  # why it failed; set before state turns FAILED
+        self.given_up: str | None = None  # why it was given up before its deadline
         self.xfer: Any = None
         self.lock = threading.Lock()
         self.after: list[Op] | None = (
@@ -168,6 +171,7 @@ class ProgressEngine:
             handle.complete_now()
         else:
             handle.poller = self.poller([op])
+            handle.canceller = functools.partial(self.give_up, [op])
         return True
 
     def post_inline(
@@ -229,6 +233,15 @@ class ProgressEngine:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def give_up(self, ops: list[Op], why: str) -> None:
+        """Withdraw ``ops`` now (those not settled yet), as their deadline would: each engine
+        holding one fails it with TransferTimeout naming ``why`` at its next check."""
+        for op in list(ops):
+            if op.state in (QUEUED, POSTED):
+                op.given_up = why
+                op.deadline = 0.0
+                (op.engine or self).wake()
 
     def poll_at_least(self, interval: float | None) -> None:
         """Keep the idle polling interval at or below ``interval`` (None: back to ``idle_interval``).
@@ -321,6 +334,12 @@ class ProgressEngine:
 
     def _timeout_error(self, op: Op, posted: bool) -> TransferTimeout:
         conn = op.plan.conn
+        if op.given_up is not None:
+            return TransferTimeout(
+                f"{op.plan.op} of {op.part.nbytes} bytes to peer {conn.name!r} was given up "
+                f"({op.given_up}); no notification of it follows, though bytes already on "
+                "their way may still land"
+            )
         if posted:
             conn.suspect = True
             log.warning(

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -358,6 +359,7 @@ class Transfers:
                     o.group = [o]
                     o.retry = (items, sig, offset)
         handle.set_parts(len(ops))
+        handle.canceller = functools.partial(ep.engine.give_up, ops)
         return handle, ops, inline
 
     def _post_inline(

@@ -11,6 +11,7 @@ import torch
 
 import transport
 from helpers.loopback_net import frozen, pattern
+from helpers.polling import wait_until
 from transport.weights import ShardedPublisher, SourceLayout
 from transport.weights.publishing.roster import Roster
 
@@ -69,3 +70,67 @@ def test_a_subscriber_suspect_during_a_publish_is_excluded_before_the_deadline(
         sub.wait_for_version(3, timeout=10)
         assert sub.apply() == 3 and torch.equal(live["w"], pattern(N, 3))
     pub.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_a_write_to_a_subscriber_excluded_as_suspect_never_lands_as_that_version(
+    loopback_net, monkeypatch, kind
+):
+    """Found by ``transport chaos``: the publish of version 2 completed once the frozen
+    subscriber was excluded, the trainer stepped its tensors to version 3, and the write still in
+    flight carried version 3's bytes into the subscriber under version 2's number (a torn
+    version presented as whole). Now a publish is done only once none of its transfers reads
+    the tensors: the excluded subscriber's write is given up (no notification follows)."""
+    stopped: set[str] = set()
+    suspects = Roster.suspects
+
+    def heartbeats(self, members):
+        members = list(members)
+        out = suspects(self, members)
+        out.update({m.name: "the test's verdict" for m in members if m.name in stopped})
+        return out
+
+    monkeypatch.setattr(Roster, "suspects", heartbeats)
+    trainer = loopback_net.make("trainer", heartbeat_interval=0.1)
+    weights = {"w": pattern(N, 1)}
+    if kind == "plain":
+        pub = transport.WeightPublisher(trainer, weights, group="policy")
+    else:
+        layout = SourceLayout.split(1, {"w": ((N,), torch.uint8)})
+        pub = ShardedPublisher(trainer, weights, layout, 0, group="policy")
+    gen = loopback_net.make("gen", heartbeat_interval=0.1)
+    probe = torch.zeros(4)
+    gen.expose("probe", probe)
+    live = {"w": torch.zeros(N, dtype=torch.uint8)}
+    sub = transport.WeightSubscriber(gen, live, group="policy")
+    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    sub.wait_for_version(1, timeout=10)
+    assert sub.apply() == 1
+    weights["w"].copy_(pattern(N, 2))
+    with frozen(gen):
+        handle = pub.publish(2, timeout=120)
+        stopped.add(gen.name)
+        result = handle.wait(30)  # long before the deadline
+        assert result.excluded == [gen.name], result
+        weights["w"].copy_(pattern(N, 3))  # the next step: the publish of 2 is done
+    stopped.clear()
+    # whatever became of the write of version 2 has happened by now (it ended: landed, or
+    # given up), and a put after it reaches the generator after what it sent
+    wait_until(lambda: not handle_left(trainer), 10, "the write of version 2 ended")
+    trainer.put(torch.ones(4), gen.name, "probe", notify=b"after").wait(10)
+    assert gen.wait_notification(10).payload == b"after"
+    assert torch.equal(probe, torch.ones(4))
+    assert sub.version == 1, "version 2 completed here, with version 3's bytes"
+    assert pub.publish(3, timeout=10).wait(20).done == [gen.name]
+    sub.wait_for_version(3, timeout=10)
+    assert sub.apply() == 3 and torch.equal(live["w"], pattern(N, 3))
+    # version 2 never completed here: what it held would have been version 3's bytes
+    assert sub.version == 3
+    pub.close()
+    sub.close()
+
+
+def handle_left(t: transport.Transport) -> bool:
+    """Whether a transfer ``t`` posted is still in flight, as its flight recorder says."""
+    ended = {e["handle"] for e in t.recorder.events() if e["kind"] in ("done", "timeout", "error")}
+    return any(e["kind"] == "post" and e["handle"] not in ended for e in t.recorder.events())

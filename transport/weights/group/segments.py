@@ -109,6 +109,8 @@ class SegmentedWrite:
         self._last: dict[str, torch.Tensor] | None = None
         self._ended = self._finished = False
         self.error: BaseException | None = None
+        #: told of every transfer posted (a publisher keeps its version open while they read)
+        self.track: Callable[[Any], None] | None = None
 
     def post(
         self,
@@ -173,6 +175,8 @@ class SegmentedWrite:
         except Exception as e:
             self._landed(e)
             return
+        if self.track is not None:
+            self.track(h)
         h.add_done_callback(lambda h: self.submit(lambda: self._landed(h.exception(0))))
 
     def add_part(self, a: int, key: str, t: torch.Tensor, offset: int, nbytes: int) -> None:
@@ -194,6 +198,8 @@ class SegmentedWrite:
         except Exception as e:
             self._landed(e)
             return
+        if self.track is not None:
+            self.track(h)
         h.add_done_callback(lambda h: self.submit(lambda: self._landed(h.exception(0))))
 
     def end(self, last: Mapping[str, torch.Tensor]) -> None:
@@ -224,6 +230,8 @@ class SegmentedWrite:
                 msg = encode(Ver(self.version, self.slot))
                 if last:
                     h = self.t.core.put_control(last, self.peer, self.chan, msg, self._left())
+                    if self.track is not None:
+                        self.track(h)
                     h.add_done_callback(lambda h: self.submit(lambda: self.done(h.exception(0))))
                     return
                 self.t.core.send_control(self.peer, self.chan, msg)

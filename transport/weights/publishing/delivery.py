@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transport import ClosedError, TransferTimeout
+from transport import ClosedError, Handle, TransferTimeout
+from transport.contract import give_up
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,18 @@ def run_callbacks(handle: PublishHandle, fns: list[Callable[[PublishHandle], Any
 
 class Delivery:
     """One version on its way to every subscriber: who has no outcome yet (``pending``), the
+    transfers still reading the publisher's tensors for it (``reading``, per subscriber), the
     result, its deadline, the waiters and the done-callbacks. The publisher settles it, under its
-    own lock or not; ``cond`` guards the rest. Callbacks run once, after the last subscriber is
-    settled, never under a lock of ours: handed to ``dispatch`` (the publisher's
-    :class:`Callbacks`), or without one on the thread that settled it, outside ``cond``. Users
-    see it through its :class:`PublishHandle`."""
+    own lock or not; ``cond`` guards the rest. Users see it through its :class:`PublishHandle`.
+
+    Rules: it is done once every subscriber has an outcome and no transfer of it reads the
+    tensors any more, so that the trainer may change them as soon as it is done (a write still
+    in flight would carry the next version's bytes under this version's number). A subscriber
+    settled otherwise than ``done`` has its transfers given up at once (``transport.contract.
+    give_up``: no notification of them follows), and the version is done once they ended.
+    Callbacks run once, when it is done, never under a lock of ours: handed to ``dispatch``
+    (the publisher's :class:`Callbacks`), or without one on the thread that ended it, outside
+    ``cond``."""
 
     def __init__(
         self,
@@ -139,6 +147,7 @@ class Delivery:
         self.result = PublishResult(version)
         self.deadline = deadline
         self.pending = set(names)
+        self.reading: dict[str, list[Handle]] = {}  # subscriber -> transfers that read the tensors
         self.cond = threading.Condition()
         self.callbacks: list[Callable[[PublishHandle], Any]] = []
         self.error: ClosedError | None = None  # set when the publisher closed before the end
@@ -161,8 +170,33 @@ class Delivery:
         else:
             self._dispatch(run)
 
+    def track(self, name: str, h: Handle) -> None:
+        """``h`` reads the publisher's tensors for ``name``: the version is not done before it
+        ended (given up at once if ``name`` has an outcome already)."""
+        with self.cond:
+            settled = name not in self.pending
+            if not settled:
+                self.reading.setdefault(name, []).append(h)
+        if settled:
+            give_up(h, f"{name} has its outcome of version {self.result.version}")
+            return
+        h.add_done_callback(functools.partial(self._read_ended, name))
+
+    def _read_ended(self, name: str, h: Handle) -> None:
+        with self.cond:
+            left = [r for r in self.reading.get(name, ()) if r is not h]
+            if left:
+                self.reading[name] = left
+            else:
+                self.reading.pop(name, None)
+            self.cond.notify_all()
+            if self.pending or self.reading:
+                return
+            callbacks, self.callbacks = self.callbacks, []
+        self._call(callbacks)
+
     def settle(self, name: str, status: str, reason: str = "") -> None:
-        """``name``'s outcome (the first one counts)."""
+        """``name``'s outcome (the first one counts); not ``done``: its transfers are given up."""
         with self.cond:
             if name not in self.pending:
                 return
@@ -171,23 +205,32 @@ class Delivery:
             if reason:
                 self.result.reasons[name] = reason
             self.cond.notify_all()
-            if self.pending:
-                return
-            callbacks, self.callbacks = self.callbacks, []
+            reads = list(self.reading.get(name, ())) if status != DONE else []
+            ended = not self.pending and not self.reading
+            callbacks: list[Callable[[PublishHandle], Any]] = []
+            if ended:
+                callbacks, self.callbacks = self.callbacks, []
+        for h in reads:
+            give_up(h, f"{name} was {status} from version {self.result.version}: {reason}"[:300])
         self._call(callbacks)
 
     def close(self, error: ClosedError) -> None:
         """The publisher closed: whoever has no outcome yet never gets one; the handle completes
         now, failed with ``error`` (unless every subscriber already had an outcome)."""
         with self.cond:
+            reads = [h for hs in self.reading.values() for h in hs]
+            self.reading = {}
             if not self.pending:
-                return
-            self.error = error
-            for name in self.pending:
-                self.result.reasons.setdefault(name, str(error))
-            self.pending = set()
+                callbacks, self.callbacks = self.callbacks, []
+            else:
+                self.error = error
+                for name in self.pending:
+                    self.result.reasons.setdefault(name, str(error))
+                self.pending = set()
+                callbacks, self.callbacks = self.callbacks, []
             self.cond.notify_all()
-            callbacks, self.callbacks = self.callbacks, []
+        for h in reads:
+            give_up(h, "the publisher closed")
         self._call(callbacks)
 
     def waits_for(self, name: str) -> bool:
@@ -196,7 +239,7 @@ class Delivery:
             return name in self.pending
 
     def done(self) -> bool:
-        return not self.pending
+        return not self.pending and not self.reading
 
 
 def close_all(deliveries: list[Delivery], error: ClosedError) -> None:
@@ -231,7 +274,7 @@ class PublishHandle:
         nothing else."""
         d = self._delivery
         with d.cond:
-            if d.pending:
+            if not d.done():
                 d.callbacks.append(fn)
                 return
         run_callbacks(self, [fn])
@@ -253,11 +296,12 @@ class PublishHandle:
         d = self._delivery
         end = None if timeout is None else time.monotonic() + timeout
         with d.cond:
-            while d.pending:
+            while not d.done():
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise TransferTimeout(
-                        f"version {d.result.version} is still in flight to {sorted(d.pending)}"
+                        f"version {d.result.version} is still in flight to "
+                        f"{sorted(d.pending | set(d.reading))}"
                     )
                 d.cond.wait(0.05 if left is None else min(left, 0.05))
             if d.error is not None:

@@ -151,10 +151,14 @@ class PublisherMember(Member):
         self.lend_asked = -1  # the newest version it was asked to lend a slot for
         self.segments: dict[int, list[SegmentBatch]] = {}  # by slot
 
-    def free_slot(self) -> int | None:
-        """A slot the publisher may write now: credited, neither being written nor fenced."""
+    def free_slot(self, direct: bool = False) -> int | None:
+        """A slot the publisher may write now: credited, neither being written nor fenced. A
+        slot fenced for our own write that may still be landing is fenced for relays only
+        (``direct``: we write it ourselves, over the connection that carries those bytes, so
+        ours land after them)."""
         busy = {self.busy} if self.busy is not None else set()
-        free = self.credits.free(but=busy | set(self.fenced))
+        fenced = {s for s, f in self.fenced.items() if f.relay is not None or not direct}
+        free = self.credits.free(but=busy | fenced)
         return free[0] if free else None
 
     def unfence(self, relay: str | None, version: int | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -252,7 +253,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         version's number)."""
         if not self._may_start(sub, version, handle, via):
             return
-        slot = sub.free_slot()
+        slot = sub.free_slot(direct=via is None)
         if sub.busy is not None or slot is None:
             sub.waiting = Waiting(version, handle, via)
             if sub.busy is None and sub.fenced and sub.lend_asked < version:
@@ -314,6 +315,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                 h = core.put_control(
                     sub.batches[slot], sub.name, chan, encode(Ver(version, slot)), left
                 )
+                handle.track(sub.name, h)  # it reads the tensors: the version waits for it
         except TransportError as e:
             self._finished(sub, slot, version, handle, e)
             return
@@ -351,6 +353,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                 lambda: self._on_written(sub, slot, version, handle, err)
             ),
         )
+        write.track = functools.partial(handle.track, sub.name)
         if write.begin():
             write.post(segs, self._segment_bytes, piece_bytes(self.transport, self._segment_bytes))
 

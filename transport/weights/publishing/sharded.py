@@ -354,9 +354,9 @@ class ShardedPublisher(PublisherCore[RankMember]):
         try:
             if writes.direct is not None:
                 state.posting()
-                self.transport.put(
-                    writes.direct, sub.name, timeout=handle.time_left()
-                ).add_done_callback(on_done)
+                h = self.transport.put(writes.direct, sub.name, timeout=handle.time_left())
+                handle.track(sub.name, h)  # it reads the tensors: the version waits for it
+                h.add_done_callback(on_done)
             for chunk in writes.chunks:
                 busy = self._pool_busy[chunk.buffer]
                 if busy is not None:  # the pool is bounded: wait for the buffer's last put
@@ -367,6 +367,7 @@ class ShardedPublisher(PublisherCore[RankMember]):
                     torch.cuda.current_stream(self._pool[0].device).synchronize()
                 state.posting()
                 h = self.transport.put(chunk.batch, sub.name, timeout=handle.time_left())
+                handle.track(sub.name, h)
                 self._pool_busy[chunk.buffer] = h
                 h.add_done_callback(on_done)
         except Exception as e:
@@ -447,8 +448,8 @@ class ShardedPublisher(PublisherCore[RankMember]):
             if sub is None or credit.settled < sub.settled:
                 return
             sub.settled, sub.newest = credit.settled, max(sub.newest, credit.newest)
-            if sub.mode == "staging":
-                slots = [s for s in credit.slots if 0 <= s < sub.slots]
+            if sub.mode == "staging":  # never the slot being written (as WeightPublisher)
+                slots = [s for s in credit.slots if 0 <= s < sub.slots and s != sub.busy]
                 sub.credits.say(slots, [credit.held(s) for s in slots])
             self._heard(sub)
 
