@@ -420,7 +420,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         )
         direct = sub.relay is None
         sub.busy, sub.relay, sub.relay_handle, sub.patch = None, None, None, None
-        if direct and not isinstance(err, TransferTimeout):
+        if direct and err is None:
             # what we wrote before this write has drained (one connection delivers in order),
             # and so has this write, into a member planned again since (:meth:`_replaced`)
             self._drained(sub, version)
