@@ -50,9 +50,9 @@ def slot_of(t: transport.Transport, peer: str, version: int) -> int:
     return int(info.split()[2])
 
 
-def test_a_credit_naming_the_slot_being_written_does_not_hand_it_to_the_next_version(
-    loopback_net,
-):
+def one_subscriber(loopback_net):
+    """A trainer publishing version 1 of one tensor (group ``policy``) to one generator, which
+    has it: (trainer, its tensors, publisher, generator, its live tensors, subscriber)."""
     trainer = loopback_net.make("trainer")
     weights = {"w": pattern(N, 1)}
     pub = transport.WeightPublisher(trainer, weights, group="policy")
@@ -60,6 +60,13 @@ def test_a_credit_naming_the_slot_being_written_does_not_hand_it_to_the_next_ver
     live = {"w": torch.zeros(N, dtype=torch.uint8)}
     sub = transport.WeightSubscriber(gen, live, group="policy")
     assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    return trainer, weights, pub, gen, live, sub
+
+
+def test_a_credit_naming_the_slot_being_written_does_not_hand_it_to_the_next_version(
+    loopback_net,
+):
+    trainer, weights, pub, gen, live, sub = one_subscriber(loopback_net)
     weights["w"].copy_(pattern(N, 2))
     with frozen(gen):
         second = pub.publish(2, timeout=60)
@@ -98,13 +105,7 @@ def test_a_credit_naming_the_slot_being_written_does_not_hand_it_to_the_next_ver
 def test_a_write_given_up_at_its_deadline_fences_its_slot_and_later_versions_still_arrive(
     loopback_net,
 ):
-    trainer = loopback_net.make("trainer")
-    weights = {"w": pattern(N, 1)}
-    pub = transport.WeightPublisher(trainer, weights, group="policy")
-    gen = loopback_net.make("gen")
-    live = {"w": torch.zeros(N, dtype=torch.uint8)}
-    sub = transport.WeightSubscriber(gen, live, group="policy")
-    assert pub.publish(1, timeout=10).wait(10).done == [gen.name]
+    trainer, weights, pub, gen, live, sub = one_subscriber(loopback_net)
     sub.wait_for_version(1, timeout=10)
     assert sub.apply() == 1
     weights["w"].copy_(pattern(N, 2))

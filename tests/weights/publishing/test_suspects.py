@@ -20,33 +20,39 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 N = 4096
 
 
-@pytest.mark.parametrize("kind", ["plain", "sharded"])
-def test_a_subscriber_suspect_during_a_publish_is_excluded_before_the_deadline(
-    loopback_net, monkeypatch, kind
-):
+def verdicts(monkeypatch, why: str) -> set[str]:
+    """The names the roster takes for suspect (``why``) besides what their heartbeats say: the
+    set returned, which the test fills and empties."""
     stopped: set[str] = set()
     suspects = Roster.suspects
 
     def heartbeats(self, members):
         members = list(members)
         out = suspects(self, members)
-        out.update(
-            {
-                m.name: "its last heartbeat is 9.9 s old (the test's)"
-                for m in members
-                if m.name in stopped
-            }
-        )
+        out.update({m.name: why for m in members if m.name in stopped})
         return out
 
     monkeypatch.setattr(Roster, "suspects", heartbeats)
+    return stopped
+
+
+def publisher(loopback_net, kind: str) -> tuple[transport.Transport, dict, object]:
+    """The trainer, its tensors (version 1) and a publisher of group ``policy``: plain, or one
+    rank of a sharded trainer of one rank."""
     trainer = loopback_net.make("trainer", heartbeat_interval=0.1)
     weights = {"w": pattern(N, 1)}
     if kind == "plain":
-        pub = transport.WeightPublisher(trainer, weights, group="policy")
-    else:
-        layout = SourceLayout.split(1, {"w": ((N,), torch.uint8)})
-        pub = ShardedPublisher(trainer, weights, layout, 0, group="policy")
+        return trainer, weights, transport.WeightPublisher(trainer, weights, group="policy")
+    layout = SourceLayout.split(1, {"w": ((N,), torch.uint8)})
+    return trainer, weights, ShardedPublisher(trainer, weights, layout, 0, group="policy")
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_a_subscriber_suspect_during_a_publish_is_excluded_before_the_deadline(
+    loopback_net, monkeypatch, kind
+):
+    stopped = verdicts(monkeypatch, "its last heartbeat is 9.9 s old (the test's)")
+    trainer, weights, pub = publisher(loopback_net, kind)
     subs = {}
     for role in ("gen-a", "gen-b"):
         t = loopback_net.make(role, heartbeat_interval=0.1)
@@ -81,23 +87,8 @@ def test_a_write_to_a_subscriber_excluded_as_suspect_never_lands_as_that_version
     flight carried version 3's bytes into the subscriber under version 2's number (a torn
     version presented as whole). Now a publish is done only once none of its transfers reads
     the tensors: the excluded subscriber's write is given up (no notification follows)."""
-    stopped: set[str] = set()
-    suspects = Roster.suspects
-
-    def heartbeats(self, members):
-        members = list(members)
-        out = suspects(self, members)
-        out.update({m.name: "the test's verdict" for m in members if m.name in stopped})
-        return out
-
-    monkeypatch.setattr(Roster, "suspects", heartbeats)
-    trainer = loopback_net.make("trainer", heartbeat_interval=0.1)
-    weights = {"w": pattern(N, 1)}
-    if kind == "plain":
-        pub = transport.WeightPublisher(trainer, weights, group="policy")
-    else:
-        layout = SourceLayout.split(1, {"w": ((N,), torch.uint8)})
-        pub = ShardedPublisher(trainer, weights, layout, 0, group="policy")
+    stopped = verdicts(monkeypatch, "the test's verdict")
+    trainer, weights, pub = publisher(loopback_net, kind)
     gen = loopback_net.make("gen", heartbeat_interval=0.1)
     probe = torch.zeros(4)
     gen.expose("probe", probe)
