@@ -68,6 +68,11 @@ def test_get_times_out_at_the_deadline(store: Store) -> None:
     assert time.monotonic() - start < 30
 
 
+#: how long the waiting get waits: far longer than any stall of a loaded machine
+WAITING_GET_S = 120.0
+
+
+@pytest.mark.timeout(3 * WAITING_GET_S)  # a hold-up shows as the getter's timeout, not ours
 def test_a_waiting_get_does_not_hold_up_other_threads(store: Store) -> None:
     # connected first: what is measured is the waiting get, not a first connection on a loaded
     # machine (a TcpStore's shared client connects at its first call)
@@ -77,24 +82,22 @@ def test_a_waiting_get_does_not_hold_up_other_threads(store: Store) -> None:
 
     def getter() -> None:
         about_to_get.set()
-        got.append(store.get("late", timeout=20))
+        got.append(store.get("late", timeout=WAITING_GET_S))
 
     thread = threading.Thread(target=getter)
     thread.start()
     assert about_to_get.wait(10)
     # Keep working for a while, so that the getter is surely waiting during most of it.
     start = time.monotonic()
-    slowest = 0.0
     while time.monotonic() - start < 0.5:
-        began = time.monotonic()
         store.set("other", b"x")
-        assert store.get("other", timeout=5) == b"x"
-        slowest = max(slowest, time.monotonic() - began)
-    # not held up until the getter's own timeout (20 s): that is all a loaded machine guarantees
-    assert slowest < 15
+        assert store.get("other", timeout=WAITING_GET_S) == b"x"
+    # Not held up until the getter's own timeout: had these calls waited for it, the getter
+    # would have ended by now (StoreTimeout). No duration is asserted: a loaded machine may
+    # stall any call for seconds (once 15 s in CI).
     assert thread.is_alive() and not got
     store.set("late", b"done")
-    thread.join(25)
+    thread.join(WAITING_GET_S)
     assert got == [b"done"]
 
 
