@@ -170,8 +170,9 @@ class ProgressEngine:
         if op is True:
             handle.complete_now()
         else:
-            handle.poller = self.poller([op])
-            handle.canceller = functools.partial(self.give_up, [op])
+            ops = [op]  # one list for both: the fast path allocates as little as it can
+            handle.poller = self.poller(ops)
+            handle.canceller = functools.partial(self.give_up, ops)
         return True
 
     def post_inline(
