@@ -67,7 +67,7 @@ SHARED_MEMORY_TLS = frozenset({"all", "sm", "shm", "cma", "posix", "sysv", "xpme
 #: the environment variable that chooses it where the code does not
 PROGRESS_ENV = "TRANSPORT_PROGRESS"
 #: the longest the progress thread sleeps without traffic (UCX may miss a wake-up: this bounds it)
-WAKE_MS = 10
+WAKE_MS = 1000
 
 _lock = threading.Lock()
 _mods: tuple[ModuleType, ModuleType] | None = None

@@ -31,6 +31,7 @@ from transport.at_exit import close_at_exit
 from transport.backends.base import READ, WRITE
 from transport.contract import CoreLink
 from transport.control import ControlChannel, Notification
+from transport.doorbell import Doorbell, bell_ip
 from transport.dumps import Dumps
 from transport.errors import ClosedError, PeerWaitTimeout, WireFormatError
 from transport.handle import Handle
@@ -78,8 +79,8 @@ class Transport(Closing):
       until its handle is done.
     * **Deadlines.** Every transfer has one (``timeout=``, default
       ``Transport(timeout=60)``): a frozen or partitioned peer fails it with
-      :class:`TransferTimeout` and the transfer is withdrawn. ``wait(timeout)``
-      bounds the wait only and cancels nothing.
+      :class:`TransferTimeout` (bytes already on their way may still land).
+      ``wait(timeout)`` bounds the wait only and cancels nothing.
     * **Peers.** A peer is resolved through the store on first use and cached;
       nothing touches the store on the hot path after that. A peer that dies
       fails its transfers with :class:`PeerLostError`; one that restarts under
@@ -87,18 +88,16 @@ class Transport(Closing):
     * **Threads.** All methods are thread-safe. Done-callbacks run on the
       engine thread and must not wait on handles.
 
-    Options: ``timeout`` is the default transfer deadline; transfers of more
-    than ``chunk_bytes`` are posted in parts of that size so that one huge post
-    does not hold the agent for long (the notification follows the last part);
-    transfers of at most ``inline_bytes`` are posted by the calling thread (no
-    hand-off); ``idle_interval`` is how often an idle engine makes progress
-    (receivers' notified transfers complete at that pace after a quiet spell);
-    ``heartbeat_interval`` is how often the store hears from this peer;
-    transfers between host memory of at least ``lane_bytes`` are cut over
-    ``lanes`` agents, each posting from its own thread (transfers/lanes.py; default from
-    the CPU count, ``$TRANSPORT_LANES``; 1 turns them off);
-    ``max_registered_bytes`` bounds the host memory this peer registers (exposed, registered and
-    cached for transfers; default three quarters of physical memory or
+    Options: ``timeout`` is the default transfer deadline; transfers of more than ``chunk_bytes``
+    are posted in parts of that size so that one huge post does not hold the agent for long (the
+    notification follows the last part); transfers of at most ``inline_bytes`` are posted by the
+    calling thread (no hand-off); ``idle_interval`` is the longest an idle engine sleeps (peers
+    ring it as they send, transport/doorbell.py: it bounds what a lost ring costs);
+    ``heartbeat_interval`` is how often the store hears from this peer; transfers between host
+    memory of at least ``lane_bytes`` are cut over ``lanes`` agents, each posting from its own
+    thread (transfers/lanes.py; default from the CPU count, ``$TRANSPORT_LANES``; 1 turns them
+    off); ``max_registered_bytes`` bounds the host memory this peer registers (exposed, registered
+    and cached for transfers; default three quarters of physical memory or
     ``$TRANSPORT_MAX_REGISTERED_BYTES``): past it a call fails with RegistrationBudgetError and
     registers nothing.
     """
@@ -114,7 +113,7 @@ class Transport(Closing):
         timeout: float = 60.0,
         chunk_bytes: int = 64 << 20,
         inline_bytes: int = 1 << 20,
-        idle_interval: float = 5e-3,
+        idle_interval: float = 1.0,
         heartbeat_interval: float = 1.0,
         trace_dir: str | os.PathLike[str] | None = None,
         trace_capacity: int = DEFAULT_CAPACITY,
@@ -203,6 +202,7 @@ class Transport(Closing):
             self._peers.on_lost,
             retries.on_retry,
             idle_interval=idle_interval,
+            doorbell=Doorbell(bell_ip(getattr(self.store, "url", None))),
         )
         self._engine.pending = lambda: self._control.releasable
         self._engine.start()

@@ -121,9 +121,10 @@ class CoreLink:
       closed: one store read, its heartbeat (a second when there is none: whether it left), so
       a layer may ask it before every round of work; StoreError if the store cannot be reached.
     * ``poll_at_least(interval)``: keep the engine's idle polling at or below ``interval``
-      seconds (None: back to its default), for a layer that expects control messages any time.
-    * ``waiting(delta)``: a thread starts (+1) or stops (-1) waiting for a control message, so
-      the engine polls quickly meanwhile.
+      seconds (None: back to sleeping until there is work); no layer needs it, since every peer
+      that sends to us rings our doorbell (transport/doorbell.py), but a user may ask for it.
+    * ``waiting(delta)``: a thread starts (+1) or stops (-1) waiting for a control message; the
+      engine looks once at once, then sleeps until a ring as before.
     * ``stream_ops()``: the stream machinery of ``stream=`` calls (ClosedError when closed, a
       clear error without CUDA or CuPy).
     * ``record()``: this Transport's peer record as it stores it (sealed with a secret), to hand

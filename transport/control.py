@@ -129,6 +129,8 @@ class ControlChannel:
                 lost = True
             else:
                 lost = False
+                conn.ring()
+                self._ep.engine.touch()
         if lost:
             conn.close(backend)
             raise PeerLostError(f"peer {peer!r} was lost while notifying it", peer)
@@ -367,7 +369,7 @@ class ControlChannel:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(0.1 if left is None else min(left, 0.1))
+                self._cond.wait(1.0 if left is None else min(left, 1.0))  # notified too
             return True
         finally:
             engine.waiting(-1)

@@ -7,12 +7,15 @@ the receiving side. Small transfers are posted by the caller's thread and only
 *tracked* here, so the fast path has no thread hand-off; whichever thread
 polls a transfer first completes it.
 
-Idle, the engine wakes every ``idle_interval`` (5 ms by default) to read
-notifications, at a small fraction of a core (see benchmarks/README.md). After
-any activity (a transfer or a notification) it polls every 50 us and backs off
-to the idle interval over the next ~100 ms; while a thread waits for a
-notification it polls at least every ``wait_interval`` (250 us), which bounds
-the latency of a notification without spinning a core that the writer may need.
+Idle, the engine sleeps on its doorbell (transport/doorbell.py) until there is
+work: a transfer handed to it, a peer that rings because it writes to us, reads
+from us or notifies us, or the deadline of a queued transfer; at the latest after
+``idle_interval`` (1 s by default), which only bounds what a lost ring costs.
+After any activity (a transfer, a notification or a ring) it polls every 50 us
+and backs off over the next ``ACTIVE_S`` before it sleeps again; while a
+transfer of ours is in flight it polls every 100 us and rings its peer again
+every ``RING_EVERY``, so a receiver that needs to make progress for it stays
+awake.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from transport.backends.base import DONE, Backend
+from transport.doorbell import Doorbell
 from transport.errors import ClosedError, PeerLostError, TransferTimeout, TransportError
 from transport.handle import ENGINE_THREAD_PREFIX, Handle
 from transport.peers.conn import PeerConn
@@ -34,6 +38,11 @@ from transport.transfers.plan import Part, Plan
 log = logging.getLogger(__name__)
 
 QUEUED, POSTED, OK, FAILED, RETIRED = 0, 1, 2, 3, 4  # RETIRED: replaced by a retry
+
+#: after activity the engine polls, backing off from 50 us, this long before it sleeps deeply
+ACTIVE_S = 0.2
+#: how often (seconds) an awake engine checks deadlines, reads rings and rings peers again
+CHECK_S = 0.005
 
 
 class Op:
@@ -113,9 +122,9 @@ class ProgressEngine:
         on_notifications: Callable[[dict[str, list[bytes]]], None],
         on_peer_lost: Callable[[PeerConn, BaseException], None],
         on_retry: Callable[[list[Op], BaseException], None] | None = None,
-        idle_interval: float = 5e-3,
-        wait_interval: float = 250e-6,
+        idle_interval: float = 1.0,
         max_posted_parts: int = 4,
+        doorbell: Doorbell | None = None,
     ) -> None:
         self._backend = backend
         self._on_notifications = on_notifications
@@ -126,10 +135,10 @@ class ProgressEngine:
         self._queue: deque[Op] = deque()  # to be posted by the engine
         self._new: deque[Op] = deque()  # posted by a caller, to be tracked
         self._inflight: list[Op] = []
-        self._wake = threading.Event()
+        self.doorbell = doorbell if doorbell is not None else Doorbell()  # ours, closed at stop
         self._stop = False
         self._last_activity = time.monotonic()
-        self.wait_interval = wait_interval
+        self.wakeups = 0  # times the thread came back from a sleep (for the idle tests)
         self._floor: float | None = None
         self._waiters = 0
         self._waiters_lock = threading.Lock()
@@ -159,7 +168,7 @@ class ProgressEngine:
             self._post(op, lost_raises)
         if op.state == POSTED:
             self._new.append(op)
-        self._last_activity = time.monotonic()
+        self.touch()
 
     def post_fast(self, handle: Handle, plan: Plan, notif: bytes, timeout: float) -> bool:
         """Post a one-part plan from the caller's thread, completing ``handle`` at once when the
@@ -198,13 +207,19 @@ class ProgressEngine:
                 return None
             if st == DONE:
                 plan.give_back(self._backend, part, xfer, bool(notif))
+                if notif:  # the bytes landed; the receiver has yet to read the notification
+                    conn.ring()
                 return True
             plan.busy += 1
-        op = Op(handle, plan, part, notif, time.monotonic() + timeout, timeout)
+        now = time.monotonic()
+        conn.ring(now)
+        op = Op(handle, plan, part, notif, now + timeout, timeout)
         op.xfer = xfer
         op.state = POSTED
         self._new.append(op)
-        self._last_activity = time.monotonic()
+        self._last_activity = now
+        if self.doorbell.deep:
+            self.doorbell.wake()
         return op
 
     def submit(self, ops: list[Op]) -> None:
@@ -212,7 +227,7 @@ class ProgressEngine:
         if self._stop:
             raise ClosedError("the Transport is closed; open a new one")
         self._queue.extend(ops)
-        self._wake.set()
+        self.doorbell.wake()
 
     def poll(self, op: Op) -> None:
         """Advance ``op`` if no other thread is polling it right now. Never blocks."""
@@ -233,7 +248,14 @@ class ProgressEngine:
         return poll_all
 
     def wake(self) -> None:
-        self._wake.set()
+        self.doorbell.wake()
+
+    def touch(self) -> None:
+        """Something of ours began that the engine must make progress for (a post, a
+        notification sent): it polls from now on as after any activity, woken if it slept."""
+        self._last_activity = time.monotonic()
+        if self.doorbell.deep:
+            self.doorbell.wake()
 
     def give_up(self, ops: list[Op], why: str) -> None:
         """Withdraw ``ops`` now (those not settled yet), as their deadline would: each engine
@@ -249,20 +271,24 @@ class ProgressEngine:
         A layer that expects notifications at any time (a weight subscriber) uses it to bound their
         latency at a small, known CPU cost."""
         self._floor = interval
-        self._wake.set()
+        self.doorbell.wake()
 
     def waiting(self, delta: int) -> None:
-        """A thread starts (+1) or stops (-1) waiting for a notification: while any waits, the
-        engine polls every ``wait_interval`` at least."""
+        """A thread starts (+1) or stops (-1) waiting for a notification. Counted only (what
+        it waits for comes with a ring of the peer that sends it); a wait that begins makes the
+        engine look once at once."""
         with self._waiters_lock:
             self._waiters += delta
-        self._wake.set()
+        if delta > 0:
+            self.doorbell.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop = True
-        self._wake.set()
+        self.doorbell.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.doorbell.close()
         err = ClosedError("the Transport was closed before the transfer completed")
         for op in list(self._queue) + list(self._new) + self._inflight:
             self.fail(op, err)
@@ -292,6 +318,7 @@ class ProgressEngine:
                 op.state = POSTED
                 plan.busy += 1
                 st = self._backend.post(xfer, conn.seal(op.notif), conn.name)
+            conn.ring()
         except BaseException as e:
             group = op.group or [op]
             retry = (
@@ -422,8 +449,8 @@ class ProgressEngine:
                 self.fail(op, err)
 
     def _loop(self) -> None:
-        backend = self._backend
-        next_deadline_check = 0.0
+        backend, doorbell = self._backend, self.doorbell
+        next_check = 0.0
         while not self._stop:
             now = time.monotonic()
             while self._new:
@@ -435,25 +462,38 @@ class ProgressEngine:
                 self._inflight = [op for op in self._inflight if op.state == POSTED]
                 if self._inflight:
                     self._last_activity = now
-            if now >= next_deadline_check:
-                next_deadline_check = now + 0.005
+            if now >= next_check:
+                next_check = now + CHECK_S
                 self._expire(now)
+                if doorbell.rings_waiting():
+                    self._last_activity = now
             notifs = backend.get_notifs()
             if notifs or (self.pending is not None and self.pending()):
                 self._last_activity = now
                 self._deliver(notifs)
             if posted_any:
                 continue
+            if doorbell.sleep(self._sleep_for(now)):
+                self._last_activity = time.monotonic()
+            self.wakeups += 1
+
+    def _sleep_for(self, now: float) -> float:
+        """How long the loop may sleep: 100 us with transfers in flight; after activity from
+        50 us, backing off, for ``ACTIVE_S``; then until the next deadline of a queued transfer,
+        at most ``idle_interval`` (never past a floor that a layer set)."""
+        if self._inflight:
+            interval = 100e-6
+        else:
             quiet = now - self._last_activity
-            interval = min(self.idle_interval, max(50e-6, quiet / 20))  # 50 us, backing off
-            if self._inflight:
-                interval = min(interval, 100e-6)
-            elif self._waiters:
-                interval = min(interval, self.wait_interval)
-            if self._floor is not None:
-                interval = min(interval, self._floor)
-            self._wake.wait(interval)
-            self._wake.clear()
+            if quiet < ACTIVE_S:
+                interval = max(50e-6, quiet / 20)
+            else:
+                interval = self.idle_interval
+                for op in self._queue:
+                    interval = min(interval, max(0.0, op.deadline - now) + 1e-3)
+        if self._floor is not None:
+            interval = min(interval, self._floor)
+        return interval
 
     def _deliver(self, notifs: dict[str, list[bytes]]) -> None:
         """Hand what peers sent to the handler; whatever it raises on them is logged and counted
@@ -510,7 +550,10 @@ class ProgressEngine:
                 self._queue.remove(op)
                 self.fail(op, self._timeout_error(op, posted=False))
         for op in self._inflight:
-            if op.state == POSTED and now > op.deadline:
-                with op.lock:
-                    if op.state == POSTED:
-                        self.finish(op, self._timeout_error(op, posted=True))
+            if op.state == POSTED:
+                if now > op.deadline:
+                    with op.lock:
+                        if op.state == POSTED:
+                            self.finish(op, self._timeout_error(op, posted=True))
+                else:
+                    op.plan.conn.ring(now)  # the receiver stays awake while it is in flight

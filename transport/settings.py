@@ -30,7 +30,7 @@ class Settings:
     timeout: float = 60.0
     chunk_bytes: int = 64 << 20
     inline_bytes: int = 1 << 20
-    idle_interval: float = 5e-3
+    idle_interval: float = 1.0
     heartbeat_interval: float = 1.0
     lanes: int = 1
     lane_bytes: int = 64 << 20

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from transport.doorbell import Bell
 from transport.errors import SignatureError, WireFormatError
 from transport.memory.region_codec import MAX_REGIONS, decode_memory_map, encode_memory_map, inflate
 from transport.security.sealing import keys_for
@@ -151,6 +152,9 @@ class PeerRecord:
     #: this incarnation serves the namespace's store (the embedded one): when it is lost, the
     #: store is lost with it, and nobody waits on the store to learn whether it restarted
     hosts_store: bool = False
+    #: where to ring this incarnation when we write to it (transport/doorbell.py); None: nowhere,
+    #: it polls
+    bell: Bell | None = None
 
     def region_map(self) -> dict[str, RegionInfo]:
         return {r.name: r for r in self.regions}
@@ -170,6 +174,7 @@ _PEER_FIELDS = {
     "memory": bytes,
     "rev": int,
     "store": bool,
+    "bell": bytes,
 }
 _ENVELOPE_FIELDS = {"v": int, "kind": str, "body": bytes, "sealed": bool}
 
@@ -254,6 +259,7 @@ def encode_peer_record(rec: PeerRecord, secret: bytes | None = None) -> bytes:
             "created": float(rec.created),
             "rev": rec.revision,
             "store": rec.hosts_store,
+            "bell": rec.bell.pack() if rec.bell is not None else b"",
             "memory": encode_memory_map(rec.regions, rec.registrations, _DTYPES, ACCESS_MODES),
         },
         use_bin_type=True,
@@ -291,6 +297,10 @@ def decode_peer_record(
         m["memory"], _DTYPES, DTYPE_SIZES, ACCESS_MODES, MAX_REGION_NAME, MAX_DIMS, RegionInfo
     )
     regions = tuple(table)
+    try:
+        bell = Bell.unpack(m["bell"])
+    except ValueError as e:
+        raise WireFormatError(f"peer record field 'bell': {e}") from None
     return PeerRecord(
         name=m["name"],
         namespace=m["ns"],
@@ -307,6 +317,7 @@ def decode_peer_record(
         stored_bytes=len(data),  # type: ignore[arg-type]  # bytes: unpack checked
         revision=m["rev"],
         hosts_store=m["store"],
+        bell=bell,
     )
 
 

@@ -106,28 +106,55 @@ def install_stream_ops(t: transport.Transport, ops: Any) -> None:
     t._transfers.stream = ops
 
 
-def count_engine_polls(t: transport.Transport, n: int, timeout: float) -> tuple[int, float, float]:
-    """Count the turns of ``t``'s engine loop (each reads notifications once) until there are
-    ``n`` or ``timeout`` passes; returns the count, the seconds it took and the engine's idle
-    interval. Idle, the engine waits at least that interval between turns: a busy machine makes
-    the turns slower, never faster."""
+def idle_counts(t: transport.Transport, seconds: float) -> dict[str, Any]:
+    """What ``t``'s process did over ``seconds`` of doing nothing: the turns of its engine loop
+    (``engine``: each sleep it came back from), the voluntary context switches of each of its
+    threads (``threads``: name -> count; threads of no Python name, NIXL's and UCX's, are
+    ``native-<id>``), the rings its doorbell took and refused, and the CPU seconds of the whole
+    process. Upper bounds on these hold on a loaded host: load makes a sleeping thread come back
+    later, never sooner (involuntary switches, which load adds, are not counted)."""
+    import os
+
     e = t._engine
-    backend, reached, count = e._backend, threading.Event(), [0]
-    read = backend.get_notifs
 
-    def counted() -> dict[str, list[bytes]]:
-        count[0] += 1
-        if count[0] >= n:
-            reached.set()
-        return read()
+    def switches() -> dict[str, int]:
+        names = {th.native_id: th.name for th in threading.enumerate()}
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    line = next(x for x in f if x.startswith("voluntary_ctxt_switches"))
+            except (FileNotFoundError, StopIteration):
+                continue
+            out[names.get(int(tid), f"native-{tid}")] = int(line.split()[1])
+        return out
 
-    start = time.monotonic()
-    backend.get_notifs = counted  # type: ignore[method-assign]
-    try:
-        reached.wait(timeout)
-    finally:
-        backend.get_notifs = read  # type: ignore[method-assign]
-    return count[0], time.monotonic() - start, e.idle_interval
+    turns, rings, refused = e.wakeups, e.doorbell.rings, e.doorbell.refused
+    before, cpu = switches(), time.process_time()
+    time.sleep(seconds)
+    after = switches()
+    return {
+        "engine": e.wakeups - turns,
+        "threads": {n: c - before.get(n, 0) for n, c in after.items()},
+        "rings": e.doorbell.rings - rings,
+        "refused": e.doorbell.refused - refused,
+        "cpu": time.process_time() - cpu,
+    }
+
+
+def doorbell(t: transport.Transport) -> tuple[str, int, bytes, int, int]:
+    """Where ``t``'s doorbell listens, its token, and the rings it took and refused so far."""
+    d = t._engine.doorbell
+    assert d.bell is not None
+    return d.bell.ip, d.bell.port, d.bell.token, d.rings, d.refused
+
+
+def wait_rings(t: transport.Transport, n: int, timeout: float) -> int:
+    """Wait until ``t``'s doorbell took ``n`` rings in all (or ``timeout`` passed); the count."""
+    d, end = t._engine.doorbell, time.monotonic() + timeout
+    while d.rings < n and time.monotonic() < end:
+        time.sleep(0.01)
+    return d.rings
 
 
 def hold_record_restore(t: transport.Transport) -> Callable[[], None]:

@@ -119,7 +119,9 @@ def _child(conn: Any, name: str, store: str, regions: Regions, kwargs: dict[str,
         ),
         "put_pattern": put_pattern,
         "wait_for_peer": lambda peer, timeout: t.wait_for_peer(peer, timeout).generation,
-        "count_engine_polls": lambda n, timeout: internals.count_engine_polls(t, n, timeout),
+        "idle_counts": lambda seconds: internals.idle_counts(t, seconds),
+        "doorbell": lambda: internals.doorbell(t),
+        "wait_rings": lambda n, timeout: internals.wait_rings(t, n, timeout),
         "max_rss_mib": lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     serve(conn, handlers, t.close)

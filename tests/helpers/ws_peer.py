@@ -266,6 +266,7 @@ def _sub_child(
 
     handlers = {
         "hold_record": hold_record,
+        "idle_counts": lambda seconds: internals.idle_counts(t, seconds),
         "release_record": lambda: held_record.pop()(),
         "state": state,
         "wait_for_version": lambda n, timeout: sub.wait_for_version(n, timeout),

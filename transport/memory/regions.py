@@ -287,6 +287,7 @@ class Regions:
                 registrations=regs,
                 revision=self.record.revision + 1 if self.record else 1,
                 hosts_store=bool(getattr(ep.store, "is_host", False)),
+                bell=ep.engine.doorbell.bell,
             )
             ep.directory.publish(rec)
             self.record = rec

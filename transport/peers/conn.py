@@ -8,6 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Protocol
 
 from transport.backends.base import Backend
+from transport.doorbell import Ringer
 from transport.wire import PeerRecord, RegionInfo
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class Traffic:
 class PeerConn:
     """Connection state for one incarnation of a peer. ``lock`` guards posting against teardown;
     every notification to the peer leaves through :meth:`seal` under it (with a secret, the
-    ``sealer`` numbers and authenticates it for this incarnation). ``traffic`` counts the bytes
+    ``sealer`` numbers and authenticates it for this incarnation), and every post or notification
+    to it is followed by :attr:`ring` (its doorbell, transport/doorbell.py). ``traffic`` counts the bytes
     of its completed transfers (shared with the lanes' connections to the same peer)."""
 
     def __init__(
@@ -48,8 +50,11 @@ class PeerConn:
         agent: str,
         sealer: FrameSealer | None = None,
         traffic: Traffic | None = None,
+        ring: Ringer | None = None,
     ) -> None:
         self.traffic = traffic if traffic is not None else Traffic()
+        #: rings the peer's doorbell (rate-limited) after each post and notification to it
+        self.ring = ring if ring is not None else Ringer(None, None)
         self.sealer = sealer
         self.name = record.name
         self.record = record

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from transport.doorbell import Ringer
 from transport.errors import (
     BackendError,
     PeerLostError,
@@ -195,7 +196,13 @@ class PeerTable:
             )
         keys = ep.keys
         traffic = self.traffic.setdefault(peer, Traffic())
-        conn = PeerConn(rec, loaded, keys.sealer(ep.agent, loaded) if keys else None, traffic)
+        conn = PeerConn(
+            rec,
+            loaded,
+            keys.sealer(ep.agent, loaded) if keys else None,
+            traffic,
+            Ringer(ep.engine.doorbell, rec.bell),
+        )
         self._conns[peer] = conn
         ep.recorder.record("join", peers=peer, info=f"generation {rec.generation}")
         return conn

@@ -92,7 +92,9 @@ class Lane:
             if c is not None:
                 c.close(self.backend)
             loaded = self.backend.add_peer(main.record.metadata)
-            c = self.conns[main.name] = PeerConn(main.record, loaded, traffic=main.traffic)
+            c = self.conns[main.name] = PeerConn(
+                main.record, loaded, traffic=main.traffic, ring=main.ring
+            )
             return c
 
     def close(self) -> None:

@@ -72,8 +72,9 @@ class WeightSubscriber(Closing):
 
     :attr:`version` is the newest *complete* version (every tensor landed; -1 before the first).
     Versions only move forward. ``on_update(version)`` runs on the subscriber's own thread after
-    each new complete version. While subscribed, the Transport makes progress at least every
-    ``poll_interval`` seconds, which bounds how long a publish waits for this side to notice it.
+    each new complete version. The publisher's writes wake this side's engine (they ring its
+    doorbell), so an idle subscriber sleeps; ``poll_interval`` (seconds) makes it poll at least
+    that often as well.
     A publish that began but did not complete (the publisher died or missed its deadline) never
     changes :attr:`version`; :attr:`incomplete` names it.
 
@@ -122,7 +123,7 @@ class WeightSubscriber(Closing):
         group: str = "policy",
         mode: str = "staging",
         on_update: Callable[[int], object] | None = None,
-        poll_interval: float = 1e-3,
+        poll_interval: float | None = None,
         relay: bool = True,
         staging_device: torch.device | str | None = None,
         layout: Mapping[str, DestTensor] | None = None,
@@ -208,9 +209,9 @@ class WeightSubscriber(Closing):
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="w")
             self._exposed = list(exposed)
-            # A publish completes only once this side has read its notification: poll at least
-            # this often while subscribed (1 ms costs a few percent of a core).
-            transport.core.poll_at_least(poll_interval)
+            # the publisher rings our engine as it writes (transport/doorbell.py)
+            if poll_interval is not None:
+                transport.core.poll_at_least(poll_interval)
             self._dir.declare_layout(self._declared)
             self._dir.join(self._entry, self.slots, self.relay)
             self._next_entry_check = self._next_layout_check = time.monotonic() + 1.0
@@ -450,7 +451,7 @@ class WeightSubscriber(Closing):
                     )
                 self.transport.core.waiting(+1)
                 try:
-                    self._lock.wait(0.1 if left is None else min(left, 0.1))
+                    self._lock.wait(1.0 if left is None else min(left, 1.0))  # notified
                 finally:
                     self.transport.core.waiting(-1)
             return self.version

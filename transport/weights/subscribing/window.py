@@ -46,7 +46,7 @@ class WindowedSubscriber(WeightSubscriber):
         named_tensors: Mapping[str, torch.Tensor],
         group: str = "policy",
         on_update: Callable[[int], object] | None = None,
-        poll_interval: float = 1e-3,
+        poll_interval: float | None = None,
         layout: Mapping[str, DestTensor] | None = None,
         source_shapes: Mapping[str, Sequence[int]] | None = None,
         delta: bool | int = False,
