@@ -32,6 +32,7 @@ import msgpack
 import torch
 
 from transport import RegionInfo, RouteError, WireFormatError, wire
+from transport.doorbell import Bell
 from transport.memory import region_codec
 from transport.memory.regions import Withdraw
 from transport.security import sealing, signed
@@ -104,6 +105,10 @@ def _record(regions: int = 6, device: str = "cpu") -> wire.PeerRecord:
         registrations=((0x7F0000000000, max(regions, 1) * 8192, device),),
         revision=3,
         hosts_store=regions % 2 == 0,
+        # no bell, an IPv4 one and an IPv6 one
+        bell=(None, Bell("10.0.0.7", 40001, bytes(range(16))), Bell("fd00::7", 9, b"t" * 16))[
+            regions % 3
+        ],
     )
 
 
@@ -638,8 +643,14 @@ TARGETS: tuple[Target, ...] = (
         "peer_record",
         _run_record,
         (WireFormatError,),
-        lambda: [wire.encode_peer_record(_record(n)) for n in (0, 1, 6)],
-        _decoders(wire.decode_peer_record, wire._record_body, wire._check_fields, wire.unpack),  # noqa: SLF001
+        lambda: [wire.encode_peer_record(_record(n)) for n in (0, 1, 2, 6)],
+        _decoders(
+            wire.decode_peer_record,
+            wire._record_body,  # noqa: SLF001
+            wire._check_fields,  # noqa: SLF001
+            wire.unpack,
+            Bell.unpack,
+        ),
         budget=64 * MiB,
     ),
     Target(
