@@ -31,6 +31,9 @@ class Backend(Closing, abc.ABC):
     """One agent of a transfer library. Safe to call from several threads."""
 
     name: str = ""
+    #: how incoming transfers make progress: "poll" (only in the engine's calls, so a receiver's
+    #: engine must be awake for them) or "events" (a thread of the backend's own lands them)
+    progress: str = "poll"
 
     @abc.abstractmethod
     def metadata(self, memory: Sequence[tuple[int, int, str]] = ()) -> bytes:

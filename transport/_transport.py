@@ -202,7 +202,7 @@ class Transport(Closing):
             self._peers.on_lost,
             retries.on_retry,
             idle_interval=idle_interval,
-            doorbell=Doorbell(bell_ip(getattr(self.store, "url", None))),
+            doorbell=Doorbell(bell_ip(getattr(self.store, "url", None)), be.progress != "events"),
         )
         self._engine.pending = lambda: self._control.releasable
         self._engine.start()

@@ -44,16 +44,26 @@ MAX_READ = 64
 
 @dataclass(frozen=True)
 class Bell:
-    """Where a peer's doorbell is (published in its record): an IP address, a UDP port, and the
-    token a ring must carry."""
+    """Where a peer's doorbell is (published in its record): an IP address, a UDP port, the
+    token a ring must carry, and whether its writers and readers ring too (``data``: it makes
+    progress only in its engine, so nothing lands over TCP unless that engine is awake) or only
+    its notifiers (NIXL's progress thread lands the bytes; only a notification needs the
+    engine)."""
 
     ip: str
     port: int
     token: bytes
+    data: bool = True
 
     def pack(self) -> bytes:
-        """The bell as a record carries it: token, port (2 bytes), address (4 or 16 bytes)."""
-        return self.token + self.port.to_bytes(2, "big") + ipaddress.ip_address(self.ip).packed
+        """The bell as a record carries it: token, flags (1 byte: 1 for ``data``), port (2 bytes),
+        address (4 or 16 bytes)."""
+        return (
+            self.token
+            + bytes([int(self.data)])
+            + self.port.to_bytes(2, "big")
+            + ipaddress.ip_address(self.ip).packed
+        )
 
     @staticmethod
     def unpack(data: bytes) -> Bell | None:
@@ -61,15 +71,18 @@ class Bell:
         that are not one."""
         if not data:
             return None
-        if len(data) not in (TOKEN_BYTES + 6, TOKEN_BYTES + 18):
+        if len(data) not in (TOKEN_BYTES + 7, TOKEN_BYTES + 19):
             raise ValueError(
-                f"a doorbell is {TOKEN_BYTES + 6} or {TOKEN_BYTES + 18} bytes, got {len(data)}"
+                f"a doorbell is {TOKEN_BYTES + 7} or {TOKEN_BYTES + 19} bytes, got {len(data)}"
             )
-        port = int.from_bytes(data[TOKEN_BYTES : TOKEN_BYTES + 2], "big")
+        flags = data[TOKEN_BYTES]
+        if flags > 1:
+            raise ValueError(f"a doorbell's flags are 0 or 1, got {flags}")
+        port = int.from_bytes(data[TOKEN_BYTES + 1 : TOKEN_BYTES + 3], "big")
         if port == 0:
             raise ValueError("a doorbell's port is 0")
-        ip = ipaddress.ip_address(bytes(data[TOKEN_BYTES + 2 :]))
-        return Bell(str(ip), port, bytes(data[:TOKEN_BYTES]))
+        ip = ipaddress.ip_address(bytes(data[TOKEN_BYTES + 3 :]))
+        return Bell(str(ip), port, bytes(data[:TOKEN_BYTES]), bool(flags))
 
 
 def bell_ip(store_url: str | None) -> str:
@@ -99,7 +112,8 @@ def bell_ip(store_url: str | None) -> str:
 
 class Doorbell:
     """The wake-up of one progress engine. It owns an eventfd (our threads' wake-ups) and, when
-    ``ip`` is given, a UDP socket on it (peers' rings), until :meth:`close`.
+    ``ip`` is given, a UDP socket on it (peers' rings), until :meth:`close`; ``data`` says
+    whether peers ring for writes and reads too (see :class:`Bell`).
 
     Rules: :meth:`wake` may be called from any thread and costs a system call only while the
     engine sleeps; only the engine's thread calls :meth:`sleep`. A ring counts only with our
@@ -107,7 +121,7 @@ class Doorbell:
     wake-up. :meth:`ring` sends on the same socket (or a socket of its own without one).
     """
 
-    def __init__(self, ip: str | None = None) -> None:
+    def __init__(self, ip: str | None = None, data: bool = True) -> None:
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poll = select.poll()
         self._poll.register(self._efd, select.POLLIN)
@@ -119,7 +133,8 @@ class Doorbell:
             self._sock.setblocking(False)
             self._sock.bind((ip, 0))
             self._poll.register(self._sock.fileno(), select.POLLIN)
-            self.bell = Bell(ip, self._sock.getsockname()[1], secrets.token_bytes(TOKEN_BYTES))
+            port = self._sock.getsockname()[1]
+            self.bell = Bell(ip, port, secrets.token_bytes(TOKEN_BYTES), data)
         self._sleeping = False
         self.deep = False  # sleeping for longer than DEEP_S: a new transfer wakes it
         self._woken = False
@@ -128,6 +143,7 @@ class Doorbell:
         self._closed = False
         self.rings = 0  # rings that woke us (or found us awake)
         self.refused = 0  # datagrams without our token
+        self.sent = 0  # rings we sent
 
     def wake(self) -> None:
         """Wake the engine now (or make its next sleep return at once)."""
@@ -195,6 +211,7 @@ class Doorbell:
                     self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                     self._sock.setblocking(False)
                 sock = self._sock
+        self.sent += 1
         # a full buffer, an unreachable network or a closed socket: the writer rings again
         with contextlib.suppress(OSError):
             sock.sendto(bell.token, (bell.ip, bell.port))
@@ -212,18 +229,21 @@ class Doorbell:
 
 class Ringer:
     """The ringing of one peer's doorbell by one engine: at most once per :data:`RING_EVERY`
-    (a rung engine stays awake far longer), so a writer's every transfer may ask for it. It
-    owns nothing but the time of its last ring; without a bell it does nothing."""
+    (a rung engine stays awake far longer), so a writer's every transfer may ask for it; a
+    transfer without a notification rings only a peer whose bell asks for it (``Bell.data``).
+    It owns nothing but the time of its last ring; without a bell it does nothing."""
 
-    __slots__ = ("_bell", "_doorbell", "_last")
+    __slots__ = ("_bell", "_doorbell", "_last", "data")
 
     def __init__(self, doorbell: Doorbell | None, bell: Bell | None) -> None:
         self._doorbell = doorbell if bell is not None else None
         self._bell = bell
         self._last = -1.0
+        #: whether transfers without a notification ring too
+        self.data = bell is not None and bell.data
 
-    def __call__(self, now: float | None = None) -> None:
-        if self._doorbell is None:
+    def __call__(self, now: float | None = None, notify: bool = True) -> None:
+        if self._doorbell is None or not (notify or self.data):
             return
         now = time.monotonic() if now is None else now
         if now - self._last >= RING_EVERY:

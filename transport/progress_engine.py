@@ -212,7 +212,7 @@ class ProgressEngine:
                 return True
             plan.busy += 1
         now = time.monotonic()
-        conn.ring(now)
+        conn.ring(now, bool(notif))
         op = Op(handle, plan, part, notif, now + timeout, timeout)
         op.xfer = xfer
         op.state = POSTED
@@ -318,7 +318,7 @@ class ProgressEngine:
                 op.state = POSTED
                 plan.busy += 1
                 st = self._backend.post(xfer, conn.seal(op.notif), conn.name)
-            conn.ring()
+            conn.ring(notify=bool(op.notif))
         except BaseException as e:
             group = op.group or [op]
             retry = (
@@ -556,4 +556,5 @@ class ProgressEngine:
                         if op.state == POSTED:
                             self.finish(op, self._timeout_error(op, posted=True))
                 else:
-                    op.plan.conn.ring(now)  # the receiver stays awake while it is in flight
+                    # the receiver stays awake while it is in flight
+                    op.plan.conn.ring(now, bool(op.notif))

@@ -79,6 +79,25 @@ def test_a_sleeping_engine_still_completes_puts_notifications_and_deadlines(tcp_
                 r.signal(signal.SIGCONT)
 
 
+def test_only_notifications_ring_a_receiver_whose_bytes_land_without_it(tcp_store, monkeypatch):
+    """Over TCP with NIXL's progress thread (``events``), a put's bytes land without the
+    receiver's engine: a writer rings it only for a notification (counted on the writer)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("TRANSPORT_PROGRESS", "events")
+    with Peer("r", tcp_store.url, {"x": ("uint8", 4096, "rw")}) as r:
+        with transport.Transport("w", store=tcp_store) as w:
+            w.wait_for_peer("r", 60)
+            sent = internals.engine(w).doorbell.sent
+            for seed in range(3):
+                src = pattern(4096, seed)
+                w.put(src, "r", "x").wait(60)
+                assert r.call("sha", "x") == sha(src)
+            assert internals.engine(w).doorbell.sent == sent
+            w.put(pattern(4096, 9), "r", "x", notify=b"n").wait(60)
+            assert r.call("notification", 60, timeout=90) == ("w", b"n")
+            assert internals.engine(w).doorbell.sent == sent + 1
+
+
 def test_a_ring_without_the_token_wakes_nothing(tcp_store):
     """With a secret, the token a ring must carry is not in the stored record (it is sealed), and
     datagrams without it are refused: they make the engine read, never make progress. The right
@@ -98,11 +117,17 @@ def test_a_ring_without_the_token_wakes_nothing(tcp_store):
 
 
 @pytest.mark.parametrize(
-    "bad", [b"x", bytes(21), bytes(16) + b"\0\0" + bytes(4), bytes(18) + bytes(5)]
+    "bad",
+    [
+        b"x",  # too short
+        bytes(22),  # neither an IPv4 nor an IPv6 bell
+        bytes(17) + b"\0\0" + bytes(4),  # port 0
+        bytes(16) + b"\2" + b"\0\1" + bytes(4),  # flags other than 0 or 1
+    ],
 )
 def test_a_record_carries_the_doorbell_and_a_bad_one_is_refused(bad, monkeypatch):
     """The bell a record carries decodes to what was published; one of the wrong size, port 0
-    or an address of the wrong length is a WireFormatError naming the field."""
+    or unknown flags is a WireFormatError naming the field."""
     from transport.doorbell import Bell
     from transport.errors import WireFormatError
     from transport.wire import decode_peer_record, encode_peer_record
