@@ -31,7 +31,7 @@ from transport.at_exit import close_at_exit
 from transport.backends.base import READ, WRITE
 from transport.contract import CoreLink
 from transport.control import ControlChannel, Notification
-from transport.doorbell import Doorbell, bell_ip
+from transport.doorbell import Doorbell
 from transport.dumps import Dumps
 from transport.errors import ClosedError, PeerWaitTimeout, WireFormatError
 from transport.handle import Handle
@@ -160,6 +160,7 @@ class Transport(Closing):
             directory = Directory(self.store, self.namespace, secret)
             self.generation = directory.join(self.name)
             be = _backends.new_backend(backend, agent_name=agent_name(self.name, self.generation))
+            doorbell = Doorbell.listen(getattr(self.store, "url", None), be)  # closes be if not
         except BaseException:
             if owns_store:
                 self.store.close()
@@ -202,7 +203,7 @@ class Transport(Closing):
             self._peers.on_lost,
             retries.on_retry,
             idle_interval=idle_interval,
-            doorbell=Doorbell(bell_ip(getattr(self.store, "url", None)), be.progress != "events"),
+            doorbell=doorbell,
         )
         self._engine.pending = lambda: self._control.releasable
         self._engine.start()
@@ -301,8 +302,7 @@ class Transport(Closing):
 
         Nothing of ours is written to the store after we left it: the housekeeping threads'
         writes of our record and heartbeat (and an expose's racing the close) end first
-        (``Directory.depart``, which waits for the one in flight, at most ``min(timeout, 10)``
-        s), else a closed peer would look alive until its heartbeat aged out."""
+        (``Directory.depart`` waits for the one in flight, at most ``min(timeout, 10)`` s)."""
         ep = self._ep
         with ep.lock:
             if ep.state is State.CLOSED:

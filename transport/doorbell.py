@@ -27,7 +27,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from transport.backends.base import Backend
 
 #: the bytes of a doorbell token
 TOKEN_BYTES = 16
@@ -131,7 +135,15 @@ class Doorbell:
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
             self._sock = socket.socket(family, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
-            self._sock.bind((ip, 0))
+            try:
+                self._sock.bind((ip, 0))
+            except OSError as e:
+                self._sock.close()
+                os.close(self._efd)
+                raise ValueError(
+                    f"the doorbell cannot listen on {ip} ({e}); set ${BELL_IP_ENV} to an address "
+                    "of this host that its peers reach"
+                ) from None
             self._poll.register(self._sock.fileno(), select.POLLIN)
             port = self._sock.getsockname()[1]
             self.bell = Bell(ip, port, secrets.token_bytes(TOKEN_BYTES), data)
@@ -144,6 +156,16 @@ class Doorbell:
         self.rings = 0  # rings that woke us (or found us awake)
         self.refused = 0  # datagrams without our token
         self.sent = 0  # rings we sent
+
+    @classmethod
+    def listen(cls, store_url: str | None, backend: Backend) -> Doorbell:
+        """The doorbell of a Transport whose store is at ``store_url`` and whose agent is
+        ``backend`` (which decides ``data``); ``backend`` is closed if it cannot listen."""
+        try:
+            return cls(bell_ip(store_url), backend.progress != "events")
+        except BaseException:
+            backend.close()
+            raise
 
     def wake(self) -> None:
         """Wake the engine now (or make its next sleep return at once)."""

@@ -1,5 +1,5 @@
 """The ``transport`` command: ``transport peers``, ``transport trace DIR``, ``transport cluster ...``,
-``transport chaos``, ``transport bench ...``.
+``transport chaos``, ``transport doctor``, ``transport bench ...``.
 
 Every failure the user can fix (a bad argument, an unreachable store) ends in
 one line on stderr and a non-zero exit status, never a traceback.
@@ -17,7 +17,7 @@ from transport import CliError, TransportError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from transport.cli import chaos, cluster, peers, trace
+    from transport.cli import chaos, cluster, doctor, peers, trace
 
     parser = argparse.ArgumentParser(
         prog="transport", description="One-sided tensor transfer: tools."
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_parser(sub)
     chaos.add_parser(sub)
     trace.add_parser(sub)
+    doctor.add_parser(sub)
     try:
         bench = importlib.import_module("transport.cli.bench")
     except ModuleNotFoundError as e:  # the bench commands are an optional part of the install
