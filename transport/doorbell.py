@@ -10,7 +10,8 @@ transfer is in flight, and the engine's longest sleep bounds the rest.
 
 Where a peer sends it: the address and token are in the peer's record (``PeerRecord.bell``),
 sealed with the namespace's secret when there is one, so a process without the secret cannot
-read the token, and a datagram without the right token wakes nothing (it is counted). The
+read the token, and a datagram without the right token wakes nothing (it is counted; a flood
+of them costs a read each, at most ``MAX_READ`` per wake-up, and never any progress). The
 address is the one this host uses to reach the store (peers that share a store reach each
 other), unless ``$TRANSPORT_BELL_IP`` names another.
 """
