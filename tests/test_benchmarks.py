@@ -58,6 +58,37 @@ def test_bench_core_verifies_every_record(tmp_path: Path):
     assert any(r["system"] == "ours" and r.get("verified") for r in records)
 
 
+def test_idle_reports_every_role(tmp_path: Path):
+    out = tmp_path / "idle.json"
+    run("idle.py", "--seconds", "1", "--json", str(out))
+    results = {r["role"]: r for r in load(out)["results"]}
+    assert set(results) == {"endpoint", "subscriber", "relay", "leaf"}, results
+    for r in results.values():
+        assert 0 <= r["core_share"] < 1 and r["engine_turns_per_s"] >= 0, r
+        assert any(n.startswith("transport-engine") for n in r["switches_per_s"]), r
+
+
+def test_version_timeline_counts_each_versions_messages(tmp_path: Path):
+    out = tmp_path / "timeline.json"
+    run(
+        "version_timeline.py",
+        "--params",
+        "64K",
+        "--tensors",
+        "16",
+        "--versions",
+        "3",
+        "--json",
+        str(out),
+    )
+    report = load(out)
+    assert report["whole"] is True, report
+    msgs = report["messages_per_version"]
+    assert msgs["subscriber took Begin"] == 2 and msgs["subscriber took Ver"] == 2, msgs
+    phases = report["median_us"]
+    assert 0 < phases["posted"] <= phases["written"] <= phases["published"], phases
+
+
 def test_delta_step_reports_each_rate():
     out = run("delta_step.py", "--steps", "1", "--lrs", "1e-5", "--hidden", "64", "--layers", "1")
     rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith("1e-05")]
