@@ -268,8 +268,8 @@ class ProgressEngine:
 
     def poll_at_least(self, interval: float | None) -> None:
         """Keep the idle polling interval at or below ``interval`` (None: back to ``idle_interval``).
-        A layer that expects notifications at any time (a weight subscriber) uses it to bound their
-        latency at a small, known CPU cost."""
+        Nothing of the library needs it (peers ring the engine as they send); a user may bound
+        the latency of what a lost ring delays with it, at a known CPU cost."""
         self._floor = interval
         self.doorbell.wake()
 
