@@ -4,8 +4,9 @@ own, all idle at once after a first version reached them.
 Roles measured: an endpoint (a Transport exposing memory and nothing else), a subscriber, a
 relay (a subscriber that forwards to another, in a tree of degree 1), and the leaf below it.
 The publisher and the store's host are not measured. For each: the share of a core its whole
-process used over ``--seconds``, its engine's turns, and the voluntary context switches of each
-thread (threads of no Python name, NIXL's and UCX's, are ``native``).
+process used over ``--seconds``, and the wake-ups (voluntary context switches) of each of its
+threads, its engine's among them (threads of no Python name, NIXL's and UCX's, are
+``native-<id>``).
 
     python benchmarks/idle.py [--seconds 60] [--json FILE] [--poll-interval S]
 
@@ -20,25 +21,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
+from transport.cli.bench._util import thread_wakeups
+
 ROLES = ("endpoint", "subscriber", "relay", "leaf")
-
-
-def _counts(engine: Any) -> dict[str, Any]:
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    threads: dict[str, int] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                line = next(x for x in f if x.startswith("voluntary_ctxt_switches"))
-        except (FileNotFoundError, StopIteration):
-            continue
-        name = names.get(int(tid), "native")
-        threads[name] = threads.get(name, 0) + int(line.split()[1])
-    return {"threads": threads, "cpu": time.process_time(), "turns": getattr(engine, "wakeups", 0)}
 
 
 def _role(role: str, store: str, seconds: float, poll: float | None) -> None:
@@ -65,17 +53,17 @@ def _role(role: str, store: str, seconds: float, poll: float | None) -> None:
         keep.wait_for_version(1, timeout=120)
     print("ready", flush=True)
     sys.stdin.readline()  # measure
-    engine = t._engine  # noqa: SLF001 - a benchmark reads the engine's counter
-    wall, before = time.monotonic(), _counts(engine)
-    time.sleep(seconds)
-    after, wall = _counts(engine), time.monotonic() - wall
-    threads = {n: (c - before["threads"].get(n, 0)) / wall for n, c in after["threads"].items()}
+    wall, cpu, before = time.monotonic(), time.process_time(), thread_wakeups()
+    time.sleep(seconds)  # the idle window measured
+    after, cpu, wall = thread_wakeups(), time.process_time() - cpu, time.monotonic() - wall
+    threads = {n: (c - before.get(n, 0)) / wall for n, c in after.items()}
+    engine = next((v for n, v in threads.items() if n.startswith("transport-engine-")), 0.0)
     print(
         json.dumps(
             {
                 "role": role,
-                "core_share": (after["cpu"] - before["cpu"]) / wall,
-                "engine_turns_per_s": (after["turns"] - before["turns"]) / wall,
+                "core_share": cpu / wall,
+                "engine_wakeups_per_s": engine,
                 "switches_per_s": dict(sorted(threads.items(), key=lambda x: -x[1])),
             }
         ),
@@ -133,8 +121,8 @@ def main() -> None:
     for res in results:
         top = ", ".join(f"{n} {v:.1f}" for n, v in list(res["switches_per_s"].items())[:4])
         print(
-            f"  {res['role']:10s} {100 * res['core_share']:5.2f}% of a core, engine "
-            f"{res['engine_turns_per_s']:6.1f} turns/s; wake-ups/s: {top}"
+            f"  {res['role']:10s} {100 * res['core_share']:5.2f}% of a core, engine thread "
+            f"{res['engine_wakeups_per_s']:6.1f} wake-ups/s; all: {top}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -30,10 +30,7 @@ import time
 from collections import Counter
 from typing import Any
 
-
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+from transport.cli.bench._util import parse_size
 
 
 def _spec(params: int, tensors: int) -> dict[str, int]:
@@ -76,7 +73,7 @@ def main() -> None:
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    params, warm = _size(args.params), 3
+    params, warm = parse_size(args.params, "--params"), 3
     total = warm + args.versions
     if args.role:
         _subscriber(args.store, args.name, params, args.tensors, args.versions)

@@ -64,7 +64,7 @@ def test_idle_reports_every_role(tmp_path: Path):
     results = {r["role"]: r for r in load(out)["results"]}
     assert set(results) == {"endpoint", "subscriber", "relay", "leaf"}, results
     for r in results.values():
-        assert 0 <= r["core_share"] < 1 and r["engine_turns_per_s"] >= 0, r
+        assert 0 <= r["core_share"] < 1 and r["engine_wakeups_per_s"] >= 0, r
         assert any(n.startswith("transport-engine") for n in r["switches_per_s"]), r
 
 

@@ -123,7 +123,7 @@ class Doorbell:
     Rules: :meth:`wake` may be called from any thread and costs a system call only while the
     engine sleeps; only the engine's thread calls :meth:`sleep`. A ring counts only with our
     token (:attr:`refused` counts the others); at most :data:`MAX_READ` datagrams are read per
-    wake-up. :meth:`ring` sends on the same socket (or a socket of its own without one).
+    wake-up. :meth:`ring` sends on the same socket.
     """
 
     def __init__(self, ip: str | None = None, data: bool = True) -> None:
@@ -226,18 +226,15 @@ class Doorbell:
         return rang
 
     def ring(self, bell: Bell) -> None:
-        """Ring a peer's doorbell (never blocks; a lost or refused datagram is only latency)."""
-        sock = self._sock
-        if sock is None:
-            with self._lock:
-                if self._sock is None:
-                    self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                    self._sock.setblocking(False)
-                sock = self._sock
+        """Ring a peer's doorbell from our socket (never blocks; a lost or refused datagram is
+        only latency). A doorbell without a socket (a lane's) rings nobody: its connections
+        ring through the Transport's."""
+        if self._sock is None:
+            return
         self.sent += 1
         # a full buffer, an unreachable network or a closed socket: the writer rings again
         with contextlib.suppress(OSError):
-            sock.sendto(bell.token, (bell.ip, bell.port))
+            self._sock.sendto(bell.token, (bell.ip, bell.port))
 
     def close(self) -> None:
         """After the engine's thread ended: later wake-ups and rings do nothing."""

@@ -140,8 +140,6 @@ class ProgressEngine:
         self._last_activity = time.monotonic()
         self.wakeups = 0  # times the thread came back from a sleep (for the idle tests)
         self._floor: float | None = None
-        self._waiters = 0
-        self._waiters_lock = threading.Lock()
         self.error: BaseException | None = None  # set if the engine thread died
         self.handler_errors = 0  # notifications whose handling raised (dropped, logged)
         # whether frames held earlier wait to be handed to on_notifications (with none new)
@@ -217,9 +215,7 @@ class ProgressEngine:
         op.xfer = xfer
         op.state = POSTED
         self._new.append(op)
-        self._last_activity = now
-        if self.doorbell.deep:
-            self.doorbell.wake()
+        self.touch(now)
         return op
 
     def submit(self, ops: list[Op]) -> None:
@@ -250,10 +246,11 @@ class ProgressEngine:
     def wake(self) -> None:
         self.doorbell.wake()
 
-    def touch(self) -> None:
+    def touch(self, now: float | None = None) -> None:
         """Something of ours began that the engine must make progress for (a post, a
-        notification sent): it polls from now on as after any activity, woken if it slept."""
-        self._last_activity = time.monotonic()
+        notification sent): it polls from now on as after any activity, woken if it slept
+        deeply (from a short sleep it comes back soon enough by itself)."""
+        self._last_activity = time.monotonic() if now is None else now
         if self.doorbell.deep:
             self.doorbell.wake()
 
@@ -274,11 +271,9 @@ class ProgressEngine:
         self.doorbell.wake()
 
     def waiting(self, delta: int) -> None:
-        """A thread starts (+1) or stops (-1) waiting for a notification. Counted only (what
-        it waits for comes with a ring of the peer that sends it); a wait that begins makes the
-        engine look once at once."""
-        with self._waiters_lock:
-            self._waiters += delta
+        """A thread starts (+1) or stops (-1) waiting for a notification: a wait that begins
+        makes the engine look once at once (what it waits for comes with a ring of the peer that
+        sends it, so nothing more is needed)."""
         if delta > 0:
             self.doorbell.wake()
 

@@ -113,26 +113,13 @@ def idle_counts(t: transport.Transport, seconds: float) -> dict[str, Any]:
     ``native-<id>``), the rings its doorbell took and refused, and the CPU seconds of the whole
     process. Upper bounds on these hold on a loaded host: load makes a sleeping thread come back
     later, never sooner (involuntary switches, which load adds, are not counted)."""
-    import os
+    from transport.cli.bench._util import thread_wakeups
 
     e = t._engine
-
-    def switches() -> dict[str, int]:
-        names = {th.native_id: th.name for th in threading.enumerate()}
-        out = {}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/status") as f:
-                    line = next(x for x in f if x.startswith("voluntary_ctxt_switches"))
-            except (FileNotFoundError, StopIteration):
-                continue
-            out[names.get(int(tid), f"native-{tid}")] = int(line.split()[1])
-        return out
-
     turns, rings, refused = e.wakeups, e.doorbell.rings, e.doorbell.refused
-    before, cpu = switches(), time.process_time()
+    before, cpu = thread_wakeups(), time.process_time()
     time.sleep(seconds)  # sync-ok: the window counted, not a wait for another thread
-    after = switches()
+    after = thread_wakeups()
     return {
         "engine": e.wakeups - turns,
         "threads": {n: c - before.get(n, 0) for n, c in after.items()},

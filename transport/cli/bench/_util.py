@@ -1,4 +1,5 @@
-"""Small pieces every benchmark uses: sizes and labels, statistics, byte patterns, CPUs."""
+"""Small pieces every benchmark uses: sizes and labels, statistics, byte patterns, CPUs and
+threads."""
 
 from __future__ import annotations
 
@@ -178,6 +179,29 @@ def process_cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def thread_wakeups() -> dict[str, int]:
+    """The voluntary context switches of each thread of this process so far (the times it slept
+    and was woken), by its Python name; threads of none (NIXL's, UCX's) are ``native-<id>``.
+    Load adds involuntary switches only, so a count of these over a window is an upper bound
+    that a loaded host does not break. Empty where /proc is unreadable."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                line = next(x for x in f if x.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue  # the thread ended meanwhile
+        out[names.get(int(tid), f"native-{tid}")] = int(line.split()[1])
+    return out
 
 
 def _cpu_snapshot() -> tuple[float, float, float] | None:

@@ -9,6 +9,7 @@ import glob
 import importlib.metadata
 import os
 import platform
+import site
 import socket
 import statistics
 import time
@@ -49,7 +50,7 @@ def _dist_version(*names: str) -> str | None:
 def _ucx_version() -> str | None:
     """The version of the UCX that NIXL's wheel ships (``ucp_get_version_string``)."""
     for dist in ("nixl_cu13", "nixl_cu12", "nixl"):
-        for root in map(Path, __import__("site").getsitepackages()):
+        for root in map(Path, site.getsitepackages()):
             for lib in glob.glob(str(root / f"{dist}.libs" / "libucp*.so*")):
                 try:
                     fn = ctypes.CDLL(lib).ucp_get_version_string
