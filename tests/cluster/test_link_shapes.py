@@ -4,7 +4,8 @@ Numbered UDP datagrams go from one generator host to the other, across the link 
 (what it sends, shaped on its end) or to it (what it receives, shaped on the switch's end), and
 the receiver counts what came: duplicates (a number seen again) and datagrams that arrive late
 (after one with a higher number). The receiver stops once it has every number, so nothing here
-waits for a time to pass. Once the link is shaped plainly again, neither happens; and a TCP
+waits for a time to pass. Once the link is shaped plainly again, nothing is duplicated and no
+share is held back (the kernel itself may still put one in a thousand late); and a TCP
 stream across links that reorder, duplicate and lose packets arrives byte for byte.
 
 Without netem a packet held back waits behind a 10 Mbit/s lane; with netem, reordering is
@@ -107,6 +108,19 @@ def datagrams(cluster: Cluster, sender: Host, receiver: Host) -> dict[str, int]:
     return counts
 
 
+#: what a plain link may still put out of order: the kernel hands a veth's packets to the backlog
+#: of whichever CPU dequeues them (the sender's, or the rate limiter's timer on another), so on a
+#: loaded host one in a few thousand came late once (tests/run.sh, 2026-12-06) on a link that
+#: holds nothing back; a link shaped to reorder 20% puts about 400 of 2,000 late
+PLAIN_LATE = DATAGRAMS // 100
+
+
+def plain(counts: dict[str, int]) -> None:
+    """Every datagram arrived once, and no share was held back."""
+    assert counts["got"] == DATAGRAMS and counts["missing"] == 0, counts
+    assert counts["late"] <= PLAIN_LATE, counts
+
+
 @pytest.mark.hosts
 def test_a_duplicating_link_sends_a_share_twice_both_ways_until_shaped_plainly(two_generators):
     cluster = two_generators
@@ -119,8 +133,7 @@ def test_a_duplicating_link_sends_a_share_twice_both_ways_until_shaped_plainly(t
         assert counts["got"] > DATAGRAMS, counts
     cluster.shape(gen0, Link("1gbit"))
     for sender, receiver in ((gen0, gen1), (gen1, gen0)):
-        counts = datagrams(cluster, sender, receiver)
-        assert counts == {"got": DATAGRAMS, "late": 0, "missing": 0}, counts
+        plain(datagrams(cluster, sender, receiver))
 
 
 @pytest.mark.hosts
@@ -135,8 +148,7 @@ def test_a_reordering_link_holds_a_share_back_both_ways_until_shaped_plainly(two
         assert counts["missing"] == 0 and counts["got"] == DATAGRAMS, counts  # none lost
     cluster.shape(gen0, Link("1gbit"))
     for sender, receiver in ((gen0, gen1), (gen1, gen0)):
-        counts = datagrams(cluster, sender, receiver)
-        assert counts == {"got": DATAGRAMS, "late": 0, "missing": 0}, counts
+        plain(datagrams(cluster, sender, receiver))
 
 
 @pytest.mark.hosts
