@@ -217,6 +217,7 @@ class Transport(Closing):
             put_control=self._put_control,
             put_control_at=self._put_control_at,
             suspect=self._suspect,
+            heartbeat_key=directory.heartbeat_key,
             poll_at_least=self._engine.poll_at_least,
             waiting=self._engine.waiting,
             stream_ops=self._transfers.stream_ops,
@@ -534,11 +535,10 @@ class Transport(Closing):
         return self._peers.traffic_of()
 
     def _suspect(self, name: str, generation: int) -> str | None:
-        """transport.core.suspect: one heartbeat read, judged as peers() judges it; with no
-        heartbeat of that incarnation, a second read says whether it closed (it left the
-        namespace: its heartbeat and record are gone, and nothing will bring them back). A
-        stale heartbeat of an incarnation that sent us a frame within the same bar is not
-        suspect (liveness.py: it answered)."""
+        """transport.core.suspect: one heartbeat read, judged as peers() judges it; with none of
+        that incarnation, a second read says whether it closed (it left the namespace: nothing
+        brings its heartbeat and record back). A stale heartbeat of an incarnation that sent us
+        a frame within the same bar is not suspect (liveness.py: it answered)."""
         directory = self._ep.directory
         hb = directory.last_heartbeat(name)
         if hb is None or hb[0] < generation:

@@ -120,6 +120,8 @@ class CoreLink:
       (transport/peers/liveness.py, judged with this Transport's heartbeat interval), or that it
       closed: one store read, its heartbeat (a second when there is none: whether it left), so
       a layer may ask it before every round of work; StoreError if the store cannot be reached.
+    * ``heartbeat_key(name)``: the store key ``suspect`` reads first, for a layer that reads
+      it ahead together with its own keys (``Store.reading_ahead``: one round trip for all).
     * ``poll_at_least(interval)``: keep the engine's idle polling at or below ``interval``
       seconds (None: back to sleeping until there is work); no layer needs it, since every peer
       that sends to us rings our doorbell (transport/doorbell.py), but a user may ask for it.
@@ -153,6 +155,7 @@ class CoreLink:
     ]
     put_control_at: Callable[[torch.Tensor, str, int, str, str, bytes, float | None], Handle]
     suspect: Callable[[str, int], str | None]
+    heartbeat_key: Callable[[str], str]
     poll_at_least: Callable[[float | None], None]
     waiting: Callable[[int], None]
     stream_ops: Callable[[], Any]

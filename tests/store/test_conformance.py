@@ -566,3 +566,53 @@ def test_tcp_store_refuses_values_over_its_limit_and_stays_usable() -> None:
             s.set("big", b"x" * (MAX_VALUE_BYTES + 1))
         s.set("big", b"x" * MAX_VALUE_BYTES)
         assert len(s.get("big", timeout=5)) == MAX_VALUE_BYTES
+
+
+def test_try_get_many_reads_what_try_get_reads(store: Store) -> None:
+    odd = {"a": b"1", "empty": b"", "mark": b"\xff" * 12, "tomb": b"0\xff" + bytes(8)}
+    for k, v in odd.items():
+        store.set(k, v)
+    store.set("gone", b"x")
+    store.delete("gone")
+    keys = [*odd, "gone", "never", "a"]  # a repeated key is read once
+    want = {**odd, "gone": None, "never": None}
+    assert store.try_get_many(keys) == want
+    assert store.try_get_many(list(odd)) == odd  # every key there (one multi-key read)
+    assert {k: store.try_get(k) for k in want} == want
+    assert store.try_get_many([]) == {}
+
+
+def test_reading_ahead_answers_each_key_once_and_only_on_its_thread(store: Store) -> None:
+    """Inside the block, this thread's first read of a key read ahead answers from the read
+    (where the store reads ahead at all), a later one from the store; another thread, and any
+    key not named, read the store."""
+    store.set("a", b"1")
+    store.set("b", b"2")
+    ahead = store.batched_reads
+    with store.reading_ahead(["a", "b", "missing"]):
+        store.set("a", b"one")
+        store.set("b", b"two")
+        store.set("missing", b"now")
+        store.set("other", b"o")
+        elsewhere: list[bytes | None] = []
+        t = threading.Thread(
+            target=lambda: elsewhere.extend(store.try_get_many(["a", "b"]).values())
+        )
+        t.start()
+        t.join(20)
+        assert elsewhere == [b"one", b"two"]
+        assert store.try_get("a") == (b"1" if ahead else b"one")
+        assert store.try_get("a") == b"one"
+        assert store.try_get("missing") == (None if ahead else b"now")
+        assert store.try_get("missing") == b"now"
+        assert store.try_get("other") == b"o"
+    assert store.try_get("b") == b"two"  # not taken inside: gone with the block
+
+
+def test_reading_ahead_from_a_closed_store_fails_each_read(store: Store) -> None:
+    store.set("a", b"1")
+    store.close()
+    with store.reading_ahead(["a", "b"]):
+        for key in ("a", "b", "a"):
+            with pytest.raises((StoreError, ClosedError)):
+                store.try_get(key)

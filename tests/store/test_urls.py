@@ -11,7 +11,7 @@ import pytest
 
 from helpers.processes import REPO, PythonProcess, free_port
 from helpers.redis_server import RedisServer
-from transport import StoreError, store_from_url
+from transport import StoreError, StoreTimeout, store_from_url
 from transport.store import DEFAULT_STORE_URL, MemoryStore, RedisStore, TcpStore, as_store
 
 pytestmark = [pytest.mark.stores, pytest.mark.timeout(30)]
@@ -212,35 +212,58 @@ def test_simultaneous_openers_agree_on_one_host() -> None:
             child.kill()
 
 
-def test_a_tcp_get_that_answers_late_is_asked_again_not_taken_for_a_missing_key(
+def test_a_tcp_read_is_one_compare_set_that_changes_nothing() -> None:
+    """try_get asks the server to swap the key's value for itself: the answer is the value, or
+    the expected one (a form no stored value takes) for a missing key. The read writes nothing:
+    a missing key stays missing (a create-if-missing after it still wins, a wait still waits)
+    and a present value, of any bytes, reads back as it was."""
+    store = TcpStore("127.0.0.1", 0, hosting="yes")
+    try:
+        assert store.try_get("absent") is None
+        assert store.exists("absent") is False
+        with pytest.raises(StoreTimeout):
+            store.wait(["absent"], timeout=0.2)
+        assert store.compare_set("absent", None, b"mine") is True
+        odd = [b"0\xff", b"0\xff" + bytes(8), b"\xff", b"\xff" * 9, b"0", b"\x00"]
+        for i, value in enumerate(odd):
+            store.set(f"k{i}", value)
+        for _ in range(3):
+            assert [store.try_get(f"k{i}") for i in range(len(odd))] == odd
+        assert store.compare_delete("k0", b"0\xff") is True
+        assert store.try_get("k0") is None
+    finally:
+        store.close()
+
+
+def test_a_tcp_read_of_many_keys_deleted_between_check_and_get_reads_them_one_by_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """try_get checks that the key exists, then gets it within a grace of a second (a key deleted
-    in between would hold the get for good). A get that runs out while the key is still there
-    was a server slow to answer, as on a loaded host: the value comes back, not None, which had
-    made a Transport take its own record for lost (and a publisher a member's entry). A key
-    deleted in between is still None."""
+    """try_get_many checks that every key exists, then gets them all within a grace of a second
+    (a key deleted in between would hold the get for good). A get that runs out falls back to
+    reading each key: the deleted one is None, the others their values."""
     import torch.distributed as dist
 
-    real_get = dist.TCPStore.get
-    late: list[str] = []
+    real = dist.TCPStore.multi_get
+    calls: list[list[str]] = []
     store = TcpStore("127.0.0.1", 0, hosting="yes")
 
-    def get(self: object, key: str) -> bytes:
-        if key in late:
-            late.remove(key)
-            if key == "deleted":
-                store.delete(key)  # after the check, before the get
+    def multi_get(self: object, keys: list[str]) -> list[bytes]:
+        calls.append(list(keys))
+        if len(calls) == 1:
+            store.delete("b")  # after the check, before the get
             raise dist.DistStoreError("Socket Timeout")  # as the grace running out raises
-        return real_get(self, key)
+        return real(self, keys)  # type: ignore[arg-type]
 
     try:
-        store.set("slow", b"v")
-        store.set("deleted", b"x")
-        monkeypatch.setattr(dist.TCPStore, "get", get)
-        late += ["slow", "deleted"]
-        assert store.try_get("slow") == b"v"
-        assert store.try_get("deleted") is None
-        assert late == []  # both gets ran out once
+        for k in "abcd":
+            store.set(k, k.encode())
+        monkeypatch.setattr(dist.TCPStore, "multi_get", multi_get)
+        assert store.try_get_many("abcd") == {"a": b"a", "b": None, "c": b"c", "d": b"d"}
+        assert store.try_get_many("acd") == {"a": b"a", "c": b"c", "d": b"d"}  # few: one by one
+        assert store.try_get_many("abcd") == {"a": b"a", "b": None, "c": b"c", "d": b"d"}
+        assert calls == [list("abcd")]  # a missing key: no multi_get (its check failed)
+        store.set("b", b"B")
+        assert store.try_get_many("dcba") == {"d": b"d", "c": b"c", "b": b"B", "a": b"a"}
+        assert calls == [list("abcd"), list("dcba")]
     finally:
         store.close()

@@ -99,6 +99,10 @@ class Directory:
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
 
+    def heartbeat_key(self, name: str) -> str:
+        """The key of ``name``'s heartbeat (a layer reads it ahead with its own keys)."""
+        return self.key("hb", name)
+
     def generation_counter(self, name: str) -> Counter:
         """The counter of ``name``'s generations; garbage there is repaired by a joiner only
         (``_generation_floor`` says to what, and why that is safe). Readers (``generation``) only
@@ -301,7 +305,7 @@ class Directory:
             raw = self.store.try_get(key)
         else:
             self._gave_up(key, name, generation)
-        hb = self.key("hb", name)
+        hb = self.heartbeat_key(name)
         for _ in range(LEAVE_TRIES):
             raw = self.store.try_get(hb)
             if raw is None:
@@ -488,7 +492,7 @@ class Directory:
 
         It replaces the very bytes it read and judged with ``compare_set`` (None where it read
         none), so a newer incarnation's heartbeat written in between stays."""
-        key = self.key("hb", name)
+        key = self.heartbeat_key(name)
         body = encode_heartbeat(generation, time.time() if at is None else at)
         value = signed.encode(self.keys, key, name, generation, body)
         for _ in range(WRITE_TRIES):
@@ -513,12 +517,12 @@ class Directory:
     def last_heartbeat(self, name: str) -> tuple[int, float] | None:
         """The last heartbeat of ``name`` (generation, wall time); None when there is none or it
         is not valid (malformed, not signed with the secret, another peer's: logged)."""
-        raw = self.store.try_get(self.key("hb", name))
+        raw = self.store.try_get(self.heartbeat_key(name))
         return None if raw is None else self._heartbeat(name, raw)
 
     def _heartbeat(self, name: str, raw: bytes) -> tuple[int, float] | None:
         """The heartbeat of ``name`` stored as ``raw``; None when it is not valid (logged)."""
-        key = self.key("hb", name)
+        key = self.heartbeat_key(name)
         try:
             value = signed.decode(self.keys, key, raw, f"the heartbeat of {name!r}")
             gen, t = decode_heartbeat(value.body)

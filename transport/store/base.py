@@ -15,12 +15,14 @@ from __future__ import annotations
 import abc
 import math
 import re
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 from transport._closing import Closing
-from transport.errors import ClosedError
+from transport.errors import ClosedError, StoreError
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -66,6 +68,58 @@ class Store(Closing, abc.ABC):
         """Whether ``key`` has a value, without reading it (a record may be megabytes)."""
         return self.try_get(key) is not None
 
+    def try_get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """The value of each of ``keys`` as :meth:`try_get` gives it (None: missing). The
+        values are read one by one here; a store with a multi-key read (``batched_reads``)
+        answers in one or two round trips, which need not see all of them at one instant."""
+        return {k: self.try_get(k) for k in dict.fromkeys(keys)}
+
+    #: whether :meth:`try_get_many` reads its keys together (and :meth:`try_get` answers from
+    #: :meth:`reading_ahead`); a store that answers in process has nothing to gain
+    batched_reads = False
+
+    @contextmanager
+    def reading_ahead(self, keys: Iterable[str]) -> Iterator[None]:
+        """Read ``keys`` now, together (:meth:`try_get_many`); while the block runs, the first
+        :meth:`try_get` of each key on this thread answers from that read instead of the store
+        (a later one reads the store again: a caller that writes a key and reads it back sees
+        its write). A read that failed fails each of those first reads with its error, as they
+        would have failed one by one. For a caller whose reads before its work are known in
+        advance (a publisher's lease, group epoch and heartbeats), so that they cost one round
+        trip instead of one each; a store without ``batched_reads`` reads as before."""
+        if not self.batched_reads:
+            yield
+            return
+        wanted = list(dict.fromkeys(keys))
+        try:
+            values: dict[str, bytes | None | Exception] = dict(self.try_get_many(wanted))
+        except (StoreError, ClosedError) as e:
+            values = dict.fromkeys(wanted, e)
+        ahead = _ahead_of_thread()
+        outer = ahead.get(id(self))
+        ahead[id(self)] = values if outer is None else {**outer, **values}
+        try:
+            yield
+        finally:
+            if outer is None:
+                ahead.pop(id(self), None)
+            else:
+                ahead[id(self)] = outer
+
+    def _read_ahead(self, key: str) -> tuple[bool, bytes | None]:
+        """For :meth:`try_get`: (True, the value) if this thread read ``key`` ahead and has
+        not taken it yet (taken now); (False, None) otherwise."""
+        values = getattr(_AHEAD, "stores", None)
+        if not values:
+            return False, None
+        mine = values.get(id(self))
+        if mine is None or key not in mine:
+            return False, None
+        value = mine.pop(key)
+        if isinstance(value, Exception):
+            raise value.with_traceback(None)
+        return True, value
+
     @abc.abstractmethod
     def add(self, key: str, amount: int = 1) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value.
@@ -108,6 +162,17 @@ class Store(Closing, abc.ABC):
 
     def _closed_error(self) -> ClosedError:
         return ClosedError(f"store {redact_url(self.url)} is closed; open a new one")
+
+
+# What reading_ahead read, by thread: store id -> key -> value (or the error of the read).
+_AHEAD = threading.local()
+
+
+def _ahead_of_thread() -> dict[int, dict[str, bytes | None | Exception]]:
+    stores: dict[int, dict[str, bytes | None | Exception]] | None = getattr(_AHEAD, "stores", None)
+    if stores is None:
+        stores = _AHEAD.stores = {}
+    return stores
 
 
 # Helpers shared by the implementations: argument checks, deadlines, messages.

@@ -179,11 +179,28 @@ class RedisStore(Store):
             raise self._timed_out(f"key {key!r} did not appear", timeout)
         return found[0]
 
+    batched_reads = True
+
     def try_get(self, key: str) -> bytes | None:
         key = check_key(key)
+        found, ahead = self._read_ahead(key)
+        if found:
+            return ahead
         with self._redis_errors("get"):
             value = self._redis.get(key)
         return None if value is None else bytes(value)  # type: ignore[arg-type]
+
+    def try_get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """One round trip (MGET)."""
+        wanted = list(dict.fromkeys(check_key(k) for k in keys))
+        if not wanted:
+            return {}
+        with self._redis_errors("get"):
+            values = self._redis.mget(wanted)
+        return {
+            k: None if v is None else bytes(v)  # type: ignore[arg-type]
+            for k, v in zip(wanted, values, strict=True)  # type: ignore[arg-type]
+        }
 
     def exists(self, key: str) -> bool:
         key = check_key(key)

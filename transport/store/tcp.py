@@ -56,7 +56,6 @@ Measured behaviours of TCPStore (torch 2.13) this module works around:
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import logging
 import math
 import os
@@ -66,7 +65,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
-from urllib.parse import parse_qs, urlsplit
 
 import torch.distributed as dist
 
@@ -80,13 +78,13 @@ from transport.store.base import (
     check_value,
     deadline_after,
 )
+from transport.store.tcp_url import HOSTING_MODES, is_local_address, parse_tcp_url
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 #: how long an opener that lost the race to host a store waits for the winner to listen
 RACE_GRACE_S = 2.0
-HOSTING_MODES = ("auto", "yes", "no")
 
 # Values go to TCPStore as bytes: its stubs say str, but the bindings take bytes too
 # and keep every byte (hence the type: ignore[arg-type] comments below).
@@ -97,13 +95,17 @@ MAX_VALUE_BYTES = (8 << 20) - 4096
 # How long a get waits for a key that check() has just seen before it checks again (the key may
 # have been deleted in between, or the server may be slow to answer).
 _GRACE = 1.0
-_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"})
+# try_get_many reads more keys than this with a multi_get (three round trips for all of them)
+_MANY = 3
 
 
 # What compare_delete leaves: the tombstone's prefix and a nonce. The server's add reads the
 # leading "0" of it, and values starting with it are stored with the header.
 _TOMB = b"0\xff"
 _TOMB_NONCE_LEN = 8
+# What a read expects (and leaves): shorter than any tombstone, and no value is stored in a form
+# that starts with the tombstone's prefix, so no key ever holds it.
+_PROBE = _TOMB
 # How a get or wait polls a key that holds a tombstone (TCPStore's wait sees the key as there).
 _FIRST_POLL = 0.001
 _MAX_POLL = 0.05
@@ -137,61 +139,6 @@ def _span(seconds: float) -> datetime.timedelta:
     """``seconds`` for TCPStore, rounded up to whole milliseconds: it counts in milliseconds, and
     a fraction cut off made its waits end up to a millisecond before our deadline."""
     return datetime.timedelta(milliseconds=math.ceil(max(seconds, 0.0) * 1000))
-
-
-def is_local_address(host: str) -> bool:
-    """Whether ``host`` names this machine (a loopback or wildcard address, or one it can bind)."""
-    if host in _LOCAL_NAMES or host == socket.gethostname():
-        return True
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.bind((sockaddr[0], 0))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def parse_tcp_url(url: str) -> tuple[str, int, str, float | None]:
-    """Split ``tcp://HOST:PORT[?timeout=S&host=MODE]`` into host, port, mode and timeout."""
-    rule = "a tcp store URL is tcp://HOST:PORT[?timeout=SECONDS&host=auto|yes|no]"
-    parts = urlsplit(url)
-    if parts.scheme != "tcp":
-        raise ValueError(f"{rule}; got {url!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{rule}; the port of {url!r} is not a number from 0 to 65535") from None
-    if not parts.hostname or port is None:
-        raise ValueError(f"{rule}; {url!r} lacks the host or the port")
-    if parts.username is not None or parts.path not in ("", "/"):
-        raise ValueError(f"{rule}; {url!r} has a user or a path")
-    options = parse_qs(parts.query, keep_blank_values=True)
-    unknown = sorted(set(options) - {"timeout", "host"})
-    if unknown or any(len(v) != 1 for v in options.values()):
-        raise ValueError(f"{rule}; {url!r} has unknown or repeated options {unknown or ''}")
-    hosting = options.get("host", ["auto"])[0]
-    if hosting not in HOSTING_MODES:
-        raise ValueError(f"{rule}; host={hosting!r} is not one of auto, yes, no")
-    timeout = None
-    if "timeout" in options:
-        try:
-            timeout = check_timeout(float(options["timeout"][0]))
-        except ValueError:
-            raise ValueError(
-                f"{rule}; timeout={options['timeout'][0]!r} is not a number of seconds >= 0"
-            ) from None
-    return parts.hostname, port, hosting, timeout
 
 
 class TcpStore(Store):
@@ -374,18 +321,13 @@ class TcpStore(Store):
                 return
 
     def _raw_try_get(self, client: dist.TCPStore, key: str) -> bytes | None:
-        if not client.check([key]):
-            return None
-        client.set_timeout(_span(_GRACE))
-        try:
-            return client.get(key)
-        except dist.DistStoreError:
-            pass  # a get waits for its key: deleted after the check, or a server slow to answer
-        finally:
-            client.set_timeout(_span(self._connect_timeout))  # every other call's
-        if not client.check([key]):
-            return None  # deleted: only that is a missing key
-        return client.get(key)  # a loaded host's late answer; a store that stopped answering raises
+        """The stored form of ``key``'s value, or None when it is missing: one round trip. A
+        ``compare_set`` to the value it expects is a read: the server answers the value it
+        holds, or, for a missing key, the expected value itself (:data:`_PROBE`, a form no
+        stored value takes), and it changes nothing (a ``check`` and a ``get`` took three
+        round trips: a get waits for its key first)."""
+        raw = bytes(client.compare_set(key, _PROBE, _PROBE))  # type: ignore[arg-type]
+        return None if raw == _PROBE else raw
 
     # -- the Store contract -----------------------------------------------------------
 
@@ -422,11 +364,39 @@ class TcpStore(Store):
             else:  # a tombstone: TCPStore's wait sees a key there
                 pause = self._pause(pause, deadline, missing)
 
+    batched_reads = True
+
     def try_get(self, key: str) -> bytes | None:
         key = check_key(key)
+        found, value = self._read_ahead(key)
+        if found:
+            return value
         with self._torch_errors("try_get"), self._quick() as client:
             raw = self._raw_try_get(client, key)
         return _decode(raw) if raw is not None and _live(raw) else None
+
+    def try_get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """Three round trips when every key is there (a ``check`` of all, then a ``multi_get``,
+        which waits for them first), else one a key; a few keys are read one by one."""
+        wanted = list(dict.fromkeys(check_key(k) for k in keys))
+        if not wanted:
+            return {}
+        with self._torch_errors("try_get"), self._quick() as client:
+            raws: list[bytes | None] | None = None
+            if len(wanted) > _MANY and client.check(wanted):
+                client.set_timeout(_span(_GRACE))
+                try:
+                    raws = list(client.multi_get(wanted))
+                except dist.DistStoreError:
+                    pass  # one was deleted after the check (multi_get waited for it)
+                finally:
+                    client.set_timeout(_span(self._connect_timeout))
+            if raws is None:
+                raws = [self._raw_try_get(client, k) for k in wanted]
+        return {
+            k: _decode(raw) if raw is not None and _live(raw) else None
+            for k, raw in zip(wanted, raws, strict=True)
+        }
 
     def exists(self, key: str) -> bool:
         key = check_key(key)

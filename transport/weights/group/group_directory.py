@@ -103,6 +103,11 @@ class GroupDirectory:
     def epoch(self) -> int:
         return self._epoch.value()
 
+    @property
+    def epoch_key(self) -> str:
+        """The key :meth:`epoch` reads (a publisher reads it ahead with its other keys)."""
+        return self._epoch.key
+
     # -- this Transport's own entry and layout ---------------------------------------------------
 
     def _entry_body(self, mode: str, slots: int, relay: bool) -> bytes:

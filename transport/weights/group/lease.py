@@ -227,6 +227,12 @@ class PublisherLease:
         """Why ``holder`` counts as alive ("" if it is gone)."""
         return holder_alive(self.transport, holder)
 
+    def keys_read(self) -> list[str]:
+        """The keys :meth:`ensure` reads (a publisher reads them ahead with its other keys)."""
+        if not self.held:
+            return []
+        return [self.key, self._ranks_key] if self.mine.rank == 0 else [self.key]
+
     def ensure(self) -> bool:
         """At each publish: write our lease back if the store lost it (a Redis restarted empty;
         subscribers take messages only from the holder) or holds something else that does not

@@ -216,21 +216,22 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             )
         version = self._next_version(version)
         timeout = self.transport.timeout if timeout is None else timeout
-        self._refresh_for_publish()
-        if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
-            with self._word.filling():
-                self._pack.fill()
-        if self._deltas is not None:
-            with self._lock:  # a write of the previous changes may still read the outbox
-                patching = any(s.patch is not None for s in self._subs.values())
-                self._deltas.stage(version, self.tensors, patching)
-        with self._lock:
-            handle, direct = self._begin(version, timeout, "no free slot")
-            self._word.stamp(version)
-            via = fanout_tree(direct, self.fanout, self.degree)
-            self._relays = set(via.values())
-            for sub in direct:
-                self._start(sub, version, handle, via.get(sub.name))
+        with self._reading_ahead():
+            self._refresh_for_publish()
+            if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
+                with self._word.filling():
+                    self._pack.fill()
+            if self._deltas is not None:
+                with self._lock:  # a write of the previous changes may still read the outbox
+                    patching = any(s.patch is not None for s in self._subs.values())
+                    self._deltas.stage(version, self.tensors, patching)
+            with self._lock:
+                handle, direct = self._begin(version, timeout, "no free slot")
+                self._word.stamp(version)
+                via = fanout_tree(direct, self.fanout, self.degree)
+                self._relays = set(via.values())
+                for sub in direct:
+                    self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
 
     def _patch_for(self, sub: PublisherMember, version: int) -> Encoded | None:

@@ -243,19 +243,20 @@ class ShardedPublisher(PublisherCore[RankMember]):
             self._ranks.check()
             self._ranks.published(version)
 
-        self._refresh_for_publish(ranks)
-        with self._lock:
-            keys = {s.delta_key for s in self._subs.values() if s.inbox and s.writes}
-            in_use = any(s.patch is not None for s in self._subs.values())
-            for key in [k for k in self._delta_plans if k not in keys]:
-                del self._delta_plans[key]
-            deltas = self._deltas
-        if deltas is not None:  # the changes of this rank's parts, before any byte moves
-            deltas.stage(version, keys, in_use)
-        with self._lock:
-            handle, start = self._begin(version, timeout, "not begun")
-            for sub in start:
-                self._start(sub, version, handle)
+        with self._reading_ahead():
+            self._refresh_for_publish(ranks)
+            with self._lock:
+                keys = {s.delta_key for s in self._subs.values() if s.inbox and s.writes}
+                in_use = any(s.patch is not None for s in self._subs.values())
+                for key in [k for k in self._delta_plans if k not in keys]:
+                    del self._delta_plans[key]
+                deltas = self._deltas
+            if deltas is not None:  # the changes of this rank's parts, before any byte moves
+                deltas.stage(version, keys, in_use)
+            with self._lock:
+                handle, start = self._begin(version, timeout, "not begun")
+                for sub in start:
+                    self._start(sub, version, handle)
         self._worker.submit(lambda: None)  # the tick watches the new deadline
         return handle.handle
 
