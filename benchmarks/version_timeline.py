@@ -13,8 +13,9 @@ Per version, medians over ``--versions`` (after 3 to warm up), in microseconds f
 * ``published``: the trainer's ``publish().wait()`` returned;
 
 and the messages of one version: what each subscriber took (``ws-in``: begin, ver, ...) and the
-notifications the trainer took (credits). The floor to hold it against is one put of the same
-bytes to each subscriber (``transport bench put --sizes 10M --receivers 2``).
+notifications the trainer took (credits). The floor to hold it against, measured in the same
+processes between the versions: ``floor``, one put of the version's bytes (one tensor) to each
+subscriber at once, with the median of ``published / floor`` over the pairs.
 
     python benchmarks/version_timeline.py [--params 2560K --tensors 400 --generators 2 --versions 20]
 """
@@ -46,6 +47,7 @@ def _subscriber(store: str, name: str, params: int, tensors: int, versions: int)
 
     with transport.Transport(name, store, namespace="timeline") as t:
         live = {n: torch.zeros(k) for n, k in _spec(params, tensors).items()}
+        t.expose("floor", torch.zeros(sum(x.numel() for x in live.values())))
         sub = WeightSubscriber(t, live)
         print("ready", flush=True)
         done = {}
@@ -105,13 +107,17 @@ def main() -> None:
             pub = WeightPublisher(t, tensors)
             while (pub.refresh(), len(pub.subscribers()))[1] < len(names):
                 time.sleep(0.01)
-            began, ended = {}, {}
+            began, ended, floor = {}, {}, {}
+            whole = torch.ones(sum(x.numel() for x in tensors.values()))
             for v in range(1, total + 1):
                 for x in tensors.values():
                     x.fill_(v)
                 began[v] = time.time_ns()
                 pub.publish(v, timeout=60).wait(90)
                 ended[v] = time.time_ns()
+                t0 = time.perf_counter_ns()
+                transport.wait_all([t.put(whole, n, "floor") for n in names], 90)
+                floor[v] = time.perf_counter_ns() - t0
             mine = t.recorder.events()
         results = [json.loads(s.stdout.readline()) for s in subs]  # type: ignore[union-attr]
     finally:
@@ -123,20 +129,21 @@ def main() -> None:
                 pass
             s.wait(60)
         host.close()
-    report = _report(began, ended, mine, results, range(warm + 1, total + 1))
+    report = _report(began, ended, floor, mine, results, range(warm + 1, total + 1))
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 
 
-def _report(began, ended, mine, results, versions) -> dict[str, Any]:  # noqa: ANN001
+def _report(began, ended, floor, mine, results, versions) -> dict[str, Any]:  # noqa: ANN001
     def med(xs: list[float]) -> float:
         return round(statistics.median(xs), 1)
 
     phases: dict[str, list[float]] = {
-        k: [] for k in ("posted", "written", "ver_in", "complete", "published")
+        k: [] for k in ("posted", "written", "ver_in", "complete", "published", "floor")
     }
+    ratios = []
     messages: Counter[str] = Counter()
     for v in versions:
         t0, t1 = began[v], ended[v]
@@ -148,6 +155,8 @@ def _report(began, ended, mine, results, versions) -> dict[str, Any]:  # noqa: A
         if dones:
             phases["written"].append((max(dones) - t0) / 1e3)
         phases["published"].append((t1 - t0) / 1e3)
+        phases["floor"].append(floor[v] / 1e3)
+        ratios.append((t1 - t0) / floor[v])
         for e in mine:
             if e["kind"] == "notif" and t0 <= e["t"] < began.get(v + 1, t1 + 10**9):
                 messages["trainer took (on " + (e.get("op") or "?") + ")"] += 1
@@ -166,6 +175,7 @@ def _report(began, ended, mine, results, versions) -> dict[str, Any]:  # noqa: A
     return {
         "whole": all(r["whole"] for r in results),
         "median_us": {k: med(xs) for k, xs in phases.items() if xs},
+        "published_over_floor": round(statistics.median(ratios), 2),
         "messages_per_version": {k: round(c / n, 2) for k, c in sorted(messages.items())},
     }
 

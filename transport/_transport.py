@@ -44,7 +44,7 @@ from transport.peers.liveness import suspicion
 from transport.peers.table import PeerInfo, PeerTable, PeerTraffic, peer_info
 from transport.progress_engine import ProgressEngine
 from transport.security.signed import SignedStore
-from transport.settings import Settings, check_lanes, positive
+from transport.settings import LANE_BYTES, Settings, check_lanes, positive
 from transport.shared_state import SharedState, State
 from transport.store import DEFAULT_STORE_URL, Store, store_from_url
 from transport.trace import DEFAULT_CAPACITY, FlightRecorder
@@ -94,10 +94,10 @@ class Transport(Closing):
     calling thread (no hand-off); ``idle_interval`` is the longest an idle engine sleeps (peers
     ring it as they send, transport/doorbell.py: it bounds what a lost ring costs);
     ``heartbeat_interval`` is how often the store hears from this peer; transfers between host
-    memory of at least ``lane_bytes`` are cut over ``lanes`` agents, each posting from its own
-    thread (transfers/lanes.py; default from the CPU count, ``$TRANSPORT_LANES``; 1 turns them
-    off); ``max_registered_bytes`` bounds the host memory this peer registers (exposed, registered
-    and cached for transfers; default three quarters of physical memory or
+    memory of at least ``lane_bytes`` (default 8 MiB) are cut over ``lanes`` agents, each posting
+    from its own thread (transfers/lanes.py; default from the CPU count, ``$TRANSPORT_LANES``; 1
+    turns them off); ``max_registered_bytes`` bounds the host memory this peer registers
+    (exposed, registered and cached for transfers; default three quarters of physical memory or
     ``$TRANSPORT_MAX_REGISTERED_BYTES``): past it a call fails with RegistrationBudgetError and
     registers nothing.
     """
@@ -118,7 +118,7 @@ class Transport(Closing):
         trace_dir: str | os.PathLike[str] | None = None,
         trace_capacity: int = DEFAULT_CAPACITY,
         lanes: int | None = None,
-        lane_bytes: int = 64 << 20,
+        lane_bytes: int | None = None,
         max_registered_bytes: int | None = None,
     ) -> None:
         self.name = check_name("peer name", name)
@@ -143,7 +143,7 @@ class Transport(Closing):
             idle_interval,
             heartbeat_interval,
             default_lanes() if lanes is None else check_lanes(lanes),
-            lane_bytes,
+            LANE_BYTES if lane_bytes is None else lane_bytes,
         )
         # the flight recorder; automatic dumps (errors, requests of the namespace, SIGUSR1) go to
         # trace_dir, or $TRANSPORT_TRACE_DIR, and nowhere without one

@@ -17,6 +17,12 @@ def check_lanes(lanes: object) -> int:
     return lanes
 
 
+#: transfers between host memory of at least this many bytes are cut over the lanes: from about
+#: 8 MiB two agents copying halves beat one (below it, the first and last parts that go alone
+#: leave too little to share; benchmarks/README.md, "Lanes")
+LANE_BYTES = 8 << 20
+
+
 @dataclass
 class Settings:
     """What a Transport was configured with (see its docstring for each).
@@ -33,7 +39,7 @@ class Settings:
     idle_interval: float = 1.0
     heartbeat_interval: float = 1.0
     lanes: int = 1
-    lane_bytes: int = 64 << 20
+    lane_bytes: int = LANE_BYTES
     max_plans: int = 4096
 
     def __post_init__(self) -> None:

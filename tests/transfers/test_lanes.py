@@ -132,10 +132,15 @@ def test_small_transfers_never_start_a_lane(tcp_store):
         transport.Transport("writer", store=tcp_store, lanes=4) as w,
     ):
         w.wait_for_peer("recv", 30)
+        assert w.lane_bytes == 8 * MiB  # the default
         for i in range(5):
-            w.put(pattern(8 * MiB, i), "recv", "buf").wait(30)
-        assert internals.lanes(w) == []  # under lane_bytes (64 MiB by default)
-        assert p.call("sha", "buf") == sha(pattern(8 * MiB, 4))
+            w.put(pattern(8 * MiB - 4096, i), "recv", "buf").wait(30)
+        assert internals.lanes(w) == []  # under lane_bytes
+        tail = torch.zeros(4096, dtype=torch.uint8)  # never written
+        assert p.call("sha", "buf") == sha(torch.cat([pattern(8 * MiB - 4096, 4), tail]))
+        w.put(pattern(8 * MiB, 5), "recv", "buf").wait(30)
+        assert len(internals.lanes(w)) == 3  # at lane_bytes: cut over the other three agents
+        assert p.call("sha", "buf") == sha(pattern(8 * MiB, 5))
     with transport.Transport("one", store=tcp_store, lanes=1) as t:
         assert t.lanes == 1
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 import abc
 import math
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 from transport._closing import Closing
-from transport.errors import ClosedError, StoreError
+from transport.errors import ClosedError
+from transport.store import read_ahead
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -79,46 +80,30 @@ class Store(Closing, abc.ABC):
     batched_reads = False
 
     @contextmanager
-    def reading_ahead(self, keys: Iterable[str]) -> Iterator[None]:
-        """Read ``keys`` now, together (:meth:`try_get_many`); while the block runs, the first
-        :meth:`try_get` of each key on this thread answers from that read instead of the store
-        (a later one reads the store again: a caller that writes a key and reads it back sees
-        its write). A read that failed fails each of those first reads with its error, as they
-        would have failed one by one. For a caller whose reads before its work are known in
-        advance (a publisher's lease, group epoch and heartbeats), so that they cost one round
-        trip instead of one each; a store without ``batched_reads`` reads as before."""
-        if not self.batched_reads:
+    def reading_ahead(self, keys: Iterable[str], pool: Executor | None = None) -> Iterator[None]:
+        """Read ``keys`` together (:meth:`try_get_many`): now, or on ``pool`` while the block
+        goes on. While the block runs, the first :meth:`try_get` of each key on this thread
+        answers from that read (waiting for it if it is still under way) instead of the store;
+        a later one reads the store again, so a caller that writes a key and reads it back sees
+        its write. A read that failed fails each of those first reads with its error, as they
+        would have failed one by one (transport/store/read_ahead.py). For a caller whose reads
+        are known in advance (a publisher's lease, group epoch and heartbeats): one round trip
+        instead of one each. A store without ``batched_reads``, and a block inside another of
+        the same store on the same thread, read as before."""
+        mine = read_ahead.opened()
+        if not self.batched_reads or id(self) in mine:
             yield
             return
-        wanted = list(dict.fromkeys(keys))
-        try:
-            values: dict[str, bytes | None | Exception] = dict(self.try_get_many(wanted))
-        except (StoreError, ClosedError) as e:
-            values = dict.fromkeys(wanted, e)
-        ahead = _ahead_of_thread()
-        outer = ahead.get(id(self))
-        ahead[id(self)] = values if outer is None else {**outer, **values}
+        mine[id(self)] = read_ahead.ReadAhead(self.try_get_many, keys, pool)
         try:
             yield
         finally:
-            if outer is None:
-                ahead.pop(id(self), None)
-            else:
-                ahead[id(self)] = outer
+            del mine[id(self)]
 
     def _read_ahead(self, key: str) -> tuple[bool, bytes | None]:
         """For :meth:`try_get`: (True, the value) if this thread read ``key`` ahead and has
         not taken it yet (taken now); (False, None) otherwise."""
-        values = getattr(_AHEAD, "stores", None)
-        if not values:
-            return False, None
-        mine = values.get(id(self))
-        if mine is None or key not in mine:
-            return False, None
-        value = mine.pop(key)
-        if isinstance(value, Exception):
-            raise value.with_traceback(None)
-        return True, value
+        return read_ahead.take(id(self), key)
 
     @abc.abstractmethod
     def add(self, key: str, amount: int = 1) -> int:
@@ -162,17 +147,6 @@ class Store(Closing, abc.ABC):
 
     def _closed_error(self) -> ClosedError:
         return ClosedError(f"store {redact_url(self.url)} is closed; open a new one")
-
-
-# What reading_ahead read, by thread: store id -> key -> value (or the error of the read).
-_AHEAD = threading.local()
-
-
-def _ahead_of_thread() -> dict[int, dict[str, bytes | None | Exception]]:
-    stores: dict[int, dict[str, bytes | None | Exception]] | None = getattr(_AHEAD, "stores", None)
-    if stores is None:
-        stores = _AHEAD.stores = {}
-    return stores
 
 
 # Helpers shared by the implementations: argument checks, deadlines, messages.

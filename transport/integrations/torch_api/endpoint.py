@@ -62,7 +62,7 @@ class TorchTransport(TorchApi):
         timeout: float = 30.0,
         shared: bool = True,
         lanes: int | None = None,
-        lane_bytes: int = 64 << 20,
+        lane_bytes: int | None = None,
         max_registered_bytes: int | None = None,
     ) -> None:
         super().__init__(device)

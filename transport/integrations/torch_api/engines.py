@@ -39,7 +39,7 @@ class EngineOptions:
     namespace: str = "torch"
     secret: bytes | None = None
     lanes: int | None = None
-    lane_bytes: int = 64 << 20
+    lane_bytes: int | None = None  # None: the Transport's default
     max_registered_bytes: int | None = None
 
 
