@@ -28,12 +28,13 @@ Throughput of a round: ``--requests`` requests to ``/v1/completions``, one after
 a batch of ``--batch`` prompts of ``--prompt-len`` token ids that each generate exactly
 ``--tokens`` tokens (``ignore_eos``, ``min_tokens``); generated tokens over the requests' wall
 time. After each switch one short request runs untimed, then the round waits until the workers'
-transport engines sleep (polled; at once without them, after the same window). Reported per condition: the median
-tokens/s, its spread, the ratio idle / without of the medians (goal: at least 0.99) and the
-median of the rounds' own ratios; the wake-ups per second (voluntary context switches) of the
-worker process's threads over the timed window, all of them and ours (``transport-*``), read in
-the worker (``thread_wakeups`` through a worker extension of this file); and the CPU that other
-processes of the machine used meanwhile (``other cores``), which are not ours to stop.
+transport engines sleep (polled; without them, after the same window). Reported per condition:
+the median tokens/s, its spread, the ratio idle / without of the medians (goal: at least 0.99)
+and the median of the rounds' own ratios; the wake-ups per second (voluntary context switches)
+of the worker process's threads over the timed window, all of them and ours (``transport-*``),
+read in the worker (``thread_wakeups`` through a worker extension of this file); and the CPU
+that other processes of the machine used meanwhile (``other cores``), which are not ours to
+stop.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def wakeup_rates(
     before: list[dict[str, Any]], after: list[dict[str, Any]], seconds: float
 ) -> dict[str, Any]:
     """Wake-ups per second over a window, summed over the workers: of all their threads, of
-    ours, and the busiest threads (a thread that started in the window counts from zero)."""
+    ours, the busiest threads and each of ours (a thread that started in the window counts from
+    zero)."""
     per: dict[str, float] = {}
     ours = 0
     for b, a in zip(before, after, strict=True):
@@ -135,13 +137,14 @@ def wakeup_rates(
         for name, count in a["wakeups"].items():
             per[name] = per.get(name, 0.0) + (count - b["wakeups"].get(name, 0)) / seconds
         ours += sum(1 for n in a["wakeups"] if n.startswith(OURS))
-    top = dict(sorted(per.items(), key=lambda x: -x[1])[:6])
+    mine = {n: v for n, v in per.items() if n.startswith(OURS)}
     return {
         "all_per_s": sum(per.values()),
-        "ours_per_s": sum(v for n, v in per.items() if n.startswith(OURS)),
+        "ours_per_s": sum(mine.values()),
         "our_threads": ours,
         "threads": sum(len(a["wakeups"]) for a in after),
-        "top_per_s": top,
+        "top_per_s": dict(sorted(per.items(), key=lambda x: -x[1])[:6]),
+        "ours_by_thread_per_s": mine,
     }
 
 
@@ -374,7 +377,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="rounds of both conditions")
-    ap.add_argument("--requests", type=int, default=2, help="timed requests per condition/round")
+    ap.add_argument("--requests", type=int, default=4, help="timed requests per condition/round")
     ap.add_argument("--batch", type=int, default=8, help="prompts per request")
     ap.add_argument("--prompt-len", type=int, default=16, help="token ids per prompt")
     ap.add_argument("--tokens", type=int, default=64, help="tokens each prompt generates")

@@ -40,3 +40,25 @@ def test_verl_update_runs_both_engines_and_delta_and_every_worker_holds_the_chec
     ]
     assert all(len(r["update_s_all"]) == 2 for r in rows)
     assert "x2: ours with delta" in done.stdout and "faster than verl's nixl" in done.stdout
+
+
+def test_vllm_idle_measures_a_server_with_its_subscribers_idle_and_with_the_engine_torn_down(
+    tmp_path: Path,
+):
+    """One round of each condition on one vLLM server at the smallest settings: every request
+    generated the tokens it asked for, the idle workers held the version and our threads, and
+    the torn-down ones none of them (the script checks both through transport_state)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: bash examples/setup_vllm.sh")
+    out = tmp_path / "idle.json"
+    cmd = [sys.executable, "benchmarks/vllm_idle.py", "--rounds", "1", "--requests", "1"]
+    cmd += ["--tokens", "8", "--batch", "2", "--hidden", "64", "--layers", "1", "--vocab", "256"]
+    cmd += ["--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    rounds = json.loads(out.read_text())["rounds"]
+    assert sorted(r["condition"] for r in rounds) == ["idle", "without"]
+    for r in rounds:
+        assert r["tokens"] == 2 * 8, r
+        ours = r["wakeups"]["our_threads"]
+        assert ours > 0 if r["condition"] == "idle" else ours == 0, r
