@@ -18,6 +18,11 @@ processes between the versions: ``floor``, one put of the version's bytes (one t
 subscriber at once, with the median of ``published / floor`` over the pairs.
 
     python benchmarks/version_timeline.py [--params 2560K --tensors 400 --generators 2 --versions 20]
+        [--layout separate|flat]
+
+``--layout flat`` gives the trainer its tensors as views of one buffer (a model whose parameters
+live in one allocation); ``separate`` (the default) allocates each on its own, as Hugging Face
+models do, so the publisher first copies them into one buffer (its pack) at every publish.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=400)
     ap.add_argument("--generators", type=int, default=2)
     ap.add_argument("--versions", type=int, default=20)
+    ap.add_argument("--layout", choices=("separate", "flat"), default="separate")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
@@ -104,6 +110,10 @@ def main() -> None:
             assert s.stdout is not None and s.stdout.readline().strip() == "ready"
         with transport.Transport("trainer", host, namespace="timeline") as t:
             tensors = {n: torch.zeros(k) for n, k in _spec(params, args.tensors).items()}
+            if args.layout == "flat":
+                from transport.weights import flat_like
+
+                tensors = flat_like(tensors)
             pub = WeightPublisher(t, tensors)
             while (pub.refresh(), len(pub.subscribers()))[1] < len(names):
                 time.sleep(0.01)

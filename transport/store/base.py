@@ -17,7 +17,6 @@ import math
 import re
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Executor
 from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
@@ -80,10 +79,9 @@ class Store(Closing, abc.ABC):
     batched_reads = False
 
     @contextmanager
-    def reading_ahead(self, keys: Iterable[str], pool: Executor | None = None) -> Iterator[None]:
-        """Read ``keys`` together (:meth:`try_get_many`): now, or on ``pool`` while the block
-        goes on. While the block runs, the first :meth:`try_get` of each key on this thread
-        answers from that read (waiting for it if it is still under way) instead of the store;
+    def reading_ahead(self, keys: Iterable[str]) -> Iterator[None]:
+        """Read ``keys`` now, together (:meth:`try_get_many`). While the block runs, the first
+        :meth:`try_get` of each key on this thread answers from that read instead of the store;
         a later one reads the store again, so a caller that writes a key and reads it back sees
         its write. A read that failed fails each of those first reads with its error, as they
         would have failed one by one (transport/store/read_ahead.py). For a caller whose reads
@@ -94,7 +92,7 @@ class Store(Closing, abc.ABC):
         if not self.batched_reads or id(self) in mine:
             yield
             return
-        mine[id(self)] = read_ahead.ReadAhead(self.try_get_many, keys, pool)
+        mine[id(self)] = read_ahead.ReadAhead(self.try_get_many, keys)
         try:
             yield
         finally:

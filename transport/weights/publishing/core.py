@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
@@ -113,8 +112,6 @@ class PublisherCore(Generic[M]):
             self._roster, self._lock, lambda: self._handles, transport.heartbeat_interval, on_gap
         )
         self._worker = Worker(name, tick=self._expire, until=lambda: transport.closed)
-        # reads the store ahead at a publish while the publish prepares (_reading_ahead)
-        self._reads = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-reads")
         self._stop_control: Callable[[], None] = lambda: None
         self._lease = lease
         self._store_down = False  # the last publish could not read the store
@@ -137,7 +134,6 @@ class PublisherCore(Generic[M]):
     def _stop_workers(self) -> None:
         """Stop the threads that change members' state (a subclass with more stops them too)."""
         self._worker.stop()
-        self._reads.shutdown(wait=False, cancel_futures=True)
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -162,15 +158,16 @@ class PublisherCore(Generic[M]):
         """The store reads of a publish read together, for the block the publish prepares in
         (``Store.reading_ahead``): the lease and ranks (``ensure``), the group's epoch
         (:meth:`refresh`) and the heartbeats of the members (:meth:`_begin`'s suspects) cost one
-        round trip on Redis and three on the embedded store, instead of one or two each, and they
-        run on a thread of the publisher's while the publish copies or diffs the tensors. A
-        member planned in between has its heartbeat read as before."""
+        round trip on Redis and three on the embedded store, instead of one or two each. (Read
+        on a thread of the publisher's while the publish copied the tensors, they saved nothing
+        on 2 cores: the threads took turns at the interpreter.) A member planned in between has
+        its heartbeat read as before."""
         with self._lock:
             names = list(self._subs)
         core = self.transport.core
         keys = [*self._lease.keys_read(), self._roster.dir.epoch_key]
         hearts = [core.heartbeat_key(n) for n in names]
-        return self.transport.store.reading_ahead(keys + hearts, self._reads)
+        return self.transport.store.reading_ahead(keys + hearts)
 
     def _refresh_for_publish(self, first: Callable[[], None] = lambda: None) -> None:
         """``first()`` (a subclass's own reads of the store at a publish), then :meth:`refresh`:

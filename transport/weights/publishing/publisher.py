@@ -216,11 +216,11 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             )
         version = self._next_version(version)
         timeout = self.transport.timeout if timeout is None else timeout
-        with self._reading_ahead():  # the store is read meanwhile, on a thread of ours
+        with self._reading_ahead():
+            self._refresh_for_publish()
             if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
                 with self._word.filling():
                     self._pack.fill()
-            self._refresh_for_publish()
             if self._deltas is not None:
                 with self._lock:  # a write of the previous changes may still read the outbox
                     patching = any(s.patch is not None for s in self._subs.values())
