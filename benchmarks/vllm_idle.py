@@ -3,7 +3,10 @@ holds a live subscriber of the trainer's weight group that receives nothing, aga
 server with the backend's engine torn down, in interleaved rounds on one server.
 
     bash examples/setup_vllm.sh
-    .venv/bin/python benchmarks/vllm_idle.py [--rounds 6] [--json FILE]
+    .venv/bin/python benchmarks/vllm_idle.py [--rounds 6] [--idle-seconds 60] [--json FILE]
+
+With ``--idle-seconds S``, after the rounds, each condition once more with no request for S
+seconds: the share of a core the worker used, and the share and the wake-ups of our threads.
 
 One vLLM server (its CPU build here, as the examples run it: a small random Llama saved locally,
 float32, ``--enforce-eager``, a short ``--max-model-len``, no tokenizer, no prefix caching) starts
@@ -73,7 +76,25 @@ class IdleState(TransportState):
     def idle_wakeups(self) -> dict[str, Any]:
         from transport.cli.bench._util import thread_wakeups
 
-        return {"pid": os.getpid(), "wakeups": thread_wakeups()}
+        return {"pid": os.getpid(), "wakeups": thread_wakeups(), "cpu": thread_cpu()}
+
+
+def thread_cpu() -> dict[str, float]:
+    """The CPU seconds (user and system) of each thread of this process so far, by its Python
+    name (``native-<id>`` for threads of none); the process's total under ``"*"``."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"*": sum(os.times()[:2])}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[names.get(int(tid), f"native-{tid}")] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -145,6 +166,21 @@ def wakeup_rates(
         "threads": sum(len(a["wakeups"]) for a in after),
         "top_per_s": dict(sorted(per.items(), key=lambda x: -x[1])[:6]),
         "ours_by_thread_per_s": mine,
+    }
+
+
+def idle_cpu(before: list[dict], after: list[dict], seconds: float) -> dict[str, Any]:
+    """The share of a core the workers used over ``seconds`` with no request (the first
+    worker's: one per server here), all of it and that of our threads (``transport-*``)."""
+    b, a = before[0], after[0]
+    ours = [n for n in a["cpu"] if n.startswith(OURS)]
+    woke = sum(a["wakeups"].get(n, 0) - b["wakeups"].get(n, 0) for n in ours)
+    return {
+        "seconds": seconds,
+        "worker_cores": (a["cpu"]["*"] - b["cpu"]["*"]) / seconds,
+        "ours_cores": sum(a["cpu"][n] - b["cpu"].get(n, 0.0) for n in ours) / seconds,
+        "ours_wakeups_per_s": woke / seconds,
+        "ours_by_thread_cores": {n: (a["cpu"][n] - b["cpu"].get(n, 0.0)) / seconds for n in ours},
     }
 
 
@@ -336,7 +372,23 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     f"quiet after {quiet_s:.2f} s",
                     flush=True,
                 )
-        return {"server_up_s": up_s, "model_mib": nbytes / 2**20, "rounds": rounds}
+        idle: dict[str, Any] = {}
+        if args.idle_seconds > 0:
+            for condition in CONDITIONS:
+                switch(condition)
+                wait_quiet()
+                before, t = rpc("idle_wakeups"), time.perf_counter()
+                time.sleep(args.idle_seconds)  # the window measured: nothing runs meanwhile
+                after, window = rpc("idle_wakeups"), time.perf_counter() - t
+                idle[condition] = idle_cpu(before, after, window)
+                print(
+                    f"idle {args.idle_seconds:g} s, {condition:7s}: the worker used "
+                    f"{100 * idle[condition]['worker_cores']:.2f}% of a core, our threads "
+                    f"{100 * idle[condition]['ours_cores']:.3f}% "
+                    f"({idle[condition]['ours_wakeups_per_s']:.1f} wake-ups a second)",
+                    flush=True,
+                )
+        return {"server_up_s": up_s, "model_mib": nbytes / 2**20, "rounds": rounds, "idle": idle}
     finally:
         if engine is not None:
             engine.shutdown()
@@ -384,6 +436,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=0.0,
+        help="then measure the idle worker's CPU over this window in each condition (0: not)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
     # a SIGTERM runs the finally blocks too (the server killed, temporary files removed)
@@ -425,6 +483,7 @@ def main() -> None:
                 "torch": torch.__version__,
             },
             **summary,
+            "idle": res["idle"],
             "rounds": res["rounds"],
         }
         try:
