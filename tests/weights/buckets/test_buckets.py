@@ -742,6 +742,10 @@ def test_a_rank_still_in_the_old_update_cannot_land_a_put_in_the_next(loopback_n
     wait_until(
         lambda: job.inbox[2].may_write(worker, 2), 30, "rank 2 holding the slot for bucket 2"
     )
+    # and the consumer holding bucket 1 (rank 2 holds its slot from the moment the worker freed
+    # it, after bucket 0, before bucket 1 came): a worker still waiting for bucket 1 when the next
+    # update begins gives the old one up at once and stops rank 2, whose put never comes
+    wait_until(lambda: held, 30, "the worker's consumer holding the first tensor of bucket 1")
     stale_sender = job.senders[2]
     job.plan()
     job.begin([0, 1, 3])  # every engine but rank 2
