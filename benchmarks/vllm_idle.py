@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from transport.cli.bench._util import CpuMeter
 from transport.integrations.vllm.extension import TransportState
 
 CONDITIONS = ("idle", "without")
@@ -95,48 +96,6 @@ def thread_cpu() -> dict[str, float]:
             continue  # the thread ended meanwhile
         out[names.get(int(tid), f"native-{tid}")] = (int(fields[11]) + int(fields[12])) / tick
     return out
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every process of a process group (the server and its workers)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                out.append(int(d))
-        except (OSError, IndexError):
-            continue
-    return out
-
-
-class OtherCpu:
-    """The CPU that the rest of the machine (everything but this process and the server's) used
-    over an interval, in cores."""
-
-    def __init__(self, pgid: int) -> None:
-        self.pids = [os.getpid(), *group_pids(pgid)]
-
-    def ticks(self) -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(v[:3]) + sum(v[5:8])  # user nice system, irq softirq steal
-        ours = 0
-        for pid in self.pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ours += int(fields[11]) + int(fields[12])  # utime, stime (all its threads)
-            except (OSError, IndexError):
-                continue
-        return busy, ours
-
-    def cores(self, t0: tuple[int, int], t1: tuple[int, int], seconds: float) -> float:
-        other = (t1[0] - t0[0]) - (t1[1] - t0[1])
-        return max(0.0, other / os.sysconf("SC_CLK_TCK") / seconds)
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -336,7 +295,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         switch("idle")  # the first join and first version (their first touch), untimed
         decode(prompts, args.tokens)  # warm-up
-        meter = OtherCpu(server.proc.pid)
+        meter = CpuMeter(server.proc.pid)
         rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):
             order = CONDITIONS if r % 2 == 0 else CONDITIONS[::-1]
@@ -359,7 +318,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "tokens": int(tokens),
                     "seconds": seconds,
                     "tokens_per_s": tokens / seconds,
-                    "other_cores": meter.cores(c0, c1, window),
+                    "other_cores": meter.foreign(c0, c1, window),
                     # the rpc's own wake-ups fall in the window too: alike in both conditions
                     "wakeups": wakeup_rates(w0, w1, time.perf_counter() - t),
                 }

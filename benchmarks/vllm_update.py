@@ -60,6 +60,7 @@ from typing import Any, cast
 
 import torch
 
+from transport.cli.bench._util import CpuMeter, group_pids
 from transport.cli.bench.sync import mutate
 from transport.integrations.vllm.extension import TransportState
 
@@ -82,50 +83,6 @@ def rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every process of a process group (the server and its workers)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                out.append(int(d))
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-    return out
-
-
-class CpuMeter:
-    """CPU time the rest of the machine used (everything but this process and the server's)
-    over an interval: the share of its cores that the measured systems could not have."""
-
-    def __init__(self, pgid: int) -> None:
-        self.pids = [os.getpid(), *group_pids(pgid)]
-
-    def ticks(self) -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(v[:3]) + sum(v[5:8])  # user nice system, irq softirq steal
-        ours = 0
-        for pid in self.pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ours += int(fields[11]) + int(fields[12])  # utime, stime (all its threads)
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-        return busy, ours
-
-    def foreign(self, t0: tuple[int, int], t1: tuple[int, int], seconds: float) -> float:
-        """The other processes' CPU over the interval, in cores (0: none; 1: one core busy)."""
-        hz = os.sysconf("SC_CLK_TCK")
-        other = (t1[0] - t0[0]) - (t1[1] - t0[1])
-        return max(0.0, other / hz / seconds)
 
 
 def mib(n: float) -> float:

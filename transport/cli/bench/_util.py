@@ -229,3 +229,47 @@ def cpu_watch(helpers: Callable[[], float]) -> Callable[[], float | None]:
         return max(0.0, other) / (end[0] - start[0])
 
     return busy_cpus
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every process of a process group (a server and its workers)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                out.append(int(d))
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+    return out
+
+
+class CpuMeter:
+    """CPU time the rest of the machine used (everything but this process and a server's
+    process group) over an interval: the share of its cores that the measured systems could not
+    have. It owns the pids it leaves out, read once at construction."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pids = [os.getpid(), *group_pids(pgid)]
+
+    def ticks(self) -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(v[:3]) + sum(v[5:8])  # user nice system, irq softirq steal
+        ours = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ours += int(fields[11]) + int(fields[12])  # utime, stime (all its threads)
+            except (OSError, IndexError):
+                continue
+        return busy, ours
+
+    def foreign(self, t0: tuple[int, int], t1: tuple[int, int], seconds: float) -> float:
+        """The other processes' CPU over the interval, in cores (0: none; 1: one core busy)."""
+        other = (t1[0] - t0[0]) - (t1[1] - t0[1])
+        return max(0.0, other / os.sysconf("SC_CLK_TCK") / seconds)
