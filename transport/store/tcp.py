@@ -25,6 +25,10 @@ Measured behaviours of TCPStore (torch 2.13) this module works around:
   hence the shared client.
 * A wait with a zero (or very short) timeout can time out even when the key
   exists, before the server's answer arrives; ``check`` is used to look first.
+* ``get`` is two round trips (a wait for the key, then its value) and holds a missing
+  key until its timeout, so a read that must not wait took three (``check`` first).
+  ``compare_set(key, P, P)`` with a value P that no key holds reads in one: the server
+  answers the value, or P for a missing key, and changes nothing (``try_get``).
 * ``compare_set(key, "", new)`` sets ``key`` when it is missing *or holds the
   empty value*, and the returned value alone cannot tell success from failure.
   Values that are empty or start with byte 0xFF or with the two bytes ``0`` 0xFF,
