@@ -12,7 +12,7 @@ one row ``(address, length, device_id)`` per contiguous piece.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,21 @@ class Backend(Closing, abc.ABC):
     ) -> Any:
         """A reusable transfer between the selected descriptors (int32 indices) of two prepared lists."""
 
+    def direct(
+        self,
+        op: str,
+        local: Any,
+        local_idx: np.ndarray,
+        remote: Any,
+        remote_idx: np.ndarray,
+        peer: str,
+    ) -> Callable[[], None] | None:
+        """A transfer like :meth:`make_xfer`'s without a notification that completes inside each
+        call and may be called from several threads at once (nothing to pool, poll or release),
+        raising only errors of :mod:`transport.errors`; None where this backend has none for these
+        lists (the default)."""
+        return None
+
     @abc.abstractmethod
     def post(self, xfer: Any, notif: bytes, peer: str) -> int:
         """Start (or restart, once DONE) a transfer; returns DONE or IN_PROGRESS."""
@@ -100,6 +115,13 @@ class Backend(Closing, abc.ABC):
 
     @abc.abstractmethod
     def send_notif(self, agent: str, message: bytes, peer: str) -> None: ...
+
+    def refuse_incoming(self, timeout: float) -> bool:
+        """From now on no peer's transfer reaches this agent's memory; waits (at most ``timeout``
+        s) for those in progress. False: some still were. A Transport calls it first when it
+        closes. The default does nothing: a library whose transfers need this agent fails them
+        once it is closed."""
+        return True
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -38,6 +38,9 @@ How NIXL 1.5 is driven here, and why:
   Non-blocking, loading the peer returns at once and the first transfer to it fails at its
   own deadline, as every other fault of a peer does; ``UCX_TCP_CONN_NB=y`` is set unless the
   user set it.
+* Host memory at both ends with a peer of the same machine moves by cross-memory attach, one
+  system call per post (:mod:`transport.backends.cma`: when, and why it is safe), where UCX
+  would make the same kernel copy below NIXL's layers; everything else goes through NIXL.
 * NIXL reports failures as many exception types and as status codes; all of
   them become errors of :mod:`transport.errors` in :func:`map_nixl_error`.
 """
@@ -49,13 +52,15 @@ import importlib.util
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from transport.backends.base import DONE, IN_PROGRESS, Backend, device_parts
+from transport.backends.cma import CmaPeers, CmaTransfer, Identity
 from transport.errors import BackendError, PeerLostError, RegionError, TransportError
 
 log = logging.getLogger(__name__)
@@ -204,6 +209,17 @@ def nixl_exception_classes() -> dict[str, type[BaseException]]:
     }
 
 
+@dataclass(frozen=True)
+class Prepped:
+    """A prepared descriptor list: NIXL's handle, the rows it was made of (for CMA transfers),
+    whose they are (None: this agent's) and their memory kind."""
+
+    handle: Any
+    rows: np.ndarray
+    agent: str | None
+    mem: str
+
+
 class NixlBackend(Backend):
     """One NIXL agent (UCX) with strict thread synchronisation. It owns the agent and, with
     ``progress`` ``events``, its progress thread (see the module docstring): closing it destroys
@@ -238,6 +254,7 @@ class NixlBackend(Backend):
         self._success = b.NIXL_SUCCESS
         self._in_prog = b.NIXL_IN_PROG
         self._closed = False
+        self.cma = CmaPeers()  # host transfers with peers of this machine (see cma.py)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -250,7 +267,7 @@ class NixlBackend(Backend):
         kinds = {device_parts(dev)[0] for _, _, dev in memory}
         if len(kinds) > 1:
             md: bytes = self._raw.getLocalMD()
-            return md
+            return self.cma.header() + md
         mem = kinds.pop() if kinds else "DRAM"
         descs = self._b.nixlRegDList(
             self._mem[mem], [(addr, n, device_parts(dev)[1], "") for addr, n, dev in memory]
@@ -259,7 +276,7 @@ class NixlBackend(Backend):
             md = self._raw.getLocalPartialMD(descs, True, [self._ucx])
         except Exception as e:
             raise map_nixl_error(e, action="describing this agent's exposed memory") from e
-        return md
+        return self.cma.header() + md
 
     def register(self, addr: int, nbytes: int, device: str) -> Any:
         mem, dev = device_parts(device)
@@ -296,13 +313,17 @@ class NixlBackend(Backend):
                             log.warning("%s", e2)
 
     def add_peer(self, metadata: bytes) -> str:
+        ident, metadata = Identity.split(metadata)
         try:
             name = self._raw.loadRemoteMD(metadata)
         except Exception as e:
             raise map_nixl_error(e, action="loading a peer's metadata") from e
-        return name.decode() if isinstance(name, bytes) else str(name)
+        agent = name.decode() if isinstance(name, bytes) else str(name)
+        self.cma.add(agent, ident)
+        return agent
 
     def remove_peer(self, agent: str) -> None:
+        self.cma.remove(agent)
         try:
             self._raw.invalidateRemoteMD(agent)
         except Exception as e:  # unknown or already gone: nothing left to forget
@@ -313,7 +334,7 @@ class NixlBackend(Backend):
         dl = self._b.nixlXferDList(self._mem[mem], descs)
         target = self._b.NIXL_INIT_AGENT if agent is None else agent
         try:
-            return self._raw.prepXferDlist(target, dl, [])
+            return Prepped(self._raw.prepXferDlist(target, dl, []), descs, agent, mem)
         except Exception as e:
             side = "local" if agent is None else f"agent {agent!r}"
             raise map_nixl_error(
@@ -324,7 +345,7 @@ class NixlBackend(Backend):
 
     def release_prepped(self, prepped: Any) -> None:
         try:
-            self._raw.releasedDlistH(prepped)
+            self._raw.releasedDlistH(prepped.handle)
         except Exception as e:
             log.debug("releasing a descriptor list: %s", e)
 
@@ -340,16 +361,73 @@ class NixlBackend(Backend):
         notif: bytes,
         peer: str,
     ) -> Any:
+        if local.mem == remote.mem == "DRAM" and self.cma.reachable(remote.agent):
+            rows = (local.rows[local_idx], remote.rows[remote_idx])
+            xfer = self.cma.transfer(op, remote.agent, *rows, peer)
+            if xfer is not None:
+                if notif:
+                    xfer.tail = self._tail(op, remote.agent, rows, notif, peer)
+                return xfer
         try:
             return self._raw.makeXferReq(
-                self._ops[op], local, local_idx, remote, remote_idx, notif, [], False
+                self._ops[op], local.handle, local_idx, remote.handle, remote_idx, notif, [], False
             )
         except Exception as e:
             raise map_nixl_error(
                 e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError
             ) from e
 
+    def _tail(
+        self, op: str, agent: str, rows: tuple[np.ndarray, np.ndarray], notif: bytes, peer: str
+    ) -> tuple[Any, Any, Any]:
+        """The NIXL transfer of a CMA transfer's last byte again, with ``notif``: (transfer, local
+        list, remote list)."""
+        last = [np.array([[r[-1, 0] + r[-1, 1] - 1, 1, r[-1, 2]]], dtype=np.uint64) for r in rows]
+        local = self.prep(None, last[0], "cpu")
+        try:
+            remote = self.prep(agent, last[1], "cpu")
+        except BaseException:
+            self.release_prepped(local)
+            raise
+        try:
+            one = np.zeros(1, dtype=np.int32)
+            xfer = self._raw.makeXferReq(
+                self._ops[op], local.handle, one, remote.handle, one, notif, [], False
+            )
+        except Exception as e:
+            self.release_prepped(local)
+            self.release_prepped(remote)
+            raise map_nixl_error(
+                e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError
+            ) from e
+        return xfer, local, remote
+
+    def direct(
+        self,
+        op: str,
+        local: Any,
+        local_idx: np.ndarray,
+        remote: Any,
+        remote_idx: np.ndarray,
+        peer: str,
+    ) -> Callable[[], None] | None:
+        """A CMA transfer (cma.py) where both lists are host memory and the peer is reachable."""
+        if not (local.mem == remote.mem == "DRAM" and self.cma.reachable(remote.agent)):
+            return None
+        rows = (local.rows[local_idx], remote.rows[remote_idx])
+        xfer = self.cma.transfer(op, remote.agent, *rows, peer)
+        return None if xfer is None else xfer.run
+
     def post(self, xfer: Any, notif: bytes, peer: str) -> int:
+        if xfer.__class__ is CmaTransfer:
+            xfer.run()  # our errors (cma.py)
+            if not notif:
+                return DONE
+            if xfer.tail is None:
+                raise BackendError(
+                    f"a transfer to peer {peer!r} made without a notification was posted with one"
+                )
+            xfer = xfer.tail[0]  # the last byte again, with the notification (cma.py)
         try:
             st = self._raw.postXferReq(xfer, notif)
         except Exception as e:
@@ -363,6 +441,10 @@ class NixlBackend(Backend):
         raise BackendError(f"posting a transfer to peer {peer!r} failed with NIXL status {st}")
 
     def poll(self, xfer: Any, peer: str) -> int:
+        if xfer.__class__ is CmaTransfer:
+            if xfer.tail is None:
+                return DONE  # done inside its post
+            xfer = xfer.tail[0]
         try:
             st = self._raw.getXferStatus(xfer)
         except Exception as e:
@@ -374,6 +456,16 @@ class NixlBackend(Backend):
         raise PeerLostError(f"a transfer to peer {peer!r} failed with NIXL status {st}", peer)
 
     def release_xfer(self, xfer: Any) -> bool:
+        if xfer.__class__ is CmaTransfer:
+            if xfer.tail is None:
+                return True  # nothing of NIXL's; its process goes with its last transfer
+            tail, local, remote = xfer.tail
+            if not self.release_xfer(tail):
+                return False  # still NIXL's: its lists stay until it is released
+            xfer.tail = None
+            self.release_prepped(local)
+            self.release_prepped(remote)
+            return True
         try:
             self._raw.releaseXferReq(xfer)
         except Exception as e:
@@ -396,10 +488,19 @@ class NixlBackend(Backend):
                 e, action="sending a notification", peer=peer, not_found=PeerLostError
             ) from e
 
+    def refuse_incoming(self, timeout: float) -> bool:
+        """Shut the CMA gate (cma.py): NIXL's own transfers fail once the agent is destroyed."""
+        if self.cma.shut(timeout):
+            return True
+        log.warning("%s: a peer's transfer into this memory still ran at close", self.agent_name)
+        return False
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.cma.shut(0.0)
+        self.cma.close()
         # Dropping the agent destroys it (its destructor joins its progress thread and
         # disconnects from peers); the handle of its UCX backend goes first, as it points into it.
         self._ucx = None

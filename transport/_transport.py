@@ -301,9 +301,10 @@ class Transport(Closing):
         """Leave the namespace, fail transfers still in flight with ClosedError, release everything.
         Idempotent. Closing the process that hosts the embedded store stops that store.
 
-        Nothing of ours is written to the store after we left it: the housekeeping threads'
-        writes of our record and heartbeat (and an expose's racing the close) end first
-        (``Directory.depart`` waits for the one in flight, at most ``min(timeout, 10)`` s)."""
+        First no peer's transfer reaches our memory any more (``Backend.refuse_incoming``). Nothing
+        of ours is written to the store after we left it: the housekeeping threads' writes of our
+        record and heartbeat (and an expose's racing the close) end first (``Directory.depart``
+        waits for the one in flight; each wait at most ``min(timeout, 10)`` s)."""
         ep = self._ep
         with ep.lock:
             if ep.state is State.CLOSED:
@@ -311,6 +312,7 @@ class Transport(Closing):
             ep.state = State.CLOSED
         ep.stopping.set()
         ep.wake.set()
+        ep.backend.refuse_incoming(min(ep.settings.timeout, RETIRE_WAIT))
         ep.directory.depart(self.name, self.generation, min(ep.settings.timeout, RETIRE_WAIT))
         self._transfers.stop()
         self._engine.stop()
@@ -405,14 +407,9 @@ class Transport(Closing):
                 )
                 if handle is not None:
                     return handle
-            elif type(peer) in (list, tuple):
+            elif isinstance(peer, (list, tuple)):
                 handle = tr.fast_fanout(
-                    src,
-                    peer,  # type: ignore[arg-type]
-                    key,
-                    offset=offset,
-                    notify=notify,
-                    timeout=timeout,
+                    src, peer, key, offset=offset, notify=notify, timeout=timeout
                 )
                 if handle is not None:
                     return handle

@@ -193,6 +193,14 @@ class ProgressEngine:
         with conn.lock:
             if not conn.alive or not plan.valid:
                 return None
+            direct = plan.direct
+            if direct is not None and not notif:
+                try:
+                    direct()
+                except TransportError:
+                    return None  # the general path posts it again and reports what fails
+                plan.account(part.nbytes)
+                return True
             pool = part.idle[bool(notif)]
             try:
                 xfer = pool.pop() if pool else plan.take(self._backend, part, notif)

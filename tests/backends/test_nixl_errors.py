@@ -7,9 +7,11 @@ import pytest
 
 from transport import BackendError, PeerLostError, RegionError, TransportError
 from transport.backends import available, backend_class, new_backend
+from transport.backends.cma import CmaPeers
 from transport.backends.nixl import (
     NIXL_ERRORS,
     NixlBackend,
+    Prepped,
     load_nixl,
     map_nixl_error,
     nixl_exception_classes,
@@ -59,6 +61,7 @@ def fake_backend(exc: BaseException | None = None, status: object = None) -> Nix
     be._ops = {"READ": b.NIXL_READ, "WRITE": b.NIXL_WRITE}
     be._success, be._in_prog = b.NIXL_SUCCESS, b.NIXL_IN_PROG
     be._closed = False
+    be.cma = CmaPeers()  # no peer proven: every transfer goes to the (fake) agent
     return be
 
 
@@ -67,6 +70,8 @@ def nixl_exc(name: str) -> BaseException:
 
 
 DESCS = np.array([[4096, 64, 0]], dtype=np.uint64)
+LOCAL = Prepped(1, DESCS, None, "DRAM")
+REMOTE = Prepped(2, DESCS, "peer#1", "DRAM")
 
 
 @pytest.mark.parametrize(
@@ -86,7 +91,7 @@ DESCS = np.array([[4096, 64, 0]], dtype=np.uint64)
             PeerLostError,
         ),
         (
-            lambda b: b.make_xfer("WRITE", 1, DESCS, 2, DESCS, b"", "p"),
+            lambda b: b.make_xfer("WRITE", LOCAL, DESCS, REMOTE, DESCS, b"", "p"),
             "nixlMismatchError",
             RegionError,
         ),
@@ -110,7 +115,7 @@ def test_remove_and_release_never_raise():
     be = fake_backend(nixl_exc("nixlNotFoundError"))
     be.remove_peer("gone#1")
     assert be.release_xfer(1) is False
-    be.release_prepped(1)
+    be.release_prepped(LOCAL)
 
 
 def test_registry():

@@ -112,6 +112,19 @@ class Plan:
         self.parts = [
             Part(np.arange(a, b, dtype=np.int32), int(local[a:b, 1].sum())) for a, b in bounds
         ]
+        # a one-part plan the backend can run inside a call (Backend.direct): the fast path's
+        try:
+            self.direct = (
+                backend.direct(
+                    op, self.local, self.parts[0].index, self.remote, self.parts[0].index, conn.name
+                )
+                if len(self.parts) == 1
+                else None
+            )
+        except BaseException:
+            backend.release_prepped(self.local)
+            backend.release_prepped(self.remote)
+            raise
 
     @property
     def in_flight(self) -> int:
@@ -133,21 +146,26 @@ class Plan:
     def give_back(self, backend: Backend, part: Part, xfer: Any, notified: bool) -> None:
         """Return a completed transfer to the pool (or release it if the plan is gone).
         Call with ``conn.lock`` held."""
-        if self.op == READ:
-            self.conn.traffic.read += part.nbytes
-        else:
-            self.conn.traffic.written += part.nbytes
+        self.account(part.nbytes)
         pool = part.idle[notified]
         if self.valid and len(pool) < 4:
             pool.append(xfer)
         else:
             backend.release_xfer(xfer)
 
+    def account(self, nbytes: int) -> None:
+        """Count ``nbytes`` moved in the connection's traffic. Call with ``conn.lock`` held."""
+        if self.op == READ:
+            self.conn.traffic.read += nbytes
+        else:
+            self.conn.traffic.written += nbytes
+
     def release(self, backend: Backend) -> None:
         if self.released:
             return
         self.released = True
         self.valid = False
+        self.direct = None
         for share in self.shares or ():  # the same transfer cut over lanes: each on its agent
             # the caller holds this plan's connection lock; a lane's share has its own
             with share.conn.lock if share.conn is not self.conn else contextlib.nullcontext():
