@@ -190,17 +190,11 @@ class ProgressEngine:
         engine, which completes it; None: nothing was sent, the general path must handle it."""
         conn = plan.conn
         part = plan.parts[0]
+        if not notif and plan.direct is not None:
+            return True if plan.run_direct() else None  # done inside the call (Backend.direct)
         with conn.lock:
             if not conn.alive or not plan.valid:
                 return None
-            direct = plan.direct
-            if direct is not None and not notif:
-                try:
-                    direct()
-                except TransportError:
-                    return None  # the general path posts it again and reports what fails
-                plan.account(part.nbytes)
-                return True
             pool = part.idle[bool(notif)]
             try:
                 xfer = pool.pop() if pool else plan.take(self._backend, part, notif)

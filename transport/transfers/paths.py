@@ -123,7 +123,12 @@ class Transfers:
         ):
             return None
         if notify is None and plan.direct is not None:
-            return self._direct(op, plan, peer, nbytes)
+            if not plan.run_direct():  # done inside the call, or the general path is needed
+                return None
+            self.inline_count += 1
+            handle = Handle("put" if op == WRITE else "get", (peer,), nbytes, 0)
+            handle.complete_now()
+            return handle
         notif = frame_user_notification(notify) if notify is not None else b""
         handle = Handle("put" if op == WRITE else "get", (peer,), nbytes, 1)
         handle.recorder = ep.recorder  # its end is recorded, unless it completes inside the post
@@ -140,25 +145,6 @@ class Transfers:
                 )
             return handle
         return None
-
-    def _direct(self, op: str, plan: Plan, peer: str, nbytes: int) -> Handle | None:
-        """A fast-path transfer that the backend completes inside one call (Backend.direct):
-        its completed handle, or None when the general path is needed (the plan was withdrawn,
-        the peer lost, or the call failed: the general path posts it again and reports why)."""
-        conn = plan.conn
-        with conn.lock:  # as a post: a withdrawn region's plan is never run again
-            direct = plan.direct
-            if direct is None or not plan.valid or not conn.alive:
-                return None
-            try:
-                direct()
-            except TransportError:
-                return None
-            plan.account(nbytes)
-        self.inline_count += 1
-        handle = Handle("put" if op == WRITE else "get", (peer,), nbytes, 0)
-        handle.complete_now()
-        return handle
 
     def fast_fanout(
         self,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from transport.backends.base import READ, WRITE, Backend, device_parts
-from transport.errors import RegionError
+from transport.errors import RegionError, TransportError
 from transport.gc_pause import without_gc
 from transport.memory.local import LocalMemory, Registration, check_tensor, device_of, dtype_name
 from transport.peers.conn import PeerConn
@@ -152,6 +152,23 @@ class Plan:
             pool.append(xfer)
         else:
             backend.release_xfer(xfer)
+
+    def run_direct(self) -> bool:
+        """Run the plan's direct transfer (Backend.direct) under its connection's lock, as a post
+        (a withdrawn region's plan is never run again), and count its bytes. False: it has none,
+        the plan was withdrawn, the peer lost, or the run failed (the general path posts it again
+        and reports why)."""
+        conn = self.conn
+        with conn.lock:
+            direct = self.direct
+            if direct is None or not self.valid or not conn.alive:
+                return False
+            try:
+                direct()
+            except TransportError:
+                return False
+            self.account(self.nbytes)
+        return True
 
     def account(self, nbytes: int) -> None:
         """Count ``nbytes`` moved in the connection's traffic. Call with ``conn.lock`` held."""
