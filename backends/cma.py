@@ -57,7 +57,13 @@ from typing import Any
 
 import numpy as np
 
-from transport.errors import BackendError, PeerLostError, RegionError, TransportError
+from transport.errors import (
+    BackendError,
+    PeerLostError,
+    RegionError,
+    TransportError,
+    WireFormatError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +97,18 @@ class Identity:
     @staticmethod
     def split(metadata: bytes) -> tuple[Identity | None, bytes]:
         """(the Identity at the head of ``metadata``, or None where it has none; the rest). A
-        head that starts like one but does not parse is refused with a BackendError."""
+        head that starts like one but does not parse is refused with a WireFormatError."""
         if not metadata.startswith(MAGIC):
             return None, metadata
         if len(metadata) < _HEADER.size:
-            raise BackendError(
+            raise WireFormatError(
                 f"a peer's metadata starts with an identity header but has {len(metadata)} bytes, "
                 f"fewer than its {_HEADER.size}: it is corrupt or of another version of this "
                 "library; the peer must run the same version"
             )
         _, version, pid, gate_fd, netns, token_at, token = _HEADER.unpack_from(metadata)
         if version != VERSION or pid <= 0:
-            raise BackendError(
+            raise WireFormatError(
                 f"a peer's identity header has version {version} and pid {pid}: this library "
                 f"reads version {VERSION} with a positive pid; the peer must run the same version"
             )

@@ -32,6 +32,7 @@ import msgpack
 import torch
 
 from transport import RegionInfo, RouteError, WireFormatError, wire
+from transport.backends import cma
 from transport.doorbell import Bell
 from transport.memory import region_codec
 from transport.memory.regions import Withdraw
@@ -638,6 +639,26 @@ def _decoders(*objs: object) -> tuple[object, ...]:
     return objs
 
 
+# --- the CMA identity at the head of a peer's backend metadata -----------------------------------
+
+
+def _run_cma_identity(data: bytes) -> None:
+    ident, rest = cma.Identity.split(data)
+    if ident is None:
+        if rest is not data:
+            raise Rejected("metadata without an identity must pass on as it came")
+        return
+    if cma.Identity.split(ident.encode() + rest) != (ident, rest) or ident.pid <= 0:
+        raise Rejected("an accepted identity must read back the same from its own encoding")
+    if len(ident.token) != cma.TOKEN_BYTES:
+        raise Rejected("an accepted identity carries a whole token")
+
+
+def _cma_seeds() -> list[bytes]:
+    ident = cma.Identity(4321, 7, 4026531840, 0x7F0000001000, bytes(range(16)))
+    return [ident.encode() + b"nixl-metadata", ident.encode(), b"nixl-metadata-without-one"]
+
+
 TARGETS: tuple[Target, ...] = (
     Target(
         "peer_record",
@@ -836,6 +857,13 @@ def _selftest_hang(data: bytes) -> None:
 
 #: targets with a planted finding, never in TARGETS: the runner must report each
 SELFTESTS: tuple[Target, ...] = (
+    Target(
+        "cma_identity",
+        _run_cma_identity,
+        (WireFormatError,),
+        _cma_seeds,
+        _decoders(cma.Identity.split),
+    ),
     Target("selftest_error", _selftest_error, (WireFormatError,), lambda: [b"ab"], ()),
     Target("selftest_budget", _selftest_budget, (), lambda: [b"ab"], (), budget=4 * MiB),
     Target("selftest_hang", _selftest_hang, (), lambda: [b"ab"], ()),
