@@ -12,6 +12,7 @@ import torch
 
 import transport
 from helpers.processes import REPO
+from transport.backends import cma
 from transport.cli.doctor.routes import parse_routes
 from transport.peers.directory import Directory
 
@@ -42,11 +43,24 @@ def test_the_doctor_reports_versions_routes_and_a_loopback_put(tcp_store):
     assert report["versions"]["ucx"][0].isdigit()
     assert "UCX" in report["versions"]["nixl plugins"]
     routes = {r["operation"]: r["transports"] for r in report["routes"]}
-    assert routes.get("put") and routes.get("get") and routes.get("notification"), routes
+    # UCX's routes: a get goes by cross-memory attach where the library takes it (no UCX route)
+    assert routes.get("put") and routes.get("notification"), routes
+    assert routes.get("get") or cma.refusal() is None, routes
     lb = report["loopback"]
     assert lb["put_4k_us"] > 0 and lb["put_64m_gbps"] > 0 and lb["memcpy_64m_gbps"] > 0
     assert report["store"]["round_trip_us"] > 0
     assert "fail" not in findings(out)
+
+
+def test_the_doctor_proves_cross_memory_attach_between_two_processes_or_says_why_not(tcp_store):
+    out = doctor("--store", tcp_store.url)
+    assert out.returncode == 0, out.stderr + out.stdout
+    mine = [f for fs in findings(out).values() for f in fs if f["topic"] == "cma"]
+    if cma.refusal() is None:  # this machine allows it: the probe's reader was proven
+        assert [f["level"] for f in mine] == ["note"] and "cross-memory attach" in mine[0]["what"]
+    off = doctor("--store", tcp_store.url, **{cma.CMA_ENV: "0"})
+    (warn,) = [f for f in findings(off)["warn"] if f["topic"] == "cma"]
+    assert "through NIXL" in warn["what"] and warn["fix"] == f"unset {cma.CMA_ENV}"
 
 
 def test_settings_that_cannot_work_fail_and_name_their_fix(tcp_store):

@@ -76,9 +76,11 @@ def probe(report: Report, store_url: str) -> None:
     )
     try:
         assert reader.stdout is not None
-        if reader.stdout.readline().strip() != "ready":
+        ready = reader.stdout.readline().split()
+        if not ready or ready[0] != "ready":
             report.add("fail", "probe", "the probe's reader did not start (see its output above)")
             return
+        checks.cross_memory(report, bytes.fromhex(ready[1]) if len(ready) > 1 else b"")
         env = dict(os.environ, UCX_PROTO_INFO="y")
         try:
             writer = subprocess.run(

@@ -15,6 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
+from transport.backends import cma
 from transport.backends.nixl import PROGRESS_ENV, SHARED_MEMORY_TLS, progress_mode
 from transport.cli.doctor.report import Loopback, Report, StoreCheck
 from transport.doorbell import BELL_IP_ENV, bell_ip
@@ -31,6 +32,7 @@ SETTINGS = (
     BELL_IP_ENV,
     "TRANSPORT_STORE",
     "TRANSPORT_LANES",
+    cma.CMA_ENV,
 )
 #: a store slower than this per call is worth a warning (a first put to a peer reads it)
 SLOW_STORE_US = 2000.0
@@ -204,6 +206,36 @@ def store(report: Report, handle: Store, opened_s: float) -> None:
             "and every join reads the store",
             "a store near the peers (Redis on the trainer's host), or a less loaded one",
         )
+
+
+def cross_memory(report: Report, header: bytes) -> None:
+    """Whether host puts and gets with the processes of this host take the library's
+    cross-memory attach (backends/cma.py): this process's settings, then the proof of the probe
+    reader's identity (``header``), as a writer's backend makes it."""
+    why = cma.refusal()
+    if why is None:
+        peers = cma.CmaPeers()
+        try:
+            ident, _ = cma.Identity.split(header)
+            proven = ident is not None and peers.add("probe-reader", ident)
+        finally:
+            peers.close()
+        if proven:
+            report.add(
+                "note",
+                "cma",
+                "host puts and gets with processes of this host take cross-memory attach (the "
+                "library's: one system call each; a notified one also sends one byte through "
+                "NIXL with its notification)",
+            )
+            return
+        why = "the kernel refused it between two processes of this host (ptrace rules)"
+    fix = {
+        True: f"unset {cma.CMA_ENV}",
+        False: "kernel.yama.ptrace_scope=0, or the processes in one container; unset UCX_TLS if "
+        "it leaves out cma; reinstall with a C compiler if transport._cma was not built",
+    }[why.startswith("$" + cma.CMA_ENV)]
+    report.add("warn", "cma", f"host puts with processes of this host go through NIXL: {why}", fix)
 
 
 def loopback(report: Report, result: Loopback) -> None:

@@ -1,7 +1,8 @@
 """The doctor's loopback probe: a reader and a writer, each a process of its own on this host, on
 the doctor's store in a namespace of their own. The writer runs with ``UCX_PROTO_INFO=y``, so
 UCX prints the protocol it chose for each operation; it times puts and copies and prints its
-figures as one line marked ``RESULT_MARK``. Run by ``transport doctor``; ``python -m
+figures as one line marked ``RESULT_MARK``. The reader's ready line carries a CMA identity
+(backends/cma.py) for the doctor to prove, as a writer's backend would. Run by ``transport doctor``; ``python -m
 transport.cli.doctor.probe --role reader|writer --store URL --namespace NS`` runs one side."""
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def _reader(store: str, namespace: str) -> None:
     import torch
 
     import transport
+    from transport.backends.cma import CmaPeers
 
+    gate = CmaPeers()  # the identity a Transport's backend shows its peers (the doctor proves it)
     with transport.Transport(READER, store, namespace=namespace) as t:
         t.expose("small", torch.zeros(SMALL, dtype=torch.uint8), access="rw")
         t.expose("big", torch.zeros(BIG, dtype=torch.uint8), access="w")
-        print("ready", flush=True)
+        print("ready", gate.header().hex(), flush=True)
         sys.stdin.readline()
+    gate.close()
 
 
 def _writer(store: str, namespace: str, timeout: float) -> None:
