@@ -102,7 +102,8 @@ class Group:
         between two generations)."""
         self.version += 1
         if self.version > 1:
-            step(self.tensors, 0.02, seed=self.version)
+            with self.pub.updating():  # a version still waiting is not written from now on
+                step(self.tensors, 0.02, seed=self.version)
         handle = self.pub.publish(self.version, timeout=timeout)
         meanwhile()
         r = handle.wait(timeout + 30)
@@ -197,7 +198,8 @@ def test_a_version_still_waiting_when_the_next_publish_begins_is_never_written_l
     r = g.publish(SHORT)
     assert r.status == {"gen-a": "done", "gen-b": "excluded"}, r.reasons
     g.version += 1
-    step(g.tensors, 0.02, seed=g.version)
+    with g.pub.updating():
+        step(g.tensors, 0.02, seed=g.version)
     older, want_older = g.version, digests(g.tensors)
     waiting = g.pub.publish(older, timeout=30)  # gen-b waits for the slot gen-a has
     wait_until(lambda: waiting.result.status.get("gen-a") == "done", 30, "gen-a done")

@@ -103,6 +103,9 @@ class PublisherCore(Generic[M]):
         self.version = -1
         # the newest version a publish began preparing (weights/supersession.py)
         self._preparing: Supersession[int] = Supersession()
+        # every version up to this one was published before the tensors last changed
+        # (:meth:`_tensors_change`): none of them is written from the tensors any more
+        self._changed_after = -1
         self._roster = Roster(transport, group, tensors, member_type, planner)
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
@@ -345,9 +348,17 @@ class PublisherCore(Generic[M]):
         return version
 
     def _superseded(self, version: int) -> bool:
-        """With the lock held: whether a newer version than ``version`` is being prepared (the
-        tensors may hold its bytes already: ``version`` is no longer written from them)."""
-        return self._preparing.superseded(version)
+        """With the lock held: whether a newer version than ``version`` is being prepared, or
+        the tensors changed since it was published (they may hold other bytes already:
+        ``version`` is no longer written from them)."""
+        return self._preparing.superseded(version) or version <= self._changed_after
+
+    def _tensors_change(self) -> None:
+        """The trainer is about to change the tensors (``updating()``): every version published
+        so far is superseded. One still waiting for a slot is never started; the next publish
+        (or its deadline) gives it up."""
+        with self._lock:
+            self._changed_after = max(self._changed_after, self.version)
 
     def _may_start(self, sub: M, version: int, handle: Delivery, via: str | None = None) -> bool:
         """With the lock held: whether :meth:`_start` may write ``version`` to ``sub`` from the

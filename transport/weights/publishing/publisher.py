@@ -171,7 +171,10 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
     def updating(self) -> Iterator[None]:
         """Wrap every change of the tensors (the optimizer step) in it, so that a late joiner's
         :meth:`WeightSubscriber.pull` never takes a half-updated state; the trainer never waits
-        for a joiner. Without it, pull() refuses (it cannot tell a stable state from a changing one)."""
+        for a joiner. Without it, pull() refuses (it cannot tell a stable state from a changing one).
+        A version still waiting for a subscriber's slot is never started from then on (the
+        tensors no longer hold it): the next publish gives it up."""
+        self._tensors_change()
         with self._word.changing():
             yield
             if any(t.is_cuda for t in self.tensors.values()):
