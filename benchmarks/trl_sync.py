@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/trl_sync.py [--steps 10] [--out benchmarks/results-trl.json]
 
 Runs the TRL tests' job (tests/helpers/trl_job.py --baseline: a LoRA run and a full run of
-``steps`` optimizer steps against one vLLM server of the CPU build, the server killed before
+``steps`` optimizer steps (``--lora-steps``: the LoRA run's, if fewer) against one vLLM
+server of the CPU build, the server killed before
 the full run's last sync and restarted) and reports, from that one run:
 
 * the sync as a share of the optimizer step (median sync seconds over median step seconds,
@@ -59,6 +60,9 @@ def summary(report: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--lora-steps", type=int, default=None, help="the LoRA run's steps (default: --steps)"
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results-trl.json")
     ap.add_argument(
         "--work",
@@ -71,7 +75,10 @@ def main() -> None:
     report_path = work / "report.json"
     job = HERE.parent / "tests" / "helpers" / "trl_job.py"
     cmd = [sys.executable, str(job), "--work", str(work), "--report", str(report_path)]
-    subprocess.run([*cmd, "--steps", str(args.steps), "--baseline"], check=True)
+    cmd += ["--steps", str(args.steps), "--baseline"]
+    if args.lora_steps is not None:
+        cmd += ["--lora-steps", str(args.lora_steps)]
+    subprocess.run(cmd, check=True)
     result = summary(json.loads(report_path.read_text()))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for phase in ("full", "lora"):

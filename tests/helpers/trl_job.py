@@ -2,13 +2,14 @@
 the job of tests/integrations/trl/test_trl.py, run as a script (TRL spawns its rollout process,
 which imports the reward from examples/trl_task.py) and answered with a JSON report.
 
-    python tests/helpers/trl_job.py --work DIR --report FILE [--steps 10]
+    python tests/helpers/trl_job.py --work DIR --report FILE [--steps 10] [--lora-steps 10]
 
 One server (LoRA on, transport's adapter routes) serves three phases in turn:
 
-* ``lora``: a run of ``steps`` optimizer steps training a LoRA adapter; only the adapter is
-  synced (served under the model's name). Before every step: vLLM's greedy tokens and
-  transformers' on the trainer's current weights, the adapter's bytes each worker receives.
+* ``lora``: a run of ``lora_steps`` optimizer steps (default: ``steps``) training a LoRA
+  adapter; only the adapter is synced (served under the model's name). Before every step:
+  vLLM's greedy tokens and transformers' on the trainer's current weights, the adapter's bytes
+  each worker receives.
   The adapter is removed at the end (the model's name serves the base model again).
 * ``full``: the same run syncing the whole model, plus a last step before whose sync the server
   is killed: TRL's ``train()`` must raise the transfer's error. Before every step, as above,
@@ -320,6 +321,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--lora-steps", type=int, default=None, help="the LoRA run's (default: --steps)"
+    )
     ap.add_argument("--baseline", action="store_true", help="time the file round trips too")
     args = ap.parse_args()
     from transport.integrations.vllm.server import VllmServer
@@ -331,7 +335,8 @@ def main() -> None:
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if args.baseline else None
     server = VllmServer(folder, work / "vllm.log", args=server_args, env=env)
     try:
-        lora = run(server, folder, work, args.steps, lora=True, kill_after=None)
+        lora_steps = args.steps if args.lora_steps is None else args.lora_steps
+        lora = run(server, folder, work, lora_steps, lora=True, kill_after=None)
         transfer, trainer = lora.pop("transfer"), lora.pop("trainer")
         if args.baseline:
             lora["file_s"] = file_adapter_s(server, trainer.model, work)
