@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 
 #: the environment variable that turns this path off (``0``)
 CMA_ENV = "TRANSPORT_CMA"
+#: what /proc/<pid>/fd/<n> of a gate links to (csrc/cma.c names its memfd "transport-gate")
+GATE_LINK = "/memfd:transport-gate"
 #: the first bytes of metadata that carries an Identity
 MAGIC = b"TCMA"
 VERSION = 1
@@ -188,7 +190,10 @@ class CmaPeers:
         try:
             # the pidfd first: if the tokens then match, the pidfd holds the token's process
             process = self._mod.Process(ident.pid)
-            fd = os.open(f"/proc/{ident.pid}/fd/{ident.gate_fd}", os.O_RDWR | os.O_CLOEXEC)
+            path = f"/proc/{ident.pid}/fd/{ident.gate_fd}"
+            if not os.readlink(path).startswith(GATE_LINK):
+                return False  # not a gate (a stale record): never open another kind of file
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             try:
                 process.attach(fd)
             finally:

@@ -503,12 +503,14 @@ static PyObject *gate_shut(Gate *self, PyObject *arg)
     __atomic_store_n(&self->page->open, 0, __ATOMIC_SEQ_CST);
     int64_t active;
     Py_BEGIN_ALLOW_THREADS
-    struct timespec step = {0, 100000}; /* 0.1 ms */
-    double waited = 0;
-    while ((active = __atomic_load_n(&self->page->active, __ATOMIC_SEQ_CST)) > 0 &&
-           waited < timeout) {
+    struct timespec step = {0, 100000}, now; /* polls every 0.1 ms */
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double end = (double)now.tv_sec + (double)now.tv_nsec * 1e-9 + timeout;
+    while ((active = __atomic_load_n(&self->page->active, __ATOMIC_SEQ_CST)) > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((double)now.tv_sec + (double)now.tv_nsec * 1e-9 >= end)
+            break;
         nanosleep(&step, NULL);
-        waited += 1e-4;
     }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(active <= 0);
