@@ -14,6 +14,7 @@ import torch
 from helpers.peer import pattern, sha
 from helpers.processes import free_port
 from helpers.torch_api_peer import TorchApiPeer
+from transport.backends import cma
 
 pytestmark = [pytest.mark.torch_api, pytest.mark.slow]
 
@@ -23,6 +24,18 @@ MIB = 1 << 20
 @pytest.fixture
 def two() -> Iterator[tuple[TorchApiPeer, TorchApiPeer]]:
     """Two children, one endpoint each, connected to each other."""
+    yield from _two()
+
+
+@pytest.fixture
+def two_over_nixl(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TorchApiPeer, TorchApiPeer]]:
+    """The same, with every transfer through NIXL (no cross-memory attach): a write then needs
+    its peer's agent, as across hosts."""
+    monkeypatch.setenv(cma.CMA_ENV, "0")
+    yield from _two()
+
+
+def _two() -> Iterator[tuple[TorchApiPeer, TorchApiPeer]]:
     a = TorchApiPeer("a", nbytes=4 * MIB, wait=False)
     b = TorchApiPeer("b", nbytes=4 * MIB, wait=False)
     try:
@@ -61,8 +74,10 @@ def test_two_processes_pair_through_a_tcpstore_and_move_64_mib() -> None:
         del store
 
 
-def test_a_frozen_peer_fails_the_write_with_timeout_error_and_it_is_withdrawn(two: tuple) -> None:
-    a, b = two
+def test_a_frozen_peer_fails_the_write_with_timeout_error_and_it_is_withdrawn(
+    two_over_nixl: tuple,
+) -> None:
+    a, b = two_over_nixl
     remote = b.call("describe", 0)
     b.signal(signal.SIGSTOP)
     try:
@@ -74,6 +89,18 @@ def test_a_frozen_peer_fails_the_write_with_timeout_error_and_it_is_withdrawn(tw
     sent = a.call("write", 0, remote, 2, 4 * MIB, 30.0, timeout=60)
     assert sent == sha(pattern(4 * MIB, 2))
     assert b.call("digest", 0) == sent
+
+
+@pytest.mark.skipif(cma.refusal() is not None, reason=f"no cross-memory attach: {cma.refusal()}")
+def test_a_frozen_peer_of_this_machine_takes_a_write_by_cross_memory_attach(two: tuple) -> None:
+    a, b = two
+    remote = b.call("describe", 0)
+    b.signal(signal.SIGSTOP)
+    try:  # one-sided: the kernel copies, nothing of the peer runs
+        sent = a.call("write", 0, remote, 1, 4 * MIB, 10.0, timeout=60)
+    finally:
+        b.signal(signal.SIGCONT)
+    assert sent == sha(pattern(4 * MIB, 1)) == b.call("digest", 0)
 
 
 def test_a_killed_peer_fails_the_write_and_nothing_hangs(two: tuple) -> None:
