@@ -361,46 +361,14 @@ class NixlBackend(Backend):
         notif: bytes,
         peer: str,
     ) -> Any:
-        if local.mem == remote.mem == "DRAM" and self.cma.reachable(remote.agent):
-            rows = (local.rows[local_idx], remote.rows[remote_idx])
+        rows = self._cma_rows(local, local_idx, remote, remote_idx)
+        if rows is not None:
             xfer = self.cma.transfer(op, remote.agent, *rows, peer)
             if xfer is not None:
                 if notif:
                     xfer.tail = self._tail(op, remote.agent, rows, notif, peer)
                 return xfer
-        try:
-            return self._raw.makeXferReq(
-                self._ops[op], local.handle, local_idx, remote.handle, remote_idx, notif, [], False
-            )
-        except Exception as e:
-            raise map_nixl_error(
-                e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError
-            ) from e
-
-    def _tail(
-        self, op: str, agent: str, rows: tuple[np.ndarray, np.ndarray], notif: bytes, peer: str
-    ) -> tuple[Any, Any, Any]:
-        """The NIXL transfer of a CMA transfer's last byte again, with ``notif``: (transfer, local
-        list, remote list)."""
-        last = [np.array([[r[-1, 0] + r[-1, 1] - 1, 1, r[-1, 2]]], dtype=np.uint64) for r in rows]
-        local = self.prep(None, last[0], "cpu")
-        try:
-            remote = self.prep(agent, last[1], "cpu")
-        except BaseException:
-            self.release_prepped(local)
-            raise
-        try:
-            one = np.zeros(1, dtype=np.int32)
-            xfer = self._raw.makeXferReq(
-                self._ops[op], local.handle, one, remote.handle, one, notif, [], False
-            )
-        except Exception as e:
-            self.release_prepped(local)
-            self.release_prepped(remote)
-            raise map_nixl_error(
-                e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError
-            ) from e
-        return xfer, local, remote
+        return self._nixl_xfer(op, local, local_idx, remote, remote_idx, notif, peer)
 
     def direct(
         self,
@@ -412,11 +380,57 @@ class NixlBackend(Backend):
         peer: str,
     ) -> Callable[[], None] | None:
         """A CMA transfer (cma.py) where both lists are host memory and the peer is reachable."""
-        if not (local.mem == remote.mem == "DRAM" and self.cma.reachable(remote.agent)):
-            return None
-        rows = (local.rows[local_idx], remote.rows[remote_idx])
-        xfer = self.cma.transfer(op, remote.agent, *rows, peer)
+        rows = self._cma_rows(local, local_idx, remote, remote_idx)
+        xfer = None if rows is None else self.cma.transfer(op, remote.agent, *rows, peer)
         return None if xfer is None else xfer.run
+
+    def _cma_rows(
+        self, local: Prepped, local_idx: np.ndarray, remote: Prepped, remote_idx: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The paired rows of a CMA transfer between the two lists, or None where CMA does not
+        take them (device memory, or a peer not proven: cma.py)."""
+        if local.mem == remote.mem == "DRAM" and self.cma.reachable(remote.agent):
+            return local.rows[local_idx], remote.rows[remote_idx]
+        return None
+
+    def _nixl_xfer(
+        self,
+        op: str,
+        local: Prepped,
+        local_idx: np.ndarray,
+        remote: Prepped,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        peer: str,
+    ) -> Any:
+        try:
+            return self._raw.makeXferReq(
+                self._ops[op], local.handle, local_idx, remote.handle, remote_idx, notif, [], False
+            )
+        except Exception as e:
+            raise map_nixl_error(
+                e, action=f"preparing a {op}", peer=peer, not_found=PeerLostError
+            ) from e
+
+    def _tail(
+        self, op: str, agent: str, rows: tuple[np.ndarray, np.ndarray], notif: bytes, peer: str
+    ) -> tuple[Any, Prepped, Prepped]:
+        """The NIXL transfer of a CMA transfer's last byte again, with ``notif``: (transfer, local
+        list, remote list)."""
+        last = [np.array([[r[-1, 0] + r[-1, 1] - 1, 1, r[-1, 2]]], dtype=np.uint64) for r in rows]
+        local = self.prep(None, last[0], "cpu")
+        try:
+            remote = self.prep(agent, last[1], "cpu")
+        except BaseException:
+            self.release_prepped(local)
+            raise
+        one = np.zeros(1, dtype=np.int32)
+        try:
+            return self._nixl_xfer(op, local, one, remote, one, notif, peer), local, remote
+        except BaseException:
+            self.release_prepped(local)
+            self.release_prepped(remote)
+            raise
 
     def post(self, xfer: Any, notif: bytes, peer: str) -> int:
         if xfer.__class__ is CmaTransfer:
