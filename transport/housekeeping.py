@@ -69,13 +69,20 @@ class Housekeeping:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def _heartbeats(self) -> None:
+        """A heartbeat every interval. One whose write took more than half an interval (the
+        network or the store held it: a link cut, then healed) may have landed with a time
+        already near the suspicion bar, so the next one goes at once: a peer heard again is
+        never suspect again a moment later, between that late heartbeat and the next."""
         ep = self._ep
         interval = ep.settings.heartbeat_interval
-        while not ep.stopping.wait(interval):
+        wait = interval
+        while not ep.stopping.wait(wait):
+            began = time.monotonic()
             try:
                 ep.directory.heartbeat(ep.name, ep.generation)
             except Exception as e:  # the store may be down; transfers go on without it
                 log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
+            wait = interval if time.monotonic() - began < interval / 2 else 0.0
 
     def _loop(self) -> None:
         ep = self._ep

@@ -14,6 +14,7 @@ into the slot of the version it already applied, which it lends for that."""
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 
 import pytest
@@ -31,9 +32,12 @@ TENSORS, NUMEL = 4, 1 << 18
 DEADLINE = 20.0
 
 
-def heard(trainer: PythonProcess, name: str) -> bool:
-    """Whether the trainer hears generator ``name`` (takes it for alive)."""
-    return not ask(trainer, f"suspect {name}")["suspect"]
+def heard(trainer: PythonProcess, name: str, since: float = 0.0) -> bool:
+    """Whether the trainer hears generator ``name`` (takes it for alive) by a heartbeat written
+    after wall time ``since``: once a link heals, heartbeats the cut held land late with their
+    old times, so only a later one says that the generator is heard again."""
+    answer = ask(trainer, f"suspect {name}")
+    return not answer["suspect"] and (answer["beat"] or 0.0) > since
 
 
 def test_a_cut_link_excludes_whom_it_cuts_off_and_they_catch_up_when_it_heals(rights):
@@ -71,8 +75,9 @@ def test_a_cut_link_excludes_whom_it_cuts_off_and_they_catch_up_when_it_heals(ri
         assert r["status"]["gen2"] == "done", r
         assert ask(gens[2], "2") == whole(2, TENSORS)
         # the link comes back: gen1 catches up with the next version
+        healed = time.time()
         cluster.cut(cluster.generator(1), cut=False)
-        wait_until(partial(heard, trainer, "gen1"), 60, "gen1 heard again")
+        wait_until(partial(heard, trainer, "gen1", healed), 60, "gen1 heard again")
         r = ask(trainer, f"3 {DEADLINE}", timeout=DEADLINE + 120)
         assert set(r["status"].values()) == {"done"}, r
         for g in gens:
@@ -97,10 +102,11 @@ def test_a_cut_link_excludes_whom_it_cuts_off_and_they_catch_up_when_it_heals(ri
                 else:
                     assert r["reasons"][f"gen{i}"], r
         # the loss ends: every generator is heard again and takes the next version whole
+        healed = time.time()
         for host in cluster.hosts.values():
             cluster.shape(host, Link.parse("1gbit"))
         for name in ("gen0", "gen1", "gen2"):
-            wait_until(partial(heard, trainer, name), 60, f"{name} heard again")
+            wait_until(partial(heard, trainer, name, healed), 60, f"{name} heard again")
         r = ask(trainer, f"6 {DEADLINE}", timeout=DEADLINE + 120)
         assert set(r["status"].values()) == {"done"}, r
         for g in gens:

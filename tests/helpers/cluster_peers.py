@@ -1,7 +1,8 @@
 """The trainer and the generators of the hosts tests (marker hosts), each in a host of a cluster
 (transport/cluster/), driven over stdin and stdout one JSON line per command: a generator ``V`` (wait for version V,
 apply it, answer what the live tensors hold), the trainer ``V DEADLINE`` (publish V; ``0 0``
-waits for the generators to join) or ``suspect NAME`` (why it takes that peer for gone).
+waits for the generators to join) or ``suspect NAME`` (why it takes that peer for gone, and the
+wall time of its last heartbeat).
 
 Every element of every tensor of version ``v`` holds ``v``: a generator's per-tensor
 (smallest, largest) of ``(v, v)`` means every byte of ``v`` arrived."""
@@ -42,8 +43,9 @@ print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     v, arg = line.split()
     if v == "suspect":  # why the trainer takes generator ARG for gone (null: it does not)
-        why = {p.name: p.suspect for p in t.peers()}.get(arg)
-        print(json.dumps({"suspect": why}), flush=True)
+        info = {p.name: p for p in t.peers()}.get(arg)
+        why = "it has no record" if info is None else info.suspect
+        print(json.dumps({"suspect": why, "beat": info and info.last_heartbeat}), flush=True)
         continue
     v, timeout = int(v), float(arg)
     if v == 0:  # wait for the generators to join

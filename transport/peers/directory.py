@@ -491,16 +491,18 @@ class Directory:
         or if the heartbeat was rewritten at every one of WRITE_TRIES reads (logged).
 
         It replaces the very bytes it read and judged with ``compare_set`` (None where it read
-        none), so a newer incarnation's heartbeat written in between stays."""
+        none), so a newer incarnation's heartbeat written in between stays. The time it writes is
+        taken after that read, just before the write: a read the network held for seconds (a
+        link cut, then healed) never lands a heartbeat as old as the wait."""
         key = self.heartbeat_key(name)
-        body = encode_heartbeat(generation, time.time() if at is None else at)
-        value = signed.encode(self.keys, key, name, generation, body)
         for _ in range(WRITE_TRIES):
             raw = self.store.try_get(key)
             if raw is not None:
                 beat = self._heartbeat(name, raw)
                 if beat is not None and beat[0] > generation:
                     return False
+            body = encode_heartbeat(generation, time.time() if at is None else at)
+            value = signed.encode(self.keys, key, name, generation, body)
             with self._own_lock:
                 if name in self._retired:
                     return False
