@@ -16,6 +16,10 @@ from transport.transfers.plan_cache import PlanCache
 
 log = logging.getLogger(__name__)
 
+#: a heartbeat whose write took longer than this (and half an interval) is followed by another
+#: at once (see ``Housekeeping._heartbeats``)
+HELD_S = 0.5
+
 
 class Housekeeping:
     """The threads ``transport-control-<name>`` and ``transport-heartbeat-<name>`` of one
@@ -69,10 +73,11 @@ class Housekeeping:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def _heartbeats(self) -> None:
-        """A heartbeat every interval. One whose write took more than half an interval (the
-        network or the store held it: a link cut, then healed) may have landed with a time
-        already near the suspicion bar, so the next one goes at once: a peer heard again is
-        never suspect again a moment later, between that late heartbeat and the next."""
+        """A heartbeat every interval. One held for long (HELD_S, or half an interval: the
+        network or the store held it, a link cut, then healed) may have landed with a time
+        already near the suspicion bar, so the next one goes at once, once: a peer heard again
+        is never suspect again a moment later, between that late heartbeat and the next. A
+        slow store (a loaded host) gets no more heartbeats than one an interval for it."""
         ep = self._ep
         interval = ep.settings.heartbeat_interval
         wait = interval
@@ -82,7 +87,8 @@ class Housekeeping:
                 ep.directory.heartbeat(ep.name, ep.generation)
             except Exception as e:  # the store may be down; transfers go on without it
                 log.warning("transport %s: store unavailable for heartbeats: %s", ep.name, e)
-            wait = interval if time.monotonic() - began < interval / 2 else 0.0
+            held = time.monotonic() - began > max(HELD_S, interval / 2)
+            wait = 0.0 if held and wait > 0 else interval
 
     def _loop(self) -> None:
         ep = self._ep

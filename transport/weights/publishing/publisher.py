@@ -328,9 +328,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                 lambda h: self._worker.submit(lambda: self._on_patch_put(sub, slot, version, h))
             )
         else:
-            h.add_done_callback(
-                lambda h: self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
-            )
+            h.add_done_callback(lambda h: self._on_written_now(sub, slot, version, handle, h))
 
     def _write_whole(self, sub: PublisherMember, slot: int, version: int, handle: Delivery) -> None:
         self._write(sub, slot, version, handle, None)
@@ -372,6 +370,28 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         with self._lock:
             self._fence_if_unsure(sub, slot, version, err)
             self._finished(sub, slot, version, handle, err)
+
+    def _on_written_now(
+        self, sub: PublisherMember, slot: int, version: int, handle: Delivery, h: Handle
+    ) -> None:
+        """Engine thread: the write of ``version`` to ``sub`` ended. When that is all there is
+        to settle (it landed, the lock is free at once, no version waits for ``sub``, no changes
+        are counted, ``sub`` is still the member), its outcome is given here, a thread switch
+        sooner; anything else goes to the worker (:meth:`_on_done`), which may write again."""
+        if (
+            self._deltas is None
+            and h.exception(0) is None
+            and sub.waiting is None
+            and not sub.retired
+            and self._lock.acquire(blocking=False)
+        ):
+            try:
+                if sub.waiting is None and not sub.retired:
+                    self._finished(sub, slot, version, handle, None)
+                    return
+            finally:
+                self._lock.release()
+        self._worker.submit(lambda: self._on_done(sub, slot, version, handle, h))
 
     def _on_done(
         self, sub: PublisherMember, slot: int, version: int, handle: Delivery, h: Handle
