@@ -73,7 +73,7 @@ CMA_ENV = "TRANSPORT_CMA"
 GATE_LINK = "/memfd:transport-gate"
 #: the first bytes of metadata that carries an Identity
 MAGIC = b"TCMA"
-VERSION = 1
+VERSION = 2  # 2: the gate counts runs per writer (csrc/cma.c)
 TOKEN_BYTES = 16
 #: magic, version, pid, gate's memfd, network namespace inode, gate's address, token
 _HEADER = struct.Struct(f"<4sB3xIIQQ{TOKEN_BYTES}s")

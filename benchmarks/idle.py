@@ -108,7 +108,7 @@ def main() -> None:
         for p in procs.values():
             try:
                 p.stdin.write("exit\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
+                p.stdin.close()  # type: ignore[union-attr]  (EOF: the publisher was never measured)
             except OSError:
                 pass
         for p in procs.values():

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -38,17 +39,90 @@
 /* from this many bytes on, a transfer lets go of the interpreter lock while it copies */
 #define RELEASE_GIL_BYTES (64 * 1024)
 
+/* A writer's count of its runs in progress in one gate: ``writer`` is its key (its pid in the high
+ * 32 bits, a random number of its own in the low ones; 0: the slot is free). */
+struct gate_slot {
+    int64_t writer;
+    int64_t active;
+};
+
+#define GATE_SLOTS 250
+
 /* The page an agent shares with the writers of its machine (a memfd that each maps): its token,
- * whether its memory is open to transfers, and how many transfers are in progress. A run counts
- * itself in, then reads ``open``; the owner clears ``open``, then waits for ``active`` to reach 0
- * (both sequentially consistent): after that no run reaches the owner's memory. */
+ * whether its memory is open to transfers, and the runs in progress, counted per writer (a slot
+ * each, claimed when it maps the gate; ``active`` counts the runs of writers that found every
+ * slot taken). A run counts itself in, then reads ``open``; the owner clears ``open``, then waits
+ * until no run is counted (all sequentially consistent): after that no run reaches the owner's
+ * memory. A writer that died inside a run leaves its count behind; the owner knows it by its
+ * pid and does not wait for it (a shared count alone made every close after such a death wait
+ * its whole timeout). */
 struct gate_page {
     unsigned char token[16];
     int64_t open;
     int64_t active;
+    struct gate_slot slots[GATE_SLOTS];
 };
 
 #define GATE_BYTES 4096
+_Static_assert(sizeof(struct gate_page) <= GATE_BYTES, "the gate fits its page");
+
+/* this process's random half of its writer key (drawn once; a forked child differs by its pid) */
+static int64_t writer_nonce;
+
+static int64_t writer_key(void)
+{
+    while (writer_nonce == 0) {
+        uint32_t r = 0;
+        if (getrandom(&r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+            struct timespec t; /* no entropy to be had: the clock differs enough between two */
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            r = (uint32_t)t.tv_nsec;
+        }
+        writer_nonce = (int64_t)r;
+    }
+    return ((int64_t)getpid() << 32) | writer_nonce;
+}
+
+/* Whether the process that holds ``pid`` is gone (a pid it exited from may be another's by now:
+ * then it counts as alive, and its slot is waited for as before). */
+static int pid_gone(int64_t key)
+{
+    pid_t pid = (pid_t)(key >> 32);
+    return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+/* The count this process's runs keep in ``g``: its own slot (claimed: a free one, or one whose
+ * writer is gone with no run counted), or the shared count when every slot is taken. */
+static int64_t *claim_slot(struct gate_page *g)
+{
+    int64_t me = writer_key();
+    for (int i = 0; i < GATE_SLOTS; i++)
+        if (__atomic_load_n(&g->slots[i].writer, __ATOMIC_SEQ_CST) == me)
+            return &g->slots[i].active;
+    for (int i = 0; i < GATE_SLOTS; i++) {
+        int64_t w = __atomic_load_n(&g->slots[i].writer, __ATOMIC_SEQ_CST);
+        int free = w == 0 ||
+                   (__atomic_load_n(&g->slots[i].active, __ATOMIC_SEQ_CST) == 0 && pid_gone(w));
+        if (free && __atomic_compare_exchange_n(&g->slots[i].writer, &w, me, 0, __ATOMIC_SEQ_CST,
+                                                __ATOMIC_SEQ_CST))
+            return &g->slots[i].active;
+    }
+    return &g->active;
+}
+
+/* Whether a run is counted in ``g`` that may still reach its memory (a writer gone is not). */
+static int gate_busy(struct gate_page *g)
+{
+    if (__atomic_load_n(&g->active, __ATOMIC_SEQ_CST) > 0)
+        return 1;
+    for (int i = 0; i < GATE_SLOTS; i++) {
+        if (__atomic_load_n(&g->slots[i].active, __ATOMIC_SEQ_CST) <= 0)
+            continue;
+        if (!pid_gone(__atomic_load_n(&g->slots[i].writer, __ATOMIC_SEQ_CST)))
+            return 1;
+    }
+    return 0;
+}
 
 /* A process of this machine, held by a pidfd: it owns the descriptor and closes it when the last
  * transfer prepared with it is gone, so that a descriptor number is never reused under one. */
@@ -58,6 +132,7 @@ typedef struct {
     int pidfd;
     uint64_t alive_at; /* CLOCK_MONOTONIC nanoseconds of the last poll that found it alive */
     struct gate_page *gate; /* its gate, mapped here by attach() (NULL: none) */
+    int64_t *active;        /* where this process counts its runs in that gate (claim_slot) */
 } Process;
 
 typedef struct {
@@ -239,9 +314,10 @@ static PyObject *transfer_run(Transfer *self, PyObject *Py_UNUSED(ignored))
     struct gate_page *gate = p->gate;
     if (gate == NULL)
         return PyErr_Format(PyExc_RuntimeError, "the process has no gate attached");
-    __atomic_add_fetch(&gate->active, 1, __ATOMIC_SEQ_CST);
+    int64_t *active = p->active;
+    __atomic_add_fetch(active, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&gate->open, __ATOMIC_SEQ_CST) != 1) {
-        __atomic_sub_fetch(&gate->active, 1, __ATOMIC_SEQ_CST);
+        __atomic_sub_fetch(active, 1, __ATOMIC_SEQ_CST);
         return fail(self, ECONNRESET, 0); /* its owner closed its memory */
     }
     int err = 0;
@@ -272,7 +348,7 @@ static PyObject *transfer_run(Transfer *self, PyObject *Py_UNUSED(ignored))
         }
         first += k;
     }
-    __atomic_sub_fetch(&gate->active, 1, __ATOMIC_SEQ_CST);
+    __atomic_sub_fetch(active, 1, __ATOMIC_SEQ_CST);
     if (ts != NULL)
         PyEval_RestoreThread(ts);
     if (err)
@@ -397,6 +473,7 @@ static PyObject *process_attach(Process *self, PyObject *arg)
     if (page == MAP_FAILED)
         return PyErr_SetFromErrno(PyExc_OSError);
     self->gate = page;
+    self->active = claim_slot(self->gate);
     Py_RETURN_NONE;
 }
 
@@ -501,19 +578,19 @@ static PyObject *gate_shut(Gate *self, PyObject *arg)
     if (self->page == NULL)
         Py_RETURN_TRUE;
     __atomic_store_n(&self->page->open, 0, __ATOMIC_SEQ_CST);
-    int64_t active;
+    int busy;
     Py_BEGIN_ALLOW_THREADS
     struct timespec step = {0, 100000}, now; /* polls every 0.1 ms */
     clock_gettime(CLOCK_MONOTONIC, &now);
     double end = (double)now.tv_sec + (double)now.tv_nsec * 1e-9 + timeout;
-    while ((active = __atomic_load_n(&self->page->active, __ATOMIC_SEQ_CST)) > 0) {
+    while ((busy = gate_busy(self->page))) {
         clock_gettime(CLOCK_MONOTONIC, &now);
         if ((double)now.tv_sec + (double)now.tv_nsec * 1e-9 >= end)
             break;
         nanosleep(&step, NULL);
     }
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(active <= 0);
+    return PyBool_FromLong(!busy);
 }
 
 static PyObject *gate_fd(Gate *self, void *Py_UNUSED(closure))

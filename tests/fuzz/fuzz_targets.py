@@ -837,6 +837,13 @@ TARGETS: tuple[Target, ...] = (
         _verl_seeds,
         _decoders(topology.build_plans),
     ),
+    Target(
+        "cma_identity",
+        _run_cma_identity,
+        (WireFormatError,),
+        _cma_seeds,
+        _decoders(cma.Identity.split),
+    ),
 )
 
 
@@ -857,13 +864,6 @@ def _selftest_hang(data: bytes) -> None:
 
 #: targets with a planted finding, never in TARGETS: the runner must report each
 SELFTESTS: tuple[Target, ...] = (
-    Target(
-        "cma_identity",
-        _run_cma_identity,
-        (WireFormatError,),
-        _cma_seeds,
-        _decoders(cma.Identity.split),
-    ),
     Target("selftest_error", _selftest_error, (WireFormatError,), lambda: [b"ab"], ()),
     Target("selftest_budget", _selftest_budget, (), lambda: [b"ab"], (), budget=4 * MiB),
     Target("selftest_hang", _selftest_hang, (), lambda: [b"ab"], ()),

@@ -10,6 +10,9 @@ import ctypes
 import mmap
 import os
 import signal
+import struct
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -235,6 +238,53 @@ def test_the_gate_refuses_every_run_once_shut_and_rows_past_the_kernels_limit_la
     finally:
         owner.close()
         writer.close()
+
+
+#: where csrc/cma.c keeps the writers' counts in a gate: after the token (16 bytes), ``open`` and
+#: the shared count (8 each), 250 slots of (writer key, runs in progress), 8 bytes each
+SLOTS_AT, SLOT = 32, struct.Struct("<qq")
+
+
+@needs_cma
+def test_a_writer_that_died_inside_a_run_does_not_hold_the_owners_close():
+    """A writer counts its runs in its own slot of the owner's gate, keyed by its pid; one killed
+    inside a run leaves its count behind, and the owner's close does not wait for it (a shared
+    count made every close after such a death wait its whole timeout). A live writer with a run
+    counted is waited for. The counts are written into the gate as those writers leave them."""
+    owner, writer = CmaPeers(), CmaPeers()
+    try:
+        assert writer.add("owner", owner.identity)
+        dst, src = torch.zeros(4096, dtype=torch.uint8), pattern(4096, 3)
+        rows = [[src.data_ptr(), 4096, 0]], [[dst.data_ptr(), 4096, 0]]
+        xfer = writer.transfer("WRITE", "owner", *(np.array(r, np.uint64) for r in rows), "o")
+        assert xfer is not None
+        xfer.run()
+        assert torch.equal(dst, src)
+        page = mmap.mmap(owner.identity.gate_fd, mmap.PAGESIZE)
+        key, active = SLOT.unpack_from(page, SLOTS_AT)
+        assert key >> 32 == os.getpid() and active == 0  # the writer's slot, nothing in progress
+    finally:
+        owner.close()
+        writer.close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        for pid, free in ((dead.pid, True), (alive.pid, False)):
+            owner = CmaPeers()
+            try:
+                page = mmap.mmap(owner.identity.gate_fd, mmap.PAGESIZE)
+                SLOT.pack_into(page, SLOTS_AT + SLOT.size, (pid << 32) | 7, 1)  # one run counted
+                # the dead writer's run is not waited for: shut at once (the whole 30 s before);
+                # the live one's is, until the timeout
+                assert owner.shut(30.0 if free else 0.5) is free, pid
+            finally:
+                owner.close()
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 @pytest.mark.unit
