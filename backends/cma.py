@@ -22,7 +22,8 @@ When it is used, and why it is safe:
 * **Never into memory its owner has closed**: every run counts itself in the peer's gate and
   checks that it is open. A closing Transport shuts its gate before it releases anything, and
   waits for the runs in progress (:meth:`CmaPeers.shut`): a run after that fails as the peer's
-  loss, as NIXL's transfers fail once the peer's agent is gone.
+  loss, as NIXL's transfers fail once the peer's agent is gone. Each writer counts its runs in a
+  slot of its own, keyed by its pid: a writer killed inside a run is not waited for.
 * **Never into a process that got the peer's pid**: a run polls the pidfd first (csrc/cma.c)
   unless a poll found the process alive less than a millisecond ago. The kernel gives an exited
   pid to a new process only after its pid counter has gone once around (at least 32,768 process
