@@ -81,7 +81,8 @@ class PublisherCore(Generic[M]):
     credits (``_on_credit``), its writes (``_start``, ``_finished``, ``_write_whole``), what it
     holds per member (``_member_deadlines``, ``_no_start``, ``_awaits_credit``) and the
     messages only it takes (``_on_other``). Every member's state
-    is read and changed with ``_lock`` held. Versions only move forward (:meth:`_next_version`).
+    is read and changed with ``_lock`` held; the engine thread takes it only without blocking
+    (a write that landed settles there when nothing else is to be done, else on the worker). Versions only move forward (:meth:`_next_version`).
     :meth:`close` settles every open handle with ClosedError, stops the threads and gives the
     lease back; a subclass adds its own steps through :meth:`_closing`. ``delta`` is set here
     for both; a subclass makes its copies for a mode in :meth:`_switch_deltas`.
