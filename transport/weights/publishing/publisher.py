@@ -378,13 +378,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         to settle (it landed, the lock is free at once, no version waits for ``sub``, no changes
         are counted, ``sub`` is still the member), its outcome is given here, a thread switch
         sooner; anything else goes to the worker (:meth:`_on_done`), which may write again."""
-        if (
-            self._deltas is None
-            and h.exception(0) is None
-            and sub.waiting is None
-            and not sub.retired
-            and self._lock.acquire(blocking=False)
-        ):
+        if self._deltas is None and h.exception(0) is None and self._lock.acquire(blocking=False):
             try:
                 if sub.waiting is None and not sub.retired:
                     self._finished(sub, slot, version, handle, None)
