@@ -97,6 +97,12 @@ class Backend(Closing, abc.ABC):
         lists (the default)."""
         return None
 
+    def kernel_copies(self, agent: str) -> bool:
+        """Whether host-memory transfers with ``agent`` are each one copy by the kernel, however
+        many descriptors they have (CMA with a peer of this machine): a layer may then write
+        many small tensors as they are instead of packing them first. False by default."""
+        return False
+
     @abc.abstractmethod
     def post(self, xfer: Any, notif: bytes, peer: str) -> int:
         """Start (or restart, once DONE) a transfer; returns DONE or IN_PROGRESS."""

@@ -322,6 +322,9 @@ class NixlBackend(Backend):
         self.cma.add(agent, ident)
         return agent
 
+    def kernel_copies(self, agent: str) -> bool:
+        return self.cma.reachable(agent)
+
     def remove_peer(self, agent: str) -> None:
         self.cma.remove(agent)
         try:

@@ -86,8 +86,11 @@ ControlHandler = Callable[[str, bytes], None]
 
 
 class PeerView(Protocol):
-    """What a layer may read of a connection to a peer: its name, the incarnation it reaches and
-    the regions its record lists."""
+    """What a layer may read of a connection to a peer: its name, the incarnation it reaches, the
+    regions its record lists, and whether host-memory transfers with it are one kernel copy each
+    however many descriptors they have (``kernel_copies``: a peer of this machine reached through
+    cross-memory attach), so that writing many small tensors as they are costs no more than
+    packing them first."""
 
     @property
     def name(self) -> str: ...
@@ -97,6 +100,9 @@ class PeerView(Protocol):
 
     @property
     def regions(self) -> Mapping[str, RegionInfo]: ...
+
+    @property
+    def kernel_copies(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -462,3 +462,10 @@ def deaf_to(t: transport.Transport, peer: str) -> None:
 
     control._hear = _hear
     control._heard.pop(peer, None)
+
+
+def unpacked_members(pub: Any) -> dict[str, bool]:
+    """Which members a WeightPublisher writes from the trainer's own tensors rather than its
+    pack (their connections copy in the kernel): the path a test means to take."""
+    with pub._lock:
+        return {name: sub.unpacked for name, sub in pub._subs.items()}

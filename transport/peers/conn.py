@@ -51,6 +51,7 @@ class PeerConn:
         sealer: FrameSealer | None = None,
         traffic: Traffic | None = None,
         ring: Ringer | None = None,
+        kernel_copies: bool = False,
     ) -> None:
         self.traffic = traffic if traffic is not None else Traffic()
         #: rings the peer's doorbell (rate-limited) after each post and notification to it
@@ -60,6 +61,8 @@ class PeerConn:
         self.record = record
         self.generation = record.generation
         self.agent = agent
+        #: host-memory transfers with it are one kernel copy each (Backend.kernel_copies)
+        self.kernel_copies = kernel_copies
         self.regions: dict[str, RegionInfo] = record.region_map()
         self.lock = threading.Lock()
         self.alive = True

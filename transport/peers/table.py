@@ -202,6 +202,7 @@ class PeerTable:
             keys.sealer(ep.agent, loaded) if keys else None,
             traffic,
             Ringer(ep.engine.doorbell, rec.bell),
+            ep.backend.kernel_copies(loaded),
         )
         self._conns[peer] = conn
         ep.recorder.record("join", peers=peer, info=f"generation {rec.generation}")

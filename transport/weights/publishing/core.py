@@ -98,6 +98,7 @@ class PublisherCore(Generic[M]):
         member_type: type[M],
         planner: Callable[[RankMember, PeerView], str] | None = None,
         on_gap: Callable[[M, str], bool] = lambda sub, why: False,
+        unpacked: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.transport = transport
         self.group = group
@@ -107,7 +108,7 @@ class PublisherCore(Generic[M]):
         # every version up to this one was published before the tensors last changed
         # (:meth:`_tensors_change`): none of them is written from the tensors any more
         self._changed_after = -1
-        self._roster = Roster(transport, group, tensors, member_type, planner)
+        self._roster = Roster(transport, group, tensors, member_type, planner, unpacked)
         self._subs = self._roster.members  # name -> Member, the roster's (it adds and drops them)
         self._lock = threading.RLock()
         self._handles: list[Delivery] = []

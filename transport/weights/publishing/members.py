@@ -136,7 +136,8 @@ class Member:
 
 class PublisherMember(Member):
     """A subscriber as :class:`WeightPublisher` serves it: the names it takes and their
-    ``batches`` per slot, whether it may relay, the newest version that landed there, the relay
+    ``batches`` per slot (from the trainer's tensors themselves where ``unpacked``), whether it
+    may relay, the newest version that landed there, the relay
     writing it and that write's handle, the slots fenced off for a relay that was cut off while
     writing them, and the segments of a version in flight."""
 
@@ -145,6 +146,7 @@ class PublisherMember(Member):
         self.can_relay = entry.relay and entry.mode == "staging"
         self.names: frozenset[str] = frozenset()
         self.batches: list[Batch] = []
+        self.unpacked = False  # its batches write the trainer's tensors, not the pack's copies
         self.completed = -1  # the newest version that landed there
         self.relay_handle: Delivery | None = None
         self.fenced: dict[int, Fence] = {}  # by slot

@@ -1,5 +1,6 @@
 """Small, separately allocated tensors of a publisher, copied into one buffer at every publish, so
-that writing them is a handful of descriptors instead of one per tensor."""
+that writing them is a handful of descriptors instead of one per tensor (subscribers whose
+connections copy in the kernel take the tensors as they are: see WeightPublisher)."""
 
 from __future__ import annotations
 

@@ -77,6 +77,15 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
     replays. :meth:`publish` sends to all subscribers at once and returns a :class:`PublishHandle`
     whose result tells, per subscriber, done, excluded or lost.
 
+    Small, separately allocated tensors (weights/publishing/pack.py) are copied into one buffer,
+    the pack, at each publish and written from it: a handful of descriptors instead of one per
+    tensor. A subscriber whose connection copies in the kernel (a process of this machine,
+    reached through cross-memory attach) takes them as they are instead, one system call for
+    all of them, when it takes at most ``UNPACKED_MAX_TENSORS`` (roster.py). When every
+    subscriber does, and the publisher writes each itself,
+    the pack (which a late joiner's pull() reads) is filled while the writes run, not before
+    them; a member planned meanwhile that would write from the pack waits until it is filled.
+
     Membership (weights/publishing/roster.py): a subscriber whose heartbeat stopped is suspect
     (transport/peers/liveness.py) and excluded from a publish at once, with that reason, instead of at
     the deadline, whether it was suspect when the publish began or became so while the publish
@@ -137,6 +146,10 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         # [seq, version] that is odd while the trainer changes them.
         self._word = SeqWord()
         self._relays: set[str] = set()  # the subscribers that forward the current version
+        # the pack is being filled after this publish's writes began (every member takes the
+        # trainer's tensors as they are): a member that would write from it waits until then
+        self._filling_after = False
+        self._parked: list[PublisherMember] = []
         self._exposed: list[str] = []
         super().__init__(
             transport,
@@ -146,6 +159,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             f"transport-ws-pub-{group}",
             PublisherMember,
             on_gap=self._close_gap,
+            unpacked=self.tensors if self._pack.names else None,
         )
         try:
             exposed = {region(self.group, PUB_SLOT, n): t for n, t in self._sources.items()}
@@ -221,21 +235,68 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         timeout = self.transport.timeout if timeout is None else timeout
         with self._reading_ahead():
             self._refresh_for_publish()
-            if self._pack.names:  # a late joiner's pull() sees the copies as changing meanwhile
-                with self._word.filling():
-                    self._pack.fill()
-            if self._deltas is not None:
-                with self._lock:  # a write of the previous changes may still read the outbox
-                    patching = any(s.patch is not None for s in self._subs.values())
-                    self._deltas.stage(version, self.tensors, patching)
             with self._lock:
-                handle, direct = self._begin(version, timeout, "no free slot")
-                self._word.stamp(version)
-                via = fanout_tree(direct, self.fanout, self.degree)
-                self._relays = set(via.values())
-                for sub in direct:
-                    self._start(sub, version, handle, via.get(sub.name))
+                after = self._filling_after = self._fill_after_writes()
+            if self._pack.names and not after:
+                self._fill_pack()
+            began = False
+            try:
+                if self._deltas is not None:
+                    with self._lock:  # a write of the previous changes may still read the outbox
+                        patching = any(s.patch is not None for s in self._subs.values())
+                        self._deltas.stage(version, self.tensors, patching)
+                with self._lock:
+                    handle, direct = self._begin(version, timeout, "no free slot")
+                    began = True
+                    if not after:
+                        self._word.stamp(version)
+                    via = fanout_tree(direct, self.fanout, self.degree)
+                    self._relays = set(via.values())
+                    for sub in direct:
+                        self._start(sub, version, handle, via.get(sub.name))
+            finally:
+                if after:  # while the writes run on the engine's thread
+                    self._filled_after(version if began else None)
         return handle.handle
+
+    def _filled_after(self, version: int | None) -> None:
+        """Fill the pack after the writes of ``version`` began (None: it did not begin), name it
+        for pull(), and start the members that waited for the pack."""
+        self._fill_pack()
+        with self._lock:
+            self._filling_after = False
+            if version is not None:
+                self._word.stamp(version)
+            parked, self._parked = self._parked, []
+            for sub in parked:
+                self._resume(sub)
+
+    def _fill_after_writes(self) -> bool:
+        """With the lock held: whether this publish fills the pack after its writes began, not
+        before: every member takes the trainer's tensors as they are (``unpacked``: its
+        connection copies in the kernel) and the publisher writes each itself, so no write reads
+        the pack; a late joiner's pull() sees the copies as changing until they are filled."""
+        return (
+            bool(self._pack.names)
+            and self.fanout == "direct"
+            and all(sub.unpacked for sub in self._subs.values())
+        )
+
+    def _fill_pack(self) -> None:
+        """Copy the tensors into the pack (a late joiner's pull() sees them changing meanwhile)."""
+        with self._word.filling():
+            self._pack.fill()
+
+    def _may_start(
+        self, sub: PublisherMember, version: int, handle: Delivery, via: str | None = None
+    ) -> bool:
+        if not super()._may_start(sub, version, handle, via):
+            return False
+        if self._filling_after and not sub.unpacked:  # it writes the pack: once it is filled
+            sub.waiting = Waiting(version, handle, via)
+            self._parked.append(sub)
+            return False
+        return True
 
     def _patch_for(self, sub: PublisherMember, version: int) -> Encoded | None:
         """With the lock held: ``version``'s changes if ``sub`` takes them (it holds their base:

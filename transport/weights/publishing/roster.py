@@ -80,6 +80,12 @@ def fanout_tree(subs: list[PublisherMember], fanout: str, degree: int) -> dict[s
 
 M = TypeVar("M", bound=Member)
 
+#: a member whose connection copies in the kernel takes the trainer's tensors as they are only
+#: up to this many of them: each is a registration of its own (half the Transport's budget of
+#: implicit ones, which evicts past it and plans again at every publish) and a row of its plan;
+#: a model of more small tensors goes through the pack, whose one copy then costs less
+UNPACKED_MAX_TENSORS = 512
+
 
 class Roster(Generic[M]):
     """The subscribers of one group as the publisher serves them: one :class:`Member` per
@@ -123,10 +129,15 @@ class Roster(Generic[M]):
         tensors: Mapping[str, torch.Tensor],
         member_type: type[M],
         planner: Callable[[RankMember, PeerView], str] | None = None,
+        unpacked: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.transport = transport
         self.group = group
         self.tensors = tensors
+        # the trainer's own tensors where ``tensors`` holds packed copies of some of them
+        # (WeightPublisher's pack): written as they are to a member whose connection copies in
+        # the kernel (PeerView.kernel_copies), where many descriptors cost no more than one
+        self.unpacked = unpacked
         # how a sharded rank plans a member (sets its ``writes``; returns what is wrong, or "")
         self.planner = planner
         self.member_type = member_type  # what each publisher keeps of a member
@@ -139,7 +150,7 @@ class Roster(Generic[M]):
         self.store_lost = False  # the store lost the group since the last refresh
         # the batches of the name sets members asked for, per slot: made (checked, signed) once
         # for every member taking the same names (usually all of them take every name)
-        self._batches: dict[frozenset[str], list[Batch]] = {}
+        self._batches: dict[tuple[frozenset[str], bool], list[Batch]] = {}
 
     def refresh(self) -> list[Retired]:
         """Read what changed (see the rules); returns the member incarnations that are gone
@@ -253,7 +264,10 @@ class Roster(Generic[M]):
                 log.error("group %s: %s", self.group, sub.error)
             return
         sub.names = frozenset(names)
-        sub.batches = self.batches(sub.names, names, sub.slots)
+        sub.unpacked = (
+            self.unpacked is not None and conn.kernel_copies and len(names) <= UNPACKED_MAX_TENSORS
+        )
+        sub.batches = self.batches(sub.names, names, sub.slots, sub.unpacked)
         inbox = conn.regions.get(inbox_region(self.group))
         sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
         if sub.mode == "staging":
@@ -335,15 +349,18 @@ class Roster(Generic[M]):
             sub.error = f"cannot reach it (tried again until the deadline): {e}"
             sub.transient = True
 
-    def batches(self, key: frozenset[str], names: list[str], slots: int) -> list[Batch]:
+    def batches(
+        self, names_set: frozenset[str], names: list[str], slots: int, unpacked: bool = False
+    ) -> list[Batch]:
         """The batches of ``names`` for slots 0 to ``slots - 1`` (checked and signed once: a
-        publish does no per-tensor work), shared by members of the same names. At most 8 name
-        sets are kept: members that each take other names are not a cache's case."""
+        publish does no per-tensor work), from ``unpacked`` or from ``tensors``, shared by
+        members of the same names. At most 8 are kept: members that each take other names are
+        not a cache's case."""
+        key = (names_set, unpacked)
+        src = self.unpacked if unpacked and self.unpacked is not None else self.tensors
         made = self._batches.get(key, [])
         for k in range(len(made), slots):
-            made.append(
-                self.transport.batch({region(self.group, k, n): self.tensors[n] for n in names})
-            )
+            made.append(self.transport.batch({region(self.group, k, n): src[n] for n in names}))
         self._batches[key] = made
         while len(self._batches) > 8:
             del self._batches[next(iter(self._batches))]
