@@ -10,6 +10,7 @@ writes each finding's input under ``OUT/findings/<target>/``; fixed, it belongs 
 
     python tests/fuzz/run.py --seconds 120 --jobs 2 --json fuzz.json      # every target
     python tests/fuzz/run.py --seconds 10 --targets heartbeat,delta_blob  # some of them
+    python tests/fuzz/run.py --runs 300 --seconds 600  # 300 inputs each, however long they take
     python tests/fuzz/run.py --write-seeds    # rewrite the seed corpus from the encoders
     python tests/fuzz/run.py --replay FILE --targets delta_blob   # one input, its traceback
 
@@ -139,6 +140,7 @@ def _child(target: Any, work: Path, findings: Path, args: argparse.Namespace) ->
     argv = [
         sys.argv[0],
         f"-max_total_time={max(1, round(args.seconds))}",
+        f"-runs={args.runs}",
         f"-timeout={args.input_timeout}",
         f"-rss_limit_mb={args.rss_limit_mb}",
         f"-artifact_prefix={findings}/",
@@ -305,6 +307,13 @@ def replay(targets: list[Any], path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60, help="per target (default 60)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=-1,
+        help="per target, stop after this many inputs (the corpus's included) if that comes "
+        "before --seconds (default: no bound): a run whose work does not depend on the load",
+    )
     p.add_argument("--targets", help="comma-separated names (default: every target)")
     p.add_argument("--jobs", type=int, default=1, help="targets fuzzed at once (default 1)")
     p.add_argument(

@@ -1,7 +1,7 @@
-"""The decoders under coverage-guided fuzzing (run.py, atheris): every target a few seconds from
-its corpus, every file of the corpus (seeds, and the inputs of findings fixed since) replayed,
-and the runner proved to report what it must (a planted error, an allocation past the budget, a
-hang). The long run and its figures: ``python tests/fuzz/run.py --seconds 600 --jobs 2``
+"""The decoders under coverage-guided fuzzing (run.py, atheris): every target RUNS inputs from
+its corpus (a count, not a time: a loaded machine does the same work), every file of the corpus
+(seeds, and the inputs of findings fixed since) replayed, and the runner proved to report what
+it must (a planted error, an allocation past the budget, a hang). The long run and its figures: ``python tests/fuzz/run.py --seconds 600 --jobs 2``
 (benchmarks/README.md)."""
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ pytest.importorskip("atheris", reason="atheris has wheels for CPython 3.11 and 3
 
 HERE = Path(__file__).resolve().parent
 RUN = HERE / "run.py"
-#: per target in the test command (the long run is the runner's own)
-SECONDS = float(os.environ.get("TRANSPORT_FUZZ_SECONDS", "1"))
+#: inputs per target in the test command, the corpus's included (the long run is the runner's
+#: own): a count, not a time, so that a loaded machine runs the same work, only slower
+RUNS = int(os.environ.get("TRANSPORT_FUZZ_RUNS", "300"))
+#: the bound on each target's time, far past what RUNS takes (a few seconds on a loaded machine)
+SECONDS = 120
 
 sys.path.insert(0, str(HERE))
 import fuzz_targets  # noqa: E402
@@ -56,6 +59,8 @@ def test_every_file_of_the_corpus_is_handled_and_some_seed_is_accepted(target):
 def test_each_target_fuzzes_from_its_corpus_and_finds_nothing(tmp_path):
     report = tmp_path / "report.json"
     proc = _runner(
+        "--runs",
+        str(RUNS),
         "--seconds",
         str(SECONDS),
         "--out",
@@ -69,7 +74,7 @@ def test_each_target_fuzzes_from_its_corpus_and_finds_nothing(tmp_path):
     got = {t["target"]: t for t in json.loads(report.read_text())["targets"]}
     assert set(got) == {t.name for t in fuzz_targets.TARGETS}
     for name, t in got.items():
-        assert t["inputs"] > 100, f"{name} ran {t['inputs']} inputs"
+        assert t["inputs"] >= RUNS, f"{name} ran {t['inputs']} inputs of {RUNS}"
         assert not t["findings"], (name, t["findings"])
     print(f"\nfuzz: {sum(t['inputs'] for t in got.values()):,} inputs in {len(got)} targets")
 
