@@ -63,12 +63,13 @@ from transport.weights.publishing.members import (
     Waiting,
 )
 from transport.weights.publishing.pack import Pack
+from transport.weights.publishing.pack_fill import PackFill
 from transport.weights.publishing.roster import check_fanout, fanout_tree
 
 log = logging.getLogger(__name__)
 
 
-class WeightPublisher(Handover, PublisherCore[PublisherMember]):
+class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
     """Publishes ``named_tensors`` to every subscriber of ``group``.
 
     Subscribers are found through the store (one read per publish notices joins and leaves). For
@@ -146,10 +147,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         # [seq, version] that is odd while the trainer changes them.
         self._word = SeqWord()
         self._relays: set[str] = set()  # the subscribers that forward the current version
-        # the pack is being filled after this publish's writes began (every member takes the
-        # trainer's tensors as they are): a member that would write from it waits until then
-        self._filling_after = False
-        self._parked: list[PublisherMember] = []
+        self._init_pack_fill()
         self._exposed: list[str] = []
         super().__init__(
             transport,
@@ -236,7 +234,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         with self._reading_ahead():
             self._refresh_for_publish()
             with self._lock:
-                after = self._filling_after = self._fill_after_writes()
+                after = self._fill_after_writes()
             if self._pack.names and not after:
                 self._fill_pack()
             began = False
@@ -259,44 +257,12 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
                     self._filled_after(version if began else None)
         return handle.handle
 
-    def _filled_after(self, version: int | None) -> None:
-        """Fill the pack after the writes of ``version`` began (None: it did not begin), name it
-        for pull(), and start the members that waited for the pack."""
-        self._fill_pack()
-        with self._lock:
-            self._filling_after = False
-            if version is not None:
-                self._word.stamp(version)
-            parked, self._parked = self._parked, []
-            for sub in parked:
-                self._resume(sub)
-
-    def _fill_after_writes(self) -> bool:
-        """With the lock held: whether this publish fills the pack after its writes began, not
-        before: every member takes the trainer's tensors as they are (``unpacked``: its
-        connection copies in the kernel) and the publisher writes each itself, so no write reads
-        the pack; a late joiner's pull() sees the copies as changing until they are filled."""
-        return (
-            bool(self._pack.names)
-            and self.fanout == "direct"
-            and all(sub.unpacked for sub in self._subs.values())
-        )
-
-    def _fill_pack(self) -> None:
-        """Copy the tensors into the pack (a late joiner's pull() sees them changing meanwhile)."""
-        with self._word.filling():
-            self._pack.fill()
-
     def _may_start(
         self, sub: PublisherMember, version: int, handle: Delivery, via: str | None = None
     ) -> bool:
-        if not super()._may_start(sub, version, handle, via):
-            return False
-        if self._filling_after and not sub.unpacked:  # it writes the pack: once it is filled
-            sub.waiting = Waiting(version, handle, via)
-            self._parked.append(sub)
-            return False
-        return True
+        return super()._may_start(sub, version, handle, via) and not self._waits_for_pack(
+            sub, version, handle, via
+        )
 
     def _patch_for(self, sub: PublisherMember, version: int) -> Encoded | None:
         """With the lock held: ``version``'s changes if ``sub`` takes them (it holds their base:
