@@ -247,14 +247,16 @@ class CmaTransfer:
     """One prepared CMA transfer with ``agent``'s process (see :class:`CmaPeers`): ``run()`` moves
     every row, in C, raising the errors of :mod:`transport.errors` (:func:`cma_error`). A
     notified one also holds ``tail``, set by the backend: a transfer of its last byte again that
-    carries the notification, so that it completes as the backend's notified transfers do."""
+    carries the notification, so that it completes as the backend's notified transfers do.
+    ``calls``: the system calls of one run (rows adjacent on their side merge, csrc/cma.c)."""
 
-    __slots__ = ("agent", "nbytes", "run", "tail")
+    __slots__ = ("agent", "calls", "nbytes", "run", "tail")
 
     def __init__(self, agent: str, xfer: object) -> None:
         self.agent = agent
         self.run = xfer.run  # type: ignore[attr-defined]
         self.nbytes: int = xfer.nbytes  # type: ignore[attr-defined]
+        self.calls: int = xfer.calls  # type: ignore[attr-defined]
         self.tail: Any = None  # the backend's transfer that carries a notification after it
 
 

@@ -144,8 +144,11 @@ typedef struct {
     int write;
     Py_ssize_t rows;
     uint64_t nbytes;
+    /* the rows merged where adjacent on their side, cut into calls (see merge_rows) */
     struct iovec *local;
     struct iovec *remote;
+    struct call *calls;
+    Py_ssize_t ncalls;
 } Transfer;
 
 /* Raise OSError for ``err``; with ``t``, the exception carries ``moved``: the bytes that went
@@ -196,6 +199,55 @@ static PyObject *fail(const Transfer *t, int err, uint64_t moved)
     return NULL;
 }
 
+/* One system call of a transfer: ``nlocal`` iovecs from ``local`` and ``nremote`` from ``remote``
+ * (indices into the transfer's merged arrays), ``nbytes`` on each side. */
+struct call {
+    Py_ssize_t local, nlocal, remote, nremote;
+    uint64_t nbytes;
+};
+
+/* Append row (base, len) to ``iov`` (``*n`` iovecs so far, ``first`` the call's first): merged
+ * into the last iovec of the call when it continues it. Returns whether it took an iovec. */
+static int append_row(struct iovec *iov, Py_ssize_t first, Py_ssize_t *n, struct iovec row)
+{
+    if (*n > first) {
+        struct iovec *last = &iov[*n - 1];
+        if ((char *)last->iov_base + last->iov_len == (char *)row.iov_base) {
+            last->iov_len += row.iov_len;
+            return 0;
+        }
+    }
+    iov[(*n)++] = row;
+    return 1;
+}
+
+/* Merge paired rows ``l`` and ``r`` (``n`` each, equal lengths pair by pair) into runs of
+ * adjacent memory on each side independently: a transfer of many small tensors from separate
+ * allocations into one flat region is then one remote iovec, which the kernel pins once instead
+ * of once a row. The runs are cut into calls of at most ROWS_PER_CALL iovecs a side, at row
+ * boundaries, so each call moves the same bytes on both sides. Writes the merged arrays over
+ * ``l`` and ``r`` (never longer) and the calls into ``calls`` (at most ``n``); returns their
+ * count. */
+static Py_ssize_t merge_rows(struct iovec *l, struct iovec *r, Py_ssize_t n, struct call *calls)
+{
+    Py_ssize_t nl = 0, nr = 0, ncalls = 0;
+    struct call *c = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct iovec lrow = l[i], rrow = r[i];
+        if (c == NULL || c->nlocal == ROWS_PER_CALL || c->nremote == ROWS_PER_CALL) {
+            c = &calls[ncalls++];
+            c->local = nl;
+            c->remote = nr;
+            c->nlocal = c->nremote = 0;
+            c->nbytes = 0;
+        }
+        c->nlocal += append_row(l, c->local, &nl, lrow);
+        c->nremote += append_row(r, c->remote, &nr, rrow);
+        c->nbytes += lrow.iov_len;
+    }
+    return ncalls;
+}
+
 /* rows: a buffer of unsigned 64-bit (address, length) pairs */
 static int load_rows(PyObject *obj, struct iovec **out, Py_ssize_t *count, uint64_t *total)
 {
@@ -238,6 +290,7 @@ static void transfer_dealloc(Transfer *self)
 {
     PyMem_Free(self->local);
     PyMem_Free(self->remote);
+    PyMem_Free(self->calls);
     Py_XDECREF(self->process);
     Py_XDECREF(self->on_error);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -278,8 +331,19 @@ static int transfer_init(Transfer *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "local and remote rows must pair up, length for length");
         return -1;
     }
+    struct call *calls = PyMem_Calloc(nl > 0 ? (size_t)nl : 1, sizeof(struct call));
+    if (calls == NULL) {
+        PyMem_Free(l);
+        PyMem_Free(r);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t ncalls = merge_rows(l, r, nl, calls);
     PyMem_Free(self->local);
     PyMem_Free(self->remote);
+    PyMem_Free(self->calls);
+    self->calls = calls;
+    self->ncalls = ncalls;
     Py_INCREF(process);
     Py_XSETREF(self->process, process);
     Py_XSETREF(self->on_error, on_error == Py_None ? NULL : Py_NewRef(on_error));
@@ -325,28 +389,22 @@ static PyObject *transfer_run(Transfer *self, PyObject *Py_UNUSED(ignored))
     PyThreadState *ts = NULL;
     if (self->nbytes >= RELEASE_GIL_BYTES)
         ts = PyEval_SaveThread();
-    for (Py_ssize_t first = 0; first < self->rows && !err;) {
-        Py_ssize_t k = self->rows - first;
-        if (k > ROWS_PER_CALL)
-            k = ROWS_PER_CALL;
-        uint64_t want = 0;
-        for (Py_ssize_t i = first; i < first + k; i++)
-            want += self->local[i].iov_len;
+    for (Py_ssize_t i = 0; i < self->ncalls && !err; i++) {
+        const struct call *c = &self->calls[i];
+        struct iovec *l = self->local + c->local, *r = self->remote + c->remote;
+        unsigned long nl = (unsigned long)c->nlocal, nr = (unsigned long)c->nremote;
         ssize_t got;
         do {
-            got = self->write ? process_vm_writev(self->pid, self->local + first, (unsigned long)k,
-                                                  self->remote + first, (unsigned long)k, 0)
-                              : process_vm_readv(self->pid, self->local + first, (unsigned long)k,
-                                                 self->remote + first, (unsigned long)k, 0);
+            got = self->write ? process_vm_writev(self->pid, l, nl, r, nr, 0)
+                              : process_vm_readv(self->pid, l, nl, r, nr, 0);
         } while (got < 0 && errno == EINTR);
         if (got < 0) {
             err = errno;
         } else {
             moved += (uint64_t)got;
-            if ((uint64_t)got != want)
+            if ((uint64_t)got != c->nbytes)
                 err = EFAULT; /* the kernel stops at the first row it cannot reach */
         }
-        first += k;
     }
     __atomic_sub_fetch(active, 1, __ATOMIC_SEQ_CST);
     if (ts != NULL)
@@ -366,6 +424,21 @@ static PyObject *transfer_rows(Transfer *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(self->rows);
 }
 
+static PyObject *transfer_calls(Transfer *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->ncalls);
+}
+
+static PyObject *transfer_iovecs(Transfer *self, void *Py_UNUSED(closure))
+{
+    Py_ssize_t l = 0, r = 0;
+    for (Py_ssize_t i = 0; i < self->ncalls; i++) {
+        l += self->calls[i].nlocal;
+        r += self->calls[i].nremote;
+    }
+    return Py_BuildValue("(nn)", l, r);
+}
+
 static PyMethodDef transfer_methods[] = {
     {"run", (PyCFunction)transfer_run, METH_NOARGS,
      "Move every row once; raises OSError (with .moved) when the kernel refuses."},
@@ -375,6 +448,9 @@ static PyMethodDef transfer_methods[] = {
 static PyGetSetDef transfer_getset[] = {
     {"nbytes", (getter)transfer_nbytes, NULL, "bytes moved by one run", NULL},
     {"rows", (getter)transfer_rows, NULL, "paired rows", NULL},
+    {"calls", (getter)transfer_calls, NULL, "system calls per run", NULL},
+    {"iovecs", (getter)transfer_iovecs, NULL, "(local, remote) iovecs once adjacent rows merged",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -240,6 +240,50 @@ def test_the_gate_refuses_every_run_once_shut_and_rows_past_the_kernels_limit_la
         writer.close()
 
 
+@needs_cma
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_rows_adjacent_on_either_side_merge_and_every_byte_lands_where_its_row_says(op):
+    """Small tensors of separate allocations into one flat region (and back): the rows adjacent
+    on one side merge there, each call moves the same bytes on both sides, and every byte lands
+    where its row pairs it, past the kernel's limit of 1,024 iovecs a call too."""
+    owner, writer = CmaPeers(), CmaPeers()
+    try:
+        assert writer.add("owner", owner.identity)
+        n, width = 3000, 24
+        flat = torch.zeros(n * width, dtype=torch.uint8)  # adjacent rows, one after another
+        # the other side: rows 48 bytes apart (24 bytes of nobody's between them), every fifth
+        # run of rows adjacent there too, in a shuffled order of the runs
+        loose = torch.zeros(n * 2 * width, dtype=torch.uint8)
+        step = [width if i % 5 else 2 * width for i in range(n)]
+        at = np.cumsum([0, *step[:-1]])
+        perm = np.random.default_rng(7).permutation(n)
+        flat_rows = np.array([(flat.data_ptr() + width * i, width, 0) for i in perm], np.uint64)
+        loose_rows = np.array([(loose.data_ptr() + int(at[i]), width, 0) for i in perm], np.uint64)
+        src, dst = (loose, flat) if op == "WRITE" else (flat, loose)
+        src.copy_(pattern(src.numel(), 11))
+        local, remote = (loose_rows, flat_rows) if op == "WRITE" else (flat_rows, loose_rows)
+        xfer = writer.transfer(op, "owner", local, remote, "owner")
+        assert isinstance(xfer, CmaTransfer) and xfer.nbytes == n * width
+        xfer.run()
+        for i in range(n):  # each row's bytes where its pair is
+            f, lo = flat[width * i : width * (i + 1)], loose[int(at[i]) : int(at[i]) + width]
+            assert torch.equal(f, lo), f"row {i}"
+        # shuffled: few rows adjacent in the order given; sorted, the flat side is one run and
+        # the loose side one in five: the calls follow the side with more iovecs
+        order = np.argsort(flat_rows[:, 0])
+        merged = writer.transfer(op, "owner", local[order], remote[order], "owner")
+        assert merged is not None and merged.calls == -(-(n // 5) // 1024)
+        dst.zero_()
+        merged.run()
+        assert torch.equal(
+            flat.view(n, width),
+            loose.view(-1)[torch.from_numpy(at).unsqueeze(1) + torch.arange(width)],
+        )
+    finally:
+        owner.close()
+        writer.close()
+
+
 #: where csrc/cma.c keeps the writers' counts in a gate: after the token (16 bytes), ``open`` and
 #: the shared count (8 each), 250 slots of (writer key, runs in progress), 8 bytes each
 SLOTS_AT, SLOT = 32, struct.Struct("<qq")
