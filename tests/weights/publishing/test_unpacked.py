@@ -1,7 +1,8 @@
 """A publisher's small, separately allocated tensors written as they are to subscribers whose
 connections copy in the kernel (cross-memory attach with a process of this machine), and through
-the pack to the others: real NIXL agents in processes of their own, every byte checked, and a late
-joiner's pull() of the pack, which is then filled after the writes began."""
+the pack to the others, which is filled for a version only when such a write reads it: real NIXL
+agents in processes of their own, every byte checked, and a late joiner's pull() of the tensors
+themselves."""
 
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def test_loose_tensors_go_as_they_are_where_the_kernel_copies_and_a_late_joiner_
                     got = s.end("version", timeout=90)
                     bad = [n for n in want if got[n] != want[n]]
                     assert not bad, f"{s.name}, version {v}: {len(bad)} tensors differ ({bad[:3]})"
-            # the pack holds version 3 for a late joiner (filled after the writes when every
-            # member took the tensors as they are), although the trainer wrote none from it
+            # a late joiner reads version 3 from the tensors themselves (the pack, filled only
+            # for a write that reads it, may hold none)
             with Child("late", url, join=False) as late:
                 late.started(START_TIMEOUT)
                 got_version, got = late.call("pull", timeout=90)
@@ -133,7 +134,8 @@ def test_loose_tensors_go_as_they_are_where_the_kernel_copies_and_a_late_joiner_
 
 def test_more_small_tensors_than_the_bound_go_through_the_pack(tcp_store, trainer):
     """Past UNPACKED_MAX_TENSORS each tensor's registration and plan row would cost more than
-    the pack's one copy (and crowd out the Transport's budget of implicit registrations)."""
+    the pack's one copy (and crowd out the Transport's budget of implicit registrations): the
+    pack is written, and filled at every publish for pull()."""
     weights = loose(UNPACKED_MAX_TENSORS + 1)
     with transport.Transport("gen", store=tcp_store) as gen:
         sub = transport.WeightSubscriber(gen, loose(UNPACKED_MAX_TENSORS + 1))

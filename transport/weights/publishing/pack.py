@@ -25,7 +25,9 @@ PACK_MAX_BYTES = 1 << 30
 class Pack:
     """The packed copies of a publisher's small tensors: ``sources`` is what the publisher writes
     and exposes (each packed name a view into one host buffer, every other name its own tensor),
-    :meth:`fill` copies the tensors' current values into the buffer.
+    :meth:`fill` copies the tensors' current values into the buffer. ``exposed``: the publisher
+    exposes the buffer for a late joiner's pull() (else the tensors themselves), and fills it at
+    every publish; ``holds``: the version of the last fill.
 
     Rules: a tensor is packed when it is in host memory, contiguous, holds at most
     ``PACK_TENSOR_BYTES`` and shares its storage with neither of its neighbours in the publisher's
@@ -40,10 +42,12 @@ class Pack:
     """
 
     @without_gc
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], expose: bool = True) -> None:
         chosen = packable(tensors)
         views = flat_like({n: tensors[n] for n in chosen}) if chosen else {}
         self.names = tuple(chosen)
+        self.exposed = expose and bool(chosen)  # what a late joiner's pull() reads
+        self.holds = -1  # the version its copies were made for (-1: none)
         self.sources = {n: views.get(n, t) for n, t in tensors.items()}
         self.nbytes = 0
         self._parts: list[np.ndarray] = []  # the sources' bytes, and the gaps, in buffer order
@@ -77,8 +81,10 @@ class Pack:
             end = at + tensors[n].nbytes
         self._out = buffer.numpy()
 
-    def fill(self) -> None:
-        """Copy every packed tensor's current value into its place in the buffer."""
+    def fill(self, version: int = -1) -> None:
+        """Copy every packed tensor's current value into its place in the buffer, as the values
+        of ``version``."""
+        self.holds = version
         if self._copies is not None:
             self._copies.run()
         elif self._out is not None:

@@ -63,13 +63,16 @@ from transport.weights.publishing.members import (
     Waiting,
 )
 from transport.weights.publishing.pack import Pack
-from transport.weights.publishing.pack_fill import PackFill
-from transport.weights.publishing.roster import check_fanout, fanout_tree
+from transport.weights.publishing.roster import (
+    UNPACKED_MAX_TENSORS,
+    check_fanout,
+    fanout_tree,
+)
 
 log = logging.getLogger(__name__)
 
 
-class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
+class WeightPublisher(Handover, PublisherCore[PublisherMember]):
     """Publishes ``named_tensors`` to every subscriber of ``group``.
 
     Subscribers are found through the store (one read per publish notices joins and leaves). For
@@ -79,13 +82,13 @@ class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
     whose result tells, per subscriber, done, excluded or lost.
 
     Small, separately allocated tensors (weights/publishing/pack.py) are copied into one buffer,
-    the pack, at each publish and written from it: a handful of descriptors instead of one per
-    tensor. A subscriber whose connection copies in the kernel (a process of this machine,
-    reached through cross-memory attach) takes them as they are instead, one system call for
-    all of them, when it takes at most ``UNPACKED_MAX_TENSORS`` (roster.py). When every
-    subscriber does, and the publisher writes each itself,
-    the pack (which a late joiner's pull() reads) is filled while the writes run, not before
-    them; a member planned meanwhile that would write from the pack waits until it is filled.
+    the pack, and written from it: a handful of descriptors instead of one per tensor. For a
+    trainer of at most ``UNPACKED_MAX_TENSORS`` tensors (roster.py), a subscriber whose
+    connection copies in the kernel (a process of this machine, reached through cross-memory
+    attach) takes them as they are instead, one system call for all of them; the pack is then
+    filled for a version only when a write reads it, and a late joiner's pull() reads the
+    tensors themselves. A trainer of more tensors exposes the pack for pull() and fills it at
+    every publish (a registration a tensor would cost more than the copy).
 
     Membership (weights/publishing/roster.py): a subscriber whose heartbeat stopped is suspect
     (transport/peers/liveness.py) and excluded from a publish at once, with that reason, instead of at
@@ -139,15 +142,14 @@ class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
         self.tensors = check_named_tensors(named_tensors, "publisher")
         self._delta = check_delta(delta)
         self._switch_deltas(self._delta)
-        # what is written and exposed: small separately allocated tensors through one buffer
-        self._pack = Pack(self.tensors)
+        # small separately allocated tensors through one buffer (see the class's docstring)
+        self._pack = Pack(self.tensors, expose=len(self.tensors) > UNPACKED_MAX_TENSORS)
         self._sources = self._pack.sources
         # Late joiners read the newest version straight from here (see updating() and
         # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word
         # [seq, version] that is odd while the trainer changes them.
         self._word = SeqWord()
         self._relays: set[str] = set()  # the subscribers that forward the current version
-        self._init_pack_fill()
         self._exposed: list[str] = []
         super().__init__(
             transport,
@@ -157,10 +159,11 @@ class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
             f"transport-ws-pub-{group}",
             PublisherMember,
             on_gap=self._close_gap,
-            unpacked=self.tensors if self._pack.names else None,
+            unpacked=self.tensors if self._pack.names and not self._pack.exposed else None,
         )
         try:
-            exposed = {region(self.group, PUB_SLOT, n): t for n, t in self._sources.items()}
+            read = self._sources if self._pack.exposed else self.tensors  # what pull() reads
+            exposed = {region(self.group, PUB_SLOT, n): t for n, t in read.items()}
             exposed[region(self.group, PUB_SLOT, SEQ_NAME)] = self._word.word
             leftovers(transport, group)  # of a closed member of the group, if its close ran out
             transport.expose_all(exposed, access="r")
@@ -233,36 +236,36 @@ class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
         timeout = self.transport.timeout if timeout is None else timeout
         with self._reading_ahead():
             self._refresh_for_publish()
+            if self._pack.exposed:  # pull() reads it: filled at every publish
+                self._fill_pack(version)
+            if self._deltas is not None:
+                with self._lock:  # a write of the previous changes may still read the outbox
+                    patching = any(s.patch is not None for s in self._subs.values())
+                    self._deltas.stage(version, self.tensors, patching)
             with self._lock:
-                after = self._fill_after_writes()
-            if self._pack.names and not after:
-                self._fill_pack()
-            began = False
-            try:
-                if self._deltas is not None:
-                    with self._lock:  # a write of the previous changes may still read the outbox
-                        patching = any(s.patch is not None for s in self._subs.values())
-                        self._deltas.stage(version, self.tensors, patching)
-                with self._lock:
-                    handle, direct = self._begin(version, timeout, "no free slot")
-                    began = True
-                    if not after:
-                        self._word.stamp(version)
-                    via = fanout_tree(direct, self.fanout, self.degree)
-                    self._relays = set(via.values())
-                    for sub in direct:
-                        self._start(sub, version, handle, via.get(sub.name))
-            finally:
-                if after:  # while the writes run on the engine's thread
-                    self._filled_after(version if began else None)
+                handle, direct = self._begin(version, timeout, "no free slot")
+                self._word.stamp(version)
+                via = fanout_tree(direct, self.fanout, self.degree)
+                self._relays = set(via.values())
+                for sub in direct:
+                    self._start(sub, version, handle, via.get(sub.name))
         return handle.handle
+
+    def _fill_pack(self, version: int) -> None:
+        """Copy the tensors into the pack for ``version``, unless it holds them already (a late
+        joiner's pull() of an exposed pack sees it changing meanwhile)."""
+        if self._pack.names and self._pack.holds != version:
+            with self._word.filling():
+                self._pack.fill(version)
 
     def _may_start(
         self, sub: PublisherMember, version: int, handle: Delivery, via: str | None = None
     ) -> bool:
-        return super()._may_start(sub, version, handle, via) and not self._waits_for_pack(
-            sub, version, handle, via
-        )
+        if not super()._may_start(sub, version, handle, via):
+            return False
+        if not sub.unpacked:  # it writes from the pack: which must hold the version first
+            self._fill_pack(version)
+        return True
 
     def _patch_for(self, sub: PublisherMember, version: int) -> Encoded | None:
         """With the lock held: ``version``'s changes if ``sub`` takes them (it holds their base:
@@ -367,7 +370,8 @@ class WeightPublisher(Handover, PackFill, PublisherCore[PublisherMember]):
         forwards while the rest is still on its way (see ``transport.weights.group``)."""
         segs = sub.segments.get(slot)
         if segs is None:
-            mine = {n: self._sources[n] for n in sub.names}
+            src = self.tensors if sub.unpacked else self._sources
+            mine = {n: src[n] for n in sub.names}
             segs = sub.segments[slot] = segment_batches(mine, self.group, slot, self._segment_bytes)
         write = SegmentedWrite(
             self.transport,
