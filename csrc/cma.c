@@ -5,7 +5,8 @@
  *
  * A transfer is prepared once (the peer's Process: its pid, a pidfd that says whether it still
  * lives and its gate, a shared page that says whether its memory is still open; the paired
- * (address, length) rows of both sides) and run any number of times.
+ * (address, length) rows of both sides, merged where adjacent on their side) and run any number
+ * of times.
  * Built at install time as transport._cma (pyproject.toml, optional); where it is missing the
  * library moves every byte through NIXL. transport/backends/cma.py decides when it is used. */
 #define _GNU_SOURCE
