@@ -1,6 +1,12 @@
-"""Small, separately allocated tensors of a publisher, copied into one buffer at every publish, so
-that writing them is a handful of descriptors instead of one per tensor (subscribers whose
-connections copy in the kernel take the tensors as they are: see WeightPublisher)."""
+"""Small, separately allocated tensors of a publisher, copied into one buffer, the pack, so that
+writing them is a handful of descriptors instead of one per tensor.
+
+For a trainer of at most ``UNPACKED_MAX_TENSORS`` tensors (roster.py), a subscriber whose
+connection copies in the kernel (a process of this machine, reached through cross-memory attach)
+takes them as they are instead, one system call for all of them; the WeightPublisher then fills
+the pack for a version only when a write reads it (none when every subscriber is such), and a late
+joiner's pull() reads the tensors themselves. A trainer of more tensors exposes the pack for
+pull() and fills it at every publish: a registration a tensor would cost more than the copy."""
 
 from __future__ import annotations
 
@@ -84,11 +90,12 @@ class Pack:
     def fill(self, version: int = -1) -> None:
         """Copy every packed tensor's current value into its place in the buffer, as the values
         of ``version``."""
-        self.holds = version
+        self.holds = -1  # none while it copies
         if self._copies is not None:
             self._copies.run()
         elif self._out is not None:
             np.concatenate(self._parts, out=self._out)
+        self.holds = version
 
 
 def packable(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -81,14 +81,8 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
     replays. :meth:`publish` sends to all subscribers at once and returns a :class:`PublishHandle`
     whose result tells, per subscriber, done, excluded or lost.
 
-    Small, separately allocated tensors (weights/publishing/pack.py) are copied into one buffer,
-    the pack, and written from it: a handful of descriptors instead of one per tensor. For a
-    trainer of at most ``UNPACKED_MAX_TENSORS`` tensors (roster.py), a subscriber whose
-    connection copies in the kernel (a process of this machine, reached through cross-memory
-    attach) takes them as they are instead, one system call for all of them; the pack is then
-    filled for a version only when a write reads it, and a late joiner's pull() reads the
-    tensors themselves. A trainer of more tensors exposes the pack for pull() and fills it at
-    every publish (a registration a tensor would cost more than the copy).
+    Small, separately allocated tensors go through one buffer, or as they are to a subscriber
+    of this machine: weights/publishing/pack.py says when, and what a late joiner's pull() reads.
 
     Membership (weights/publishing/roster.py): a subscriber whose heartbeat stopped is suspect
     (transport/peers/liveness.py) and excluded from a publish at once, with that reason, instead of at
@@ -255,7 +249,8 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         """Copy the tensors into the pack for ``version``, unless it holds them already (a late
         joiner's pull() of an exposed pack sees it changing meanwhile)."""
         if self._pack.names and self._pack.holds != version:
-            with self._word.filling():
+            exposed = self._pack.exposed
+            with self._word.filling() if exposed else contextlib.nullcontext():
                 self._pack.fill(version)
 
     def _may_start(
