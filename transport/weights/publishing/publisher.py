@@ -356,6 +356,8 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
             h.add_done_callback(lambda h: self._on_written_now(sub, slot, version, handle, h))
 
     def _write_whole(self, sub: PublisherMember, slot: int, version: int, handle: Delivery) -> None:
+        if not sub.unpacked:  # the changes it refused came from the outbox, not the pack
+            self._fill_pack(version)
         self._write(sub, slot, version, handle, None)
 
     def _write_segments(
