@@ -30,7 +30,8 @@ PACK_MAX_BYTES = 1 << 30
 
 class Pack:
     """The packed copies of a publisher's small tensors: ``sources`` is what the publisher writes
-    and exposes (each packed name a view into one host buffer, every other name its own tensor),
+    to the members that take the pack (each packed name a view into one host buffer, every other
+    name its own tensor),
     :meth:`fill` copies the tensors' current values into the buffer. ``exposed``: the publisher
     exposes the buffer for a late joiner's pull() (else the tensors themselves), and fills it at
     every publish; ``holds``: the version of the last fill.
