@@ -17,8 +17,7 @@ from helpers import internals
 from helpers.child import START_TIMEOUT, ChildProcess, serve
 from helpers.loopback_net import pattern
 from helpers.polling import wait_until
-from transport.weights.publishing.pack import packable
-from transport.weights.publishing.roster import UNPACKED_MAX_TENSORS
+from transport.weights.publishing.pack import UNPACKED_MAX_TENSORS, packable
 
 pytestmark = [pytest.mark.timeout(240)]
 

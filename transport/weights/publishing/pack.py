@@ -1,7 +1,7 @@
 """Small, separately allocated tensors of a publisher, copied into one buffer, the pack, so that
 writing them is a handful of descriptors instead of one per tensor.
 
-For a trainer of at most ``UNPACKED_MAX_TENSORS`` tensors (roster.py), a subscriber whose
+For a trainer of at most ``UNPACKED_MAX_TENSORS`` tensors, a subscriber whose
 connection copies in the kernel (a process of this machine, reached through cross-memory attach)
 takes them as they are instead, one system call for all of them; the WeightPublisher then fills
 the pack for a version only when a write reads it (none when every subscriber is such), and a late
@@ -26,15 +26,20 @@ PACK_TENSOR_BYTES = 32 << 10
 PACK_MIN_TENSORS = 64
 #: the pack holds at most this many bytes; the small tensors past it are written as they are
 PACK_MAX_BYTES = 1 << 30
+#: a publisher of at most this many tensors writes them as they are to subscribers whose
+#: connections copy in the kernel: each is a registration of its own (half the Transport's budget
+#: of implicit ones, which evicts past it and plans again at every publish) and a row of its plan;
+#: a model of more goes through the pack, whose one copy then costs less, and exposes it for pull()
+UNPACKED_MAX_TENSORS = 512
 
 
 class Pack:
     """The packed copies of a publisher's small tensors: ``sources`` is what the publisher writes
     to the members that take the pack (each packed name a view into one host buffer, every other
-    name its own tensor),
-    :meth:`fill` copies the tensors' current values into the buffer. ``exposed``: the publisher
-    exposes the buffer for a late joiner's pull() (else the tensors themselves), and fills it at
-    every publish; ``holds``: the version of the last fill.
+    name its own tensor), :meth:`fill` copies the tensors' current values into the buffer.
+    ``exposed`` (more than ``UNPACKED_MAX_TENSORS`` tensors): the publisher exposes the buffer for
+    a late joiner's pull() (else the tensors themselves) and fills it at every publish; ``holds``:
+    the version of the last fill.
 
     Rules: a tensor is packed when it is in host memory, contiguous, holds at most
     ``PACK_TENSOR_BYTES`` and shares its storage with neither of its neighbours in the publisher's
@@ -49,11 +54,13 @@ class Pack:
     """
 
     @without_gc
-    def __init__(self, tensors: Mapping[str, torch.Tensor], expose: bool = True) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         chosen = packable(tensors)
         views = flat_like({n: tensors[n] for n in chosen}) if chosen else {}
         self.names = tuple(chosen)
-        self.exposed = expose and bool(chosen)  # what a late joiner's pull() reads
+        # what a late joiner's pull() reads; else the tensors themselves, written as they are
+        # where the kernel copies
+        self.exposed = bool(chosen) and len(tensors) > UNPACKED_MAX_TENSORS
         self.holds = -1  # the version its copies were made for (-1: none)
         self.sources = {n: views.get(n, t) for n, t in tensors.items()}
         self.nbytes = 0

@@ -63,11 +63,7 @@ from transport.weights.publishing.members import (
     Waiting,
 )
 from transport.weights.publishing.pack import Pack
-from transport.weights.publishing.roster import (
-    UNPACKED_MAX_TENSORS,
-    check_fanout,
-    fanout_tree,
-)
+from transport.weights.publishing.roster import check_fanout, fanout_tree
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +133,7 @@ class WeightPublisher(Handover, PublisherCore[PublisherMember]):
         self._delta = check_delta(delta)
         self._switch_deltas(self._delta)
         # small separately allocated tensors through one buffer (see the class's docstring)
-        self._pack = Pack(self.tensors, expose=len(self.tensors) > UNPACKED_MAX_TENSORS)
+        self._pack = Pack(self.tensors)
         self._sources = self._pack.sources
         # Late joiners read the newest version straight from here (see updating() and
         # WeightSubscriber.pull()): the tensors are exposed read-only, next to a sequence word

@@ -80,12 +80,6 @@ def fanout_tree(subs: list[PublisherMember], fanout: str, degree: int) -> dict[s
 
 M = TypeVar("M", bound=Member)
 
-#: a member whose connection copies in the kernel takes the trainer's tensors as they are only
-#: up to this many of them: each is a registration of its own (half the Transport's budget of
-#: implicit ones, which evicts past it and plans again at every publish) and a row of its plan;
-#: a model of more small tensors goes through the pack, whose one copy then costs less
-UNPACKED_MAX_TENSORS = 512
-
 
 class Roster(Generic[M]):
     """The subscribers of one group as the publisher serves them: one :class:`Member` per
@@ -264,9 +258,7 @@ class Roster(Generic[M]):
                 log.error("group %s: %s", self.group, sub.error)
             return
         sub.names = frozenset(names)
-        sub.unpacked = (
-            self.unpacked is not None and conn.kernel_copies and len(names) <= UNPACKED_MAX_TENSORS
-        )
+        sub.unpacked = self.unpacked is not None and conn.kernel_copies
         sub.batches = self.batches(sub.names, names, sub.slots, sub.unpacked)
         inbox = conn.regions.get(inbox_region(self.group))
         sub.inbox = inbox.nbytes if inbox is not None and inbox.writable else 0
