@@ -60,7 +60,8 @@ PUT = [
         "store_true",
         False,
         "each of our writes carries an 8-byte notification, which "
-        "the readers drain (with --secret: numbered and MACed)",
+        "the readers drain (with --secret: numbered and MACed); Mooncake, a baseline, "
+        "then runs a second time with a notification of its own (mooncake-tcp-notify)",
     ),
     (
         "--link RATE[,DELAY[,LOSS%[,REORDER%[,DUP%]]]]",

@@ -22,6 +22,8 @@ from transport.cli.bench._systems import Route, System
 
 #: the baseline's name in reports
 MOONCAKE = "mooncake-tcp"
+#: the same with a notification on every write (``bench put --notify``), which the reader drains
+MOONCAKE_NOTIFY = "mooncake-tcp-notify"
 
 
 def _engine_class() -> Any:
@@ -67,10 +69,16 @@ class MooncakeEngine:
     def session(self) -> str:
         return f"{self.address}:{self.engine.get_rpc_port()}"
 
+    def drain(self) -> int:
+        """Read the notifications that came (the reader's side of a notified write); how many."""
+        return len(self.engine.get_notifies())
+
 
 class Mooncake(System):
     """Each step moves ``local`` (the writer's tensors) to (write) or from (read) the addresses
-    ``remote`` of the peer engine ``session``, one synchronous transfer per tensor."""
+    ``remote`` of the peer engine ``session``, one synchronous transfer per tensor. With
+    ``notify``, each write carries it as Mooncake's notification (``transfer_sync`` with a
+    ``TransferNotify``), which the reader drains with ``get_notifies``."""
 
     family = "mooncake"
 
@@ -82,12 +90,20 @@ class Mooncake(System):
         local: list[torch.Tensor],
         remote: list[int],
         route: Route,
+        notify: bytes | None = None,
     ) -> None:
-        super().__init__(MOONCAKE, route=route)
+        super().__init__(MOONCAKE if notify is None else MOONCAKE_NOTIFY, route=route)
         self.engine, self.session = engine.engine, session
         self.call = (
             self.engine.transfer_sync_write if op == "write" else self.engine.transfer_sync_read
         )
+        if notify is not None:
+            if op != "write":
+                raise ValueError("Mooncake's notification rides on a write only")
+            module = importlib.import_module("mooncake.engine")
+            note = module.TransferNotify(engine.session, notify.decode())
+            write, sync = module.TransferOpcode.Write, self.engine.transfer_sync
+            self.call = lambda session, src, dst, n: sync(session, src, dst, n, write, note)
         self.pairs = [
             (x.data_ptr(), r, x.numel() * x.element_size())
             for x, r in zip(local, remote, strict=True)

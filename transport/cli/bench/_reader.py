@@ -57,6 +57,8 @@ class Reader:
         while True:
             if self.agent is not None:
                 self.agent.get_new_notifs()
+            if self.mooncake is not None:
+                self.mooncake.drain()
             try:
                 n = t.wait_notification(timeout=0.0005)
             except TransferTimeout:

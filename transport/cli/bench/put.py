@@ -296,11 +296,13 @@ class PutWorkload(Workload):
             from transport.cli.bench._mooncake import Mooncake
 
             engine, peer = self.mooncake
-            systems.append(
-                Mooncake(
-                    engine, peer["session"], op, self._local(0, op, kind, n), [peer["buf"]], route
+            local = self._local(0, op, kind, n)
+            systems.append(Mooncake(engine, peer["session"], op, local, [peer["buf"]], route))
+            if self.notify and op == "write":
+                # ours carries a notification: so does this one (its own, drained by the reader)
+                systems.append(
+                    Mooncake(engine, peer["session"], op, local, [peer["buf"]], route, NOTE)
                 )
-            )
         if self.torch_api is not None and k == 1 and kind == "single":
             from transport.cli.bench._torch_api import BACKENDS
 
