@@ -30,9 +30,9 @@ SERVER_LANE = (
 #: runs of the test command measured on the 2-core machine, 2026-12-07; a folder stands for its
 #: files): dealt out first, in this order, so that the run ends with the short files. The rest
 #: follow, the files with the most tests first (xdist's own order). Dealt out in xdist's order,
-#: the files that mostly wait (deadlines, heartbeats, a peer stopped or frozen) came last, and the
-#: run's last three minutes left a third of the machine idle; dealt out longest first, their waits
-#: overlap the other workers' work.
+#: the files that mostly wait (deadlines, heartbeats, a peer stopped or frozen) came last and left
+#: part of the machine idle at the end; dealt out longest first, more of their waits overlap the
+#: other workers' work (benchmarks/README.md, the test command's time).
 LONG_FILES = (
     "test_benchmarks.py",
     "cli/test_bench.py",
