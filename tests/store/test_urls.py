@@ -140,7 +140,7 @@ def test_tcp_first_opener_hosts_and_the_next_one_joins() -> None:
 
 
 def test_tcp_guests_get_store_error_once_the_host_closes() -> None:
-    host = TcpStore("127.0.0.1", 0, hosting="yes", timeout=1)
+    host = TcpStore("127.0.0.1", 0, hosting="yes")
     guest = store_from_url(host.url)
     guest.set("k", b"v")
     host.close()
