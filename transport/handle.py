@@ -13,12 +13,21 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from transport.errors import TransferTimeout, TransportError
 from transport.trace import FlightRecorder, handle_ids
 
 _PENDING, _OK, _FAILED = 0, 1, 2
+
+
+class Polls(Protocol):
+    """What drives a handle's transfers from a waiting thread (the engine's ``Poller``): a call
+    advances them; ``spin(seconds)`` says the waiter is about to poll them itself for that long."""
+
+    def __call__(self) -> None: ...
+
+    def spin(self, seconds: float) -> None: ...
 
 
 class Handle:
@@ -66,7 +75,7 @@ class Handle:
         self._cond: threading.Condition | None = None
         self._callbacks: list[Callable[[Handle], Any]] | None = None
         # drives progress from the waiting thread for transfers posted by the caller (fast path)
-        self.poller: Callable[[], None] | None = None
+        self.poller: Polls | None = None
         self.id = next(handle_ids)  # names it in the flight recorder
         self.recorder: FlightRecorder | None = None  # where its end is recorded
         # gives up the transfers it stands for (:func:`give_up`), set where they are made
@@ -201,14 +210,17 @@ class Handle:
         deadline = None if timeout is None else time.monotonic() + timeout
         poller = self.poller
         if poller is not None:
-            # Fast path: the transfer was posted by the caller; poll it here first.
-            spin_until = time.perf_counter() + 200e-6
+            # Fast path: the transfer was posted by the caller; poll it here first, and the engine
+            # leaves it to us meanwhile (its polls would contend with ours for the interpreter)
+            poller.spin(HOLD_S)
+            spin_until = time.perf_counter() + SPIN_S
             while self._state == _PENDING:
                 poller()
                 if time.perf_counter() > spin_until:
                     break
             if self._state != _PENDING:
                 return
+            poller.spin(0)  # the engine's polls take over while this thread sleeps
         with _LOCKS[self.id & _STRIPE]:
             if self._cond is None:
                 self._cond = threading.Condition(threading.Lock())
@@ -232,6 +244,11 @@ class Handle:
 
 
 ENGINE_THREAD_PREFIX = "transport-engine"
+#: how long a waiter polls a transfer its own thread posted before it sleeps between polls
+SPIN_S = 200e-6
+#: the longest the engine leaves such a transfer to the waiter: a waiter whose transfer completed
+#: in its spin usually posts the next one at once, and its next spin takes over the hold
+HOLD_S = 1e-3
 # Completion state is guarded per handle: by one of these locks, chosen by the handle's id (a lock
 # of its own would cost an allocation on every put). Handles that engines or lanes complete at
 # the same time almost never share one.

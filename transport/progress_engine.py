@@ -13,9 +13,10 @@ from us or notifies us, or the deadline of a queued transfer; at the latest afte
 ``idle_interval`` (1 s by default), which only bounds what a lost ring costs.
 After any activity (a transfer, a notification or a ring) it polls every 50 us
 and backs off over the next ``ACTIVE_S`` before it sleeps again; while a
-transfer of ours is in flight it polls every 100 us and rings its peer again
-every ``RING_EVERY``, so a receiver that needs to make progress for it stays
-awake.
+transfer of ours is in flight it polls every 100 us (or, while the thread that
+posted it spins on it, not before that spin ends: see :class:`Poller`) and
+rings its peer again every ``RING_EVERY``, so a receiver that needs to make
+progress for it stays awake.
 """
 
 from __future__ import annotations
@@ -100,6 +101,30 @@ class Op:
         )
 
 
+class Poller:
+    """What a handle posted by its caller polls while it waits (``Handle.poller``): it advances
+    the handle's ops that are still posted. ``spin(seconds)`` says the caller polls them itself
+    now: the engine, whose polls would only contend with the caller's for the interpreter lock,
+    leaves its in-flight polls for at most ``seconds``, or until ``spin(0)`` says the caller
+    stopped (which wakes it); a transfer to post or a stop still wakes it at once. It owns
+    nothing but its list of ops."""
+
+    __slots__ = ("_engine", "_ops")
+
+    def __init__(self, engine: ProgressEngine, ops: list[Op]) -> None:
+        self._engine = engine
+        self._ops = ops
+
+    def __call__(self) -> None:
+        for op in self._ops:
+            if op.state == POSTED:
+                self._engine.poll(op)
+
+    def spin(self, seconds: float) -> None:
+        """The caller polls these ops itself for at most ``seconds`` (0: it stopped)."""
+        self._engine.hold_polls(seconds)
+
+
 class ProgressEngine:
     """The progress engine of one agent (a Transport's or a lane's): a daemon thread named
     ``transport-engine-<name>``, from :meth:`start` to :meth:`stop`.
@@ -140,6 +165,7 @@ class ProgressEngine:
         self._last_activity = time.monotonic()
         self.wakeups = 0  # times the thread came back from a sleep (for the idle tests)
         self._floor: float | None = None
+        self._held_until = 0.0  # a caller polls its own transfer until then (hold_polls)
         self.error: BaseException | None = None  # set if the engine thread died
         self.handler_errors = 0  # notifications whose handling raised (dropped, logged)
         # whether frames held earlier wait to be handed to on_notifications (with none new)
@@ -237,13 +263,21 @@ class ProgressEngine:
         finally:
             op.lock.release()
 
-    def poller(self, ops: list[Op]) -> Callable[[], None]:
-        def poll_all() -> None:
-            for op in ops:
-                if op.state == POSTED:
-                    self.poll(op)
+    def poller(self, ops: list[Op]) -> Poller:
+        return Poller(self, ops)
 
-        return poll_all
+    def hold_polls(self, seconds: float) -> None:
+        """A caller polls its own transfer: the engine's in-flight polls wait for at most
+        ``seconds`` (see :class:`Poller`); 0 ends the hold and wakes the engine, whose polls take
+        over (the caller stopped spinning and sleeps between its own polls)."""
+        if seconds <= 0:
+            if self._held_until:
+                self._held_until = 0.0
+                self.doorbell.wake()
+            return
+        until = time.monotonic() + seconds
+        if until > self._held_until:
+            self._held_until = until
 
     def wake(self) -> None:
         self.doorbell.wake()
@@ -475,11 +509,12 @@ class ProgressEngine:
             self.wakeups += 1
 
     def _sleep_for(self, now: float) -> float:
-        """How long the loop may sleep: 100 us with transfers in flight; after activity from
-        50 us, backing off, for ``ACTIVE_S``; then until the next deadline of a queued transfer,
-        at most ``idle_interval`` (never past a floor that a layer set)."""
+        """How long the loop may sleep: 100 us with transfers in flight, or until a caller's
+        hold on its own transfer ends if that is later (:meth:`hold_polls`); after activity
+        from 50 us, backing off, for ``ACTIVE_S``; then until the next deadline of a queued
+        transfer, at most ``idle_interval`` (never past a floor that a layer set)."""
         if self._inflight:
-            interval = 100e-6
+            interval = max(100e-6, self._held_until - now)
         else:
             quiet = now - self._last_activity
             if quiet < ACTIVE_S:

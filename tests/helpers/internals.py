@@ -79,6 +79,22 @@ def engine(t: transport.Transport) -> ProgressEngine:
     return t._engine
 
 
+def engine_sleep(e: ProgressEngine, in_flight: bool) -> float:
+    """How long the engine's loop would sleep now if it held a transfer in flight (or none):
+    the rule of its polls, read without a transfer to hold."""
+    saved = e._inflight
+    e._inflight = [Op.__new__(Op)] if in_flight else []
+    try:
+        return e._sleep_for(time.monotonic())
+    finally:
+        e._inflight = saved
+
+
+def doorbell_woken(e: ProgressEngine) -> bool:
+    """Whether the engine's next sleep returns at once (a wake-up is pending)."""
+    return bool(e.doorbell._woken)
+
+
 def engine_ops(e: ProgressEngine) -> list[Op]:
     """The ops an engine holds: in flight and queued."""
     return [*e._inflight, *e._queue]
