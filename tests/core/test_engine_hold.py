@@ -11,7 +11,7 @@ import pytest
 
 from helpers import internals
 from transport.backends.loopback import LoopbackBackend
-from transport.handle import HOLD_S, SPIN_S
+from transport.handle import SPIN_S
 from transport.progress_engine import ProgressEngine
 
 pytestmark = pytest.mark.unit
@@ -34,18 +34,18 @@ LONG_S = 60.0
 
 
 def test_a_spinning_waiter_holds_the_engines_polls_and_hands_them_back_when_it_stops(engine):
-    assert internals.engine_sleep(engine, in_flight=True) == pytest.approx(IN_FLIGHT_POLL_S)
+    assert internals.engine_interval(engine, in_flight=True) == pytest.approx(IN_FLIGHT_POLL_S)
     poller = engine.poller([])
     poller.spin(LONG_S)
-    assert internals.engine_sleep(engine, in_flight=True) > LONG_S / 2
+    assert internals.engine_interval(engine, in_flight=True) > LONG_S / 2
     poller.spin(SPIN_S)  # a shorter hold (another waiter's) does not cut it short
-    assert internals.engine_sleep(engine, in_flight=True) > LONG_S / 2
+    assert internals.engine_interval(engine, in_flight=True) > LONG_S / 2
     assert not internals.doorbell_woken(engine)
     poller.spin(0)  # the waiter stopped spinning: the engine polls again, woken now
-    assert internals.engine_sleep(engine, in_flight=True) == pytest.approx(IN_FLIGHT_POLL_S)
+    assert internals.engine_interval(engine, in_flight=True) == pytest.approx(IN_FLIGHT_POLL_S)
     assert internals.doorbell_woken(engine)
 
 
 def test_a_hold_leaves_an_engine_with_nothing_in_flight_as_it_was(engine):
     engine.poller([]).spin(LONG_S)
-    assert internals.engine_sleep(engine, in_flight=False) <= engine.idle_interval
+    assert internals.engine_interval(engine, in_flight=False) <= engine.idle_interval

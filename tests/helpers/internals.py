@@ -79,7 +79,7 @@ def engine(t: transport.Transport) -> ProgressEngine:
     return t._engine
 
 
-def engine_sleep(e: ProgressEngine, in_flight: bool) -> float:
+def engine_interval(e: ProgressEngine, in_flight: bool) -> float:
     """How long the engine's loop would sleep now if it held a transfer in flight (or none):
     the rule of its polls, read without a transfer to hold."""
     saved = e._inflight
