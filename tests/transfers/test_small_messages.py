@@ -106,6 +106,7 @@ def test_bench_put_across_hosts_checks_every_system_and_counts_the_link(rights, 
             "raw,mooncake",
             "--budget",
             "0.1",
+            "--notify",
             "--no-progress",
             "--json",
             str(out),
@@ -119,7 +120,9 @@ def test_bench_put_across_hosts_checks_every_system_and_counts_the_link(rights, 
     systems = {r["system"]: r for r in results["records"]}
     assert {"ours", "raw-nixl"} <= set(systems)
     assert all(r["verified"] for r in systems.values()), systems
-    if "mooncake-tcp" not in systems:  # not installed here: skipped with the way to install it
+    if "mooncake-tcp" in systems:  # its write, and its write with its own notification
+        assert "mooncake-tcp-notify" in systems, sorted(systems)
+    else:  # not installed here: skipped with the way to install it
         assert "mooncake-transfer-engine-non-cuda" in results["skipped"]["mooncake"]
     assert any("idle" in n and "progress: events" in n for n in results["notes"])
     # the bytes crossed the trainer's link (the report's last lines)
