@@ -23,7 +23,8 @@ _PENDING, _OK, _FAILED = 0, 1, 2
 
 class Polls(Protocol):
     """What drives a handle's transfers from a waiting thread (the engine's ``Poller``): a call
-    advances them; ``spin(seconds)`` says the waiter is about to poll them itself for that long."""
+    advances them; ``spin(seconds)`` says the waiter polls them itself now, for at most that long
+    (0: it stopped)."""
 
     def __call__(self) -> None: ...
 

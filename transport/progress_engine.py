@@ -13,10 +13,10 @@ from us or notifies us, or the deadline of a queued transfer; at the latest afte
 ``idle_interval`` (1 s by default), which only bounds what a lost ring costs.
 After any activity (a transfer, a notification or a ring) it polls every 50 us
 and backs off over the next ``ACTIVE_S`` before it sleeps again; while a
-transfer of ours is in flight it polls every 100 us (or, while the thread that
-posted it spins on it, not before that spin ends: see :class:`Poller`) and
-rings its peer again every ``RING_EVERY``, so a receiver that needs to make
-progress for it stays awake.
+transfer of ours is in flight it polls every 100 us (while the thread that
+posted it polls it itself, at most every 1 ms until that thread stops: see
+:class:`Poller`) and rings its peer again every ``RING_EVERY``, so a receiver
+that needs to make progress for it stays awake.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ class Poller:
     the handle's ops that are still posted. ``spin(seconds)`` says the caller polls them itself
     now: the engine, whose polls would only contend with the caller's for the interpreter lock,
     leaves its in-flight polls for at most ``seconds``, or until ``spin(0)`` says the caller
-    stopped (which wakes it); a transfer to post or a stop still wakes it at once. It owns
-    nothing but its list of ops."""
+    stopped (which wakes it); a transfer to post or a stop still wakes it at once. The hold is
+    the engine's, not the op's: with several waiters, the first to stop ends it (their polls
+    then contend again, nothing waits longer). It owns nothing but its list of ops."""
 
     __slots__ = ("_engine", "_ops")
 
