@@ -17,6 +17,11 @@ from typing import Any
 #: environment the server needs: the weight-update routes (dev mode) and, on vLLM's CPU build, a
 #: KV cache size (without one it asks for most of the host's memory); the caller's win
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: what a server of one worker adds: the worker in the engine core's process (vLLM's "uni"
+#: executor), as vLLM's GPU builds run one. vLLM's CPU build otherwise starts the worker as a
+#: process of its own, which imports vLLM once more (half of such a server's start). vLLM reads
+#: the variable nowhere else in a server: its API server and engine core stay two processes.
+ONE_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def free_port() -> int:
@@ -51,9 +56,10 @@ class VllmServer:
     ``--weight-transfer-config '{"backend": "transport"}'``, in its own process group, its output
     in ``log``, and waits until ``/health`` answers at ``host`` (the address it listens on).
 
-    It owns the server's processes (the API server, the engine core, each worker): :meth:`kill`
-    ends them all at once, :meth:`stop` asks first (``graceful`` seconds) and then kills. ``args``
-    are more server arguments; ``env`` more environment (``tp`` > 1 on the CPU build needs
+    It owns the server's processes (the API server, the engine core, each worker; at ``tp`` = 1
+    the worker runs in the engine core, ONE_WORKER_ENV): :meth:`kill` ends them all at once,
+    :meth:`stop` asks first (``graceful`` seconds) and then kills. ``args`` are more server
+    arguments; ``env`` more environment (``tp`` > 1 on the CPU build needs
     ``VLLM_CPU_OMP_THREADS_BIND``, for example ``"0|1"``). A server that exits or is not healthy
     within ``start_timeout`` is killed and the error quotes the end of its log."""
 
@@ -92,7 +98,12 @@ class VllmServer:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd,
-                env={**os.environ, **SERVER_ENV, **(env or {})},
+                env={
+                    **os.environ,
+                    **SERVER_ENV,
+                    **(ONE_WORKER_ENV if tp == 1 else {}),
+                    **(env or {}),
+                },
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
