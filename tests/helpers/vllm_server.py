@@ -80,9 +80,14 @@ class VllmServer(Server):
                 **env,
             },
         )
-        if tp > 1:  # spinning workers would hold both cores between the calls of an update
+        # spinning workers would hold both cores between the calls of an update, and a worker
+        # waiting in a collective for the other one while it is not running
+        if tp > 1:
             try:
                 self.post("collective_rpc", {"method": "reader_spin", "args": [READER_SPIN_S]})
+                changed = self.post("collective_rpc", {"method": "blocking_collectives"})
+                # every worker at least its tensor-parallel group (vLLM answers with text)
+                assert all(int(n) >= 1 for n in changed["results"]), changed
             except BaseException:
                 self.kill()
                 raise

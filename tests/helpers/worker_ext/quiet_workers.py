@@ -17,7 +17,8 @@ from transport.integrations.vllm.extension import TransportState
 
 
 class TestWorkers(TransportState):
-    """The product's extension plus :meth:`reader_spin` (owns nothing)."""
+    """The product's extension plus :meth:`reader_spin` and :meth:`blocking_collectives` (owns
+    nothing)."""
 
     __test__ = False  # not a pytest class
 
@@ -32,3 +33,25 @@ class TestWorkers(TransportState):
         for o in found:
             o.busy_loop_s = seconds
         return len(found)
+
+    def blocking_collectives(self) -> int:
+        """This worker's groups (tensor-, pipeline-, data- and expert-parallel) do their
+        collectives through torch.distributed instead of vLLM's spinning shared-memory
+        communicator; returns how many groups it changed. Called on every worker at once
+        (``collective_rpc``), between steps: no collective is under way."""
+        import torch.distributed
+        from vllm.distributed import parallel_state
+        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+        changed = 0
+        for getter in ("get_tp_group", "get_pp_group", "get_dp_group", "get_ep_group"):
+            try:
+                group = getattr(parallel_state, getter)()
+            except AssertionError:  # a group this server has not made
+                continue
+            comm = group.device_communicator
+            if isinstance(comm, CpuCommunicator) and comm.dist_module is not torch.distributed:
+                comm.dist_module = torch.distributed
+                comm.supports_tensor_dict = False  # what vLLM sets for a torch.distributed group
+                changed += 1
+        return changed
