@@ -1,13 +1,14 @@
-"""A soak of weight sync under faults: a trainer publishes 32 MiB (8 fp32 tensors) every 0.2 s to 4
-staging subscribers (gen-0..gen-3, a process each) while a seeded fault schedule SIGKILLs and
-restarts subscribers, SIGSTOPs them for 4-6 s and restarts Redis empty; the last ``--calm`` seconds
-have no faults. Each subscriber applies every version it can and checks every element, bit for bit,
-against what that version must hold (element i of tensor k at version N is the int32 bit pattern
-``base + (N + phase) // 50``, base and phase hashes of i and k: 2% of the elements change per
-version). Printed: versions published and checked, mismatches, each subscriber's newest version
-against the trainer's, the longest stretch a subscriber went without a new version (a state that
-heals only at a later fault shows here), the convergence time after the last fault, the publishes
-after recovery that waited out their deadline, and the exclusion reasons.
+"""A soak of weight sync under faults: a trainer publishes 8 fp32 tensors (``--numel`` elements
+each; by default 1 Mi, 32 MiB a version) every 0.2 s to 4 staging subscribers (gen-0..gen-3)
+while a seeded fault schedule SIGKILLs and restarts subscribers, SIGSTOPs them for 4-6 s and
+restarts Redis empty; the last ``--calm`` seconds have no faults. Each subscriber applies every
+version it can and checks every element, bit for bit, against what that version must hold
+(element i of tensor k at version N is the int32 bit pattern ``base + (N + phase) // 50``, base
+and phase hashes of i and k: 2% of the elements change per version). Printed: versions published
+and checked, mismatches, each subscriber's newest version against the trainer's, the longest
+stretch a subscriber went without a new version (a state that heals only at a later fault shows
+here), the convergence time after the last fault, the publishes after recovery that waited out
+their deadline, and the exclusion reasons.
 
     python benchmarks/faults_soak.py --duration 60 --calm 20 --seed 1 --log /tmp/soak/1.jsonl
     python benchmarks/faults_soak.py --store embedded --fanout direct --no-delta --json r.json
@@ -41,17 +42,17 @@ import torch
 NAMES = [f"gen-{i}" for i in range(4)]
 TENSORS, NUMEL, EVERY = 8, 1 << 20, 50  # 8 x 4 MiB fp32; an element changes every 50 versions
 TIMEOUT, PERIOD = 5.0, 0.2  # publish deadline, publish pacing
-CHECK = f"full: every element of every tensor ({TENSORS} x {NUMEL} fp32), bit for bit, per apply"
+CHECK = "full: every element of every tensor ({} x {} fp32), bit for bit, per apply"
 
 
 class Expected:
     """What version N holds: tensor k's element i is ``base + (N + phase) // EVERY`` (int32 bits
     of a normal float: never NaN), ``base`` and ``phase`` hashes of i and k."""
 
-    def __init__(self) -> None:
+    def __init__(self, numel: int) -> None:
         self.base, self.phase = [], []
         for k in range(TENSORS):
-            h = (torch.arange(NUMEL, dtype=torch.int64) * 2654435761 + k * 40503) & 0xFFFFFFFF
+            h = (torch.arange(numel, dtype=torch.int64) * 2654435761 + k * 40503) & 0xFFFFFFFF
             self.base.append((((h >> 4) & 0xFFFFFFF) + (1 << 24)).to(torch.int32))
             self.phase.append(((h >> 11) % EVERY).to(torch.int32))
 
@@ -69,8 +70,8 @@ class Expected:
         return bad
 
 
-def make_tensors() -> dict[str, torch.Tensor]:
-    return {f"layers.{k}.w": torch.zeros(NUMEL) for k in range(TENSORS)}
+def make_tensors(numel: int) -> dict[str, torch.Tensor]:
+    return {f"layers.{k}.w": torch.zeros(numel) for k in range(TENSORS)}
 
 
 def subscriber(a: argparse.Namespace) -> int:
@@ -87,7 +88,8 @@ def subscriber(a: argparse.Namespace) -> int:
     def report(**kw: Any) -> None:  # "t" is absolute: CLOCK_MONOTONIC is system-wide
         os.write(fd, json.dumps({"t": time.monotonic(), "pid": os.getpid(), **kw}).encode() + b"\n")
 
-    exp, scratch, tensors = Expected(), torch.empty(NUMEL, dtype=torch.int32), make_tensors()
+    exp, scratch = Expected(a.numel), torch.empty(a.numel, dtype=torch.int32)
+    tensors = make_tensors(a.numel)
     t = sub = None
     while sub is None and time.monotonic() < a.until:  # the store may be down: start again
         try:
@@ -192,6 +194,7 @@ class Soak:
         cmd += [str(os.getpid()), "--store-url", self.store_url, "--namespace", self.namespace]
         cmd += ["--until", repr(self.until), "--out", f"{self.files}/{name}.jsonl"]
         cmd += ["--ready-fd", str(ready_fd), "--delta" if self.a.delta else "--no-delta"]
+        cmd += ["--numel", str(self.a.numel)]
         env = {**os.environ, "SOAK_SECRET": self.secret, "OMP_NUM_THREADS": "1"}
         with open(f"{self.files}/{name}.log", "ab") as err:
             p = subprocess.Popen(
@@ -300,7 +303,7 @@ class Soak:
 
 
 def publish_loop(soak: Soak, pub: Any, tensors: list[torch.Tensor], out: list[Any]) -> None:
-    exp, ints = Expected(), [x.view(torch.int32) for x in tensors]
+    exp, ints = Expected(soak.a.numel), [x.view(torch.int32) for x in tensors]
     n, tick = 0, time.monotonic()
 
     def more() -> bool:  # past the duration only while a subscriber has not caught up
@@ -379,7 +382,7 @@ def summarize(soak: Soak, pubs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "args": {k: v for k, v in vars(soak.a).items() if k in ARGS},
         "commit": soak.commit,
-        "check": CHECK,
+        "check": CHECK.format(TENSORS, soak.a.numel),
         "published": len(ok),
         "publish_errors": len(pubs) - len(ok),
         "last_version": last_v,
@@ -446,7 +449,7 @@ def trainer(a: argparse.Namespace) -> int:
             url, child_url = store, f"tcp://127.0.0.1:{store.port}?host=no"
         soak = Soak(a, child_url, files)
         t = transport.Transport("trainer", store=url, namespace=soak.namespace, secret=soak.secret)
-        tensors = make_tensors()
+        tensors = make_tensors(a.numel)
         pub = transport.WeightPublisher(t, tensors, delta=a.delta, fanout=a.fanout)
         soak.start_all()
         soak.t0 = time.monotonic()  # the run's clock starts once every subscriber has joined
@@ -476,7 +479,7 @@ def trainer(a: argparse.Namespace) -> int:
     return 0 if rep["bad"] == 0 and rep["convergence_s"] != "never" else 1
 
 
-ARGS = ("fanout", "delta", "store", "seed", "duration", "calm", "warmup", "converge_by")
+ARGS = ("fanout", "delta", "store", "seed", "duration", "calm", "warmup", "converge_by", "numel")
 
 
 def main() -> int:
@@ -488,6 +491,12 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of publishing")
     ap.add_argument("--calm", type=float, default=20.0, help="seconds without faults at the end")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds before the first fault")
+    ap.add_argument(
+        "--numel",
+        type=int,
+        default=NUMEL,
+        help=f"elements of each of the {TENSORS} fp32 tensors of a version (default: 4 MiB each)",
+    )
     ap.add_argument(
         "--converge-by",
         type=float,

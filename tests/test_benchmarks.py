@@ -185,7 +185,8 @@ def test_faults_soak_kills_and_freezes_subscribers_and_every_version_checked_is_
     tmp_path: Path,
 ):
     """The soak's shortest run with faults (its seed 1: a subscriber killed and restarted at
-    about 3.5 s, another frozen after it), on the embedded store: every version a subscriber
+    about 3.5 s, another frozen after it), on the embedded store, with versions of 2 MiB (8
+    tensors of 256 KiB: a version's size changes nothing checked here): every version a subscriber
     applied is checked element by element against what it must hold, none is wrong, and every
     subscriber, the restarted one too, holds a version published after the last fault (the run
     publishes past its duration until they do: a restart on a loaded machine takes long)."""
@@ -193,7 +194,8 @@ def test_faults_soak_kills_and_freezes_subscribers_and_every_version_checked_is_
     run(
         "faults_soak.py",
         *("--store", "embedded", "--seed", "1", "--warmup", "1", "--duration", "24"),
-        *("--calm", "8", "--converge-by", "300", "--json", str(out)),
+        *("--calm", "8", "--converge-by", "300", "--numel", str(1 << 16)),
+        *("--json", str(out)),
         timeout=540,
     )
     rep = load(out)
