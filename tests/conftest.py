@@ -45,6 +45,22 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 import helpers.startup.sitecustomize  # noqa: E402, F401  (this process's thresholds)
 
+
+@pytest.fixture(scope="session", autouse=True)
+def transport_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cache folder of this pytest process's own (``$TRANSPORT_CACHE_DIR``, inherited by what
+    the tests start): the first benchmark of each worker probes UCX, as a user's first run does,
+    and none reads what a user's runs kept."""
+    folder = tmp_path_factory.mktemp("transport-cache")
+    before = os.environ.get("TRANSPORT_CACHE_DIR")
+    os.environ["TRANSPORT_CACHE_DIR"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("TRANSPORT_CACHE_DIR", None)
+    else:
+        os.environ["TRANSPORT_CACHE_DIR"] = before
+
+
 #: a test past its timeout fails wherever the alarm lands (a ``__del__``, a garbage-collector
 #: callback: frames whose exceptions Python drops), and one that goes on ends the process
 #: (helpers/timeouts/guard.py)

@@ -550,3 +550,22 @@ def test_put_with_a_secret_and_notifications_verifies_its_bytes(tmp_path):
     doc = json.loads((tmp_path / "p.json").read_text())
     assert {r["system"] for r in doc["records"]} >= {"ours", "raw-nixl"}
     assert all(r["verified"] for r in doc["records"])
+
+
+def test_the_ucx_probe_is_kept_for_the_next_run_with_the_same_settings(tmp_path, monkeypatch):
+    """The first run probes what UCX picks here (a child process); the next run with the same
+    settings reads what it found, and a run with another UCX setting probes again."""
+    from transport.cli.bench import _report
+
+    monkeypatch.setenv("TRANSPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("UCX_RNDV_THRESH", raising=False)
+    first = _report.ucx_probe()()
+    assert first["probe"] == "ok" and first["version"][0].isdigit(), first
+    assert any(k.startswith("remote memory write") for k in first["protocols"]), first
+    assert len(list(tmp_path.glob("ucx-probe-*.json"))) == 1
+    again = _report.ucx_probe()()
+    assert again == {**first, "probe": "cached"}
+    monkeypatch.setenv("UCX_RNDV_THRESH", "inf")  # another setting: what UCX picks may differ
+    other = _report.ucx_probe()()
+    assert other["probe"] == "ok" and other["UCX_RNDV_THRESH"] == "inf", other
+    assert len(list(tmp_path.glob("ucx-probe-*.json"))) == 2

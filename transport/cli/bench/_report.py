@@ -1,11 +1,13 @@
 """How a run shows itself and where it ran: progress on stderr and tables on stdout (rich), the
 plot (matplotlib, optional), and the environment (versions, CPU, GPU, which ``transport``, what
-UCX picks here: a probe process with UCX_PROTO_INFO=y)."""
+UCX picks here: a probe process with UCX_PROTO_INFO=y, its findings kept for later runs)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -13,6 +15,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 from rich import box
@@ -129,9 +132,48 @@ def _version(dist: str) -> str | None:
     return None
 
 
+#: where a probe's findings are kept for the next run (``$TRANSPORT_CACHE_DIR``, else the user's
+#: cache folder): what UCX picks depends on the boot, the network namespace, the interpreter,
+#: NIXL and the UCX settings, which name the file; a probe costs a process that imports torch
+#: and NIXL
+CACHE_ENV = "TRANSPORT_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """``$TRANSPORT_CACHE_DIR``, else ``$XDG_CACHE_HOME/transport``, else ``~/.cache/transport``."""
+    if where := os.environ.get(CACHE_ENV):
+        return Path(where)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "transport"
+
+
+def _probe_file() -> Path:
+    """The cache file of a probe with this process's boot, namespace, interpreter, NIXL and UCX
+    settings."""
+    key: dict[str, Any] = {
+        "python": sys.executable,
+        "nixl": [_version(d) for d in ("nixl", "nixl-cu12", "nixl-cu13")],
+        "ucx": sorted((k, v) for k, v in os.environ.items() if k.startswith("UCX_")),
+    }
+    for name, path in (("boot", "/proc/sys/kernel/random/boot_id"), ("net", "/proc/self/ns/net")):
+        with contextlib.suppress(OSError):
+            key[name] = os.readlink(path) if name == "net" else Path(path).read_text().strip()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"ucx-probe-{digest}.json"
+
+
 def ucx_probe() -> Callable[[], dict[str, Any]]:
-    """Start a child process that makes a put and a get with UCX_PROTO_INFO=y; the function
-    returned waits for it and gives the UCX settings and what UCX picked on this host."""
+    """What UCX picks on this host for a put and a get: kept from an earlier run with the same
+    boot, namespace, interpreter and UCX settings (``"probe": "cached"``), else found by a child
+    process that makes them with UCX_PROTO_INFO=y and kept. The function returned waits for the
+    child and gives the UCX settings with what it found."""
+    info = {"UCX_TLS": os.environ.get("UCX_TLS", "default")}
+    info.update({k: v for k, v in os.environ.items() if k.startswith("UCX_") and k != "UCX_TLS"})
+    cache = _probe_file()
+    with contextlib.suppress(OSError, ValueError):
+        found = json.loads(cache.read_text())
+        if isinstance(found, dict) and found.get("version"):
+            return lambda: {**info, "probe": "cached", **found}
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
     try:
         proc: subprocess.Popen[str] | None = subprocess.Popen(
@@ -146,10 +188,6 @@ def ucx_probe() -> Callable[[], dict[str, Any]]:
         proc = None
 
     def finish() -> dict[str, Any]:
-        info = {"UCX_TLS": os.environ.get("UCX_TLS", "default")}
-        info.update(
-            {k: v for k, v in os.environ.items() if k.startswith("UCX_") and k != "UCX_TLS"}
-        )
         if proc is None:
             return info
         try:
@@ -158,8 +196,18 @@ def ucx_probe() -> Callable[[], dict[str, Any]]:
             proc.kill()
             proc.communicate()
             return {**info, "probe": "timed out"}
-        info["probe"] = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-        return {**info, **parse_ucx_info(text)}
+        if proc.returncode != 0:
+            return {**info, "probe": f"failed (exit {proc.returncode})", **parse_ucx_info(text)}
+        found = parse_ucx_info(text)
+        if found.get(
+            "version"
+        ):  # kept for the next run; one that cannot be written is probed again
+            with contextlib.suppress(OSError):
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(found))
+                tmp.replace(cache)
+        return {**info, "probe": "ok", **found}
 
     return finish
 
