@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from transport.cli.chaos.schedule import kinds_for, plan
+
 pytestmark = [pytest.mark.hosts, pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -39,10 +41,12 @@ def test_a_seeded_run_converges_under_every_kind_of_fault_and_its_replay_runs_th
     rights, tmp_path
 ):
     first = tmp_path / "first"
-    done = chaos("--seed", "7", "--duration", "30", "--out", str(first), "--json", f"{first}.json")
+    seed, kinds = "82", kinds_for("redis")  # 21 faults in 20 s, every kind (Redis store)
+    assert {f.kind for f in plan(int(seed), 0.0, 20.0, kinds, 4)} == set(kinds)
+    done = chaos("--seed", seed, "--duration", "20", "--out", str(first), "--json", f"{first}.json")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     o = json.loads(Path(f"{first}.json").read_text())
-    print(f"\nchaos, seed 7: {json.dumps(o)}")
+    print(f"\nchaos, seed {seed}: {json.dumps(o)}")
     assert o["violations"] == []
     assert len(o["faults"]) >= 6, o["faults"]  # several kinds, overlapping
     assert sorted(faults(first, "begin")) == sorted(faults(first, "end"))  # each was undone
@@ -52,11 +56,11 @@ def test_a_seeded_run_converges_under_every_kind_of_fault_and_its_replay_runs_th
     assert o["converged_s"] is not None
 
     again = tmp_path / "again"
-    # its first 15 s again, from the log: the same faults at the same times
-    done = chaos("--replay", str(first / "events.jsonl"), "--until", "15", "--out", str(again))
+    # its first 10 s again, from the log: the same faults at the same times
+    done = chaos("--replay", str(first / "events.jsonl"), "--until", "10", "--out", str(again))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     replayed = faults(again)
-    assert replayed and replayed == [f for f in faults(first) if f[1] + f[4] <= 15]
+    assert replayed and replayed == [f for f in faults(first) if f[1] + f[4] <= 10]
 
 
 def test_a_planted_corruption_stops_the_run_with_its_log_and_every_dump(rights, tmp_path):
