@@ -1,16 +1,17 @@
 """On ``PYTHONPATH``, this folder makes every Python process that imports vLLM (a server, its
 engine core, its workers) compute each linear layer with its parameter as stored, as vLLM's GPU
 builds do, instead of a copy vLLM's CPU build packs for oneDNN: a test can then run workers that
-receive in place on the CPU build. Python imports ``sitecustomize`` at start; nothing happens
-until vLLM's layer utilities are imported."""
+receive in place on the CPU build. Python imports one ``sitecustomize`` at start, the first on
+its path: this one also runs the test processes' own (helpers/startup). Nothing happens until
+vLLM's layer utilities are imported."""
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
+import runpy
+from pathlib import Path
 from typing import Any
 
+STARTUP = Path(__file__).resolve().parent.parent / "startup"
 TARGET = "vllm.model_executor.layers.utils"
 
 
@@ -26,27 +27,7 @@ def patch(utils: Any) -> None:
     utils.dispatch_cpu_unquantized_gemm = as_stored
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Patches vLLM's layer utilities as they are imported (once)."""
+runpy.run_path(str(STARTUP / "sitecustomize.py"))  # which puts its folder on the path
+from on_import import patch_on_import  # noqa: E402
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-if TARGET in sys.modules:
-    patch(sys.modules[TARGET])
-else:
-    sys.meta_path.insert(0, _Finder())
+patch_on_import(TARGET, patch)

@@ -1,19 +1,51 @@
 """Run by every Python process the tests start (tests/conftest.py puts this folder first on
-``PYTHONPATH``): the garbage collector's passes come after ``FIRST_PASS`` new objects instead of
-CPython's 700.
+``PYTHONPATH``).
 
+The garbage collector's passes come after ``FIRST_PASS`` new objects instead of CPython's 700.
 The tests start hundreds of Python processes (peers, servers, benchmarks, vLLM's engines and
 workers, Ray's workers), and most of each one's CPU goes to importing torch, vLLM or Ray: millions
 of objects, all kept. With CPython's thresholds a pass runs every 700 of them and a full pass
 each time the survivors grew by a quarter, each walking everything alive; in a profile of the
 whole suite those passes were a large share of the CPU of both cores, finding almost nothing to
-collect. What a process keeps and frees is unchanged: cycles are collected as before, later."""
+collect. What a process keeps and frees is unchanged: cycles are collected as before, later.
+
+A reader of vLLM's shared-memory message queues (an engine core reading its workers' answers, a
+worker reading the engine's calls) spins ``VLLM_READER_SPIN_S`` after a message before it sleeps
+until the next one is announced, instead of vLLM's 1 s: on the test machines' two cores a
+spinning reader takes a core from the processes it waits for, at every call of an update. What
+it reads is unchanged (helpers/worker_ext/quiet_workers.py sets the same on running workers)."""
 
 from __future__ import annotations
 
 import gc
+import os
+import sys
+from types import ModuleType
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # imported as a package module (conftest.py) or run by its path
+    sys.path.append(HERE)
+from on_import import patch_on_import  # noqa: E402
 
 #: new objects (allocations less deallocations) before the youngest generation's pass
 FIRST_PASS = 100_000
+#: how long a reader of vLLM's message queues spins after a message (vLLM: 1 s)
+VLLM_READER_SPIN_S = 0.001
 
 gc.set_threshold(FIRST_PASS, *gc.get_threshold()[1:])
+
+
+def quiet_readers(shm_broadcast: ModuleType) -> None:
+    """Readers of vLLM's message queues made from now on spin at most VLLM_READER_SPIN_S."""
+    cls = shm_broadcast.SpinCondition
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        if self.is_reader:
+            self.busy_loop_s = min(self.busy_loop_s, VLLM_READER_SPIN_S)
+
+    cls.__init__ = __init__
+
+
+patch_on_import("vllm.distributed.device_communicators.shm_broadcast", quiet_readers)
