@@ -47,7 +47,7 @@ venv_install() {
         # pip takes the best version that any index offers, and compiles what it installs (an
         # environment that writes no bytecode would otherwise compile vLLM at every import): so
         # does uv here, unless TRANSPORT_COMPILE_BYTECODE=0 (tests/run.sh: its processes write
-        # the bytecode of what they import, a seventh of what the installs hold)
+        # the bytecode of what they import, under a third of what the installs hold)
         local -a compile=(--compile-bytecode)
         [ "${TRANSPORT_COMPILE_BYTECODE:-1}" = "0" ] && compile=()
         .venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match \

@@ -17,8 +17,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # Python compiles a module to bytecode at its first import and, unless told not to, keeps it: the
 # installs here skip compiling everything they unpack (vLLM, torch, Ray, transformers: about
-# 20,000 modules; the suite imports about 5,000 of them) and every process of the run writes what
-# it compiled, so each module is compiled once (examples/install.sh)
+# 29,000 modules in .venv; a whole run imports about 8,400 of them) and every process of the run
+# writes what it compiled, so each module is compiled about once (examples/install.sh)
 unset PYTHONDONTWRITEBYTECODE
 export TRANSPORT_COMPILE_BYTECODE=0
 if [ ! -x .venv/bin/python ]; then
