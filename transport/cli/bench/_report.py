@@ -164,9 +164,9 @@ def _probe_file() -> Path:
 
 def ucx_probe() -> Callable[[], dict[str, Any]]:
     """What UCX picks on this host for a put and a get: kept from an earlier run with the same
-    boot, namespace, interpreter and UCX settings (``"probe": "cached"``), else found by a child
-    process that makes them with UCX_PROTO_INFO=y and kept. The function returned waits for the
-    child and gives the UCX settings with what it found."""
+    boot, namespace, interpreter, NIXL and UCX settings (``"probe": "cached"``), else found by a
+    child process that makes them with UCX_PROTO_INFO=y, and kept. The function returned waits
+    for the child and gives the UCX settings with what it found."""
     info = {"UCX_TLS": os.environ.get("UCX_TLS", "default")}
     info.update({k: v for k, v in os.environ.items() if k.startswith("UCX_") and k != "UCX_TLS"})
     cache = _probe_file()
@@ -199,9 +199,8 @@ def ucx_probe() -> Callable[[], dict[str, Any]]:
         if proc.returncode != 0:
             return {**info, "probe": f"failed (exit {proc.returncode})", **parse_ucx_info(text)}
         found = parse_ucx_info(text)
-        if found.get(
-            "version"
-        ):  # kept for the next run; one that cannot be written is probed again
+        # kept for the next run; where it cannot be written, the next run probes again
+        if found.get("version"):
             with contextlib.suppress(OSError):
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 tmp = cache.with_suffix(f".{os.getpid()}.tmp")
