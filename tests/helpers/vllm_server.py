@@ -16,11 +16,9 @@ from helpers.llama import NEW_TOKENS, PROMPTS
 from transport.integrations.vllm.server import VllmServer as Server
 
 #: every worker reports its transport engine's state (collective_rpc "transport_state"), and its
-#: readers of vLLM's message queues can be made to sleep sooner (worker_ext/quiet_workers.py)
+#: collectives can be made to wait in the kernel (worker_ext/quiet_workers.py)
 EXTENSION = ("--worker-extension-cls", "quiet_workers.TestWorkers")
 WORKER_EXT = Path(__file__).parent / "worker_ext"
-#: how long a TP worker's readers spin after a message (vLLM: 1 s; see quiet_workers.py)
-READER_SPIN_S = 0.001
 ARGS = (
     "--dtype",
     "float32",
@@ -80,11 +78,10 @@ class VllmServer(Server):
                 **env,
             },
         )
-        # spinning workers would hold both cores between the calls of an update, and a worker
-        # waiting in a collective for the other one while it is not running
+        # a worker waiting in a collective for the other one would spin while it is not running
+        # (its readers of vLLM's message queues sleep soon already: helpers/startup)
         if tp > 1:
             try:
-                self.post("collective_rpc", {"method": "reader_spin", "args": [READER_SPIN_S]})
                 changed = self.post("collective_rpc", {"method": "blocking_collectives"})
                 # every worker at least its tensor-parallel group (vLLM answers with text)
                 assert all(int(n) >= 1 for n in changed["results"]), changed

@@ -13,7 +13,7 @@ A reader of vLLM's shared-memory message queues (an engine core reading its work
 worker reading the engine's calls) spins ``VLLM_READER_SPIN_S`` after a message before it sleeps
 until the next one is announced, instead of vLLM's 1 s: on the test machines' two cores a
 spinning reader takes a core from the processes it waits for, at every call of an update. What
-it reads is unchanged (helpers/worker_ext/quiet_workers.py sets the same on running workers)."""
+it reads is unchanged."""
 
 from __future__ import annotations
 

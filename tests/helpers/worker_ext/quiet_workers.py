@@ -1,38 +1,25 @@
 """On a test server's ``PYTHONPATH`` (helpers.vllm_server): the worker extension the tests run
-vLLM with. It reports the transport engine's state, as the product's extension does, and can
-make the workers' readers of vLLM's message queues sleep sooner.
+vLLM with. It reports the transport engine's state, as the product's extension does, and can make
+the workers' collectives wait in the kernel.
 
-vLLM's tensor-parallel workers spin for 1 s after each message from the engine before they
-sleep (``SpinCondition.busy_loop_s`` of its shared-memory message queue). With as many workers as
-cores (TP = 2 on the test machines' two), the spinning workers hold both cores, and every call of
-an update (start, update, finish, each ``collective_rpc``) waits about a second for the engine,
-the trainer and the test to run. ``benchmarks/vllm_update.py --worker-spin-s`` measures it; the
-tests set 1 ms, which changes when a reader sleeps, not what it reads."""
+The collectives of vLLM's tensor-parallel workers (the all-reduce of every layer, the gather of
+the logits) go through vLLM's CPU shared-memory communicator, whose waiting rank spins until the
+other arrives. On two cores shared with the rest of the suite the other rank is often not
+running, and the spinning one burns its core meanwhile: a fifth of a TP = 2 server file's CPU was
+seen there. :meth:`blocking_collectives` hands them to the group's torch.distributed (gloo)
+group, which waits in the kernel; a sum of two ranks' values is the same in either order, so the
+tokens are the same bit for bit. (The workers' readers of vLLM's message queues spin 1 ms after
+a message instead of 1 s from their start: helpers/startup/sitecustomize.py.)"""
 
 from __future__ import annotations
-
-import gc
 
 from transport.integrations.vllm.extension import TransportState
 
 
 class TestWorkers(TransportState):
-    """The product's extension plus :meth:`reader_spin` and :meth:`blocking_collectives` (owns
-    nothing)."""
+    """The product's extension plus :meth:`blocking_collectives` (owns nothing)."""
 
     __test__ = False  # not a pytest class
-
-    def reader_spin(self, seconds: float) -> int:
-        """Readers of this worker's message queues spin ``seconds`` after a message before they
-        sleep; returns how many readers it changed."""
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-        # type(o), not isinstance(o, ...): the heap holds weak proxies, and isinstance asks a
-        # proxy whose object is gone for its class, which raises ReferenceError
-        found = [o for o in gc.get_objects() if issubclass(type(o), SpinCondition) and o.is_reader]
-        for o in found:
-            o.busy_loop_s = seconds
-        return len(found)
 
     def blocking_collectives(self) -> int:
         """This worker's groups (tensor-, pipeline-, data- and expert-parallel) do their
