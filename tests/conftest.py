@@ -45,6 +45,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 import helpers.startup.sitecustomize  # noqa: E402, F401  (this process's thresholds)
 
+#: torch's TCPStore looks up the name of the address at each end of every connection it makes
+#: (for its log lines, also where nothing is logged), and the address is IPv4 mapped into IPv6,
+#: which no hosts file lists: each connection asks the DNS server twice. The test machines'
+#: resolver drops queries past a burst of about 50, and glibc waits 5 s before it asks again:
+#: tests of many peers stalled 5 s at random connections. The processes of the tests wait 1 s.
+#: A user's machine can check its own with ``transport doctor``.
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def transport_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

@@ -15,7 +15,8 @@ transformers too (seconds of CPU per process on this kind of machine, and these 
 dozens of them); other children never see vLLM's changes to torch's settings. Neither server
 has started a Python thread when it forks (numpy's and vLLM's native pools aside). A child whose
 vLLM forks processes of its own must not fork from a process with threads: the offline engines
-here run everything in their own process, and vLLM's servers spawn theirs."""
+here run everything in their own process, and vLLM's servers start theirs from their own
+process (forked in the tests: helpers/startup/sitecustomize.py)."""
 
 from __future__ import annotations
 

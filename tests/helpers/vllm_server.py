@@ -2,9 +2,11 @@
 in and out, each tensor-parallel worker on a core of its own, killed at the end (a graceful stop
 of the CPU build takes tens of seconds, and nothing the tests check depends on it).
 
-Its engine core and workers are spawned, vLLM's command-line default (each imports vLLM again:
-most of a server's start on this kind of machine). Forked instead, from an API server that has
-started threads, a server was seen to hang for good before its engine core began."""
+Its engine core and workers fork from the process that starts them where that process has no
+thread besides its main one, and are spawned otherwise (helpers/startup/sitecustomize.py; vLLM's
+CPU build spawns them, and each imports vLLM again: most of a server's start). An engine core
+forked from an API server that had started threads was once seen to hang for good before it
+began."""
 
 from __future__ import annotations
 

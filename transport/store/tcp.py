@@ -18,11 +18,12 @@ Measured behaviours of TCPStore (torch 2.13) this module works around:
 * A client object serialises its calls: a ``get`` waiting for a key holds up every
   other thread using that object. Each thread that waits for keys (``get``, ``wait``)
   gets its own client; the calls that answer at once share one client per object.
-* With about 25, 50, 75... clients connected to one server, the next one to connect
-  takes 5 s (both server backends, any number of client processes; clients that come
-  and go do not add up). A process with a dozen Transports, each with a client per
-  thread, passed that count, and its heartbeats came late enough to make it a suspect:
-  hence the shared client.
+* Each connection makes both ends look up the name of the peer's address (for torch's log
+  lines, also where nothing is logged): two reverse DNS queries per connection, for an address
+  that no hosts file lists (IPv4 mapped into IPv6). Where the resolver is slow or drops
+  queries, a connection waits for it (glibc: 5 s before it asks again; ``RES_OPTIONS``, for
+  example ``timeout:1``, shortens that). A process with a dozen Transports, each with a
+  client per thread, connected dozens of times: hence the shared client.
 * A wait with a zero (or very short) timeout can time out even when the key
   exists, before the server's answer arrives; ``check`` is used to look first.
 * ``get`` is two round trips (a wait for the key, then its value) and holds a missing

@@ -13,13 +13,22 @@ A reader of vLLM's shared-memory message queues (an engine core reading its work
 worker reading the engine's calls) spins ``VLLM_READER_SPIN_S`` after a message before it sleeps
 until the next one is announced, instead of vLLM's 1 s: on the test machines' two cores a
 spinning reader takes a core from the processes it waits for, at every call of an update. What
-it reads is unchanged."""
+it reads is unchanged.
+
+vLLM's CPU platform starts its processes (an API server's engine core, an engine core's workers)
+by spawn, each importing vLLM anew: about 10 CPU-s each on this kind of machine. In the tests'
+processes they are forked from the process that starts them, vLLM's default start method (its GPU
+builds fork unless CUDA is already initialized), where that process runs no thread besides its
+main one: a server of two workers starts on about 20 CPU-s less. They are spawned as before in a
+process with threads and in a Ray actor (verl's), where vLLM itself must spawn."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import sys
+import threading
 from types import ModuleType
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,3 +58,23 @@ def quiet_readers(shm_broadcast: ModuleType) -> None:
 
 
 patch_on_import("vllm.distributed.device_communicators.shm_broadcast", quiet_readers)
+
+
+def fork_when_alone(system_utils: ModuleType) -> None:
+    """vLLM's processes started from now on are forked, vLLM's default start method, where the
+    CPU platform chose spawn and the starting process runs no thread besides its main one
+    (forked from a process with threads, a child can inherit a lock that a thread held at the
+    fork, and hang on it). Outside a Ray actor only, where vLLM itself must spawn."""
+    choose = system_utils.get_mp_context
+
+    def get_mp_context():  # type: ignore[no-untyped-def]
+        context = choose()
+        alone = threading.active_count() == 1 and not system_utils.is_in_ray_actor()
+        if context.get_start_method() == "spawn" and alone:
+            return multiprocessing.get_context("fork")
+        return context
+
+    system_utils.get_mp_context = get_mp_context
+
+
+patch_on_import("vllm.utils.system_utils", fork_when_alone)
