@@ -59,8 +59,20 @@ def serve(conn: Any, handlers: dict[str, Any], close: Any) -> None:
 START_TIMEOUT = 180.0
 
 #: what the forkserver imports before it forks any child (importable from the installed
-#: environment: the forkserver starts with Python's default path, not the test process's)
-PRELOAD = ["numpy", "torch", "transport", "transport.weights"]
+#: environment: the forkserver starts with Python's default path, not the test process's): the
+#: library, its stores and backends and NIXL's bindings, which almost every child loads (NIXL
+#: reads UCX's settings when an agent starts, not at its import)
+PRELOAD = [
+    "numpy",
+    "torch",
+    "transport",
+    "transport.weights",
+    "transport.store.tcp",
+    "transport.store.redis",
+    "transport.backends.nixl",
+    "transport.backends.cma",
+    "nixl._api",
+]
 #: what the forkserver of the children that run vLLM imports besides: its offline engine, its
 #: trainer side, transformers and peft (the trainers build their models with them: eight LoRA
 #: tenants importing them at once starved the tests running beside them)
