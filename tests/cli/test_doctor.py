@@ -13,6 +13,8 @@ import torch
 import transport
 from helpers.processes import REPO
 from transport.backends import cma
+from transport.cli.doctor import checks
+from transport.cli.doctor.report import Report
 from transport.cli.doctor.routes import parse_routes
 from transport.peers.directory import Directory
 
@@ -49,7 +51,39 @@ def test_the_doctor_reports_versions_routes_and_a_loopback_put(tcp_store):
     lb = report["loopback"]
     assert lb["put_4k_us"] > 0 and lb["put_64m_gbps"] > 0 and lb["memcpy_64m_gbps"] > 0
     assert report["store"]["round_trip_us"] > 0
+    lookups = report["lookups"]  # what torch's TCPStore looks up at each end of a connection
+    assert lookups["address"] == "::ffff:127.0.0.1" and lookups["burst"] == checks.LOOKUP_BURST
+    assert 0 < lookups["median_ms"] <= lookups["slowest_ms"]
     assert "fail" not in findings(out)
+
+
+def test_a_reverse_lookup_the_resolver_lost_is_a_warning_naming_its_fixes():
+    """The resolver drops the 51st query of a burst, and glibc asks again 5 s later (what this
+    machine's resolver does): a warning with the fixes; lookups that all answer at once are
+    none. A clock that the lookups move stands for the time they take."""
+    now = [0.0]
+    asked: list[tuple[str, int, int, int]] = []
+
+    def lookup(sockaddr: tuple[str, int, int, int], flags: int) -> tuple[str, str]:
+        asked.append(sockaddr)
+        now[0] += 5.0 if len(asked) == 51 else 0.0002
+        return sockaddr[0], str(sockaddr[1])
+
+    report = Report(versions={}, settings={}, progress="", devices={})
+    checks.name_lookups(report, "tcp://127.0.0.1:29500", lookup, lambda: now[0])
+    assert set(asked) == {("::ffff:127.0.0.1", 29500, 0, 0)}
+    assert len(asked) == checks.LOOKUP_BURST
+    assert report.lookups is not None and round(report.lookups.slowest_ms) == 5000
+    (warn,) = report.findings
+    assert warn.level == "warn" and "::ffff:127.0.0.1" in warn.what and "5.0 s" in warn.what
+    assert "/etc/hosts" in warn.fix and "RES_OPTIONS=timeout:1" in warn.fix
+    quick = Report(versions={}, settings={}, progress="", devices={})
+    asked.clear()
+    checks.name_lookups(quick, "tcp://127.0.0.1:29500", lambda a, f: asked.append(a), lambda: 0.0)
+    assert quick.findings == [] and len(asked) == checks.LOOKUP_BURST
+    redis = Report(versions={}, settings={}, progress="", devices={})
+    checks.name_lookups(redis, "redis://127.0.0.1:6379/0", lookup, lambda: now[0])
+    assert redis.lookups is None  # Redis's clients look nothing up
 
 
 def test_the_doctor_proves_cross_memory_attach_between_two_processes_or_says_why_not(tcp_store):

@@ -2,7 +2,8 @@
 
 It reports the versions (the library, torch, NIXL and its plugins, UCX), the settings the library
 runs with and the progress mode they give, the devices seen (GPUs, RDMA, network interfaces, the
-doorbell's address), the store and its latency, the transports UCX picks for a put, a get and a
+doorbell's address), the store and its latency (for the embedded store, the reverse name
+lookups its connections wait for), the transports UCX picks for a put, a get and a
 notification between two processes of this host (``UCX_PROTO_INFO``), a 4 KiB and a 64 MiB put
 between them against a copy inside one process, and with ``--peer`` what a named peer's record
 says and whether its doorbell is reachable from here. Each problem found comes with the setting
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     store = store_from_url(args.store)
     try:
         checks.store(report, store, time.perf_counter() - t0)
+        checks.name_lookups(report, store.url)
         if args.peer:
             peer(report, store, args.namespace, args.peer, args.secret)
         if not args.no_probe and report.worst() != "fail":

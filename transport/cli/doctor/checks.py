@@ -4,6 +4,7 @@ the store, the loopback probe's routes and figures, and a named peer; each probl
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import importlib.metadata
@@ -13,13 +14,15 @@ import site
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from transport.backends import cma
 from transport.backends.nixl import PROGRESS_ENV, SHARED_MEMORY_TLS, progress_mode
-from transport.cli.doctor.report import Loopback, Report, StoreCheck
+from transport.cli.doctor.report import Loopback, NameLookups, Report, StoreCheck
 from transport.doorbell import BELL_IP_ENV, bell_ip
 from transport.store.base import Store, redact_url
+from transport.store.tcp_url import parse_tcp_url
 
 #: the environment that decides which paths a put takes (set by the user or by the library)
 SETTINGS = (
@@ -36,6 +39,11 @@ SETTINGS = (
 )
 #: a store slower than this per call is worth a warning (a first put to a peer reads it)
 SLOW_STORE_US = 2000.0
+#: reverse lookups asked in a row, as dozens of peers connecting to the embedded store at a
+#: job's start ask them (each connection asks two)
+LOOKUP_BURST = 64
+#: a reverse lookup slower than this holds up a connection to the embedded store noticeably
+SLOW_LOOKUP_MS = 100.0
 #: a same-host put slower than this share of an in-process copy is worth a warning
 LOW_LOOPBACK_SHARE = 0.25
 
@@ -205,6 +213,41 @@ def store(report: Report, handle: Store, opened_s: float) -> None:
             f"a set and a get take {check.round_trip_us / 1e3:.1f} ms: every first put to a peer "
             "and every join reads the store",
             "a store near the peers (Redis on the trainer's host), or a less loaded one",
+        )
+
+
+def name_lookups(
+    report: Report,
+    store_url: str,
+    lookup: Callable[[tuple[str, int, int, int], int], object] = socket.getnameinfo,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """For the embedded store: the reverse lookups its connections wait for (NameLookups,
+    each made by ``lookup`` and timed by ``clock``); a slow one is a finding."""
+    if not store_url.startswith("tcp://"):
+        return
+    host, port, _, _ = parse_tcp_url(store_url)
+    try:
+        address = f"::ffff:{socket.gethostbyname(host)}"
+    except OSError:
+        return  # the store check names an unreachable host
+    times = []
+    for _ in range(LOOKUP_BURST):
+        t0 = clock()
+        with contextlib.suppress(OSError):  # unresolved: torch logs the number instead
+            lookup((address, port, 0, 0), 0)
+        times.append(clock() - t0)
+    lookups = NameLookups(address, LOOKUP_BURST, statistics.median(times) * 1e3, max(times) * 1e3)
+    report.lookups = lookups
+    if lookups.slowest_ms > SLOW_LOOKUP_MS:
+        report.add(
+            "warn",
+            "store",
+            f"a reverse lookup of {address} took {lookups.slowest_ms / 1e3:.1f} s (of "
+            f"{LOOKUP_BURST} in a row): torch's TCPStore makes one at both ends of each "
+            "connection to the embedded store, and the connection waits for it",
+            f"list {address} in /etc/hosts, or make the resolver give up sooner "
+            "(RES_OPTIONS=timeout:1), or use a Redis store (redis://HOST:PORT)",
         )
 
 

@@ -46,6 +46,20 @@ class StoreCheck:
 
 
 @dataclass(frozen=True)
+class NameLookups:
+    """The reverse lookups behind the embedded store's connections: torch's TCPStore looks up
+    the name of the peer's address at both ends of each connection (for its log lines, also
+    where nothing is logged), in the form it connects with, an IPv4 address mapped into IPv6
+    (``address``), which hosts files seldom list. ``burst`` lookups asked one after another,
+    as dozens of peers connecting at a job's start ask them: their median and slowest time."""
+
+    address: str
+    burst: int
+    median_ms: float
+    slowest_ms: float
+
+
+@dataclass(frozen=True)
 class Loopback:
     """A put between two processes of this host against a copy inside one process: the median
     time of a 4 KiB put and of a 4 KiB copy, the bandwidth of a 64 MiB put and of a 64 MiB copy."""
@@ -67,6 +81,7 @@ class Report:
     progress: str
     devices: dict[str, list[str]]
     store: StoreCheck | None = None
+    lookups: NameLookups | None = None
     routes: list[Route] = field(default_factory=list)
     loopback: Loopback | None = None
     peer: dict[str, Any] | None = None
@@ -99,6 +114,12 @@ class Report:
             out.append(
                 f"store:           {s.url}: opened in {s.connect_ms:.1f} ms, "
                 f"a set and a get {s.round_trip_us:.0f} us"
+            )
+        if self.lookups is not None:
+            n = self.lookups
+            out.append(
+                f"name lookups:    {n.burst} of {n.address}: median {n.median_ms:.2f} ms, "
+                f"slowest {n.slowest_ms:.1f} ms"
             )
         if self.routes:
             out.append("routes (UCX's choice per operation):")
