@@ -47,10 +47,10 @@ import helpers.startup.sitecustomize  # noqa: E402, F401  (this process's thresh
 
 #: torch's TCPStore looks up the name of the address at each end of every connection it makes
 #: (for its log lines, also where nothing is logged), and the address is IPv4 mapped into IPv6,
-#: which no hosts file lists: each connection asks the DNS server twice. The test machines'
-#: resolver drops queries past a burst of about 50, and glibc waits 5 s before it asks again:
-#: tests of many peers stalled 5 s at random connections. The processes of the tests wait 1 s.
-#: A user's machine can check its own with ``transport doctor``.
+#: which no hosts file lists: each connection asks the DNS server twice. A resolver that drops
+#: queries past a burst (this project's test machines do: benchmarks/README.md) made glibc wait
+#: 5 s before it asked again, and tests of many peers stalled at random connections; the
+#: processes of the tests wait 1 s. ``transport doctor`` times a burst of such lookups.
 os.environ.setdefault("RES_OPTIONS", "timeout:1")
 
 

@@ -58,8 +58,8 @@ def test_the_doctor_reports_versions_routes_and_a_loopback_put(tcp_store):
 
 
 def test_a_reverse_lookup_the_resolver_lost_is_a_warning_naming_its_fixes():
-    """The resolver drops the 51st query of a burst, and glibc asks again 5 s later (what this
-    machine's resolver does): a warning with the fixes; lookups that all answer at once are
+    """The resolver drops the 51st query of a burst, and glibc asks again 5 s later (as the test
+    machines' resolver does): a warning with the fixes; lookups that all answer at once are
     none. A clock that the lookups move stands for the time they take."""
     now = [0.0]
     asked: list[tuple[str, int, int, int]] = []

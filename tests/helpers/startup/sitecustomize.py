@@ -16,11 +16,11 @@ spinning reader takes a core from the processes it waits for, at every call of a
 it reads is unchanged.
 
 vLLM's CPU platform starts its processes (an API server's engine core, an engine core's workers)
-by spawn, each importing vLLM anew: about 10 CPU-s each on this kind of machine. In the tests'
-processes they are forked from the process that starts them, vLLM's default start method (its GPU
-builds fork unless CUDA is already initialized), where that process runs no thread besides its
-main one: a server of two workers starts on about 20 CPU-s less. They are spawned as before in a
-process with threads and in a Ray actor (verl's), where vLLM itself must spawn."""
+by spawn, and each imports vLLM anew: most of a server's start. In the tests' processes they are
+forked from the process that starts them, vLLM's default start method (its GPU builds fork unless
+CUDA is already initialized), where that process runs no thread besides its main one; they are
+spawned as before from a process with threads and in a Ray actor (verl's), where vLLM itself must
+spawn. What each server saves: benchmarks/README.md, the test command's time."""
 
 from __future__ import annotations
 
