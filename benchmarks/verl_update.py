@@ -28,7 +28,6 @@ ones each update (so two updates differ in about twice SHARE), for every engine 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -40,7 +39,6 @@ from pathlib import Path
 import ray
 import torch
 import transformers
-from tests.checkpoint_engine.test_utils import create_rollout_worker_group
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.single_controller.ray.base import split_resource_pool
@@ -51,6 +49,7 @@ from transport.integrations.verl.harness import (
     NIXL_ON_CPU,
     StandInTrainer,
     peak_rss_bytes,
+    rollout_worker_group,
     rss_bytes,
 )
 from transport.store.tcp import TcpStore
@@ -112,10 +111,8 @@ def run_one(
         ),
     )
     rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=2, checkpoint_engine=cfg)
-    rollout, replicas = asyncio.run(
-        create_rollout_worker_group(
-            rollout_pool, HFModelConfig(path=str(model)), rollout_config, check
-        )
+    rollout, replicas, master_port = rollout_worker_group(
+        rollout_pool, HFModelConfig(path=str(model)), rollout_config, check
     )
     manager = CheckpointEngineManager(config=cfg, actor_wg=actor, replicas=replicas)
     pids = {"trainer": actor.pid(), "rollout": [pid_of(w) for w in rollout.workers]}
@@ -145,6 +142,7 @@ def run_one(
         ray.get([w.check_weights.remote() for w in rollout.workers])
     for handle in list(actor.workers) + list(rollout.workers):
         ray.kill(handle)
+    master_port.close()
     return {
         "engine": engine,
         "workers": workers,

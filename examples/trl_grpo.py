@@ -100,15 +100,17 @@ def main() -> None:
 
     from transport.integrations.trl import TransportWeightTransfer
     from transport.integrations.trl.cpu import cpu_trainer
-    from transport.integrations.vllm.server import VllmServer, free_port
+    from transport.integrations.vllm.server import VllmServer
+    from transport.ports import reserve_port
 
     work = Path(tempfile.mkdtemp(prefix="trl-grpo-"))
     folder = trl_task.make_model(work / "model")
     server_args = SERVER_ARGS + (LORA_SERVER_ARGS if args.lora else ())
     t0 = time.monotonic()
-    with VllmServer(folder, work / "vllm.log", args=server_args) as server:
+    with VllmServer(folder, work / "vllm.log", args=server_args) as server, reserve_port() as held:
         print(f"vLLM up in {time.monotonic() - t0:.0f} s (log: {server.log})", flush=True)
-        store = f"tcp://127.0.0.1:{free_port()}"  # the embedded store, hosted by the trainer
+        # the embedded store, hosted by the trainer on a port held for this run
+        store = f"tcp://127.0.0.1:{held.port}"
         transfer = TransportWeightTransfer(
             server.url, store=store, adapter="policy" if args.lora else None
         )

@@ -112,3 +112,17 @@ def greedy(model: object, prompts: list[list[int]] = CHECK_PROMPTS) -> list[list
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def token_logprobs(
+    model: object, prompts: list[list[int]], completions: list[list[int]]
+) -> list[list[float]]:
+    """transformers' log-probability of each completion token after its prompt (one forward
+    of each prompt and completion)."""
+    out = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions, strict=True):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]  # type: ignore[operator]
+            logp = torch.log_softmax(logits.float(), -1)
+            out.append(logp.gather(1, torch.tensor(c)[:, None])[:, 0].tolist())
+    return out

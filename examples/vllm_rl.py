@@ -77,8 +77,9 @@ def main() -> None:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from transport.integrations.vllm import register
-    from transport.integrations.vllm.server import VllmServer, free_port
+    from transport.integrations.vllm.server import VllmServer
     from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
+    from transport.ports import reserve_port
 
     register()  # the trainer runs no vLLM engine: register the backend's trainer side here
     work = Path(tempfile.mkdtemp(prefix="vllm-rl-"))
@@ -94,10 +95,14 @@ def main() -> None:
         "32",
         "--skip-tokenizer-init",
     )
-    with VllmServer(work / "model", work / "vllm.log", args=server_args) as server:
+    with (
+        VllmServer(work / "model", work / "vllm.log", args=server_args) as server,
+        reserve_port() as held,
+    ):
         url = server.url
         print(f"vLLM up in {time.monotonic() - t0:.0f} s (log: {server.log})", flush=True)
-        store = f"tcp://127.0.0.1:{free_port()}"  # the embedded store, hosted by this trainer
+        # the embedded store, hosted by this trainer on a port held for this run
+        store = f"tcp://127.0.0.1:{held.port}"
         engine = WeightTransferTrainerFactory.trainer_init(
             TransportTrainerInitInfo(store, rank=0, timeout=60),
             client=HTTPClient(url),

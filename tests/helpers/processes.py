@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -13,15 +12,22 @@ from pathlib import Path
 from typing import IO
 
 from helpers.child import START_TIMEOUT
+from transport.ports import PortReservation, reserve_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+#: the ports :func:`free_port` handed out, held until this process ends
+_HELD: list[PortReservation] = []
+
+
 def free_port() -> int:
-    """A TCP port nobody listened on a moment ago (another process may still take it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A TCP port of this host that nobody else is given until this process ends: a server a
+    test starts binds it by number (a restarted one too), and no other process's port 0 or
+    outgoing connection lands on it meanwhile (see transport/ports.py)."""
+    held = reserve_port()
+    _HELD.append(held)
+    return held.port
 
 
 class LineReader:

@@ -48,6 +48,11 @@ import trl_grpo  # noqa: E402
 import trl_task  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from transport.ports import PortReservation, reserve_port  # noqa: E402
+
+#: the ports this job hosts a server on by number, held until it ends
+HELD: list[PortReservation] = []
+
 #: samples whose log-probabilities are matched against every version (the first ones taken)
 MATCHED = 240
 #: a sample's vLLM log-probabilities match a version's when no token differs by more
@@ -128,9 +133,7 @@ class Probe(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         model = kw["model"]
-        ref = trl_task.reference(self.folder, model)
-        want = trl_task.greedy(ref)
-        got = self.server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
+        check = served_check(self.server, trl_task.reference(self.folder, model))
         served = self.server.get("weight_info")["weight_version"]
         workers = self.server.post("collective_rpc", {"method": "transport_state"})["results"]
         self.checks.append(
@@ -138,9 +141,7 @@ class Probe(TrainerCallback):
                 "step": state.global_step,
                 "version": self.transfer.version,
                 "served": served,
-                "equal": got == want,
-                "got": got,
-                "want": want,
+                **check,
                 "adapters": workers[0].get("adapters", {}),
                 "model_version": workers[0]["version"],
             }
@@ -155,6 +156,33 @@ class Probe(TrainerCallback):
         if self.kill_after is not None and state.global_step == self.kill_after:
             self.server.kill()
             self.killed_at = time.monotonic()
+
+
+def served_check(server: Any, ref: Any) -> dict[str, Any]:
+    """vLLM's greedy tokens after :data:`trl_task.CHECK_PROMPTS` against transformers' on
+    ``ref`` (the trainer's weights now), and the largest gap between their log-probabilities
+    of vLLM's tokens (``logprob_err``); for a peft model also the largest gap between the
+    adapter's and the base model's (``base_gap``): an adapter that moved tells itself from
+    none there even where both choose the same tokens."""
+    want = trl_task.greedy(ref)
+    served = server.complete_scored(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
+    got = [c.tokens for c in served]
+    mine = trl_task.token_logprobs(ref, trl_task.CHECK_PROMPTS, got)
+    out = {
+        "equal": got == want,
+        "got": got,
+        "want": want,
+        "logprob_err": _largest_gap([c.logprobs for c in served], mine),
+    }
+    if hasattr(ref, "disable_adapter"):
+        with ref.disable_adapter():
+            base = trl_task.token_logprobs(ref, trl_task.CHECK_PROMPTS, got)
+        out["base_gap"] = _largest_gap(mine, base)
+    return out
+
+
+def _largest_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
 
 
 def _rss(pids: list[int]) -> int:
@@ -185,9 +213,10 @@ def run(
 
     from transport.integrations.trl import TransportWeightTransfer
     from transport.integrations.trl.cpu import cpu_trainer
-    from transport.integrations.vllm.server import free_port
 
-    store = f"tcp://127.0.0.1:{free_port()}"
+    held = reserve_port()  # until the job ends: the store is hosted there by number
+    HELD.append(held)
+    store = f"tcp://127.0.0.1:{held.port}"
     name = "lora" if lora else "full"
     transfer = TransportWeightTransfer(
         server.url,
@@ -224,9 +253,7 @@ def run(
             report["error_after_kill_s"] = time.monotonic() - probe.killed_at
     report["train_s"] = time.monotonic() - t0
     if report["error"] is None:  # the last sync (after the last step) against the last weights
-        want = trl_task.greedy(trl_task.reference(folder, trainer.model))
-        got = server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
-        report["final"] = {"equal": got == want, "got": got, "want": want}
+        report["final"] = served_check(server, trl_task.reference(folder, trainer.model))
     report["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     report["step_s"] = [h["perf/step_s"] for h in trainer.state.log_history if "perf/step_s" in h]
     report["syncs"] = [
@@ -333,7 +360,9 @@ def main() -> None:
     server_args = trl_grpo.SERVER_ARGS + trl_grpo.LORA_SERVER_ARGS
     report: dict[str, Any] = {}
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if args.baseline else None
-    server = VllmServer(folder, work / "vllm.log", args=server_args, env=env)
+    port = reserve_port("127.0.0.1")  # the server's, restarted on it below
+    HELD.append(port)
+    server = VllmServer(folder, work / "vllm.log", args=server_args, port=port.port, env=env)
     try:
         lora_steps = args.steps if args.lora_steps is None else args.lora_steps
         lora = run(server, folder, work, lora_steps, lora=True, kill_after=None)
@@ -347,7 +376,7 @@ def main() -> None:
         report["full"] = full
         server.kill()
         t0 = time.monotonic()
-        server = VllmServer(folder, work / "vllm.log", args=server_args, port=server.port, env=env)
+        server = VllmServer(folder, work / "vllm.log", args=server_args, port=port.port, env=env)
         restart: dict[str, Any] = {"start_s": time.monotonic() - t0}
         before = server.complete(trl_task.CHECK_PROMPTS, trl_task.COMPLETION)
         transfer.send_weights(iter(trainer.model.named_parameters()))

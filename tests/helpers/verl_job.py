@@ -6,20 +6,18 @@ pytest collects it (every pytest worker collects every test file)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
 import ray
 import torch
 import transformers
-from tests.checkpoint_engine.test_utils import create_rollout_worker_group
 from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineWorker
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.single_controller.ray.base import split_resource_pool
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 
-from transport.integrations.verl.harness import Gate, StandInTrainer
+from transport.integrations.verl.harness import Gate, StandInTrainer, rollout_worker_group
 
 __all__ = ["BUCKET_MB", "Job", "make_qwen3_moe"]
 
@@ -76,8 +74,9 @@ class Job:
                 cls=ray.remote(StandInTrainer), model_path=str(model), config=self.cfg
             ),
         )
-        self.rollout, self.replicas = asyncio.run(
-            create_rollout_worker_group(rollout_pool, model_config, rollout_config, True)
+        # the rollout group's master port is held for the job's life (this process's)
+        self.rollout, self.replicas, self.master_port = rollout_worker_group(
+            rollout_pool, model_config, rollout_config, True
         )
         assert len(self.replicas) == 2 and len(self.rollout.workers) == 4
         self.manager = CheckpointEngineManager(

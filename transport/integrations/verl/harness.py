@@ -13,7 +13,8 @@ from the same checkpoint.
 Also here: the few words verl's ``nixl`` engine needs to run on a CPU-only build of torch
 (:func:`patch_nixl_for_cpu`, imported through ``custom_backend_module``), a :class:`Gate` that
 holds the trainers at a tensor (a test kills a worker mid-update, or starts the next update while
-one still runs), and the memory of a worker.
+one still runs), the memory of a worker, and verl's rollout worker group with its master port
+held (:func:`rollout_worker_group`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import torch
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.workers.config import CheckpointEngineConfig
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+
+from transport.ports import PortReservation, reserve_port
 
 #: the module to name in ``custom_backend_module`` to run verl's nixl engine on a CPU-only torch
 NIXL_ON_CPU = "transport.integrations.verl.harness"
@@ -188,3 +192,48 @@ class StandInTrainer(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
+
+
+def rollout_worker_group(
+    pool: RayResourcePool, model: HFModelConfig, rollout: RolloutConfig, check: bool
+) -> tuple[RayWorkerGroup, list[Any], PortReservation]:
+    """verl's ``create_rollout_worker_group`` (its tests/checkpoint_engine/test_utils.py: the
+    ``CheckpointEngineWorkerTest`` workers and their ``MockReplica`` replicas) with the group's
+    master port held until the caller closes the reservation, after it killed the workers.
+
+    verl picks that port by binding port 0 and closing it; its workers bind it for
+    torch.distributed seconds later, after importing verl and vLLM, and on a busy host another
+    process may have been given it by then (the rank-0 worker fails with EADDRINUSE)."""
+    from tests.checkpoint_engine.test_utils import CheckpointEngineWorkerTest, MockReplica
+    from verl.utils.device import get_device_name
+
+    from transport.integrations.verl.engine import node_address  # not at import: see NIXL_ON_CPU
+
+    reservation = reserve_port()
+    try:
+        group = RayWorkerGroup(
+            resource_pool=pool,
+            ray_cls_with_init=RayClassWithInitArgs(
+                cls=ray.remote(CheckpointEngineWorkerTest),
+                model_config=model,
+                rollout_config=rollout,
+                check_allclose=check,
+            ),
+            device_name=get_device_name(),
+            master_addr=node_address(),
+            master_port=str(reservation.port),
+        )
+    except BaseException:
+        reservation.close()
+        raise
+    per_replica = (
+        rollout.tensor_model_parallel_size
+        * rollout.data_parallel_size
+        * rollout.pipeline_model_parallel_size
+    )
+    replicas = []
+    for rank in range(group.world_size // per_replica):
+        replica = MockReplica(replica_rank=rank, config=rollout, model_config=model)
+        asyncio.run(replica.init_hybrid(group))  # takes its slice of the group's workers
+        replicas.append(replica)
+    return group, replicas, reservation

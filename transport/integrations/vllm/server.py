@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from transport.ports import reserve_port
 
 #: environment the server needs: the weight-update routes (dev mode) and, on vLLM's CPU build, a
 #: KV cache size (without one it asks for most of the host's memory); the caller's win
@@ -24,11 +26,12 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ONE_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def free_port() -> int:
-    """A TCP port of this host nobody listened on a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass(frozen=True)
+class Completion:
+    """One greedy completion: its token ids and vLLM's log-probability of each."""
+
+    tokens: list[int]
+    logprobs: list[float]
 
 
 def wait_healthy(url: str, timeout: float, check: Callable[[], None] | None = None) -> bool:
@@ -76,7 +79,9 @@ class VllmServer:
         start_timeout: float = 300.0,
     ) -> None:
         self.model = str(model)
-        self.port = port or free_port()
+        # a port of our choosing is held until the server is killed (transport/ports.py)
+        self._held = None if port else reserve_port(host)
+        self.port = port or self._held.port  # type: ignore[union-attr]
         self.url = f"http://{host}:{self.port}"
         self.log = Path(log)
         cmd = [
@@ -131,6 +136,23 @@ class VllmServer:
     ) -> list[list[int]]:
         """Greedy token ids continuing each prompt (token ids), in one request; ``model`` names
         a LoRA adapter to serve them with (default: the base model)."""
+        return [c["token_ids"] for c in self._greedy(prompts, max_tokens, model, {})]
+
+    def complete_scored(
+        self, prompts: list[list[int]], max_tokens: int, model: str | None = None
+    ) -> list[Completion]:
+        """:meth:`complete` with the log-probability vLLM gave each token it chose (of the
+        model's logits, before any sampling setting), which tells apart weights that choose
+        the same tokens."""
+        choices = self._greedy(prompts, max_tokens, model, {"logprobs": 0})
+        return [
+            Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]])
+            for c in choices
+        ]
+
+    def _greedy(
+        self, prompts: list[list[int]], max_tokens: int, model: str | None, more: dict[str, Any]
+    ) -> list[dict[str, Any]]:
         body: dict[str, Any] = {
             "model": model or self.model,
             "prompt": prompts,
@@ -138,9 +160,9 @@ class VllmServer:
             "temperature": 0,
             "ignore_eos": True,
             "return_token_ids": True,
+            **more,
         }
-        choices = sorted(self.post("v1/completions", body)["choices"], key=lambda c: c["index"])
-        return [list(c["token_ids"]) for c in choices]
+        return sorted(self.post("v1/completions", body)["choices"], key=lambda c: c["index"])
 
     def get(self, route: str) -> Any:
         import requests
@@ -158,10 +180,13 @@ class VllmServer:
         return r.json()
 
     def kill(self) -> None:
-        """kill -9 of every process of the server."""
+        """kill -9 of every process of the server; the port it was given goes back to the kernel
+        (a server restarted on it by number needs a port of the caller's, held by the caller)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=60)
+        if self._held is not None:
+            self._held.close()
 
     def stop(self, graceful: float = 30.0) -> None:
         if self.proc.poll() is None and graceful > 0:
