@@ -28,7 +28,6 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -132,9 +131,10 @@ class Redis:
     """A redis-server on 127.0.0.1 without persistence: ``stop`` then ``start`` empties it."""
 
     def __init__(self, folder: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        from transport.ports import reserve_port
+
+        self.held = reserve_port("127.0.0.1")  # the port it restarts on, for this run
+        self.port = self.held.port
         self.folder, self.url = folder, f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()

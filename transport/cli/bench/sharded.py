@@ -33,6 +33,7 @@ from typing import IO, Any
 import torch
 
 from transport import CliError
+from transport.ports import reserve_port
 
 GROUPS = {
     "ours": "bench-ours",
@@ -412,11 +413,11 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
     nbytes = sum(math.prod(s) * 4 for s in model.shapes().values())
     store = TcpStore("127.0.0.1", 0, hosting="yes")
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    gloo = reserve_port("127.0.0.1")  # held until the ranks are gone: rank 0 binds it late
     procs, conns = [], []
     for kind, i in [("gen", g) for g in range(gens)] + [("rank", r) for r in range(ranks)]:
         parent, child = ctx.Pipe()
-        target, more = (_gen_main, ()) if kind == "gen" else (_rank_main, (port,))
+        target, more = (_gen_main, ()) if kind == "gen" else (_rank_main, (gloo.port,))
         p = ctx.Process(target=target, args=(child, c, i, store.url, *more), daemon=True)
         p.start()
         procs.append(p)
@@ -459,6 +460,7 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
             if p.is_alive():
                 p.kill()
         store.close()
+        gloo.close()
     med = {s: statistics.median(v) for s, v in times.items()}
     ok = {s: all(v[s] for v in verified) for s in med}
     label = f"{ranks} ranks ({c.source_shards} shards) -> {gens} generators ({c.dest_layout}, {c.dest_dtype})"
@@ -513,11 +515,3 @@ def run_sharded(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
         b.set_ylabel("MiB beyond its shards, per rank (max)")
         _report.save(fig, args.plot, label)
     return 0 if all(ok.values()) else 1
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
