@@ -20,13 +20,20 @@ by spawn, and each imports vLLM anew: most of a server's start. In the tests' pr
 forked from the process that starts them, vLLM's default start method (its GPU builds fork unless
 CUDA is already initialized), where that process runs no thread besides its main one; they are
 spawned as before from a process with threads and in a Ray actor (verl's), where vLLM itself must
-spawn. What each server saves: benchmarks/README.md, the test command's time."""
+spawn. What each server saves: benchmarks/README.md, the test command's time.
+
+A port vLLM picks for itself (its processes' torch.distributed rendezvous, its message queues'
+sockets) stays held by the process that picked it until that process ends, as
+transport/ports.py holds ports: vLLM binds port 0, closes it and binds the number later in
+another process, and on the test machines, which open thousands of connections a minute,
+another process may be given the port meanwhile (the server then fails with EADDRINUSE)."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
 import os
+import socket
 import sys
 import threading
 from types import ModuleType
@@ -78,3 +85,30 @@ def fork_when_alone(system_utils: ModuleType) -> None:
 
 
 patch_on_import("vllm.utils.system_utils", fork_when_alone)
+
+
+#: the ports vLLM picked in this process, held until it ends
+HELD_PORTS: list[socket.socket] = []
+
+
+def held_ports(network_utils: ModuleType) -> None:
+    """vLLM's ports picked from now on stay held (where neither ``VLLM_PORT`` nor
+    ``VLLM_DP_MASTER_PORT`` steers the pick): a bound socket with SO_REUSEADDR that never
+    listens, which the kernel gives to no one asking for any port and which the
+    torch.distributed store and ZeroMQ, binding by number with SO_REUSEADDR, still bind
+    (transport/ports.py, not imported here: importing transport imports torch)."""
+    pick = network_utils.get_open_port
+
+    def get_open_port() -> int:
+        if "VLLM_PORT" in os.environ or "VLLM_DP_MASTER_PORT" in os.environ:
+            return int(pick())
+        held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("", 0))
+        HELD_PORTS.append(held)
+        return int(held.getsockname()[1])
+
+    network_utils.get_open_port = get_open_port
+
+
+patch_on_import("vllm.utils.network_utils", held_ports)
