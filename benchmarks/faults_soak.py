@@ -131,7 +131,7 @@ class Redis:
     """A redis-server on 127.0.0.1 without persistence: ``stop`` then ``start`` empties it."""
 
     def __init__(self, folder: str) -> None:
-        from transport.ports import reserve_port
+        from transport.store import reserve_port
 
         self.held = reserve_port("127.0.0.1")  # the port it restarts on, for this run
         self.port = self.held.port

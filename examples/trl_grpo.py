@@ -101,7 +101,7 @@ def main() -> None:
     from transport.integrations.trl import TransportWeightTransfer
     from transport.integrations.trl.cpu import cpu_trainer
     from transport.integrations.vllm.server import VllmServer
-    from transport.ports import reserve_port
+    from transport.store import reserve_port
 
     work = Path(tempfile.mkdtemp(prefix="trl-grpo-"))
     folder = trl_task.make_model(work / "model")

@@ -79,7 +79,7 @@ def main() -> None:
     from transport.integrations.vllm import register
     from transport.integrations.vllm.server import VllmServer
     from transport.integrations.vllm.trainer import HTTPClient, TransportTrainerInitInfo
-    from transport.ports import reserve_port
+    from transport.store import reserve_port
 
     register()  # the trainer runs no vLLM engine: register the backend's trainer side here
     work = Path(tempfile.mkdtemp(prefix="vllm-rl-"))

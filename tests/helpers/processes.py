@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from helpers.child import START_TIMEOUT
-from transport.ports import PortReservation, reserve_port
+from transport.store import PortReservation, reserve_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ _HELD: list[PortReservation] = []
 def free_port() -> int:
     """A TCP port of this host that nobody else is given until this process ends: a server a
     test starts binds it by number (a restarted one too), and no other process's port 0 or
-    outgoing connection lands on it meanwhile (see transport/ports.py)."""
+    outgoing connection lands on it meanwhile (see transport/store/ports.py)."""
     held = reserve_port()
     _HELD.append(held)
     return held.port

@@ -48,7 +48,7 @@ import trl_grpo  # noqa: E402
 import trl_task  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from transport.ports import PortReservation, reserve_port  # noqa: E402
+from transport.store import PortReservation, reserve_port  # noqa: E402
 
 #: the ports this job hosts a server on by number, held until it ends
 HELD: list[PortReservation] = []

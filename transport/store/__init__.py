@@ -7,6 +7,9 @@ Open one with :func:`store_from_url`:
   hosted by the first process that opens it on this machine; the default.
 * ``redis://[USER:PASSWORD@]HOST[:PORT][/DB][?timeout=S]`` and ``rediss://`` (TLS).
 
+A store (or any server) hosted on a port of the caller's choosing keeps that port held until it
+binds it: :func:`reserve_port` (transport/store/ports.py).
+
 The TCP and Redis implementations import torch and redis-py on first use.
 """
 
@@ -18,6 +21,7 @@ from urllib.parse import urlsplit
 
 from transport.store.base import DEFAULT_TIMEOUT, Store, redact_url
 from transport.store.memory import MemoryStore
+from transport.store.ports import PortReservation, reserve_port
 
 if TYPE_CHECKING:
     from transport.store.redis import RedisStore
@@ -80,9 +84,11 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "KNOWN_SCHEMES",
     "MemoryStore",
+    "PortReservation",
     "RedisStore",
     "Store",
     "TcpStore",
     "as_store",
+    "reserve_port",
     "store_from_url",
 ]

@@ -24,7 +24,7 @@ spawn. What each server saves: benchmarks/README.md, the test command's time.
 
 A port vLLM picks for itself (its processes' torch.distributed rendezvous, its message queues'
 sockets) stays held by the process that picked it until that process ends, as
-transport/ports.py holds ports: vLLM binds port 0, closes it and binds the number later in
+transport/store/ports.py holds ports: vLLM binds port 0, closes it and binds the number later in
 another process, and on the test machines, which open thousands of connections a minute,
 another process may be given the port meanwhile (the server then fails with EADDRINUSE)."""
 
@@ -96,7 +96,7 @@ def held_ports(network_utils: ModuleType) -> None:
     ``VLLM_DP_MASTER_PORT`` steers the pick): a bound socket with SO_REUSEADDR that never
     listens, which the kernel gives to no one asking for any port and which the
     torch.distributed store and ZeroMQ, binding by number with SO_REUSEADDR, still bind
-    (transport/ports.py, not imported here: importing transport imports torch)."""
+    (transport/store/ports.py, not imported here: importing transport imports torch)."""
     pick = network_utils.get_open_port
 
     def get_open_port() -> int:

@@ -27,7 +27,7 @@ import torch
 
 from transport.cli.bench._session import Session, get_blob, put_blob
 from transport.cli.bench._util import check_all, fill_all, zero_all
-from transport.ports import reserve_port
+from transport.store import reserve_port
 
 XFER_TIMEOUT_S = float(os.environ.get("BENCH_XFER_TIMEOUT", "60"))
 
@@ -327,7 +327,7 @@ class Group:
     @classmethod
     def open(cls, s: Session, backend: str, ks: Sequence[int]) -> Group:
         """Rank 0, at the address that routes to the store's host: every reader joins too. The
-        group's port is held until rank 0 has bound it (transport/ports.py)."""
+        group's port is held until rank 0 has bound it (transport/store/ports.py)."""
         with reserve_port() as held:
             return cls._open(s, backend, ks, held.port)
 

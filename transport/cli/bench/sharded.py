@@ -33,7 +33,7 @@ from typing import IO, Any
 import torch
 
 from transport import CliError
-from transport.ports import reserve_port
+from transport.store import reserve_port
 
 GROUPS = {
     "ours": "bench-ours",

@@ -32,7 +32,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 
-from transport.ports import PortReservation, reserve_port
+from transport.store import PortReservation, reserve_port
 
 #: the module to name in ``custom_backend_module`` to run verl's nixl engine on a CPU-only torch
 NIXL_ON_CPU = "transport.integrations.verl.harness"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transport.ports import reserve_port
+from transport.store import reserve_port
 
 #: environment the server needs: the weight-update routes (dev mode) and, on vLLM's CPU build, a
 #: KV cache size (without one it asks for most of the host's memory); the caller's win
@@ -79,7 +79,7 @@ class VllmServer:
         start_timeout: float = 300.0,
     ) -> None:
         self.model = str(model)
-        # a port of our choosing is held until the server is killed (transport/ports.py)
+        # a port of our choosing is held until the server is killed (transport/store/ports.py)
         self._held = None if port else reserve_port(host)
         self.port = port or self._held.port  # type: ignore[union-attr]
         self.url = f"http://{host}:{self.port}"

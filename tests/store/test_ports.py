@@ -1,4 +1,4 @@
-"""Ports held for a server that binds them later by number (transport/ports.py)."""
+"""Ports held for a server that binds them later by number (transport/store/ports.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import socket
 
 import pytest
 
-from transport.ports import reserve_port
-from transport.store import TcpStore
+from transport.store import TcpStore, reserve_port
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.stores, pytest.mark.timeout(60)]
 
 
 def _bind(port: int, reuse: bool) -> socket.socket:
