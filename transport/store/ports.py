@@ -10,10 +10,11 @@ that window is hit. A :class:`PortReservation` closes it.
 from __future__ import annotations
 
 import socket
-from types import TracebackType
+
+from transport._closing import Closing
 
 
-class PortReservation:
+class PortReservation(Closing):
     """Owns one socket bound to ``port`` with ``SO_REUSEADDR`` that never listens.
 
     While it is open, the kernel gives the port to no one who asks for any port (binding port
@@ -23,7 +24,7 @@ class PortReservation:
     connections (a client that comes before the server is refused, as with no reservation);
     a server that binds without ``SO_REUSEADDR`` is refused the port; close the reservation
     once the server is gone, or let this process end, which closes it. Closing twice is a
-    no-op.
+    no-op; ``with`` closes it.
     """
 
     def __init__(self, host: str = "") -> None:
@@ -48,17 +49,6 @@ class PortReservation:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-    def __enter__(self) -> PortReservation:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "held"
