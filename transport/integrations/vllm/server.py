@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transport.store import reserve_port
+from transport.store import PortReservation, reserve_port
 
 #: environment the server needs: the weight-update routes (dev mode) and, on vLLM's CPU build, a
 #: KV cache size (without one it asks for most of the host's memory); the caller's win
@@ -79,9 +79,12 @@ class VllmServer:
         start_timeout: float = 300.0,
     ) -> None:
         self.model = str(model)
-        # a port of our choosing is held until the server is killed (transport/store/ports.py)
-        self._held = None if port else reserve_port(host)
-        self.port = port or self._held.port  # type: ignore[union-attr]
+        self._held: PortReservation | None = None
+        if port:
+            self.port = port
+        else:  # one of our choosing, held until the server is killed (transport/store/ports.py)
+            self._held = reserve_port(host)
+            self.port = self._held.port
         self.url = f"http://{host}:{self.port}"
         self.log = Path(log)
         cmd = [
@@ -136,7 +139,7 @@ class VllmServer:
     ) -> list[list[int]]:
         """Greedy token ids continuing each prompt (token ids), in one request; ``model`` names
         a LoRA adapter to serve them with (default: the base model)."""
-        return [c["token_ids"] for c in self._greedy(prompts, max_tokens, model, {})]
+        return [list(c["token_ids"]) for c in self._greedy(prompts, max_tokens, model, {})]
 
     def complete_scored(
         self, prompts: list[list[int]], max_tokens: int, model: str | None = None
