@@ -360,8 +360,7 @@ def main() -> None:
     server_args = trl_grpo.SERVER_ARGS + trl_grpo.LORA_SERVER_ARGS
     report: dict[str, Any] = {}
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if args.baseline else None
-    port = reserve_port("127.0.0.1")  # the server's, restarted on it below
-    HELD.append(port)
+    port = reserve_port("127.0.0.1")  # the server's, restarted on it below; held until main ends
     server = VllmServer(folder, work / "vllm.log", args=server_args, port=port.port, env=env)
     try:
         lora_steps = args.steps if args.lora_steps is None else args.lora_steps
